@@ -1,0 +1,1 @@
+"""Hydra discovers llmexp's launchers here; the code lives in `llmexp.launcher`."""

@@ -1,0 +1,54 @@
+"""`python -m llmexp`: compose the config with Hydra and hand it to `llmexp.train.run`.
+
+Nothing heavy is imported here: `--help` and `--cfg job` never import torch.
+Exit codes: 0 finished, 2 a user's mistake, 3 diverged, 1 anything else.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from omegaconf import DictConfig
+
+from llmexp.errors import EXIT_USER
+from llmexp.paths import conf_dir, register_resolvers
+
+_task_started = False
+
+
+def task(cfg: DictConfig) -> int:
+    """Hydra's task function: validate, then train. In a sweep it returns the exit code."""
+    global _task_started
+    _task_started = True
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from llmexp.errors import run_guarded
+
+    code = run_guarded(cfg)
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        return code
+    sys.exit(code)
+
+
+def cli() -> None:
+    """Entry point. Hydra exits 1 on a compose error; that is a user's mistake, so exit 2."""
+    import hydra
+
+    from llmexp.config import register_configs
+
+    register_configs()
+    register_resolvers()
+    main = hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")(task)
+    try:
+        main()
+    except SystemExit as exit_:
+        if exit_.code == 1 and not _task_started:
+            print("Fix the override or config key named above (python -m llmexp --help lists them).",
+                  file=sys.stderr)
+            sys.exit(EXIT_USER)
+        raise
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,392 @@
+"""Typed configuration: one dataclass per config group, registered in Hydra's ConfigStore.
+
+The primary config (`conf/config.yaml`) extends `Config`, so every group option that Hydra
+merges into `model`, `data`, ... is checked against these schemas at compose time: a typo'd
+key or a wrong type fails before anything is imported or loaded.
+
+`validate(cfg)` then checks what a schema cannot express (ranges, cross-field rules) and
+reports every problem at once. This module imports no torch: it sits on the `--help` path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from llmexp.errors import UserError
+
+PRECISIONS = ("bf16", "fp16", "fp32", "auto")
+OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "lion", "lion8bit", "sgd")
+SCHEDULERS = ("cosine", "linear", "constant", "wsd")
+ANOMALY_POLICIES = ("stop", "skip", "rollback")
+DATA_KINDS = ("stdlib", "stdlib_sft", "json", "text")
+LOGGERS = ("jsonl", "wandb", "tensorboard")
+
+
+class ConfigError(UserError):
+    """A user's mistake in the config: the message names the key and the fix. Exit code 2."""
+
+
+@dataclass
+class ModelConfig:
+    """The model: built from these fields with `from_config`, or loaded from `name_or_path`."""
+
+    name: str = "tiny"
+    """Label for reports and run names."""
+    name_or_path: str | None = None
+    """A local directory or hub id to load with `from_pretrained`; null builds from the fields below."""
+    revision: str | None = None
+    """Hub revision (commit hash) to pin; required when `trust_remote_code` is true."""
+    trust_remote_code: bool = False
+    """Run modelling code shipped with a hub model. Off unless you trust its author."""
+    hidden_size: int = 256
+    """Width of the residual stream."""
+    num_hidden_layers: int = 4
+    """Number of transformer blocks."""
+    num_attention_heads: int = 4
+    """Attention heads per block."""
+    num_key_value_heads: int = 4
+    """KV heads (grouped-query attention when fewer than the attention heads)."""
+    intermediate_size: int = 688
+    """Width of the SwiGLU MLP."""
+    vocab_size: int = 8192
+    """Vocabulary size; the stdlib tokenizer is trained to this size."""
+    max_position_embeddings: int = 256
+    """Context length the model is built for."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output head."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities (a remedy for overfitting)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from and how they are cut into training examples."""
+
+    name: str = "stdlib"
+    """Corpus kind: stdlib, stdlib_sft, json or text."""
+    train_file: str | None = None
+    """json/text: training file (JSON list or JSONL for json; a file, directory or glob for text)."""
+    eval_file: str | None = None
+    """json/text: evaluation file; null holds out `eval_fraction` of the training records."""
+    max_length: int = 256
+    """Tokens per example (the block size when packing)."""
+    packing: bool = True
+    """Pack examples into full blocks; SFT data is padded per example unless this is true."""
+    eval_fraction: float = 0.05
+    """Share of files (stdlib) or records held out for eval when there is no eval file."""
+    tokenizer: str | None = None
+    """A tokenizer directory; null uses the model's, or trains a byte-level BPE on the corpus."""
+    cache_dir: str = "${oc.env:LLMEXP_CACHE,${oc.env:HOME}/.cache/llmexp}"
+    """Where tokenizers and token arrays are cached, keyed by a content hash."""
+    num_proc: int = 2
+    """Processes used to tokenise a corpus the first time."""
+    max_examples: int | None = None
+    """Use at most this many training records (stdlib_sft and quick experiments)."""
+
+
+@dataclass
+class PrecisionConfig:
+    """Numeric precision of the forward and backward passes; master weights stay in fp32."""
+
+    name: str = "auto"
+    """bf16, fp16 (with dynamic loss scaling), fp32, or auto (bf16 where fast, else fp32)."""
+    init_scale: float = 65536.0
+    """fp16: the first loss scale."""
+    growth_interval: int = 2000
+    """fp16: steps without overflow before the loss scale doubles."""
+
+
+@dataclass
+class OptimizerConfig:
+    """The optimizer; `_target_` must be on the allow-list in `llmexp.build`."""
+
+    _target_: str = "torch.optim.AdamW"
+    """Optimizer class; only allow-listed classes are instantiated."""
+    name: str = "adamw"
+    """adamw, adamw8bit, paged_adamw8bit, lion, lion8bit or sgd."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """Adam/Lion betas."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    momentum: float = 0.0
+    """SGD momentum."""
+    decay_norms_and_biases: bool = False
+    """Also apply weight decay to 1-D params (norms, biases) and embeddings."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra constructor arguments passed as they are."""
+
+
+@dataclass
+class SchedulerConfig:
+    """The learning-rate schedule, a pure function of the step (see `llmexp.schedule`)."""
+
+    name: str = "cosine"
+    """cosine, linear, constant or wsd (warmup-stable-decay)."""
+    min_lr_ratio: float = 0.1
+    """The lr at the end of decay, as a fraction of the peak lr."""
+    decay_ratio: float = 0.2
+    """wsd: the fraction of steps spent in the final decay."""
+
+
+@dataclass
+class ClusterConfig:
+    """Where sweep jobs run: `local` processes or SLURM through submitit."""
+
+    name: str = "local"
+    """local or slurm."""
+    max_parallel: int = 1
+    """local, CPU: jobs run at once (on GPUs: one per GPU times `jobs_per_gpu`)."""
+    jobs_per_gpu: int = 1
+    """local, GPU: jobs that share one GPU."""
+    wait: bool = True
+    """Wait for the jobs and write the sweep report; false returns right after submission."""
+    partition: str | None = None
+    """slurm: partition."""
+    nodes: int = 1
+    """slurm: nodes per job."""
+    gpus_per_node: int = 0
+    """slurm: GPUs per node."""
+    tasks_per_node: int = 1
+    """slurm: tasks (trainer processes) per node."""
+    cpus_per_task: int = 1
+    """slurm: CPUs per task."""
+    mem_gb: int | None = None
+    """slurm: memory per node in GB."""
+    timeout_min: int = 60
+    """slurm: wall-time limit per job in minutes."""
+    account: str | None = None
+    """slurm: account to charge."""
+    qos: str | None = None
+    """slurm: quality of service."""
+    constraint: str | None = None
+    """slurm: node feature constraint."""
+    signal_delay_s: int = 120
+    """slurm: seconds before the time limit at which the job is signalled to checkpoint."""
+    max_num_timeout: int = 3
+    """slurm: requeues allowed after timeouts or preemptions."""
+    array_parallelism: int = 256
+    """slurm: jobs of the array running at once."""
+    additional_parameters: dict[str, Any] = field(default_factory=dict)
+    """slurm: extra sbatch parameters."""
+
+
+@dataclass
+class DeepSpeedConfig:
+    """DeepSpeed ZeRO through Accelerate's plugin; micro-batch, accumulation, clipping and
+    precision are derived from the rest of the config."""
+
+    name: str = "none"
+    """none, zero2, zero2_offload or zero3."""
+    stage: int = 0
+    """ZeRO stage (0 = DeepSpeed off)."""
+    offload_optimizer: str = "none"
+    """none or cpu: keep optimizer state (and its step) on the CPU."""
+    offload_param: str = "none"
+    """none or cpu: ZeRO-3 parameter offload."""
+
+
+@dataclass
+class LoggerConfig:
+    """Metric sinks besides `metrics.jsonl` and the console, which are always on."""
+
+    name: str = "jsonl"
+    """jsonl, wandb or tensorboard."""
+    project: str = "llmexp"
+    """wandb: project."""
+    entity: str | None = None
+    """wandb: entity (team)."""
+    mode: str = "auto"
+    """wandb: online, offline, or auto (offline without WANDB_API_KEY)."""
+    tags: list[str] = field(default_factory=list)
+    """wandb: tags."""
+
+
+@dataclass
+class TrainConfig:
+    """The training loop. Names follow HF `TrainingArguments` where it has the same knob."""
+
+    max_steps: int = 300
+    """Optimizer steps; -1 trains for `num_train_epochs` instead."""
+    num_train_epochs: float = 1.0
+    """Epochs over the training set, used when `max_steps` is -1."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step, per process."""
+    global_batch_size: int | None = None
+    """Examples per optimizer step across all processes; derives the accumulation steps."""
+    max_grad_norm: float = 1.0
+    """Clip the global grad norm to this after backward, before the step; 0 disables."""
+    warmup_ratio: float = 0.05
+    """Warmup as a fraction of `max_steps`."""
+    warmup_steps: int | None = None
+    """Warmup in steps; overrides `warmup_ratio`."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (matrices only, unless the optimizer says otherwise)."""
+    logging_steps: int = 10
+    """Steps between train metric lines."""
+    eval_steps: int = 100
+    """Steps between evals (also at step 0 and at the end)."""
+    eval_batches: int = 8
+    """Batches of `batch_size` per eval; -1 evaluates the whole eval set."""
+    save_steps: int = 100
+    """Steps between checkpoints; 0 saves only at the end and on preemption."""
+    save_total_limit: int = 2
+    """Checkpoints kept (the best one is kept in addition)."""
+    resume: str = "auto"
+    """auto (newest complete checkpoint in the run directory), never, or a checkpoint path."""
+    compile: bool = False
+    """torch.compile the model; compile time is reported apart from step time."""
+    on_anomaly: str = "skip"
+    """On a non-finite loss or grad norm: stop, skip the step, or rollback to a checkpoint."""
+    max_consecutive_anomalies: int = 5
+    """skip: anomalous steps in a row before the run is declared diverged."""
+    max_rollbacks: int = 3
+    """rollback: rollbacks before the run is declared diverged."""
+    rollback_lr_factor: float = 0.5
+    """rollback: multiply the lr by this after each rollback."""
+    early_stopping_patience: int = 0
+    """Evals without improvement before stopping early; 0 disables."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s for MFU; null measures a bf16 (or fp32) matmul ceiling at start."""
+    seed_data: int | None = None
+    """Seed of the data order; null uses the top-level `seed`."""
+
+
+@dataclass
+class Config:
+    """The whole run. Short top-level keys keep sweeps short."""
+
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    precision: PrecisionConfig = MISSING
+    optimizer: OptimizerConfig = MISSING
+    scheduler: SchedulerConfig = MISSING
+    cluster: ClusterConfig = MISSING
+    deepspeed: DeepSpeedConfig = MISSING
+    logger: LoggerConfig = MISSING
+    train: TrainConfig = field(default_factory=TrainConfig)
+    lr: Any = "auto"
+    """Peak learning rate, or auto: from the parameter count by the seed's table."""
+    batch_size: int = 8
+    """Per-device micro-batch size."""
+    seed: int = 0
+    """Seed of initialisation, dropout and (unless `train.seed_data`) the data order."""
+    experiment: str | None = None
+    """Name of the experiment overlay, set by `experiment/*.yaml`."""
+
+
+def register_configs() -> None:
+    """Register the schemas. Called by the entry point, never at import time."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+
+
+def _check(errors: list[str], ok: bool, key: str, message: str) -> None:
+    if not ok:
+        errors.append(f"{key}: {message}")
+
+
+def _choice(errors: list[str], value: str, key: str, choices: tuple[str, ...]) -> None:
+    _check(errors, value in choices, key, f"{value!r} is not one of {', '.join(choices)}")
+
+
+def parse_lr(value: Any) -> float | None:
+    """`lr` as a float, None for `auto`; raises ValueError for anything else."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return None
+    if isinstance(value, bool):
+        raise ValueError(value)
+    return float(value)
+
+
+def validate(cfg: DictConfig | Config) -> None:
+    """Check ranges and cross-field rules; raise one ConfigError that lists every problem."""
+    errors: list[str] = []
+    t = cfg.train
+    try:
+        lr = parse_lr(cfg.lr)
+        _check(errors, lr is None or lr > 0, "lr", f"must be > 0 or auto, got {cfg.lr}; try lr=3e-4")
+    except (TypeError, ValueError):
+        errors.append(f"lr: {cfg.lr!r} is not a number or auto; try lr=3e-4 or lr=auto")
+    _check(errors, cfg.batch_size > 0, "batch_size", f"must be >= 1, got {cfg.batch_size}")
+    _check(errors, t.max_steps > 0 or t.max_steps == -1, "train.max_steps",
+           f"must be >= 1, or -1 to use num_train_epochs; got {t.max_steps}")
+    _check(errors, t.max_steps != -1 or t.num_train_epochs > 0, "train.num_train_epochs",
+           f"must be > 0 when train.max_steps=-1, got {t.num_train_epochs}")
+    _check(errors, t.gradient_accumulation_steps >= 1, "train.gradient_accumulation_steps",
+           f"must be >= 1, got {t.gradient_accumulation_steps}")
+    _check(errors, t.global_batch_size is None or t.global_batch_size > 0, "train.global_batch_size",
+           f"must be >= 1 or null, got {t.global_batch_size}")
+    _check(errors, t.max_grad_norm >= 0, "train.max_grad_norm", f"must be >= 0 (0 disables), got {t.max_grad_norm}")
+    _check(errors, 0 <= t.warmup_ratio < 1, "train.warmup_ratio", f"must be in [0, 1), got {t.warmup_ratio}")
+    warmup = t.warmup_steps if t.warmup_steps is not None else int(t.warmup_ratio * max(t.max_steps, 0))
+    _check(errors, warmup >= 0, "train.warmup_steps", f"must be >= 0, got {warmup}")
+    _check(errors, t.max_steps == -1 or warmup < t.max_steps, "train.warmup_steps",
+           f"warmup ({warmup} steps) must be shorter than train.max_steps={t.max_steps}; "
+           "lower train.warmup_steps/warmup_ratio or raise train.max_steps")
+    _check(errors, t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
+    for key in ("logging_steps", "eval_steps"):
+        value = t[key] if isinstance(t, DictConfig) else getattr(t, key)
+        _check(errors, value > 0, f"train.{key}", f"must be >= 1, got {value}")
+    _check(errors, t.eval_batches > 0 or t.eval_batches == -1, "train.eval_batches",
+           f"must be >= 1 or -1 (all), got {t.eval_batches}")
+    _check(errors, t.save_steps >= 0, "train.save_steps", f"must be >= 0 (0: only at the end), got {t.save_steps}")
+    _check(errors, t.save_total_limit >= 1, "train.save_total_limit", f"must be >= 1, got {t.save_total_limit}")
+    _choice(errors, t.on_anomaly, "train.on_anomaly", ANOMALY_POLICIES)
+    _check(errors, 0 < t.rollback_lr_factor <= 1, "train.rollback_lr_factor",
+           f"must be in (0, 1], got {t.rollback_lr_factor}")
+    _check(errors, t.early_stopping_patience >= 0, "train.early_stopping_patience",
+           f"must be >= 0 (0 disables), got {t.early_stopping_patience}")
+    _check(errors, t.resume in ("auto", "never") or bool(t.resume), "train.resume",
+           "must be auto, never, or a checkpoint path")
+    _validate_groups(cfg, errors)
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def _validate_groups(cfg: DictConfig | Config, errors: list[str]) -> None:
+    m, d = cfg.model, cfg.data
+    _choice(errors, cfg.precision.name, "precision.name", PRECISIONS)
+    _choice(errors, cfg.optimizer.name, "optimizer.name", OPTIMIZERS)
+    _choice(errors, cfg.scheduler.name, "scheduler.name", SCHEDULERS)
+    _choice(errors, d.name, "data.name", DATA_KINDS)
+    _choice(errors, cfg.logger.name, "logger.name", LOGGERS)
+    _check(errors, 0 <= cfg.scheduler.min_lr_ratio <= 1, "scheduler.min_lr_ratio",
+           f"must be in [0, 1], got {cfg.scheduler.min_lr_ratio}")
+    _check(errors, 0 < cfg.scheduler.decay_ratio <= 1, "scheduler.decay_ratio",
+           f"must be in (0, 1], got {cfg.scheduler.decay_ratio}")
+    _check(errors, d.max_length >= 2, "data.max_length", f"must be >= 2, got {d.max_length}")
+    _check(errors, 0 < d.eval_fraction < 1, "data.eval_fraction", f"must be in (0, 1), got {d.eval_fraction}")
+    _check(errors, d.num_proc >= 1, "data.num_proc", f"must be >= 1, got {d.num_proc}")
+    _check(errors, d.name not in ("json", "text") or bool(d.train_file), "data.train_file",
+           f"data={d.name} needs a training file; set data.train_file=path/to/train.jsonl")
+    if m.name_or_path is None:
+        _check(errors, m.hidden_size % m.num_attention_heads == 0, "model.hidden_size",
+               f"{m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}")
+        _check(errors, m.num_attention_heads % m.num_key_value_heads == 0, "model.num_key_value_heads",
+               f"{m.num_key_value_heads} must divide model.num_attention_heads={m.num_attention_heads}")
+        _check(errors, d.max_length <= m.max_position_embeddings, "data.max_length",
+               f"{d.max_length} exceeds model.max_position_embeddings={m.max_position_embeddings}")
+    _check(errors, not m.trust_remote_code or bool(m.revision), "model.revision",
+           "model.trust_remote_code=true requires a pinned model.revision=<commit hash>")
+    ds = cfg.deepspeed
+    _check(errors, ds.stage in (0, 1, 2, 3), "deepspeed.stage", f"must be 0-3, got {ds.stage}")
+    offload = ds.offload_optimizer != "none" or ds.offload_param != "none"
+    _check(errors, not (offload and cfg.optimizer.name.endswith("8bit")), "optimizer",
+           f"{cfg.optimizer.name} keeps its state on the accelerator and cannot run under DeepSpeed "
+           "CPU offload; use optimizer=adamw with deepspeed=zero2_offload, or deepspeed=zero2")
+    _check(errors, not (ds.stage > 0 and cfg.train.on_anomaly == "rollback"), "train.on_anomaly",
+           "rollback is not supported under DeepSpeed; use train.on_anomaly=skip or stop")
+
+
+def to_container(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved config as plain Python data."""
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)  # type: ignore[return-value]

@@ -1,0 +1,32 @@
+"""Errors that map to exit codes, and the guard that turns them into codes and messages."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+EXIT_OK, EXIT_ERROR, EXIT_USER, EXIT_DIVERGED = 0, 1, 2, 3
+STATUS_EXIT = {"completed": EXIT_OK, "early_stopped": EXIT_OK, "diverged": EXIT_DIVERGED,
+               "preempted": EXIT_ERROR, "failed": EXIT_ERROR}
+
+
+class UserError(ValueError):
+    """A user's mistake (config, data, paths). The message names the key, file or line and the fix."""
+
+
+def run_guarded(cfg: DictConfig) -> int:
+    """Validate, then train; return the exit code. User errors print one clear message, no traceback."""
+    from llmexp.config import validate
+
+    try:
+        validate(cfg)
+        from llmexp.train import train
+
+        result = train(cfg)
+    except UserError as err:
+        print(f"llmexp: error: {err}", file=sys.stderr)
+        return EXIT_USER
+    return STATUS_EXIT[result.status]

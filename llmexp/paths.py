@@ -1,0 +1,58 @@
+"""Where things live: the config tree, run ids and safe path components. No torch here."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import re
+from pathlib import Path
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._=,+-]+")
+
+
+def conf_dir() -> Path:
+    """The Hydra config tree: `conf/` beside the package in a checkout, `llmexp/conf` in a wheel."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parent / "conf", here / "conf"):
+        if (candidate / "config.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(f"llmexp's conf/ tree is missing (looked beside {here}); reinstall llmexp")
+
+
+def safe_name(text: str, max_len: int = 120) -> str:
+    """A single path component: no separators, no `..`, no NUL, never empty."""
+    cleaned = _UNSAFE.sub("_", text.replace("\x00", "")).strip("._") or "run"
+    return cleaned[:max_len]
+
+
+def _start_time(pid: int) -> dt.datetime:
+    """A process's start time; the launcher parent's is the same for every local rank."""
+    import psutil
+
+    return dt.datetime.fromtimestamp(psutil.Process(pid).create_time())
+
+
+def run_id() -> str:
+    """A run directory name that every rank of one launch agrees on.
+
+    `${now:}` would be resolved separately on each rank (and may straddle a second), so
+    distributed ranks derive the id from their common parent (torchrun / accelerate launch)
+    or from the SLURM job; a plain run uses the current time and its own pid.
+    """
+    if os.environ.get("LLMEXP_RUN_ID"):
+        return safe_name(os.environ["LLMEXP_RUN_ID"])
+    if os.environ.get("SLURM_JOB_ID") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return f"slurm-{safe_name(os.environ['SLURM_JOB_ID'])}"
+    pid = os.getppid() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else os.getpid()
+    stamp = _start_time(pid) if pid != os.getpid() else dt.datetime.now()
+    return f"{stamp:%Y-%m-%d}/{stamp:%H-%M-%S}-{pid}"
+
+
+def register_resolvers() -> None:
+    """Register `${llmexp_run_id:}` and `${llmexp_safe:...}` once."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("llmexp_run_id"):
+        OmegaConf.register_new_resolver("llmexp_run_id", run_id, use_cache=True)
+    if not OmegaConf.has_resolver("llmexp_safe"):
+        OmegaConf.register_new_resolver("llmexp_safe", safe_name)
