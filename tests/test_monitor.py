@@ -1,0 +1,178 @@
+"""Detectors on synthetic metric histories: each pattern is planted, and a healthy run must stay clean."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+
+import pytest
+
+from llmexp.monitor import ERROR, Finding, MonitorSettings, diagnose, is_spike, settings_from_config, worst_severity
+
+
+def healthy_loss(step: int) -> float:
+    return 2.0 + 7.0 * math.exp(-step / 80)
+
+
+def history(num_steps: int = 300, loss: Callable[[int], float] = healthy_loss,
+            grad_norm: Callable[[int], float] = lambda s: 1.0, eval_loss: Callable[[int], float] | None = None,
+            logging_steps: int = 10, eval_steps: int = 100, noise: float = 0.02, seed: int = 0) -> list[dict]:
+    """A metrics.jsonl history: train records every logging_steps, evals at 0, every eval_steps and the end."""
+    rng = random.Random(seed)
+    eval_loss = eval_loss or (lambda s: loss(s) + 0.1)
+    records: list[dict] = []
+    for step in range(0, num_steps + 1):
+        if step > 0 and step % logging_steps == 0:
+            value = loss(step) * (1 + noise * rng.gauss(0, 1))
+            records.append({"event": "train", "step": step, "loss": value, "ppl": math.exp(min(value, 50)),
+                            "lr": 3e-4, "grad_norm": grad_norm(step) * (1 + noise * rng.gauss(0, 1)),
+                            "tokens_per_sec": 1000.0, "skipped_steps": 0})
+        if step % eval_steps == 0 or step == num_steps:
+            value = eval_loss(step) * (1 + noise / 4 * rng.gauss(0, 1))
+            records.append({"event": "eval", "step": step, "eval_loss": value, "eval_ppl": math.exp(min(value, 50))})
+    return records
+
+
+def kinds(findings: list[Finding], severity: str | None = None) -> set[str]:
+    return {f.kind for f in findings if severity is None or f.severity == severity}
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_healthy_run_has_no_errors_or_warnings(seed: int) -> None:
+    findings = diagnose(history(seed=seed), MonitorSettings())
+    assert not kinds(findings, ERROR), findings
+    assert not kinds(findings, "warning"), findings
+
+
+def test_finding_round_trips_to_dict() -> None:
+    f = Finding("plateau", 3, "warning", "m", "a")
+    assert Finding(**f.to_dict()) == f
+    assert worst_severity([f, {"severity": "error"}]) == ERROR
+    assert worst_severity([]) is None
+
+
+def test_non_finite_loss_is_an_error_with_clipping_and_bf16_advice() -> None:
+    records = history()
+    records.insert(10, {"event": "train", "step": 105, "loss": float("nan"), "grad_norm": float("inf")})
+    settings = MonitorSettings(precision="fp16", max_grad_norm=0.0)
+    found = [f for f in diagnose(records, settings) if f.kind == "non_finite"]
+    assert len(found) == 1 and found[0].severity == ERROR and found[0].step == 105
+    assert "bf16" in found[0].advice.lower() and "max_grad_norm=1.0" in found[0].advice
+
+
+def test_null_loss_and_anomaly_events_count_as_non_finite() -> None:
+    records = [*history(num_steps=50), {"event": "anomaly", "step": 51, "loss": None, "grad_norm": 3.0,
+                                        "action": "skip"}]
+    found = [f for f in diagnose(records, MonitorSettings()) if f.kind == "non_finite"]
+    assert found and found[0].step == 51
+
+
+def test_fp16_scaler_overflow_is_not_an_error() -> None:
+    records = history()
+    records[3]["grad_norm"] = float("inf")  # finite loss, inf grad norm: the loss scaler skipped the step
+    findings = diagnose(records, MonitorSettings(precision="fp16"))
+    assert "fp16_overflow" in kinds(findings) and not kinds(findings, ERROR)
+
+
+def test_is_spike_robust_score() -> None:
+    s = MonitorSettings()
+    rng = random.Random(1)
+    window = [3.0 + 0.05 * rng.gauss(0, 1) for _ in range(30)]
+    assert is_spike(window, 6.0, s)
+    assert not is_spike(window, 3.1, s)
+    assert not is_spike(window, 0.5, s)  # downward moves are progress, never spikes
+    assert not is_spike(window[:3], 60.0, s)  # too little history to judge
+    assert is_spike(window, float("nan"), s)
+    assert not is_spike([2.0] * 30, 2.01, s)  # a flat window must not make every wiggle a spike
+    assert is_spike([*window, float("nan")], 6.0, s)  # non-finite history is ignored
+
+
+def test_loss_and_grad_norm_spikes_are_found_at_their_step() -> None:
+    records = history()
+    train = [r for r in records if r["event"] == "train"]
+    train[20]["loss"] *= 3
+    train[12]["grad_norm"] = 40.0
+    findings = diagnose(records, MonitorSettings())
+    by_kind = {f.kind: f for f in findings}
+    assert by_kind["loss_spike"].step == train[20]["step"] and by_kind["loss_spike"].severity == "warning"
+    assert by_kind["grad_norm_spike"].step == train[12]["step"]
+    assert not kinds(findings, ERROR)
+
+
+def test_divergence_is_an_error() -> None:
+    records = history(loss=lambda s: healthy_loss(s) if s < 150 else 7.5)
+    found = [f for f in diagnose(records, MonitorSettings()) if f.kind == "divergence"]
+    assert found and found[0].severity == ERROR and 150 <= found[0].step <= 170
+
+
+def test_oscillation_found_and_advises_lower_lr() -> None:
+    records = history(loss=lambda s: 4.0 + (0.8 if (s // 10) % 2 else -0.8), noise=0.01)
+    found = [f for f in diagnose(records, MonitorSettings(lr=1e-3)) if f.kind == "oscillation"]
+    assert found and found[0].severity == "warning" and "lr" in found[0].advice and "batch" in found[0].advice
+
+
+def test_plateau_from_the_start_advises_raising_lr_10x() -> None:
+    records = history(loss=lambda s: 9.0, eval_loss=lambda s: 9.0)
+    found = {f.kind: f for f in diagnose(records, MonitorSettings(lr=1e-5))}
+    assert "plateau" in found and "1e-04" in found["plateau"].advice and "10x" in found["plateau"].advice
+    assert "oscillation" not in found
+
+
+def test_eval_plateau_is_info() -> None:
+    records = history(num_steps=800, eval_loss=lambda s: max(healthy_loss(s), 2.5) + 0.1, noise=0.008)
+    found = [f for f in diagnose(records, MonitorSettings()) if f.kind == "eval_plateau"]
+    assert found and found[0].severity == "info"
+
+
+@pytest.mark.parametrize(("began", "rise", "severity"), [(400, 0.004, ERROR), (600, 0.0003, "warning")])
+def test_overfitting_names_the_step_it_began(began: int, rise: float, severity: str) -> None:
+    def eval_loss(step: int) -> float:
+        return healthy_loss(min(step, began)) + 0.3 + rise * max(step - began, 0)
+
+    records = history(num_steps=1000, eval_loss=eval_loss)
+    found = [f for f in diagnose(records, MonitorSettings()) if f.kind == "overfitting"]
+    assert len(found) == 1 and found[0].severity == severity
+    assert abs(found[0].step - began) <= 100  # within one eval interval of the planted start
+    assert "dropout" in found[0].advice and "early" in found[0].advice.lower()
+
+
+def test_no_overfitting_when_train_loss_rises_too() -> None:
+    records = history(num_steps=600, loss=lambda s: healthy_loss(min(s, 300)) + 0.004 * max(s - 300, 0))
+    assert "overfitting" not in kinds(diagnose(records, MonitorSettings()))
+
+
+def test_grad_norm_outside_band_is_never_an_error() -> None:
+    low = diagnose(history(grad_norm=lambda s: 0.2), MonitorSettings())
+    assert {f.severity for f in low if f.kind == "grad_norm_low"} == {"info"}
+    high = diagnose(history(grad_norm=lambda s: 5.0), MonitorSettings(max_grad_norm=0.0))
+    found = [f for f in high if f.kind == "grad_norm_high"]
+    assert found and found[0].severity == "warning" and "max_grad_norm=1.0" in found[0].advice
+    assert not kinds(low + high, ERROR)
+
+
+def test_perplexity_ranges_depend_on_run_kind() -> None:
+    records = history(loss=lambda s: 7.0, eval_loss=lambda s: 7.0)  # ppl ~ 1100
+    assert "ppl_range" in kinds(diagnose(records, MonitorSettings(run_kind="pretrain")), "info")
+    assert "ppl_range" in kinds(diagnose(records, MonitorSettings(run_kind="finetune")), "warning")
+    fine = history(loss=lambda s: 1.5, eval_loss=lambda s: 1.5)  # ppl ~ 4.5: fine for either kind
+    assert "ppl_range" not in kinds(diagnose(fine, MonitorSettings(run_kind="finetune")))
+
+
+def test_rolled_back_records_do_not_count_as_history() -> None:
+    records = history(num_steps=200)
+    # Steps 110-150 were logged, then the trainer rolled back to 100 and relogged them healthy.
+    bad = [{"event": "train", "step": s, "loss": 8.0, "grad_norm": 1.0} for s in range(110, 160, 10)]
+    cut = next(i for i, r in enumerate(records) if r["step"] > 100)
+    records[cut:cut] = [*bad, {"event": "rollback", "step": 150, "to_step": 100}]
+    found = diagnose(records, MonitorSettings())
+    assert "divergence" not in kinds(found)
+    assert "loss_spike" in kinds(found)  # the spike itself still happened and is reported
+
+
+def test_settings_from_config() -> None:
+    cfg = {"model": {"name_or_path": "meta-llama/Llama-2-7b-hf"}, "train": {"max_grad_norm": 0.0},
+           "precision": {"name": "fp16"}, "lr": "auto"}
+    s = settings_from_config(cfg, lr=2e-4)
+    assert (s.run_kind, s.max_grad_norm, s.precision, s.lr) == ("finetune", 0.0, "fp16", 2e-4)
+    assert settings_from_config({"lr": 1e-3}).run_kind == "pretrain"
