@@ -1,0 +1,356 @@
+"""Checkpoints that never lose work: atomic save, verification, safe rotation and resume.
+
+A checkpoint is a directory `<run_dir>/checkpoints/step_<N>/` holding whatever the trainer's
+`write(dir)` callback put there plus `manifest.json`, which lists every file's size and sha256.
+The life of a save:
+
+    .tmp-step_<N>-<host>-<pid>/   write(tmp) fills it, manifest.json last, fsync every file and dir
+    step_<N>/                     one rename makes it visible (an existing step_<N> is swapped out)
+    rotate()                      only now are old checkpoints deleted
+
+So a crash at any point leaves either the previous checkpoints untouched or the new one
+complete; a half-written directory is never called `step_<N>`. Only complete checkpoints
+(manifest present, every size right) are listed, loaded, or counted and deleted by rotation;
+directories this module did not write are never touched. Loading never runs pickle code: tensors
+go through safetensors, everything else through `torch.load(weights_only=True)` (`ckpt_state`).
+
+No torch at import time: this module sits beside the config path.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from llmexp.ckpt_state import (
+    CorruptCheckpoint,
+    PreemptionSignal,
+    capture_rng,
+    load_state,
+    load_tensors,
+    restore_rng,
+    rng_filename,
+    save_state,
+    save_tensors,
+)
+
+__all__ = [
+    "CorruptCheckpoint", "PreemptionSignal", "capture_rng", "find_resume_checkpoint", "list_checkpoints",
+    "load_state", "load_tensors", "load_with_fallback", "read_manifest", "restore_rng", "rng_filename",
+    "rotate", "save_checkpoint", "save_state", "save_tensors", "verify_checkpoint",
+]
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+STEP_DIR = re.compile(r"^step_(\d+)$")
+# Our temporary dirs: a save in progress (step_N), a swapped-out old copy (old-step_N) or a
+# checkpoint being deleted (del-step_N). Host and pid say whose it is, so a dead process's
+# leftovers can be removed without ever touching a live writer's.
+TMP_DIR = re.compile(r"^\.tmp-(?P<tag>(?:old-|del-)?step_\d+)-(?P<host>.+)-(?P<pid>\d+)$")
+# A leftover from another host cannot be probed for liveness; no save takes this long.
+FOREIGN_TMP_STALE_S = 6 * 3600.0
+
+T = TypeVar("T")
+
+
+# ----------------------------------------------------------------------------- file system
+
+
+def _fsync_path(path: Path) -> None:
+    """fsync a file or directory. Directories on some network filesystems refuse: that is fine."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if not (path.is_dir() and err.errno in (errno.EINVAL, errno.ENOTSUP, errno.EBADF)):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file, then every directory bottom-up, so the whole tree is on disk."""
+    dirs: list[Path] = []
+    for dirpath, _, filenames in os.walk(root):
+        dirs.append(Path(dirpath))
+        for name in filenames:
+            _fsync_path(Path(dirpath) / name)
+    for directory in reversed(dirs):
+        _fsync_path(directory)
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9._]+", "_", socket.gethostname()) or "host"
+
+
+def _tmp_dir(root: Path, tag: str) -> Path:
+    return root / f".tmp-{tag}-{_host()}-{os.getpid()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths with Linux renameat2(RENAME_EXCHANGE); False where unsupported."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def _remove_tree(path: Path) -> None:
+    """Delete a directory by first renaming it to our own tmp name, so that a crash half-way
+    leaves a dead process's tmp dir (cleaned later) rather than a damaged `step_<N>`."""
+    trash = _tmp_dir(path.parent, f"del-{path.name}")
+    os.replace(path, trash)
+    shutil.rmtree(trash)
+
+
+# ----------------------------------------------------------------------------- manifest
+
+
+def _step_of(path: Path) -> int | None:
+    match = STEP_DIR.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def _write_manifest(tmp: Path, step: int, extra: Mapping[str, Any] | None) -> None:
+    files: dict[str, dict[str, Any]] = {}
+    for dirpath, _, filenames in os.walk(tmp):
+        for name in sorted(filenames):
+            path = Path(dirpath) / name
+            rel = path.relative_to(tmp).as_posix()
+            if rel == MANIFEST:
+                continue
+            files[rel] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    manifest = {"format_version": FORMAT_VERSION, "step": step, "created_unix": time.time(),
+                "files": dict(sorted(files.items())), "extra": dict(extra or {})}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The parsed manifest of a checkpoint dir; CorruptCheckpoint if it is missing or malformed."""
+    file = Path(path) / MANIFEST
+    try:
+        manifest = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"{file}: missing; the checkpoint is incomplete") from None
+    except (OSError, ValueError) as err:
+        raise CorruptCheckpoint(f"{file}: unreadable manifest ({err})") from None
+    ok = (isinstance(manifest, dict) and isinstance(manifest.get("files"), dict)
+          and isinstance(manifest.get("step"), int))
+    if not ok:
+        raise CorruptCheckpoint(f"{file}: malformed manifest (no 'files' or 'step')")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CorruptCheckpoint(f"{file}: format_version {manifest.get('format_version')!r} is not "
+                                f"{FORMAT_VERSION}; written by another llmexp version")
+    return manifest
+
+
+def verify_checkpoint(path: Path, *, full: bool = True) -> None:
+    """Check every file the manifest lists: size always, sha256 too when `full`.
+
+    Raises CorruptCheckpoint naming the first bad file (missing, wrong size, wrong hash).
+    """
+    path = Path(path)
+    manifest = read_manifest(path)
+    step = _step_of(path)
+    if step is not None and step != manifest["step"]:
+        raise CorruptCheckpoint(f"{path / MANIFEST}: says step {manifest['step']} but the dir is {path.name}")
+    for rel, entry in manifest["files"].items():
+        file = path / rel
+        if not file.resolve().is_relative_to(path.resolve()):
+            raise CorruptCheckpoint(f"{path / MANIFEST}: lists {rel!r}, which is outside the checkpoint")
+        try:
+            size = file.stat().st_size
+        except FileNotFoundError:
+            raise CorruptCheckpoint(f"{file}: missing (listed in the manifest)") from None
+        if size != entry.get("size"):
+            raise CorruptCheckpoint(f"{file}: {size} bytes, the manifest says {entry.get('size')} (truncated?)")
+        if full and _sha256(file) != entry.get("sha256"):
+            raise CorruptCheckpoint(f"{file}: sha256 does not match the manifest (the file was altered)")
+
+
+def _is_complete(path: Path) -> bool:
+    try:
+        verify_checkpoint(path, full=False)
+    except CorruptCheckpoint:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """Every `step_<N>` directory, complete or not, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and _step_of(p) is not None]
+    return sorted(found, key=lambda p: _step_of(p) or 0)
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints (manifest present, every size right) under `root`, oldest first."""
+    return [p for p in _step_dirs(Path(root)) if _is_complete(p)]
+
+
+def save_checkpoint(root: Path, step: int, write: Callable[[Path], None], *, keep: int,
+                    best_step: int | None = None, extra: Mapping[str, Any] | None = None) -> Path:
+    """Write a checkpoint atomically as `root/step_<step>`, then rotate; return its path.
+
+    `write(tmp_dir)` puts the files there (any layout, subdirs allowed). `extra` (JSON data)
+    is stored in the manifest. If anything raises, the previous checkpoints are untouched and
+    the partial tmp dir is removed (or, after a hard kill, removed by a later rotate).
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step}"
+    tmp = _tmp_dir(root, final.name)
+    if tmp.exists():  # our own leftover from an earlier failed attempt in this process
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        write(tmp)
+        _write_manifest(tmp, step, extra)
+        _fsync_tree(tmp)
+        _publish(tmp, final)
+        _fsync_path(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    rotate(root, keep, best_step, protect=final)
+    return final
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the finished tmp dir to its final name. An existing dir of that name is swapped
+    out atomically where the kernel can (renameat2), else moved aside first; then deleted.
+    A `step_<N>` without a valid manifest was not written here: it is moved aside, not deleted."""
+    if final.exists() and not _is_complete(final):
+        os.replace(final, final.with_name(f"{final.name}.displaced-{time.time_ns()}"))
+    if not final.exists():
+        os.replace(tmp, final)
+        return
+    if _exchange(tmp, final):  # now `tmp` holds the old copy
+        shutil.rmtree(tmp)
+        return
+    old = _tmp_dir(final.parent, f"old-{final.name}")
+    os.replace(final, old)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        os.replace(old, final)  # put the old copy back (a hard kill here is undone by rotate)
+        raise
+    shutil.rmtree(old)
+
+
+def rotate(root: Path, keep: int, best_step: int | None, *, protect: Path | None = None) -> list[Path]:
+    """Delete complete checkpoints beyond the `keep` newest (by step), sparing the best and
+    `protect` (the one just saved); return the deleted paths.
+
+    Never deletes the newest or `step_<best_step>`, never touches a directory without a valid
+    manifest or with a foreign name. Also removes this module's tmp dirs left by dead
+    processes (same host: the pid is gone; other hosts: older than FOREIGN_TMP_STALE_S).
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    root = Path(root)
+    _remove_stale_tmp(root)
+    complete = list_checkpoints(root)
+    spared = set(complete[-keep:]) | {p for p in complete if _step_of(p) == best_step or p == protect}
+    deleted = []
+    for path in complete:
+        if path not in spared:
+            _remove_tree(path)
+            deleted.append(path)
+    if deleted:
+        _fsync_path(root)
+    return deleted
+
+
+def _remove_stale_tmp(root: Path) -> list[Path]:
+    removed = []
+    for path in root.iterdir() if root.is_dir() else []:
+        match = TMP_DIR.match(path.name)
+        if match is None or not path.is_dir() or path.is_symlink():
+            continue
+        if not _is_stale(path, int(match.group("pid")), match.group("host")):
+            continue
+        tag = match.group("tag")
+        original = root / tag.removeprefix("old-")
+        if tag.startswith("old-") and not original.exists() and _is_complete(path):
+            # A replace was cut between its two renames: put the old copy back.
+            os.replace(path, original)
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _is_stale(path: Path, pid: int, host: str) -> bool:
+    if host == _host():
+        return pid != os.getpid() and not _pid_alive(pid)
+    try:
+        return time.time() - path.stat().st_mtime > FOREIGN_TMP_STALE_S
+    except FileNotFoundError:
+        return False
+
+
+def find_resume_checkpoint(root: Path, warn: Callable[[str], None]) -> Path | None:
+    """The newest checkpoint that verifies in full, or None if there is none.
+
+    Every newer one that fails (or a `step_<N>` dir without a manifest) is reported through
+    `warn` with the name of the bad file, then skipped.
+    """
+    for path in reversed(_step_dirs(Path(root))):
+        try:
+            verify_checkpoint(path, full=True)
+        except CorruptCheckpoint as err:
+            warn(f"checkpoint {path.name} is unusable, falling back to an older one: {err}")
+            continue
+        return path
+    return None
+
+
+def load_with_fallback(root: Path, load: Callable[[Path], T], warn: Callable[[str], None]) -> tuple[Path, T] | None:
+    """Verify and `load` the newest good checkpoint, falling back past any that fail.
+
+    `load(path)` should raise CorruptCheckpoint for a bad file (load_state/load_tensors do);
+    the fallback then tries the next older checkpoint. Returns (path, load's result) or None.
+    """
+    for path in reversed(_step_dirs(Path(root))):
+        try:
+            verify_checkpoint(path, full=True)
+            return path, load(path)
+        except CorruptCheckpoint as err:
+            warn(f"checkpoint {path.name} is unusable, falling back to an older one: {err}")
+    return None
