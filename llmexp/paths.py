@@ -56,3 +56,16 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("llmexp_run_id", run_id, use_cache=True)
     if not OmegaConf.has_resolver("llmexp_safe"):
         OmegaConf.register_new_resolver("llmexp_safe", safe_name)
+
+
+def write_json_atomic(path: Path, obj: object) -> None:
+    """Write JSON so that readers see the old file or the new one, never half of one."""
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,233 @@
+"""The engine room of a run: devices and processes (Accelerate), precision, the batch plan,
+and the per-step mechanics the loop calls (backward, unscale + clip, the optimizer step with
+its anomaly policy, metric records).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from omegaconf import DictConfig
+
+from llmexp import build
+from llmexp.errors import UserError
+from llmexp.metrics import MetricsLogger, flops_per_token, make_sinks, measure_peak_tflops, peak_memory_mb, safe_exp
+from llmexp.monitor import MonitorSettings
+
+if TYPE_CHECKING:
+    from llmexp.state import LoopState
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer step's global batch splits into micro-batches and processes."""
+
+    micro: int
+    accum: int
+    world: int
+    fixed_steps: int
+    epochs: float
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro * self.accum * self.world
+
+    def max_steps(self, num_examples: int) -> int:
+        if self.fixed_steps > 0:
+            return self.fixed_steps
+        return max(1, math.ceil(self.epochs * num_examples / self.global_batch))
+
+
+def make_plan(cfg: DictConfig, world: int) -> BatchPlan:
+    """Derive accumulation from `train.global_batch_size` when it is set."""
+    t, micro = cfg.train, cfg.batch_size
+    accum = t.gradient_accumulation_steps
+    if t.global_batch_size is not None:
+        per_step = micro * world
+        if t.global_batch_size % per_step:
+            raise UserError(f"train.global_batch_size={t.global_batch_size} is not a multiple of batch_size x "
+                            f"processes = {micro} x {world} = {per_step}; pick a multiple of {per_step}")
+        accum = t.global_batch_size // per_step
+    return BatchPlan(micro=micro, accum=accum, world=world, fixed_steps=t.max_steps, epochs=t.num_train_epochs)
+
+
+@dataclass
+class ThroughputWindow:
+    """Tokens and busy seconds since the last log (eval and checkpoint time excluded)."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    total_tokens: int = 0
+    total_seconds: float = 0.0
+    _start: float = field(default_factory=time.perf_counter)
+
+    def begin(self) -> None:
+        self._start = time.perf_counter()
+
+    def add(self, tokens: int) -> None:
+        elapsed = time.perf_counter() - self._start
+        self.tokens, self.seconds = self.tokens + tokens, self.seconds + elapsed
+        self.total_tokens, self.total_seconds = self.total_tokens + tokens, self.total_seconds + elapsed
+
+    def take(self) -> float:
+        rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
+        self.tokens, self.seconds = 0, 0.0
+        return rate
+
+
+class Runtime:
+    """One process's view of the run: accelerator, device, precision and the batch plan."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
+        from accelerate import Accelerator
+        from transformers.utils import logging as hf_logging
+
+        from llmexp.distributed import accelerator_kwargs
+
+        hf_logging.disable_progress_bar()  # our own bar and lines are the console output
+
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.accelerator = Accelerator(**accelerator_kwargs(cfg))
+        self.device = self.accelerator.device
+        self.rank, self.is_main = self.accelerator.process_index, self.accelerator.is_main_process
+        self.precision = build.resolve_precision(cfg.precision.name, self.device.type)
+        self.plan = make_plan(cfg, self.accelerator.num_processes)
+        self.data_seed = cfg.train.seed_data if cfg.train.seed_data is not None else cfg.seed
+        self.scaler = (torch.amp.GradScaler(self.device.type, init_scale=cfg.precision.init_scale,
+                                            growth_interval=cfg.precision.growth_interval)
+                       if self.precision == "fp16" else None)
+        self.num_params = 0
+        self.flops_per_token = 0.0
+        self.peak_tflops = 0.0
+        self.compile_time_s = 0.0
+        self.started = time.perf_counter()
+        self.window = ThroughputWindow()
+        self.monitor_settings = MonitorSettings()
+
+    # ------------------------------------------------------------------ building
+    def build(self, cfg: DictConfig, vocab_size: int) -> tuple[torch.nn.Module, Any, float, str]:
+        """Model (wrapped with its loss), optimizer and peak lr, prepared for this device."""
+        from llmexp.guard import monitor_settings
+        from llmexp.loss import CausalLMLoss
+        from llmexp.train import resolve_lr
+
+        torch.manual_seed(cfg.seed)  # same init on every rank
+        lm = build.build_model(cfg, vocab_size)
+        self.num_params = build.count_params(lm)
+        c = lm.config
+        self.flops_per_token = flops_per_token(self.num_params, c.num_hidden_layers, c.hidden_size,
+                                               cfg.data.max_length)
+        self.peak_tflops = cfg.train.peak_tflops or self._measure_peak()
+        peak_lr, source = resolve_lr(cfg, self.num_params)
+        self.monitor_settings = monitor_settings(cfg, self.precision, peak_lr)
+        model = CausalLMLoss(lm)
+        optimizer = build.build_optimizer(cfg, model, peak_lr, self.device.type)
+        model, optimizer = self.accelerator.prepare(model, optimizer)
+        if cfg.train.compile:
+            model = torch.compile(model)
+        return model, optimizer, peak_lr, source
+
+    def _measure_peak(self) -> float:
+        """A matmul ceiling in the training dtype, cached per device so later runs start fast."""
+        dtype = build.autocast_dtype(self.precision) or torch.float32
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        key = f"{name}|{dtype}|{torch.get_num_threads()}"
+        cache = Path(self.cfg.data.cache_dir) / "peak_tflops.json"
+        try:
+            known = json.loads(cache.read_text())
+        except (OSError, ValueError):
+            known = {}
+        if key not in known:
+            known[key] = measure_peak_tflops(self.device, dtype)
+            from llmexp.paths import write_json_atomic
+
+            write_json_atomic(cache, known)
+        return float(known[key])
+
+    def logger(self, max_steps: int) -> MetricsLogger:
+        sinks = make_sinks(self.cfg, self.run_dir) if self.is_main else []
+        return MetricsLogger(self.run_dir, max_steps, enabled=self.is_main, sinks=sinks)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    # ------------------------------------------------------------------ per-step mechanics
+    def autocast(self) -> AbstractContextManager[Any]:
+        dtype = build.autocast_dtype(self.precision)
+        return torch.autocast(self.device.type, dtype=dtype) if dtype is not None else nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.accelerator.backward(self.scaler.scale(loss) if self.scaler is not None else loss)
+
+    def unscale_and_clip(self, model: torch.nn.Module, optimizer: Any, max_norm: float) -> torch.Tensor:
+        """Unscale fp16 grads, then clip; returns the pre-clip global norm (inf/nan if non-finite)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(_inner(optimizer))
+        limit = max_norm if max_norm > 0 else math.inf
+        norm = self.accelerator.clip_grad_norm_(model.parameters(), limit)
+        return norm if isinstance(norm, torch.Tensor) else torch.tensor(float(norm or 0.0))
+
+    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(tensor, reduction="sum") if self.plan.world > 1 else tensor
+
+    def preemption(self) -> AbstractContextManager[Any]:
+        from llmexp.checkpoint import PreemptionSignal
+
+        return PreemptionSignal()
+
+    def check_step(self, state: LoopState, optimizer: Any, loss: float, grad_norm: float,
+                   log: MetricsLogger) -> str:
+        """Step the optimizer, or apply the anomaly policy: returns ok, skipped, rollback or diverged."""
+        from llmexp.guard import judge_step
+
+        verdict = judge_step(self.cfg, state, loss, grad_norm, fp16=self.scaler is not None,
+                             settings=self.monitor_settings, log=log)
+        if verdict == "ok":
+            self._optimizer_step(state, optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        return verdict
+
+    def _optimizer_step(self, state: LoopState, optimizer: Any) -> None:
+        if self.scaler is None:
+            optimizer.step()
+            return
+        scale = self.scaler.get_scale()
+        self.scaler.step(_inner(optimizer))  # skips the step when grads overflowed
+        self.scaler.update()
+        if self.scaler.get_scale() < scale:
+            state.skipped_steps += 1
+
+    def train_record(self, state: LoopState, loss: float, grad_norm: float, optimizer: Any,
+                     window: ThroughputWindow) -> dict[str, Any]:
+        tokens_per_sec = window.take()
+        record = {"event": "train", "step": state.step, "loss": loss, "ppl": safe_exp(loss),
+                  "lr": optimizer.param_groups[0]["lr"], "grad_norm": grad_norm, "tokens_per_sec": tokens_per_sec,
+                  "mfu": self.mfu(tokens_per_sec), "mem_mb": peak_memory_mb(self.device),
+                  "epoch": state.step * self.plan.global_batch / max(1, state.num_examples),
+                  "time_s": time.perf_counter() - self.started, "skipped_steps": state.skipped_steps}
+        if self.scaler is not None:
+            record["loss_scale"] = self.scaler.get_scale()
+        return record
+
+    def mfu(self, tokens_per_sec: float) -> float:
+        peak = self.peak_tflops * 1e12 * self.plan.world
+        return self.flops_per_token * tokens_per_sec / peak if peak > 0 else 0.0
+
+
+def _inner(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside Accelerate's wrapper (GradScaler needs the real one)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def setup_runtime(cfg: DictConfig) -> Runtime:
+    from llmexp.train import run_dir_of
+
+    return Runtime(cfg, run_dir_of(cfg))

@@ -1,0 +1,212 @@
+"""What a run carries from step to step, and how it is saved, resumed, rolled back and finished.
+
+A checkpoint holds everything that decides the next step, so a resumed run continues bitwise
+where the saved one was: weights (safetensors), optimizer state, the fp16 scaler, every rank's
+RNG states, and this loop state (step = the sampler position, data offset, lr scale, the
+recent losses the spike detector looks at, and the metric history the detectors need).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig
+
+from llmexp import checkpoint as ckpt
+from llmexp.errors import STATUS_EXIT
+from llmexp.paths import write_json_atomic
+
+if TYPE_CHECKING:
+    import torch
+
+    from llmexp.metrics import MetricsLogger
+    from llmexp.runtime import Runtime
+
+TRAINER_STATE = "trainer_state.json"
+
+
+@dataclass
+class LoopState:
+    """Everything besides weights, optimizer and RNG that the next step depends on."""
+
+    step: int = 0
+    data_offset: int = 0
+    lr_scale: float = 1.0
+    rollbacks: int = 0
+    skipped_steps: int = 0
+    consecutive_anomalies: int = 0
+    recent_losses: list[float] = field(default_factory=list)
+    best_eval_loss: float = math.inf
+    best_eval_step: int = -1
+    evals_since_best: int = 0
+    last_eval_step: int = -1
+    num_examples: int = 0
+    seen_findings: list[str] = field(default_factory=list)
+
+
+def _lm(rt: Runtime, model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model inside the DDP/compile/loss wrappers."""
+    return rt.accelerator.unwrap_model(model).lm
+
+
+def save_state_checkpoint(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, optimizer: Any,
+                          state: LoopState, log: MetricsLogger) -> None:
+    """Save `checkpoints/step_<N>/` atomically (rank 0 writes; every rank's RNG is gathered)."""
+    from accelerate.utils import gather_object
+
+    rng_states = gather_object([ckpt.capture_rng()]) if rt.plan.world > 1 else [ckpt.capture_rng()]
+    if rt.is_main:
+        def write(tmp: Path) -> None:
+            ckpt.save_tensors(tmp / "model.safetensors", _lm(rt, model).state_dict())
+            ckpt.save_state(tmp / "optimizer.pt", optimizer.state_dict())
+            for rank, rng in enumerate(rng_states):
+                ckpt.save_state(tmp / ckpt.rng_filename(rank), rng)
+            if rt.scaler is not None:
+                ckpt.save_state(tmp / "scaler.pt", rt.scaler.state_dict())
+            payload = {"state": asdict(state), "history": log.history}
+            (tmp / TRAINER_STATE).write_text(json.dumps(payload, default=str))
+
+        ckpt.save_checkpoint(rt.run_dir / "checkpoints", state.step, write, keep=cfg.train.save_total_limit,
+                             best_step=state.best_eval_step if state.best_eval_step >= 0 else None)
+    rt.accelerator.wait_for_everyone()
+
+
+def _load_payload(path: Path, rank: int) -> dict[str, Any]:
+    """Read (and so verify) every file of a checkpoint this rank needs; no pickle code runs."""
+    rng_file = path / ckpt.rng_filename(rank)
+    return {
+        "model": ckpt.load_tensors(path / "model.safetensors"),
+        "optimizer": ckpt.load_state(path / "optimizer.pt"),
+        "rng": ckpt.load_state(rng_file) if rng_file.exists() else None,
+        "scaler": ckpt.load_state(path / "scaler.pt") if (path / "scaler.pt").exists() else None,
+        "trainer": json.loads((path / TRAINER_STATE).read_text()),
+    }
+
+
+def _apply_payload(rt: Runtime, model: torch.nn.Module, optimizer: Any, payload: dict[str, Any]) -> LoopState:
+    _lm(rt, model).load_state_dict(payload["model"])
+    optimizer.load_state_dict(payload["optimizer"])
+    if payload["rng"] is not None:
+        ckpt.restore_rng(payload["rng"])
+    if rt.scaler is not None and payload["scaler"] is not None:
+        rt.scaler.load_state_dict(payload["scaler"])
+    return LoopState(**payload["trainer"]["state"])
+
+
+def load_resume_state(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, optimizer: Any,
+                      log: MetricsLogger) -> LoopState | None:
+    """Resume per `train.resume`: auto (newest good checkpoint here), never, or a path."""
+    choice = cfg.train.resume
+    if choice == "never":
+        return None
+    if choice == "auto":
+        found = ckpt.load_with_fallback(rt.run_dir / "checkpoints", lambda p: _load_payload(p, rt.rank), log.write)
+        if found is None:
+            return None
+        path, payload = found
+    else:
+        path = Path(choice)
+        if not (path / ckpt.MANIFEST).is_file():
+            raise ckpt.CorruptCheckpoint(f"train.resume={choice}: not a complete checkpoint directory "
+                                         "(no manifest.json); use train.resume=auto or a checkpoints/step_<N> dir")
+        ckpt.verify_checkpoint(path, full=True)
+        payload = _load_payload(path, rt.rank)
+    state = _apply_payload(rt, model, optimizer, payload)
+    log.reset_history(payload["trainer"]["history"])
+    log.log({"event": "resume", "step": state.step, "checkpoint": str(path)})
+    return state
+
+
+def rollback(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, optimizer: Any, state: LoopState,
+             log: MetricsLogger) -> None:
+    """Back to the newest good checkpoint, past the data window that led to the anomaly, at a lower lr."""
+    found = ckpt.load_with_fallback(rt.run_dir / "checkpoints", lambda p: _load_payload(p, rt.rank), log.write)
+    if found is None:
+        raise RuntimeError("rollback: no checkpoint to roll back to (one is saved at the start of the run)")
+    path, payload = found
+    bad_step = state.step
+    restored = _apply_payload(rt, model, optimizer, payload)
+    restored.rollbacks = state.rollbacks + 1
+    restored.data_offset = state.data_offset + (bad_step - restored.step + 1)
+    restored.lr_scale = state.lr_scale * cfg.train.rollback_lr_factor
+    restored.skipped_steps, restored.seen_findings = state.skipped_steps, state.seen_findings
+    state.__dict__.update(asdict(restored))
+    log.log({"event": "rollback", "step": bad_step, "to_step": restored.step, "checkpoint": str(path),
+             "lr_scale": restored.lr_scale, "data_offset": restored.data_offset})
+
+
+def save_final_model(rt: Runtime, model: torch.nn.Module, tokenizer: Any) -> None:
+    """`model/`: save_pretrained of the model and tokenizer, published by one rename."""
+    final = rt.run_dir / "model"
+    tmp = rt.run_dir / ".model.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    _lm(rt, model).save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    ckpt._fsync_tree(tmp)
+    old = rt.run_dir / ".model.old"
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def finish_run(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, optimizer: Any, tokenizer: Any,
+               state: LoopState, log: MetricsLogger, status: str, peak_lr: float, lr_source: str) -> dict[str, Any]:
+    """Final checkpoint and model, summary.json, report; returns the summary."""
+    if status in ("completed", "early_stopped"):
+        save_state_checkpoint(cfg, rt, model, optimizer, state, log)
+        if rt.is_main:
+            save_final_model(rt, model, tokenizer)
+    summary = build_summary(cfg, rt, state, log, status, peak_lr, lr_source)
+    if rt.is_main:
+        write_json_atomic(rt.run_dir / "summary.json", summary)
+        _write_report(rt.run_dir, log)
+        log.write(f"\n{status}: {rt.run_dir}\n" + ", ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in summary.items() if k in ("step", "train_loss", "eval_loss", "eval_ppl", "tokens_per_sec")))
+    log.close()
+    rt.accelerator.wait_for_everyone()
+    return summary
+
+
+def _last(history: list[dict[str, Any]], event: str, key: str) -> float | None:
+    return next((r[key] for r in reversed(history) if r.get("event") == event and key in r), None)
+
+
+def build_summary(cfg: DictConfig, rt: Runtime, state: LoopState, log: MetricsLogger, status: str,
+                  peak_lr: float, lr_source: str) -> dict[str, Any]:
+    """summary.json: the final status and metrics, and every finding with its advice."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from llmexp.metrics import peak_memory_mb
+    from llmexp.monitor import diagnose
+
+    history = log.history
+    findings = [f.to_dict() for f in diagnose(history, rt.monitor_settings)] if rt.is_main else []
+    tokens_per_sec = rt.window.total_tokens / rt.window.total_seconds if rt.window.total_seconds else 0.0
+    return {
+        "status": status, "exit_code": STATUS_EXIT[status], "step": state.step,
+        "train_loss": _last(history, "train", "loss"), "eval_loss": _last(history, "eval", "eval_loss"),
+        "eval_ppl": _last(history, "eval", "eval_ppl"), "best_eval_loss": state.best_eval_loss,
+        "best_eval_step": state.best_eval_step, "tokens_per_sec": tokens_per_sec, "mfu": rt.mfu(tokens_per_sec),
+        "lr": peak_lr, "lr_source": lr_source, "num_params": rt.num_params, "precision": rt.precision,
+        "global_batch_size": rt.plan.global_batch, "gradient_accumulation_steps": rt.plan.accum,
+        "world_size": rt.plan.world, "peak_mem_mb": peak_memory_mb(rt.device), "skipped_steps": state.skipped_steps,
+        "rollbacks": state.rollbacks, "compile_time_s": rt.compile_time_s, "time_s": rt.elapsed(),
+        "overrides": list(HydraConfig.get().overrides.task), "findings": findings,
+    }
+
+
+def _write_report(run_dir: Path, log: MetricsLogger) -> None:
+    """report.md and curves.png; a failure here must not fail a finished run."""
+    try:
+        from llmexp.report import write_run_report
+
+        write_run_report(run_dir)
+    except Exception as err:  # a plotting problem is worth a warning, not a lost run
+        log.write(f"warning: could not write the report: {err!r}")

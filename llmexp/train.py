@@ -1,0 +1,174 @@
+"""The training loop, top to bottom.
+
+    setup -> data -> model -> optimizer -> (resume) -> for each step:
+        [eval] -> micro-batches (forward, backward) -> unscale -> grad norm + clip
+        -> non-finite / spike check BEFORE the optimizer step -> step -> [log] [save] [preempt?]
+    -> final eval -> model/ -> summary.json -> report
+
+Everything that decides *what* to do lives in components: the schedule (`schedule.lr_at`),
+the detectors (`monitor`), the sampler (`data.batch_indices`), checkpoint I/O (`state`).
+The loop only calls them in the right order.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from llmexp import data as data_lib
+from llmexp.config import parse_lr
+from llmexp.guard import report_findings
+from llmexp.metrics import MetricsLogger, safe_exp
+from llmexp.runtime import Runtime, setup_runtime
+from llmexp.schedule import auto_lr, lr_at, warmup_steps_for
+from llmexp.state import LoopState, finish_run, load_resume_state, rollback, save_state_checkpoint
+
+
+@dataclass
+class RunResult:
+    """What `train` returns: the final status and the summary written to summary.json."""
+
+    status: str
+    step: int
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def train(cfg: DictConfig) -> RunResult:
+    """Train one run described by a composed, validated config. Writes the run directory."""
+    rt = setup_runtime(cfg)
+    tokenizer = data_lib.load_tokenizer(cfg)
+    train_ds, eval_ds, data_stats = data_lib.build_datasets(cfg, tokenizer)
+    model, optimizer, peak_lr, lr_source = rt.build(cfg, len(tokenizer))
+    max_steps = rt.plan.max_steps(len(train_ds))
+    warmup = warmup_steps_for(max_steps, cfg.train.warmup_ratio, cfg.train.warmup_steps)
+    log = rt.logger(max_steps)
+    state = load_resume_state(cfg, rt, model, optimizer, log) or LoopState()
+    state.num_examples = len(train_ds)
+    if cfg.train.on_anomaly == "rollback" and state.step == 0:
+        save_state_checkpoint(cfg, rt, model, optimizer, state, log)  # something to roll back to
+    log.log({"event": "start", "step": state.step, "lr_chosen": peak_lr, "lr_source": lr_source,
+             "num_params": rt.num_params, "global_batch_size": rt.plan.global_batch,
+             "gradient_accumulation_steps": rt.plan.accum, "precision": rt.precision, **data_stats})
+
+    def schedule(step: int) -> float:
+        s = cfg.scheduler
+        return state.lr_scale * lr_at(step, name=s.name, peak_lr=peak_lr, max_steps=max_steps, warmup_steps=warmup,
+                                      min_lr_ratio=s.min_lr_ratio, decay_ratio=s.decay_ratio)
+
+    status, window = "completed", rt.window
+    with rt.preemption() as preempt:
+        while state.step < max_steps:
+            step = state.step
+            due = step % cfg.train.eval_steps == 0 and state.last_eval_step != step
+            if due and evaluate_and_record(cfg, rt, model, eval_ds, state, log, step):
+                status = "early_stopped"
+                break
+            for group in optimizer.param_groups:
+                group["lr"] = schedule(step)
+            window.begin()
+            loss, grad_norm, n_tokens = train_step(cfg, rt, model, optimizer, train_ds, state)
+            verdict = rt.check_step(state, optimizer, loss, grad_norm, log)
+            if verdict == "diverged":
+                status = "diverged"
+                break
+            if verdict == "rollback":
+                rollback(cfg, rt, model, optimizer, state, log)
+                continue
+            window.add(n_tokens)
+            state.step += 1
+            log.advance()
+            if state.step % cfg.train.logging_steps == 0 or state.step == max_steps:
+                log.log(rt.train_record(state, loss, grad_norm, optimizer, window))
+            if cfg.train.save_steps and state.step % cfg.train.save_steps == 0 and state.step < max_steps:
+                save_state_checkpoint(cfg, rt, model, optimizer, state, log)
+            if preempt.requested:
+                save_state_checkpoint(cfg, rt, model, optimizer, state, log)
+                status = "preempted"
+                break
+    if status in ("completed", "early_stopped") and state.last_eval_step != state.step:
+        evaluate_and_record(cfg, rt, model, eval_ds, state, log, state.step)
+    summary = finish_run(cfg, rt, model, optimizer, tokenizer, state, log, status, peak_lr, lr_source)
+    return RunResult(status=status, step=state.step, summary=summary)
+
+
+def train_step(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               train_ds: data_lib.TokenDataset, state: LoopState) -> tuple[float, float, int]:
+    """Forward and backward over every micro-batch of one global batch; returns (loss, grad norm, tokens).
+
+    Each micro-batch's loss *sum* is divided by the target-token count of the whole global batch,
+    so accumulation and world size do not change the loss (a mean of means would).
+    """
+    plan = rt.plan
+    indices = data_lib.batch_indices(rt.data_seed, state.step + state.data_offset, plan.global_batch, len(train_ds))
+    n_targets = max(1, train_ds.num_targets(indices))
+    loss_sum = torch.zeros((), device=rt.device)
+    n_tokens = 0
+    for micro in range(plan.accum):
+        batch_idx = data_lib.micro_batch(indices, rt.rank, plan.world, micro, plan.micro)
+        batch = {k: v.to(rt.device, non_blocking=True) for k, v in train_ds.get_batch(batch_idx).items()}
+        n_tokens += batch["input_ids"].numel()
+        # DDP averages gradients over ranks, so scale by world / n_targets to get the global mean.
+        sync = nullcontext() if micro == plan.accum - 1 else rt.accelerator.no_sync(model)
+        with sync, rt.autocast():
+            micro_sum = model(**batch)
+        rt.backward(micro_sum * (plan.world / n_targets))
+        loss_sum += micro_sum.detach()
+    grad_norm = rt.unscale_and_clip(model, optimizer, cfg.train.max_grad_norm)
+    loss_sum = rt.reduce_sum(loss_sum)
+    loss, norm = torch.stack([loss_sum / n_targets, grad_norm.float().reshape(())]).tolist()  # the step's one sync
+    return loss, norm, n_tokens * plan.world
+
+
+@torch.no_grad()
+def evaluate(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, eval_ds: data_lib.TokenDataset) -> float:
+    """Mean loss per target token over a fixed slice of the eval set, summed across ranks."""
+    model.eval()
+    total_examples = len(eval_ds)
+    if cfg.train.eval_batches > 0:
+        total_examples = min(total_examples, cfg.train.eval_batches * rt.plan.micro * rt.plan.world)
+    sums = torch.zeros(2, device=rt.device)
+    for start in range(rt.rank * rt.plan.micro, total_examples, rt.plan.micro * rt.plan.world):
+        idx = torch.arange(start, min(start + rt.plan.micro, total_examples)).numpy()
+        batch = {k: v.to(rt.device) for k, v in eval_ds.get_batch(idx).items()}
+        with rt.autocast():
+            sums[0] += model(**batch).float()
+        sums[1] += eval_ds.num_targets(idx)
+    model.train()
+    loss_sum, count = rt.reduce_sum(sums).tolist()
+    return loss_sum / max(count, 1.0)
+
+
+def evaluate_and_record(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, eval_ds: data_lib.TokenDataset,
+                        state: LoopState, log: MetricsLogger, step: int) -> bool:
+    """Eval, log it, track the best; True when early stopping says stop."""
+    eval_loss = evaluate(cfg, rt, model, eval_ds)
+    state.last_eval_step = step
+    log.log({"event": "eval", "step": step, "eval_loss": eval_loss, "eval_ppl": safe_exp(eval_loss)})
+    report_findings(cfg, rt, state, log)
+    if math.isfinite(eval_loss) and eval_loss < state.best_eval_loss:
+        state.best_eval_loss, state.best_eval_step, state.evals_since_best = eval_loss, step, 0
+        return False
+    state.evals_since_best += 1
+    patience = cfg.train.early_stopping_patience
+    return bool(patience) and state.evals_since_best >= patience
+
+
+def resolve_lr(cfg: DictConfig, num_params: int) -> tuple[float, str]:
+    """The peak lr and where it came from (`config`, or `auto` by the seed's table)."""
+    lr = parse_lr(cfg.lr)
+    if lr is not None:
+        return lr, "config"
+    return auto_lr(num_params, finetune=bool(cfg.model.name_or_path)), "auto"
+
+
+def run_dir_of(cfg: DictConfig) -> Path:
+    """The Hydra output directory of this job (the same for every rank)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir)
