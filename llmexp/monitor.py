@@ -21,6 +21,10 @@ from typing import Any
 
 INFO, WARNING, ERROR = "info", "warning", "error"
 _SEVERITY_RANK = {INFO: 0, WARNING: 1, ERROR: 2}
+DETECTOR_KINDS = frozenset({
+    "non_finite", "fp16_overflow", "loss_spike", "grad_norm_spike", "divergence", "oscillation", "plateau",
+    "eval_plateau", "overfitting", "grad_norm_high", "grad_norm_low", "ppl_range", "fp16_skipped_steps"})
+"""Every kind `diagnose` can report; the trainer's own findings (e.g. about rollbacks) use other kinds."""
 _MAD_TO_STD = 1.4826  # scales the median absolute deviation to a standard deviation for normal data
 
 
@@ -167,9 +171,9 @@ def _fmt(x: float) -> str:
 def _nan_advice(settings: MonitorSettings) -> str:
     parts = []
     if settings.max_grad_norm <= 0:
-        parts.append("turn gradient clipping on (train.max_grad_norm=1.0; 0.5 if it keeps exploding)")
+        parts.append("Turn gradient clipping on (train.max_grad_norm=1.0; 0.5 if it keeps exploding)")
     else:
-        parts.append(f"check that clipping is working (train.max_grad_norm={settings.max_grad_norm:g}; try 0.5)")
+        parts.append(f"Check that clipping is working (train.max_grad_norm={settings.max_grad_norm:g}; try 0.5)")
     if settings.precision == "fp16":
         parts.append("switch FP16 to BF16 (precision=bf16) if the hardware has it")
     parts.append(f"lower the lr (now {_fmt(settings.lr)}; try {_fmt(settings.lr / 3)})")
@@ -252,14 +256,15 @@ def _divergence(train: list[tuple[int, float]], settings: MonitorSettings) -> li
 
 
 def _linear_fit(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """(slope, residual std) of a least-squares line through points."""
+    """(slope, robust residual std) of a least-squares line through points."""
     xs = [float(s) for s, _ in points]
     ys = [v for _, v in points]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     sxx = sum((x - mx) ** 2 for x in xs) or 1.0
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
     resid = [y - (my + slope * (x - mx)) for x, y in zip(xs, ys, strict=True)]
-    return slope, statistics.pstdev(resid)
+    centre = statistics.median(resid)
+    return slope, statistics.median(abs(r - centre) for r in resid) * _MAD_TO_STD
 
 
 def _oscillation(train: list[tuple[int, float]], settings: MonitorSettings) -> list[Finding]:
@@ -267,7 +272,7 @@ def _oscillation(train: list[tuple[int, float]], settings: MonitorSettings) -> l
     hits = []
     for start in range(0, len(train) - w + 1, max(w // 2, 1)):
         chunk = train[start:start + w]
-        slope, std = _linear_fit(chunk)
+        slope, std = _linear_fit(chunk)  # std: robust (MAD) spread of the residuals, so one spike is not a swing
         level = statistics.median(v for _, v in chunk)
         trend_drop = -slope * (chunk[-1][0] - chunk[0][0])
         if std > settings.oscillation_rel_std * abs(level) and trend_drop < settings.oscillation_trend_ratio * std:
