@@ -1,0 +1,115 @@
+"""A content-addressed cache of directories (tokenizers, token arrays) that is never half-written.
+
+An entry is `<root>/<kind>/<key>/`. It is built in a sibling temp directory and renamed into
+place only when complete, so a reader sees either nothing or the whole entry. A per-key file
+lock serialises builders: of two sweep jobs that miss at once, one builds and the other waits,
+then finds the entry. Temp directories left by a killed builder are removed by the next one.
+No torch here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+COMPLETE_MARKER = "meta.json"
+"""Written last inside an entry; an entry without it is not an entry."""
+
+
+def hash_obj(obj: Any) -> str:
+    """A short stable hash of JSON-able data (dict order does not matter)."""
+    text = json.dumps(obj, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def hash_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
+    """The sha256 of a file's bytes (user data is keyed by content, not by mtime)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_array(directory: Path, name: str, array: np.ndarray) -> None:
+    """Write `<name>.npy` and fsync it, so the rename that publishes the entry publishes the bytes."""
+    with open(directory / f"{name}.npy", "wb") as f:
+        np.save(f, array, allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_json(path: Path, obj: Any) -> None:
+    """Write JSON and fsync it."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def load_meta(entry: Path) -> dict[str, Any] | None:
+    """The entry's metadata, or None when the entry is absent (or, impossibly, incomplete)."""
+    try:
+        return json.loads((entry / COMPLETE_MARKER).read_text(encoding="utf-8"))
+    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
+        return None
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def get_or_build(root: Path, kind: str, key: str,
+                 build: Callable[[Path], dict[str, Any]]) -> tuple[Path, dict[str, Any], bool]:
+    """Return (entry dir, its meta, cache hit?). On a miss, `build(tmp_dir)` fills a temp dir and
+    returns the meta; the dir is renamed into place after the meta is written. If `build` raises,
+    the temp dir is removed and nothing is published."""
+    entry = Path(root).expanduser() / kind / key
+    meta = load_meta(entry)
+    if meta is not None:
+        return entry, meta, True
+    with _locked(Path(root).expanduser() / "locks" / f"{kind}-{key}.lock"):
+        meta = load_meta(entry)  # another process may have built it while we waited
+        if meta is not None:
+            return entry, meta, True
+        for stale in entry.parent.glob(f".{key}.tmp-*"):  # left by a killed builder; we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
+        if entry.exists():  # a directory without its marker cannot be ours to trust
+            shutil.rmtree(entry)
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=entry.parent))
+        try:
+            meta = build(tmp)
+            save_json(tmp / COMPLETE_MARKER, meta)
+            _fsync_dir(tmp)
+            os.rename(tmp, entry)
+            _fsync_dir(entry.parent)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return entry, meta, False

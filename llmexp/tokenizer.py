@@ -1,0 +1,117 @@
+"""The tokenizer: a given directory, the model's own, or a byte-level BPE trained on the corpus.
+
+`load_tokenizer(cfg)` picks, in order: `data.tokenizer` (a directory or hub id), the tokenizer of
+`model.name_or_path`, or a byte-level BPE (`tokenizers`, vocab = `model.vocab_size`) trained on
+the corpus's TRAIN split and cached by a hash of that split. The result always has an eos and
+a pad token. `hub_error(name)` is the one message for a model or tokenizer the hub cannot serve
+here; `llmexp.build` uses it too. transformers is imported inside functions only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig
+
+from llmexp.cache import get_or_build, hash_obj
+from llmexp.corpora import load_corpus
+from llmexp.errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+EOS, PAD = "<|endoftext|>", "<|pad|>"
+BPE_VERSION = 1
+"""Bump when the BPE recipe changes, so cached tokenizers are rebuilt."""
+
+
+def hub_error(name: str, cause: BaseException | None = None) -> UserError:
+    """A UserError for a model/tokenizer name that is neither a local directory nor reachable on the hub."""
+    reason = f" ({type(cause).__name__}: {str(cause).splitlines()[0][:200]})" if cause else ""
+    looks_local = name.startswith((".", "/", "~")) or Path(name).expanduser().exists()
+    if looks_local:
+        return UserError(f"model.name_or_path={name}: no loadable model/tokenizer there{reason}. Point it at a "
+                         "directory written by save_pretrained, e.g. the model/ of an earlier run: "
+                         "model.name_or_path=outputs/<date>/<time>/model")
+    return UserError(
+        f"cannot load {name!r}: it is not a local directory and the Hugging Face hub cannot be reached or has no "
+        f"such repo{reason}. Use a local copy: on a machine with access run `huggingface-cli download {name} "
+        f"--local-dir /path/to/{name.split('/')[-1]}`, copy it here and set model.name_or_path=/path/to/"
+        f"{name.split('/')[-1]} (or the model/ directory of an earlier llmexp run)."
+    )
+
+
+def _from_pretrained(name: str, revision: str | None = None, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, ImportError) as err:  # hub errors subclass OSError; bad dirs raise ValueError
+        raise hub_error(name, err) from None
+
+
+def _ensure_special_tokens(tok: Any, name: str) -> Any:
+    """Every tokenizer we hand out has eos (documents are joined with it) and pad (padding id)."""
+    if tok.eos_token is None:
+        raise UserError(f"the tokenizer of {name} has no eos token; set data.tokenizer to one that has, "
+                        "or add eos_token to its tokenizer_config.json")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token  # padded positions get label -100 and attention 0, so any id works
+    return tok
+
+
+def train_bpe(texts: Any, vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE (GPT-2 style pre-tokenisation, no unknown tokens) with eos and pad tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 258 + 2:
+        raise UserError(f"model.vocab_size={vocab_size} is too small for a byte-level BPE; use >= 260")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, PAD], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=PAD,
+                                   model_max_length=1 << 30)
+
+
+def tokenizer_fingerprint(tok: Any) -> str:
+    """A hash of everything that decides token ids: vocab, merges, normaliser, special tokens, template."""
+    known = getattr(tok, "llmexp_fingerprint", None)  # set on tokenizers we trained: their cache key
+    vocab = known or tok.backend_tokenizer.to_str()
+    parts = [vocab, str(tok.chat_template), str(tok.eos_token), str(tok.pad_token)]
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:20]
+
+
+def load_tokenizer(cfg: DictConfig) -> PreTrainedTokenizerFast:
+    """The run's tokenizer (see the module docstring for the order of choices)."""
+    if cfg.data.tokenizer:
+        return _ensure_special_tokens(_from_pretrained(str(cfg.data.tokenizer)), str(cfg.data.tokenizer))
+    if cfg.model.name_or_path:
+        name = str(cfg.model.name_or_path)
+        tok = _from_pretrained(name, cfg.model.revision, bool(cfg.model.trust_remote_code))
+        return _ensure_special_tokens(tok, name)
+    return trained_tokenizer(cfg)
+
+
+def trained_tokenizer(cfg: DictConfig) -> PreTrainedTokenizerFast:
+    """The byte-level BPE of this corpus's train split, from the cache or trained now."""
+    from transformers import AutoTokenizer
+
+    corpus = load_corpus(cfg.data)
+    vocab_size = int(cfg.model.vocab_size)
+    key = hash_obj({"bpe": BPE_VERSION, "vocab_size": vocab_size, "corpus": corpus.bpe_fingerprint})
+
+    def build(tmp: Path) -> dict[str, Any]:
+        tok = train_bpe(corpus.bpe_texts(), vocab_size)
+        tok.save_pretrained(str(tmp))
+        return {"vocab_size": len(tok), "corpus": corpus.name}
+
+    entry, _, _ = get_or_build(Path(str(cfg.data.cache_dir)), "tokenizers", key, build)
+    tok = AutoTokenizer.from_pretrained(str(entry))
+    tok.llmexp_fingerprint = f"bpe-{key}"  # hashing the vocab again would cost more than the load
+    return tok
