@@ -196,8 +196,11 @@ def _heatmap(ax: Any, jobs: list[dict], keys: list[str]) -> None:
     for r in range(len(rows)):
         for c in range(len(cols)):
             text = f"{grid[r][c]:.3g}" if math.isfinite(grid[r][c]) else ("failed" if (r, c) in failed else "–")
-            ax.text(c, r, text, ha="center", va="center", fontsize=8, color="white" if math.isfinite(grid[r][c])
-                    else "#d62728")
+            colour = "#d62728"
+            if math.isfinite(grid[r][c]):  # dark text on the light end of the colour map
+                red, green, blue, _ = image.cmap(image.norm(grid[r][c]))
+                colour = "black" if 0.299 * red + 0.587 * green + 0.114 * blue > 0.5 else "white"
+            ax.text(c, r, text, ha="center", va="center", fontsize=9, color=colour)
     ax.set_xticks(range(len(cols)), cols)
     ax.set_yticks(range(len(rows)), rows)
     ax.set_xlabel(keys[1])
@@ -206,27 +209,35 @@ def _heatmap(ax: Any, jobs: list[dict], keys: list[str]) -> None:
     ax.figure.colorbar(image, ax=ax, shrink=0.8)
 
 
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
 def plot_sweep(jobs: list[dict], curves: dict[str, list[dict]], varying: list[str], path: Path,
-               title: str = "") -> None:
-    """sweep_curves.png: train and eval loss of every job, coloured by the (first) swept value;
-    a heatmap of the final eval loss when two or more parameters vary."""
+               title: str = "", recommended: str | None = None) -> None:
+    """sweep_curves.png: train and eval loss of every job, coloured by the first swept parameter,
+    marked by the second; a heatmap of the final eval loss when two or more parameters vary.
+    Unfinished jobs are dashed; the recommended job (by job name) is drawn thick."""
     plt = _pyplot()
     ncols = 3 if len(varying) >= 2 else 2
     fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, 4.8))
     key = varying[0] if varying else None
     colours = _colour_map([j["params"].get(key, "") if key else j["job"] for j in jobs])
+    second = sorted({j["params"].get(varying[1], "") for j in jobs}, key=lambda v: (_as_float(v) or 0.0, v)) \
+        if len(varying) >= 2 else [""]
     for j in jobs:
-        colour = colours[j["params"].get(key, "") if key else j["job"]]
         label = " ".join(f"{k}={j['params'].get(k)}" for k in varying) or f"job {j['job']}"
         finished = j["status"] in ("completed", "early_stopped")
-        style = {"color": colour, "lw": 1.3, "ls": "-" if finished else "--"}
-        if not finished:
-            label += f" [{j['status']}]"
+        style = {"color": colours[j["params"].get(key, "") if key else j["job"]], "ls": "-" if finished else "--",
+                 "lw": 2.6 if j["job"] == recommended else 1.2, "ms": 4,
+                 "marker": _MARKERS[second.index(j["params"].get(varying[1], "")) % len(_MARKERS)]
+                 if len(varying) >= 2 else "o"}
+        label += " (recommended)" if j["job"] == recommended else ("" if finished else f" [{j['status']}]")
         records = curves.get(j["job"], [])
-        axes[0].plot(*_finite_xy(*_xy(records, "train", "loss")), label=label, **style)
-        axes[1].plot(*_finite_xy(*_xy(records, "eval", "eval_loss")), marker="o", ms=3, label=label, **style)
+        axes[0].plot(*_finite_xy(*_xy(records, "train", "loss")), label=label, markevery=0.2, **style)
+        axes[1].plot(*_finite_xy(*_xy(records, "eval", "eval_loss")), label=label, **style)
     for ax, name in zip(axes[:2], ("train loss", "eval loss"), strict=True):
-        ax.set_title(name + (f" (colour: {key})" if key else ""))
+        ax.set_title(name + (f" (colour: {key}" + (f", marker: {varying[1]})" if len(varying) >= 2 else ")")
+                             if key else ""))
         ax.set_xlabel("step")
         ax.grid(alpha=0.25)
         _clip_ylim(ax)

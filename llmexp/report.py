@@ -136,6 +136,10 @@ def _fmt(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
+def _fmt_rate(value: Any) -> str:
+    return f"{value:,.0f}" if isinstance(value, int | float) and math.isfinite(value) else _fmt(value)
+
+
 def _last(records: list[dict], event: str, key: str) -> Any:
     return next((r[key] for r in reversed(records) if r.get("event") == event and key in r), None)
 
@@ -151,7 +155,7 @@ def _key_metrics(records: list[dict], summary: dict) -> list[tuple[str, str]]:
         ("final eval loss", _fmt(pick("eval_loss", "eval"))),
         ("final eval ppl", _fmt(pick("eval_ppl", "eval"))),
         ("best eval loss", f"{best[1]:.4g} (step {best[0]})" if best else "–"),
-        ("tokens/s", _fmt(pick("tokens_per_sec"))),
+        ("tokens/s", _fmt_rate(pick("tokens_per_sec"))),
         ("MFU", _fmt(pick("mfu"), 3)),
         ("peak memory (MB)", _fmt(summary.get("peak_mem_mb", _last(records, "train", "mem_mb")))),
         ("wall time (s)", _fmt(summary.get("time_s", _last(records, "train", "time_s")))),
@@ -293,6 +297,8 @@ def collect_job(job_dir: Path) -> dict[str, Any]:
                                 ("eval_ppl", "eval", "eval_ppl"), ("tokens_per_sec", "train", "tokens_per_sec")):
         value = (summary or {}).get(key)
         entry[key] = value if value is not None else _last(records, event, rec_key)
+    if isinstance(entry["train_loss"], int | float) and (summary or {}).get("train_loss") is not None:
+        entry["train_ppl"] = math.exp(min(entry["train_loss"], 50.0))  # consistent with the loss shown
     entry["findings"] = run_findings(job_dir, records)
     entry["worst_severity"] = worst_severity(entry["findings"])
     entry["stability"] = stability(records)
@@ -347,7 +353,7 @@ def sweep_report_markdown(summary: dict) -> str:
         rise = j["stability"]["rise_fraction"]
         lines.append(f"| {j['job']} | `{' '.join(j['overrides'])}` | {status} | {_fmt(j['train_loss'])} | "
                      f"{_fmt(j['train_ppl'])} | {_fmt(j['eval_loss'])} | {_fmt(j['eval_ppl'])} | "
-                     f"{_fmt(j['tokens_per_sec'], 3)} | {'–' if rise is None else f'{rise:.0%}'} | {found} |")
+                     f"{_fmt_rate(j['tokens_per_sec'])} | {'–' if rise is None else f'{rise:.0%}'} | {found} |")
     lines += ["", "*loss rose on*: the share of logged steps where the train loss went up (lower is steadier).",
               "", "![sweep curves](sweep_curves.png)", ""]
     return "\n".join(lines)
@@ -366,7 +372,10 @@ def write_sweep_report(sweep_dir: Path) -> dict[str, Any]:
                "all_finished": all(j["status"] in FINISHED for j in jobs), "varying": varying_params(jobs),
                "recommendation": recommend(jobs), "jobs": jobs}
     curves = {j["job"]: load_records(Path(j["dir"])) for j in jobs}
-    plot_sweep(jobs, curves, summary["varying"], sweep_dir / "sweep_curves.png", title=sweep_dir.resolve().name)
+    rec = summary["recommendation"]
+    title = sweep_dir.resolve().name + (f"  ·  recommended: {' '.join(rec['overrides'])}" if rec else "")
+    plot_sweep(jobs, curves, summary["varying"], sweep_dir / "sweep_curves.png", title=title,
+               recommended=rec["job"] if rec else None)
     write_atomic(sweep_dir / "sweep_summary.json", json.dumps(summary, indent=2, default=str) + "\n")
     write_atomic(sweep_dir / "sweep_report.md", sweep_report_markdown(summary))
     return summary
