@@ -1,0 +1,56 @@
+"""llmexp's Hydra launchers: `hydra/launcher=llmexp_local` and `hydra/launcher=llmexp_slurm`.
+
+Hydra imports every module under `hydra_plugins` when it starts (also for `--help`), and only
+accepts launcher classes defined here, so this module stays tiny: thin classes that hand the work
+to `llmexp.launcher` (local processes) or `llmexp.slurm` (submitit), imported on the first launch.
+Neither torch nor submitit is imported here.
+
+The launcher configs are `conf/hydra/launcher/llmexp_{local,slurm}.yaml`, found through llmexp's
+config search path: setuptools' editable installs hide this package from Hydra's plugin scan, so
+configs registered here would be missing outside the checkout (see `llmexp.launcher.register_launchers`).
+
+Job settings are not launcher parameters: they live in the composed config's `cluster` node
+(`conf/cluster/*.yaml`, typed by `llmexp.config.ClusterConfig`), so `cluster.max_parallel=2` or
+`cluster.timeout_min=30` works from the command line like any other key.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+from hydra.core.utils import JobReturn
+from hydra.plugins.launcher import Launcher
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig
+
+
+class _LlmexpLauncher(Launcher):
+    """Holds what Hydra hands a launcher; `launch` is implemented by the subclasses."""
+
+    def __init__(self, **params: Any) -> None:
+        self.params = params
+        self.config: DictConfig | None = None
+        self.hydra_context: HydraContext | None = None
+        self.task_function: TaskFunction | None = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.config = config
+        self.hydra_context = hydra_context
+        self.task_function = task_function
+
+
+class LocalLauncher(_LlmexpLauncher):
+    """`cluster=local`: see `llmexp.launcher.launch_local`."""
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from llmexp.launcher import launch_local
+
+        return launch_local(self, job_overrides, initial_job_idx)
+
+
+class SlurmLauncher(_LlmexpLauncher):
+    """`cluster=slurm`: see `llmexp.slurm.launch_slurm`."""
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from llmexp.slurm import launch_slurm
+
+        return launch_slurm(self, job_overrides, initial_job_idx)
