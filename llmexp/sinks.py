@@ -1,0 +1,141 @@
+"""Optional metric sinks: Weights & Biases and TensorBoard (metrics.jsonl and the console are always on).
+
+Each sink takes the same records as metrics.jsonl (`{"event": ..., "step": ..., ...}`) and
+logs the numbers of train and eval records; other events are left to metrics.jsonl.
+wandb and tensorboard are imported only when their sink is built.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+REDACTED = "***"
+_SECRET_KEY = re.compile(r"(^|[_.-])(token|key|secret|password|passwd|pwd|credentials?|auth)$"
+                         r"|secret|password|api_?key|access_?key|private_?key", re.IGNORECASE)
+_NOT_SECRET = frozenset({"pad_token", "eos_token", "bos_token", "unk_token", "sep_token", "cls_token",
+                         "mask_token", "max_new_tokens", "num_key_value_heads"})
+_SECRET_VALUE = re.compile(r"^(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|"
+                           r"xox[abpr]-[A-Za-z0-9-]{10,}|AKIA[0-9A-Z]{16})$")
+
+
+def is_secret_key(key: str) -> bool:
+    """Keys named like a credential: *token, *key, *secret*, *password*, api_key, ... (not pad_token,
+    num_key_value_heads and other model fields that merely contain the word)."""
+    key = str(key)
+    return key.lower() not in _NOT_SECRET and bool(_SECRET_KEY.search(key))
+
+
+def scrub(obj: Any) -> Any:
+    """A copy of a config with the values of secret-looking keys, and secret-looking strings, redacted."""
+    if isinstance(obj, dict):
+        return {k: REDACTED if is_secret_key(k) and obj[k] not in (None, "") else scrub(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [scrub(v) for v in obj]
+    if isinstance(obj, str) and _SECRET_VALUE.match(obj.strip()):
+        return REDACTED
+    return obj
+
+
+def scrub_overrides(overrides: list[str]) -> list[str]:
+    """Overrides (`key=value`) with secret values redacted, e.g. for a run name."""
+    out = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        leaf = key.lstrip("+~").rsplit(".", 1)[-1]
+        out.append(f"{key}={REDACTED}" if sep and (is_secret_key(leaf) or scrub(value) == REDACTED) else item)
+    return out
+
+
+def run_name_from_overrides(overrides: list[str] | str, max_len: int = 128) -> str:
+    """A readable run name from the overrides (`lr=1e-3,batch_size=4`), secrets removed; `default` if none."""
+    items = overrides.split(",") if isinstance(overrides, str) else list(overrides)
+    items = [o for o in scrub_overrides([o for o in items if o]) if not o.lstrip("+~").startswith("hydra.")]
+    name = ",".join(items) or "default"
+    return name if len(name) <= max_len else name[:max_len - 3] + "..."
+
+
+def _numbers(record: dict[str, Any]) -> dict[str, float]:
+    """The numeric fields of a train or eval record, under `train/` or `eval/`; NaN/inf kept as floats."""
+    event = record.get("event")
+    if event not in ("train", "eval"):
+        return {}
+    out = {}
+    for key, value in record.items():
+        if key in ("event", "step") or isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        out[f"{event}/{key}"] = float(value)
+    return out
+
+
+def wandb_mode(configured: str) -> str:
+    """offline when asked to be, or when there is no API key: a run must never block on a login prompt."""
+    if os.environ.get("WANDB_MODE") in ("offline", "disabled"):
+        return os.environ["WANDB_MODE"]
+    if configured in ("offline", "disabled"):
+        return configured
+    if configured == "online":
+        return "online"
+    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
+class WandbSink:
+    """Weights & Biases: the resolved config (secrets removed), train/* and eval/* against trainer/step."""
+
+    def __init__(self, run_dir: Path, cfg_container: dict, run_name: str, logger_cfg: Any) -> None:
+        import wandb
+
+        get = logger_cfg.get if hasattr(logger_cfg, "get") else lambda k, d=None: getattr(logger_cfg, k, d)
+        self.mode = wandb_mode(str(get("mode", "auto") or "auto"))
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tags = get("tags", None)
+        self.run = wandb.init(
+            project=get("project", "llmexp"), entity=get("entity", None), name=run_name_from_overrides(run_name),
+            dir=str(run_dir), config=scrub(cfg_container), tags=list(tags) if tags else None, mode=self.mode,
+            reinit="create_new", settings=wandb.Settings(silent=True, console="off", x_disable_stats=True),
+        )
+        # Steps go backwards after a resume or rollback; wandb's own step must not, so plot against ours.
+        self.run.define_metric("trainer/step")
+        self.run.define_metric("train/*", step_metric="trainer/step")
+        self.run.define_metric("eval/*", step_metric="trainer/step")
+
+    def log(self, record: dict[str, Any]) -> None:
+        data = _numbers(record)
+        if data:
+            self.run.log({"trainer/step": int(record["step"]), **data})
+
+    def close(self) -> None:
+        if self.run is not None:
+            import wandb
+
+            self.run.finish()
+            self.run = None
+            wandb.teardown()  # flushes the run file now rather than at interpreter exit
+
+
+class TensorBoardSink:
+    """TensorBoard event files under `run_dir/tensorboard`: train/* and eval/* scalars by step."""
+
+    def __init__(self, run_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.log_dir = Path(run_dir) / "tensorboard"
+        self.writer: Any = SummaryWriter(log_dir=str(self.log_dir))
+
+    def log(self, record: dict[str, Any]) -> None:
+        step = int(record.get("step", 0))
+        for tag, value in _numbers(record).items():
+            if math.isfinite(value) or tag.endswith(("loss", "grad_norm")):  # a NaN loss is worth seeing
+                self.writer.add_scalar(tag, value, global_step=step)
+        if record.get("event") == "finding":
+            self.writer.add_text("findings", f"**{record.get('severity')}** {record.get('kind')}: "
+                                             f"{record.get('message')} — {record.get('advice')}", global_step=step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None

@@ -1,0 +1,135 @@
+"""wandb (offline, real wandb-core) and TensorBoard sinks: files written and read back; secrets never reach them."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from llmexp.sinks import (
+    REDACTED,
+    TensorBoardSink,
+    WandbSink,
+    is_secret_key,
+    run_name_from_overrides,
+    scrub,
+    wandb_mode,
+)
+
+CANARY = "CANARY-7f3a9-do-not-leak"
+
+
+def records() -> list[dict]:
+    out: list[dict] = [{"event": "eval", "step": 0, "eval_loss": 9.0, "eval_ppl": math.exp(9.0)}]
+    out += [{"event": "train", "step": s, "loss": 9.0 - 0.5 * s, "ppl": math.exp(9.0 - 0.5 * s), "lr": 1e-3,
+             "grad_norm": 1.0 + 0.1 * s, "tokens_per_sec": 1000.0} for s in range(1, 6)]
+    out += [{"event": "finding", "step": 5, "kind": "plateau", "severity": "info", "message": "m", "advice": "a"},
+            {"event": "eval", "step": 5, "eval_loss": 6.5, "eval_ppl": math.exp(6.5)}]
+    return out
+
+
+def test_scrub_redacts_secret_keys_and_values_only() -> None:
+    cfg = {"lr": 1e-3, "model": {"num_key_value_heads": 2, "name_or_path": "x"},
+           "data": {"tokenizer": "tok/", "max_length": 64},
+           "hub": {"hf_token": CANARY, "api_key": CANARY, "wandb_api_key": CANARY, "db_password": CANARY,
+                   "client_secret": CANARY, "token": CANARY, "empty_token": None},
+           "notes": [f"hf_{'a' * 30}", "fine"]}
+    clean = scrub(cfg)
+    assert CANARY not in json.dumps(clean)
+    assert clean["hub"]["hf_token"] == REDACTED and clean["hub"]["empty_token"] is None
+    assert clean["model"] == cfg["model"] and clean["data"] == cfg["data"] and clean["lr"] == 1e-3
+    assert clean["notes"] == [REDACTED, "fine"]
+    assert not is_secret_key("pad_token") and not is_secret_key("max_length") and is_secret_key("HF_TOKEN")
+
+
+def test_run_name_from_overrides() -> None:
+    assert run_name_from_overrides([]) == "default"
+    assert run_name_from_overrides(["lr=1e-3", "batch_size=4"]) == "lr=1e-3,batch_size=4"
+    name = run_name_from_overrides(f"lr=1e-3,+hub.hf_token={CANARY},hydra.verbose=true")
+    assert CANARY not in name and name.startswith("lr=1e-3,") and "hydra" not in name
+    assert len(run_name_from_overrides(["x=" + "9" * 500])) <= 128
+
+
+def test_wandb_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    assert wandb_mode("auto") == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert wandb_mode("auto") == "online"
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert wandb_mode("online") == "offline"
+
+
+def read_wandb_log(path: Path) -> list:
+    """Records of a .wandb file: wandb's LevelDB-style log (7-byte file header, 32 KiB blocks,
+    records of checksum u32 / length u16 / type u8 chunks: 1 full, 2 first, 3 middle, 4 last)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    block, pos, pending, out = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # too little room for a header: the block is padded
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind == 0:
+            pos += block - pos % block if pos % block else 0
+            continue
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pending)
+            out.append(record)
+    return out
+
+
+def test_wandb_offline_run_is_readable_and_has_no_secrets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)  # no key: the sink must go offline, never prompt
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    cfg = {"lr": 1e-3, "batch_size": 4, "model": {"hidden_size": 64}, "hub": {"hf_token": CANARY}}
+    logger_cfg = OmegaConf.create({"name": "wandb", "project": "llmexp-test", "entity": None, "mode": "auto",
+                                   "tags": ["ci"]})
+    sink = WandbSink(tmp_path, cfg, f"lr=1e-3,+hub.hf_token={CANARY}", logger_cfg)
+    assert sink.mode == "offline"
+    for record in records():
+        sink.log(record)
+    sink.close()
+    run_dirs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(run_dirs) == 1
+    for f in run_dirs[0].rglob("*"):
+        assert not f.is_file() or CANARY.encode() not in f.read_bytes(), f
+    log = read_wandb_log(next(run_dirs[0].glob("run-*.wandb")))
+    run = next(r.run for r in log if r.WhichOneof("record_type") == "run")
+    config = {u.key: json.loads(u.value_json) for u in run.config.update}
+    assert config["lr"] == 1e-3 and config["hub"] == {"hf_token": REDACTED}
+    assert CANARY not in run.display_name and run.display_name.startswith("lr=1e-3")
+    history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+               for r in log if r.WhichOneof("record_type") == "history"]
+    losses = {h["trainer/step"]: h["train/loss"] for h in history if "train/loss" in h}
+    assert losses == {s: 9.0 - 0.5 * s for s in range(1, 6)}
+    assert [h["eval/eval_loss"] for h in history if "eval/eval_loss" in h] == [9.0, 6.5]
+
+
+def test_tensorboard_events_are_readable(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sink = TensorBoardSink(tmp_path)
+    for record in [*records(), {"event": "train", "step": 6, "loss": float("nan"), "grad_norm": float("inf"),
+                                "lr": 1e-3}]:
+        sink.log(record)
+    sink.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert {"train/loss", "train/grad_norm", "train/lr", "eval/eval_loss"} <= set(acc.Tags()["scalars"])
+    loss = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    assert loss[:5] == [(s, pytest.approx(9.0 - 0.5 * s)) for s in range(1, 6)]
+    assert loss[5][0] == 6 and math.isnan(loss[5][1])  # a NaN loss is logged, not dropped
+    assert [e.value for e in acc.Scalars("eval/eval_loss")] == [9.0, 6.5]
