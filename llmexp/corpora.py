@@ -232,6 +232,19 @@ def stdlib_sft_records(rel_paths: list[str], num_proc: int, max_doc_chars: int =
     return [pair for chunk in chunks for pair in chunk]
 
 
+def _first_pairs(rel_paths: list[str], max_examples: int | None, num_proc: int) -> list[Record]:
+    """All pairs, or the first `max_examples` of the files in hash order (parsing only what is needed)."""
+    if max_examples is None:
+        return stdlib_sft_records(rel_paths, num_proc)
+    pairs: list[Record] = []
+    ordered = sorted(rel_paths, key=hash_fraction)
+    for start in range(0, len(ordered), 32):
+        pairs += stdlib_sft_records(ordered[start:start + 32], 1)
+        if len(pairs) >= max_examples:
+            break
+    return pairs[:max_examples]
+
+
 # ---------------------------------------------------------------- the corpus of a config
 
 
@@ -278,9 +291,7 @@ def _stdlib_corpus(d: Any) -> Corpus:
     def load() -> tuple[list[Record], list[Record]]:
         if d.name == "stdlib":
             return ([{"text": read_text(root / r)} for r in train], [{"text": read_text(root / r)} for r in held])
-        pairs = stdlib_sft_records(whole_train, int(d.num_proc))
-        keep = set(limit([f"{i}" for i in range(len(pairs))], d.max_examples))
-        return [p for i, p in enumerate(pairs) if str(i) in keep], stdlib_sft_records(held, int(d.num_proc))
+        return _first_pairs(whole_train, d.max_examples, int(d.num_proc)), stdlib_sft_records(held, int(d.num_proc))
 
     # stdlib_sft shares the stdlib tokenizer: both are trained on the stdlib's train files
     bpe_files = train if d.name == "stdlib" else whole_train

@@ -9,7 +9,11 @@ here; `llmexp.build` uses it too. transformers is imported inside functions only
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import os
+import socket
+import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,29 +31,58 @@ BPE_VERSION = 1
 """Bump when the BPE recipe changes, so cached tokenizers are rebuilt."""
 
 
-def hub_error(name: str, cause: BaseException | None = None) -> UserError:
-    """A UserError for a model/tokenizer name that is neither a local directory nor reachable on the hub."""
-    reason = f" ({type(cause).__name__}: {str(cause).splitlines()[0][:200]})" if cause else ""
-    looks_local = name.startswith((".", "/", "~")) or Path(name).expanduser().exists()
-    if looks_local:
-        return UserError(f"model.name_or_path={name}: no loadable model/tokenizer there{reason}. Point it at a "
-                         "directory written by save_pretrained, e.g. the model/ of an earlier run: "
-                         "model.name_or_path=outputs/<date>/<time>/model")
+def hub_error(name: str, cause: BaseException | None = None, key: str = "model.name_or_path") -> UserError:
+    """A UserError for a model/tokenizer name that is neither a loadable local directory nor reachable
+    on the hub: it names the model and says how to use a local path. `llmexp.build` can use it too."""
+    reason = f" ({type(cause).__name__}: {str(cause).strip().splitlines()[0][:200]})" if cause else ""
+    if name.startswith((".", "/", "~")) or Path(name).expanduser().exists():
+        where = "is not a directory" if not Path(name).expanduser().exists() else "holds no loadable model/tokenizer"
+        return UserError(f"{key}={name} {where}{reason}. Point it at a directory written by "
+                         "save_pretrained, e.g. the model/ of an earlier run: "
+                         f"{key}=outputs/<date>/<time>/model")
+    short = name.rstrip("/").split("/")[-1]
     return UserError(
-        f"cannot load {name!r}: it is not a local directory and the Hugging Face hub cannot be reached or has no "
-        f"such repo{reason}. Use a local copy: on a machine with access run `huggingface-cli download {name} "
-        f"--local-dir /path/to/{name.split('/')[-1]}`, copy it here and set model.name_or_path=/path/to/"
-        f"{name.split('/')[-1]} (or the model/ directory of an earlier llmexp run)."
+        f"cannot load {name!r}: it is not a local directory, and the Hugging Face hub is unreachable from here "
+        f"or has no such repo{reason}. Use a local copy: where the hub is reachable run `huggingface-cli download "
+        f"{name} --local-dir {short}`, copy that directory here and set {key}=/path/to/{short} "
+        "(or point it at the model/ directory of an earlier llmexp run)."
     )
 
 
-def _from_pretrained(name: str, revision: str | None = None, trust_remote_code: bool = False) -> Any:
+@functools.lru_cache(maxsize=1)
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the hub answers a TCP connect: checked once, so an offline machine fails in seconds
+    instead of minutes of retries inside `from_pretrained`."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    host = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or ""
+    try:
+        socket.create_connection((host, 443), timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
+
+
+def hub_load_kwargs(name: str, key: str = "model.name_or_path") -> dict[str, Any]:
+    """Extra `from_pretrained` kwargs for `name`: a local path as it is; a hub id offline reads only the
+    local HF cache (`local_files_only`), which raises at once when the model is not there.
+    Raises `hub_error` for a local-looking path that does not exist."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return {}
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise hub_error(name, key=key)
+    return {} if hub_reachable() else {"local_files_only": True}
+
+
+def _from_pretrained(name: str, key: str, revision: str | None = None, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
+    kwargs = hub_load_kwargs(name, key)
     try:
-        return AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError, ImportError) as err:  # hub errors subclass OSError; bad dirs raise ValueError
-        raise hub_error(name, err) from None
+        raise hub_error(name, err, key) from None
 
 
 def _ensure_special_tokens(tok: Any, name: str) -> Any:
@@ -90,10 +123,11 @@ def tokenizer_fingerprint(tok: Any) -> str:
 def load_tokenizer(cfg: DictConfig) -> PreTrainedTokenizerFast:
     """The run's tokenizer (see the module docstring for the order of choices)."""
     if cfg.data.tokenizer:
-        return _ensure_special_tokens(_from_pretrained(str(cfg.data.tokenizer)), str(cfg.data.tokenizer))
+        name = str(cfg.data.tokenizer)
+        return _ensure_special_tokens(_from_pretrained(name, "data.tokenizer"), name)
     if cfg.model.name_or_path:
         name = str(cfg.model.name_or_path)
-        tok = _from_pretrained(name, cfg.model.revision, bool(cfg.model.trust_remote_code))
+        tok = _from_pretrained(name, "model.name_or_path", cfg.model.revision, bool(cfg.model.trust_remote_code))
         return _ensure_special_tokens(tok, name)
     return trained_tokenizer(cfg)
 

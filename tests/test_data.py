@@ -1,0 +1,351 @@
+"""The data pipeline: corpora, tokenizer, token cache, SFT masking, packing, sampler, bad input.
+
+Real components throughout (Hydra compose, the real stdlib, `tokenizers`, a tiny Llama for the
+packing check). The stdlib tokenizer is trained once per session on a 30-file subset with a
+512-token vocabulary (`data.max_examples`, `model.vocab_size`) to stay inside the time budget.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmexp import corpora, data
+from llmexp.cache import get_or_build
+from llmexp.errors import UserError
+
+TINY = ["model.vocab_size=512", "data.max_length=64", "data.max_examples=30", "data.num_proc=1"]
+
+
+def compose(cache: Path, *overrides: str) -> Any:
+    """The real Hydra composition of the CLI, with the cache in the test's directory."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from llmexp.config import register_configs
+    from llmexp.paths import conf_dir, register_resolvers
+
+    register_configs()
+    register_resolvers()
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        return hydra_compose("config", overrides=[*TINY, f"data.cache_dir={cache}", *overrides])
+
+
+@pytest.fixture(scope="session")
+def session_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("llmexp_cache")
+
+
+@pytest.fixture(scope="session")
+def tok(session_cache: Path) -> Any:
+    """The stdlib BPE of the tiny config, trained once."""
+    return data.load_tokenizer(compose(session_cache))
+
+
+def entries(cache: Path, kind: str = "tokens") -> list[str]:
+    """Everything under <cache>/<kind>, hidden temp dirs included."""
+    root = cache / kind
+    return sorted(os.listdir(root)) if root.exists() else []
+
+
+def write_jsonl(path: Path, records: list[Any]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def json_cfg(cache: Path, train: Path, eval_: Path | None = None, *extra: str) -> Any:
+    overrides = ["data=json", f"data.train_file={train}", "data.max_length=64", *extra]
+    if eval_ is not None:
+        overrides.append(f"data.eval_file={eval_}")
+    return compose(cache, *overrides)
+
+
+def label_text(tok: Any, batch: dict[str, Any], row: int) -> str:
+    labels = batch["labels"][row]
+    return tok.decode(labels[labels != -100].tolist())
+
+
+# ---------------------------------------------------------------- stdlib corpus and cache
+
+
+def test_stdlib_files_exclude_tests_and_split_by_file() -> None:
+    files = corpora.stdlib_files()
+    assert "os.py" in files and os.path.join("json", "__init__.py") in files
+    for rel in files:
+        assert not set(Path(rel).parts) & corpora.STDLIB_EXCLUDED_DIRS, rel
+    train, held = corpora.split_by_hash(files, 0.05)
+    rtrain, rheld = corpora.split_by_hash(list(reversed(files)), 0.05)
+    assert set(rtrain) == set(train) and set(rheld) == set(held)  # by name, not by position
+    assert not set(train) & set(held) and set(train) | set(held) == set(files)
+    assert 0.02 < len(held) / len(files) < 0.1
+
+
+def test_stdlib_blocks_and_cache_hit(session_cache: Path, tok: Any) -> None:
+    assert tok.eos_token_id is not None and tok.pad_token_id is not None and len(tok) <= 512
+    cfg = compose(session_cache)
+    train, held, stats = data.build_datasets(cfg, tok)
+    assert stats["data_mode"] == "lm_packed" and stats["data_train_records"] == 30 and len(held) > 0
+    assert train.ids.dtype == np.uint16 and isinstance(train.ids, np.memmap)
+    idx = data.batch_indices(0, 0, 4, len(train))
+    batch = train.get_batch(idx)
+    assert set(batch) == {"input_ids", "labels"} and batch["input_ids"].shape == (4, 64)
+    assert (batch["labels"] == batch["input_ids"]).all() and train.num_targets(idx) == 4 * 63
+    assert stats["data_train_tokens"] == len(train) * 64 and stats["data_eval_tokens"] > 0
+    again_train, _, again = data.build_datasets(cfg, tok)
+    assert not stats["data_cache_hit"] or again["data_cache_hit"]
+    assert again["data_cache_hit"] and again["data_cache_key"] == stats["data_cache_key"]
+    assert np.array_equal(np.asarray(again_train.ids), np.asarray(train.ids))
+    assert data.load_tokenizer(cfg).get_vocab() == tok.get_vocab()  # the cached tokenizer is reused
+
+
+def test_stdlib_change_invalidates_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The real stdlib cannot be edited, so the stdlib root points at a small copy here.
+    root = tmp_path / "lib"
+    for i in range(6):
+        (root / "pkg").mkdir(parents=True, exist_ok=True)
+        (root / "pkg" / f"mod{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n" * 40)
+    (root / "test").mkdir()
+    (root / "test" / "test_x.py").write_text("assert False\n")
+    monkeypatch.setattr(corpora, "stdlib_root", lambda: root)
+    cfg = compose(tmp_path / "cache", "data.max_examples=null", "data.max_length=16", "data.eval_fraction=0.3")
+    tok = data.load_tokenizer(cfg)
+    _, _, first = data.build_datasets(cfg, tok)
+    assert first["data_train_records"] + first["data_eval_records"] == 6  # test/ is excluded
+    _, _, hit = data.build_datasets(cfg, tok)
+    assert hit["data_cache_hit"]
+    path = root / "pkg" / "mod0.py"
+    path.write_text(path.read_text() + "# changed\n")
+    _, _, changed = data.build_datasets(cfg, data.load_tokenizer(cfg))
+    assert not changed["data_cache_hit"] and changed["data_cache_key"] != first["data_cache_key"]
+
+
+# ---------------------------------------------------------------- the sampler
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), step=st.integers(0, 500), micro=st.sampled_from([1, 2, 3]),
+       num_examples=st.integers(1, 50))
+def test_batch_is_the_same_for_any_world_size_and_split(seed: int, step: int, micro: int, num_examples: int) -> None:
+    global_batch = 12 * micro
+    batch = data.batch_indices(seed, step, global_batch, num_examples)
+    assert np.array_equal(batch, data.batch_indices(seed, step, global_batch, num_examples))
+    for world in (1, 2, 3, 4, 6, 12):
+        accum = global_batch // (world * micro)
+        parts = [data.micro_batch(batch, r, world, m, micro) for m in range(accum) for r in range(world)]
+        assert np.array_equal(np.sort(np.concatenate(parts)), np.sort(batch))
+        assert all(len(p) == micro for p in parts)
+
+
+def test_sampler_covers_each_epoch_once_and_resumes() -> None:
+    n, g = 10, 4
+    stream = np.concatenate([data.batch_indices(7, s, g, n) for s in range(10)])  # 4 epochs
+    for epoch in range(4):
+        assert sorted(stream[epoch * n:(epoch + 1) * n].tolist()) == list(range(n))
+    assert not np.array_equal(stream[:n], stream[n:2 * n])  # a fresh permutation per epoch
+    assert np.array_equal(data.batch_indices(7, 6, g, n), stream[24:28])  # resume at step 6: same data
+    assert not np.array_equal(data.batch_indices(8, 0, g, n), data.batch_indices(7, 0, g, n))
+    with pytest.raises(ValueError):
+        data.micro_batch(np.arange(4), 1, 2, 1, 2)
+
+
+# ---------------------------------------------------------------- the cache is never half-written
+
+
+def test_interrupted_caching_leaves_nothing(tmp_path: Path, tok: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    train = write_jsonl(tmp_path / "train.jsonl", [{"text": f"row {i} " * 30} for i in range(20)])
+    cfg = json_cfg(tmp_path / "cache", train)
+    calls = []
+
+    def failing_save(*args: Any) -> None:
+        calls.append(args[1])
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # as if the user pressed Ctrl-C mid-write
+        real_save(*args)
+
+    real_save = data.save_array
+    monkeypatch.setattr(data, "save_array", failing_save)
+    with pytest.raises(KeyboardInterrupt):
+        data.build_datasets(cfg, tok)
+    assert entries(tmp_path / "cache") == []
+    monkeypatch.setattr(data, "save_array", real_save)
+    _, _, stats = data.build_datasets(cfg, tok)
+    assert not stats["data_cache_hit"] and len(entries(tmp_path / "cache")) == 1
+
+
+def _slow_build(root: str, out: str) -> None:
+    def build(tmp: Path) -> dict[str, Any]:
+        with open(out, "a") as f:
+            f.write("built\n")
+        (tmp / "x.txt").write_text("x" * 1000)
+        return {"ok": True}
+
+    get_or_build(Path(root), "things", "k1", build)
+
+
+def test_concurrent_builders_build_once(tmp_path: Path) -> None:
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_slow_build, args=(str(tmp_path), str(tmp_path / "log"))) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    assert (tmp_path / "log").read_text() == "built\n"
+    assert entries(tmp_path, "things") == ["k1"] and (tmp_path / "things/k1/x.txt").stat().st_size == 1000
+
+
+def test_stale_temp_dir_of_a_killed_builder_is_removed(tmp_path: Path) -> None:
+    stale = tmp_path / "things" / ".k2.tmp-dead"
+    stale.mkdir(parents=True)
+    (stale / "half.npy").write_bytes(b"\x93NUMPY")
+    _, meta, hit = get_or_build(tmp_path, "things", "k2", lambda tmp: {"n": 1})
+    assert not hit and meta == {"n": 1} and entries(tmp_path, "things") == ["k2"]
+
+
+# ---------------------------------------------------------------- SFT records: masking and packing
+
+PAIRS = [{"prompt": f"Q: what is {i} plus {i}?\nA:", "completion": f" {2 * i}, because {i}+{i}={2 * i}."}
+         for i in range(12)]
+
+
+def test_prompt_completion_loss_on_completion_only(tmp_path: Path, tok: Any) -> None:
+    train = write_jsonl(tmp_path / "train.jsonl", PAIRS)
+    eval_ = write_jsonl(tmp_path / "eval.jsonl", PAIRS[:3])
+    ds, held, stats = data.build_datasets(json_cfg(tmp_path / "cache", train, eval_), tok)
+    assert stats["data_mode"] == "padded" and len(ds) == 12 and len(held) == 3
+    idx = np.array([3, 10])
+    batch = ds.get_batch(idx)
+    for row, i in enumerate(idx):
+        assert label_text(tok, batch, row) == PAIRS[i]["completion"] + tok.eos_token
+        ids = batch["input_ids"][row][batch["attention_mask"][row].bool()].tolist()
+        assert tok.decode(ids) == PAIRS[i]["prompt"] + PAIRS[i]["completion"] + tok.eos_token
+    assert (batch["labels"][batch["attention_mask"] == 0] == -100).all()
+    assert ds.num_targets(idx) == int((batch["labels"][:, 1:] != -100).sum())
+
+
+def test_messages_plain_template_loss_on_assistant_turns(tmp_path: Path, tok: Any) -> None:
+    chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
+                         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye?"},
+                         {"role": "assistant", "content": "Bye."}]}
+    train = write_jsonl(tmp_path / "train.jsonl", [chat] * 3)
+    ds, _, _ = data.build_datasets(json_cfg(tmp_path / "cache", train, train, "data.max_length=128"), tok)
+    batch = ds.get_batch(np.array([0]))
+    assert label_text(tok, batch, 0) == f"Hello.{tok.eos_token}Bye.{tok.eos_token}"
+    assert tok.decode(batch["input_ids"][0].tolist()).startswith("### System:\nBe brief.\n\n### User:\nHi?")
+
+
+def test_messages_chat_template_loss_on_assistant_turns(tmp_path: Path, tok: Any) -> None:
+    templated = tok.__class__.from_pretrained(tok.name_or_path)
+    templated.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                               "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    chat = {"messages": [{"role": "user", "content": "Ping"}, {"role": "assistant", "content": "Pong"}]}
+    train = write_jsonl(tmp_path / "train.jsonl", [chat] * 2)
+    ds, _, _ = data.build_datasets(json_cfg(tmp_path / "cache", train, train), templated)
+    assert label_text(templated, ds.get_batch(np.array([1])), 0) == "Pong<|end|>"
+
+
+def test_sft_packing_keeps_examples_apart(tmp_path: Path, tok: Any) -> None:
+    """Packed rows give every example exactly the loss it gets alone: attention stops at boundaries."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    train = write_jsonl(tmp_path / "train.jsonl", PAIRS)
+    cfg = json_cfg(tmp_path / "cache", train, train, "data.packing=true")
+    packed, _, stats = data.build_datasets(cfg, tok)
+    padded, _, _ = data.build_datasets(json_cfg(tmp_path / "cache", train, train), tok)
+    assert stats["data_mode"] == "sft_packed" and len(packed) < len(padded)
+    assert packed.num_targets(np.arange(len(packed))) == padded.num_targets(np.arange(len(padded)))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                         max_position_embeddings=64, initializer_range=0.5,  # sharp attention
+                                         attn_implementation="sdpa")).eval()
+
+    def loss_sum(batch: dict[str, torch.Tensor]) -> float:
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits
+        return float(torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(),
+                                                       reduction="sum"))
+
+    with torch.no_grad():
+        batch = packed.get_batch(np.arange(len(packed)))
+        assert "position_ids" in batch and "attention_mask" not in batch
+        alone = loss_sum(padded.get_batch(np.arange(len(padded))))
+        assert loss_sum(batch) == pytest.approx(alone, rel=1e-5)
+        leaky = {k: v for k, v in batch.items() if k != "position_ids"}  # one long sequence: examples see each other
+        assert abs(loss_sum(leaky) - alone) > 1e-3 * alone
+
+
+def test_sft_packing_refused_where_boundaries_may_leak(tmp_path: Path, tok: Any) -> None:
+    train = write_jsonl(tmp_path / "train.jsonl", PAIRS)
+    cfg = json_cfg(tmp_path / "cache", train, train, "data.packing=true", "model.trust_remote_code=true",
+                   "model.revision=abc")
+    with pytest.raises(UserError, match=r"data\.packing=false"):
+        data.build_datasets(cfg, tok)
+    assert entries(tmp_path / "cache") == []
+
+
+def test_truncation_is_reported(tmp_path: Path, tok: Any) -> None:
+    long = {"prompt": "Q: " + "why " * 10, "completion": " because" * 200}
+    train = write_jsonl(tmp_path / "train.jsonl", [long, *PAIRS[:3]])
+    ds, _, stats = data.build_datasets(json_cfg(tmp_path / "cache", train, train), tok)
+    assert stats["data_train_truncated_examples"] == 1 and stats["data_train_truncated_tokens"] > 100
+    assert int(np.diff(ds.offsets).max()) == 64 and stats["data_train_examples"] == 4
+
+
+def test_stdlib_sft_pairs_hold_out_files(session_cache: Path, tok: Any) -> None:
+    files = corpora.stdlib_files()
+    held_files = corpora.split_by_hash(files, 0.05)[1]
+    pairs = corpora.stdlib_sft_records(["json/__init__.py"], num_proc=1)
+    dumps = next(p for p in pairs if p["prompt"].startswith("# json/__init__.py: dumps\n"))
+    assert dumps["prompt"].endswith('def dumps(obj, *, skipkeys=False, ensure_ascii=True, check_circular=True, '
+                                    'allow_nan=True, cls=None, indent=None, separators=None, default=None, '
+                                    'sort_keys=False, **kw):\n    """')
+    assert dumps["completion"].startswith("Serialize ``obj`` to a JSON formatted ``str``.")
+    cfg = compose(session_cache, "data=stdlib_sft", "data.max_examples=40", "data.max_length=128")
+    ds, held, stats = data.build_datasets(cfg, tok)
+    assert stats["data_mode"] == "padded" and len(ds) == 40 and len(held) > 10
+    batch = held.get_batch(np.arange(4))
+    for row in range(4):
+        text = tok.decode(batch["input_ids"][row][batch["attention_mask"][row].bool()].tolist())
+        assert text.split(":", 1)[0][2:] in held_files  # "# <file>: name" -- eval pairs come from held-out files
+        assert label_text(tok, batch, row).endswith('"""\n' + tok.eos_token)
+
+
+# ---------------------------------------------------------------- text files
+
+
+def test_text_directory_glob_and_single_file(tmp_path: Path, tok: Any) -> None:
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(8):
+        (docs / f"d{i}.txt").write_text(f"document {i}\n" + "some words here\n" * 20)
+    by_dir = compose(tmp_path / "c", "data=text", f"data.train_file={docs}", "data.max_length=32")
+    _, dir_eval, dir_stats = data.build_datasets(by_dir, tok)
+    _, _, glob_stats = data.build_datasets(compose(tmp_path / "c", "data=text", f"data.train_file={docs}/d*.txt",
+                                                   "data.max_length=32"), tok)
+    assert dir_stats["data_mode"] == "lm_packed" and glob_stats["data_cache_hit"]  # same files, same key
+    assert dir_stats["data_train_records"] + dir_stats["data_eval_records"] == 8 and len(dir_eval) >= 1
+    single = compose(tmp_path / "c", "data=text", f"data.train_file={docs}/d0.txt", "data.max_length=16",
+                     "data.eval_fraction=0.2")
+    _, held, stats = data.build_datasets(single, tok)
+    assert stats["data_train_records"] == stats["data_eval_records"] == 1 and len(held) >= 1
+
+
+def test_changed_user_file_invalidates_cache(tmp_path: Path, tok: Any) -> None:
+    train = write_jsonl(tmp_path / "train.jsonl", PAIRS)
+    cfg = json_cfg(tmp_path / "cache", train, train)
+    first = data.build_datasets(cfg, tok)[2]
+    assert data.build_datasets(cfg, tok)[2]["data_cache_hit"]
+    stat = train.stat()
+    train.write_text(train.read_text().replace("plus", "PLUS"))  # same size, same mtime: content decides
+    os.utime(train, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    second = data.build_datasets(cfg, tok)[2]
+    assert not second["data_cache_hit"] and second["data_cache_key"] != first["data_cache_key"]
