@@ -1,0 +1,191 @@
+"""Run and sweep reports and the doctor, on hand-made run directories (the files a run leaves behind)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llmexp import doctor
+from llmexp.report import main as report_main
+from llmexp.report import stability, varying_params, write_run_report, write_sweep_report
+from tests.conftest import run_cli
+from tests.test_monitor import healthy_loss, history
+
+CONFIG = {"lr": 3e-4, "batch_size": 8, "seed": 0, "model": {"name": "tiny", "name_or_path": None, "hidden_size": 64},
+          "train": {"max_grad_norm": 1.0, "gradient_accumulation_steps": 2, "max_steps": 1000, "on_anomaly": "skip"},
+          "precision": {"name": "bf16"}, "optimizer": {"name": "adamw"}, "scheduler": {"name": "cosine"}}
+
+
+def make_run(run_dir: Path, records: list[dict], summary: dict | None = None, overrides: tuple[str, ...] = (),
+             job_status: dict | None = None, torn_tail: bool = False) -> Path:
+    (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+    lines = "".join(json.dumps(r) + "\n" for r in records)
+    (run_dir / "metrics.jsonl").write_text(lines + ('{"event": "train", "st' if torn_tail else ""))
+    (run_dir / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(list(overrides)))
+    lr = next((float(o.split("=")[1]) for o in overrides if o.startswith("lr=")), CONFIG["lr"])
+    (run_dir / ".hydra" / "config.yaml").write_text(yaml.safe_dump({**CONFIG, "lr": lr}))
+    if summary is not None:
+        (run_dir / "summary.json").write_text(json.dumps(summary))
+    if job_status is not None:
+        (run_dir / "job_status.json").write_text(json.dumps(job_status))
+    return run_dir
+
+
+def summary_of(records: list[dict], status: str = "completed") -> dict:
+    train = [r for r in records if r["event"] == "train"]
+    evals = [r for r in records if r["event"] == "eval"]
+    return {"status": status, "step": train[-1]["step"], "train_loss": train[-1]["loss"],
+            "eval_loss": evals[-1]["eval_loss"], "eval_ppl": evals[-1]["eval_ppl"], "tokens_per_sec": 1234.0,
+            "mfu": 0.1, "lr": 3e-4, "lr_source": "config", "exit_code": 0, "findings": []}
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    import matplotlib.image
+
+    image = matplotlib.image.imread(path)
+    return image.shape[1], image.shape[0]
+
+
+def broken_history() -> list[dict]:
+    """Overfitting from step 400, a loss spike at 510, a NaN at 610."""
+    records = history(num_steps=1000, eval_loss=lambda s: healthy_loss(min(s, 400)) + 0.3 + 0.004 * max(s - 400, 0))
+    train = [r for r in records if r["event"] == "train"]
+    train[50]["loss"] *= 3
+    train[60]["loss"] = train[60]["grad_norm"] = float("nan")
+    return records
+
+
+def test_run_report_has_status_metrics_findings_settings_and_curves(tmp_path: Path) -> None:
+    records = broken_history()
+    run = make_run(tmp_path / "run", records, summary_of(records), ("lr=3e-4", "train.max_steps=1000"))
+    write_run_report(run)
+    text = (run / "report.md").read_text()
+    assert "**Status:** completed" in text and "`lr=3e-4 train.max_steps=1000`" in text
+    assert "| best eval loss | " in text and "(step 400)" in text and "| tokens/s | 1,234 |" in text
+    for kind, step in (("overfitting", 400), ("loss_spike", 510), ("non_finite", 610)):
+        assert f"`{kind}` at step {step}" in text
+    assert "*advice:*" in text and "dropout" in text
+    assert "| gradient accumulation | 2 |" in text and "| precision | bf16 |" in text and "| lr | 3e-04 |" in text
+    width, height = png_size(run / "curves.png")
+    assert width > 1000 and height > 600
+    assert not list(run.glob(".*.tmp")) and not list(run.glob(".curves*"))  # no temp files left behind
+
+
+def test_run_report_of_a_killed_run(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "run", history(num_steps=100), torn_tail=True)
+    write_run_report(run)
+    text = (run / "report.md").read_text()
+    assert "no summary.json" in text and "| steps | 100 |" in text
+    assert (run / "curves.png").stat().st_size > 10_000
+
+
+def test_stability_measures_how_steadily_loss_fell() -> None:
+    smooth = stability(history(noise=0.0))
+    noisy = stability(history(noise=0.05, seed=3))
+    assert smooth["rise_fraction"] == 0.0 and smooth["drop"] > 5
+    assert noisy["rise_fraction"] > 0.2 and noisy["noise_to_drop"] > smooth["noise_to_drop"]
+    assert stability([]) == {"drop": None, "rise_fraction": None, "noise_to_drop": None}
+
+
+def make_sweep(root: Path) -> Path:
+    """lr x batch_size, 2 x 3: job 5 killed (no summary), job 4 failed (job_status.json), job 1 with the
+    lowest eval loss of all but a NaN (an error finding), so it must not be recommended."""
+    (root / "multirun.yaml").parent.mkdir(parents=True, exist_ok=True)
+    (root / "multirun.yaml").write_text("hydra: {}\n")
+    speeds = {"1e-4": 150.0, "3e-4": 60.0, "1e-3": 30.0}
+    job = 0
+    for lr in speeds:
+        for bs, offset in (("2", 0.2), ("4", 0.0)):
+            records = history(num_steps=300, seed=job,
+                              loss=lambda s, v=speeds[lr], o=offset: 2 + o + 7 * math.exp(-s / v))
+            overrides = (f"lr={lr}", f"batch_size={bs}")
+            if job == 1:
+                records[5]["loss"] = float("nan")
+                records[-1]["eval_loss"] = 1.5
+            if job == 5:
+                make_run(root / str(job), [r for r in records if r["step"] <= 150], None, overrides)
+            elif job == 4:
+                make_run(root / str(job), [r for r in records if r["step"] <= 50], None, overrides,
+                         {"status": "failed", "error": "RuntimeError: boom"})
+            else:
+                make_run(root / str(job), records, summary_of(records), overrides)
+            job += 1
+    return root
+
+
+def test_sweep_report_covers_every_job_and_recommends_a_healthy_one(tmp_path: Path) -> None:
+    sweep = make_sweep(tmp_path / "sweep")
+    summary = write_sweep_report(sweep)
+    on_disk = json.loads((sweep / "sweep_summary.json").read_text())
+    assert on_disk["recommendation"] == summary["recommendation"]
+    jobs = {j["job"]: j for j in on_disk["jobs"]}
+    assert sorted(jobs) == [str(i) for i in range(6)]
+    assert jobs["5"]["status"] == "failed" and "no summary.json" in jobs["5"]["error"]
+    assert jobs["4"]["status"] == "failed" and jobs["4"]["error"] == "RuntimeError: boom"
+    assert jobs["1"]["worst_severity"] == "error" and jobs["0"]["overrides"] == ["lr=1e-4", "batch_size=2"]
+    assert on_disk["varying"] == ["lr", "batch_size"] and on_disk["all_finished"] is False
+    rec = on_disk["recommendation"]
+    finished_ok = [j for j in jobs.values() if j["status"] == "completed" and j["worst_severity"] != "error"]
+    assert rec["job"] == min(finished_ok, key=lambda j: j["eval_loss"])["job"] == "3"
+    assert "lowest final eval loss" in rec["reason"] and "rose on" in rec["reason"]
+    text = (sweep / "sweep_report.md").read_text()
+    assert "**Recommended:** `lr=3e-4 batch_size=4` (job 3)" in text
+    assert text.count("\n| ") == 1 + 6  # header row + one row per job
+    width, height = png_size(sweep / "sweep_curves.png")
+    assert width / height > 2.8  # three panels: train, eval and the lr x batch_size heatmap
+
+
+def test_sweep_with_one_parameter_has_no_heatmap(tmp_path: Path) -> None:
+    for job, lr in enumerate(("1e-4", "3e-4")):
+        records = history(num_steps=100, seed=job)
+        make_run(tmp_path / str(job), records, summary_of(records), (f"lr={lr}", "batch_size=4"))
+    summary = write_sweep_report(tmp_path)
+    assert summary["varying"] == ["lr"] and summary["all_finished"] is True
+    width, height = png_size(tmp_path / "sweep_curves.png")
+    assert width / height < 2.8
+
+
+def test_no_recommendation_when_every_job_is_broken(tmp_path: Path) -> None:
+    records = history(num_steps=100)
+    make_run(tmp_path / "0", records, summary_of(records, status="diverged"), ("lr=1",))
+    make_run(tmp_path / "1", records, None, ("lr=2",))
+    summary = write_sweep_report(tmp_path)
+    assert summary["recommendation"] is None
+    assert "no job finished without error findings" in (tmp_path / "sweep_report.md").read_text()
+
+
+def test_varying_params_keeps_order_and_ignores_constants() -> None:
+    jobs = [{"params": {"lr": "1", "seed": "0", "bs": "2"}}, {"params": {"lr": "2", "seed": "0", "bs": "4"}}]
+    assert varying_params(jobs) == ["lr", "bs"]
+
+
+def test_report_cli_picks_run_or_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sweep = make_sweep(tmp_path / "sweep")
+    assert report_main([str(sweep)]) == 1  # jobs failed: non-zero, like the sweep itself
+    assert (sweep / "sweep_report.md").is_file()
+    assert report_main([str(sweep / "0")]) == 0 and (sweep / "0" / "report.md").is_file()
+    assert report_main([str(tmp_path / "nowhere")]) == 2
+    assert "neither a run directory" in capsys.readouterr().err
+
+
+def test_doctor_exit_codes_and_report(tmp_path: Path) -> None:
+    healthy = history()
+    good = make_run(tmp_path / "good", healthy, summary_of(healthy))
+    bad_records = broken_history()
+    bad = make_run(tmp_path / "bad", bad_records, summary_of(bad_records))
+    proc = run_cli([str(good)], module="llmexp.doctor", timeout_s=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "No findings" in proc.stdout and "\033[" not in proc.stdout  # no colour codes into a pipe
+    assert (good / "report.md").is_file() and (good / "curves.png").is_file()
+    proc = run_cli([str(bad)], module="llmexp.doctor", timeout_s=120)
+    assert proc.returncode == 1
+    assert "ERROR   non_finite at step 610" in proc.stdout and "advice:" in proc.stdout and "bf16" not in proc.stdout
+    assert "`overfitting` at step 400" in (bad / "report.md").read_text()
+    proc = run_cli([str(tmp_path)], module="llmexp.doctor", timeout_s=120)
+    assert proc.returncode == 2 and "is not a run directory" in proc.stderr
+    make_sweep(tmp_path / "sweep")
+    assert doctor.main([str(tmp_path / "sweep")]) == 2
