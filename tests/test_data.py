@@ -349,3 +349,72 @@ def test_changed_user_file_invalidates_cache(tmp_path: Path, tok: Any) -> None:
     os.utime(train, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     second = data.build_datasets(cfg, tok)[2]
     assert not second["data_cache_hit"] and second["data_cache_key"] != first["data_cache_key"]
+
+
+# ---------------------------------------------------------------- bad input: clear errors, no half cache
+
+BAD_INPUTS = {
+    "malformed_line": ('{"text": "ok"}\n{"text": "fine"}\n{"text": broken}\n', r"train\.jsonl:3: malformed JSON"),
+    "malformed_list": ('[\n {"text": "ok"},\n {"text": }\n]\n', r"train\.jsonl:3: malformed JSON"),
+    "unknown_fields": ('{"text": "ok"}\n{"question": "q", "answer": "a"}\n',
+                       r"train\.jsonl:2: record 1: .*none of the known fields; expected `text`, `prompt` \+ "
+                       r"`completion`, or `messages`.*found: answer, question"),
+    "prompt_only": ('{"prompt": "p"}\n', r"record 0: .*`completion` is missing"),
+    "no_assistant": ('{"messages": [{"role": "user", "content": "hi"}]}\n', r"no assistant turn"),
+    "bad_role": ('{"messages": [{"role": "robot", "content": "hi"}]}\n', r"messages\[0\] must be"),
+    "not_an_object": ('["just", "strings"]\n', r"record 0: a record must be a JSON object"),
+    "empty": ("", r"data\.train_file=.*train\.jsonl: the file is empty"),
+    "blank": ("\n  \n", r"the file is empty"),
+    "single_record": ('{"text": "only one"}\n', r"has 1 record\(s\); cannot hold out an eval set"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_json_input_is_a_clear_user_error(case: str, tmp_path: Path, tok: Any) -> None:
+    content, message = BAD_INPUTS[case]
+    train = tmp_path / "train.jsonl"
+    train.write_text(content, encoding="utf-8")
+    with pytest.raises(UserError, match=message):
+        data.build_datasets(json_cfg(tmp_path / "cache", train), tok)
+    assert entries(tmp_path / "cache") == []
+
+
+def test_bad_input_while_training_the_tokenizer_leaves_no_cache(tmp_path: Path) -> None:
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"text": "a"}\n{"text": "b"}\n{oops\n', encoding="utf-8")
+    with pytest.raises(UserError, match=r"train\.jsonl:3"):
+        data.load_tokenizer(json_cfg(tmp_path / "cache", train))
+    assert entries(tmp_path / "cache", "tokenizers") == [] and entries(tmp_path / "cache") == []
+
+
+def test_missing_files_and_unusable_eval(tmp_path: Path, tok: Any) -> None:
+    train = write_jsonl(tmp_path / "train.jsonl", PAIRS)
+    with pytest.raises(UserError, match=r"data\.train_file=.*nope\.jsonl: no such file"):
+        data.build_datasets(json_cfg(tmp_path / "cache", tmp_path / "nope.jsonl"), tok)
+    with pytest.raises(UserError, match=r"data\.eval_file=.*gone\.jsonl: no such file"):
+        data.build_datasets(json_cfg(tmp_path / "cache", train, tmp_path / "gone.jsonl"), tok)
+    too_long = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "word " * 200, "completion": " x"}] * 2)
+    with pytest.raises(UserError, match=r"data\.eval_file=.*eval\.jsonl has no usable records: 2 record\(s\), 2 left "
+                                        r"without a target token after truncation to data\.max_length=64"):
+        data.build_datasets(json_cfg(tmp_path / "cache", train, too_long), tok)
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises(UserError, match=r"matches no non-empty files"):
+        data.build_datasets(compose(tmp_path / "cache", "data=text", f"data.train_file={tmp_path}/empty_dir"), tok)
+    assert entries(tmp_path / "cache") == []
+
+
+def test_hub_names_offline_and_local_model_dirs(tmp_path: Path, tok: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmexp import tokenizer as tokenizer_lib
+
+    # This machine has no route to the hub; forcing the offline branch keeps the test the same where one exists.
+    monkeypatch.setattr(tokenizer_lib, "hub_reachable", lambda: False)
+    with pytest.raises(UserError, match=r"cannot load 'no-such-org/no-such-model'.*model\.name_or_path=/path/to/"):
+        data.load_tokenizer(compose(tmp_path, "model.name_or_path=no-such-org/no-such-model"))
+    with pytest.raises(UserError, match=r"model\.name_or_path=\./missing/model is not a directory.*model/ of an"):
+        data.load_tokenizer(compose(tmp_path, "model.name_or_path=./missing/model"))
+    with pytest.raises(UserError, match=r"data\.tokenizer=.* holds no loadable"):
+        data.load_tokenizer(compose(tmp_path, f"data.tokenizer={tmp_path}"))
+    tok.save_pretrained(str(tmp_path / "model"))  # what a run's model/ holds
+    loaded = data.load_tokenizer(compose(tmp_path, f"model.name_or_path={tmp_path / 'model'}"))
+    assert loaded.get_vocab() == tok.get_vocab() and loaded.pad_token_id == tok.pad_token_id
+    assert data.hub_error("org/name").args[0].startswith("cannot load 'org/name'")
