@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 
 FINISHED = ("completed", "early_stopped")
 """Statuses of a job that ended as intended; any other makes the sweep exit non-zero."""
-_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGKILL, signal.SIGHUP}
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+"""A job process ended by one of these was asked to stop: `cancelled`; SIGKILL is `killed`."""
 _launched = False
 
 
@@ -88,7 +89,7 @@ class JobOutcome:
 
     num: int
     status: str
-    """completed, early_stopped, diverged, failed, cancelled, timeout, preempted, submitted..."""
+    """completed, early_stopped, diverged, failed, cancelled, killed, timeout, preempted, submitted..."""
     exit_code: int | None = None
     error: str | None = None
     job_id: str | None = None
@@ -158,11 +159,12 @@ def execute(spec: JobSpec, task_function: Any, hydra_context: Any, singleton_sta
 
 
 def record_outcome(spec: JobSpec, outcome: JobOutcome) -> None:
-    """Leave `job_status.json` in the job dir of every job that did not complete.
+    """Leave `job_status.json` in the job dir of every job that did not complete or left no summary.json.
 
     Its `overrides` let `python -m llmexp.report` name a job that never started (no `.hydra/`).
     """
-    if outcome.status in FINISHED and outcome.exit_code in (0, None):
+    ended_well = outcome.status in FINISHED and outcome.exit_code in (0, None)
+    if ended_well and (spec.job_dir / "summary.json").exists():
         return
     write_json_atomic(spec.job_dir / "job_status.json", {**outcome.to_json(), "overrides": spec.overrides})
     overrides_yaml = spec.job_dir / ".hydra" / "overrides.yaml"
@@ -361,7 +363,7 @@ def _collect(job: _Running) -> JobOutcome:
     except (OSError, ValueError, TypeError):
         if code is not None and code < 0:
             sig = signal.Signals(-code)
-            status = "cancelled" if sig in _STOP_SIGNALS else "failed"
+            status = "cancelled" if sig in _STOP_SIGNALS else "killed" if sig == signal.SIGKILL else "failed"
             outcome = JobOutcome(num, status, code, f"the job process was killed by {sig.name}")
         else:
             outcome = JobOutcome(num, "failed", code, f"the job process exited with code {code} without an outcome; "

@@ -1,0 +1,105 @@
+"""The local launcher (`cluster=local`): a process per job, bounded parallelism, GPU slots, crash isolation.
+
+The sweeps run a throwaway Hydra app (tests/launcher_toy_app.py: llmexp's config tree and launchers,
+a task that sleeps, raises or kills itself) through the real launcher, so each takes seconds.
+There are no GPUs here: the GPU tests set CUDA_VISIBLE_DEVICES to fake ids, which the launcher
+hands out per job while the toy task never touches CUDA; `device_slots` is also tested directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmexp.errors import UserError
+from llmexp.launcher import child_env, device_slots, visible_gpus
+
+APP = Path(__file__).with_name("launcher_toy_app.py")
+
+
+def run_toy(sweep_dir: Path, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    """The toy app's --multirun in a subprocess; returns the finished Popen (its pid is the launcher's)."""
+    full_env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")}
+    full_env.update(env or {})
+    with open(sweep_dir.parent / f"{sweep_dir.name}.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, str(APP), "--multirun", *args, f"hydra.sweep.dir={sweep_dir}"],
+                                cwd=sweep_dir.parent, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+        proc.wait(timeout=120)
+    return proc
+
+
+def toy_records(sweep_dir: Path, jobs: range) -> list[dict]:
+    return [json.loads((sweep_dir / str(j) / "toy.json").read_text()) for j in jobs]
+
+
+def max_overlap(records: list[dict]) -> int:
+    """The most jobs that were running at the same moment."""
+    return max(sum(1 for o in records if o["start"] <= r["start"] < o["end"]) for r in records)
+
+
+def test_every_job_in_its_own_process_and_a_crash_or_kill_stops_no_other(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    proc = run_toy(sweep, ["model.name=ok,raise,kill,ok", "lr=0.2", "cluster.max_parallel=2"])
+    log = (tmp_path / "sweep.log").read_text()
+    assert proc.returncode == 1, log
+    ok = toy_records(sweep, range(0, 4, 3))
+    assert {r["ppid"] for r in ok} == {proc.pid}  # children of the launcher...
+    assert len({r["pid"] for r in ok}) == 2  # ...each in its own process
+    failed = json.loads((sweep / "1" / "job_status.json").read_text())
+    assert failed["status"] == "failed" and "RuntimeError: toy job failure" in failed["error"]
+    assert failed["overrides"] == ["model.name=raise", "lr=0.2", "cluster.max_parallel=2"]
+    killed = json.loads((sweep / "2" / "job_status.json").read_text())
+    assert killed["status"] == "killed" and "SIGKILL" in killed["error"]
+    summary = json.loads((sweep / "sweep_summary.json").read_text())
+    assert [j["status"] for j in summary["jobs"]] == ["completed", "failed", "killed", "completed"]
+    assert "RuntimeError: toy job failure" in (sweep / "1" / "job.log").read_text()  # the child's traceback
+
+
+def test_cpu_jobs_run_serially_by_default_and_max_parallel_at_once(tmp_path: Path) -> None:
+    serial = tmp_path / "serial"
+    assert run_toy(serial, ["lr=0.5,0.5"]).returncode == 0
+    assert max_overlap(toy_records(serial, range(2))) == 1
+    parallel = tmp_path / "parallel"
+    assert run_toy(parallel, ["lr=1.5,1.5,1.5,1.5", "cluster.max_parallel=2"]).returncode == 0
+    records = toy_records(parallel, range(4))
+    assert max_overlap(records) == 2
+    assert {r["cuda"] for r in records} == {None}
+    assert {r["omp"] for r in records} == {str(max(1, (os.cpu_count() or 1) // 2))}  # CPU shared fairly
+
+
+def test_fake_gpus_one_job_per_gpu_and_queueing(tmp_path: Path) -> None:
+    sweep = tmp_path / "gpus"
+    proc = run_toy(sweep, ["lr=1.5,1.5,1.5", "cluster.max_parallel=1"], env={"CUDA_VISIBLE_DEVICES": "3,5"})
+    assert proc.returncode == 0
+    records = toy_records(sweep, range(3))
+    assert {r["cuda"] for r in records} <= {"3", "5"}
+    assert max_overlap(records) == 2  # both GPUs busy; max_parallel applies to CPU jobs only
+    for a in records:
+        for b in records:
+            if a is not b and a["start"] <= b["start"] < a["end"]:
+                assert a["cuda"] != b["cuda"], "two jobs shared a GPU with jobs_per_gpu=1"
+    first_end = min(r["end"] for r in records[:2])
+    assert records[2]["start"] >= first_end  # the third job waited for a free GPU
+
+
+def test_device_slots() -> None:
+    assert device_slots(["0", "1"], jobs_per_gpu=1, max_parallel=8) == ["0", "1"]
+    assert device_slots(["0", "1"], jobs_per_gpu=2, max_parallel=1) == ["0", "1", "0", "1"]
+    assert device_slots(["GPU-a1"], jobs_per_gpu=3, max_parallel=1) == ["GPU-a1"] * 3
+    assert device_slots([], jobs_per_gpu=4, max_parallel=3) == [None, None, None]
+    with pytest.raises(UserError, match=r"cluster\.max_parallel"):
+        device_slots([], jobs_per_gpu=1, max_parallel=0)
+
+
+def test_visible_gpus_and_child_env() -> None:
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "0, 2,5"}) == ["0", "2", "5"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "-1"}) == []
+    assert child_env("2", 4, base={"CUDA_VISIBLE_DEVICES": "0,1,2"})["CUDA_VISIBLE_DEVICES"] == "2"
+    assert "OMP_NUM_THREADS" not in child_env(None, 1, base={})
+    assert child_env(None, 2, base={"OMP_NUM_THREADS": "7"})["OMP_NUM_THREADS"] == "7"  # the user's choice wins
