@@ -1,0 +1,373 @@
+"""Catch a user's mistake before anything loads, and say which key is wrong and how to fix it.
+
+Three passes, none of which imports torch:
+
+* `check_args(argv)` runs in the CLI before Hydra composes, so a typo never creates a run
+  directory: unknown keys (with a did-you-mean), unknown group options, `_target_` overrides
+  off the allow-list, path-like values that would escape the output directory. It returns the
+  arguments with secret values moved out of sight (`security.redact_overrides`).
+* `structure_errors(cfg)` and `remote_code_errors(cfg.model)` run inside `config.validate` on
+  the composed config: `???` left unset, interpolations that do not resolve, keys added with `+`
+  that no schema knows, NUL bytes, disallowed `_target_`s, remote code without a pinned commit.
+* `check_environment(cfg)` runs after `validate` (`errors.run_guarded`), before anything loads:
+  what depends on this machine and launch: bf16 support, the world size, files that must exist.
+  `validate` stays a pure function of the config, so a config validates on any machine.
+
+Environment: `LLMEXP_ASSUME_NO_BF16=1` makes llmexp treat this CPU as one without native bf16
+(for tests that simulate older hardware).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import glob
+import io
+import os
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from llmexp import security
+from llmexp.errors import UserError
+
+_CUSTOM_TREE_FLAGS = ("-cd", "--config-dir", "-cp", "--config-path", "-cn", "--config-name")
+_PATH_KEYS = ("hydra.job.name", "hydra.output_subdir", "hydra.sweep.subdir")
+"""Hydra keys whose values become path components under the run directory."""
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+# ---------------------------------------------------------------- the schema
+
+
+def _unwrap(tp: Any) -> Any:
+    """`X | None` -> X."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else Any
+    return tp
+
+
+def _fields(cls: Any) -> dict[str, Any] | None:
+    """A schema node's fields and their types, or None below a free-form node (dict, list, Any)."""
+    return {k: _unwrap(v) for k, v in typing.get_type_hints(cls).items()} if dataclasses.is_dataclass(cls) else None
+
+
+def all_keys(cls: Any = None, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema (`train.max_steps`, ...)."""
+    from llmexp.config import Config
+
+    fields = _fields(Config if cls is None else cls) or {}
+    keys = []
+    for name, tp in fields.items():
+        keys.append(prefix + name)
+        if dataclasses.is_dataclass(tp):
+            keys.extend(all_keys(tp, f"{prefix}{name}."))
+    return keys
+
+
+def unknown_key(key: str) -> str | None:
+    """None if the schema knows `key` (or it lies under a free-form dict); else a message with a suggestion."""
+    from llmexp.config import Config
+
+    node: Any = Config
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        fields = _fields(node)
+        if fields is None:
+            return None
+        if part not in fields:
+            return f"{key}: no such key; {_suggest(parts, i, fields)}"
+        node = fields[part]
+    return None
+
+
+def _leaf(key: str) -> tuple[Any, Any] | None:
+    """(type, default) of a schema leaf (`train.max_steps` -> (int, 300)); None for nodes and unknown keys."""
+    from llmexp.config import Config
+
+    *parents, name = key.split(".")
+    node: Any = Config
+    for part in parents:
+        node = (_fields(node) or {}).get(part)
+    if not dataclasses.is_dataclass(node):
+        return None
+    field = {f.name: f for f in dataclasses.fields(node)}.get(name)
+    if field is None or field.default is dataclasses.MISSING:
+        return None
+    return (_fields(node) or {})[name], field.default
+
+
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false"}
+
+
+def _type_problem(key: str, value: Any) -> str | None:
+    """A value of the wrong type for an int, float or bool field (Hydra would say it less plainly)."""
+    leaf = _leaf(key)
+    if leaf is None or value is None or leaf[0] not in _TYPE_WORDS:
+        return None
+    from omegaconf import nodes
+    from omegaconf.errors import ValidationError
+
+    tp, default = leaf
+    node_class = {int: nodes.IntegerNode, float: nodes.FloatNode, bool: nodes.BooleanNode}[tp]
+    try:
+        node_class(value)  # exactly what OmegaConf will accept at compose time
+        return None
+    except ValidationError:
+        pass
+    example = str(default).lower() if isinstance(default, bool) else default
+    return f"{key}={value}: must be {_TYPE_WORDS[tp]}, e.g. {key}={example}"
+
+
+def _suggest(parts: list[str], i: int, fields: dict[str, Any]) -> str:
+    prefix = ".".join(parts[:i])
+    close = difflib.get_close_matches(parts[i], list(fields), n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {prefix + '.' if prefix else ''}{close[0]}?"
+    elsewhere = [k for k in all_keys() if k.rsplit(".", 1)[-1] == parts[i]]
+    if elsewhere:
+        return f"did you mean {elsewhere[0]}?"
+    return f"{prefix or 'the top level'} has {', '.join(fields)} (python -m llmexp --cfg job shows every key)"
+
+
+def group_options(group: str) -> list[str] | None:
+    """The options of a config group (`conf/<group>/*.yaml`), or None if `group` is not a group."""
+    from llmexp.paths import conf_dir
+
+    directory = conf_dir() / group
+    return sorted(p.stem for p in directory.glob("*.yaml")) if directory.is_dir() else None
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def _parse_overrides(args: list[str]) -> list[Any]:
+    """Hydra's own parse of the overrides on the command line; anything it cannot parse is left to Hydra."""
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            namespace, _ = get_args_parser().parse_known_args(args)
+    except SystemExit:
+        return []
+    parser, parsed = OverridesParser.create(), []
+    for text in namespace.overrides or []:
+        with contextlib.suppress(Exception):  # Hydra reports grammar errors itself, with the position
+            parsed.extend(parser.parse_overrides([text]))
+    return parsed
+
+
+def _values(override: Any) -> list[Any]:
+    if override.is_sweep_override():
+        with contextlib.suppress(Exception):
+            return list(override.sweep_string_iterator())
+        return []
+    return [override.value()]
+
+
+def _override_errors(ov: Any, custom_tree: bool) -> list[str]:
+    """Problems of one parsed override (see `check_args`)."""
+    from llmexp.build import ALLOWED_TARGETS
+
+    key, values = ov.key_or_group, _values(ov)
+    if ov.is_delete():
+        return []
+    if key == "_target_" or key.endswith("._target_"):
+        allowed = security.HYDRA_ALLOWED_TARGETS if key.startswith("hydra.") else ALLOWED_TARGETS
+        errors = [f"{key}: {p}; pick a class with its config group (e.g. optimizer=adamw)"
+                  for p in (security.target_problem(v, allowed) for v in values) if p]
+        if not errors and not key.startswith("hydra.") and key != "optimizer._target_":
+            errors.append(f"{key}: llmexp instantiates only optimizer._target_; remove this override")
+        return errors
+    if key in _PATH_KEYS:
+        return [f"{key}={v}: {p}; use a plain name" for v in values
+                if isinstance(v, str) and (p := security.path_problem(v))]
+    if "/" in key or key.startswith("hydra.") or ov.package:
+        return []
+    options = group_options(key)
+    if options is not None and not (ov.is_add() or ov.is_force_add()):
+        return [e for e in (_option_error(key, v, options, custom_tree) for v in values if v is not None) if e]
+    problem = unknown_key(key)
+    if problem and (ov.is_add() or ov.is_force_add()):
+        problem += " (`+` adds keys to free-form dicts only, e.g. +optimizer.kwargs.foo=1)"
+    if problem is None and not ov.is_sweep_override():
+        problem = _type_problem(key, ov.value())
+    return [problem] if problem else []
+
+
+def _option_error(group: str, value: Any, options: list[str], custom_tree: bool) -> str:
+    """"" if `value` is fine, else the message."""
+    text = str(value)
+    if problem := security.path_problem(text):
+        return f"{group}={text}: {problem}; pick one of {', '.join(options)}"
+    if text in options or custom_tree:
+        return ""  # --config-dir or a search path may add options that conf/ does not list
+    close = difflib.get_close_matches(text, options, n=1, cutoff=0.5)
+    hint = f"did you mean {group}={close[0]}? " if close else ""
+    return f"{group}={text}: no such option; {hint}the options are {', '.join(options)}"
+
+
+def check_args(args: list[str]) -> list[str]:
+    """Check the command line before Hydra composes; return it with secrets redacted.
+
+    Raises UserError that lists every problem found. What this pass cannot judge (grammar errors,
+    options added through --config-dir) is left to Hydra, which exits 1 (mapped to 2).
+    """
+    custom_tree = any(a.split("=", 1)[0] in _CUSTOM_TREE_FLAGS or "hydra.searchpath" in a for a in args)
+    errors = [e for ov in _parse_overrides(args) for e in _override_errors(ov, custom_tree) if e]
+    if errors:
+        raise UserError("invalid command line:\n  " + "\n  ".join(errors))
+    return security.redact_overrides(list(args))
+
+
+# ---------------------------------------------------------------- the composed config
+
+
+def structure_errors(cfg: Any) -> list[str]:
+    """Problems that make the config's values unreadable or untrusted; checked before any value is.
+
+    A `hydra` node (configs composed with `return_hydra_config=True`) is Hydra's and is skipped."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.structured(cfg)
+    data = OmegaConf.to_container(cfg, resolve=False)
+    data.pop("hydra", None)  # type: ignore[union-attr]
+    missing = [key for key, value in _strings(data) if value == "???"]
+    errors = [f"{key}: is required but left unset (??? in the config); set {key}=..." for key in missing]
+    errors += _unknown_keys(data)
+    errors += [f"{key}: contains a NUL byte; remove it" for key, value in _strings(data) if "\x00" in value]
+    errors += security.target_errors(data)  # type: ignore[arg-type]
+    return errors if errors or missing else _interpolation_errors(cfg)
+
+
+def _interpolation_errors(cfg: Any) -> list[str]:
+    """Resolve every value now (env variables, `${...}` references), not halfway through a run."""
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    errors = []
+    for key in cfg:
+        if key == "hydra":
+            continue
+        try:
+            node = cfg[key]
+            if isinstance(node, DictConfig):
+                OmegaConf.to_container(node, resolve=True)
+        except OmegaConfBaseException as err:
+            reason = str(err.msg).splitlines()[0]
+            errors.append(f"{err.full_key or key}: cannot resolve an interpolation ({reason}); "
+                          "fix the ${...} reference or set the environment variable it reads")
+    return errors
+
+
+def _unknown_keys(data: Any, prefix: str = "") -> list[str]:
+    errors = []
+    for key, value in data.items() if isinstance(data, dict) else []:
+        dotted = f"{prefix}{key}"
+        problem = unknown_key(dotted)
+        if problem:
+            errors.append(problem + " (added with +? remove it)")
+        elif isinstance(value, dict):
+            errors.extend(_unknown_keys(value, dotted + "."))
+    return errors
+
+
+def _strings(data: Any, prefix: str = "") -> list[tuple[str, str]]:
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else []
+    out = []
+    for key, value in items:
+        dotted = f"{prefix}{key}"
+        if isinstance(value, str):
+            out.append((dotted, value))
+        else:
+            out.extend(_strings(value, dotted + "."))
+    return out
+
+
+def check_environment(cfg: Any) -> None:
+    """After `validate`, before anything loads: what depends on this machine and launch (bf16 support,
+    the world size, files that must exist). Raises one UserError listing every problem."""
+    errors = [*_precision_errors(cfg), *_batch_errors(cfg), *_file_errors(cfg)]
+    if errors:
+        raise UserError("cannot run this config here:\n  " + "\n  ".join(errors))
+
+
+def gpu_visible() -> bool:
+    """A cheap guess, without importing torch, whether CUDA devices are visible to this process."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+        return False
+    return Path("/dev/nvidiactl").exists() or Path("/proc/driver/nvidia/gpus").is_dir()
+
+
+def _precision_errors(cfg: Any) -> list[str]:
+    from llmexp.build import cpu_has_fast_bf16
+
+    if cfg.precision.name != "bf16" or gpu_visible() or cpu_has_fast_bf16():
+        return []  # GPUs are checked at setup (torch.cuda.is_bf16_supported), before anything loads
+    return ["precision=bf16: this CPU has no native bf16 (AVX512-BF16 or AMX), so bf16 would be emulated "
+            "and slow; use precision=auto (bf16 where fast, else fp32) or precision=fp32"]
+
+
+def _batch_errors(cfg: Any) -> list[str]:
+    """`train.global_batch_size` must split into batch_size x processes x accumulation steps."""
+    global_batch, micro = cfg.train.global_batch_size, cfg.batch_size
+    try:
+        world = max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        world = 1
+    if global_batch is None or global_batch <= 0 or micro <= 0 or global_batch % (micro * world) == 0:
+        return []
+    per_step = micro * world
+    nearest = per_step * max(1, round(global_batch / per_step))
+    return [f"train.global_batch_size={global_batch} is not a multiple of batch_size x processes = "
+            f"{micro} x {world} = {per_step}; pick a multiple of {per_step} (e.g. {nearest})"]
+
+
+def _file_errors(cfg: Any) -> list[str]:
+    d, errors = cfg.data, []
+    for key in ("train_file", "eval_file"):
+        spec = d.get(key) if hasattr(d, "get") else getattr(d, key)
+        if d.name in ("json", "text") and spec and not _matches(str(spec), allow_dir_or_glob=d.name == "text"):
+            what = "file" if d.name == "json" else "file, directory or glob match"
+            errors.append(f"data.{key}={spec}: no such {what} (looked at {Path(str(spec)).expanduser().resolve()}); "
+                          f"fix the path or set data.{key}=path/to/{'train' if key == 'train_file' else 'eval'}.jsonl")
+    for key, value in (("model.name_or_path", cfg.model.name_or_path), ("data.tokenizer", d.tokenizer)):
+        if value and str(value).startswith((".", "/", "~")) and not Path(str(value)).expanduser().is_dir():
+            errors.append(f"{key}={value}: no such directory; point it at a save_pretrained directory or a hub id")
+    resume = str(cfg.train.resume)
+    if resume not in ("auto", "never") and resume and not Path(resume).expanduser().is_dir():
+        errors.append(f"train.resume={resume}: no such checkpoint directory; use train.resume=auto, never, "
+                      "or a checkpoints/step_<N> directory")
+    return errors
+
+
+def _matches(spec: str, allow_dir_or_glob: bool) -> bool:
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return True
+    if not allow_dir_or_glob:
+        return False
+    return path.is_dir() or any(Path(p).is_file() for p in glob.iglob(os.path.expanduser(spec), recursive=True))
+
+
+def remote_code_errors(m: Any) -> list[str]:
+    """Remote code runs only when asked for, and then only at a pinned commit of a hub model.
+
+    Syntactic (no file system access): names starting with `/`, `.` or `~` are local directories,
+    the user's own files, which a revision cannot pin."""
+    if not m.trust_remote_code:
+        return []
+    name = str(m.name_or_path or "")
+    if not name:
+        return ["model.trust_remote_code=true: there is no model.name_or_path whose code could run; remove it"]
+    if name.startswith(("/", ".", "~")) or _COMMIT.fullmatch(str(m.revision or "")):
+        return []
+    return [f"model.revision={m.revision}: model.trust_remote_code=true runs code from the hub, so pin "
+            f"{name} to a full 40-character commit hash (a branch or tag can change under you), "
+            "e.g. from the model page's Files and versions > History"]
