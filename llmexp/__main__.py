@@ -33,6 +33,14 @@ def task(cfg: DictConfig) -> int:
 
 def cli() -> None:
     """Entry point. Hydra exits 1 on a compose error; that is a user's mistake, so exit 2."""
+    from llmexp.errors import UserError
+    from llmexp.preflight import check_args
+
+    try:  # typos, unknown options, disallowed _target_s, path escapes: before Hydra creates a run dir
+        sys.argv[1:] = check_args(sys.argv[1:])  # secrets become ${oc.env:LLMEXP_SECRET_<n>}
+    except UserError as err:
+        print(f"llmexp: error: {err}", file=sys.stderr)
+        sys.exit(EXIT_USER)
     import hydra
 
     from llmexp.config import register_configs

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,10 +25,11 @@ ALLOWED_TARGETS: tuple[str, ...] = ("torch.optim.", "bitsandbytes.optim.", "llme
 
 
 def check_target(target: str, key: str) -> None:
-    """Reject a `_target_` outside the allow-list before anything is imported."""
-    if not any(target.startswith(prefix) for prefix in ALLOWED_TARGETS) or ".." in target:
-        raise UserError(f"{key}: {target!r} is not an allowed target; llmexp only instantiates classes under "
-                        f"{', '.join(ALLOWED_TARGETS)}. Pick an optimizer with optimizer=<name>.")
+    """Reject a `_target_` outside the allow-list before anything is imported (`llmexp.security`)."""
+    from llmexp.security import target_problem
+
+    if problem := target_problem(target, ALLOWED_TARGETS):
+        raise UserError(f"{key}: {problem}. Pick an optimizer with optimizer=<name>.")
 
 
 def locate(target: str) -> Any:
@@ -41,7 +43,12 @@ def locate(target: str) -> Any:
 
 @cache
 def cpu_has_fast_bf16() -> bool:
-    """True when the CPU has native bf16 dot products (AVX512-BF16 or AMX)."""
+    """True when the CPU has native bf16 dot products (AVX512-BF16 or AMX).
+
+    LLMEXP_ASSUME_NO_BF16=1 answers False: it simulates older hardware (tests, reproductions).
+    """
+    if os.environ.get("LLMEXP_ASSUME_NO_BF16") == "1":
+        return False
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:

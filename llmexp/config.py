@@ -309,7 +309,11 @@ def parse_lr(value: Any) -> float | None:
 
 def validate(cfg: DictConfig | Config) -> None:
     """Check ranges and cross-field rules; raise one ConfigError that lists every problem."""
-    errors: list[str] = []
+    from llmexp.preflight import structure_errors
+
+    errors: list[str] = structure_errors(cfg)  # ???, unknown keys, _target_s, interpolations
+    if errors:  # the values below cannot be read or trusted until these are fixed
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     t = cfg.train
     try:
         lr = parse_lr(cfg.lr)
@@ -353,6 +357,8 @@ def validate(cfg: DictConfig | Config) -> None:
 
 
 def _validate_groups(cfg: DictConfig | Config, errors: list[str]) -> None:
+    from llmexp.preflight import remote_code_errors
+
     m, d = cfg.model, cfg.data
     _choice(errors, cfg.precision.name, "precision.name", PRECISIONS)
     _choice(errors, cfg.optimizer.name, "optimizer.name", OPTIMIZERS)
@@ -375,8 +381,7 @@ def _validate_groups(cfg: DictConfig | Config, errors: list[str]) -> None:
                f"{m.num_key_value_heads} must divide model.num_attention_heads={m.num_attention_heads}")
         _check(errors, d.max_length <= m.max_position_embeddings, "data.max_length",
                f"{d.max_length} exceeds model.max_position_embeddings={m.max_position_embeddings}")
-    _check(errors, not m.trust_remote_code or bool(m.revision), "model.revision",
-           "model.trust_remote_code=true requires a pinned model.revision=<commit hash>")
+    errors.extend(remote_code_errors(m))  # trust_remote_code needs a pinned commit hash
     ds = cfg.deepspeed
     _check(errors, ds.stage in (0, 1, 2, 3), "deepspeed.stage", f"must be 0-3, got {ds.stage}")
     offload = ds.offload_optimizer != "none" or ds.offload_param != "none"

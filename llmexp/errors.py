@@ -20,13 +20,17 @@ class UserError(ValueError):
 def run_guarded(cfg: DictConfig) -> int:
     """Validate, then train; return the exit code. User errors print one clear message, no traceback."""
     from llmexp.config import validate
+    from llmexp.preflight import check_environment
+    from llmexp.security import check_hydra_job_dir, scrub_text
 
     try:
+        check_hydra_job_dir()
         validate(cfg)
+        check_environment(cfg)  # bf16 support, world size, files: before anything loads
         from llmexp.train import train
 
         result = train(cfg)
     except UserError as err:
-        print(f"llmexp: error: {err}", file=sys.stderr)
+        print(f"llmexp: error: {scrub_text(str(err))}", file=sys.stderr)
         return EXIT_USER
     return STATUS_EXIT[result.status]
