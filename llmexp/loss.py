@@ -31,14 +31,15 @@ class CausalLMLoss(nn.Module):
         self.split = hasattr(lm, "model") and hasattr(lm, "lm_head") and lm.config.model_type in (
             "llama", "mistral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "smollm3")
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         targets = labels[:, 1:]
         keep = targets != IGNORE_INDEX
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         if not self.split:
-            logits = self.lm(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+            logits = self.lm(**inputs).logits[:, :-1]
             return F.cross_entropy(logits[keep].float(), targets[keep], reduction="sum")
-        hidden = self.lm.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden = self.lm.model(**inputs).last_hidden_state
         hidden, flat_targets = hidden[:, :-1][keep], targets[keep]
         total = hidden.new_zeros((), dtype=torch.float32)
         for start in range(0, hidden.shape[0], CHUNK_TOKENS):

@@ -76,6 +76,10 @@ class ThroughputWindow:
         self.tokens, self.seconds = self.tokens + tokens, self.seconds + elapsed
         self.total_tokens, self.total_seconds = self.total_tokens + tokens, self.total_seconds + elapsed
 
+    def discard(self) -> float:
+        """Drop the step just timed from the throughput (a compile step); return its seconds."""
+        return time.perf_counter() - self._start
+
     def take(self) -> float:
         rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
         self.tokens, self.seconds = 0, 0.0
@@ -101,9 +105,15 @@ class Runtime:
         self.precision = build.resolve_precision(cfg.precision.name, self.device.type)
         self.plan = make_plan(cfg, self.accelerator.num_processes)
         self.data_seed = cfg.train.seed_data if cfg.train.seed_data is not None else cfg.seed
+        self.deepspeed = cfg.deepspeed.stage > 0  # the engine owns accumulation, clipping, fp16 scaling, the step
+        self.micro_steps_done = 0  # DeepSpeed: backward calls since the last step (the boundary is the last)
+        if self.deepspeed:
+            from llmexp.distributed import check_engine
+
+            check_engine(self.accelerator)
         self.scaler = (torch.amp.GradScaler(self.device.type, init_scale=cfg.precision.init_scale,
                                             growth_interval=cfg.precision.growth_interval)
-                       if self.precision == "fp16" else None)
+                       if self.precision == "fp16" and not self.deepspeed else None)
         self.num_params = 0
         self.flops_per_token = 0.0
         self.peak_tflops = 0.0
@@ -165,10 +175,18 @@ class Runtime:
         return torch.autocast(self.device.type, dtype=dtype) if dtype is not None else nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
+        if self.deepspeed:
+            from llmexp.distributed import engine_backward
+
+            return engine_backward(self, loss)
         self.accelerator.backward(self.scaler.scale(loss) if self.scaler is not None else loss)
 
     def unscale_and_clip(self, model: torch.nn.Module, optimizer: Any, max_norm: float) -> torch.Tensor:
         """Unscale fp16 grads, then clip; returns the pre-clip global norm (inf/nan if non-finite)."""
+        if self.deepspeed:  # the engine clips to train.max_grad_norm and steps here (see llmexp.distributed)
+            from llmexp.distributed import engine_step
+
+            return engine_step(self)
         if self.scaler is not None:
             self.scaler.unscale_(_inner(optimizer))
         limit = max_norm if max_norm > 0 else math.inf
@@ -188,6 +206,10 @@ class Runtime:
         """Step the optimizer, or apply the anomaly policy: returns ok, skipped, rollback or diverged."""
         from llmexp.guard import judge_step
 
+        if self.deepspeed:  # the engine has already stepped (or skipped a non-finite step)
+            from llmexp.distributed import judge_engine_step
+
+            return judge_engine_step(self, state, loss, grad_norm, log)
         verdict = judge_step(self.cfg, state, loss, grad_norm, fp16=self.scaler is not None,
                              settings=self.monitor_settings, log=log)
         if verdict == "ok":
@@ -215,6 +237,10 @@ class Runtime:
                   "time_s": time.perf_counter() - self.started, "skipped_steps": state.skipped_steps}
         if self.scaler is not None:
             record["loss_scale"] = self.scaler.get_scale()
+        if self.deepspeed and self.precision == "fp16":
+            from llmexp.distributed import loss_scale
+
+            record["loss_scale"] = loss_scale(self)
         return record
 
     def mfu(self, tokens_per_sec: float) -> float:

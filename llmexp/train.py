@@ -80,7 +80,10 @@ def train(cfg: DictConfig) -> RunResult:
             if verdict == "rollback":
                 rollback(cfg, rt, model, optimizer, state, log)
                 continue
-            window.add(n_tokens)
+            if cfg.train.compile and not rt.compile_time_s:
+                rt.compile_time_s = window.discard()  # the first step compiles: report it apart
+            else:
+                window.add(n_tokens)
             state.step += 1
             log.advance()
             if state.step % cfg.train.logging_steps == 0 or state.step == max_steps:

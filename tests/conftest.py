@@ -1,0 +1,67 @@
+"""Shared test helpers: tiny-model overrides, the CLI in a subprocess, and in-process composition.
+
+Every test uses the real pieces (Hydra, the trainer, the data pipeline); only sizes are shrunk.
+One token cache per test session keeps the stdlib tokenizer from being trained more than once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# A model and corpus small enough for a CPU test, still the real Llama model and stdlib corpus.
+TINY = [
+    "model.hidden_size=64", "model.num_hidden_layers=2", "model.num_attention_heads=2",
+    "model.num_key_value_heads=2", "model.intermediate_size=128", "model.vocab_size=512",
+    "model.max_position_embeddings=64", "data.max_length=64", "data.max_examples=60",
+    "batch_size=4", "train.eval_batches=2", "train.logging_steps=1",
+]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One llmexp cache per test session (unless LLMEXP_CACHE is already set, e.g. by CI)."""
+    os.environ.setdefault("LLMEXP_CACHE", str(tmp_path_factory.mktemp("llmexp-cache")))
+    os.environ["LLMEXP_NO_BAR"] = "1"
+    os.environ.setdefault("WANDB_MODE", "offline")
+
+
+def run_cli(args: list[str], cwd: Path | None = None, env: dict[str, str] | None = None,
+            module: str = "llmexp", timeout_s: float = 600) -> subprocess.CompletedProcess[str]:
+    """`python -m llmexp ARGS` in a subprocess, as a user would run it."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=full_env, capture_output=True,
+                          text=True, timeout=timeout_s)
+
+
+def compose(overrides: list[str], run_dir: Path) -> Any:
+    """The config `python -m llmexp OVERRIDES hydra.run.dir=RUN_DIR` would get, with HydraConfig set,
+    so tests can call `llmexp.train.train(cfg)` in-process."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from llmexp.config import register_configs
+    from llmexp.paths import conf_dir, register_resolvers
+
+    register_configs()
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = hydra_compose("config", overrides=[*overrides, f"hydra.run.dir={run_dir}"], return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(run_dir)
+    HydraConfig.instance().set_config(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return cfg
+
+
+def read_metrics(run_dir: Path, event: str | None = None) -> list[dict[str, Any]]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if event is None or r["event"] == event]

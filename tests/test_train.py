@@ -1,0 +1,70 @@
+"""The default run end to end through the CLI, and the saved model reloads with the same eval loss."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import compose, read_metrics, run_cli
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`python -m llmexp` with its defaults (tiny model, stdlib corpus), only shortened."""
+    run_dir = tmp_path_factory.mktemp("default") / "run"
+    proc = run_cli(["train.max_steps=40", "train.eval_steps=20", "train.eval_batches=4", "train.save_steps=20",
+                    f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"completed: {run_dir}" in proc.stderr
+    return run_dir
+
+
+@pytest.mark.slow
+def test_default_run_writes_the_whole_run_directory(default_run: Path) -> None:
+    for name in (".hydra/config.yaml", ".hydra/overrides.yaml", "metrics.jsonl", "summary.json",
+                 "model/config.json", "model/model.safetensors", "model/tokenizer.json", "report.md", "curves.png"):
+        assert (default_run / name).is_file(), name
+    assert [p.name for p in sorted((default_run / "checkpoints").iterdir())] == ["step_20", "step_40"]
+    summary = json.loads((default_run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["step"] == 40
+    for key in ("train_loss", "eval_loss", "eval_ppl", "tokens_per_sec", "mfu", "findings"):
+        assert key in summary
+    assert summary["lr_source"] == "auto" and summary["lr"] == pytest.approx(3e-4)  # < 1B params: the seed's 3e-4
+    assert not [f for f in summary["findings"] if f["severity"] == "error"]
+
+
+@pytest.mark.slow
+def test_default_run_metrics_follow_the_contract(default_run: Path) -> None:
+    evals = read_metrics(default_run, "eval")
+    assert [e["step"] for e in evals] == [0, 20, 40]  # at step 0, every eval_steps, and at the end
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 1.0
+    train = read_metrics(default_run, "train")
+    assert [r["step"] for r in train] == [10, 20, 30, 40]
+    for record in train:
+        assert {"loss", "ppl", "lr", "grad_norm", "tokens_per_sec", "mfu", "mem_mb"} <= record.keys()
+        assert record["ppl"] == pytest.approx(torch.tensor(record["loss"]).exp().item(), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_saved_model_reloads_with_the_same_eval_loss(default_run: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmexp import data
+    from llmexp.loss import CausalLMLoss
+
+    cfg = compose(["train.eval_batches=4"], tmp_path)
+    lm = AutoModelForCausalLM.from_pretrained(default_run / "model")
+    tokenizer = AutoTokenizer.from_pretrained(default_run / "model")
+    _, eval_ds, _ = data.build_datasets(cfg, tokenizer)
+    model = CausalLMLoss(lm).eval()
+    total, count = 0.0, 0
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for start in range(0, min(len(eval_ds), 4 * cfg.batch_size), cfg.batch_size):
+            idx = torch.arange(start, min(start + cfg.batch_size, len(eval_ds))).numpy()
+            total += model(**eval_ds.get_batch(idx)).float().item()
+            count += eval_ds.num_targets(idx)
+    final = read_metrics(default_run, "eval")[-1]["eval_loss"]
+    assert total / count == pytest.approx(final, rel=1e-4)
