@@ -89,6 +89,8 @@ class DataConfig:
     """Processes used to tokenise a corpus the first time."""
     max_examples: int | None = None
     """Use at most this many training records (stdlib_sft and quick experiments)."""
+    finetune_only: bool = False
+    """Refuse to start without model.name_or_path: this data fine-tunes an earlier run's model."""
 
 
 @dataclass
