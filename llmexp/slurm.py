@@ -179,7 +179,7 @@ def wait_for_jobs(specs: Sequence[JobSpec], jobs: Sequence[submitit.Job], poll_s
             time.sleep(poll_s)
             jobs[0].watcher.update_if_long_enough(mode="force")
             for num, (spec, job) in list(remaining.items()):
-                if job.done():
+                if job.done() and not _still_completing(job):
                     outcomes[num] = collect(spec, job)
                     record_outcome(spec, outcomes[num])
                     del remaining[num]
@@ -189,6 +189,13 @@ def wait_for_jobs(specs: Sequence[JobSpec], jobs: Sequence[submitit.Job], poll_s
                     f"Later: python -m llmexp.report {specs[0].job_dir.parent}")
         raise
     return [outcomes[s.num] for s in specs]
+
+
+def _still_completing(job: submitit.Job) -> bool:
+    """sacct says the job ended, but its processes are still finishing (a cancelled trainer saving a
+    checkpoint and summary): wait for them, at most SLURM's KillWait, so the record is complete."""
+    task0 = job.task(0) if job.num_tasks > 1 else job
+    return not task0.paths.result_pickle.exists() and bool(slurm_state(job.job_id))
 
 
 def collect(spec: JobSpec, job: submitit.Job) -> JobOutcome:
@@ -201,9 +208,18 @@ def collect(spec: JobSpec, job: submitit.Job) -> JobOutcome:
         except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
             return JobOutcome(spec.num, "failed", 1, _last_line(str(err)), job.job_id)
         if isinstance(result, dict):
-            return JobOutcome(**{**result, "job_id": job.job_id})
-    status = next((name for prefix, name in _FINAL_STATES.items() if state.startswith(prefix)), "failed")
-    return JobOutcome(spec.num, status, None, f"SLURM state {state}; logs: {task0.paths.stderr}", job.job_id)
+            outcome = JobOutcome(**{**result, "job_id": job.job_id})
+            if outcome.status == "preempted" and state.startswith(("CANCELLED", "TIMEOUT")):
+                # The trainer checkpointed on SIGTERM and returned; SLURM had ended the job.
+                outcome.status = _final_status(state)
+                outcome.error = f"SLURM state {state}; the trainer saved a checkpoint at the signal"
+            return outcome
+    return JobOutcome(spec.num, _final_status(state), None, f"SLURM state {state}; logs: {task0.paths.stderr}",
+                      job.job_id)
+
+
+def _final_status(state: str) -> str:
+    return next((name for prefix, name in _FINAL_STATES.items() if state.startswith(prefix)), "failed")
 
 
 def _last_line(text: str) -> str:

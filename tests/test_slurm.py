@@ -1,0 +1,131 @@
+"""`cluster=slurm` on a real single-node SLURM (launch/slurm-local.sh) with the real trainer.
+
+Covers: a 3-job lr sweep as one job array; a sweep where one job raises and one is scancel'd
+(every job still gets an entry, the command exits non-zero); a job that reaches its time limit,
+checkpoints on SIGUSR2, is requeued and ends with the same loss curve as an uninterrupted run.
+Jobs run with OMP_NUM_THREADS=1 so that two share the two cores without fighting and the
+reference run computes with the same thread count as the SLURM job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[1]
+# PYTHONPATH: Hydra's plugin scan cannot see hydra_plugins/ through setuptools' editable import hook.
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+QUICK = ["train.eval_steps=100000", "train.save_steps=0"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def slurm_cluster() -> None:
+    """The local cluster; started with launch/slurm-local.sh when sinfo cannot reach one."""
+    def reachable() -> bool:
+        return shutil.which("sinfo") is not None and subprocess.run(
+            ["sinfo", "-h"], capture_output=True, timeout=30).returncode == 0
+    if not reachable() and os.geteuid() == 0:
+        subprocess.run(["bash", str(REPO / "launch" / "slurm-local.sh"), "up"], check=False, timeout=600)
+    if not reachable():
+        pytest.skip("no SLURM cluster: run `sudo bash launch/slurm-local.sh up`")
+
+
+def start_sweep(tmp_path: Path, name: str, args: list[str]) -> tuple[subprocess.Popen, Path, Path]:
+    sweep, log_path = tmp_path / name, tmp_path / f"{name}.log"
+    with open(log_path, "w") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen([sys.executable, "-m", "llmexp", "--multirun", "cluster=slurm", *TINY, *args,
+                                 f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env={**os.environ, **ENV},
+                                stdout=log, stderr=subprocess.STDOUT)
+    return proc, sweep, log_path
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    """step -> train loss; a step logged twice (before a kill and again after resume) keeps the last."""
+    losses = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["event"] == "train":
+            losses[record["step"]] = record["loss"]
+    return losses
+
+
+def events(run_dir: Path, name: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["event"] == name]
+
+
+def test_lr_sweep_completes_as_one_job_array(tmp_path: Path) -> None:
+    proc, sweep, log = start_sweep(tmp_path, "lr", ["lr=1e-3,3e-3,1e-2", "train.max_steps=5", *QUICK])
+    assert proc.wait(timeout=400) == 0, log.read_text()[-3000:]
+    ids = json.loads((sweep / "slurm_jobs.json").read_text())["jobs"]
+    array_id = ids["0"].split("_")[0]
+    assert ids == {str(i): f"{array_id}_{i}" for i in range(3)}  # one array, all submitted at once
+    summary = json.loads((sweep / "sweep_summary.json").read_text())
+    assert [j["status"] for j in summary["jobs"]] == ["completed"] * 3
+    assert [float(j["params"]["lr"]) for j in summary["jobs"]] == [1e-3, 3e-3, 1e-2]
+    assert summary["recommendation"] is not None
+    for job in range(3):
+        assert json.loads((sweep / str(job) / "summary.json").read_text())["step"] == 5
+
+
+def test_a_raising_and_a_cancelled_job_are_recorded_and_the_others_complete(tmp_path: Path) -> None:
+    # job 0 trains, job 1 raises (AdamW rejects a negative eps), job 2 is scancel'd while training.
+    proc, sweep, log = start_sweep(tmp_path, "faults", ["optimizer.eps=1e-8,-1.0,1e-7",
+                                                        "train.max_steps=300", *QUICK])
+    wait_for(lambda: (sweep / "slurm_jobs.json").exists() or proc.poll() is not None, "submission", 120)
+    victim = json.loads((sweep / "slurm_jobs.json").read_text())["jobs"]["2"]
+    metrics = sweep / "2" / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and '"train"' in metrics.read_text(), "job 2 to train")
+    subprocess.run(["scancel", victim], check=True)
+    assert proc.wait(timeout=300) != 0, log.read_text()[-3000:]
+    jobs = json.loads((sweep / "sweep_summary.json").read_text())["jobs"]
+    assert [j["status"] for j in jobs[:2]] == ["completed", "failed"]
+    assert "epsilon" in jobs[1]["error"]  # the exception, from job_status.json
+    cancelled = json.loads((sweep / "2" / "job_status.json").read_text())
+    assert cancelled["status"] == "cancelled" and cancelled["job_id"] == victim
+    # The trainer checkpointed on SIGTERM, so its summary.json says `preempted`; the sweep entry
+    # must still say that SLURM cancelled it.
+    assert jobs[2]["status"] == "cancelled" or "CANCELLED" in jobs[2]["error"], jobs[2]
+    assert any((sweep / "2" / "checkpoints").glob("step_*")), "the trainer did not checkpoint on SIGTERM"
+
+
+def test_timeout_checkpoints_requeues_and_resumes_exactly(tmp_path: Path) -> None:
+    # SLURM sends SIGUSR2 30 s before the 2-minute limit (checked every 30 s): at 90-120 s. The run
+    # needs ~150 s uninterrupted, so the first attempt is always cut; the reference runs meanwhile.
+    args = ["lr=3e-3", "train.max_steps=3500", "train.logging_steps=1", *QUICK]
+    ref_dir = tmp_path / "reference"
+    with open(tmp_path / "reference.log", "w") as ref_log:
+        reference = subprocess.Popen([sys.executable, "-m", "llmexp", *TINY, *args, f"hydra.run.dir={ref_dir}"],
+                                     cwd=tmp_path, env={**os.environ, **ENV}, stdout=ref_log,
+                                     stderr=subprocess.STDOUT)
+        proc, sweep, log = start_sweep(tmp_path, "timeout", [*args, "cluster.timeout_min=2",
+                                                             "cluster.signal_delay_s=30"])
+        assert proc.wait(timeout=540) == 0, log.read_text()[-3000:]
+        assert reference.wait(timeout=120) == 0
+    job = sweep / "0"
+    assert json.loads((job / "summary.json").read_text())["status"] == "completed"
+    assert [e["step"] for e in events(job, "resume")], "the job was never requeued and resumed"
+    submitit_logs = "".join(p.read_text() for p in (sweep / ".submitit").rglob("*_log.err"))
+    assert "Requeued job" in submitit_logs
+    resumed, uninterrupted = train_losses(job), train_losses(ref_dir)
+    assert sorted(resumed) == list(range(1, 3501))
+    assert resumed == uninterrupted  # bitwise: the same floats at every step
