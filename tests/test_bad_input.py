@@ -1,0 +1,168 @@
+"""Bad invocations: each exits 2 before any model or data loads, names the key and the fix, no traceback.
+
+Every case runs the real CLI (`python -m llmexp ...`) in a subprocess with real Hydra. Nothing is
+mocked; two cases simulate the machine instead: `LLMEXP_ASSUME_NO_BF16=1` stands for a CPU without
+native bf16 (this one has AVX512-BF16), and `WORLD_SIZE=2` stands for one rank of a 2-process launch.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# (id, args, extra env, fragments that must all appear in stderr: the key, then the fix)
+CASES: list[tuple[str, list[str], dict[str, str], list[str]]] = [
+    # typos in keys and group names
+    ("key_typo", ["model.hiden_size=64"], {}, ["model.hiden_size", "did you mean model.hidden_size"]),
+    ("group_typo", ["optimzer=adamw"], {}, ["optimzer", "did you mean optimizer"]),
+    ("option_typo", ["model=tinyy"], {}, ["model=tinyy", "did you mean model=tiny"]),
+    ("option_unknown", ["precision=fp8"], {}, ["precision=fp8", "bf16, fp16, fp32"]),
+    ("key_in_wrong_place", ["max_steps=10"], {}, ["max_steps", "did you mean train.max_steps"]),
+    ("plus_unknown_key", ["+unknown_key=1"], {}, ["unknown_key", "no such key"]),
+    ("multirun_typo", ["--multirun", "lr=1e-3,3e-3", "model=tiny,tinyy"], {}, ["model=tinyy", "model=tiny"]),
+    # wrong types
+    ("int_is_text", ["batch_size=abc"], {}, ["batch_size=abc", "must be an integer"]),
+    ("int_is_float", ["train.max_steps=1.5"], {}, ["train.max_steps=1.5", "must be an integer"]),
+    ("bool_is_text", ["train.compile=maybe"], {}, ["train.compile=maybe", "true or false"]),
+    ("lr_is_text", ["lr=fast"], {}, ["lr:", "try lr=3e-4"]),
+    # out of range
+    ("lr_negative", ["lr=-1"], {}, ["lr:", "must be > 0"]),
+    ("lr_zero", ["lr=0"], {}, ["lr:", "must be > 0"]),
+    ("warmup_too_long", ["train.max_steps=20", "train.warmup_steps=20"], {},
+     ["train.warmup_steps", "raise train.max_steps"]),
+    ("warmup_ratio_one", ["train.warmup_ratio=1.0"], {}, ["train.warmup_ratio", "[0, 1)"]),
+    ("batch_zero", ["batch_size=0"], {}, ["batch_size", "must be >= 1"]),
+    ("eval_steps_zero", ["train.eval_steps=0"], {}, ["train.eval_steps", "must be >= 1"]),
+    ("heads_do_not_divide", ["model.num_attention_heads=3", "model.num_key_value_heads=3"], {},
+     ["model.hidden_size", "num_attention_heads=3"]),
+    ("context_too_long", ["data.max_length=512"], {}, ["data.max_length", "max_position_embeddings"]),
+    ("bad_policy", ["train.on_anomaly=explode"], {}, ["train.on_anomaly", "stop, skip, rollback"]),
+    ("global_batch_does_not_divide", ["batch_size=4", "train.global_batch_size=6"], {},
+     ["train.global_batch_size=6", "pick a multiple of 4"]),
+    # WORLD_SIZE=2 simulates one rank of a 2-process launch (torchrun/accelerate set it)
+    ("global_batch_world_size", ["batch_size=4", "train.global_batch_size=12"], {"WORLD_SIZE": "2"},
+     ["train.global_batch_size=12", "4 x 2 = 8"]),
+    # hardware and engines; LLMEXP_ASSUME_NO_BF16=1 simulates a CPU without native bf16
+    ("bf16_unsupported", ["precision=bf16"], {"LLMEXP_ASSUME_NO_BF16": "1"}, ["precision=bf16", "precision=auto"]),
+    ("8bit_with_offload", ["optimizer=adamw8bit", "deepspeed=zero2_offload"], {},
+     ["optimizer", "deepspeed=zero2"]),
+    # missing files and values
+    ("json_file_missing", ["data=json", "data.train_file=/nonexistent/train.jsonl"], {},
+     ["data.train_file=/nonexistent/train.jsonl", "fix the path"]),
+    ("text_glob_matches_nothing", ["data=text", "data.train_file=/nonexistent/*.txt"], {},
+     ["data.train_file=/nonexistent/*.txt", "no such file"]),
+    ("model_dir_missing", ["model.name_or_path=./no/such/model"], {}, ["model.name_or_path", "hub id"]),
+    ("resume_missing", ["train.resume=/nonexistent/step_10"], {}, ["train.resume", "train.resume=auto"]),
+    ("train_file_unset", ["data=json"], {}, ["data.train_file", "set data.train_file="]),
+    ("value_left_missing", ["lr=???"], {}, ["lr:", "left unset", "set lr="]),
+    ("env_var_missing", ["data.cache_dir=${oc.env:LLMEXP_NO_SUCH_VARIABLE}"], {},
+     ["data.cache_dir", "LLMEXP_NO_SUCH_VARIABLE", "set the environment variable"]),
+    # _target_ injections
+    ("target_builtins_open", ["optimizer._target_=builtins.open"], {}, ["optimizer._target_", "optimizer=adamw"]),
+    ("target_os_system", ["+foo._target_=os.system"], {}, ["foo._target_", "'os.system'"]),
+    ("target_nested_popen", ["+optimizer.kwargs.x._target_=subprocess.Popen"], {},
+     ["optimizer.kwargs.x._target_", "'subprocess.Popen'"]),
+    ("target_dunder", ["optimizer._target_=torch.optim.__builtins__"], {}, ["optimizer._target_", "no dunders"]),
+    ("target_hydra_instantiate", ["+hydra.callbacks.evil._target_=hydra.utils.instantiate"], {},
+     ["hydra.callbacks.evil._target_", "'hydra.utils.instantiate'"]),
+    ("target_interpolated", ["optimizer._target_=${oc.env:HOME}"], {}, ["optimizer._target_", "dotted class name"]),
+    # path escapes
+    ("job_name_escapes", ["hydra.job.name=../../escape"], {}, ["hydra.job.name", "'..'"]),
+    ("group_option_escapes", ["experiment=../model/tiny"], {}, ["experiment=../model/tiny", "'..'"]),
+    ("output_subdir_absolute", ["hydra.output_subdir=/tmp/llmexp-escape"], {}, ["hydra.output_subdir", "absolute"]),
+    # remote code
+    ("remote_code_unpinned", ["model.trust_remote_code=true", "model.name_or_path=some-org/some-model"], {},
+     ["model.revision", "40-character commit hash"]),
+    ("remote_code_branch", ["model.trust_remote_code=true", "model.name_or_path=some-org/some-model",
+                            "model.revision=main"], {}, ["model.revision=main", "commit hash"]),
+]
+
+
+def run_llmexp(args: list[str], cwd: Path, env: dict[str, str] | None = None,
+               code: str | None = None) -> subprocess.CompletedProcess[str]:
+    """The CLI in a subprocess (or `code` instead of `-m llmexp`). The checkout goes on PYTHONPATH so its
+    Hydra plugins are found even where the editable install predates them."""
+    full_env = {**os.environ, "LLMEXP_CACHE": str(cwd / "cache"), "WANDB_MODE": "offline", **(env or {})}  # a
+    # cache of its own, so that a test can see it untouched
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
+    command = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "llmexp", *args]
+    return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=120)
+
+
+def _assert_nothing_loaded(root: Path) -> None:
+    for path in root.rglob("*"):
+        assert path.name not in ("model", "metrics.jsonl", "checkpoints", "summary.json"), f"{path} was written"
+    assert not (root / "cache").exists() or not any((root / "cache").iterdir()), "the data cache was touched"
+
+
+@pytest.mark.parametrize(("args", "env", "fragments"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_invocation_exits_2_naming_key_and_fix(args: list[str], env: dict[str, str], fragments: list[str],
+                                                   tmp_path: Path) -> None:
+    proc = run_llmexp([*args, f"hydra.run.dir={tmp_path / 'run'}", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                      tmp_path, env)
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr + proc.stdout
+    for fragment in fragments:
+        assert fragment in proc.stderr, f"{fragment!r} not in:\n{proc.stderr}"
+    _assert_nothing_loaded(tmp_path)
+
+
+def test_corpus_is_large_and_covers_the_issue() -> None:
+    assert len(CASES) >= 30
+    assert len({c[0] for c in CASES}) == len(CASES)
+
+
+def test_a_command_line_typo_creates_no_run_directory(tmp_path: Path) -> None:
+    """Checked before Hydra composes: nothing is written at all."""
+    proc = run_llmexp(["model.hiden_size=64", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert proc.returncode == 2
+    assert not (tmp_path / "run").exists()
+
+
+_PROBE = """
+import sys
+from llmexp.__main__ import cli
+sys.argv = ["llmexp", *sys.argv[1:]]
+try:
+    cli()
+except SystemExit as exit_:
+    heavy = sorted(m for m in ("torch", "transformers", "accelerate", "numpy") if m in sys.modules)
+    print("EXIT", exit_.code, "HEAVY", ",".join(heavy) or "none")
+"""
+
+
+@pytest.mark.parametrize("args", [["lr=-1"], ["data=json", "data.train_file=/nonexistent.jsonl"],
+                                  ["optimizer._target_=builtins.open"]], ids=["validate", "environment", "argv"])
+def test_config_errors_never_import_torch(args: list[str], tmp_path: Path) -> None:
+    proc = run_llmexp([*args, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, code=_PROBE)
+    assert "EXIT 2 HEAVY none" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_nul_byte_from_a_yaml_file_is_refused(tmp_path: Path) -> None:
+    """NUL cannot come through argv; a user's YAML (via --config-dir) can carry one in a path value."""
+    conf = tmp_path / "extra" / "experiment"
+    conf.mkdir(parents=True)
+    (conf / "nul.yaml").write_text('# @package _global_\ndata:\n  cache_dir: "/tmp/a\\0b"\n')
+    proc = run_llmexp(["--config-dir", str(tmp_path / "extra"), "experiment=nul",
+                       f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "data.cache_dir: contains a NUL byte" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_sweep_subdir_outside_the_sweep_dir_is_refused(tmp_path: Path) -> None:
+    """`hydra.sweep.subdir` built from an override value must stay inside the sweep directory."""
+    proc = run_llmexp(["--multirun", "hydra.sweep.subdir=${data.cache_dir}", f"data.cache_dir={tmp_path / 'elsewhere'}",
+                       f"hydra.sweep.dir={tmp_path / 'sweep'}", "train.max_steps=1"], tmp_path)
+    assert proc.returncode != 0
+    assert "outside the sweep directory" in proc.stdout + proc.stderr + _job_logs(tmp_path)
+    assert not (tmp_path / "elsewhere" / "metrics.jsonl").exists()
+
+
+def _job_logs(root: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in root.rglob("*.log"))

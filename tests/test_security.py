@@ -1,0 +1,251 @@
+"""Security: secrets never reach run files, only allow-listed `_target_`s, no path escapes, pinned remote code.
+
+The end-to-end test trains for real (tiny model, 2 steps, wandb offline) with canary secrets in the
+environment and on the command line, then greps every byte the run left behind.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llmexp import security
+from llmexp.errors import UserError
+from llmexp.paths import safe_name
+from tests.test_bad_input import run_llmexp
+
+# ---------------------------------------------------------------- secrets
+
+
+@pytest.mark.parametrize("key", ["api_key", "WANDB_API_KEY", "HF_TOKEN", "hf_token", "token", "AWS_SECRET_ACCESS_KEY",
+                                 "db_password", "MY_SERVICE_SECRET", "client_secret", "private_key", "GITHUB_TOKEN"])
+def test_credential_names_are_secret(key: str) -> None:
+    assert security.is_secret_key(key)
+
+
+@pytest.mark.parametrize("key", ["tokenizer", "pad_token", "eos_token", "num_key_value_heads", "max_length", "lr",
+                                 "tokens_per_sec", "_target_", "monkey", "name_or_path", "cache_dir", "HOME"])
+def test_ordinary_names_are_not_secret(key: str) -> None:
+    assert not security.is_secret_key(key)
+
+
+def test_secret_env_values_pick_credentials_only() -> None:
+    env = {"HF_TOKEN": "hf_value_123456", "WANDB_API_KEY": "wandbvalue", "HOME": "/root", "SHORT_TOKEN": "1",
+           "LLMEXP_SECRET_0": "from-cli-xyz"}
+    assert security.secret_env_values(env) == ["hf_value_123456", "from-cli-xyz", "wandbvalue"]
+
+
+def test_scrub_redacts_keys_env_values_and_token_shapes() -> None:
+    data = {"logger": {"api_key": "abc", "project": "p"}, "note": "key is s3cr3t-value inside",
+            "list": ["hf_" + "a" * 30, 3, None], "entity": None, "password": ""}
+    clean = security.scrub(data, secrets=["s3cr3t-value"])
+    assert clean == {"logger": {"api_key": "***", "project": "p"}, "note": "key is *** inside",
+                     "list": ["***", 3, None], "entity": None, "password": ""}
+    assert data["logger"]["api_key"] == "abc"  # a copy: the run still has its key
+
+
+def test_scrub_overrides_redacts_secret_keys_and_values() -> None:
+    overrides = ["lr=0.1", "+logger.api_key=abc", "+x.note=has sk-" + "b" * 24, "~model.hf_token", "data.name=json"]
+    assert security.scrub_overrides(overrides, secrets=[]) == [
+        "lr=0.1", "+logger.api_key=***", "+x.note=has ***", "~model.hf_token", "data.name=json"]
+
+
+def test_redact_overrides_moves_secrets_into_private_env_vars() -> None:
+    env: dict[str, str] = {"HF_TOKEN": "hf_envsecret_value"}
+    args = ["--multirun", "lr=1,2", "+cluster.additional_parameters.api_token='q w'", "+a.note=hf_envsecret_value",
+            "+a.ref=${oc.env:HF_TOKEN}", "-cd", "/tmp"]
+    out = security.redact_overrides(args, environ=env)
+    assert out == ["--multirun", "lr=1,2", "+cluster.additional_parameters.api_token=${oc.env:LLMEXP_SECRET_0}",
+                   "+a.note=${oc.env:LLMEXP_SECRET_1}", "+a.ref=${oc.env:HF_TOKEN}", "-cd", "/tmp"]
+    assert env["LLMEXP_SECRET_0"] == "q w" and env["LLMEXP_SECRET_1"] == "hf_envsecret_value"
+
+
+def test_log_filter_scrubs_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+
+    monkeypatch.setenv("MY_SERVICE_PASSWORD", "canary-log-password")
+    logger = logging.getLogger("llmexp.test_security")
+    logger.propagate = False
+    handler = logging.FileHandler(tmp_path / "job.log")
+    logger.addHandler(handler)
+    try:
+        security.install_log_filter(logger)
+        logger.warning("connecting with %s", "canary-log-password")
+    finally:
+        handler.close()
+        logger.removeHandler(handler)
+    assert (tmp_path / "job.log").read_text() == "connecting with ***\n"
+
+
+def test_cfg_job_prints_no_secret(tmp_path: Path) -> None:
+    proc = run_llmexp(["--cfg", "job", "+cluster.additional_parameters.api_token=CANARY_CFG_JOB_77"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "api_token: ${oc.env:LLMEXP_SECRET_0}" in proc.stdout
+    assert "CANARY_CFG_JOB_77" not in proc.stdout + proc.stderr
+
+
+def test_rejected_secret_override_is_not_echoed(tmp_path: Path) -> None:
+    proc = run_llmexp(["+logger.api_key=CANARY_REJECTED_55", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert proc.returncode == 2 and "logger.api_key: no such key" in proc.stderr
+    assert "CANARY_REJECTED_55" not in proc.stdout + proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+ENV_CANARIES = {"WANDB_API_KEY": "canarywandb0123456789abcdef0123456789abcd",
+                "HF_TOKEN": "hf_CanaryHubToken0123456789abc", "MY_SERVICE_PASSWORD": "canary-env-password-31",
+                "AWS_SECRET_ACCESS_KEY": "canaryAwsSecret/31x+y"}
+CLI_CANARY = "CANARY-cli-api-token-93"
+SHAPED_CANARY = "sk-canaryShapedValue0123456789ab"
+
+
+@pytest.mark.slow
+def test_canary_secrets_never_reach_any_file_of_a_real_run(tmp_path: Path) -> None:
+    """A one-job sweep (the job runs in its own process, like every sweep job) with wandb offline,
+    checkpoints and the report; secrets come from the environment and from the command line."""
+    from tests.conftest import TINY
+
+    sweep = tmp_path / "sweep"
+    args = ["--multirun", *TINY, "train.max_steps=2", "train.eval_steps=2", "train.save_steps=1",
+            "logger=wandb", "logger.mode=offline", f"hydra.sweep.dir={sweep}",
+            f"+cluster.additional_parameters.api_token={CLI_CANARY}",
+            "+cluster.additional_parameters.hub=${oc.env:HF_TOKEN}",
+            f"+cluster.additional_parameters.comment={SHAPED_CANARY}",
+            "+cluster.additional_parameters.marker=VISIBLE_MARKER_4711"]
+    cache = os.environ.get("LLMEXP_CACHE", str(tmp_path / "cache"))  # the session's: the tokenizer is trained once
+    proc = run_llmexp(args, tmp_path, env={**ENV_CANARIES, "WANDB_MODE": "offline", "LLMEXP_CACHE": cache})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = [p for p in sweep.rglob("*") if p.is_file()]
+    names = {p.name for p in files}
+    assert {"config.yaml", "overrides.yaml", "hydra.yaml", "metrics.jsonl", "summary.json", "report.md",
+            "llmexp.log", "sweep_summary.json", "trainer_state.json", "optimizer.pt"} <= names, names
+    assert any(p.suffix == ".wandb" for p in files) and any(p.parent.name == "checkpoints" for p in sweep.rglob("*"))
+    blobs = {p: p.read_bytes() for p in files}
+    canaries = [*ENV_CANARIES.values(), CLI_CANARY, SHAPED_CANARY]
+    for path, blob in blobs.items():
+        for canary in canaries:
+            assert canary.encode() not in blob, f"{canary} leaked into {path.relative_to(tmp_path)}"
+    for canary in canaries:
+        assert canary not in proc.stdout + proc.stderr, f"{canary} leaked to the console"
+    # positive control: a non-secret value from the same override list does reach those files
+    seen = {p.name for p, blob in blobs.items() if b"VISIBLE_MARKER_4711" in blob}
+    assert {"config.yaml", "overrides.yaml"} <= seen and any(n.endswith(".wandb") for n in seen), seen
+
+
+# ---------------------------------------------------------------- _target_
+
+
+@pytest.mark.parametrize("target", ["builtins.open", "os.system", "subprocess.Popen", "hydra.utils.instantiate",
+                                    "torch.optim.__builtins__", "torch.optim..AdamW", "${oc.env:X}", "torch", 42])
+def test_disallowed_targets(target: object) -> None:
+    from llmexp.build import ALLOWED_TARGETS
+
+    assert security.target_problem(target, ALLOWED_TARGETS)
+
+
+@pytest.mark.parametrize("target", ["torch.optim.AdamW", "bitsandbytes.optim.AdamW8bit", "torch.optim.SGD"])
+def test_allowed_targets(target: str) -> None:
+    from llmexp.build import ALLOWED_TARGETS
+
+    assert security.target_problem(target, ALLOWED_TARGETS) is None
+
+
+def test_every_target_anywhere_is_scanned() -> None:
+    cfg = {"optimizer": {"_target_": "torch.optim.AdamW", "kwargs": {"x": {"_target_": "os.system"}}},
+           "cluster": {"additional_parameters": {"list": [{"_target_": "torch.optim.SGD"}]}}}
+    errors = security.target_errors(cfg)
+    assert len(errors) == 2
+    assert errors[0].startswith("optimizer.kwargs.x._target_: 'os.system'")
+    assert errors[1].startswith("cluster.additional_parameters.list.0._target_:")  # allowed class, wrong place
+
+
+def test_located_object_must_be_defined_under_the_allow_list() -> None:
+    import torch
+
+    from llmexp.build import ALLOWED_TARGETS
+
+    security.check_located(torch.optim.AdamW, "torch.optim.AdamW", "optimizer._target_", ALLOWED_TARGETS,
+                           base=torch.optim.Optimizer)
+    with pytest.raises(UserError, match=r"posix\.system"):  # a detour through a module's own `import os`
+        security.check_located(os.system, "torch.optim.optimizer.os.system", "k", ALLOWED_TARGETS)
+    with pytest.raises(UserError, match="subclass"):
+        security.check_located(torch.optim.lr_scheduler.LambdaLR, "torch.optim.lr_scheduler.LambdaLR", "k",
+                               ALLOWED_TARGETS, base=torch.optim.Optimizer)
+
+
+def test_target_from_a_yaml_file_is_refused(tmp_path: Path) -> None:
+    """A `_target_` the command line never saw (a user's YAML via --config-dir) is caught by validate."""
+    conf = tmp_path / "extra" / "experiment"
+    conf.mkdir(parents=True)
+    (conf / "evil.yaml").write_text("# @package _global_\noptimizer:\n  kwargs:\n    x:\n"
+                                    "      _target_: builtins.exec\n      _args_: ['open(\"/tmp/pwned\", \"w\")']\n")
+    proc = run_llmexp(["--config-dir", str(tmp_path / "extra"), "experiment=evil",
+                       f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "optimizer.kwargs.x._target_: 'builtins.exec'" in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# ---------------------------------------------------------------- paths
+
+
+@given(st.text(max_size=300))
+def test_safe_name_is_one_harmless_path_component(text: str) -> None:
+    name = safe_name(text)
+    assert name and len(name) <= 120
+    assert "/" not in name and "\\" not in name and "\x00" not in name
+    assert name not in (".", "..") and not name.startswith(".")
+
+
+@pytest.mark.parametrize(("value", "problem"), [("../x", "'..'"), ("a/../../b", "'..'"), ("..\\x", "'..'"),
+                                                ("/etc", "absolute"), ("~/x", "absolute"), ("a\x00b", "NUL")])
+def test_path_problems(value: str, problem: str) -> None:
+    assert problem in (security.path_problem(value) or "")
+
+
+@pytest.mark.parametrize("value", ["run1", "a/b", "lr=0.1,batch_size=4", "a..b"])
+def test_plain_relative_paths_pass(value: str) -> None:
+    assert security.path_problem(value) is None
+
+
+def test_job_dir_must_stay_inside_the_sweep(tmp_path: Path) -> None:
+    security.check_job_dir(tmp_path / "sweep" / "0", tmp_path / "sweep")
+    with pytest.raises(UserError, match="outside the sweep directory"):
+        security.check_job_dir(tmp_path / "sweep" / "lr=.." / ".." / ".." / "x", tmp_path / "sweep")
+
+
+# ---------------------------------------------------------------- remote code
+
+
+def _model(**fields: object) -> object:
+    from omegaconf import OmegaConf
+
+    from llmexp.config import ModelConfig
+
+    return OmegaConf.merge(OmegaConf.structured(ModelConfig), fields)
+
+
+def test_remote_code_is_off_by_default() -> None:
+    from llmexp.config import ModelConfig
+
+    assert ModelConfig().trust_remote_code is False
+
+
+@pytest.mark.parametrize(("fields", "ok"), [
+    ({"trust_remote_code": True, "name_or_path": "org/model"}, False),
+    ({"trust_remote_code": True, "name_or_path": "org/model", "revision": "main"}, False),
+    ({"trust_remote_code": True, "name_or_path": "org/model", "revision": "v1.0"}, False),
+    ({"trust_remote_code": True, "name_or_path": "org/model", "revision": "0123abc"}, False),
+    ({"trust_remote_code": True, "name_or_path": "org/model", "revision": "0123456789abcdef0123456789abcdef01234567"},
+     True),
+    ({"trust_remote_code": True}, False),
+    ({"trust_remote_code": True, "name_or_path": "./my-local-model"}, True),
+    ({"trust_remote_code": False, "name_or_path": "org/model", "revision": "main"}, True),
+])
+def test_remote_code_needs_a_pinned_commit(fields: dict[str, object], ok: bool) -> None:
+    from llmexp.preflight import remote_code_errors
+
+    assert (remote_code_errors(_model(**fields)) == []) is ok
