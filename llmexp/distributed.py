@@ -1,18 +1,351 @@
-"""Processes and engines: the Accelerate settings derived from the config."""
+"""Processes and engines: the Accelerate settings derived from the config, and DeepSpeed.
+
+Multi-process runs use torch.distributed through Accelerate (DDP; gloo on CPU, NCCL on GPU).
+DeepSpeed ZeRO runs through Accelerate's `DeepSpeedPlugin`, with a DeepSpeed config derived
+here from the composed config, so that micro-batch, accumulation, clipping and precision can
+never disagree with what the loop does:
+
+- micro-batch = `batch_size`, accumulation = the loop's (`train.gradient_accumulation_steps`
+  or the one `train.global_batch_size` derives), train_batch_size = their product x world;
+- the loop normalises each micro-batch's loss by the global batch's target-token count, so the
+  engine must not divide by the accumulation steps again: `backward(scale_wrt_gas=False)`;
+- the engine steps, clips (`gradient_clipping = train.max_grad_norm`) and skips non-finite
+  steps itself (`bf16.check_grad_overflow`), and in fp16 owns the dynamic loss scale (the
+  loop's own GradScaler is off).
+
+Checkpoints under ZeRO never go through DeepSpeed's `save_checkpoint`/`load_checkpoint`
+(their loader runs `torch.load(weights_only=False)`, i.e. pickle): each rank's ZeRO optimizer
+shard is converted to tensors and plain data and saved with `ckpt_state.save_state`, so it
+loads back with `weights_only=True` (see `zero_shard_state` / `load_zero_shard`).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import enum
+import math
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
+
+from llmexp.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+    from llmexp.metrics import MetricsLogger
+    from llmexp.runtime import Runtime
+    from llmexp.state import LoopState
+
+TORCH_EXTENSIONS_DIR = "~/.cache/llmexp/torch_extensions"
+"""Where DeepSpeed's JIT-compiled CPU ops (cpu_adam, cpu_lion) are cached, unless the user set
+TORCH_EXTENSIONS_DIR: the first build takes minutes, later runs load the .so in a second."""
+
+OFFLOAD_OPTIMIZERS = ("adamw", "lion")
+"""Optimizers that Accelerate maps to a DeepSpeed CPU optimizer (DeepSpeedCPUAdam / CPULion)
+under optimizer offload. Accelerate would silently turn anything else into DeepSpeedCPUAdam."""
+
+
+def world_size_from_env() -> int:
+    """Processes in this launch, as torchrun / accelerate launch / SLURM tell every rank."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def accelerator_kwargs(cfg: DictConfig) -> dict[str, Any]:
     """Arguments for `accelerate.Accelerator`.
 
     Mixed precision is left to the trainer (its own autocast and fp16 scaler): Accelerate's
-    wrapper would cast the whole logits tensor to fp32 after every forward.
+    wrapper would cast the whole logits tensor to fp32 after every forward. Under DeepSpeed
+    the engine owns precision, so the plugin carries it (see `deepspeed_config`).
     """
     import torch
 
-    return {"cpu": not torch.cuda.is_available(), "mixed_precision": "no"}
+    kwargs: dict[str, Any] = {"cpu": not torch.cuda.is_available(), "mixed_precision": "no"}
+    if cfg.deepspeed.stage > 0:
+        kwargs["cpu"] = False  # cpu=True makes Accelerate drop the DeepSpeed plugin silently; DeepSpeed finds the CPU
+        from accelerate.utils import DeepSpeedPlugin
+
+        from llmexp.build import resolve_precision
+        from llmexp.runtime import make_plan
+
+        check_deepspeed(cfg)
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser(TORCH_EXTENSIONS_DIR))
+        _single_process_env()
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        precision = resolve_precision(cfg.precision.name, device_type)
+        plan = make_plan(cfg, world_size_from_env())
+        ds_config = deepspeed_config(cfg, micro=plan.micro, accum=plan.accum, world=plan.world,
+                                     precision=precision, cuda=device_type == "cuda")
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds_config)
+    return kwargs
+
+
+def _single_process_env() -> None:
+    """DeepSpeed initialises torch.distributed even for one process and, without a launcher's
+    variables, goes looking for MPI; give a plain `python -m llmexp` a one-rank world instead."""
+    if "WORLD_SIZE" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+
+
+def check_engine(accelerator: Any) -> None:
+    """Fail loudly if Accelerate did not enable the DeepSpeed plugin it was given."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        raise RuntimeError(f"deepspeed was configured but Accelerate runs {accelerator.distributed_type}; "
+                           "check ACCELERATE_USE_CPU / `accelerate launch --cpu`, which turn DeepSpeed off")
+
+
+def check_deepspeed(cfg: DictConfig) -> None:
+    """Combinations that cannot work under DeepSpeed: exit 2 with the reason and the fix.
+
+    (8-bit optimizers under offload and on_anomaly=rollback are refused by `config.validate`.)
+    """
+    ds, errors = cfg.deepspeed, []
+    if ds.offload_param != "none" and ds.stage != 3:
+        errors.append(f"deepspeed.offload_param={ds.offload_param} needs ZeRO stage 3 (got stage {ds.stage}); "
+                      "use deepspeed=zero3 deepspeed.offload_param=cpu")
+    for key in ("offload_optimizer", "offload_param"):
+        if ds[key] not in ("none", "cpu"):
+            errors.append(f"deepspeed.{key}={ds[key]}: must be none or cpu")
+    if ds.offload_optimizer != "none" and cfg.optimizer.name not in OFFLOAD_OPTIMIZERS:
+        errors.append(f"optimizer={cfg.optimizer.name} has no DeepSpeed CPU implementation, and optimizer offload "
+                      f"needs one (Accelerate would silently swap in DeepSpeedCPUAdam); use optimizer=adamw or "
+                      "optimizer=lion with deepspeed=zero2_offload, or deepspeed=zero2 without offload")
+    if cfg.train.compile:
+        errors.append("train.compile=true is not supported with deepspeed: the engine wraps the module; "
+                      "use train.compile=false or deepspeed=none")
+    if cfg.precision.name == "fp16" and not _is_power_of_two(cfg.precision.init_scale):
+        errors.append(f"precision.init_scale={cfg.precision.init_scale}: DeepSpeed's loss scale starts at a power "
+                      "of two; use e.g. precision.init_scale=65536")
+    if errors:
+        raise UserError("deepspeed: invalid combination:\n  " + "\n  ".join(errors))
+
+
+def _is_power_of_two(value: float) -> bool:
+    return value >= 1 and math.log2(value).is_integer()
+
+
+def deepspeed_config(cfg: DictConfig, *, micro: int, accum: int, world: int, precision: str,
+                     cuda: bool) -> dict[str, Any]:
+    """The DeepSpeed config, every value derived from the composed config (no `auto`)."""
+    ds = cfg.deepspeed
+    zero: dict[str, Any] = {"stage": ds.stage, "contiguous_gradients": True, "overlap_comm": cuda}
+    if ds.offload_optimizer != "none":
+        zero["offload_optimizer"] = {"device": ds.offload_optimizer, "pin_memory": cuda}
+    if ds.stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True  # model/ and checkpoints need full weights
+        if ds.offload_param != "none":
+            zero["offload_param"] = {"device": ds.offload_param, "pin_memory": cuda}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "train_batch_size": micro * accum * world,
+        "gradient_clipping": float(cfg.train.max_grad_norm),
+        "zero_optimization": zero,
+        "bf16": {"enabled": precision == "bf16", "check_grad_overflow": True},
+        "fp16": {"enabled": precision == "fp16"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,  # the loop logs; keep DeepSpeed's own step lines out of the console
+        "wall_clock_breakdown": False,
+    }
+    if precision == "fp16":  # the same dynamic loss scaling the non-DeepSpeed path gets from GradScaler
+        config["fp16"].update({"loss_scale": 0, "initial_scale_power": int(math.log2(cfg.precision.init_scale)),
+                               "loss_scale_window": cfg.precision.growth_interval, "hysteresis": 1,
+                               "min_loss_scale": 1})
+    return config
+
+
+# ----------------------------------------------------------------------------- per-step mechanics
+
+
+def engine_of(model: Any) -> Any:
+    """The DeepSpeedEngine that `accelerator.prepare` returned as the model."""
+    return model
+
+
+def engine_backward(rt: Runtime, loss: torch.Tensor) -> None:
+    """One micro-batch's backward. The last micro-batch of the step is the accumulation boundary
+    (ZeRO reduces and partitions the gradients there); the loop's loss is already normalised
+    by the global batch's target tokens, so the engine must not divide by the accumulation."""
+    engine = rt.accelerator.deepspeed_engine_wrapped.engine
+    rt.micro_steps_done += 1
+    engine.set_gradient_accumulation_boundary(rt.micro_steps_done == rt.plan.accum)
+    engine.backward(loss, scale_wrt_gas=False)
+
+
+def engine_step(rt: Runtime) -> torch.Tensor:
+    """The engine's step (norm, clip to `train.max_grad_norm`, optimizer step, zero grads, and a
+    skip when the norm is non-finite); returns the pre-clip global norm, inf on a skipped step."""
+    import torch
+
+    engine = rt.accelerator.deepspeed_engine_wrapped.engine
+    if rt.micro_steps_done != rt.plan.accum:
+        raise RuntimeError(f"engine_step after {rt.micro_steps_done} micro-batches, expected {rt.plan.accum}")
+    rt.micro_steps_done = 0
+    engine.step()
+    norm = engine.get_global_grad_norm()
+    skipped = bool(getattr(engine.optimizer, "overflow", False)) or not engine.was_step_applied()
+    return torch.tensor(math.inf if skipped or norm is None else float(norm))
+
+
+def judge_engine_step(rt: Runtime, state: LoopState, loss: float, grad_norm: float, log: MetricsLogger) -> str:
+    """The anomaly policy after the engine's step (DeepSpeed owns the step, so the verdict comes
+    after it): a non-finite step was already skipped by the engine, and is then judged as
+    usual (stop -> diverged, skip -> counted); an fp16 overflow is the loss scaler's business.
+    A finite loss spike cannot be undone: it is left to the monitor's detectors (a finding)."""
+    from llmexp.guard import judge_step
+
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)
+    if finite or (rt.precision == "fp16" and math.isfinite(loss)):
+        if not finite:
+            state.skipped_steps += 1  # the loss scale was lowered and the step skipped
+        state.recent_losses = [*state.recent_losses, loss][-rt.monitor_settings.window:]
+        state.consecutive_anomalies = 0
+        return "ok"
+    return judge_step(rt.cfg, state, loss, grad_norm, fp16=False, settings=rt.monitor_settings, log=log)
+
+
+def loss_scale(rt: Runtime) -> float | None:
+    """DeepSpeed's current fp16 loss scale (None unless fp16)."""
+    if rt.precision != "fp16":
+        return None
+    return float(rt.accelerator.deepspeed_engine_wrapped.engine.optimizer.loss_scale)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def zero_shard_filename(rank: int) -> str:
+    return f"zero_rank{rank}.pt"
+
+
+def _plain(obj: Any) -> Any:
+    """A ZeRO state dict as tensors and plain containers (what weights_only=True loads)."""
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, dict):
+        return {_plain(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_plain(v) for v in obj)
+    return obj
+
+
+def _scaler_fields(scaler: Any) -> dict[str, Any]:
+    return {k: v for k, v in vars(scaler).items() if type(v) in (int, float, bool)}
+
+
+def zero_shard_state(optimizer: Any, world: int) -> dict[str, Any]:
+    """This rank's ZeRO optimizer shard (fp32 master partition, base optimizer state, loss scale)."""
+    from deepspeed.checkpoint.constants import LOSS_SCALER, PARAM_SLICE_MAPPINGS, UNIVERSAL_CHECKPOINT_INFO
+
+    zero = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper -> DeepSpeed's ZeRO optimizer
+    state = zero.state_dict()
+    scaler = state.pop(LOSS_SCALER, None)
+    state.pop(PARAM_SLICE_MAPPINGS, None)  # name -> fragment addresses: only for DeepSpeed's universal format
+    state.pop(UNIVERSAL_CHECKPOINT_INFO, None)
+    return {"zero": _plain(state), "loss_scaler": _scaler_fields(scaler) if scaler is not None else {},
+            "world_size": world}
+
+
+def stage_zero_shard(rt: Runtime, optimizer: Any, step: int) -> Path:
+    """Every rank writes its ZeRO shard to a staging dir beside the checkpoints (collective);
+    rank 0 then moves the shards into the checkpoint it publishes (`move_zero_shards`)."""
+    from llmexp import checkpoint as ckpt
+
+    staging = rt.run_dir / ".zero_shards" / f"step_{step}"
+    staging.mkdir(parents=True, exist_ok=True)
+    final = staging / zero_shard_filename(rt.rank)
+    tmp = final.with_name(final.name + ".tmp")
+    ckpt.save_state(tmp, zero_shard_state(optimizer, rt.plan.world))
+    os.replace(tmp, final)
+    rt.accelerator.wait_for_everyone()
+    return staging
+
+
+def move_zero_shards(staging: Path, checkpoint_tmp: Path) -> None:
+    """Rank 0, inside the checkpoint's write: move every rank's shard in (same filesystem: renames)."""
+    import shutil
+
+    for shard in sorted(staging.glob("zero_rank*.pt")):
+        os.replace(shard, checkpoint_tmp / shard.name)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def load_zero_shard(rt: Runtime, optimizer: Any, payload: dict[str, Any]) -> None:
+    """Restore this rank's shard into the engine's ZeRO optimizer (fp32 master weights included)."""
+    from deepspeed.checkpoint.constants import LOSS_SCALER
+
+    shard = payload.get("zero")
+    if not rt.deepspeed or shard is None:
+        saved, now = ("with" if shard is not None else "without"), rt.cfg.deepspeed.name
+        raise UserError(f"this checkpoint was saved {saved} DeepSpeed ZeRO and cannot be resumed with "
+                        f"deepspeed={now}; resume with the deepspeed option it was saved with, or start afresh "
+                        "with train.resume=never")
+    if shard["world_size"] != rt.plan.world:
+        raise UserError(f"this DeepSpeed checkpoint was saved by {shard['world_size']} processes; resume it with "
+                        f"the same number (got {rt.plan.world}), or start afresh with train.resume=never")
+    zero = getattr(optimizer, "optimizer", optimizer)
+    state = dict(shard["zero"])
+    scaler = zero.loss_scaler
+    for key, value in shard["loss_scaler"].items():
+        setattr(scaler, key, value)
+    state[LOSS_SCALER] = scaler
+    states = [state if r == rt.rank else {} for r in range(rt.plan.world)]
+    zero.load_state_dict(states, load_optimizer_states=True, load_from_fp32_weights=True)
+
+
+# ----------------------------------------------------------------------------- launching
+
+
+def relaunch_argv(parent_cmdline: list[str], env: dict[str, str], argv: list[str]) -> list[str] | None:
+    """The torchrun command that runs `argv` on N processes, when this process was started by
+    `accelerate launch --cpu --num_processes N` (N > 1) as a single process.
+
+    Accelerate 1.15 starts CPU multi-process jobs only through mpirun (`--mpirun_hostfile`);
+    without it, `--cpu --num_processes 2` silently runs ONE process. We start the N ranks with
+    torch.distributed.run instead (gloo), which is what `--multi_gpu` does on a GPU machine.
+    """
+    if "WORLD_SIZE" in env or env.get("ACCELERATE_USE_CPU", "").lower() not in ("true", "1"):
+        return None
+    try:
+        at = next(i for i, a in enumerate(parent_cmdline) if a == "launch")
+    except StopIteration:
+        return None
+    num_processes = _flag_value(parent_cmdline[at + 1:], "--num_processes")
+    if num_processes is None or num_processes <= 1:
+        return None
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}",
+            *argv]
+
+
+def _flag_value(args: list[str], flag: str) -> int | None:
+    for i, arg in enumerate(args):
+        if arg.startswith(flag + "="):
+            return int(arg.split("=", 1)[1])
+        if arg == flag and i + 1 < len(args):
+            return int(args[i + 1])
+        if not arg.startswith("-"):  # the training script or module: the launcher's flags end here
+            return None
+    return None
+
+
+def maybe_relaunch() -> None:
+    """Called first by the CLI: turn `accelerate launch --cpu --num_processes N` into N ranks."""
+    if "WORLD_SIZE" in os.environ or not os.environ.get("ACCELERATE_USE_CPU"):
+        return
+    import psutil
+
+    parent = psutil.Process(os.getppid()).cmdline()
+    argv = relaunch_argv(parent, dict(os.environ), ["-m", "llmexp", *sys.argv[1:]])
+    if argv is not None:
+        os.execv(sys.executable, argv)

@@ -60,10 +60,20 @@ def save_state_checkpoint(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, 
     from accelerate.utils import gather_object
 
     rng_states = gather_object([ckpt.capture_rng()]) if rt.plan.world > 1 else [ckpt.capture_rng()]
+    zero_shards = None
+    if rt.deepspeed:  # each rank's ZeRO optimizer shard, saved without pickle (llmexp.distributed)
+        from llmexp.distributed import stage_zero_shard
+
+        zero_shards = stage_zero_shard(rt, optimizer, state.step)
     if rt.is_main:
         def write(tmp: Path) -> None:
             ckpt.save_tensors(tmp / "model.safetensors", _lm(rt, model).state_dict())
-            ckpt.save_state(tmp / "optimizer.pt", optimizer.state_dict())
+            if zero_shards is not None:
+                from llmexp.distributed import move_zero_shards
+
+                move_zero_shards(zero_shards, tmp)
+            else:
+                ckpt.save_state(tmp / "optimizer.pt", optimizer.state_dict())
             for rank, rng in enumerate(rng_states):
                 ckpt.save_state(tmp / ckpt.rng_filename(rank), rng)
             if rt.scaler is not None:
@@ -79,9 +89,11 @@ def save_state_checkpoint(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, 
 def _load_payload(path: Path, rank: int) -> dict[str, Any]:
     """Read (and so verify) every file of a checkpoint this rank needs; no pickle code runs."""
     rng_file = path / ckpt.rng_filename(rank)
+    zero_file = path / f"zero_rank{rank}.pt"  # DeepSpeed ZeRO: this rank's optimizer shard instead of optimizer.pt
     return {
         "model": ckpt.load_tensors(path / "model.safetensors"),
-        "optimizer": ckpt.load_state(path / "optimizer.pt"),
+        "optimizer": ckpt.load_state(path / "optimizer.pt") if not zero_file.exists() else None,
+        "zero": ckpt.load_state(zero_file) if zero_file.exists() else None,
         "rng": ckpt.load_state(rng_file) if rng_file.exists() else None,
         "scaler": ckpt.load_state(path / "scaler.pt") if (path / "scaler.pt").exists() else None,
         "trainer": json.loads((path / TRAINER_STATE).read_text()),
@@ -90,7 +102,12 @@ def _load_payload(path: Path, rank: int) -> dict[str, Any]:
 
 def _apply_payload(rt: Runtime, model: torch.nn.Module, optimizer: Any, payload: dict[str, Any]) -> LoopState:
     _lm(rt, model).load_state_dict(payload["model"])
-    optimizer.load_state_dict(payload["optimizer"])
+    if rt.deepspeed or payload["zero"] is not None:
+        from llmexp.distributed import load_zero_shard
+
+        load_zero_shard(rt, optimizer, payload)
+    else:
+        optimizer.load_state_dict(payload["optimizer"])
     if payload["rng"] is not None:
         ckpt.restore_rng(payload["rng"])
     if rt.scaler is not None and payload["scaler"] is not None:

@@ -1,0 +1,202 @@
+"""`python -m llmexp.estimate [overrides]`: the memory a run needs, before you start it.
+
+Per device, for the composed model, precision, optimizer, ZeRO stage and world size:
+
+    weights       fp32 master weights (4 B/param), plus autocast's 16-bit copies (2 B) in bf16/fp16;
+                  under DeepSpeed bf16/fp16 the module holds 16-bit weights (2 B) and the fp32
+                  master copy moves into the optimizer state
+    gradients     same dtype as the module's weights; ZeRO-2/3 keep 1/world of them
+    optimizer     adamw 8 B/param (two fp32 moments), adamw8bit/paged/lion8bit ~2 B (uint8 moments
+                  plus block-wise scales), lion 4 B, sgd 4 B with momentum (0 without); ZeRO 1-3
+                  keep 1/world; offload moves it (and the fp32 master) to CPU memory
+    activations   what backward keeps per token and layer (Llama block, saved tensors counted from
+                  autograd's graph), plus the loss head's fp32 logits chunk; 1 layer's worth and the
+                  layer inputs under gradient checkpointing
+
+The parameter count comes from the model built on the meta device (no memory is allocated),
+so it is exact for `model=llama2-7b` too. The figures are the ZeRO paper's accounting
+(Rajbhandari et al. 2020) with our trainer's specifics; `benchmarks/memory.py` measures the
+real peak and `tests/test_estimate.py` holds the estimate to it.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+MiB = 2**20
+STATE_BYTES_PER_PARAM = {"adamw": 8.0, "adamw8bit": 2.0, "paged_adamw8bit": 2.0, "lion": 4.0, "lion8bit": 1.0}
+"""Optimizer state per parameter; 8-bit states are one byte per moment (+ <1% block scales)."""
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per device (and CPU bytes under offload)."""
+
+    num_params: int
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    cpu_offloaded: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+
+def count_params_meta(cfg: DictConfig) -> int:
+    """Parameters of the configured model, built on the meta device: nothing is allocated."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+    m = cfg.model
+    if m.name_or_path and _has_local_config(m.name_or_path):
+        config = AutoConfig.from_pretrained(m.name_or_path, trust_remote_code=m.trust_remote_code)
+    else:  # from the fields (model=llama2-7b lists the hub model's fields for exactly this)
+        config = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+                             num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
+                             num_key_value_heads=m.num_key_value_heads,
+                             max_position_embeddings=m.max_position_embeddings,
+                             tie_word_embeddings=m.tie_word_embeddings)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def _has_local_config(path: str) -> bool:
+    from pathlib import Path
+
+    return (Path(path) / "config.json").is_file()
+
+
+def activation_bytes(cfg: DictConfig, precision: str, micro_batch: int) -> float:
+    """What autograd keeps for one micro-batch (per device).
+
+    Per token and Llama layer (elements): the block input and its RMSNorm output (2d), q and k after
+    RoPE, v (d + 2 kv_dim), the attention output and o_proj's input (2d), the second residual
+    input and norm output (2d), and in the SwiGLU MLP gate, silu(gate), up and their product (4i).
+    Matmul outputs are 16-bit under autocast, norms and residuals stay fp32.
+    """
+    from llmexp.loss import CHUNK_TOKENS
+
+    m, tokens = cfg.model, micro_batch * cfg.data.max_length
+    d, i, layers = m.hidden_size, m.intermediate_size, m.num_hidden_layers
+    kv_dim = d // m.num_attention_heads * m.num_key_value_heads
+    half = 2 if precision in ("bf16", "fp16") else 4
+    fp32_elems = 4 * d  # residual inputs and norm outputs
+    mm_elems = 3 * d + 2 * kv_dim + 4 * i  # q, k, v, attention out, o_proj in, the MLP's four
+    per_layer_token = 4 * fp32_elems + half * mm_elems
+    if m.gradient_checkpointing:  # keep each layer's input; recompute one layer at a time in backward
+        layer_bytes = tokens * (layers * 4 * d + per_layer_token)
+    else:
+        layer_bytes = tokens * layers * per_layer_token
+    head_tokens = min(tokens, CHUNK_TOKENS)
+    logits_bytes = 3 * head_tokens * m.vocab_size * 4  # fp32 logits, softmax and its gradient, one chunk
+    return float(layer_bytes + tokens * 4 * 2 * d + logits_bytes)  # + final norm in/out
+
+
+def estimate(cfg: DictConfig, *, num_params: int, precision: str, world: int) -> MemoryEstimate:
+    """The per-device memory of one configuration (see the module docstring for the accounting)."""
+    ds, opt = cfg.deepspeed, cfg.optimizer
+    zero = ds.stage if ds.stage > 0 else 0
+    half_module = zero > 0 and precision in ("bf16", "fp16")  # DeepSpeed keeps 16-bit module weights
+    weight_b = 2.0 if half_module else 4.0
+    state_b = STATE_BYTES_PER_PARAM.get(opt.name, 4.0 if (opt.name == "sgd" and opt.momentum) else 0.0)
+    if half_module:
+        state_b += 4.0  # the fp32 master copy lives with the optimizer state
+    n = float(num_params)
+    weights = n * weight_b / (world if zero >= 3 else 1)
+    if not half_module and precision in ("bf16", "fp16"):
+        weights += n * 2.0  # autocast's 16-bit copies of the fp32 weights, kept for backward
+    gradients = n * weight_b / (world if zero >= 2 else 1)
+    optimizer = n * state_b / (world if zero >= 1 else 1)
+    cpu = 0.0
+    if ds.offload_optimizer != "none":
+        cpu, optimizer = optimizer + (n * 4.0 / world if zero >= 2 else 0.0), 0.0  # + the fp32 grad partition
+    if ds.offload_param != "none" and zero >= 3:
+        cpu, weights = cpu + weights, 0.0
+    return MemoryEstimate(num_params=num_params, weights=weights, gradients=gradients, optimizer=optimizer,
+                          activations=activation_bytes(cfg, precision, cfg.batch_size), cpu_offloaded=cpu)
+
+
+def resolved_precision(name: str) -> str:
+    """`auto` as it would resolve on this machine (bf16 on GPUs and bf16-capable CPUs, else fp32)."""
+    if name != "auto":
+        return name
+    import torch
+
+    from llmexp.build import cpu_has_fast_bf16
+
+    bf16 = torch.cuda.is_bf16_supported() if torch.cuda.is_available() else cpu_has_fast_bf16()
+    return "bf16" if bf16 else "fp32"
+
+
+def format_estimate(est: MemoryEstimate, *, label: str) -> str:
+    rows = [("weights", est.weights), ("gradients", est.gradients), ("optimizer state", est.optimizer),
+            ("activations", est.activations), ("total per device", est.total)]
+    lines = [label, f"  parameters        {est.num_params / 1e6:,.1f} M"]
+    lines += [f"  {name:<17} {value / MiB:>12,.1f} MiB" for name, value in rows]
+    if est.cpu_offloaded:
+        lines.append(f"  {'CPU (offloaded)':<17} {est.cpu_offloaded / MiB:>12,.1f} MiB")
+    return "\n".join(lines)
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """The config `python -m llmexp OVERRIDES` would train with (validated), without a run dir."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from llmexp.config import register_configs, validate
+    from llmexp.paths import conf_dir, register_resolvers
+
+    register_configs()
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = hydra_compose("config", overrides=overrides)
+    validate(cfg)
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the estimate; `world_size=N` (default: WORLD_SIZE or 1) sets the number of processes."""
+    from llmexp.distributed import world_size_from_env
+    from llmexp.errors import EXIT_USER, UserError
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__.split("\n\n")[0] + "\n\nusage: python -m llmexp.estimate [world_size=N] [overrides ...]")
+        return 0
+    world = world_size_from_env()
+    for arg in [a for a in args if a.startswith("world_size=")]:
+        world = int(arg.split("=", 1)[1])
+        args.remove(arg)
+    try:
+        cfg = compose(args)
+    except UserError as err:
+        print(f"llmexp.estimate: error: {err}", file=sys.stderr)
+        return EXIT_USER
+    except Exception as err:  # Hydra's override and compose errors
+        print(f"llmexp.estimate: error: {err}", file=sys.stderr)
+        return EXIT_USER
+    precision = resolved_precision(cfg.precision.name)
+    est = estimate(cfg, num_params=count_params_meta(cfg), precision=precision, world=world)
+    label = (f"model={cfg.model.name} precision={precision} optimizer={cfg.optimizer.name} "
+             f"deepspeed={cfg.deepspeed.name} world_size={world} batch_size={cfg.batch_size} "
+             f"max_length={cfg.data.max_length}")
+    print(format_estimate(est, label=label))
+    return 0
+
+
+def summary(est: MemoryEstimate) -> dict[str, Any]:
+    """The estimate as MiB figures (for benchmarks and reports)."""
+    return {"weights_mb": est.weights / MiB, "gradients_mb": est.gradients / MiB,
+            "optimizer_mb": est.optimizer / MiB, "activations_mb": est.activations / MiB,
+            "total_mb": est.total / MiB, "cpu_offloaded_mb": est.cpu_offloaded / MiB}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
