@@ -249,3 +249,18 @@ def test_remote_code_needs_a_pinned_commit(fields: dict[str, object], ok: bool) 
     from llmexp.preflight import remote_code_errors
 
     assert (remote_code_errors(_model(**fields)) == []) is ok
+
+
+def test_run_dir_is_the_users_explicit_choice_but_ids_and_names_are_sanitized(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hydra.run.dir` / `hydra.sweep.dir` name the output directory itself, so any path is accepted (as
+    with `-o DIR`); values that become components below it are refused or made safe."""
+    from llmexp.paths import run_id
+    from llmexp.preflight import check_args
+
+    assert check_args(["hydra.run.dir=../../elsewhere", "hydra.sweep.dir=/abs/sweep"]) == [
+        "hydra.run.dir=../../elsewhere", "hydra.sweep.dir=/abs/sweep"]
+    for key in ("hydra.job.name", "hydra.output_subdir", "hydra.sweep.subdir"):
+        with pytest.raises(UserError, match=key):
+            check_args([f"{key}=../up"])
+    monkeypatch.setenv("LLMEXP_RUN_ID", "../../etc/passwd")  # (the environment cannot hold NUL bytes)
+    assert run_id() == "etc_passwd"
