@@ -226,17 +226,32 @@ def target_problem(target: object, allowed: tuple[str, ...]) -> str | None:
     return None
 
 
-def find_targets(node: Any, path: str = "") -> list[tuple[str, Any]]:
-    """Every (`key.path._target_`, value) in plain nested data."""
+def find_keys(node: Any, names: tuple[str, ...] = ("_target_",), path: str = "") -> list[tuple[str, Any]]:
+    """Every (`key.path.<name>`, value) in plain nested data whose last key is one of `names`."""
     found: list[tuple[str, Any]] = []
     items = node.items() if isinstance(node, Mapping) else enumerate(node) if isinstance(node, list) else []
     for key, value in items:
         key_path = f"{path}.{key}" if path else str(key)
-        if key == "_target_":
+        if key in names:
             found.append((key_path, value))
         else:
-            found.extend(find_targets(value, key_path))
+            found.extend(find_keys(value, names, key_path))
     return found
+
+
+def find_targets(node: Any) -> list[tuple[str, Any]]:
+    """Every (`key.path._target_`, value) in plain nested data."""
+    return find_keys(node, ("_target_",))
+
+
+def logging_class_problem(key: str, value: object) -> str | None:
+    """Python's logging.config builds whatever a handler's `class` or `()` names, with the node's other keys
+    as arguments (`subprocess.Popen` with `args`): only `logging.*` classes pass."""
+    if key.rsplit(".", 1)[-1] == "()":
+        return f"{key}: logging factories ('()') are not allowed; use class: logging.<Handler>"
+    if not isinstance(value, str) or not value.startswith("logging.") or "__" in value:
+        return f"{key}: {value!r} is not a logging.* class; use e.g. logging.FileHandler"
+    return None
 
 
 def target_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
@@ -257,15 +272,35 @@ def target_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
     return errors
 
 
-def check_located(obj: Any, target: str, key: str, allowed: tuple[str, ...], base: type | None = None) -> None:
+def hydra_target_problem(key: str, target: str) -> str | None:
+    """Resolve a `hydra.*` target as Hydra would (it follows attributes through a module's imports, so
+    `llmexp.launcher.subprocess.Popen` is `subprocess.Popen`) and check where it is really defined."""
+    from hydra._internal.utils import _locate
+    from hydra.experimental.callback import Callback
+    from hydra.plugins.launcher import Launcher
+    from hydra.plugins.sweeper import Sweeper
+
+    try:  # a class of one of the kinds Hydra instantiates, not any callable (llmexp.paths.write_json_atomic)
+        check_located(_locate(target), target, key, HYDRA_ALLOWED_TARGETS, base=(Callback, Launcher, Sweeper))
+    except UserError as err:
+        return str(err)
+    except Exception as err:  # not importable: Hydra would fail on it too
+        return f"{key}: cannot import {target!r} ({err})"
+    return None
+
+
+def check_located(obj: Any, target: str, key: str, allowed: tuple[str, ...],
+                  base: type | tuple[type, ...] | None = None) -> None:
     """After import: the object must be defined under an allowed prefix (so `torch.optim.X.os.system`
     style detours through a module's own imports fail) and, with `base`, be a subclass of it."""
     defined_as = f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', None)}"
     if not defined_as.startswith(allowed):
         raise UserError(f"{key}: {target!r} resolves to {defined_as!r}, which is not under an allowed prefix "
                         f"({', '.join(allowed)}); pick a class with its config group (e.g. optimizer=adamw)")
-    if base is not None and not (isinstance(obj, type) and issubclass(obj, base)):
-        raise UserError(f"{key}: {target!r} is not a subclass of {base.__module__}.{base.__qualname__}; "
+    bases = base if isinstance(base, tuple) else (base,) if base is not None else ()
+    if bases and not (isinstance(obj, type) and issubclass(obj, bases)):
+        names = " or ".join(f"{b.__module__}.{b.__qualname__}" for b in bases)
+        raise UserError(f"{key}: {target!r} is not a subclass of {names}; "
                         "pick a class with its config group (e.g. optimizer=adamw)")
 
 

@@ -7,6 +7,7 @@ environment and on the command line, then greps every byte the run left behind.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -212,6 +213,39 @@ def test_target_from_a_yaml_file_is_refused(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     assert "optimizer.kwargs.x._target_: 'builtins.exec'" in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize(("target", "message"), [
+    ("llmexp.launcher.subprocess.Popen", "resolves to 'subprocess.Popen'"),  # a detour through `import subprocess`
+    ("llmexp.paths.write_json_atomic", "is not a subclass of hydra.experimental.callback.Callback"),
+    ("builtins.exec", "not under an allowed prefix"),
+])
+def test_hydra_side_targets_are_resolved_and_checked(target: str, message: str) -> None:
+    from llmexp.preflight import check_args
+
+    with pytest.raises(UserError, match=re.escape(message)):
+        check_args([f"+hydra.callbacks.x._target_={target}"])
+    assert check_args(["+hydra.callbacks.x._target_=llmexp.security.RedactRunFiles"])  # a real callback passes
+
+
+def test_hydra_callbacks_and_logging_classes_in_user_yaml_are_refused(tmp_path: Path) -> None:
+    """Hydra instantiates `hydra.callbacks` and builds logging handlers before any job code runs, so
+    YAML added with --config-dir is checked before Hydra reads it."""
+    extra = tmp_path / "extra"
+    (extra / "experiment").mkdir(parents=True)
+    (extra / "hydra" / "job_logging").mkdir(parents=True)
+    (extra / "experiment" / "evil.yaml").write_text(
+        "# @package _global_\nhydra:\n  callbacks:\n    evil:\n      _target_: llmexp.launcher.subprocess.Popen\n"
+        f"      args: [touch, {tmp_path / 'pwned'}]\n")
+    (extra / "hydra" / "job_logging" / "evil.yaml").write_text(
+        f"version: 1\nhandlers:\n  x:\n    class: subprocess.Popen\n    args: [touch, {tmp_path / 'pwned'}]\n"
+        "root:\n  handlers: [x]\n")
+    proc = run_llmexp(["-cd", str(extra), "experiment=evil", "hydra/job_logging=evil",
+                       f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "evil.yaml: hydra.callbacks.evil._target_: 'llmexp.launcher.subprocess.Popen' resolves to" in proc.stderr
+    assert "handlers.x.class: 'subprocess.Popen' is not a logging.* class" in proc.stderr
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "run").exists()
 
 
 # ---------------------------------------------------------------- paths
