@@ -15,8 +15,8 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 INFO, WARNING, ERROR = "info", "warning", "error"
@@ -62,6 +62,8 @@ class MonitorSettings:
     """Robust z-score (median/MAD) above which a value is a spike."""
     spike_min_rel: float = 0.25
     """A spike must also exceed the trailing median by this fraction of it (ignores tiny noisy series)."""
+    grad_spike_min_rel: float = 2.0
+    """Grad-norm spikes must exceed the trailing median by this fraction of it (3x): grad norms are heavy-tailed."""
     diverge_min_nats: float = 0.5
     """Divergence: the recent loss sits this far (nats) above the lowest loss so far ..."""
     diverge_rel: float = 0.5
@@ -168,6 +170,17 @@ def _fmt(x: float) -> str:
     return f"{mantissa.rstrip('0').rstrip('.')}e{exponent}"
 
 
+def _cap(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def _lower_lr(lr: float) -> str:
+    """The 'lower the lr' clause: a third of it, or the seed's table when it is absurd."""
+    if lr >= 1e-2:
+        return f"lower the lr (now {_fmt(lr)}: far above what LLMs train at; lr=auto picks from the model size)"
+    return f"lower the lr (now {_fmt(lr)}; try {_fmt(lr / 3)})"
+
+
 def _nan_advice(settings: MonitorSettings) -> str:
     parts = []
     if settings.max_grad_norm <= 0:
@@ -176,7 +189,7 @@ def _nan_advice(settings: MonitorSettings) -> str:
         parts.append(f"Check that clipping is working (train.max_grad_norm={settings.max_grad_norm:g}; try 0.5)")
     if settings.precision == "fp16":
         parts.append("switch FP16 to BF16 (precision=bf16) if the hardware has it")
-    parts.append(f"lower the lr (now {_fmt(settings.lr)}; try {_fmt(settings.lr / 3)})")
+    parts.append(_lower_lr(settings.lr))
     parts.append("check the data for abnormal or empty examples")
     return "; ".join(parts) + "."
 
@@ -214,12 +227,13 @@ def _non_finite(records: list[dict], settings: MonitorSettings) -> list[Finding]
 
 def _spikes(records: list[dict], settings: MonitorSettings) -> list[Finding]:
     out = []
-    for key, label in (("loss", "loss"), ("grad_norm", "grad norm")):
+    grad_settings = replace(settings, spike_min_rel=settings.grad_spike_min_rel)
+    for key, label, judge in (("loss", "loss", settings), ("grad_norm", "grad norm", grad_settings)):
         series = _series(records, "train", key)
         history: list[float] = []
         spikes = []
         for step, value in series:
-            if math.isfinite(value) and is_spike(history, value, settings):
+            if math.isfinite(value) and is_spike(history, value, judge):
                 _, median = _robust_z([v for v in history[-settings.window:] if math.isfinite(v)], value)
                 spikes.append((step, value, median))
             history.append(value)
@@ -232,12 +246,21 @@ def _spikes(records: list[dict], settings: MonitorSettings) -> list[Finding]:
             base = f" (trailing median {median:.3g})" if math.isfinite(median) else ""
             out.append(Finding(f"{key}_spike", step, WARNING,
                                f"{label} spiked to {value:.3g} at step {step}{base}; {len(spikes)} spike(s) in all",
-                               f"Lower the lr (now {_fmt(settings.lr)}) or raise the batch size / "
+                               f"{_cap(_lower_lr(settings.lr))}, or raise the batch size / "
                                "gradient accumulation; check that clipping is on; check the data near this step."))
     return out
 
 
-def _divergence(train: list[tuple[int, float]], settings: MonitorSettings) -> list[Finding]:
+def _divergence(records: list[dict], train: list[tuple[int, float]], settings: MonitorSettings) -> list[Finding]:
+    """The trainer gave up on the run (an anomaly it could not skip or roll back), or the loss climbed
+    back up and stayed there."""
+    for rec in records:
+        if rec.get("event") == "anomaly" and rec.get("action") == "diverged":
+            loss, gnorm = _num(rec.get("loss")), _num(rec.get("grad_norm"))
+            return [Finding("divergence", int(rec["step"]), ERROR,
+                            f"training diverged at step {rec['step']} (loss {loss:.4g}, grad norm {gnorm:.4g}); "
+                            f"the on_anomaly policy ({rec.get('policy', '?')}) ended the run",
+                            _nan_advice(settings))]
     if len(train) < settings.min_history * 2:
         return []
     tail = [v for _, v in train[-settings.min_history:]]
@@ -250,7 +273,7 @@ def _divergence(train: list[tuple[int, float]], settings: MonitorSettings) -> li
         began = next(s for s, v in train if s > low_step and v > low + rise / 2)
         return [Finding("divergence", began, ERROR,
                         f"the loss climbed back from {low:.3g} (step {low_step}) to {recent:.3g} and stayed there",
-                        f"Lower the lr (now {_fmt(settings.lr)}; try {_fmt(settings.lr / 3)}) or raise the batch size; "
+                        f"{_cap(_lower_lr(settings.lr))}, or raise the batch size; "
                         "check that clipping is on; resume from a checkpoint before this step.")]
     return []
 
@@ -340,6 +363,17 @@ def _overfitting(train: list[tuple[int, float]], evals: list[tuple[int, float]],
                     "lower the lr, add dropout (model.attention_dropout=0.1) or add data.")]
 
 
+def _streak_start(points: list[tuple[int, float]], outside: Callable[[float], bool]) -> int:
+    """The step where the trailing run of `outside` values began (the first such step if the last is not).
+    Stable while the condition persists, so the trainer's live findings (keyed by kind and step) do not repeat."""
+    start = None
+    for step, value in reversed(points):
+        if not outside(value):
+            break
+        start = step
+    return start if start is not None else next((s for s, v in points if outside(v)), points[0][0])
+
+
 def _grad_band(train_gn: list[tuple[int, float]], settings: MonitorSettings) -> list[Finding]:
     half = train_gn[len(train_gn) // 2:]
     if len(half) < settings.min_history:
@@ -348,7 +382,7 @@ def _grad_band(train_gn: list[tuple[int, float]], settings: MonitorSettings) -> 
     median = statistics.median(v for _, v in half)
     above = sum(v > high for _, v in half) / len(half)
     below = sum(v < low for _, v in half) / len(half)
-    step = half[0][0]
+    step = _streak_start(half, lambda v: not low <= v <= high)
     if above >= settings.grad_band_fraction:
         clip = ("clipping is off: turn it on (train.max_grad_norm=1.0)" if settings.max_grad_norm <= 0 else
                 f"clipping at {settings.max_grad_norm:g} is rescaling most steps")
@@ -365,8 +399,12 @@ def _grad_band(train_gn: list[tuple[int, float]], settings: MonitorSettings) -> 
 def _perplexity(evals_ppl: list[tuple[int, float]], settings: MonitorSettings) -> list[Finding]:
     if len(evals_ppl) < 2:  # the step-0 eval alone says nothing about training
         return []
-    step, ppl = evals_ppl[-1]
+    ppl = evals_ppl[-1][1]
     f = settings.ppl_far_factor
+    low, high = settings.pretrain_ppl
+    too_high = high * f if settings.run_kind == "pretrain" else settings.finetune_ppl_max * f
+    out_of_range = (lambda v: v > too_high) if ppl > too_high else (lambda v: v < low / f)
+    step = _streak_start(evals_ppl[1:], out_of_range)
     if settings.run_kind == "finetune":
         if ppl > settings.finetune_ppl_max * f:
             return [Finding("ppl_range", step, WARNING,
@@ -375,7 +413,6 @@ def _perplexity(evals_ppl: list[tuple[int, float]], settings: MonitorSettings) -
                             "Check that the tokenizer and chat template match the model and that the data "
                             "loads correctly; check the lr is not too high.")]
         return []
-    low, high = settings.pretrain_ppl
     if ppl > high * f:
         return [Finding("ppl_range", step, INFO,
                         f"eval perplexity {ppl:.4g} is far above the typical pretraining range {low:g}-{high:g}",
@@ -411,7 +448,7 @@ def diagnose(records: list[dict], settings: MonitorSettings) -> list[Finding]:
     findings = [
         *_non_finite(records, settings),
         *_spikes(records, settings),
-        *_divergence(train, settings),
+        *_divergence(records, train, settings),
         *_oscillation(train, settings),
         *_plateau(train, evals, settings),
         *_overfitting(train, evals, settings),

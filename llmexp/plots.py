@@ -54,17 +54,28 @@ def _finite_xy(xs: list[int], ys: list[float]) -> tuple[list[int], list[float]]:
     return [x for x, _ in pairs], [y for _, y in pairs]
 
 
+def _marker(xs: list[int]) -> str | None:
+    """Dots on short series, where a line alone may be a single invisible point."""
+    return "." if len(xs) < 30 else None
+
+
 def _loss_panel(ax: Any, records: list[dict]) -> None:
     xs, ys = _xy(records, "train", "loss")
     fx, fy = _finite_xy(xs, ys)
-    ax.plot(fx, fy, lw=1.2, color="#1f77b4", label="train loss")
+    ax.plot(fx, fy, lw=1.2, color="#1f77b4", label="train loss", marker=_marker(fx))
     ex, ey = _finite_xy(*_xy(records, "eval", "eval_loss"))
     ax.plot(ex, ey, "o-", ms=4, lw=1.5, color="#2ca02c", label="eval loss")
     bad = [x for x, y in zip(xs, ys, strict=True) if not math.isfinite(y)]
-    bad += [int(r["step"]) for r in records if r.get("event") == "anomaly"]
-    if bad:  # drawn along the bottom edge: a NaN has no height
+    anomalies = [r for r in records if r.get("event") == "anomaly"]
+    bad += [int(r["step"]) for r in anomalies]
+    if bad:  # drawn along the bottom edge: a NaN has no height, and a blow-up would squash the curve
         ax.plot(bad, [0.03] * len(bad), "x", color=SEVERITY_COLOURS["error"], ms=8, mew=2,
                 transform=ax.get_xaxis_transform(), label="non-finite / anomaly")
+    for r in anomalies[:5]:
+        value = r.get("loss")
+        text = f"loss {value:.3g}" if isinstance(value, int | float) else "loss NaN"
+        ax.annotate(f"{text} ({r.get('action', '?')})", xy=(int(r["step"]), 0.03), xycoords=ax.get_xaxis_transform(),
+                    xytext=(6, 4), textcoords="offset points", fontsize=7, color=SEVERITY_COLOURS["error"])
     finite = fy + ey
     if finite:  # a single huge value must not flatten the rest of the curve
         lo, hi = min(finite), sorted(finite)[max(0, int(0.98 * len(finite)) - 1)]
@@ -77,7 +88,7 @@ def _loss_panel(ax: Any, records: list[dict]) -> None:
 def _grad_panel(ax: Any, records: list[dict], max_grad_norm: float | None) -> None:
     fx, fy = _finite_xy(*_xy(records, "train", "grad_norm"))
     ax.axhspan(*GRAD_BAND, color="#2ca02c", alpha=0.08, label="seed's band 0.5-2.0")
-    ax.plot(fx, fy, lw=1.2, color="#9467bd", label="grad norm (pre-clip)")
+    ax.plot(fx, fy, lw=1.2, color="#9467bd", label="grad norm (pre-clip)", marker=_marker(fx))
     if max_grad_norm:
         ax.axhline(max_grad_norm, ls="--", lw=1, color="#555555", label=f"clip at {max_grad_norm:g}")
     if fy and min(fy) > 0:
@@ -89,7 +100,7 @@ def _grad_panel(ax: Any, records: list[dict], max_grad_norm: float | None) -> No
 def _simple_panel(ax: Any, records: list[dict], key: str, title: str, colour: str) -> None:
     fx, fy = _finite_xy(*_xy(records, "train", key))
     if fx:
-        ax.plot(fx, fy, lw=1.2, color=colour)
+        ax.plot(fx, fy, lw=1.2, color=colour, marker=_marker(fx))
     else:
         ax.text(0.5, 0.5, f"no {key} logged", ha="center", va="center", transform=ax.transAxes, color="#888888")
     ax.set_title(title)
@@ -143,8 +154,11 @@ def plot_run(records: list[dict], findings: list[dict], path: Path, title: str =
     _findings_caption(fig, findings)
     for ax in axes[2:]:
         ax.set_xlabel("step")
+    from matplotlib.ticker import MaxNLocator
+
     for ax in axes:
         ax.grid(alpha=0.25)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     worst = next((s for s in ("error", "warning", "info") if any(f["severity"] == s for f in findings)), None)
     fig.suptitle(f"{title}  ·  {len(findings)} finding(s)" + (f", worst: {worst}" if worst else ""), fontsize=11)
     fig.tight_layout()
