@@ -225,50 +225,10 @@ def check_args(args: list[str]) -> list[str]:
     """
     custom_tree = any(a.split("=", 1)[0] in _CUSTOM_TREE_FLAGS or "hydra.searchpath" in a for a in args)
     errors = [e for ov in _parse_overrides(args) for e in _override_errors(ov, custom_tree) if e]
-    errors += _user_yaml_target_errors(args)
+    errors += security.user_yaml_errors(args, _CUSTOM_TREE_FLAGS[:4])
     if errors:
         raise UserError("invalid command line:\n  " + "\n  ".join(errors))
     return security.redact_overrides(list(args))
-
-
-def _user_config_dirs(args: list[str]) -> list[Path]:
-    """Directories of YAML the user adds: --config-dir/-cd, --config-path/-cp, hydra.searchpath file://..."""
-    dirs = []
-    for i, arg in enumerate(args):
-        flag, eq, value = arg.partition("=")
-        if flag in _CUSTOM_TREE_FLAGS[:4]:
-            dirs.append(value if eq else (args[i + 1] if i + 1 < len(args) else ""))
-        elif "hydra.searchpath" in flag:
-            dirs += re.findall(r"file://([^,\]\s'\"]+)", value)
-    return [Path(d).expanduser() for d in dirs if d and Path(d).expanduser().is_dir()]
-
-
-def _user_yaml_target_errors(args: list[str]) -> list[str]:
-    """`_target_`s in YAML the user adds, checked before Hydra reads it: Hydra itself instantiates the
-    `hydra:` section's callbacks and launchers before llmexp's own checks could run."""
-    from omegaconf import OmegaConf
-
-    from llmexp.build import ALLOWED_TARGETS
-
-    allowed, errors = ALLOWED_TARGETS + security.HYDRA_ALLOWED_TARGETS, []
-    for directory in _user_config_dirs(args):
-        for path in sorted(directory.rglob("*.yaml")):
-            try:
-                data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-            except Exception:  # Hydra reports unreadable YAML itself, naming the file and line
-                continue
-            for key, value in security.find_targets(data):
-                problem = security.target_problem(value, allowed)
-                if problem is None and key.startswith("hydra."):
-                    problem = security.hydra_target_problem(key, str(value))
-                if problem:
-                    errors.append(f"{path}: {problem if problem.startswith(key) else f'{key}: {problem}'}")
-            logging_file = "logging" in str(path.relative_to(directory))
-            for key, value in security.find_keys(data, ("()", "class")):
-                if (key.endswith("()") or logging_file or "logging" in key) and (
-                        problem := security.logging_class_problem(key, value)):
-                    errors.append(f"{path}: {problem}")
-    return errors
 
 
 # ---------------------------------------------------------------- the composed config

@@ -304,6 +304,46 @@ def check_located(obj: Any, target: str, key: str, allowed: tuple[str, ...],
                         "pick a class with its config group (e.g. optimizer=adamw)")
 
 
+def _user_config_dirs(args: list[str], flags: tuple[str, ...]) -> list[Path]:
+    """Directories of YAML the user adds: --config-dir/-cd, --config-path/-cp, hydra.searchpath file://..."""
+    dirs = []
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag in flags:
+            dirs.append(value if eq else (args[i + 1] if i + 1 < len(args) else ""))
+        elif "hydra.searchpath" in flag:
+            dirs += re.findall(r"file://([^,\]\s'\"]+)", value)
+    return [Path(d).expanduser() for d in dirs if d and Path(d).expanduser().is_dir()]
+
+
+def user_yaml_errors(args: list[str], flags: tuple[str, ...]) -> list[str]:
+    """`_target_`s in YAML the user adds, checked before Hydra reads it: Hydra itself instantiates the
+    `hydra:` section's callbacks and launchers before llmexp's own checks could run."""
+    from omegaconf import OmegaConf
+
+    from llmexp.build import ALLOWED_TARGETS
+
+    allowed, errors = ALLOWED_TARGETS + HYDRA_ALLOWED_TARGETS, []
+    for directory in _user_config_dirs(args, flags):
+        for path in sorted(directory.rglob("*.yaml")):
+            try:
+                data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+            except Exception:  # Hydra reports unreadable YAML itself, naming the file and line
+                continue
+            for key, value in find_targets(data):
+                problem = target_problem(value, allowed)
+                if problem is None and key.startswith("hydra."):
+                    problem = hydra_target_problem(key, str(value))
+                if problem:
+                    errors.append(f"{path}: {problem if problem.startswith(key) else f'{key}: {problem}'}")
+            logging_file = "logging" in str(path.relative_to(directory))
+            for key, value in find_keys(data, ("()", "class")):
+                if (key.endswith("()") or logging_file or "logging" in key) and (
+                        problem := logging_class_problem(key, value)):
+                    errors.append(f"{path}: {problem}")
+    return errors
+
+
 # ---------------------------------------------------------------- paths
 
 
