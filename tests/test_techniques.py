@@ -1,0 +1,141 @@
+"""Each training technique of the seed as one config choice, checked with real training steps."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from llmexp.schedule import lr_at
+from llmexp.train import train
+from tests.conftest import TINY, compose, read_metrics, run_cli
+
+
+def _sft_file(path: Path, n: int = 96) -> Path:
+    """prompt/completion records of very different lengths: a mean of micro-batch means would differ."""
+    rng = random.Random(0)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split()
+    with open(path, "w") as f:
+        for i in range(n):
+            prompt = " ".join(rng.choices(words, k=rng.randint(2, 20)))
+            completion = " ".join(rng.choices(words, k=rng.randint(1, 30)))
+            f.write(json.dumps({"prompt": f"Q{i}: {prompt}\n", "completion": completion}) + "\n")
+    return path
+
+
+def _train(overrides: list[str], run_dir: Path) -> dict:
+    result = train(compose([*TINY, *overrides], run_dir))
+    return result.summary
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "model" / "model.safetensors"))
+
+
+def test_accumulation_equals_the_big_batch_and_lr_follows_the_schedule(tmp_path: Path) -> None:
+    data = _sft_file(tmp_path / "sft.jsonl")
+    common = ["data=json", f"data.train_file={data}", "data.packing=false", "precision=fp32", "train.max_steps=8",
+              "train.eval_steps=4", "train.save_steps=0", "lr=3e-3", "train.warmup_steps=3", "seed=1"]
+    big, small = tmp_path / "big", tmp_path / "small"
+    _train([*common, "batch_size=8", "train.gradient_accumulation_steps=1"], big)
+    summary = _train([*common, "batch_size=2", "train.global_batch_size=8"], small)
+    assert summary["gradient_accumulation_steps"] == 4 and summary["global_batch_size"] == 8
+    losses_big = [r["loss"] for r in read_metrics(big, "train")]
+    losses_small = [r["loss"] for r in read_metrics(small, "train")]
+    assert len(losses_big) == 8
+    assert losses_small == pytest.approx(losses_big, rel=1e-5)
+    wb, ws = _weights(big), _weights(small)
+    for name, tensor in wb.items():  # relative to each tensor's norm: Adam amplifies float noise in ~0 weights
+        assert (ws[name] - tensor).norm() <= 1e-5 * tensor.norm(), name
+    # The logged lr of step N is the lr that optimizer step N-1 (0-based) used.
+    for record in read_metrics(big, "train"):
+        expected = lr_at(record["step"] - 1, name="cosine", peak_lr=3e-3, max_steps=8, warmup_steps=3,
+                         min_lr_ratio=0.1)
+        assert record["lr"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_fp16_overflow_skips_the_step_and_leaves_the_weights_unchanged(tmp_path: Path) -> None:
+    from llmexp.build import build_model
+
+    run_dir = tmp_path / "fp16"
+    cfg = compose([*TINY, "precision=fp16", "precision.init_scale=1e38", "train.max_steps=2",
+                   "train.eval_steps=100", "train.save_steps=0"], run_dir)
+    summary = train(cfg).summary
+    torch.manual_seed(cfg.seed)
+    initial = build_model(cfg, vocab_size=len(json.loads((run_dir / "model" / "tokenizer.json").read_text())
+                                               ["model"]["vocab"]) + 0).state_dict()
+    saved = _weights(run_dir)
+    assert summary["skipped_steps"] == 2
+    scales = [r["loss_scale"] for r in read_metrics(run_dir, "train")]
+    assert scales == sorted(scales, reverse=True) and scales[-1] < 1e38
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, initial[name]), name
+
+
+@pytest.mark.parametrize(("optimizer", "lr"), [
+    ("adamw", 3e-3), ("adamw8bit", 3e-3), ("paged_adamw8bit", 3e-3), ("lion", 1e-3), ("lion8bit", 1e-3),
+    ("sgd", 0.3),
+])
+def test_each_optimizer_lowers_the_loss(optimizer: str, lr: float, tmp_path: Path) -> None:
+    run_dir = tmp_path / optimizer
+    _train([f"optimizer={optimizer}", f"lr={lr}", "train.max_steps=12", "train.eval_steps=100",
+            "train.save_steps=0", "train.warmup_steps=0", "scheduler=constant"], run_dir)
+    losses = [r["loss"] for r in read_metrics(run_dir, "train")]
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.1, losses
+
+
+def _state_bytes(optimizer_name: str) -> tuple[int, set[torch.dtype]]:
+    """Optimizer-state bytes after one step on the default tiny model (6.8M params)."""
+    from omegaconf import OmegaConf
+
+    from llmexp.build import build_model, build_optimizer
+
+    cfg = OmegaConf.create({"model": {"name_or_path": None, "hidden_size": 256, "intermediate_size": 688,
+                                      "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+                                      "max_position_embeddings": 256, "rope_theta": 1e4, "attention_dropout": 0.0,
+                                      "tie_word_embeddings": False, "gradient_checkpointing": False},
+                            "optimizer": OmegaConf.load(Path(__file__).parents[1] / "conf/optimizer" /
+                                                        f"{optimizer_name}.yaml"),
+                            "train": {"weight_decay": 0.01}})
+    cfg.optimizer.setdefault("eps", 1e-8)
+    cfg.optimizer.setdefault("momentum", 0.0)
+    cfg.optimizer.setdefault("betas", [0.9, 0.99])
+    cfg.optimizer.setdefault("kwargs", {})
+    cfg.optimizer.setdefault("decay_norms_and_biases", False)
+    model = build_model(cfg, 8192)
+    opt = build_optimizer(cfg, model, 1e-3, "cpu")
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    tensors = [v for s in opt.state.values() for k, v in s.items() if torch.is_tensor(v) and v.numel() > 1]
+    moments = [v for s in opt.state.values() for k, v in s.items() if k in ("state1", "state2") and v.numel() > 4096]
+    return sum(t.numel() * t.element_size() for t in tensors), {t.dtype for t in moments}
+
+
+def test_optimizer_state_sizes_match_the_seed() -> None:
+    adamw, _ = _state_bytes("adamw")
+    eight, dtypes = _state_bytes("adamw8bit")
+    lion, _ = _state_bytes("lion")
+    assert dtypes == {torch.uint8}
+    assert eight <= 0.27 * adamw, eight / adamw
+    assert lion <= 0.51 * adamw, lion / adamw
+
+
+def test_absurd_lr_stops_as_diverged_with_exit_code_3(tmp_path: Path) -> None:
+    run_dir = tmp_path / "boom"
+    proc = run_cli([*TINY, "lr=1000", "train.warmup_steps=0", "train.on_anomaly=stop", "train.max_steps=20",
+                    "train.eval_steps=100", f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "diverged" and summary["step"] <= 3
+    assert any(f["severity"] == "error" for f in summary["findings"])
+
+
+def test_global_batch_that_does_not_divide_exits_2(tmp_path: Path) -> None:
+    proc = run_cli([*TINY, "batch_size=4", "train.global_batch_size=10", f"hydra.run.dir={tmp_path / 'r'}"])
+    assert proc.returncode == 2
+    assert "train.global_batch_size" in proc.stderr and "Traceback" not in proc.stderr
