@@ -18,7 +18,7 @@ from tests.conftest import TINY, compose, read_metrics, run_cli
 def _sft_file(path: Path, n: int = 96) -> Path:
     """prompt/completion records of very different lengths: a mean of micro-batch means would differ."""
     rng = random.Random(0)
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split()
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda"]
     with open(path, "w") as f:
         for i in range(n):
             prompt = " ".join(rng.choices(words, k=rng.randint(2, 20)))
