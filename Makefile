@@ -1,0 +1,22 @@
+# llmexp's set-up and checks. `make test` is the README's second command and what CI runs.
+PYTHON ?= python
+# The CPU build of torch that lies on disk here; on a GPU machine: make test CONSTRAINTS=
+CONSTRAINTS ?= constraints-cpu.txt
+PIP_CONSTRAINTS = $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
+
+.PHONY: install cluster test lint bench
+
+install:
+	$(PYTHON) -m pip install -q $(PIP_CONSTRAINTS) -e '.[test]'
+
+cluster:
+	bash launch/slurm-local.sh up
+
+test: install cluster
+	$(PYTHON) -m pytest
+
+lint:
+	$(PYTHON) -m ruff check .
+
+bench:
+	$(PYTHON) benchmarks/throughput.py
