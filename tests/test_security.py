@@ -96,6 +96,19 @@ def test_rejected_secret_override_is_not_echoed(tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists()
 
 
+def test_scrub_yaml_file_redacts_and_keeps_interpolations(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("cluster:\n  additional_parameters:\n    api_token: abc123\n    ref: ${oc.env:HF_TOKEN}\n"
+                      "data:\n  cache_dir: ${oc.env:HOME}/.cache\n")
+    overrides = tmp_path / "overrides.yaml"
+    overrides.write_text("- lr=0.1\n- +cluster.additional_parameters.api_token=abc123\n")
+    assert security.scrub_yaml_file(config) and security.scrub_yaml_file(overrides)
+    assert config.read_text() == ("cluster:\n  additional_parameters:\n    api_token: '***'\n"
+                                  "    ref: ${oc.env:HF_TOKEN}\ndata:\n  cache_dir: ${oc.env:HOME}/.cache\n")
+    assert overrides.read_text() == "- lr=0.1\n- +cluster.additional_parameters.api_token=***\n"
+    assert not security.scrub_yaml_file(config)  # nothing left to redact: the file is not rewritten
+
+
 ENV_CANARIES = {"WANDB_API_KEY": "canarywandb0123456789abcdef0123456789abcd",
                 "HF_TOKEN": "hf_CanaryHubToken0123456789abc", "MY_SERVICE_PASSWORD": "canary-env-password-31",
                 "AWS_SECRET_ACCESS_KEY": "canaryAwsSecret/31x+y"}
