@@ -382,7 +382,7 @@ def _grad_band(train_gn: list[tuple[int, float]], settings: MonitorSettings) -> 
     median = statistics.median(v for _, v in half)
     above = sum(v > high for _, v in half) / len(half)
     below = sum(v < low for _, v in half) / len(half)
-    step = _streak_start(half, lambda v: not low <= v <= high)
+    step = _streak_start(train_gn, lambda v: not low <= v <= high)
     if above >= settings.grad_band_fraction:
         clip = ("clipping is off: turn it on (train.max_grad_norm=1.0)" if settings.max_grad_norm <= 0 else
                 f"clipping at {settings.max_grad_norm:g} is rescaling most steps")

@@ -176,3 +176,36 @@ def test_settings_from_config() -> None:
     s = settings_from_config(cfg, lr=2e-4)
     assert (s.run_kind, s.max_grad_norm, s.precision, s.lr) == ("finetune", 0.0, "fp16", 2e-4)
     assert settings_from_config({"lr": 1e-3}).run_kind == "pretrain"
+
+
+def test_finding_steps_are_stable_as_the_history_grows() -> None:
+    """The trainer logs each finding once, keyed by kind and step: a persisting condition must keep its step."""
+    records = history(num_steps=1000, grad_norm=lambda s: 0.2, loss=lambda s: 7.0, eval_loss=lambda s: 7.0,
+                      noise=0.004)
+    steps: dict[str, set[int]] = {}
+    for end in range(400, 1001, 100):
+        for f in diagnose([r for r in records if r["step"] <= end], MonitorSettings()):
+            steps.setdefault(f.kind, set()).add(f.step)
+    assert {"grad_norm_low", "ppl_range", "plateau"} <= steps.keys()
+    assert all(len(s) == 1 for s in steps.values()), steps
+
+
+def test_a_run_the_trainer_stopped_is_an_error() -> None:
+    records = [*history(num_steps=20),
+               {"event": "anomaly", "step": 21, "loss": 549.0, "grad_norm": 1590.0, "policy": "stop",
+                "action": "diverged"}]
+    found = {f.kind: f for f in diagnose(records, MonitorSettings(lr=10.0))}
+    assert found["divergence"].severity == ERROR and found["divergence"].step == 21
+    assert "lr=auto" in found["divergence"].advice
+    assert found["loss_spike"].severity == "warning"
+
+
+def test_grad_norm_noise_is_not_a_spike() -> None:
+    """Real tiny-model grad norms (a clean run) jump 2x between steps; only a 3x jump is a spike."""
+    norms = [1.08, 1.15, 1.29, 1.13, 1.56, 0.99, 0.94, 1.05, 1.05, 0.81, 0.82, 1.04, 0.74, 1.42, 0.92, 0.87, 0.83,
+             1.0, 0.8, 0.72, 0.75, 1.19, 1.0, 0.79, 0.87, 0.87, 0.81, 1.03, 0.79, 0.68, 0.89, 0.73, 1.01, 0.81, 1.74]
+    records = [{"event": "train", "step": 5 * (i + 1), "loss": 6.0 - 0.01 * i, "grad_norm": g}
+               for i, g in enumerate(norms)]
+    assert "grad_norm_spike" not in kinds(diagnose(records, MonitorSettings()))
+    records.append({"event": "train", "step": 5 * (len(norms) + 1), "loss": 5.6, "grad_norm": 4.0})
+    assert "grad_norm_spike" in kinds(diagnose(records, MonitorSettings()))
