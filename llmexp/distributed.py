@@ -25,6 +25,7 @@ import enum
 import math
 import os
 import sys
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -223,6 +224,25 @@ def loss_scale(rt: Runtime) -> float | None:
 
 
 # ----------------------------------------------------------------------------- checkpoints
+
+
+def full_lm_state(rt: Runtime, model: Any) -> dict[str, torch.Tensor] | None:
+    """ZeRO-3: the LM's full weights gathered layer by layer (collective: every rank calls it;
+    rank 0 gets the tensors). None when the module holds full weights (ZeRO 1-2): use its own."""
+    if not rt.deepspeed or rt.cfg.deepspeed.stage < 3:
+        return None
+    state = rt.accelerator.get_state_dict(model)  # Accelerate: _zero3_consolidated_16bit_state_dict
+    return {k.removeprefix("lm."): v for k, v in state.items()} if rt.is_main else {}
+
+
+def gathered_for_load(rt: Runtime, model: Any) -> AbstractContextManager[Any]:
+    """ZeRO-3: gather the partitioned parameters so `load_state_dict` can fill them, and
+    re-partition (from rank 0's values) on exit. A no-op otherwise."""
+    if not rt.deepspeed or rt.cfg.deepspeed.stage < 3:
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0)
 
 
 def zero_shard_filename(rank: int) -> str:

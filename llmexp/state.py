@@ -60,14 +60,16 @@ def save_state_checkpoint(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, 
     from accelerate.utils import gather_object
 
     rng_states = gather_object([ckpt.capture_rng()]) if rt.plan.world > 1 else [ckpt.capture_rng()]
-    zero_shards = None
-    if rt.deepspeed:  # each rank's ZeRO optimizer shard, saved without pickle (llmexp.distributed)
-        from llmexp.distributed import stage_zero_shard
+    zero_shards, weights = None, None
+    if rt.deepspeed:  # each rank's ZeRO optimizer shard, saved without pickle; ZeRO-3 weights gathered
+        from llmexp.distributed import full_lm_state, stage_zero_shard
 
         zero_shards = stage_zero_shard(rt, optimizer, state.step)
+        weights = full_lm_state(rt, model)
     if rt.is_main:
         def write(tmp: Path) -> None:
-            ckpt.save_tensors(tmp / "model.safetensors", _lm(rt, model).state_dict())
+            tensors = weights if weights is not None else _lm(rt, model).state_dict()
+            ckpt.save_tensors(tmp / "model.safetensors", tensors)
             if zero_shards is not None:
                 from llmexp.distributed import move_zero_shards
 
@@ -101,12 +103,14 @@ def _load_payload(path: Path, rank: int) -> dict[str, Any]:
 
 
 def _apply_payload(rt: Runtime, model: torch.nn.Module, optimizer: Any, payload: dict[str, Any]) -> LoopState:
-    _lm(rt, model).load_state_dict(payload["model"])
     if rt.deepspeed or payload["zero"] is not None:
-        from llmexp.distributed import load_zero_shard
+        from llmexp.distributed import gathered_for_load, load_zero_shard
 
+        with gathered_for_load(rt, model):  # ZeRO-3: the parameters are partitioned
+            _lm(rt, model).load_state_dict(payload["model"])
         load_zero_shard(rt, optimizer, payload)
     else:
+        _lm(rt, model).load_state_dict(payload["model"])
         optimizer.load_state_dict(payload["optimizer"])
     if payload["rng"] is not None:
         ckpt.restore_rng(payload["rng"])
@@ -157,12 +161,13 @@ def rollback(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, optimizer: An
              "lr_scale": restored.lr_scale, "data_offset": restored.data_offset})
 
 
-def save_final_model(rt: Runtime, model: torch.nn.Module, tokenizer: Any) -> None:
+def save_final_model(rt: Runtime, model: torch.nn.Module, tokenizer: Any,
+                     weights: dict[str, torch.Tensor] | None = None) -> None:
     """`model/`: save_pretrained of the model and tokenizer, published by one rename."""
     final = rt.run_dir / "model"
     tmp = rt.run_dir / ".model.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    _lm(rt, model).save_pretrained(tmp, safe_serialization=True)
+    _lm(rt, model).save_pretrained(tmp, safe_serialization=True, state_dict=weights)  # weights: ZeRO-3 gathered
     tokenizer.save_pretrained(tmp)
     ckpt._fsync_tree(tmp)
     old = rt.run_dir / ".model.old"
@@ -177,8 +182,11 @@ def finish_run(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, optimizer: 
     """Final checkpoint and model, summary.json, report; returns the summary."""
     if status in ("completed", "early_stopped"):
         save_state_checkpoint(cfg, rt, model, optimizer, state, log)
+        from llmexp.distributed import full_lm_state
+
+        weights = full_lm_state(rt, model)  # ZeRO-3: collective, so every rank gathers; else None
         if rt.is_main:
-            save_final_model(rt, model, tokenizer)
+            save_final_model(rt, model, tokenizer, weights)
     summary = build_summary(cfg, rt, state, log, status, peak_lr, lr_source)
     if rt.is_main:
         write_json_atomic(rt.run_dir / "summary.json", summary)
