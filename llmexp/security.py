@@ -6,8 +6,11 @@
   `*_KEY`, `*_SECRET`, `*_PASSWORD`) are replaced by `REDACTED` wherever llmexp writes. A secret
   given on the command line never reaches Hydra: `redact_overrides` moves it into a private
   environment variable and leaves `${oc.env:LLMEXP_SECRET_<n>}` in its place, so `.hydra/`,
-  run names, `summary.json` and wandb's recorded argv only ever see the placeholder.
-  `RedactRunFiles` (a Hydra callback) scrubs `.hydra/*.yaml` once more and filters the job log.
+  Hydra's error messages and wandb's recorded argv only ever see the placeholder.
+  `RedactRunFiles` (a Hydra callback, conf/config.yaml) runs when a job starts: it scrubs
+  `.hydra/*.yaml` once more, filters the job log (`llmexp.log`), and rewrites the job's
+  `hydra.overrides.task` / `hydra.job.override_dirname` so that reading them (summary.json, run
+  names) cannot resolve a placeholder back into the secret. Writers of run files call `scrub`.
 * `_target_`. Hydra instantiates whatever class a `_target_` names. llmexp only accepts targets
   under `llmexp.build.ALLOWED_TARGETS` in the job config, and only Hydra's and llmexp's own plugin
   classes under `hydra.*`; anything else (`builtins.open`, `os.system`, `subprocess.Popen`,
