@@ -1,0 +1,149 @@
+"""Multi-process runs through the real launchers (torchrun, accelerate launch; gloo on CPU), and the
+DeepSpeed config derived from the composed config.
+
+The end-to-end tests start 2 real processes: 2 x batch_size=4 must give the losses of
+1 x batch_size=8 (the sampler shards one global batch), in one run directory written by rank 0,
+with checkpoints a 2-process run resumes from exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmexp.errors import UserError
+from tests.conftest import TINY, read_metrics, run_cli
+
+RUN = [*TINY, "precision=fp32", "lr=1e-3", "train.max_steps=6", "train.eval_steps=3", "train.save_steps=3",
+       "train.peak_tflops=1", "train.warmup_steps=1"]
+
+
+def _losses(run_dir: Path, after_resume: bool = False) -> dict[int, float]:
+    records = read_metrics(run_dir)
+    if after_resume:
+        records = records[max(i for i, r in enumerate(records) if r["event"] == "resume"):]
+    return {r["step"]: r["loss"] for r in records if r["event"] == "train"}
+
+
+def _launch(launcher: list[str], args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", *launcher, "-m", "llmexp", *RUN, *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+TORCHRUN = ["torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+ACCELERATE = ["accelerate.commands.launch", "--multi_gpu", "--num_processes=2", "--num_machines=1",
+              "--mixed_precision=no", "--dynamo_backend=no", "--main_process_port=0"]
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_and_resume(tmp_path: Path) -> None:
+    single = tmp_path / "single"
+    result = run_cli([*RUN, "batch_size=8", f"hydra.run.dir={single}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    # torchrun, no hydra.run.dir: both ranks must agree on one outputs/<date>/<time>-<launcher pid>.
+    result = _launch(TORCHRUN, ["batch_size=4"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dirs = [p.parent for p in (tmp_path / "outputs").glob("*/*/metrics.jsonl")]
+    assert len(run_dirs) == 1, run_dirs
+    multi = run_dirs[0]
+    one, two = _losses(single), _losses(multi)
+    assert one.keys() == two.keys() == set(range(1, 7))  # rank 0 only: each step logged once
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=1e-5), step
+    summary = (multi / "summary.json").read_text()
+    assert '"world_size": 2' in summary and '"peak_mem_mb"' in summary
+    ckpt = multi / "checkpoints" / "step_3"
+    assert (ckpt / "rng_rank0.pt").is_file() and (ckpt / "rng_rank1.pt").is_file()
+
+    # Resume the 2-process run with accelerate launch: from step_3, steps 4-6 again, exactly.
+    shutil.rmtree(multi / "checkpoints" / "step_6")
+    result = _launch(ACCELERATE, ["batch_size=4", f"hydra.run.dir={multi}"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed = _losses(multi, after_resume=True)
+    assert resumed.keys() == {4, 5, 6}
+    for step in resumed:
+        assert resumed[step] == pytest.approx(two[step], rel=1e-6), step
+
+
+def test_bad_deepspeed_combinations_exit_2() -> None:
+    result = run_cli([*TINY, "deepspeed=zero2_offload", "optimizer=sgd", "train.max_steps=2"])
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "optimizer=sgd" in result.stderr and "Traceback" not in result.stderr
+    result = run_cli([*TINY, "deepspeed=zero2_offload", "optimizer=adamw8bit", "train.max_steps=2"])
+    assert result.returncode == 2 and "offload" in result.stderr
+
+
+def _cfg(*overrides: str):
+    from llmexp.estimate import compose
+
+    return compose(list(overrides))
+
+
+@pytest.mark.parametrize(("overrides", "fragment"), [
+    (["deepspeed=zero2", "deepspeed.offload_param=cpu"], "needs ZeRO stage 3"),
+    (["deepspeed=zero2_offload", "optimizer=sgd"], "no DeepSpeed CPU implementation"),
+    (["deepspeed=zero2", "train.compile=true"], "train.compile"),
+    (["deepspeed=zero2", "precision=fp16", "precision.init_scale=1000"], "power"),
+])
+def test_check_deepspeed_names_the_conflict(overrides: list[str], fragment: str) -> None:
+    from llmexp.distributed import check_deepspeed
+
+    with pytest.raises(UserError, match=fragment):
+        check_deepspeed(_cfg(*overrides))
+
+
+def test_deepspeed_config_agrees_with_the_loop() -> None:
+    from llmexp.distributed import deepspeed_config
+    from llmexp.runtime import make_plan
+
+    cfg = _cfg("deepspeed=zero2_offload", "batch_size=2", "train.global_batch_size=16", "train.max_grad_norm=0.5",
+               "precision=bf16")
+    plan = make_plan(cfg, 4)
+    ds = deepspeed_config(cfg, micro=plan.micro, accum=plan.accum, world=plan.world, precision="bf16", cuda=True)
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (2, 2)
+    assert ds["train_batch_size"] == 16 == plan.global_batch
+    assert ds["gradient_clipping"] == 0.5
+    assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"] and ds["bf16"]["check_grad_overflow"]
+    assert ds["zero_optimization"]["stage"] == 2
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert "auto" not in repr(ds)
+
+    cfg = _cfg("deepspeed=zero3", "precision=fp16", "precision.init_scale=1024", "precision.growth_interval=100")
+    ds = deepspeed_config(cfg, micro=8, accum=1, world=2, precision="fp16", cuda=True)
+    assert ds["fp16"]["enabled"] and ds["fp16"]["initial_scale_power"] == 10
+    assert ds["fp16"]["loss_scale_window"] == 100 and ds["fp16"]["loss_scale"] == 0  # dynamic, like GradScaler
+    assert ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]
+
+
+def test_relaunch_turns_accelerate_cpu_multiprocess_into_torchrun() -> None:
+    from llmexp.distributed import relaunch_argv
+
+    parent = ["/usr/bin/python", "/usr/bin/accelerate", "launch", "--cpu", "--num_processes", "2", "-m", "llmexp"]
+    env = {"ACCELERATE_USE_CPU": "True"}
+    argv = relaunch_argv(parent, env, ["-m", "llmexp", "lr=1e-3"])
+    assert argv is not None and "--nproc_per_node=2" in argv and argv[-3:] == ["-m", "llmexp", "lr=1e-3"]
+    assert relaunch_argv(parent, {**env, "WORLD_SIZE": "2"}, ["-m", "llmexp"]) is None  # already a rank
+    one = ["accelerate", "launch", "--cpu", "--num_processes=1", "-m", "llmexp"]
+    assert relaunch_argv(one, env, ["-m", "llmexp"]) is None
+    script_flag = ["accelerate", "launch", "--cpu", "train.py", "--num_processes", "4"]  # the script's own flag
+    assert relaunch_argv(script_flag, env, ["-m", "llmexp"]) is None
+
+
+def test_run_id_is_shared_by_the_ranks_of_one_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmexp import paths
+
+    monkeypatch.delenv("LLMEXP_RUN_ID", raising=False)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    rank_id = paths.run_id()
+    assert rank_id.endswith(f"-{os.getppid()}")  # the launcher's pid, the same for every local rank
+    assert paths.run_id() == rank_id
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert paths.run_id() == "slurm-4242"
