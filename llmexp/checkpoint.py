@@ -44,9 +44,9 @@ from llmexp.ckpt_state import (
 )
 
 __all__ = [
-    "CorruptCheckpoint", "PreemptionSignal", "capture_rng", "find_resume_checkpoint", "list_checkpoints",
-    "load_state", "load_tensors", "load_with_fallback", "read_manifest", "restore_rng", "rng_filename",
-    "rotate", "save_checkpoint", "save_state", "save_tensors", "verify_checkpoint",
+    "CorruptCheckpoint", "PreemptionSignal", "capture_rng", "find_resume_checkpoint", "fsync_tree",
+    "list_checkpoints", "load_state", "load_tensors", "load_with_fallback", "publish_dir", "read_manifest",
+    "restore_rng", "rng_filename", "rotate", "save_checkpoint", "save_state", "save_tensors", "verify_checkpoint",
 ]
 
 FORMAT_VERSION = 1
@@ -251,11 +251,27 @@ def save_checkpoint(root: Path, step: int, write: Callable[[Path], None], *, kee
     return final
 
 
-def _publish(tmp: Path, final: Path) -> None:
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under `root` (before renaming it into place)."""
+    _fsync_tree(Path(root))
+
+
+def publish_dir(tmp: Path, final: Path) -> None:
+    """Make a finished directory visible under its final name in one step (e.g. `model/`):
+    fsync it, rename it over `final` (an existing `final` is swapped out, then deleted), fsync
+    the parent. Readers see the old or the new directory, never a mix or nothing."""
+    tmp, final = Path(tmp), Path(final)
+    _fsync_tree(tmp)
+    _publish(tmp, final, keep_foreign=False)
+    _fsync_path(final.parent)
+
+
+def _publish(tmp: Path, final: Path, *, keep_foreign: bool = True) -> None:
     """Rename the finished tmp dir to its final name. An existing dir of that name is swapped
     out atomically where the kernel can (renameat2), else moved aside first; then deleted.
-    A `step_<N>` without a valid manifest was not written here: it is moved aside, not deleted."""
-    if final.exists() and not _is_complete(final):
+    With `keep_foreign`, a `step_<N>` without a valid manifest (not written here) is moved
+    aside, not deleted."""
+    if keep_foreign and final.exists() and not _is_complete(final):
         os.replace(final, final.with_name(f"{final.name}.displaced-{time.time_ns()}"))
     if not final.exists():
         os.replace(tmp, final)
@@ -263,7 +279,7 @@ def _publish(tmp: Path, final: Path) -> None:
     if _exchange(tmp, final):  # now `tmp` holds the old copy
         shutil.rmtree(tmp)
         return
-    old = _tmp_dir(final.parent, f"old-{final.name}")
+    old = final.with_name(f".tmp-old-{final.name}-{_host()}-{os.getpid()}")
     os.replace(final, old)
     try:
         os.replace(tmp, final)

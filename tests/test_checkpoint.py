@@ -395,7 +395,7 @@ def _tiny_writer(step: int, fail: bool = False):
     return write
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(keep=st.integers(1, 4), ops=_OPS)
 def test_rotation_property(tmp_path_factory: pytest.TempPathFactory, keep: int, ops: list) -> None:
     """Random histories of saves, failed saves, bests, stale/live tmp dirs and foreign dirs.
@@ -439,3 +439,27 @@ def test_rotation_property(tmp_path_factory: pytest.TempPathFactory, keep: int, 
         assert all(d.exists() for d in stale)  # only a save (rotation) removes them...
         if op == "save":
             assert not any(p.name.startswith(".tmp-") and p.name.endswith(f"-{dead}") for p in root.iterdir())
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
+def test_publish_dir_replaces_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  exchange: bool) -> None:
+    if not exchange:
+        monkeypatch.setattr(ck, "_exchange", lambda a, b: False)
+    final = tmp_path / "model"
+    for version in ("v1", "v2"):
+        tmp = tmp_path / f".model.{version}"
+        tmp.mkdir()
+        (tmp / "weights").write_text(version)
+        ck.publish_dir(tmp, final)
+        assert (final / "weights").read_text() == version and not tmp.exists()
+    tmp = tmp_path / ".model.v3"
+    tmp.mkdir()
+    (tmp / "weights").write_text("v3")
+    with monkeypatch.context() as m:
+        _fail_at(m, "replace", 0 if exchange else 1)  # renameat2 needs no os.replace: fail the fallback
+        m.setattr(ck, "_exchange", lambda a, b: False)
+        with pytest.raises(OSError, match="injected"):
+            ck.publish_dir(tmp, final)
+    assert (final / "weights").read_text() == "v2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".model.v3", "model"]
