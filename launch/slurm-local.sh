@@ -63,10 +63,10 @@ SlurmctldHost=$HOST
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-# Short credential lifetime and backfill interval: a requeued job restarts in ~12 s, not minutes.
+# Short credential lifetime and scheduler intervals: a requeued job restarts in ~12-17 s, not minutes.
 AuthInfo=cred_expire=10
 SchedulerType=sched/backfill
-SchedulerParameters=bf_interval=5
+SchedulerParameters=bf_interval=5,sched_interval=5
 # No cgroups in containers: track processes through /proc and bind nothing.
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
