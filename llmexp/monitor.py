@@ -72,10 +72,11 @@ class MonitorSettings:
     """Oscillation: detrended loss std above this fraction of the loss level ..."""
     oscillation_trend_ratio: float = 1.0
     """... while the trend drop over the window is below this multiple of that std."""
-    plateau_min_records: int = 10
+    plateau_min_records: int = 20
     """Train records needed before 'the loss never fell' can be said."""
     plateau_min_drop: float = 0.05
-    """Relative drop from the first to the last train losses below which the loss 'never fell'."""
+    """The loss 'never fell' when its drop (first vs last quarter) is below this fraction and within
+    three standard errors of the noise."""
     plateau_evals: int = 3
     """Evals in a row without a new best that make an eval plateau."""
     min_delta: float = 0.005
@@ -315,9 +316,14 @@ def _plateau(train: list[tuple[int, float]], evals: list[tuple[int, float]],
     out = []
     if len(train) >= settings.plateau_min_records:
         k = max(3, len(train) // 4)
-        first = statistics.median(v for _, v in train[:k])
-        last = statistics.median(v for _, v in train[-k:])
-        if first - last < settings.plateau_min_drop * abs(first):
+        values = [v for _, v in train]
+        first, last = statistics.median(values[:k]), statistics.median(values[-k:])
+        # The drop must also be lost in the noise: a tiny model's slow but steady fall is not a plateau.
+        diffs = [b - a for a, b in itertools.pairwise(values)]
+        centre = statistics.median(diffs)
+        noise = statistics.median(abs(d - centre) for d in diffs) * _MAD_TO_STD / math.sqrt(2)
+        stderr = 1.25 * noise * math.sqrt(2 / k)  # of a difference of two medians of k values
+        if first - last < settings.plateau_min_drop * abs(first) and first - last <= 3 * stderr + 1e-12:
             out.append(Finding("plateau", train[0][0], WARNING,
                                f"the loss never fell: {first:.3g} at the start, {last:.3g} at the end",
                                f"The lr may be too small: raise it 10x (lr={_fmt(settings.lr * 10)}); check that the "
