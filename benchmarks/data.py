@@ -1,0 +1,154 @@
+"""Data-path benchmarks; every figure is a ratio against a baseline measured in the same run.
+
+1. Tokenise-and-pack throughput (tokens/s) of llmexp's pipeline against the usual `datasets.map`
+   pipeline (tokenise with the same tokenizer, then `group_texts` into blocks, as in HF's run_clm.py).
+2. The cold `build_datasets` (tokenise, pack, write the cache) against a cache hit.
+3. Training-step time with real batches (sampler + memmap + `get_batch`) against synthetic tokens
+   already in memory, on the tiny model. Target: <= 1.02x, i.e. the data path is never the bottleneck.
+
+    python benchmarks/data.py                 # the whole stdlib, 30 steps per arm
+    python benchmarks/data.py --files 100 --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def compose(*overrides: str) -> Any:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from llmexp.config import register_configs
+    from llmexp.paths import conf_dir, register_resolvers
+
+    register_configs()
+    register_resolvers()
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        return hydra_compose("config", overrides=list(overrides))
+
+
+def bench_tokenise(texts: list[str], tok: Any, block: int, num_proc: int) -> None:
+    import datasets
+
+    from llmexp.data import _cut
+    from llmexp.encode import encode_lm
+
+    start = time.perf_counter()
+    arrays, stats = _cut("lm_packed", encode_lm(texts, tok), None, block, keep_tail=False)
+    ours_s = time.perf_counter() - start
+    n_tokens = stats["tokens"] + stats["dropped_tokens"]
+
+    datasets.disable_caching()
+    datasets.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+
+    def group_texts(batch: dict[str, list[list[int]]]) -> dict[str, list[list[int]]]:
+        flat = [t for ids in batch["input_ids"] for t in ids]
+        full = len(flat) // block * block
+        return {"input_ids": [flat[i:i + block] for i in range(0, full, block)]}
+
+    start = time.perf_counter()
+    ds = datasets.Dataset.from_dict({"text": texts})
+    eos = tok.eos_token_id
+    ds = ds.map(lambda b: {"input_ids": [[*ids, eos] for ids in tok(b["text"])["input_ids"]]}, batched=True,
+                remove_columns=["text"], num_proc=num_proc if num_proc > 1 else None)
+    ds = ds.map(group_texts, batched=True, batch_size=1000, num_proc=num_proc if num_proc > 1 else None)
+    ds.with_format("numpy")["input_ids"]  # materialise, as a trainer would
+    hf_s = time.perf_counter() - start
+    print(f"tokenise+pack   llmexp {n_tokens / ours_s:12,.0f} tok/s ({ours_s:.2f} s) | datasets.map "
+          f"(num_proc={num_proc}) {n_tokens / hf_s:12,.0f} tok/s ({hf_s:.2f} s) | speed-up {hf_s / ours_s:.2f}x "
+          f"| {len(ds)} vs {len(arrays['offsets']) - 1} blocks")
+
+
+def bench_cache(cfg: Any, tok: Any) -> None:
+    from llmexp.data import build_datasets
+
+    start = time.perf_counter()
+    build_datasets(cfg, tok)
+    cold_s = time.perf_counter() - start
+    start = time.perf_counter()
+    _, _, stats = build_datasets(cfg, tok)
+    hit_s = time.perf_counter() - start
+    assert stats["data_cache_hit"]
+    print(f"build_datasets  cold {cold_s:.2f} s | cache hit {hit_s * 1000:.0f} ms | {cold_s / hit_s:,.0f}x")
+
+
+def bench_train_step(cfg: Any, tok: Any, steps: int, rounds: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from llmexp.data import batch_indices, build_datasets
+
+    train, _, _ = build_datasets(cfg, tok)
+    m, batch_size, block = cfg.model, int(cfg.batch_size), int(cfg.data.max_length)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+        num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_key_value_heads, max_position_embeddings=m.max_position_embeddings,
+        attn_implementation="sdpa"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    synthetic = torch.randint(0, len(tok), (batch_size, block))
+
+    def step(batch: dict[str, torch.Tensor]) -> None:
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def run(real: bool, first_step: int) -> float:
+        start = time.perf_counter()
+        for s in range(first_step, first_step + steps):
+            if real:
+                batch = train.get_batch(batch_indices(0, s, batch_size, len(train)))
+            else:
+                batch = {"input_ids": synthetic, "labels": synthetic}
+            step(batch)
+        return (time.perf_counter() - start) / steps
+
+    run(True, 0)  # warm-up: allocator, kernels, page cache
+    real_s, synth_s = [], []
+    for r in range(rounds):  # interleaved, so drift in machine load hits both arms alike
+        real_s.append(run(True, (r + 1) * steps))
+        synth_s.append(run(False, 0))
+    fetch = time.perf_counter()
+    for s in range(100):
+        train.get_batch(batch_indices(0, s, batch_size, len(train)))
+    fetch_ms = (time.perf_counter() - fetch) * 10
+    real, synth = statistics.median(real_s), statistics.median(synth_s)
+    print(f"train step      real data {real * 1000:.1f} ms | synthetic {synth * 1000:.1f} ms | "
+          f"ratio {real / synth:.3f}x (target <= 1.02x) | sampler+get_batch alone {fetch_ms:.2f} ms/step")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--files", type=int, default=None, help="stdlib train files to use (default: all)")
+    parser.add_argument("--steps", type=int, default=30, help="train steps per arm and round")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of real and synthetic steps")
+    parser.add_argument("--num-proc", type=int, default=2, help="datasets.map processes")
+    args = parser.parse_args()
+
+    from llmexp.corpora import read_text, split_by_hash, stdlib_files, stdlib_root
+    from llmexp.data import load_tokenizer
+
+    with tempfile.TemporaryDirectory() as cache:
+        extra = [f"data.max_examples={args.files}"] if args.files else []
+        cfg = compose(f"data.cache_dir={cache}", *extra)
+        tok = load_tokenizer(cfg)
+        train_files = split_by_hash(stdlib_files(), float(cfg.data.eval_fraction))[0][: args.files]
+        texts = [read_text(Path(stdlib_root()) / f) for f in train_files]
+        print(f"{len(texts)} stdlib files, {sum(map(len, texts)) / 1e6:.1f} M chars, vocab {len(tok)}, "
+              f"block {cfg.data.max_length}")
+        bench_tokenise(texts, tok, int(cfg.data.max_length), args.num_proc)
+        bench_cache(cfg, tok)
+        bench_train_step(cfg, tok, args.steps, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
