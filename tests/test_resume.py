@@ -78,6 +78,8 @@ class Kill:
     at_step: int | None = None
     hook: str | None = None
     jitter_s: float = 0.0
+    signum: int = signal.SIGKILL
+    """SIGKILL, or SIGTERM/SIGUSR2 for a preemption (the run saves and exits `preempted`)."""
 
 
 def cli_env(cache_dir: Path) -> dict[str, str]:
@@ -136,11 +138,12 @@ def _kill_after_step(proc: subprocess.Popen, run_dir: Path, kill: Kill, rng: ran
     """SIGKILL once a train line with step >= kill.at_step appears, plus a random delay. Lines an
     earlier, killed process left behind do not count: the target is above all of them."""
     deadline = time.monotonic() + timeout_s
-    target = max([kill.at_step or 0, *(s + 1 for s in _train_steps(run_dir))])
+    # Capped at the last step: a target past it kills during the final eval/save/report instead.
+    target = min(MAX_STEPS, max([kill.at_step or 0, *(s + 1 for s in _train_steps(run_dir))]))
     while proc.poll() is None and time.monotonic() < deadline:
         if any(step >= target for step in _train_steps(run_dir)):
             time.sleep(rng.uniform(0.0, kill.jitter_s))
-            proc.send_signal(signal.SIGKILL)
+            proc.send_signal(kill.signum)
             return
         time.sleep(0.02)
 
@@ -172,13 +175,25 @@ def kill_resume_chain(run_dir: Path, overrides: Sequence[str], env: dict[str, st
     for i, kill in enumerate(kills):
         code, out = run_once(run_dir, overrides, env, kill, rng)
         outputs.append(out)
-        assert code == -signal.SIGKILL, f"kill {i} ({kill}) did not land: exit {code}\n{out[-3000:]}"
+        if kill.signum == signal.SIGKILL:
+            assert code == -signal.SIGKILL, f"kill {i} ({kill}) did not land: exit {code}\n{out[-3000:]}"
+        else:
+            _check_preempted(run_dir, code, out)
         if between is not None:
             between(i, run_dir)
     code, out = run_once(run_dir, overrides, env)
     outputs.append(out)
     assert code == 0, f"the final resumed run failed: exit {code}\n{out[-3000:]}"
     return outputs
+
+
+def _check_preempted(run_dir: Path, code: int, out: str) -> None:
+    """A preempted run exits 1 with status `preempted` and a checkpoint of the step it stopped at."""
+    from llmexp.checkpoint import list_checkpoints
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (code, summary["status"]) == (1, "preempted"), f"exit {code}, {summary['status']}\n{out[-3000:]}"
+    assert list_checkpoints(run_dir / "checkpoints")[-1].name == f"step_{summary['step']}"
 
 
 def random_kills(rng: random.Random, count: int, jitter_s: float = 0.3) -> list[Kill]:
@@ -262,14 +277,15 @@ def _seed() -> int:
     return int(os.environ.get("LLMEXP_TEST_SEED", random.randrange(10**6)))
 
 
-def test_kill9_mid_window_mid_save_and_at_random_points(tmp_path: Path, env: dict[str, str], reference) -> None:
+def test_kill9_mid_window_mid_save_random_and_preempted(tmp_path: Path, env: dict[str, str], reference) -> None:
     """accum=4, four kills in one run, each followed by a resume with the same command:
     1. in step 6 after 2 of its 4 micro-batches (backward call 23);
     2. in the save at step 9, right after its model file (checkpoint file 4 of the resumed run);
        then the newest checkpoint (step 6) gets a flipped byte;
     3. at a random moment after a random step; then the newest checkpoint is poisoned with a
        malicious pickle;
-    4. at a random moment after a later random step.
+    4. SIGTERM (preemption) after a later random step: the run saves at the step boundary and
+       exits 1 with status `preempted`.
     Resume falls back past each damaged checkpoint naming the file, never runs the pickle, and
     the run ends bitwise equal to the uninterrupted one."""
     overrides = ("precision=fp32", "train.gradient_accumulation_steps=4")
@@ -277,7 +293,7 @@ def test_kill9_mid_window_mid_save_and_at_random_points(tmp_path: Path, env: dic
     rng = random.Random(seed)
     first, second = sorted(rng.sample(range(10, MAX_STEPS - 1), 2))
     kills = [Kill(hook="backward:23"), Kill(hook="ckpt_file:4"), Kill(at_step=first, jitter_s=0.5),
-             Kill(at_step=second, jitter_s=0.5)]
+             Kill(at_step=second, signum=signal.SIGTERM)]
     damage = Damage(tmp_path / "marker")
 
     def between(i: int, run_dir: Path) -> None:
@@ -288,6 +304,9 @@ def test_kill9_mid_window_mid_save_and_at_random_points(tmp_path: Path, env: dic
 
     outputs = kill_resume_chain(tmp_path / "run", overrides, env, kills, rng, between)
     assert fingerprint(tmp_path / "run") == reference(overrides), f"seed {seed}, kills {kills}"
+    left = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert not [name for name in left if name.startswith(".tmp-")], left  # dead writers' leftovers cleaned
+    assert len(left) <= 2 + 1, left  # save_total_limit=2, plus the best
     flipped, poisoned = damage.paths
     assert str(flipped) in outputs[2] and "sha256" in outputs[2], outputs[2][-3000:]
     assert str(poisoned) in outputs[3], outputs[3][-3000:]
