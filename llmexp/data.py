@@ -44,7 +44,7 @@ FORMAT_VERSION = 1
 # ---------------------------------------------------------------- sampler
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=2)  # this epoch's and the next one's
 def _permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
     perm = np.random.default_rng([seed % 2**64, epoch]).permutation(num_examples)
     perm.flags.writeable = False
