@@ -138,6 +138,11 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module, lr: float, device_t
     o = cfg.optimizer
     check_target(o._target_, "optimizer._target_")
     cls = locate(o._target_)
+    import torch
+
+    from llmexp.security import check_located
+
+    check_located(cls, o._target_, "optimizer._target_", ALLOWED_TARGETS, base=torch.optim.Optimizer)
     accepted = inspect.signature(cls.__init__).parameters
     candidates: dict[str, Any] = {"betas": tuple(o.betas), "eps": o.eps, "momentum": o.momentum}
     kwargs = {k: v for k, v in candidates.items() if k in accepted}

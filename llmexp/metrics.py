@@ -93,8 +93,11 @@ class MetricsLogger:
 
     def __init__(self, run_dir: Path, max_steps: int, enabled: bool, sinks: list[Sink] | None = None,
                  start_step: int = 0) -> None:
+        from llmexp.security import secret_env_values
+
         self.enabled = enabled
         self.sinks = sinks or []
+        self._secrets = secret_env_values()  # no record (nor the history a checkpoint keeps) may hold one
         self.history: list[dict[str, Any]] = []
         self._file = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if enabled else None  # noqa: SIM115
         self._bar = None
@@ -106,6 +109,9 @@ class MetricsLogger:
 
     def log(self, record: dict[str, Any]) -> None:
         """Append a record (it must carry `event` and `step`)."""
+        from llmexp.security import scrub
+
+        record = scrub(record, self._secrets)
         self.history.append(record)
         if not self.enabled:
             return

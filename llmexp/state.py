@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 from llmexp import checkpoint as ckpt
 from llmexp.errors import STATUS_EXIT
 from llmexp.paths import write_json_atomic
+from llmexp.security import scrub
 
 if TYPE_CHECKING:
     import torch
@@ -189,7 +190,7 @@ def finish_run(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, optimizer: 
             save_final_model(rt, model, tokenizer, weights)
     summary = build_summary(cfg, rt, state, log, status, peak_lr, lr_source)
     if rt.is_main:
-        write_json_atomic(rt.run_dir / "summary.json", summary)
+        write_json_atomic(rt.run_dir / "summary.json", scrub(summary))
         _write_report(rt.run_dir, log)
         log.write(f"\n{status}: {rt.run_dir}\n" + ", ".join(
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
