@@ -30,6 +30,8 @@ STDLIB_EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages",
 """Directory names skipped anywhere under the stdlib (test suites, installed packages, bytecode)."""
 KNOWN_FIELDS = "`text`, `prompt` + `completion`, or `messages` (a list of {role, content})"
 ROLES = ("system", "user", "assistant")
+SFT_RECIPE_VERSION = 1
+"""Bump when the stdlib_sft pairs change, so their cached tokens are rebuilt."""
 
 
 def stdlib_root() -> Path:
@@ -263,6 +265,11 @@ class Corpus:
     """The train split's text, for training a tokenizer."""
 
 
+PLAIN_ROLE_HEADERS = {"system": "### System:\n", "user": "### User:\n", "assistant": "### Assistant:\n"}
+"""The plain chat template, for tokenizers without one: each turn is `<header><content>\\n\\n`, and an
+assistant turn is followed by eos; the loss covers assistant content and that eos."""
+
+
 def plain_text(rec: Record) -> str:
     """A record as plain text (for tokenizer training): the plain chat template without special tokens."""
     if "text" in rec:
@@ -270,11 +277,6 @@ def plain_text(rec: Record) -> str:
     if "prompt" in rec:
         return rec["prompt"] + rec["completion"]
     return "".join(f"{PLAIN_ROLE_HEADERS[m['role']]}{m['content']}\n\n" for m in rec["messages"])
-
-
-PLAIN_ROLE_HEADERS = {"system": "### System:\n", "user": "### User:\n", "assistant": "### Assistant:\n"}
-"""The plain chat template, for tokenizers without one: each turn is `<header><content>\\n\\n`, and an
-assistant turn is followed by eos; the loss covers assistant content and that eos."""
 
 
 def _stdlib_corpus(d: Any) -> Corpus:
@@ -286,7 +288,7 @@ def _stdlib_corpus(d: Any) -> Corpus:
     base = {"root": str(root), "version": sys.version, "eval_fraction": d.eval_fraction}
     fp = {**base, "kind": d.name, "train": files_signature(root, train), "eval": files_signature(root, held)}
     if d.name == "stdlib_sft":
-        fp["max_examples"] = d.max_examples
+        fp.update(max_examples=d.max_examples, recipe=SFT_RECIPE_VERSION)
 
     def load() -> tuple[list[Record], list[Record]]:
         if d.name == "stdlib":
@@ -334,8 +336,8 @@ def _user_corpus(d: Any) -> Corpus:
     def bpe_texts() -> Iterator[str]:
         return (plain_text(r) for r in load()[0])
 
-    return Corpus(d.name, fp, {"kind": d.name, "train": train_fp, "eval_fraction": fp["eval_fraction"]},
-                  load, bpe_texts)
+    bpe_fp = {"kind": d.name, "train": train_fp, "eval_fraction": fp["eval_fraction"], "max_examples": d.max_examples}
+    return Corpus(d.name, fp, bpe_fp, load, bpe_texts)
 
 
 def load_corpus(d: Any) -> Corpus:

@@ -418,3 +418,49 @@ def test_hub_names_offline_and_local_model_dirs(tmp_path: Path, tok: Any, monkey
     loaded = data.load_tokenizer(compose(tmp_path, f"model.name_or_path={tmp_path / 'model'}"))
     assert loaded.get_vocab() == tok.get_vocab() and loaded.pad_token_id == tok.pad_token_id
     assert data.hub_error("org/name").args[0].startswith("cannot load 'org/name'")
+
+
+# ---------------------------------------------------------------- through the CLI
+
+TINY_MODEL = ["model.hidden_size=64", "model.num_hidden_layers=2", "model.num_attention_heads=2",
+              "model.num_key_value_heads=2", "model.intermediate_size=128", "batch_size=8"]
+
+
+def cli(tmp_path: Path, cache: Path, *overrides: str) -> Any:
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LLMEXP_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "llmexp", *overrides], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_sft_demo_requires_a_model(tmp_path: Path, session_cache: Path) -> None:
+    cfg = compose(session_cache, "experiment=sft_demo")
+    assert cfg.data.name == "stdlib_sft" and cfg.data.finetune_only and cfg.model.name_or_path is None
+    with pytest.raises(UserError, match=r"experiment=sft_demo\) fine-tunes an earlier model: set model\.name_or_path"):
+        data.load_tokenizer(cfg)
+
+
+def test_cli_malformed_line_exits_2_naming_file_and_line(tmp_path: Path) -> None:
+    (tmp_path / "train.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n{"text": "c",}\n', encoding="utf-8")
+    result = cli(tmp_path, tmp_path / "cache", "data=json", "data.train_file=train.jsonl", "data.max_length=64",
+                 "train.max_steps=2")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "train.jsonl:3: malformed JSON" in result.stderr and "Traceback" not in result.stderr
+    assert entries(tmp_path / "cache", "tokenizers") == [] and entries(tmp_path / "cache") == []
+
+
+@pytest.mark.slow
+def test_sft_demo_fine_tunes_a_default_run(tmp_path: Path, session_cache: Path) -> None:
+    """Pretrain a tiny model on the stdlib, then experiment=sft_demo on its model/: held-out eval loss falls."""
+    base = cli(tmp_path, session_cache, *TINY, *TINY_MODEL, "train.max_steps=40", "train.eval_steps=40",
+               "train.eval_batches=2", "train.save_steps=0", "lr=3e-3", f"hydra.run.dir={tmp_path}/base")
+    assert base.returncode == 0, base.stderr[-3000:]
+    sft = cli(tmp_path, session_cache, "experiment=sft_demo", f"model.name_or_path={tmp_path}/base/model",
+              "data.max_examples=400", "data.max_length=64", "batch_size=8", "train.max_steps=30",
+              "train.eval_steps=15", "train.eval_batches=8", f"hydra.run.dir={tmp_path}/sft")
+    assert sft.returncode == 0, sft.stderr[-3000:]
+    evals = [json.loads(line) for line in (tmp_path / "sft/metrics.jsonl").read_text().splitlines()]
+    evals = [e["eval_loss"] for e in evals if e["event"] == "eval"]
+    assert len(evals) >= 2 and evals[-1] < evals[0] - 0.1, evals
