@@ -86,7 +86,7 @@ class DataConfig:
     cache_dir: str = "${oc.env:LLMEXP_CACHE,${oc.env:HOME}/.cache/llmexp}"
     """Where tokenizers and token arrays are cached, keyed by a content hash."""
     num_proc: int = 2
-    """Processes used to tokenise a corpus the first time."""
+    """Processes for Python-side preparation (stdlib_sft parsing); tokenising uses the tokenizers thread pool."""
     max_examples: int | None = None
     """Use at most this many training records (stdlib_sft and quick experiments)."""
     finetune_only: bool = False
