@@ -63,6 +63,7 @@ def accelerator_kwargs(cfg: DictConfig) -> dict[str, Any]:
     """
     import torch
 
+    check_launch_env(cfg, dict(os.environ))
     kwargs: dict[str, Any] = {"cpu": not torch.cuda.is_available(), "mixed_precision": "no"}
     if cfg.deepspeed.stage > 0:
         kwargs["cpu"] = False  # cpu=True makes Accelerate drop the DeepSpeed plugin silently; DeepSpeed finds the CPU
@@ -72,6 +73,8 @@ def accelerator_kwargs(cfg: DictConfig) -> dict[str, Any]:
         from llmexp.runtime import make_plan
 
         check_deepspeed(cfg)
+        # The launcher's DeepSpeed fields were checked to agree (check_launch_env); our config replaces them.
+        os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser(TORCH_EXTENSIONS_DIR))
         _single_process_env()
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -81,6 +84,29 @@ def accelerator_kwargs(cfg: DictConfig) -> dict[str, Any]:
                                      precision=precision, cuda=device_type == "cuda")
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds_config)
     return kwargs
+
+
+def check_launch_env(cfg: DictConfig, env: dict[str, str]) -> None:
+    """`accelerate launch` with a DeepSpeed config file must agree with the `deepspeed` group: llmexp
+    derives the DeepSpeed config from its own config, and a launcher that says otherwise is a mistake."""
+    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true":
+        return
+    ds = cfg.deepspeed
+    launched = {"stage": env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"),
+                "offload_optimizer": env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"),
+                "offload_param": env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE")}
+    ours = {"stage": str(ds.stage), "offload_optimizer": ds.offload_optimizer, "offload_param": ds.offload_param}
+    clashes = [f"{k}: launcher {v}, deepspeed.{k}={ours[k]}" for k, v in launched.items()
+               if v is not None and v != ours[k]]
+    if ds.stage == 0 or clashes:
+        raise UserError("accelerate launch was given a DeepSpeed config that disagrees with llmexp's deepspeed group ("
+                        + ("; ".join(clashes) or "deepspeed=none") + "). llmexp builds the DeepSpeed config itself: "
+                        "pick the matching option, e.g. deepspeed=zero2_offload with "
+                        "launch/accelerate/deepspeed_zero2_offload.yaml, or launch with launch/accelerate/8gpu.yaml")
+    if env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") not in (None, "", "none", "None"):
+        raise UserError("accelerate launch was given a deepspeed_config_file; llmexp derives the DeepSpeed config "
+                        "from its own config (deepspeed=..., batch_size, train.*, precision). Remove "
+                        "deepspeed_config_file from the accelerate config.")
 
 
 def _single_process_env() -> None:
@@ -98,12 +124,20 @@ def _single_process_env() -> None:
 
 
 def check_engine(accelerator: Any) -> None:
-    """Fail loudly if Accelerate did not enable the DeepSpeed plugin it was given."""
+    """Fail loudly if Accelerate did not enable the DeepSpeed plugin it was given, and repair the
+    process layout Accelerate 1.15 leaves at 1 process / rank 0 for DeepSpeed on CPU (it reads
+    it from the device's branch, which CPU lacks), although torch.distributed holds N ranks."""
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
 
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         raise RuntimeError(f"deepspeed was configured but Accelerate runs {accelerator.distributed_type}; "
                            "check ACCELERATE_USE_CPU / `accelerate launch --cpu`, which turn DeepSpeed off")
+    if dist.is_initialized() and accelerator.num_processes != dist.get_world_size():
+        for state in (PartialState(), AcceleratorState()):
+            state.num_processes, state.process_index = dist.get_world_size(), dist.get_rank()
+            state.local_process_index = int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def check_deepspeed(cfg: DictConfig) -> None:

@@ -100,6 +100,10 @@ class Runtime:
         self.cfg = cfg
         self.run_dir = run_dir
         self.accelerator = Accelerator(**accelerator_kwargs(cfg))
+        if cfg.deepspeed.stage > 0:  # before anything reads the process layout (see check_engine)
+            from llmexp.distributed import check_engine
+
+            check_engine(self.accelerator)
         self.device = self.accelerator.device
         self.rank, self.is_main = self.accelerator.process_index, self.accelerator.is_main_process
         self.precision = build.resolve_precision(cfg.precision.name, self.device.type)
@@ -107,10 +111,6 @@ class Runtime:
         self.data_seed = cfg.train.seed_data if cfg.train.seed_data is not None else cfg.seed
         self.deepspeed = cfg.deepspeed.stage > 0  # the engine owns accumulation, clipping, fp16 scaling, the step
         self.micro_steps_done = 0  # DeepSpeed: backward calls since the last step (the boundary is the last)
-        if self.deepspeed:
-            from llmexp.distributed import check_engine
-
-            check_engine(self.accelerator)
         self.scaler = (torch.amp.GradScaler(self.device.type, init_scale=cfg.precision.init_scale,
                                             growth_interval=cfg.precision.growth_interval)
                        if self.precision == "fp16" and not self.deepspeed else None)

@@ -147,3 +147,26 @@ def test_run_id_is_shared_by_the_ranks_of_one_launch(monkeypatch: pytest.MonkeyP
     assert paths.run_id() == rank_id
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     assert paths.run_id() == "slurm-4242"
+
+
+@pytest.mark.parametrize(("name", "processes"), [("1gpu", 1), ("8gpu", 8), ("deepspeed_zero2_offload", 8)])
+def test_launch_configs_load_with_accelerate(name: str, processes: int) -> None:
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    from llmexp.paths import conf_dir
+
+    config = load_config_from_file(str(conf_dir().parent / "launch" / "accelerate" / f"{name}.yaml"))
+    assert config.num_processes == processes and config.mixed_precision == "no"  # llmexp owns precision
+
+
+def test_deepspeed_launch_config_must_match_the_deepspeed_group() -> None:
+    from llmexp.distributed import check_launch_env
+
+    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
+           "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none"}
+    check_launch_env(_cfg("deepspeed=zero2_offload"), env)  # agrees: fine
+    with pytest.raises(UserError, match="deepspeed.stage=0"):
+        check_launch_env(_cfg(), env)
+    with pytest.raises(UserError, match="offload_optimizer: launcher cpu"):
+        check_launch_env(_cfg("deepspeed=zero2"), env)
+    check_launch_env(_cfg("deepspeed=zero2"), {})  # no DeepSpeed launcher: nothing to agree with
