@@ -70,7 +70,9 @@ def load_overrides(run_dir: Path) -> list[str]:
         data = yaml.safe_load((Path(run_dir) / ".hydra" / "overrides.yaml").read_text())
     except (OSError, yaml.YAMLError):
         data = (load_json(Path(run_dir) / "summary.json") or {}).get("overrides")
-    return [str(o) for o in data] if isinstance(data, list) else []
+    from llmexp.security import scrub_overrides
+
+    return scrub_overrides([str(o) for o in data]) if isinstance(data, list) else []
 
 
 def is_run_dir(path: Path) -> bool:

@@ -9,45 +9,14 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from pathlib import Path
 from typing import Any
 
-REDACTED = "***"
-_SECRET_KEY = re.compile(r"(^|[_.-])(token|key|secret|password|passwd|pwd|credentials?|auth)$"
-                         r"|secret|password|api_?key|access_?key|private_?key", re.IGNORECASE)
-_NOT_SECRET = frozenset({"pad_token", "eos_token", "bos_token", "unk_token", "sep_token", "cls_token",
-                         "mask_token", "max_new_tokens", "num_key_value_heads"})
-_SECRET_VALUE = re.compile(r"^(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|"
-                           r"xox[abpr]-[A-Za-z0-9-]{10,}|AKIA[0-9A-Z]{16})$")
+# One definition of what a secret is, shared with every other writer of run files.
+from llmexp.security import REDACTED, is_secret_key, scrub, scrub_overrides
 
-
-def is_secret_key(key: str) -> bool:
-    """Keys named like a credential: *token, *key, *secret*, *password*, api_key, ... (not pad_token,
-    num_key_value_heads and other model fields that merely contain the word)."""
-    key = str(key)
-    return key.lower() not in _NOT_SECRET and bool(_SECRET_KEY.search(key))
-
-
-def scrub(obj: Any) -> Any:
-    """A copy of a config with the values of secret-looking keys, and secret-looking strings, redacted."""
-    if isinstance(obj, dict):
-        return {k: REDACTED if is_secret_key(k) and obj[k] not in (None, "") else scrub(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [scrub(v) for v in obj]
-    if isinstance(obj, str) and _SECRET_VALUE.match(obj.strip()):
-        return REDACTED
-    return obj
-
-
-def scrub_overrides(overrides: list[str]) -> list[str]:
-    """Overrides (`key=value`) with secret values redacted, e.g. for a run name."""
-    out = []
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        leaf = key.lstrip("+~").rsplit(".", 1)[-1]
-        out.append(f"{key}={REDACTED}" if sep and (is_secret_key(leaf) or scrub(value) == REDACTED) else item)
-    return out
+__all__ = ["REDACTED", "TensorBoardSink", "WandbSink", "is_secret_key", "run_name_from_overrides", "scrub",
+           "scrub_overrides", "wandb_mode"]
 
 
 def run_name_from_overrides(overrides: list[str] | str, max_len: int = 128) -> str:
