@@ -93,6 +93,28 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def _sha256_all(paths: list[Path]) -> list[str]:
+    """Hash files in parallel: hashlib releases the GIL, and a 7B run's checkpoint (weights,
+    Adam moments, per-rank ZeRO shards) is tens of GB in several files."""
+    if len(paths) < 2:
+        return [_sha256(p) for p in paths]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(4, len(paths), os.cpu_count() or 1)) as pool:
+        return list(pool.map(_sha256, paths))
+
+
+def _files_under(root: Path) -> dict[str, Path]:
+    """Every file under root by its posix path relative to root (the manifest excluded)."""
+    found = {}
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            path = Path(dirpath) / name
+            found[path.relative_to(root).as_posix()] = path
+    found.pop(MANIFEST, None)
+    return dict(sorted(found.items()))
+
+
 def _host() -> str:
     return re.sub(r"[^A-Za-z0-9._]+", "_", socket.gethostname()) or "host"
 
@@ -141,16 +163,12 @@ def _step_of(path: Path) -> int | None:
 
 
 def _write_manifest(tmp: Path, step: int, extra: Mapping[str, Any] | None) -> None:
-    files: dict[str, dict[str, Any]] = {}
-    for dirpath, _, filenames in os.walk(tmp):
-        for name in sorted(filenames):
-            path = Path(dirpath) / name
-            rel = path.relative_to(tmp).as_posix()
-            if rel == MANIFEST:
-                continue
-            files[rel] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    found = _files_under(tmp)
+    hashes = _sha256_all(list(found.values()))
+    files = {rel: {"size": path.stat().st_size, "sha256": digest}
+             for (rel, path), digest in zip(found.items(), hashes, strict=True)}
     manifest = {"format_version": FORMAT_VERSION, "step": step, "created_unix": time.time(),
-                "files": dict(sorted(files.items())), "extra": dict(extra or {})}
+                "files": files, "extra": dict(extra or {})}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
 
 
@@ -176,13 +194,17 @@ def read_manifest(path: Path) -> dict[str, Any]:
 def verify_checkpoint(path: Path, *, full: bool = True) -> None:
     """Check every file the manifest lists: size always, sha256 too when `full`.
 
-    Raises CorruptCheckpoint naming the first bad file (missing, wrong size, wrong hash).
+    Raises CorruptCheckpoint naming the first bad file (missing, wrong size, wrong hash, or
+    present but not listed: a loader that looks for optional files must not pick up a stranger).
     """
     path = Path(path)
     manifest = read_manifest(path)
     step = _step_of(path)
     if step is not None and step != manifest["step"]:
         raise CorruptCheckpoint(f"{path / MANIFEST}: says step {manifest['step']} but the dir is {path.name}")
+    unlisted = sorted(set(_files_under(path)) - set(manifest["files"]))
+    if unlisted:
+        raise CorruptCheckpoint(f"{path / unlisted[0]}: not listed in the manifest (added after the save?)")
     for rel, entry in manifest["files"].items():
         file = path / rel
         if not file.resolve().is_relative_to(path.resolve()):
@@ -193,8 +215,11 @@ def verify_checkpoint(path: Path, *, full: bool = True) -> None:
             raise CorruptCheckpoint(f"{file}: missing (listed in the manifest)") from None
         if size != entry.get("size"):
             raise CorruptCheckpoint(f"{file}: {size} bytes, the manifest says {entry.get('size')} (truncated?)")
-        if full and _sha256(file) != entry.get("sha256"):
-            raise CorruptCheckpoint(f"{file}: sha256 does not match the manifest (the file was altered)")
+    if full:
+        files = [path / rel for rel in manifest["files"]]
+        for file, digest, entry in zip(files, _sha256_all(files), manifest["files"].values(), strict=True):
+            if digest != entry.get("sha256"):
+                raise CorruptCheckpoint(f"{file}: sha256 does not match the manifest (the file was altered)")
 
 
 def _is_complete(path: Path) -> bool:

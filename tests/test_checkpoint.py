@@ -40,6 +40,7 @@ from llmexp.checkpoint import (
     verify_checkpoint,
 )
 from llmexp.ckpt_state import UnsafeState
+from llmexp.errors import UserError
 
 FILES = ("model.safetensors", "optimizer.pt", "sub/rng_rank0.pt", "meta.json")
 
@@ -268,6 +269,24 @@ def test_no_manifest_or_no_good_checkpoint(tmp_path: Path) -> None:
     warnings: list[str] = []
     assert find_resume_checkpoint(root, warnings.append) is None
     assert "manifest.json: missing" in warnings[0]
+
+
+def test_unlisted_or_foreign_format_is_not_complete(tmp_path: Path) -> None:
+    """A file planted after the save (e.g. an optional scaler.pt a loader would pick up), or a
+    manifest of another format version, makes the checkpoint unusable, naming the file."""
+    root = tmp_path / "checkpoints"
+    for step in (1, 2):
+        save_checkpoint(root, step, _writer(step), keep=3)
+    save_state(root / "step_2" / "scaler.pt", {"scale": 1.0})
+    warnings: list[str] = []
+    assert find_resume_checkpoint(root, warnings.append) == root / "step_1"
+    assert "step_2/scaler.pt: not listed in the manifest" in warnings[0]
+    manifest = json.loads((root / "step_1" / "manifest.json").read_text())
+    (root / "step_1" / "manifest.json").write_text(json.dumps({**manifest, "format_version": 99}))
+    with pytest.raises(CorruptCheckpoint, match="format_version 99"):
+        verify_checkpoint(root / "step_1")
+    assert list_checkpoints(root) == []
+    assert issubclass(CorruptCheckpoint, UserError)  # an explicit train.resume=<bad path> exits 2
 
 
 def test_manifest_cannot_point_outside(tmp_path: Path) -> None:
