@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -161,12 +162,17 @@ def execute(spec: JobSpec, task_function: Any, hydra_context: Any, singleton_sta
 def record_outcome(spec: JobSpec, outcome: JobOutcome) -> None:
     """Leave `job_status.json` in the job dir of every job that did not complete or left no summary.json.
 
-    Its `overrides` let `python -m llmexp.report` name a job that never started (no `.hydra/`).
+    When present it is the launcher's verdict (a trainer's summary may say `preempted` for a job
+    SLURM then cancelled); a job that ended well with its own summary has none, so a stale one
+    (`submitted`, or from an earlier attempt) is removed. Its `overrides` name a job that never
+    started; `.hydra/overrides.yaml` is also written for it, as Hydra would have.
     """
+    status_path = spec.job_dir / "job_status.json"
     ended_well = outcome.status in FINISHED and outcome.exit_code in (0, None)
     if ended_well and (spec.job_dir / "summary.json").exists():
+        status_path.unlink(missing_ok=True)
         return
-    write_json_atomic(spec.job_dir / "job_status.json", {**outcome.to_json(), "overrides": spec.overrides})
+    write_json_atomic(status_path, {**outcome.to_json(), "overrides": spec.overrides})
     overrides_yaml = spec.job_dir / ".hydra" / "overrides.yaml"
     if not overrides_yaml.exists():  # what Hydra would have written, so reports show the job's settings
         import yaml
@@ -209,6 +215,12 @@ def job_returns(specs: Sequence[JobSpec], outcomes: Sequence[JobOutcome]) -> lis
     return returns
 
 
+def swept(spec: JobSpec, specs: Sequence[JobSpec]) -> str:
+    """A job's overrides that differ between jobs (`lr=0.001 batch_size=4`), for one-line logs."""
+    varying = [o for o in spec.overrides if any(o not in other.overrides for other in specs)]
+    return " ".join(varying or spec.overrides)
+
+
 def finish_sweep(specs: Sequence[JobSpec], outcomes: Sequence[JobOutcome]) -> list[JobReturn]:
     """Record every outcome, write the sweep report, print a summary; exit 1 if any job did not finish."""
     for spec, outcome in zip(specs, outcomes, strict=True):
@@ -218,7 +230,7 @@ def finish_sweep(specs: Sequence[JobSpec], outcomes: Sequence[JobOutcome]) -> li
     bad = [o for o in outcomes if o.status not in FINISHED]
     for spec, outcome in zip(specs, outcomes, strict=True):
         detail = f": {outcome.error}" if outcome.error and outcome.status not in FINISHED else ""
-        log.info(f"  #{spec.num} {outcome.status:<13} {' '.join(spec.overrides)}{detail}")
+        log.info(f"  #{spec.num} {outcome.status:<13} {swept(spec, specs)}{detail}")
     if bad:
         log.error(f"{len(bad)} of {len(outcomes)} jobs did not finish; see {sweep_dir}")
         raise SystemExit(1)
@@ -295,6 +307,7 @@ def launch_local(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
     where = f"GPUs {sorted(set(s for s in slots if s))}" if slots[0] is not None else "CPU"
     log.info(f"Launching {len(specs)} jobs locally, {len(slots)} at a time on {where}: {specs[0].job_dir.parent}")
     outcomes = _run_queue(specs, slots, work)
+    shutil.rmtree(work, ignore_errors=True)  # the pickles; outcomes are recorded by finish_sweep
     return finish_sweep(specs, [outcomes[s.num] for s in specs])
 
 
@@ -315,7 +328,8 @@ def _run_queue(specs: Sequence[JobSpec], slots: list[str | None], work: Path) ->
     try:
         while pending or running:
             while pending and free:
-                running.append(_start(pending.popleft(), free.pop(0), len(slots), work))
+                spec = pending.popleft()
+                running.append(_start(spec, free.pop(0), len(slots), work, swept(spec, specs)))
             time.sleep(0.1)
             for job in [j for j in running if j.proc.poll() is not None]:
                 running.remove(job)
@@ -331,7 +345,7 @@ def _run_queue(specs: Sequence[JobSpec], slots: list[str | None], work: Path) ->
     return outcomes
 
 
-def _start(spec: JobSpec, slot: str | None, num_slots: int, work: Path) -> _Running:
+def _start(spec: JobSpec, slot: str | None, num_slots: int, work: Path, label: str) -> _Running:
     spec.job_dir.mkdir(parents=True, exist_ok=True)
     outcome_path = work / f"{spec.num}.outcome.json"
     outcome_path.unlink(missing_ok=True)

@@ -45,7 +45,7 @@ from typing import Any
 import submitit
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from llmexp.launcher import JobOutcome, JobSpec, compose_jobs, execute, finish_sweep, job_returns, record_outcome
+from llmexp.launcher import JobOutcome, JobSpec, compose_jobs, execute, finish_sweep, job_returns, record_outcome, swept
 from llmexp.paths import write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,8 @@ class SlurmJob(submitit.helpers.Checkpointable):
         outcome.job_id = env.job_id
         if env.global_rank == 0 and outcome.status == "preempted":
             outcome = _requeue_or_stop(outcome, requeue_handler)
+        if env.global_rank == 0:  # for `cluster.wait=false`: nobody else may be watching
+            record_outcome(spec, outcome)
         return outcome.to_json()
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
@@ -159,6 +161,8 @@ def launch_slurm(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
     with executor.batch():
         jobs = [executor.submit(SlurmJob(s, launcher.task_function, launcher.hydra_context, state)) for s in specs]
     ids = {s.num: j.job_id for s, j in zip(specs, jobs, strict=True)}
+    for spec in specs:  # until the job records how it ended, the report shows it as submitted
+        record_outcome(spec, JobOutcome(spec.num, "submitted", None, None, ids[spec.num]))
     write_json_atomic(sweep_dir / "slurm_jobs.json", {"jobs": {str(k): v for k, v in ids.items()},
                                                       "submitit_folder": str(folder)})
     log.info(f"Submitted {len(jobs)} jobs to SLURM as array {jobs[0].job_id.split('_')[0]}: {sweep_dir}")
@@ -183,7 +187,7 @@ def wait_for_jobs(specs: Sequence[JobSpec], jobs: Sequence[submitit.Job], poll_s
                     outcomes[num] = collect(spec, job)
                     record_outcome(spec, outcomes[num])
                     del remaining[num]
-                    log.info(f"  #{num} ({job.job_id}) {outcomes[num].status}")
+                    log.info(f"  #{num} ({job.job_id}) {outcomes[num].status}: {swept(spec, specs)}")
     except KeyboardInterrupt:
         log.warning(f"stopped watching; {len(remaining)} jobs keep running on SLURM. "
                     f"Later: python -m llmexp.report {specs[0].job_dir.parent}")
