@@ -1,0 +1,188 @@
+"""Shared helpers of the benchmark scripts: fresh-process arms, peak RSS, statistics, MFU, tables.
+
+Every benchmark runs its variants in fresh processes, alternately, and reports ratios paired
+within a round, so that a noisy (shared) machine slows every variant alike. The load average
+is printed beside every table: figures taken on a loaded machine are not worth comparing with
+figures taken on an idle one, but their paired ratios still are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+PY = sys.executable
+
+
+@dataclass
+class ArmResult:
+    """One fresh process: what it printed as its last JSON line, its peak RSS and wall time."""
+
+    data: dict[str, Any]
+    peak_rss_mb: float
+    wall_s: float
+    returncode: int
+    tail: str = ""
+
+
+def run_process(cmd: list[str], *, env: dict[str, str] | None = None, timeout_s: float = 1200,
+                cwd: Path = REPO) -> ArmResult:
+    """Run `cmd` in a fresh process; its peak RSS comes from wait4 (the same measure for every arm).
+
+    The result is the last stdout line that parses as a JSON object (empty for a process that prints none).
+    """
+    full_env = {**os.environ, "LLMEXP_NO_BAR": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    with tempfile.TemporaryFile("w+") as out:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=cwd, text=True)
+        deadline = start + timeout_s
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.perf_counter() > deadline:
+                proc.kill()
+                pid, status, usage = os.wait4(proc.pid, 0)
+                break
+            time.sleep(0.05)
+        wall_s = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        text = out.read()
+    data: dict[str, Any] = {}
+    for line in reversed(text.splitlines()):
+        if line.startswith("{"):
+            try:
+                data = json.loads(line)
+                break
+            except ValueError:
+                continue
+    return ArmResult(data, usage.ru_maxrss / 1024, wall_s, proc.returncode, text[-3000:])
+
+
+def load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.1f} / {five:.1f} / {fifteen:.1f} (1/5/15 min, {os.cpu_count()} cores)"
+
+
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+
+
+@dataclass
+class Series:
+    """Values of one variant over the rounds."""
+
+    values: list[float] = field(default_factory=list)
+
+    def median(self) -> float:
+        return statistics.median(self.values) if self.values else float("nan")
+
+    def spread(self, fmt: str = "{:,.0f}") -> str:
+        if not self.values:
+            return "–"
+        return f"{fmt.format(min(self.values))}–{fmt.format(max(self.values))}"
+
+
+def rotated(items: list[str], round_index: int) -> list[str]:
+    """The variants of one round, rotated so that no variant always runs first (or last)."""
+    k = round_index % len(items)
+    return items[k:] + items[:k]
+
+
+def tiny_model_fields() -> dict[str, Any]:
+    """The `tiny` model's fields, read from conf/model/tiny.yaml so every arm builds the same model."""
+    from omegaconf import OmegaConf
+
+    fields = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / "tiny.yaml"))
+    assert isinstance(fields, dict)
+    fields.pop("name", None)
+    return {str(k): v for k, v in fields.items()}
+
+
+def llama_config(**overrides: Any) -> Any:
+    """A LlamaConfig of the tiny model, as llmexp's build_model makes it (sdpa attention)."""
+    from transformers import LlamaConfig
+
+    fields = {**tiny_model_fields(), **overrides}
+    return LlamaConfig(attn_implementation="sdpa", **fields)
+
+
+def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
+    """6N + 12 L T d: the accounting llmexp's `metrics.flops_per_token` uses (PaLM's, no causal discount)."""
+    return 6.0 * num_params + 12.0 * num_layers * seq_len * hidden_size
+
+
+def measure_ceiling_tflops(seconds: float = 1.0) -> float:
+    """bf16 matmul ceiling of this machine (what MFU divides by): large square matmuls, best of 3 windows."""
+    import torch
+
+    n = 1024
+    a = torch.randn(n, n, dtype=torch.bfloat16)
+    b = torch.randn(n, n, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    best = 0.0
+    for _ in range(3):
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds / 3:
+            a @ b
+            count += 1
+        best = max(best, 2.0 * n**3 * count / (time.perf_counter() - start) / 1e12)
+    return best
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_result(name: str, text: str) -> Path:
+    """Write benchmarks/results/<name> atomically (temp file, fsync, rename)."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / name
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text if text.endswith("\n") else text + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def llmexp_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def llmexp_tokens_per_sec(run_dir: Path, warmup_steps: int) -> float:
+    """Tokens/s over the logged windows after warm-up: total tokens over total busy seconds.
+
+    Each train record's `tokens_per_sec` covers the steps since the previous record, so a window's
+    seconds are its tokens over its rate; windows ending at or before `warmup_steps` are dropped.
+    Every step has the same token count here, so steps stand in for tokens.
+    """
+    records = [r for r in llmexp_metrics(run_dir) if r.get("event") == "train"]
+    steps = seconds = 0.0
+    previous = 0
+    for r in records:
+        step, rate = int(r["step"]), float(r["tokens_per_sec"])
+        window_steps, previous = step - previous, step
+        if step <= warmup_steps or rate <= 0:
+            continue
+        steps += window_steps
+        seconds += window_steps / rate  # a weighted harmonic mean of the windows' rates
+    return steps / seconds if seconds else 0.0

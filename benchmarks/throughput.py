@@ -1,0 +1,253 @@
+"""The same training work four ways, alternately in fresh processes, with paired ratios.
+
+    (a) raw      a hand-written PyTorch loop (LlamaForCausalLM.from_config, bf16 autocast, torch AdamW,
+                 HF's own loss, clip_grad_norm_, random tokens already in memory)
+    (b) llmexp   `python -m llmexp` with equivalent overrides; tokens/s read from metrics.jsonl
+    (c) hf       HF Trainer with equivalent TrainingArguments (bf16, fused AdamW, clipping, cosine)
+    (d) compile  llmexp with train.compile=true (its compile step is reported apart)
+
+The work: the `tiny` model, micro-batch 8 x 256 tokens, bf16 autocast, AdamW, grad clipping at 1.0.
+Each round runs every arm once, in a rotated order, plus a bf16 matmul ceiling for MFU; the
+first `--warmup` steps of every arm are not timed. Ratios to (a) are paired within each round.
+
+    python benchmarks/throughput.py                       # 3 rounds x (10 warm-up + 30 timed steps)
+    python benchmarks/throughput.py --rounds 5 --steps 60
+    python benchmarks/throughput.py --arms raw,llmexp --rounds 1 --steps 5 --warmup 5   # a smoke run
+
+Writes the table to benchmarks/results/throughput.md as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (
+    PY,
+    ArmResult,
+    Series,
+    flops_per_token,
+    llama_config,
+    llmexp_metrics,
+    llmexp_tokens_per_sec,
+    load_average,
+    markdown_table,
+    measure_ceiling_tflops,
+    rotated,
+    run_process,
+    utc_now,
+    write_result,
+)
+
+ARMS = ("raw", "llmexp", "hf", "compile")
+LABELS = {"raw": "(a) hand-written loop", "llmexp": "(b) llmexp", "hf": "(c) HF Trainer",
+          "compile": "(d) llmexp, train.compile=true"}
+MICRO_BATCH, SEQ_LEN, LR = 8, 256, 3e-4
+
+
+# ---------------------------------------------------------------- workers (run in fresh processes)
+
+
+def random_batches(num_steps: int, vocab_size: int) -> Any:
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab_size, (num_steps, MICRO_BATCH, SEQ_LEN), generator=gen)
+
+
+def worker_raw(warmup: int, steps: int) -> dict[str, Any]:
+    """The loop a user writes from the seed: HF's loss, autocast, clip, step, zero_grad."""
+    import torch
+    from transformers import LlamaForCausalLM, get_cosine_schedule_with_warmup
+
+    torch.manual_seed(0)
+    config = llama_config()
+    model = LlamaForCausalLM(config)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, max(1, (warmup + steps) // 20), warmup + steps)
+    data = random_batches(warmup + steps, config.vocab_size)
+    stamps = []
+    for step in range(warmup + steps):
+        batch = data[step]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if (step + 1) % 10 == 0:
+            print(f"step {step + 1} loss {loss.item():.4f}", flush=True)  # a loop logs now and then
+        stamps.append(time.perf_counter())
+    tokens = steps * MICRO_BATCH * SEQ_LEN
+    num_params = sum(p.numel() for p in model.parameters())
+    return {"tokens_per_sec": tokens / (stamps[-1] - stamps[warmup - 1]), "num_params": num_params,
+            "embed_params": model.get_input_embeddings().weight.numel(), "num_layers": config.num_hidden_layers,
+            "hidden_size": config.hidden_size}
+
+
+def worker_hf(warmup: int, steps: int) -> dict[str, Any]:
+    """HF Trainer on the same work; step ends are stamped by a callback."""
+    import torch
+    from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    torch.manual_seed(0)
+    config = llama_config()
+    model = LlamaForCausalLM(config)
+    data = random_batches(warmup + steps, config.vocab_size).reshape(-1, SEQ_LEN)
+    dataset = [{"input_ids": row, "labels": row} for row in data]
+    stamps: list[float] = []
+
+    class Stamp(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            stamps.append(time.perf_counter())
+
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out, per_device_train_batch_size=MICRO_BATCH, max_steps=warmup + steps, bf16=True,
+            learning_rate=LR, weight_decay=0.01, max_grad_norm=1.0, lr_scheduler_type="cosine",
+            warmup_steps=max(1, (warmup + steps) // 20), logging_steps=10, save_strategy="no", eval_strategy="no",
+            report_to="none", use_cpu=True, dataloader_num_workers=0, optim="adamw_torch_fused",
+            disable_tqdm=True, seed=0)
+        Trainer(model=model, args=args, train_dataset=dataset, callbacks=[Stamp()]).train()
+    tokens = steps * MICRO_BATCH * SEQ_LEN
+    return {"tokens_per_sec": tokens / (stamps[-1] - stamps[warmup - 1])}
+
+
+def worker_ceiling() -> dict[str, Any]:
+    return {"ceiling_tflops": measure_ceiling_tflops()}
+
+
+# ---------------------------------------------------------------- the parent: rounds and the table
+
+
+def llmexp_overrides(warmup: int, steps: int, compile_model: bool) -> list[str]:
+    total = warmup + steps
+    return ["model=tiny", "data=stdlib", "precision=bf16", "optimizer=adamw", f"batch_size={MICRO_BATCH}",
+            f"data.max_length={SEQ_LEN}", f"lr={LR}", f"train.max_steps={total}",
+            f"train.warmup_steps={max(1, total // 20)}", f"train.logging_steps={math.gcd(warmup, steps)}",
+            "train.eval_steps=1000000", "train.eval_batches=1", "train.save_steps=0", "train.resume=never",
+            "train.peak_tflops=1", f"train.compile={str(compile_model).lower()}"]
+
+
+def run_arm(arm: str, warmup: int, steps: int) -> ArmResult:
+    if arm in ("raw", "hf", "ceiling"):
+        return run_process([PY, __file__, "--worker", arm, "--warmup", str(warmup), "--steps", str(steps)])
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / "run"
+        result = run_process([PY, "-m", "llmexp", *llmexp_overrides(warmup, steps, arm == "compile"),
+                              f"hydra.run.dir={run_dir}"])
+        summary_path = run_dir / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        result.data = {"tokens_per_sec": llmexp_tokens_per_sec(run_dir, warmup),
+                       "num_params": summary.get("num_params"), "compile_time_s": summary.get("compile_time_s"),
+                       "steps_logged": sum(r.get("event") == "train" for r in llmexp_metrics(run_dir))}
+    return result
+
+
+def run_rounds(arms: list[str], rounds: int, warmup: int, steps: int) -> dict[str, Any]:
+    rates = {arm: Series() for arm in arms}
+    ratios = {arm: Series() for arm in arms}
+    rss = {arm: Series() for arm in arms}
+    compile_s, ceilings, model_info, loads = Series(), Series(), {}, []
+    for r in range(rounds):
+        round_rates: dict[str, float] = {}
+        for arm in [*rotated(arms, r), "ceiling"]:
+            res = run_arm(arm, warmup, steps)
+            if res.returncode != 0 or not res.data:
+                print(f"round {r + 1}: {arm} failed (exit {res.returncode}):\n{res.tail}", file=sys.stderr)
+                continue
+            if arm == "ceiling":
+                ceilings.values.append(res.data["ceiling_tflops"])
+                continue
+            rate = float(res.data["tokens_per_sec"])
+            round_rates[arm] = rate
+            rates[arm].values.append(rate)
+            rss[arm].values.append(res.peak_rss_mb)
+            if arm == "raw":
+                model_info = res.data
+            if arm == "compile" and res.data.get("compile_time_s"):
+                compile_s.values.append(float(res.data["compile_time_s"]))
+            print(f"round {r + 1}: {arm:8s} {rate:9,.0f} tok/s  peak RSS {res.peak_rss_mb:6,.0f} MB  "
+                  f"wall {res.wall_s:5.1f} s", file=sys.stderr, flush=True)
+        if "raw" in round_rates:
+            for arm, rate in round_rates.items():
+                ratios[arm].values.append(rate / round_rates["raw"])
+        loads.append(load_average())
+    return {"rates": rates, "ratios": ratios, "rss": rss, "compile_s": compile_s, "ceilings": ceilings,
+            "model": model_info, "loads": loads}
+
+
+def mfu_columns(rate: float, model: dict[str, Any], ceiling_tflops: float) -> tuple[str, str]:
+    if not model or not ceiling_tflops:
+        return "–", "–"
+    n, emb = model["num_params"], model["embed_params"]
+    full = flops_per_token(n, model["num_layers"], model["hidden_size"], SEQ_LEN)
+    no_emb = flops_per_token(n - emb, model["num_layers"], model["hidden_size"], SEQ_LEN)
+    peak = ceiling_tflops * 1e12
+    return f"{rate * full / peak:.1%}", f"{rate * no_emb / peak:.1%}"
+
+
+def render(results: dict[str, Any], arms: list[str], args: argparse.Namespace) -> str:
+    ceiling = results["ceilings"].median()
+    rows = []
+    for arm in arms:
+        rate = results["rates"][arm].median()
+        ratio = results["ratios"][arm]
+        mfu, mfu_no_emb = mfu_columns(rate, results["model"], ceiling if math.isfinite(ceiling) else 0.0)
+        note = ""
+        if arm == "compile" and results["compile_s"].values:
+            note = f"first step (compile) {results['compile_s'].median():.1f} s, not timed"
+        rows.append([LABELS[arm], f"{rate:,.0f}", results["rates"][arm].spread(),
+                     f"{ratio.median():.3f}× ({ratio.spread('{:.3f}')})" if ratio.values else "–",
+                     mfu, mfu_no_emb, f"{results['rss'][arm].median():,.0f}", note])
+    table = markdown_table(["config", "tokens/s (median)", "spread (min–max)", "ratio to (a), paired",
+                            "MFU", "MFU, input embedding left out of N", "peak RSS (MB)", "note"], rows)
+    n = results["model"].get("num_params", 0)
+    head = (f"Measured {utc_now()}, {args.rounds} rounds of {args.warmup} warm-up + {args.steps} timed steps per "
+            f"arm, tiny model ({n / 1e6:.2f}M params), micro-batch {MICRO_BATCH} x {SEQ_LEN}, bf16 autocast, AdamW. "
+            f"bf16 matmul ceiling {ceiling:.3f} TFLOP/s (median of rounds, {results['ceilings'].spread('{:.3f}')}). "
+            f"Load average after each round: {'; '.join(results['loads'])}.")
+    if "hf" in arms and "llmexp" in arms and results["rates"]["hf"].values:
+        pairs = [a / b for a, b in zip(results["ratios"]["llmexp"].values, results["ratios"]["hf"].values,
+                                       strict=False)]
+        if pairs:
+            head += f" llmexp / HF Trainer, paired: {statistics.median(pairs):.3f}×."
+    return head + "\n\n" + table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps at the start of every arm")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per arm")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
+    parser.add_argument("--out", default="throughput.md", help="file name under benchmarks/results/ ('' skips)")
+    parser.add_argument("--worker", choices=["raw", "hf", "ceiling"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        result = {"raw": lambda: worker_raw(args.warmup, args.steps), "hf": lambda: worker_hf(args.warmup, args.steps),
+                  "ceiling": worker_ceiling}[args.worker]()
+        print(json.dumps(result), flush=True)
+        return
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = set(arms) - set(ARMS)
+    if unknown:
+        parser.error(f"unknown arms {sorted(unknown)}; pick from {', '.join(ARMS)}")
+    text = render(run_rounds(arms, args.rounds, args.warmup, args.steps), arms, args)
+    print(text)
+    if args.out:
+        print(f"\nwritten to {write_result(args.out, text)}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
