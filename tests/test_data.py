@@ -319,6 +319,21 @@ def test_stdlib_sft_pairs_hold_out_files(session_cache: Path, tok: Any) -> None:
         assert label_text(tok, batch, row).endswith('"""\n' + tok.eos_token)
 
 
+def test_text_records_padded_or_packed(tmp_path: Path, tok: Any) -> None:
+    rows = [{"text": f"line {i} " * (3 + i)} for i in range(10)]
+    train = write_jsonl(tmp_path / "train.jsonl", rows)
+    short_eval = write_jsonl(tmp_path / "eval.jsonl", rows[:1])  # fewer tokens than one block
+    padded, _, stats = data.build_datasets(json_cfg(tmp_path / "cache", train, short_eval), tok)
+    batch = padded.get_batch(np.array([0, 9]))
+    assert stats["data_mode"] == "padded" and "attention_mask" in batch
+    real = batch["attention_mask"].bool()
+    assert (batch["labels"][real] == batch["input_ids"][real]).all() and (batch["labels"][~real] == -100).all()
+    assert tok.decode(batch["input_ids"][0][real[0]].tolist()) == rows[0]["text"] + tok.eos_token
+    packed, held, stats = data.build_datasets(json_cfg(tmp_path / "cache", train, short_eval, "data.packing=true"), tok)
+    assert stats["data_mode"] == "lm_packed" and packed.block == 64 and stats["data_train_dropped_tokens"] < 64
+    assert len(held) == 1 and held.get_batch(np.array([0]))["input_ids"].shape[1] < 64  # eval keeps its short tail
+
+
 # ---------------------------------------------------------------- text files
 
 
