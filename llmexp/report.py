@@ -315,49 +315,66 @@ def varying_params(jobs: list[dict]) -> list[str]:
     return [k for k in keys if len({job["params"].get(k) for job in jobs}) > 1]
 
 
-def recommend(jobs: list[dict]) -> dict[str, Any] | None:
-    """The finished job with the lowest final eval loss among those with no error findings, and why."""
+REPLICATE_KEYS = ("seed", "train.seed_data")
+"""Swept keys that repeat a setting rather than change it: the recommendation averages over them."""
+
+
+def _swept(job: dict, keys: list[str]) -> str:
+    return " ".join(f"{k}={job['params'].get(k)}" for k in keys) or "(defaults)"
+
+
+def recommend(jobs: list[dict], varying: list[str] | None = None) -> dict[str, Any] | None:
+    """The setting with the lowest final eval loss among finished jobs with no error findings (the mean
+    over seeds when seeds are swept too), with the reason and how stably its loss fell."""
+    varying = varying_params(jobs) if varying is None else varying
     ok = [j for j in jobs if j["status"] in FINISHED and j["worst_severity"] != ERROR
           and isinstance(j.get("eval_loss"), int | float) and math.isfinite(j["eval_loss"])]
     if not ok:
         return None
-    ranked = sorted(ok, key=lambda j: j["eval_loss"])
-    best = ranked[0]
-    stab = best["stability"]
-    reason = (f"lowest final eval loss ({best['eval_loss']:.4g}) of the {len(ok)} finished job(s) with no "
+    keys = [k for k in varying if k not in REPLICATE_KEYS] or varying
+    groups: dict[str, list[dict]] = {}
+    for j in ok:
+        groups.setdefault(_swept(j, keys), []).append(j)
+    mean = {name: statistics.fmean(j["eval_loss"] for j in members) for name, members in groups.items()}
+    ranked = sorted(groups, key=mean.__getitem__)
+    best_name = ranked[0]
+    best = min(groups[best_name], key=lambda j: j["eval_loss"])
+    runs = len(groups[best_name])
+    what = f"mean over {runs} runs " if runs > 1 else ""
+    reason = (f"lowest final eval loss ({what}{mean[best_name]:.4g}) among {len(ok)} finished job(s) with no "
               f"error findings ({len(jobs) - len(ok)} excluded)")
     if len(ranked) > 1:
-        reason += f"; runner-up `{' '.join(ranked[1]['overrides'])}` at {ranked[1]['eval_loss']:.4g}"
-    if stab["rise_fraction"] is not None:
-        reason += (f"; its train loss fell {stab['drop']:.3g} nats and rose on {stab['rise_fraction']:.0%} "
-                   "of logged steps")
-    return {"job": best["job"], "overrides": best["overrides"], "params": best["params"],
-            "eval_loss": best["eval_loss"], "reason": reason}
+        reason += f"; runner-up `{ranked[1]}` at {mean[ranked[1]]:.4g}"
+    stab = [j["stability"] for j in groups[best_name] if j["stability"]["rise_fraction"] is not None]
+    if stab:
+        reason += (f"; its train loss fell {statistics.fmean(x['drop'] for x in stab):.3g} nats and rose on "
+                   f"{statistics.fmean(x['rise_fraction'] for x in stab):.0%} of logged steps")
+    return {"job": best["job"], "settings": best_name, "overrides": best["overrides"], "params": best["params"],
+            "eval_loss": mean[best_name], "reason": reason}
 
 
 def sweep_report_markdown(summary: dict) -> str:
-    rec = summary["recommendation"]
+    rec, varying, jobs = summary["recommendation"], summary["varying"], summary["jobs"]
+    common = [o for o in (jobs[0]["overrides"] if jobs else []) if o.lstrip("+~").partition("=")[0] not in varying
+              and all(o in j["overrides"] for j in jobs)]
     lines = [f"# Sweep report: {Path(summary['sweep_dir']).name}\n",
-             f"**Jobs:** {summary['num_jobs']} ("
-             + ", ".join(f"{n} {s}" for s, n in summary["status_counts"].items()) + ")"
-             + (f" · **swept:** {', '.join(summary['varying'])}" if summary["varying"] else "") + "\n"]
-    if rec:
-        lines.append(f"**Recommended:** `{' '.join(rec['overrides']) or '(defaults)'}` (job {rec['job']}): "
-                     f"{rec['reason']}.\n")
-    else:
-        lines.append("**Recommended:** none: no job finished without error findings.\n")
-    lines.append("| job | overrides | status | train loss | train ppl | eval loss | eval ppl | tokens/s | "
-                 "loss rose on | findings |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|")
-    for j in summary["jobs"]:
+             f"**Jobs:** {summary['num_jobs']} (" + ", ".join(f"{n} {s}" for s, n in summary["status_counts"].items())
+             + ")" + (f" · **swept:** {', '.join(varying)}" if varying else "") + "\n",
+             f"**Common overrides:** `{' '.join(common)}`\n" if common else "",
+             f"**Recommended:** `{rec['settings']}` (job {rec['job']}): {rec['reason']}.\n" if rec else
+             "**Recommended:** none: no job finished without error findings.\n",
+             "| job | settings | status | train loss | train ppl | eval loss | eval ppl | tokens/s | loss rose on | "
+             "findings |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for j in jobs:
         found = ", ".join(f"{f['severity']}:{f['kind']}@{f['step']}" for f in j["findings"]) or "–"
         status = j["status"] + (f" ({j['error']})" if j.get("error") and j["status"] not in FINISHED else "")
         rise = j["stability"]["rise_fraction"]
-        lines.append(f"| {j['job']} | `{' '.join(j['overrides'])}` | {status} | {_fmt(j['train_loss'])} | "
-                     f"{_fmt(j['train_ppl'])} | {_fmt(j['eval_loss'])} | {_fmt(j['eval_ppl'])} | "
-                     f"{_fmt_rate(j['tokens_per_sec'])} | {'–' if rise is None else f'{rise:.0%}'} | {found} |")
-    lines += ["", "*loss rose on*: the share of logged steps where the train loss went up (lower is steadier).",
-              "", "![sweep curves](sweep_curves.png)", ""]
+        lines.append(f"| {j['job']} | `{_swept(j, varying) if varying else ' '.join(j['overrides'])}` | {status} | "
+                     f"{_fmt(j['train_loss'])} | {_fmt(j['train_ppl'])} | {_fmt(j['eval_loss'])} | "
+                     f"{_fmt(j['eval_ppl'])} | {_fmt_rate(j['tokens_per_sec'])} | "
+                     f"{'–' if rise is None else f'{rise:.0%}'} | {found} |")
+    lines += ["", "*loss rose on*: the share of logged steps where the train loss went up (lower is steadier). "
+              "Every job's full overrides are in sweep_summary.json.", "", "![sweep curves](sweep_curves.png)", ""]
     return "\n".join(lines)
 
 
@@ -370,13 +387,14 @@ def write_sweep_report(sweep_dir: Path) -> dict[str, Any]:
     counts: dict[str, int] = {}
     for j in jobs:
         counts[j["status"]] = counts.get(j["status"], 0) + 1
+    varying = varying_params(jobs)
+    rec = recommend(jobs, varying)
     summary = {"sweep_dir": str(sweep_dir), "num_jobs": len(jobs), "status_counts": counts,
-               "all_finished": all(j["status"] in FINISHED for j in jobs), "varying": varying_params(jobs),
-               "recommendation": recommend(jobs), "jobs": jobs}
+               "all_finished": all(j["status"] in FINISHED for j in jobs), "varying": varying,
+               "recommendation": rec, "jobs": jobs}
     curves = {j["job"]: load_records(Path(j["dir"])) for j in jobs}
-    rec = summary["recommendation"]
-    title = sweep_dir.resolve().name + (f"  ·  recommended: {' '.join(rec['overrides'])}" if rec else "")
-    plot_sweep(jobs, curves, summary["varying"], sweep_dir / "sweep_curves.png", title=title,
+    title = sweep_dir.resolve().name + (f"  ·  recommended: {rec['settings']}" if rec else "")
+    plot_sweep(jobs, curves, varying, sweep_dir / "sweep_curves.png", title=title,
                recommended=rec["job"] if rec else None)
     write_atomic(sweep_dir / "sweep_summary.json", json.dumps(summary, indent=2, default=str) + "\n")
     write_atomic(sweep_dir / "sweep_report.md", sweep_report_markdown(summary))
@@ -394,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = write_sweep_report(path)
         rec = summary["recommendation"]
         print(f"wrote {path / 'sweep_report.md'}: {summary['num_jobs']} jobs {summary['status_counts']}")
-        print(f"recommended: {' '.join(rec['overrides'])} ({rec['reason']})" if rec else "no recommendation")
+        print(f"recommended: {rec['settings']} ({rec['reason']})" if rec else "no recommendation")
         return 0 if summary["all_finished"] else 1
     if is_run_dir(path):
         write_run_report(path)

@@ -189,3 +189,17 @@ def test_doctor_exit_codes_and_report(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "is not a run directory" in proc.stderr
     make_sweep(tmp_path / "sweep")
     assert doctor.main([str(tmp_path / "sweep")]) == 2
+
+
+def test_recommendation_averages_over_seeds(tmp_path: Path) -> None:
+    """lr=1e-3 wins one seed by luck, lr=3e-4 wins on average: 3e-4 is recommended, named without the seed."""
+    finals = {("1e-3", "0"): 2.0, ("1e-3", "1"): 3.0, ("3e-4", "0"): 2.2, ("3e-4", "1"): 2.3}
+    for job, ((lr, seed), final) in enumerate(finals.items()):
+        records = history(num_steps=100, seed=job, eval_loss=lambda s, f=final: f + 5 * (1 - s / 100))
+        make_run(tmp_path / str(job), records, summary_of(records), ("train.max_steps=100", f"lr={lr}", f"seed={seed}"))
+    summary = write_sweep_report(tmp_path)
+    rec = summary["recommendation"]
+    assert rec["settings"] == "lr=3e-4" and rec["eval_loss"] == pytest.approx(2.25, abs=0.05)
+    assert "mean over 2 runs" in rec["reason"] and "runner-up `lr=1e-3`" in rec["reason"]
+    text = (tmp_path / "sweep_report.md").read_text()
+    assert "**Common overrides:** `train.max_steps=100`" in text and "| `lr=3e-4 seed=1` |" in text
