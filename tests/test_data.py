@@ -283,6 +283,27 @@ def test_sft_packing_keeps_examples_apart(tmp_path: Path, tok: Any) -> None:
         assert abs(loss_sum(leaky) - alone) > 1e-3 * alone
 
 
+@pytest.mark.xfail(reason="llmexp.loss.CausalLMLoss must call the model with use_cache=False: with a cache, "
+                          "transformers ignores packed position_ids (see the data report)", strict=False)
+def test_trainer_loss_keeps_packed_examples_apart(tmp_path: Path, tok: Any) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from llmexp.loss import CausalLMLoss
+
+    train = write_jsonl(tmp_path / "train.jsonl", PAIRS)
+    packed = data.build_datasets(json_cfg(tmp_path / "cache", train, train, "data.packing=true"), tok)[0]
+    padded = data.build_datasets(json_cfg(tmp_path / "cache", train, train), tok)[0]
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                                      initializer_range=0.5, attn_implementation="sdpa"))
+    loss = CausalLMLoss(lm).train()
+    with torch.no_grad():
+        alone = float(loss(**padded.get_batch(np.arange(len(padded)))))
+        assert float(loss(**packed.get_batch(np.arange(len(packed))))) == pytest.approx(alone, rel=1e-5)
+
+
 def test_sft_packing_refused_where_boundaries_may_leak(tmp_path: Path, tok: Any) -> None:
     train = write_jsonl(tmp_path / "train.jsonl", PAIRS)
     cfg = json_cfg(tmp_path / "cache", train, train, "data.packing=true", "model.trust_remote_code=true",
