@@ -20,6 +20,7 @@ import argparse
 import importlib.util
 import json
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -96,6 +97,8 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=None, help="keep the runs here (default: a temp dir)")
     args = parser.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
+    # SIGTERM: unwind (run_once's `finally` kills the training child, the temp dir is removed).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     seed = args.seed if args.seed is not None else random.randrange(10**6)
     rng = random.Random(seed)
     h = _harness()
