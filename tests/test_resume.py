@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # 10 CLI runs, about 80 s of CPU time
+
 REPO = Path(__file__).resolve().parents[1]
 MAX_STEPS = 16
 TINY = (
@@ -203,8 +205,6 @@ def random_kills(rng: random.Random, count: int, jitter_s: float = 0.3) -> list[
 
 
 # ----------------------------------------------------------------------------- fixtures
-
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
