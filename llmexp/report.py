@@ -5,6 +5,7 @@
 
 A run directory has `metrics.jsonl` / `summary.json` / `.hydra/`; a sweep directory has
 `multirun.yaml` or job subdirectories (`0/`, `1/`, ...). Plots live in `llmexp.plots`.
+Exit codes: 0 written, 1 a sweep with failed or unfinished jobs, 2 not a run or sweep directory.
 """
 
 from __future__ import annotations
