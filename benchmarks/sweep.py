@@ -71,10 +71,10 @@ def bench_slurm(work: Path, env: dict[str, str], num_jobs: int) -> None:
         print("slurm: skipped (no cluster; sudo bash launch/slurm-local.sh up)")
         return
     lrs = ",".join(f"{1e-4 * (i + 1):.1e}" for i in range(num_jobs))
-    args = ["cluster=slurm", "cluster.wait=false", *TINY, "train.max_steps=5", f"lr={lrs}"]
-    compose_s = min(run([*args, "--cfg", "job"], work, env) for _ in range(2))
+    args = ["cluster=slurm", "cluster.wait=false", *TINY, "train.max_steps=5"]
+    compose_s = min(run([*args, "lr=1e-4", "--cfg", "job"], work, env) for _ in range(2))
     sweep_dir = work / "slurm-sweep"
-    submit_s = run(["--multirun", *args, f"hydra.sweep.dir={sweep_dir}"], work, env)
+    submit_s = run(["--multirun", *args, f"lr={lrs}", f"hydra.sweep.dir={sweep_dir}"], work, env)
     ids = json.loads((sweep_dir / "slurm_jobs.json").read_text())["jobs"]
     subprocess.run(["scancel", ids["0"].split("_")[0]], check=False)
     print(f"slurm: {len(ids)} jobs submitted as one array")

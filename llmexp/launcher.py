@@ -103,28 +103,46 @@ class JobOutcome:
 # ----------------------------------------------------------------------------- composing and running
 
 
-def compose_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[JobSpec]:
-    """Compose every job's config now, like Hydra's basic launcher, and pin the sweep directory.
+def compose_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int,
+                 compose: bool = True) -> list[JobSpec]:
+    """Every job's spec, its sweep directory pinned; its config composed now unless `compose=False`.
 
     `hydra.sweep.dir` is resolved once here: its `${llmexp_run_id:}` must not be re-evaluated
-    in a child process or on a SLURM node, where time and pid differ.
+    in a child process or on a SLURM node, where time and pid differ. Composition takes ~0.3 s a
+    job (Hydra's sweeper has already composed each once to validate it), so the SLURM launcher
+    leaves it to the node (`compose_job`); the job directory is then derived from the sweep config
+    unless `hydra.sweep.subdir` names the overrides, which only a composition knows.
     """
     from omegaconf import OmegaConf, open_dict
 
     global _launched
     _launched = True
     sweep_dir = Path(str(launcher.config.hydra.sweep.dir)).absolute()
+    with open_dict(launcher.config):
+        launcher.config.hydra.sweep.dir = str(sweep_dir)
+    raw_subdir = str(OmegaConf.to_container(launcher.config.hydra.sweep, resolve=False).get("subdir"))
+    compose = compose or "override" in raw_subdir
     specs = []
     for offset, overrides in enumerate(job_overrides):
         num = initial_job_idx + offset
-        cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
-        with open_dict(cfg):
-            cfg.hydra.job.id = str(num)
-            cfg.hydra.job.num = num
-            cfg.hydra.sweep.dir = str(sweep_dir)
-        subdir = str(OmegaConf.select(cfg, "hydra.sweep.subdir"))
+        cfg = compose_job(launcher, list(overrides), num) if compose else None
+        probe = cfg if cfg is not None else launcher.config.copy()
+        with open_dict(probe):
+            probe.hydra.job.num = num
+        subdir = str(OmegaConf.select(probe, "hydra.sweep.subdir"))
         specs.append(JobSpec(num=num, overrides=list(overrides), config=cfg, job_dir=sweep_dir / subdir))
     return specs
+
+
+def compose_job(launcher: Any, overrides: list[str], num: int) -> Any:
+    """One job's config, as Hydra's basic launcher composes it."""
+    from omegaconf import open_dict
+
+    cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, overrides)
+    with open_dict(cfg):
+        cfg.hydra.job.id = str(num)
+        cfg.hydra.job.num = num
+    return cfg
 
 
 def run_status(job_dir: Path) -> str | None:
@@ -208,8 +226,8 @@ def job_returns(specs: Sequence[JobSpec], outcomes: Sequence[JobOutcome]) -> lis
 
     returns = []
     for spec, outcome in zip(specs, outcomes, strict=True):
-        ret = JobReturn(overrides=spec.overrides, working_dir=os.getcwd(), task_name=str(spec.config.hydra.job.name),
-                        status=JobStatus.COMPLETED)
+        name = str(spec.config.hydra.job.name) if spec.config is not None else None
+        ret = JobReturn(overrides=spec.overrides, working_dir=os.getcwd(), task_name=name, status=JobStatus.COMPLETED)
         ret.return_value = outcome.exit_code
         returns.append(ret)
     return returns

@@ -45,8 +45,18 @@ from typing import Any
 import submitit
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from llmexp.launcher import JobOutcome, JobSpec, compose_jobs, execute, finish_sweep, job_returns, record_outcome, swept
-from llmexp.paths import write_json_atomic
+from llmexp.launcher import (
+    JobOutcome,
+    JobSpec,
+    compose_job,
+    compose_jobs,
+    execute,
+    finish_sweep,
+    job_returns,
+    record_outcome,
+    swept,
+)
+from llmexp.paths import register_resolvers, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -79,21 +89,28 @@ def sbatch_parameters(cluster: DictConfig, job_name: str) -> dict[str, Any]:
 class SlurmJob(submitit.helpers.Checkpointable):
     """One sweep job on a SLURM node: runs the task, and requeues it when the trainer was preempted."""
 
-    def __init__(self, spec: JobSpec, task_function: Any, hydra_context: Any, singleton_state: Any) -> None:
+    def __init__(self, spec: JobSpec, launcher: Any, singleton_state: Any) -> None:
         self.spec = spec
-        self.task_function = task_function
-        self.hydra_context = hydra_context
+        self.launcher = launcher
+        """Hydra's launcher: the sweep's config, config loader and task function."""
         self.singleton_state = singleton_state
 
     def __call__(self) -> dict[str, Any]:
         requeue_handler = signal.getsignal(signal.SIGUSR2)  # submitit's, installed before this call
         env = submitit.JobEnvironment()
+        if self.spec.config is None:  # composed here, not at submission (see compose_jobs)
+            from hydra.core.singleton import Singleton
+
+            Singleton.set_state(self.singleton_state)
+            register_resolvers()
+            cfg = compose_job(self.launcher, self.spec.overrides, self.spec.num)
+            self.spec = JobSpec(self.spec.num, self.spec.overrides, cfg, self.spec.job_dir)
         spec = self.spec
         if env.num_tasks > 1:
             submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
             if env.global_rank != 0:  # one writer for .hydra/
                 spec = JobSpec(spec.num, spec.overrides, _with(spec.config, "hydra.output_subdir", None), spec.job_dir)
-        outcome = execute(spec, self.task_function, self.hydra_context, self.singleton_state)
+        outcome = execute(spec, self.launcher.task_function, self.launcher.hydra_context, self.singleton_state)
         outcome.job_id = env.job_id
         if env.global_rank == 0 and outcome.status == "preempted":
             outcome = _requeue_or_stop(outcome, requeue_handler)
@@ -105,7 +122,7 @@ class SlurmJob(submitit.helpers.Checkpointable):
         """The same job again, resuming from the newest checkpoint in its run directory."""
         spec = JobSpec(self.spec.num, self.spec.overrides, _with(self.spec.config, "train.resume", "auto"),
                        self.spec.job_dir)
-        again = SlurmJob(spec, self.task_function, self.hydra_context, self.singleton_state)
+        again = SlurmJob(spec, self.launcher, self.singleton_state)
         return submitit.helpers.DelayedSubmission(again, *args, **kwargs)
 
 
@@ -152,14 +169,14 @@ def launch_slurm(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
     from hydra.core.singleton import Singleton
 
     cluster = launcher.config.cluster
-    specs = compose_jobs(launcher, job_overrides, initial_job_idx)
+    specs = compose_jobs(launcher, job_overrides, initial_job_idx, compose=False)
     sweep_dir = specs[0].job_dir.parent
     folder = Path(str(launcher.params.get("submitit_folder", sweep_dir / ".submitit" / "%j"))).absolute()
     executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=int(cluster.max_num_timeout))
     executor.update_parameters(**sbatch_parameters(cluster, str(launcher.config.hydra.job.name)))
     state = Singleton.get_state()
     with executor.batch():
-        jobs = [executor.submit(SlurmJob(s, launcher.task_function, launcher.hydra_context, state)) for s in specs]
+        jobs = [executor.submit(SlurmJob(spec, launcher, state)) for spec in specs]
     ids = {s.num: j.job_id for s, j in zip(specs, jobs, strict=True)}
     for spec in specs:  # until the job records how it ended, the report shows it as submitted
         record_outcome(spec, JobOutcome(spec.num, "submitted", None, None, ids[spec.num]))
