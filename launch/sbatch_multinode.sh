@@ -20,8 +20,9 @@
 #SBATCH --output=slurm-%j.out
 set -euo pipefail
 
-GPUS_PER_NODE=${SLURM_GPUS_ON_NODE:-$(nvidia-smi -L 2>/dev/null | wc -l)}
-GPUS_PER_NODE=$(( GPUS_PER_NODE > 0 ? GPUS_PER_NODE : 1 ))
+gpus_on_node() { if command -v nvidia-smi >/dev/null; then nvidia-smi -L | wc -l; else echo 0; fi; }
+GPUS_PER_NODE=${SLURM_GPUS_ON_NODE:-$(gpus_on_node)}
+GPUS_PER_NODE=$(( GPUS_PER_NODE > 0 ? GPUS_PER_NODE : 1 ))  # CPU-only nodes: one process each
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))
 # Every rank and every requeued attempt writes the same run directory: outputs/slurm-<job id>.
