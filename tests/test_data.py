@@ -490,12 +490,12 @@ def test_cli_malformed_line_exits_2_naming_file_and_line(tmp_path: Path) -> None
 @pytest.mark.slow
 def test_sft_demo_fine_tunes_a_default_run(tmp_path: Path, session_cache: Path) -> None:
     """Pretrain a tiny model on the stdlib, then experiment=sft_demo on its model/: held-out eval loss falls."""
-    base = cli(tmp_path, session_cache, *TINY, *TINY_MODEL, "train.max_steps=40", "train.eval_steps=40",
+    base = cli(tmp_path, session_cache, *TINY, *TINY_MODEL, "train.max_steps=30", "train.eval_steps=30",
                "train.eval_batches=2", "train.save_steps=0", "lr=3e-3", f"hydra.run.dir={tmp_path}/base")
     assert base.returncode == 0, base.stderr[-3000:]
     sft = cli(tmp_path, session_cache, "experiment=sft_demo", f"model.name_or_path={tmp_path}/base/model",
-              "data.max_examples=400", "data.max_length=64", "batch_size=8", "train.max_steps=30",
-              "train.eval_steps=15", "train.eval_batches=8", f"hydra.run.dir={tmp_path}/sft")
+              "data.max_examples=400", "data.max_length=64", "batch_size=8", "train.max_steps=20",
+              "train.eval_steps=10", "train.eval_batches=6", f"hydra.run.dir={tmp_path}/sft")
     assert sft.returncode == 0, sft.stderr[-3000:]
     evals = [json.loads(line) for line in (tmp_path / "sft/metrics.jsonl").read_text().splitlines()]
     evals = [e["eval_loss"] for e in evals if e["event"] == "eval"]
