@@ -33,8 +33,11 @@ def task(cfg: DictConfig) -> int:
 
 def cli() -> None:
     """Entry point. Hydra exits 1 on a compose error; that is a user's mistake, so exit 2."""
+    from llmexp.distributed import maybe_relaunch
     from llmexp.errors import UserError
     from llmexp.preflight import check_args
+
+    maybe_relaunch()  # `accelerate launch --cpu --num_processes N`: start the N ranks before Hydra runs
 
     try:  # typos, unknown options, disallowed _target_s, path escapes: before Hydra creates a run dir
         sys.argv[1:] = check_args(sys.argv[1:])  # secrets become ${oc.env:LLMEXP_SECRET_<n>}

@@ -193,6 +193,12 @@ class Runtime:
         norm = self.accelerator.clip_grad_norm_(model.parameters(), limit)
         return norm if isinstance(norm, torch.Tensor) else torch.tensor(float(norm or 0.0))
 
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when it is true on any (one tiny all-reduce; free on one process)."""
+        if self.plan.world == 1:
+            return flag
+        return bool(self.reduce_sum(torch.tensor([float(flag)], device=self.device)).item() > 0)
+
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(tensor, reduction="sum") if self.plan.world > 1 else tensor
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,7 +87,8 @@ def save_state_checkpoint(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, 
             (tmp / TRAINER_STATE).write_text(json.dumps(payload, default=str))
 
         ckpt.save_checkpoint(rt.run_dir / "checkpoints", state.step, write, keep=cfg.train.save_total_limit,
-                             best_step=state.best_eval_step if state.best_eval_step >= 0 else None)
+                             best_step=state.best_eval_step if state.best_eval_step >= 0 else None,
+                             extra={"resume_key": resume_key(cfg, rt)})
     rt.accelerator.wait_for_everyone()
 
 
@@ -120,26 +123,69 @@ def _apply_payload(rt: Runtime, model: torch.nn.Module, optimizer: Any, payload:
     return LoopState(**payload["trainer"]["state"])
 
 
+def resume_key(cfg: DictConfig, rt: Runtime) -> dict[str, Any]:
+    """The settings that shape the trajectory; a resume with other values is warned about."""
+    return {"lr": str(cfg.lr), "max_steps": cfg.train.max_steps, "global_batch": rt.plan.global_batch,
+            "batch_size": cfg.batch_size, "world_size": rt.plan.world, "seed": cfg.seed,
+            "optimizer": cfg.optimizer.name, "scheduler": cfg.scheduler.name, "precision": rt.precision}
+
+
+def _set_aside(rt: Runtime, log: MetricsLogger) -> None:
+    """`train.resume=never` in a directory with checkpoints: keep them, but out of this run's way."""
+    root = rt.run_dir / "checkpoints"
+    if rt.is_main and ckpt.list_checkpoints(root):
+        aside = root.with_name(f"checkpoints.before-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.replace(root, aside)
+        log.reset_history([])
+        log.write(f"train.resume=never: moved the earlier checkpoints to {aside}")
+    rt.accelerator.wait_for_everyone()
+
+
+def _broadcast(rt: Runtime, value: Any) -> Any:
+    """Rank 0's value on every rank."""
+    if rt.plan.world == 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([value])[0]
+
+
+def _found_checkpoint(cfg: DictConfig, rt: Runtime, log: MetricsLogger) -> tuple[Path, dict[str, Any]] | None:
+    """Rank 0 picks the checkpoint (verifying hashes, falling back past bad ones); every rank loads it."""
+    choice = cfg.train.resume
+    if choice == "auto":
+        found = ckpt.load_with_fallback(rt.run_dir / "checkpoints", lambda p: _load_payload(p, rt.rank),
+                                        log.write) if rt.is_main else None
+        path = _broadcast(rt, str(found[0]) if found else None)
+        if path is None:
+            return None
+        return Path(path), (found[1] if found else _load_payload(Path(path), rt.rank))
+    path = Path(choice)
+    if not (path / ckpt.MANIFEST).is_file():
+        raise ckpt.CorruptCheckpoint(f"train.resume={choice}: not a complete checkpoint directory "
+                                     "(no manifest.json); use train.resume=auto or a checkpoints/step_<N> dir")
+    if rt.is_main:
+        ckpt.verify_checkpoint(path, full=True)
+    return path, _load_payload(path, rt.rank)
+
+
 def load_resume_state(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, optimizer: Any,
                       log: MetricsLogger) -> LoopState | None:
     """Resume per `train.resume`: auto (newest good checkpoint here), never, or a path."""
-    choice = cfg.train.resume
-    if choice == "never":
+    if cfg.train.resume == "never":
+        _set_aside(rt, log)
         return None
-    if choice == "auto":
-        found = ckpt.load_with_fallback(rt.run_dir / "checkpoints", lambda p: _load_payload(p, rt.rank), log.write)
-        if found is None:
-            return None
-        path, payload = found
-    else:
-        path = Path(choice)
-        if not (path / ckpt.MANIFEST).is_file():
-            raise ckpt.CorruptCheckpoint(f"train.resume={choice}: not a complete checkpoint directory "
-                                         "(no manifest.json); use train.resume=auto or a checkpoints/step_<N> dir")
-        ckpt.verify_checkpoint(path, full=True)
-        payload = _load_payload(path, rt.rank)
+    found = _found_checkpoint(cfg, rt, log)
+    if found is None:
+        return None
+    path, payload = found
     state = _apply_payload(rt, model, optimizer, payload)
     log.reset_history(payload["trainer"]["history"])
+    saved_key = ckpt.read_manifest(path).get("extra", {}).get("resume_key", {})
+    for key, now in resume_key(cfg, rt).items():
+        if key in saved_key and saved_key[key] != now:
+            log.write(f"warning: resuming {path.name} with {key}={now}, but it was saved with {saved_key[key]}; "
+                      "the run will not match an uninterrupted one")
     log.log({"event": "resume", "step": state.step, "checkpoint": str(path)})
     return state
 
@@ -164,18 +210,13 @@ def rollback(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, optimizer: An
 
 def save_final_model(rt: Runtime, model: torch.nn.Module, tokenizer: Any,
                      weights: dict[str, torch.Tensor] | None = None) -> None:
-    """`model/`: save_pretrained of the model and tokenizer, published by one rename."""
+    """`model/`: save_pretrained of the model and tokenizer, published by one atomic swap."""
     final = rt.run_dir / "model"
     tmp = rt.run_dir / ".model.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     _lm(rt, model).save_pretrained(tmp, safe_serialization=True, state_dict=weights)  # weights: ZeRO-3 gathered
     tokenizer.save_pretrained(tmp)
-    ckpt._fsync_tree(tmp)
-    old = rt.run_dir / ".model.old"
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
+    ckpt.publish_dir(tmp, final)  # fsyncs, then swaps atomically: model/ is never missing or half-written
 
 
 def finish_run(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, optimizer: Any, tokenizer: Any,

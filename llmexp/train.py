@@ -88,15 +88,18 @@ def train(cfg: DictConfig) -> RunResult:
             log.advance()
             if state.step % cfg.train.logging_steps == 0 or state.step == max_steps:
                 log.log(rt.train_record(state, loss, grad_norm, optimizer, window))
-            if cfg.train.save_steps and state.step % cfg.train.save_steps == 0 and state.step < max_steps:
+            saved = bool(cfg.train.save_steps) and state.step % cfg.train.save_steps == 0 and state.step < max_steps
+            if saved:
                 save_state_checkpoint(cfg, rt, model, optimizer, state, log)
-            if preempt.requested:
-                save_state_checkpoint(cfg, rt, model, optimizer, state, log)
+            if rt.any_rank(preempt.requested):  # every rank must agree: saving is collective
+                if not saved:
+                    save_state_checkpoint(cfg, rt, model, optimizer, state, log)
                 status = "preempted"
                 break
-    if status in ("completed", "early_stopped") and state.last_eval_step != state.step:
-        evaluate_and_record(cfg, rt, model, eval_ds, state, log, state.step)
-    summary = finish_run(cfg, rt, model, optimizer, tokenizer, state, log, status, peak_lr, lr_source)
+        # Still inside the signal guard: a late SIGTERM only sets the flag, and the run finishes.
+        if status in ("completed", "early_stopped") and state.last_eval_step != state.step:
+            evaluate_and_record(cfg, rt, model, eval_ds, state, log, state.step)
+        summary = finish_run(cfg, rt, model, optimizer, tokenizer, state, log, status, peak_lr, lr_source)
     return RunResult(status=status, step=state.step, summary=summary)
 
 
