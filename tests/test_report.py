@@ -172,23 +172,24 @@ def test_report_cli_picks_run_or_sweep(tmp_path: Path, capsys: pytest.CaptureFix
     assert "neither a run directory" in capsys.readouterr().err
 
 
-def test_doctor_exit_codes_and_report(tmp_path: Path) -> None:
+def test_doctor_exit_codes_and_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     healthy = history()
     good = make_run(tmp_path / "good", healthy, summary_of(healthy))
     bad_records = broken_history()
     bad = make_run(tmp_path / "bad", bad_records, summary_of(bad_records))
-    proc = run_cli([str(good)], module="llmexp.doctor", timeout_s=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "No findings" in proc.stdout and "\033[" not in proc.stdout  # no colour codes into a pipe
+    assert doctor.main([str(good)]) == 0
+    out = capsys.readouterr().out
+    assert "No findings" in out and "\033[" not in out  # no colour codes into a pipe
     assert (good / "report.md").is_file() and (good / "curves.png").is_file()
-    proc = run_cli([str(bad)], module="llmexp.doctor", timeout_s=120)
-    assert proc.returncode == 1
-    assert "ERROR   non_finite at step 610" in proc.stdout and "advice:" in proc.stdout and "bf16" not in proc.stdout
+    assert doctor.main([str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert "ERROR   non_finite at step 610" in out and "advice:" in out and "bf16" not in out
     assert "`overfitting` at step 400" in (bad / "report.md").read_text()
-    proc = run_cli([str(tmp_path)], module="llmexp.doctor", timeout_s=120)
-    assert proc.returncode == 2 and "is not a run directory" in proc.stderr
     make_sweep(tmp_path / "sweep")
     assert doctor.main([str(tmp_path / "sweep")]) == 2
+    assert "It is a sweep directory" in capsys.readouterr().err
+    proc = run_cli([str(tmp_path / "good" / ".hydra")], module="llmexp.doctor", timeout_s=120)  # the real CLI
+    assert proc.returncode == 2 and "is not a run directory" in proc.stderr
 
 
 def test_recommendation_averages_over_seeds(tmp_path: Path) -> None:
