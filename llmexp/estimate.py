@@ -11,7 +11,8 @@ Per device, for the composed model, precision, optimizer, ZeRO stage and world s
                   keep 1/world; offload moves it (and the fp32 master) to CPU memory
     activations   what backward keeps per token and layer (Llama block, saved tensors counted from
                   autograd's graph), plus the loss head's fp32 logits chunk; 1 layer's worth and the
-                  layer inputs under gradient checkpointing
+                  layer inputs under gradient checkpointing; plus backward's working set (one
+                  layer's activation gradients)
 
 The parameter count comes from the model built on the meta device (no memory is allocated),
 so it is exact for `model=llama2-7b` too. The figures are the ZeRO paper's accounting
@@ -96,7 +97,9 @@ def activation_bytes(cfg: DictConfig, precision: str, micro_batch: int) -> float
         layer_bytes = tokens * layers * per_layer_token
     head_tokens = min(tokens, CHUNK_TOKENS)
     logits_bytes = 3 * head_tokens * m.vocab_size * 4  # fp32 logits, softmax and its gradient, one chunk
-    return float(layer_bytes + tokens * 4 * 2 * d + logits_bytes)  # + final norm in/out
+    # Backward's working set on top of what is saved: one layer's activation gradients (MLP-sized).
+    working_bytes = tokens * (4 * i + 2 * d) * 4
+    return float(layer_bytes + tokens * 4 * 2 * d + logits_bytes + working_bytes)  # + final norm in/out
 
 
 def estimate(cfg: DictConfig, *, num_params: int, precision: str, world: int) -> MemoryEstimate:
