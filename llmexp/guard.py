@@ -66,7 +66,7 @@ def report_findings(cfg: DictConfig, rt: Runtime, state: LoopState, log: Metrics
     if not rt.is_main:
         return
     for finding in diagnose(log.history, rt.monitor_settings):
-        key = f"{finding.kind}@{finding.step}"
+        key = f"{finding.kind}@{finding.step}@{finding.severity}"  # a warning that turns error is news
         if key not in state.seen_findings:
             state.seen_findings.append(key)
             log.log({"event": "finding", **finding.to_dict()})
