@@ -10,7 +10,7 @@
 
     python benchmarks/sweep.py                       # N = number of cores, M = 16
     python benchmarks/sweep.py --jobs 2 --steps 300 --slurm-jobs 32
-    python benchmarks/sweep.py --skip-slurm
+    python benchmarks/sweep.py --skip-slurm          # or --skip-local
 """
 
 from __future__ import annotations
@@ -89,13 +89,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400, help="training steps per local job")
     parser.add_argument("--slurm-jobs", type=int, default=16, help="jobs in the SLURM sweep")
     parser.add_argument("--skip-slurm", action="store_true")
+    parser.add_argument("--skip-local", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="llmexp-bench-sweep-") as tmp:
         work = Path(tmp)
         # PYTHONPATH: Hydra's plugin scan cannot see hydra_plugins/ through setuptools' editable hook.
         env = {**os.environ, "LLMEXP_CACHE": os.environ.get("LLMEXP_CACHE", str(work / "cache")),
                "PYTHONPATH": str(REPO), "LLMEXP_NO_BAR": "1"}
-        bench_local(work, env, args.jobs, args.steps)
+        if not args.skip_local:
+            bench_local(work, env, args.jobs, args.steps)
         if not args.skip_slurm:
             bench_slurm(work, env, args.slurm_jobs)
 

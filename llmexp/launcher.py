@@ -122,11 +122,11 @@ def compose_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
         launcher.config.hydra.sweep.dir = str(sweep_dir)
     raw_subdir = str(OmegaConf.to_container(launcher.config.hydra.sweep, resolve=False).get("subdir"))
     compose = compose or "override" in raw_subdir
-    specs = []
+    specs, sweep_probe = [], OmegaConf.create({"hydra": OmegaConf.to_container(launcher.config.hydra)})
     for offset, overrides in enumerate(job_overrides):
         num = initial_job_idx + offset
         cfg = compose_job(launcher, list(overrides), num) if compose else None
-        probe = cfg if cfg is not None else launcher.config.copy()
+        probe = cfg if cfg is not None else sweep_probe
         with open_dict(probe):
             probe.hydra.job.num = num
         subdir = str(OmegaConf.select(probe, "hydra.sweep.subdir"))
