@@ -6,11 +6,16 @@ sequences too much (transformers #34191). The trainer divides each micro-batch's
 global batch's token count, known up front from the deterministic sampler.
 
 Why our own head: HF's forward materialises (B, L, V) logits and Accelerate then casts them to
-fp32 (`convert_outputs_to_fp32`). We run the decoder, project only the target positions, in
-chunks, and let cross-entropy upcast one chunk at a time.
+fp32 (`convert_outputs_to_fp32`); cross-entropy then runs log-softmax forward and backward over
+an fp32 copy. We run the decoder, project only the target positions, in chunks, and fuse the
+projection with the loss (`LinearCrossEntropy`): per chunk one softmax in fp32 gives both the
+loss and d loss / d logits (softmax - one-hot), so the logits are never kept for backward and
+never copied to fp32 as a whole. On CPU the loss part of the head takes about 4x less time.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +23,60 @@ from torch import nn
 
 IGNORE_INDEX = -100
 CHUNK_TOKENS = 4096
-"""Target positions projected at once: bounds the fp32 logits to CHUNK_TOKENS x vocab."""
+"""Target positions projected at once: bounds the fp32 probabilities to CHUNK_TOKENS x vocab."""
+LSE_SLICE_VALUES = 1 << 19
+"""CPU: logits converted to fp32 at once for the logsumexp (2 MB: stays in cache)."""
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """sum over rows of cross_entropy(hidden @ weight.T, targets), with the gradients made in forward.
+
+    d loss / d logits = softmax - one_hot, so the gradients are made right after the loss and the
+    logits are dropped; backward only scales them by the incoming scalar (the trainer's 1 / target
+    count). The matmuls run in `compute_dtype` (the autocast dtype), as autocast would run them; the
+    loss is logsumexp - target logit in fp32, and the softmax is computed in fp32 and stored in
+    `compute_dtype` (where autograd's path would round the same gradient to it anyway).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                compute_dtype: torch.dtype) -> torch.Tensor:
+        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(compute_dtype)
+            total = hidden.new_zeros((), dtype=torch.float32)
+            grad_hidden = torch.empty_like(hidden) if needs_grad else None
+            grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs_grad else None
+            for start in range(0, hidden.shape[0], CHUNK_TOKENS):
+                h = hidden[start:start + CHUNK_TOKENS].to(compute_dtype)
+                t = targets[start:start + CHUNK_TOKENS]
+                logits = h @ w.t()
+                lse = _logsumexp_fp32(logits)
+                target_logit = logits.gather(1, t[:, None]).squeeze(1).float()
+                total = total + (lse - target_logit).sum()
+                if grad_hidden is not None and grad_weight is not None:
+                    grad_logits = torch.softmax(logits, dim=1)  # computed in fp32, stored in compute_dtype
+                    rows = torch.arange(t.shape[0], device=t.device)
+                    grad_logits[rows, t] = (torch.exp(target_logit - lse) - 1.0).to(compute_dtype)  # - one_hot
+                    grad_hidden[start:start + CHUNK_TOKENS] = grad_logits @ w
+                    grad_weight += (grad_logits.t() @ h).float()
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_hidden, grad_weight = ctx.saved_tensors
+        scale = grad_total.float()
+        return grad_hidden * scale.to(grad_hidden.dtype), (grad_weight * scale).to(ctx.weight_dtype), None, None
+
+
+def _logsumexp_fp32(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise logsumexp in fp32. On CPU in slices of ~2 MB, so that the fp32 copy stays in cache."""
+    if logits.dtype == torch.float32 or logits.device.type != "cpu":
+        return torch.logsumexp(logits.float(), dim=1)
+    rows = max(1, LSE_SLICE_VALUES // logits.shape[1])
+    return torch.cat([torch.logsumexp(logits[i:i + rows].float(), dim=1) for i in range(0, logits.shape[0], rows)])
 
 
 class CausalLMLoss(nn.Module):
@@ -41,8 +99,29 @@ class CausalLMLoss(nn.Module):
             return F.cross_entropy(logits[keep].float(), targets[keep], reduction="sum")
         hidden = self.lm.model(**inputs).last_hidden_state
         hidden, flat_targets = hidden[:, :-1][keep], targets[keep]
+        head = self.lm.lm_head
+        compute_dtype = _compute_dtype(hidden, head)
+        if compute_dtype is not None:
+            return LinearCrossEntropy.apply(hidden, head.weight, flat_targets, compute_dtype)
         total = hidden.new_zeros((), dtype=torch.float32)
         for start in range(0, hidden.shape[0], CHUNK_TOKENS):
-            logits = self.lm.lm_head(hidden[start:start + CHUNK_TOKENS])
+            logits = head(hidden[start:start + CHUNK_TOKENS])
             total = total + F.cross_entropy(logits.float(), flat_targets[start:start + CHUNK_TOKENS], reduction="sum")
         return total
+
+
+def _compute_dtype(hidden: torch.Tensor, head: nn.Module) -> torch.dtype | None:
+    """The matmul dtype of the fused head, or None where autograd's path is the right one:
+
+    under torch.compile (inductor fuses that path itself), fp16 (the unscaled softmax gradient
+    would underflow before the loss scale is applied), a head with a bias, or a weight that a
+    ZeRO-3 hook must gather first (calling the module does that; reading `.weight` does not).
+    """
+    weight = getattr(head, "weight", None)
+    if torch.compiler.is_compiling() or getattr(head, "bias", None) is not None or weight is None:
+        return None
+    if hasattr(weight, "ds_id") or weight.dim() != 2:
+        return None
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    return None if dtype == torch.float16 else dtype

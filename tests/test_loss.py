@@ -1,0 +1,92 @@
+"""llmexp.loss: the fused linear + cross-entropy head against autograd's path on a real tiny Llama."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import llmexp.loss as loss_lib
+from llmexp.loss import CausalLMLoss, LinearCrossEntropy
+
+
+def _tiny_lm() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                         attn_implementation="sdpa")
+    return LlamaForCausalLM(config)
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, 512, (4, 64), generator=gen)
+    labels = input_ids.clone()
+    labels[0, :20] = -100  # rows with different numbers of targets (SFT-style)
+    labels[2, 50:] = -100
+    return input_ids, labels
+
+
+def _reference_sum(lm: LlamaForCausalLM, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """HF logits, then fp32 cross-entropy summed over the targets (what the head must equal)."""
+    logits = lm(input_ids=input_ids).logits[:, :-1]
+    targets = labels[:, 1:]
+    keep = targets != -100
+    return F.cross_entropy(logits[keep].float(), targets[keep], reduction="sum")
+
+
+def _loss_and_grads(fn: object, lm: LlamaForCausalLM, dtype: torch.dtype) -> tuple[float, list[torch.Tensor]]:
+    input_ids, labels = _batch()
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        total = fn(lm, input_ids, labels)
+    (total / 100.0).backward()
+    return float(total.detach()), [p.grad.clone() for p in lm.parameters()]
+
+
+@pytest.mark.parametrize("chunk_tokens", [4096, 50])  # one chunk; several chunks with a ragged last one
+def test_fused_head_equals_autograd_in_fp32(chunk_tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loss_lib, "CHUNK_TOKENS", chunk_tokens)
+    lm = _tiny_lm()
+    ref_loss, ref_grads = _loss_and_grads(_reference_sum, copy.deepcopy(lm), torch.float32)
+    ours_loss, ours_grads = _loss_and_grads(lambda m, x, y: CausalLMLoss(m)(x, y), copy.deepcopy(lm), torch.float32)
+    assert ours_loss == pytest.approx(ref_loss, rel=1e-6)
+    for ref, ours in zip(ref_grads, ours_grads, strict=True):
+        assert torch.allclose(ours, ref, rtol=1e-4, atol=1e-7)
+
+
+def test_fused_head_under_bf16_autocast_matches_to_bf16_precision() -> None:
+    lm = _tiny_lm()
+    ref_loss, ref_grads = _loss_and_grads(_reference_sum, copy.deepcopy(lm), torch.bfloat16)
+    ours_loss, ours_grads = _loss_and_grads(lambda m, x, y: CausalLMLoss(m)(x, y), copy.deepcopy(lm),
+                                            torch.bfloat16)
+    assert ours_loss == pytest.approx(ref_loss, rel=1e-5)  # both: fp32 CE of the same bf16 logits
+    for ref, ours in zip(ref_grads, ours_grads, strict=True):
+        assert (ours - ref).abs().max() <= 2 * 2**-8 * ref.abs().max()  # within a bf16 ulp or two
+        assert ours.dtype == torch.float32
+
+
+def test_no_grad_forward_gives_the_same_loss_and_keeps_nothing() -> None:
+    lm = _tiny_lm()
+    input_ids, labels = _batch()
+    with torch.no_grad():
+        eval_loss = CausalLMLoss(lm)(input_ids, labels)
+        ref = _reference_sum(lm, input_ids, labels)
+    assert float(eval_loss) == pytest.approx(float(ref), rel=1e-6)
+    assert not eval_loss.requires_grad
+
+
+def test_far_off_predictions_stay_finite_and_exact() -> None:
+    """A target logit 200 below the rest: the softmax underflows, the loss must not."""
+    hidden = torch.tensor([[1.0, 0.0], [0.0, 1.0]], requires_grad=True)
+    weight = torch.tensor([[-100.0, 0.0], [100.0, 0.0], [0.0, 1.0]], requires_grad=True)
+    targets = torch.tensor([0, 2])
+    total = LinearCrossEntropy.apply(hidden, weight, targets, torch.float32)
+    ref = F.cross_entropy(hidden @ weight.t(), targets, reduction="sum")
+    assert torch.isfinite(total) and float(total) == pytest.approx(float(ref), rel=1e-6)
+    total.backward()
+    ref_h, ref_w = torch.autograd.grad(F.cross_entropy(hidden @ weight.t(), targets, reduction="sum"),
+                                       [hidden, weight])
+    assert torch.allclose(hidden.grad, ref_h) and torch.allclose(weight.grad, ref_w)
