@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -17,7 +18,7 @@ def test_cosine_warms_up_then_decays_to_min() -> None:
     assert lr_at(55, **kw) == pytest.approx(1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert lr_at(100, **kw) == pytest.approx(1e-4)
     values = [lr_at(s, **kw) for s in range(10, 101)]
-    assert all(a >= b for a, b in zip(values, values[1:], strict=False))
+    assert all(a >= b for a, b in itertools.pairwise(values))
 
 
 def test_linear_constant_and_wsd() -> None:
