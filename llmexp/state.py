@@ -65,7 +65,7 @@ def save_state_checkpoint(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, 
     rng_states = gather_object([ckpt.capture_rng()]) if rt.plan.world > 1 else [ckpt.capture_rng()]
     zero_shards, weights = None, None
     if rt.deepspeed:  # each rank's ZeRO optimizer shard, saved without pickle; ZeRO-3 weights gathered
-        from llmexp.distributed import full_lm_state, stage_zero_shard
+        from llmexp.zero import full_lm_state, stage_zero_shard
 
         zero_shards = stage_zero_shard(rt, optimizer, state.step)
         weights = full_lm_state(rt, model)
@@ -74,7 +74,7 @@ def save_state_checkpoint(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, 
             tensors = weights if weights is not None else _lm(rt, model).state_dict()
             ckpt.save_tensors(tmp / "model.safetensors", tensors)
             if zero_shards is not None:
-                from llmexp.distributed import move_zero_shards
+                from llmexp.zero import move_zero_shards
 
                 move_zero_shards(zero_shards, tmp)
             else:
@@ -108,7 +108,7 @@ def _load_payload(path: Path, rank: int) -> dict[str, Any]:
 
 def _apply_payload(rt: Runtime, model: torch.nn.Module, optimizer: Any, payload: dict[str, Any]) -> LoopState:
     if rt.deepspeed or payload["zero"] is not None:
-        from llmexp.distributed import gathered_for_load, load_zero_shard
+        from llmexp.zero import gathered_for_load, load_zero_shard
 
         with gathered_for_load(rt, model):  # ZeRO-3: the parameters are partitioned
             _lm(rt, model).load_state_dict(payload["model"])
@@ -224,7 +224,7 @@ def finish_run(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, optimizer: 
     """Final checkpoint and model, summary.json, report; returns the summary."""
     if status in ("completed", "early_stopped"):
         save_state_checkpoint(cfg, rt, model, optimizer, state, log)
-        from llmexp.distributed import full_lm_state
+        from llmexp.zero import full_lm_state
 
         weights = full_lm_state(rt, model)  # ZeRO-3: collective, so every rank gathers; else None
         if rt.is_main:

@@ -142,9 +142,14 @@ def test_run_id_is_shared_by_the_ranks_of_one_launch(monkeypatch: pytest.MonkeyP
     monkeypatch.delenv("LLMEXP_RUN_ID", raising=False)
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     rank_id = paths.run_id()
     assert rank_id.endswith(f"-{os.getppid()}")  # the launcher's pid, the same for every local rank
     assert paths.run_id() == rank_id
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # two nodes, one rank each: no common parent process
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "exp7")
+    assert paths.run_id() == "torchrun-exp7"  # torchrun --rdzv_id=exp7 on every node
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     assert paths.run_id() == "slurm-4242"
 
@@ -165,7 +170,7 @@ def test_deepspeed_launch_config_must_match_the_deepspeed_group() -> None:
     env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
            "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none"}
     check_launch_env(_cfg("deepspeed=zero2_offload"), env)  # agrees: fine
-    with pytest.raises(UserError, match="deepspeed.stage=0"):
+    with pytest.raises(UserError, match=r"deepspeed\.stage=0"):
         check_launch_env(_cfg(), env)
     with pytest.raises(UserError, match="offload_optimizer: launcher cpu"):
         check_launch_env(_cfg("deepspeed=zero2"), env)
