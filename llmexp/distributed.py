@@ -265,7 +265,7 @@ def relaunch_argv(parent_cmdline: list[str], env: dict[str, str], argv: list[str
     if "WORLD_SIZE" in env or env.get("ACCELERATE_USE_CPU", "").lower() not in ("true", "1"):
         return None
     try:
-        at = next(i for i, a in enumerate(parent_cmdline) if a == "launch")
+        at = next(i for i, a in enumerate(parent_cmdline) if a in ("launch", "accelerate.commands.launch"))
     except StopIteration:
         return None
     num_processes = _flag_value(parent_cmdline[at + 1:], "--num_processes")

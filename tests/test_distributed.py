@@ -41,14 +41,26 @@ ACCELERATE = ["accelerate.commands.launch", "--multi_gpu", "--num_processes=2", 
               "--mixed_precision=no", "--dynamo_backend=no", "--main_process_port=0"]
 
 
+CPU_ACCELERATE = ["accelerate.commands.launch", "--cpu", "--num_processes=2", "--num_machines=1",
+                  "--mixed_precision=no", "--dynamo_backend=no"]
+
+
+def _first_launcher() -> list[str]:
+    """`accelerate launch --cpu --num_processes 2` once the CLI relaunches it as 2 ranks
+    (`distributed.maybe_relaunch`, called first in `llmexp.__main__.cli`), else torchrun."""
+    import llmexp.__main__ as entry
+
+    return CPU_ACCELERATE if "maybe_relaunch" in Path(entry.__file__).read_text() else TORCHRUN
+
+
 @pytest.mark.slow
 def test_two_processes_match_one_and_resume(tmp_path: Path) -> None:
     single = tmp_path / "single"
     result = run_cli([*RUN, "batch_size=8", f"hydra.run.dir={single}"])
     assert result.returncode == 0, result.stderr[-3000:]
 
-    # torchrun, no hydra.run.dir: both ranks must agree on one outputs/<date>/<time>-<launcher pid>.
-    result = _launch(TORCHRUN, ["batch_size=4"], cwd=tmp_path)
+    # No hydra.run.dir: both ranks must agree on one outputs/<date>/<time>-<launcher pid>.
+    result = _launch(_first_launcher(), ["batch_size=4"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     run_dirs = [p.parent for p in (tmp_path / "outputs").glob("*/*/metrics.jsonl")]
     assert len(run_dirs) == 1, run_dirs
@@ -129,6 +141,8 @@ def test_relaunch_turns_accelerate_cpu_multiprocess_into_torchrun() -> None:
     env = {"ACCELERATE_USE_CPU": "True"}
     argv = relaunch_argv(parent, env, ["-m", "llmexp", "lr=1e-3"])
     assert argv is not None and "--nproc_per_node=2" in argv and argv[-3:] == ["-m", "llmexp", "lr=1e-3"]
+    as_module = ["python", "-m", "accelerate.commands.launch", "--cpu", "--num_processes=3", "-m", "llmexp"]
+    assert "--nproc_per_node=3" in (relaunch_argv(as_module, env, ["-m", "llmexp"]) or [])
     assert relaunch_argv(parent, {**env, "WORLD_SIZE": "2"}, ["-m", "llmexp"]) is None  # already a rank
     one = ["accelerate", "launch", "--cpu", "--num_processes=1", "-m", "llmexp"]
     assert relaunch_argv(one, env, ["-m", "llmexp"]) is None
