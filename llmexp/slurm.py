@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import signal
 import subprocess
 import time
@@ -45,6 +46,7 @@ from typing import Any
 import submitit
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from llmexp.errors import UserError
 from llmexp.launcher import (
     JobOutcome,
     JobSpec,
@@ -169,6 +171,9 @@ def launch_slurm(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
     from hydra.core.singleton import Singleton
 
     cluster = launcher.config.cluster
+    if shutil.which("sbatch") is None:
+        raise UserError("cluster=slurm needs SLURM's sbatch on PATH; run on a SLURM login node, or start a "
+                        "one-machine cluster with `sudo bash launch/slurm-local.sh up`, or use cluster=local")
     specs = compose_jobs(launcher, job_overrides, initial_job_idx, compose=False)
     sweep_dir = specs[0].job_dir.parent
     folder = Path(str(launcher.params.get("submitit_folder", sweep_dir / ".submitit" / "%j"))).absolute()

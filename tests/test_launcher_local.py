@@ -103,3 +103,12 @@ def test_visible_gpus_and_child_env() -> None:
     assert child_env("2", 4, base={"CUDA_VISIBLE_DEVICES": "0,1,2"})["CUDA_VISIBLE_DEVICES"] == "2"
     assert "OMP_NUM_THREADS" not in child_env(None, 1, base={})
     assert child_env(None, 2, base={"OMP_NUM_THREADS": "7"})["OMP_NUM_THREADS"] == "7"  # the user's choice wins
+
+
+def test_a_bad_cluster_setting_is_one_message_and_exit_2(tmp_path: Path) -> None:
+    sweep = tmp_path / "bad"
+    proc = run_toy(sweep, ["lr=0.1,0.2", "cluster.max_parallel=0"])
+    log = (tmp_path / "bad.log").read_text()
+    assert proc.returncode == 2, log
+    assert "cluster.max_parallel=0" in log and "Traceback" not in log
+    assert not list(sweep.glob("*/toy.json"))  # nothing ran

@@ -14,7 +14,8 @@ Job settings are not launcher parameters: they live in the composed config's `cl
 `cluster.timeout_min=30` works from the command line like any other key.
 """
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hydra.core.utils import JobReturn
@@ -37,6 +38,17 @@ class _LlmexpLauncher(Launcher):
         self.hydra_context = hydra_context
         self.task_function = task_function
 
+    def _guarded(self, launch: Callable[..., Sequence[JobReturn]], job_overrides: Sequence[Sequence[str]],
+                 initial_job_idx: int) -> Sequence[JobReturn]:
+        """A user's mistake (e.g. cluster=slurm without SLURM) is one message and exit 2, no traceback."""
+        from llmexp.errors import EXIT_USER, UserError
+
+        try:
+            return launch(self, job_overrides, initial_job_idx)
+        except UserError as err:
+            print(f"llmexp: error: {err}", file=sys.stderr)
+            raise SystemExit(EXIT_USER) from None
+
 
 class LocalLauncher(_LlmexpLauncher):
     """`cluster=local`: see `llmexp.launcher.launch_local`."""
@@ -44,7 +56,7 @@ class LocalLauncher(_LlmexpLauncher):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from llmexp.launcher import launch_local
 
-        return launch_local(self, job_overrides, initial_job_idx)
+        return self._guarded(launch_local, job_overrides, initial_job_idx)
 
 
 class SlurmLauncher(_LlmexpLauncher):
@@ -53,4 +65,4 @@ class SlurmLauncher(_LlmexpLauncher):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from llmexp.slurm import launch_slurm
 
-        return launch_slurm(self, job_overrides, initial_job_idx)
+        return self._guarded(launch_slurm, job_overrides, initial_job_idx)
