@@ -153,11 +153,20 @@ def check_deepspeed(cfg: DictConfig) -> None:
     if cfg.train.compile:
         errors.append("train.compile=true is not supported with deepspeed: the engine wraps the module; "
                       "use train.compile=false or deepspeed=none")
+    if cfg.precision.name == "fp16" and not _has_cuda():
+        errors.append("precision=fp16: DeepSpeed's CPU accelerator has no fp16 (it supports fp32 and bf16); "
+                      "use precision=fp32, or bf16 on a CPU with AVX512-BF16/AMX")
     if cfg.precision.name == "fp16" and not _is_power_of_two(cfg.precision.init_scale):
         errors.append(f"precision.init_scale={cfg.precision.init_scale}: DeepSpeed's loss scale starts at a power "
                       "of two; use e.g. precision.init_scale=65536")
     if errors:
         raise UserError("deepspeed: invalid combination:\n  " + "\n  ".join(errors))
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _is_power_of_two(value: float) -> bool:

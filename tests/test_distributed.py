@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from llmexp.errors import UserError
 from tests.conftest import TINY, read_metrics, run_cli
@@ -103,6 +104,8 @@ def _cfg(*overrides: str):
     (["deepspeed=zero2_offload", "optimizer=sgd"], "no DeepSpeed CPU implementation"),
     (["deepspeed=zero2", "train.compile=true"], "train.compile"),
     (["deepspeed=zero2", "precision=fp16", "precision.init_scale=1000"], "power"),
+    pytest.param(["deepspeed=zero2", "precision=fp16"], "no fp16", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="the CPU accelerator's limit")),
 ])
 def test_check_deepspeed_names_the_conflict(overrides: list[str], fragment: str) -> None:
     from llmexp.distributed import check_deepspeed
