@@ -1,9 +1,11 @@
 """`cluster=slurm`: a sweep as one SLURM job array through submitit, and the job that runs on a node.
 
-Submission. The launcher composes every job (`llmexp.launcher.compose_jobs`), wraps each in a
-`SlurmJob` and submits them all at once with `executor.batch()`, which submitit turns into one
-`sbatch --array=0-N%array_parallelism`. With `cluster.wait=false` it prints the job ids, the sweep
-directory and the `python -m llmexp.report` command, and returns: nothing has to keep watching.
+Submission. The launcher pins the sweep directory and each job's run directory
+(`llmexp.launcher.compose_jobs`), wraps each job in a `SlurmJob` (which composes its config on the
+node, as Hydra's sweeper has already validated it) and submits them all at once with
+`executor.batch()`, which submitit turns into one `sbatch --array=0-N%array_parallelism`. With
+`cluster.wait=false` it prints the job ids, the sweep directory and the `python -m llmexp.report`
+command, and returns: nothing has to keep watching, each job records how it ended itself.
 Otherwise it polls `sacct` (one call for the whole array) until every job ended, and every job
 gets an outcome, however it ended: a job that raised, was `scancel`'d, ran out of time or memory
 is recorded (`job_status.json`) instead of raising submitit's UncompletedJobError at the first.
@@ -33,7 +35,6 @@ variables; only rank 0 writes `.hydra/` and decides about requeueing.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import signal
@@ -122,8 +123,9 @@ class SlurmJob(submitit.helpers.Checkpointable):
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
         """The same job again, resuming from the newest checkpoint in its run directory."""
-        spec = JobSpec(self.spec.num, self.spec.overrides, _with(self.spec.config, "train.resume", "auto"),
-                       self.spec.job_dir)
+        spec = self.spec
+        if spec.config is not None:  # None: signalled before composing, so nothing ran yet
+            spec = JobSpec(spec.num, spec.overrides, _with(spec.config, "train.resume", "auto"), spec.job_dir)
         again = SlurmJob(spec, self.launcher, self.singleton_state)
         return submitit.helpers.DelayedSubmission(again, *args, **kwargs)
 
@@ -180,11 +182,11 @@ def launch_slurm(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
     executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=int(cluster.max_num_timeout))
     executor.update_parameters(**sbatch_parameters(cluster, str(launcher.config.hydra.job.name)))
     state = Singleton.get_state()
+    for spec in specs:  # until the job records how it ended, the report shows it as submitted
+        record_outcome(spec, JobOutcome(spec.num, "submitted", None, "submitted to SLURM; see slurm_jobs.json"))
     with executor.batch():
         jobs = [executor.submit(SlurmJob(spec, launcher, state)) for spec in specs]
     ids = {s.num: j.job_id for s, j in zip(specs, jobs, strict=True)}
-    for spec in specs:  # until the job records how it ended, the report shows it as submitted
-        record_outcome(spec, JobOutcome(spec.num, "submitted", None, None, ids[spec.num]))
     write_json_atomic(sweep_dir / "slurm_jobs.json", {"jobs": {str(k): v for k, v in ids.items()},
                                                       "submitit_folder": str(folder)})
     log.info(f"Submitted {len(jobs)} jobs to SLURM as array {jobs[0].job_id.split('_')[0]}: {sweep_dir}")
@@ -251,8 +253,3 @@ def _final_status(state: str) -> str:
 def _last_line(text: str) -> str:
     lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("-")]
     return lines[-1][:500] if lines else text[:500]
-
-
-def read_job_ids(sweep_dir: Path) -> dict[str, str]:
-    """Job number -> SLURM job id of a submitted sweep (`slurm_jobs.json`)."""
-    return json.loads((Path(sweep_dir) / "slurm_jobs.json").read_text())["jobs"]
