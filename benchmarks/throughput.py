@@ -139,13 +139,14 @@ def llmexp_overrides(warmup: int, steps: int, compile_model: bool) -> list[str]:
             "train.peak_tflops=1", f"train.compile={str(compile_model).lower()}"]
 
 
-def run_arm(arm: str, warmup: int, steps: int) -> ArmResult:
+def run_arm(arm: str, warmup: int, steps: int, threads: int = 0) -> ArmResult:
+    env = {"OMP_NUM_THREADS": str(threads)} if threads else None
     if arm in ("raw", "hf", "ceiling"):
-        return run_process([PY, __file__, "--worker", arm, "--warmup", str(warmup), "--steps", str(steps)])
+        return run_process([PY, __file__, "--worker", arm, "--warmup", str(warmup), "--steps", str(steps)], env=env)
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         result = run_process([PY, "-m", "llmexp", *llmexp_overrides(warmup, steps, arm == "compile"),
-                              f"hydra.run.dir={run_dir}"])
+                              f"hydra.run.dir={run_dir}"], env=env)
         summary_path = run_dir / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
         result.data = {"tokens_per_sec": llmexp_tokens_per_sec(run_dir, warmup),
@@ -154,15 +155,15 @@ def run_arm(arm: str, warmup: int, steps: int) -> ArmResult:
     return result
 
 
-def run_rounds(arms: list[str], rounds: int, warmup: int, steps: int) -> dict[str, Any]:
+def run_rounds(arms: list[str], rounds: int, warmup: int, steps: int, threads: int = 0) -> dict[str, Any]:
     rates = {arm: Series() for arm in arms}
     ratios = {arm: Series() for arm in arms}
     rss = {arm: Series() for arm in arms}
-    compile_s, ceilings, model_info, loads = Series(), Series(), {}, []
+    compile_s, ceilings, model_info, loads, per_round = Series(), Series(), {}, [], []
     for r in range(rounds):
         round_rates: dict[str, float] = {}
         for arm in [*rotated(arms, r), "ceiling"]:
-            res = run_arm(arm, warmup, steps)
+            res = run_arm(arm, warmup, steps, threads)
             if res.returncode != 0 or not res.data:
                 print(f"round {r + 1}: {arm} failed (exit {res.returncode}):\n{res.tail}", file=sys.stderr)
                 continue
@@ -182,9 +183,10 @@ def run_rounds(arms: list[str], rounds: int, warmup: int, steps: int) -> dict[st
         if "raw" in round_rates:
             for arm, rate in round_rates.items():
                 ratios[arm].values.append(rate / round_rates["raw"])
+        per_round.append(round_rates)
         loads.append(load_average())
     return {"rates": rates, "ratios": ratios, "rss": rss, "compile_s": compile_s, "ceilings": ceilings,
-            "model": model_info, "loads": loads}
+            "model": model_info, "loads": loads, "per_round": per_round}
 
 
 def mfu_columns(rate: float, model: dict[str, Any], ceiling_tflops: float) -> tuple[str, str]:
@@ -217,11 +219,9 @@ def render(results: dict[str, Any], arms: list[str], args: argparse.Namespace) -
             f"arm, tiny model ({n / 1e6:.2f}M params), micro-batch {MICRO_BATCH} x {SEQ_LEN}, bf16 autocast, AdamW. "
             f"bf16 matmul ceiling {ceiling:.3f} TFLOP/s (median of rounds, {results['ceilings'].spread('{:.3f}')}). "
             f"Load average after each round: {'; '.join(results['loads'])}.")
-    if "hf" in arms and "llmexp" in arms and results["rates"]["hf"].values:
-        pairs = [a / b for a, b in zip(results["ratios"]["llmexp"].values, results["ratios"]["hf"].values,
-                                       strict=False)]
-        if pairs:
-            head += f" llmexp / HF Trainer, paired: {statistics.median(pairs):.3f}×."
+    pairs = [r["llmexp"] / r["hf"] for r in results["per_round"] if r.get("llmexp") and r.get("hf")]
+    if pairs:
+        head += f" llmexp / HF Trainer, paired within rounds: {statistics.median(pairs):.3f}× (median)."
     return head + "\n\n" + table
 
 
@@ -231,6 +231,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps at the start of every arm")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per arm")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
+    parser.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS for every arm (0: torch's default)")
     parser.add_argument("--out", default="throughput.md", help="file name under benchmarks/results/ ('' skips)")
     parser.add_argument("--worker", choices=["raw", "hf", "ceiling"], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -243,7 +244,7 @@ def main() -> None:
     unknown = set(arms) - set(ARMS)
     if unknown:
         parser.error(f"unknown arms {sorted(unknown)}; pick from {', '.join(ARMS)}")
-    text = render(run_rounds(arms, args.rounds, args.warmup, args.steps), arms, args)
+    text = render(run_rounds(arms, args.rounds, args.warmup, args.steps, args.threads), arms, args)
     print(text)
     if args.out:
         print(f"\nwritten to {write_result(args.out, text)}", file=sys.stderr)
