@@ -47,14 +47,16 @@ def cli() -> None:
     import hydra
 
     from llmexp.config import register_configs
+    from llmexp.launcher import jobs_launched, register_launchers
 
     register_configs()
     register_resolvers()
+    register_launchers()  # a strict editable install hides hydra_plugins/ from Hydra's scan
     main = hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")(task)
     try:
         main()
     except SystemExit as exit_:
-        if exit_.code == 1 and not _task_started:
+        if exit_.code == 1 and not _task_started and not jobs_launched():  # a sweep's failed job is not exit 2
             print("Fix the override or config key named above (python -m llmexp --help lists them).",
                   file=sys.stderr)
             sys.exit(EXIT_USER)

@@ -63,7 +63,8 @@ def collect_job(job_dir: Path) -> dict[str, Any]:
     entry: dict[str, Any] = {"job": job_dir.name, "dir": str(job_dir), "overrides": overrides,
                              "params": _param_dict(overrides)}
     if summary is not None:
-        entry["status"] = summary.get("status", "unknown")
+        # The launcher writes job_status.json only when it knows more than the trainer (e.g. SLURM cancelled it).
+        entry["status"] = job_status.get("status") or summary.get("status", "unknown")
         entry["error"] = job_status.get("error")
     else:
         entry["status"] = job_status.get("status", "failed")
