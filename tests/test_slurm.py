@@ -110,7 +110,7 @@ def test_a_raising_and_a_cancelled_job_are_recorded_and_the_others_complete(tmp_
     metrics = sweep / "2" / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and '"train"' in metrics.read_text(), "job 2 to train")
     subprocess.run(["scancel", victim], check=True)
-    assert proc.wait(timeout=300) != 0, log.read_text()[-3000:]
+    assert proc.wait(timeout=300) == 1, log.read_text()[-3000:]  # a failed job, not a user's mistake (2)
     jobs = json.loads((sweep / "sweep_summary.json").read_text())["jobs"]
     assert [j["status"] for j in jobs[:2]] == ["completed", "failed"]
     assert "epsilon" in jobs[1]["error"]  # the exception, from job_status.json
@@ -118,7 +118,7 @@ def test_a_raising_and_a_cancelled_job_are_recorded_and_the_others_complete(tmp_
     assert cancelled["status"] == "cancelled" and cancelled["job_id"] == victim
     # The trainer checkpointed on SIGTERM, so its summary.json says `preempted`; the sweep entry
     # must still say that SLURM cancelled it.
-    assert jobs[2]["status"] == "cancelled" or "CANCELLED" in jobs[2]["error"], jobs[2]
+    assert jobs[2]["status"] == "cancelled", jobs[2]
     assert any((sweep / "2" / "checkpoints").glob("step_*")), "the trainer did not checkpoint on SIGTERM"
 
 
