@@ -165,6 +165,21 @@ def fingerprint(run_dir: Path) -> dict[str, object]:
             "checkpoint_model": _sha256(last_ckpt)}
 
 
+def first_difference(expected: dict[str, object], got: dict[str, object]) -> str:
+    """A readable account of where two fingerprints part ways ('' when they are equal)."""
+    for key, want in expected.items():
+        have = got.get(key)
+        if want == have:
+            continue
+        if isinstance(want, list) and isinstance(have, list):
+            for i, (a, b) in enumerate(zip(want, have, strict=False)):
+                if a != b:
+                    return f"{key}[{i}]: expected {a}, got {b}"
+            return f"{key}: expected {len(want)} records, got {len(have)}"
+        return f"{key}: expected {want}, got {have}"
+    return ""
+
+
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -289,10 +304,13 @@ def test_kill9_mid_window_mid_save_random_and_preempted(tmp_path: Path, env: dic
     Resume falls back past each damaged checkpoint naming the file, never runs the pickle, and
     the run ends bitwise equal to the uninterrupted one."""
     overrides = ("precision=fp32", "train.gradient_accumulation_steps=4")
+    want = reference(overrides)
     seed = _seed()
     rng = random.Random(seed)
-    first, second = sorted(rng.sample(range(10, MAX_STEPS - 1), 2))
-    kills = [Kill(hook="backward:23"), Kill(hook="ckpt_file:4"), Kill(at_step=first, jitter_s=0.5),
+    # Kill 3 at most ~3 steps after step 10-11, so the SIGTERM (steps 13-14) still finds the loop
+    # running: a SIGTERM after the last step would meet Python's default handler, not a preemption.
+    first, second = rng.randint(10, 11), rng.randint(13, 14)
+    kills = [Kill(hook="backward:23"), Kill(hook="ckpt_file:4"), Kill(at_step=first, jitter_s=0.3),
              Kill(at_step=second, signum=signal.SIGTERM)]
     damage = Damage(tmp_path / "marker")
 
@@ -303,7 +321,8 @@ def test_kill9_mid_window_mid_save_random_and_preempted(tmp_path: Path, env: dic
             damage.poison(run_dir)
 
     outputs = kill_resume_chain(tmp_path / "run", overrides, env, kills, rng, between)
-    assert fingerprint(tmp_path / "run") == reference(overrides), f"seed {seed}, kills {kills}"
+    got = fingerprint(tmp_path / "run")
+    assert got == want, f"seed {seed}, kills {kills}: {first_difference(want, got)}; runs in {tmp_path}"
     left = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert not [name for name in left if name.startswith(".tmp-")], left  # dead writers' leftovers cleaned
     assert len(left) <= 2 + 1, left  # save_total_limit=2, plus the best
@@ -325,4 +344,5 @@ def test_kill9_under_fp16_loss_scaling(tmp_path: Path, env: dict[str, str], refe
     rng = random.Random(seed)
     kills = [Kill(hook="backward:10"), Kill(at_step=rng.randrange(6, MAX_STEPS - 1), jitter_s=0.5)]
     kill_resume_chain(tmp_path / "run", overrides, env, kills, rng)
-    assert fingerprint(tmp_path / "run") == ref, f"seed {seed}, kills {kills}"
+    got = fingerprint(tmp_path / "run")
+    assert got == ref, f"seed {seed}, kills {kills}: {first_difference(ref, got)}; runs in {tmp_path}"
