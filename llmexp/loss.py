@@ -93,7 +93,9 @@ class CausalLMLoss(nn.Module):
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
         targets = labels[:, 1:]
         keep = targets != IGNORE_INDEX
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        # use_cache=False: no KV cache in training, and with one transformers ignores packed position_ids
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                  "use_cache": False}
         if not self.split:
             logits = self.lm(**inputs).logits[:, :-1]
             return F.cross_entropy(logits[keep].float(), targets[keep], reduction="sum")
