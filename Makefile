@@ -4,7 +4,7 @@ PYTHON ?= python
 CONSTRAINTS ?= constraints-cpu.txt
 PIP_CONSTRAINTS = $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 
-.PHONY: install cluster test lint bench
+.PHONY: install cluster deepspeed-ops test lint bench
 
 install:
 	$(PYTHON) -m pip install -q $(PIP_CONSTRAINTS) -e '.[test]' --config-settings editable_mode=compat
@@ -12,7 +12,12 @@ install:
 cluster:
 	bash launch/slurm-local.sh up
 
-test: install cluster
+# DeepSpeed compiles its CPU ops with g++ on first use (minutes); build them once, into llmexp's cache.
+deepspeed-ops:
+	TORCH_EXTENSIONS_DIR=$${TORCH_EXTENSIONS_DIR:-$$HOME/.cache/llmexp/torch_extensions} $(PYTHON) -c \
+	  "from deepspeed.ops.op_builder import CPUAdamBuilder, ShareMemCommBuilder; CPUAdamBuilder().load(); ShareMemCommBuilder().load()"
+
+test: install cluster deepspeed-ops
 	$(PYTHON) -m pytest
 
 lint:

@@ -199,6 +199,11 @@ class Runtime:
             return flag
         return bool(self.reduce_sum(torch.tensor([float(flag)], device=self.device)).item() > 0)
 
+    def reduce_max(self, value: float) -> float:
+        if self.plan.world == 1:
+            return value
+        return float(self.accelerator.reduce(torch.tensor(value, device=self.device), reduction="max").item())
+
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(tensor, reduction="sum") if self.plan.world > 1 else tensor
 

@@ -256,6 +256,7 @@ def build_summary(cfg: DictConfig, rt: Runtime, state: LoopState, log: MetricsLo
     history = log.history
     findings = [f.to_dict() for f in diagnose(history, rt.monitor_settings)] if rt.is_main else []
     tokens_per_sec = rt.window.total_tokens / rt.window.total_seconds if rt.window.total_seconds else 0.0
+    peak_mb = rt.reduce_max(peak_memory_mb(rt.device))  # the busiest rank's peak
     return {
         "status": status, "exit_code": STATUS_EXIT[status], "step": state.step,
         "train_loss": _last(history, "train", "loss"), "eval_loss": _last(history, "eval", "eval_loss"),
@@ -263,7 +264,7 @@ def build_summary(cfg: DictConfig, rt: Runtime, state: LoopState, log: MetricsLo
         "best_eval_step": state.best_eval_step, "tokens_per_sec": tokens_per_sec, "mfu": rt.mfu(tokens_per_sec),
         "lr": peak_lr, "lr_source": lr_source, "num_params": rt.num_params, "precision": rt.precision,
         "global_batch_size": rt.plan.global_batch, "gradient_accumulation_steps": rt.plan.accum,
-        "world_size": rt.plan.world, "peak_mem_mb": peak_memory_mb(rt.device), "skipped_steps": state.skipped_steps,
+        "world_size": rt.plan.world, "peak_mem_mb": peak_mb, "skipped_steps": state.skipped_steps,
         "rollbacks": state.rollbacks, "compile_time_s": rt.compile_time_s, "time_s": rt.elapsed(),
         "overrides": list(HydraConfig.get().overrides.task), "findings": findings,
     }
