@@ -202,7 +202,9 @@ class Runtime:
     def reduce_max(self, value: float) -> float:
         if self.plan.world == 1:
             return value
-        return float(self.accelerator.reduce(torch.tensor(value, device=self.device), reduction="max").item())
+        tensor = torch.tensor(value, device=self.device)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+        return float(tensor.item())
 
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(tensor, reduction="sum") if self.plan.world > 1 else tensor
