@@ -283,8 +283,6 @@ def test_sft_packing_keeps_examples_apart(tmp_path: Path, tok: Any) -> None:
         assert abs(loss_sum(leaky) - alone) > 1e-3 * alone
 
 
-@pytest.mark.xfail(reason="llmexp.loss.CausalLMLoss must call the model with use_cache=False: with a cache, "
-                          "transformers ignores packed position_ids (see the data report)", strict=False)
 def test_trainer_loss_keeps_packed_examples_apart(tmp_path: Path, tok: Any) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
