@@ -307,10 +307,11 @@ def test_kill9_mid_window_mid_save_random_and_preempted(tmp_path: Path, env: dic
     want = reference(overrides)
     seed = _seed()
     rng = random.Random(seed)
-    # Kill 3 at most ~3 steps after step 10-11, so the SIGTERM (steps 13-14) still finds the loop
-    # running: a SIGTERM after the last step would meet Python's default handler, not a preemption.
+    # Kill 3 lands within a step or two of step 10-11 (an idle machine runs ~30 tiny steps a
+    # second), so the SIGTERM at step 13-14 still finds the loop running: a SIGTERM after the last
+    # step only lets the run finish, and it would not be a preemption.
     first, second = rng.randint(10, 11), rng.randint(13, 14)
-    kills = [Kill(hook="backward:23"), Kill(hook="ckpt_file:4"), Kill(at_step=first, jitter_s=0.3),
+    kills = [Kill(hook="backward:23"), Kill(hook="ckpt_file:4"), Kill(at_step=first, jitter_s=0.05),
              Kill(at_step=second, signum=signal.SIGTERM)]
     damage = Damage(tmp_path / "marker")
 
@@ -342,7 +343,19 @@ def test_kill9_under_fp16_loss_scaling(tmp_path: Path, env: dict[str, str], refe
     assert len(scales) > 1, f"the loss scale never moved ({scales}): the test would not test the scaler"
     seed = _seed()
     rng = random.Random(seed)
-    kills = [Kill(hook="backward:10"), Kill(at_step=rng.randrange(6, MAX_STEPS - 1), jitter_s=0.5)]
+    kills = [Kill(hook="backward:10"), Kill(at_step=rng.randrange(6, MAX_STEPS - 1), jitter_s=0.2)]
     kill_resume_chain(tmp_path / "run", overrides, env, kills, rng)
     got = fingerprint(tmp_path / "run")
     assert got == ref, f"seed {seed}, kills {kills}: {first_difference(ref, got)}; runs in {tmp_path}"
+
+
+@pytest.mark.xfail(strict=True, reason="state.load_resume_state keeps a killed attempt's metrics.jsonl lines when "
+                   "there is no checkpoint to resume (fix: .notes/checkpoint-to-lead.md item 9; drop this marker then)")
+def test_kill9_before_the_first_checkpoint(tmp_path: Path, env: dict[str, str], reference) -> None:
+    """Killed inside the first save (so no checkpoint exists yet), then started again: the run
+    starts over, and metrics.jsonl must not keep the killed attempt's lines (duplicate steps)."""
+    overrides = ("precision=fp32", "train.gradient_accumulation_steps=4")
+    want = reference(overrides)
+    kill_resume_chain(tmp_path / "run", overrides, env, [Kill(hook="ckpt_file:2")], random.Random(0))
+    got = fingerprint(tmp_path / "run")
+    assert got == want, f"{first_difference(want, got)}; runs in {tmp_path}"
