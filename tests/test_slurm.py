@@ -122,27 +122,37 @@ def test_a_raising_and_a_cancelled_job_are_recorded_and_the_others_complete(tmp_
     assert any((sweep / "2" / "checkpoints").glob("step_*")), "the trainer did not checkpoint on SIGTERM"
 
 
+def steps_per_second(tmp_path: Path) -> float:
+    """This machine's speed for the timeout test's work, measured now (one thread, as the jobs run)."""
+    run_dir = tmp_path / "calibrate"
+    subprocess.run([sys.executable, "-m", "llmexp", *TINY, "lr=3e-3", "train.max_steps=300", "train.logging_steps=1",
+                    *QUICK, f"hydra.run.dir={run_dir}"], cwd=tmp_path, env={**os.environ, **ENV}, check=True,
+                   capture_output=True, timeout=600)
+    times = {r["step"]: r["time_s"] for r in events(run_dir, "train")}
+    return 200 / (times[300] - times[100])
+
+
 def test_timeout_checkpoints_requeues_and_resumes_exactly(tmp_path: Path) -> None:
     # SLURM sends SIGUSR2 30 s before the 2-minute limit, checking every 30 s: 60-90 s into an attempt,
-    # which leaves ~45-70 s of training after start-up. The run needs ~100 s of training here (1600
-    # steps of ~40-70 ms, two runs sharing two cores), so the first attempt is always cut and the
-    # second usually finishes (cluster.max_num_timeout=3 allows more). On a machine over ~1.5x faster
-    # the first attempt could finish before the signal: the test then fails on "never requeued".
-    args = ["lr=3e-3", "train.max_steps=1600", "train.logging_steps=1", *QUICK]
+    # which leaves ~45-80 s of training after start-up. The run is sized from this machine's measured
+    # speed to need ~120 s of training, so the first attempt is always cut, whatever the machine's
+    # speed or load; cluster.max_num_timeout=4 leaves room for a third attempt.
+    num_steps = int(min(20000, max(600, 120 * steps_per_second(tmp_path))))
+    args = ["lr=3e-3", f"train.max_steps={num_steps}", "train.logging_steps=1", *QUICK]
     ref_dir = tmp_path / "reference"
     with open(tmp_path / "reference.log", "w") as ref_log:
         reference = subprocess.Popen([sys.executable, "-m", "llmexp", *TINY, *args, f"hydra.run.dir={ref_dir}"],
                                      cwd=tmp_path, env={**os.environ, **ENV}, stdout=ref_log,
                                      stderr=subprocess.STDOUT)
         proc, sweep, log = start_sweep(tmp_path, "timeout", [*args, "cluster.timeout_min=2",
-                                                             "cluster.signal_delay_s=30"])
-        assert proc.wait(timeout=540) == 0, log.read_text()[-3000:]
-        assert reference.wait(timeout=120) == 0
+                                                             "cluster.signal_delay_s=30", "cluster.max_num_timeout=4"])
+        assert proc.wait(timeout=900) == 0, log.read_text()[-3000:]
+        assert reference.wait(timeout=300) == 0
     job = sweep / "0"
     assert json.loads((job / "summary.json").read_text())["status"] == "completed"
     assert [e["step"] for e in events(job, "resume")], "the job was never requeued and resumed"
     submitit_logs = "".join(p.read_text() for p in (sweep / ".submitit").rglob("*_log.*"))
     assert "Requeued job" in submitit_logs
     resumed, uninterrupted = train_losses(job), train_losses(ref_dir)
-    assert sorted(resumed) == list(range(1, 1601))
+    assert sorted(resumed) == list(range(1, num_steps + 1))
     assert resumed == uninterrupted  # bitwise: the same floats at every step
