@@ -6,7 +6,7 @@
 3. Training-step time with real batches (sampler + memmap + `get_batch`) against synthetic tokens
    already in memory, on the tiny model. Target: <= 1.02x, i.e. the data path is never the bottleneck.
 
-    python benchmarks/data.py                 # the whole stdlib, 30 steps per arm
+    python benchmarks/data.py                 # the whole stdlib, 30 steps per arm, alternating
     python benchmarks/data.py --files 100 --steps 10
 """
 
@@ -102,21 +102,21 @@ def bench_train_step(cfg: Any, tok: Any, steps: int, rounds: int) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    def run(real: bool, first_step: int) -> float:
+    def timed(real: bool, s: int) -> float:
         start = time.perf_counter()
-        for s in range(first_step, first_step + steps):
-            if real:
-                batch = train.get_batch(batch_indices(0, s, batch_size, len(train)))
-            else:
-                batch = {"input_ids": synthetic, "labels": synthetic}
-            step(batch)
-        return (time.perf_counter() - start) / steps
+        if real:
+            batch = train.get_batch(batch_indices(0, s, batch_size, len(train)))
+        else:
+            batch = {"input_ids": synthetic, "labels": synthetic}
+        step(batch)
+        return time.perf_counter() - start
 
-    run(True, 0)  # warm-up: allocator, kernels, page cache
+    timed(True, 0)  # warm-up: allocator, kernels, page cache
     real_s, synth_s = [], []
-    for r in range(rounds):  # interleaved, so drift in machine load hits both arms alike
-        real_s.append(run(True, (r + 1) * steps))
-        synth_s.append(run(False, 0))
+    for s in range(1, steps * rounds + 1):  # alternate step by step, so load swings hit both arms alike
+        first_real = s % 2 == 0
+        (real_s if first_real else synth_s).append(timed(first_real, s))
+        (synth_s if first_real else real_s).append(timed(not first_real, s))
     fetch = time.perf_counter()
     for s in range(100):
         train.get_batch(batch_indices(0, s, batch_size, len(train)))
@@ -129,8 +129,8 @@ def bench_train_step(cfg: Any, tok: Any, steps: int, rounds: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--files", type=int, default=None, help="stdlib train files to use (default: all)")
-    parser.add_argument("--steps", type=int, default=30, help="train steps per arm and round")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of real and synthetic steps")
+    parser.add_argument("--steps", type=int, default=30, help="train steps per arm (times --rounds)")
+    parser.add_argument("--rounds", type=int, default=1, help="multiplies --steps")
     parser.add_argument("--num-proc", type=int, default=2, help="datasets.map processes")
     args = parser.parse_args()
 
