@@ -136,8 +136,8 @@ def _set_aside(rt: Runtime, log: MetricsLogger) -> None:
     if rt.is_main and ckpt.list_checkpoints(root):
         aside = root.with_name(f"checkpoints.before-{time.strftime('%Y%m%d-%H%M%S')}")
         os.replace(root, aside)
-        log.reset_history([])
         log.write(f"train.resume=never: moved the earlier checkpoints to {aside}")
+    log.reset_history([])  # metrics.jsonl starts over with this run
     rt.accelerator.wait_for_everyone()
 
 
@@ -177,6 +177,7 @@ def load_resume_state(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, opti
         return None
     found = _found_checkpoint(cfg, rt, log)
     if found is None:
+        log.reset_history([])  # nothing to resume from: a killed attempt's lines would duplicate steps
         return None
     path, payload = found
     state = _apply_payload(rt, model, optimizer, payload)

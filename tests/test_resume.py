@@ -349,8 +349,6 @@ def test_kill9_under_fp16_loss_scaling(tmp_path: Path, env: dict[str, str], refe
     assert got == ref, f"seed {seed}, kills {kills}: {first_difference(ref, got)}; runs in {tmp_path}"
 
 
-@pytest.mark.xfail(strict=True, reason="state.load_resume_state keeps a killed attempt's metrics.jsonl lines when "
-                   "there is no checkpoint to resume (fix: .notes/checkpoint-to-lead.md item 9; drop this marker then)")
 def test_kill9_before_the_first_checkpoint(tmp_path: Path, env: dict[str, str], reference) -> None:
     """Killed inside the first save (so no checkpoint exists yet), then started again: the run
     starts over, and metrics.jsonl must not keep the killed attempt's lines (duplicate steps)."""
