@@ -76,22 +76,16 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
 
-def _from_pretrained(cls: Any, cfg: DictConfig, what: str) -> Any:
+def _from_pretrained(cls: Any, cfg: DictConfig) -> Any:
+    from llmexp.tokenizer import hub_error, hub_load_kwargs
+
     m = cfg.model
+    kwargs = hub_load_kwargs(m.name_or_path)  # offline fast path when the hub is unreachable
     try:
-        return cls.from_pretrained(m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code)
+        return cls.from_pretrained(m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code,
+                                   **kwargs)
     except OSError as err:
-        raise hub_error(m.name_or_path, what, err) from err
-
-
-def hub_error(name: str, what: str, err: Exception) -> UserError:
-    """A clear error for a model or tokenizer that is neither a local directory nor reachable on the hub."""
-    if Path(name).exists():
-        return UserError(f"model.name_or_path={name}: cannot load the {what} from this directory ({err}). "
-                         "Point it at a directory written by save_pretrained, e.g. the model/ of an earlier run.")
-    return UserError(f"model.name_or_path={name}: not a local directory, and the hub could not be reached or has no "
-                     f"such {what}. Download it where the hub is reachable (huggingface-cli download {name} "
-                     f"--local-dir DIR) and pass model.name_or_path=DIR.")
+        raise hub_error(m.name_or_path, err) from err
 
 
 def build_model(cfg: DictConfig, vocab_size: int) -> PreTrainedModel:
@@ -103,8 +97,8 @@ def build_model(cfg: DictConfig, vocab_size: int) -> PreTrainedModel:
 
     m = cfg.model
     if m.name_or_path:
-        config = _from_pretrained(AutoConfig, cfg, "config")
-        model = _from_pretrained(AutoModelForCausalLM, cfg, "model")
+        config = _from_pretrained(AutoConfig, cfg)
+        model = _from_pretrained(AutoModelForCausalLM, cfg)
         model.config = config
         model.float()
     else:

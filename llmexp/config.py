@@ -372,6 +372,8 @@ def _validate_groups(cfg: DictConfig | Config, errors: list[str]) -> None:
     _check(errors, 0 < cfg.scheduler.decay_ratio <= 1, "scheduler.decay_ratio",
            f"must be in (0, 1], got {cfg.scheduler.decay_ratio}")
     _check(errors, d.max_length >= 2, "data.max_length", f"must be >= 2, got {d.max_length}")
+    _check(errors, not d.finetune_only or bool(m.name_or_path), "model.name_or_path",
+           f"data={d.name} fine-tunes an earlier model; set model.name_or_path=outputs/<date>/<time>/model")
     _check(errors, 0 < d.eval_fraction < 1, "data.eval_fraction", f"must be in (0, 1), got {d.eval_fraction}")
     _check(errors, d.num_proc >= 1, "data.num_proc", f"must be >= 1, got {d.num_proc}")
     _check(errors, d.name not in ("json", "text") or bool(d.train_file), "data.train_file",
