@@ -88,8 +88,6 @@ def test_lr_sweep_completes_as_one_job_array(tmp_path: Path) -> None:
         assert (sweep / ".submitit" / ids[str(job)] / f"{ids[str(job)]}_0_result.pkl").exists()
 
 
-@pytest.mark.skipif(os.environ.get("LLMEXP_TEST_SLURM_MULTITASK") != "1",
-                    reason="~90 s more; set LLMEXP_TEST_SLURM_MULTITASK=1 (the suite's time budget leaves it out)")
 def test_two_task_jobs_train_as_one_distributed_job(tmp_path: Path) -> None:
     # The trainer runs on both tasks, as ranks 0 and 1, with the torch.distributed env from SLURM's.
     proc, sweep, log = start_sweep(tmp_path, "tasks", ["lr=1e-3,3e-3", "train.max_steps=5",
