@@ -139,3 +139,15 @@ def test_global_batch_that_does_not_divide_exits_2(tmp_path: Path) -> None:
     proc = run_cli([*TINY, "batch_size=4", "train.global_batch_size=10", f"hydra.run.dir={tmp_path / 'r'}"])
     assert proc.returncode == 2
     assert "train.global_batch_size" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_compile_trains_and_reports_compile_time_apart(tmp_path: Path) -> None:
+    eager = _train(["precision=fp32", "train.max_steps=4", "train.eval_steps=100", "train.save_steps=0"],
+                   tmp_path / "eager")
+    compiled = _train(["precision=fp32", "train.max_steps=4", "train.eval_steps=100", "train.save_steps=0",
+                       "train.compile=true"], tmp_path / "compiled")
+    assert compiled["status"] == "completed" and compiled["compile_time_s"] > 0 and eager["compile_time_s"] == 0
+    losses_eager = [r["loss"] for r in read_metrics(tmp_path / "eager", "train")]
+    losses_compiled = [r["loss"] for r in read_metrics(tmp_path / "compiled", "train")]
+    assert losses_compiled == pytest.approx(losses_eager, rel=1e-3)  # same math, other kernels
