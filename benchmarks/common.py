@@ -119,8 +119,10 @@ def llama_config(**overrides: Any) -> Any:
 
 
 def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
-    """6N + 12 L T d: the accounting llmexp's `metrics.flops_per_token` uses (PaLM's, no causal discount)."""
-    return 6.0 * num_params + 12.0 * num_layers * seq_len * hidden_size
+    """6N + 12 L T d: the same accounting as llmexp's `metrics.flops_per_token` (PaLM's, no causal discount)."""
+    from llmexp.metrics import flops_per_token as llmexp_flops_per_token
+
+    return llmexp_flops_per_token(num_params, num_layers, hidden_size, seq_len)
 
 
 def measure_ceiling_tflops(seconds: float = 1.0) -> float:
