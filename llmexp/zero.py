@@ -1,7 +1,7 @@
 """Checkpoints under DeepSpeed ZeRO, without pickle.
 
 DeepSpeed's own `save_checkpoint`/`load_checkpoint` write with torch.save and read back with
-`torch.load(weights_only=False)`, which runs pickle code. Instead, each rank's ZeRO optimizer shard
+an unrestricted `torch.load` (weights-only mode off), which runs pickle code. Instead, each rank's ZeRO optimizer shard
 (its fp32 master partition, the base optimizer's moments, the loss scale) is converted to tensors
 and plain data and saved with `ckpt_state.save_state` as `zero_rank<R>.pt`, so it loads back with
 `weights_only=True`; ZeRO's own `load_state_dict` then restores it. The weights go to
