@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repo root: tests.conftest's sft_file
 from common import (
     PY,
     Series,
@@ -125,21 +125,11 @@ def projected_7b_saving_gb() -> tuple[float, float, float]:
 # ---------------------------------------------------------------- accumulation
 
 
-def sft_file(path: Path, n: int = 96) -> Path:
-    """prompt/completion records of very different lengths: a mean of micro-batch means would differ."""
-    rng = random.Random(0)
-    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
-    with open(path, "w") as f:
-        for i in range(n):
-            prompt = " ".join(rng.choices(words, k=rng.randint(2, 20)))
-            completion = " ".join(rng.choices(words, k=rng.randint(1, 30)))
-            f.write(json.dumps({"prompt": f"Q{i}: {prompt}\n", "completion": completion}) + "\n")
-    return path
-
-
 def accumulation_end_to_end(steps: int) -> dict[str, float]:
     """llmexp: batch 8 x 1 against batch 2 x accumulation 4, fp32, padded SFT rows."""
     from safetensors.torch import load_file
+
+    from tests.conftest import sft_file  # the test suite's padded SFT data (needs pytest, as kill_resume.py)
 
     with tempfile.TemporaryDirectory() as tmp:
         data = sft_file(Path(tmp) / "sft.jsonl")

@@ -1,4 +1,4 @@
-"""Shared test helpers: tiny-model overrides, the CLI in a subprocess, and in-process composition.
+"""Shared test helpers: tiny-model overrides, the CLI in a subprocess, in-process composition, data files.
 
 Every test uses the real pieces (Hydra, the trainer, the data pipeline); only sizes are shrunk.
 One token cache per test session keeps the stdlib tokenizer from being trained more than once.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,18 @@ def compose(overrides: list[str], run_dir: Path) -> Any:
 def read_metrics(run_dir: Path, event: str | None = None) -> list[dict[str, Any]]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if event is None or r["event"] == event]
+
+
+def sft_file(path: Path, n: int = 96) -> Path:
+    """prompt/completion records of very different lengths: a mean of micro-batch means would differ.
+
+    Also benchmarks/claims.py's data, so its accumulation row measures what the test suite checks.
+    """
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
+    with open(path, "w") as f:
+        for i in range(n):
+            prompt = " ".join(rng.choices(words, k=rng.randint(2, 20)))
+            completion = " ".join(rng.choices(words, k=rng.randint(1, 30)))
+            f.write(json.dumps({"prompt": f"Q{i}: {prompt}\n", "completion": completion}) + "\n")
+    return path

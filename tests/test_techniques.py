@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -12,19 +11,7 @@ from safetensors.torch import load_file
 
 from llmexp.schedule import lr_at
 from llmexp.train import train
-from tests.conftest import TINY, compose, read_metrics, run_cli
-
-
-def _sft_file(path: Path, n: int = 96) -> Path:
-    """prompt/completion records of very different lengths: a mean of micro-batch means would differ."""
-    rng = random.Random(0)
-    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda"]
-    with open(path, "w") as f:
-        for i in range(n):
-            prompt = " ".join(rng.choices(words, k=rng.randint(2, 20)))
-            completion = " ".join(rng.choices(words, k=rng.randint(1, 30)))
-            f.write(json.dumps({"prompt": f"Q{i}: {prompt}\n", "completion": completion}) + "\n")
-    return path
+from tests.conftest import TINY, compose, read_metrics, run_cli, sft_file
 
 
 def _train(overrides: list[str], run_dir: Path) -> dict:
@@ -37,7 +24,7 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def test_accumulation_equals_the_big_batch_and_lr_follows_the_schedule(tmp_path: Path) -> None:
-    data = _sft_file(tmp_path / "sft.jsonl")
+    data = sft_file(tmp_path / "sft.jsonl")
     common = ["data=json", f"data.train_file={data}", "data.packing=false", "precision=fp32", "train.max_steps=8",
               "train.eval_steps=4", "train.save_steps=0", "lr=3e-3", "train.warmup_steps=3", "seed=1"]
     big, small = tmp_path / "big", tmp_path / "small"
