@@ -202,9 +202,9 @@ def record_outcome(spec: JobSpec, outcome: JobOutcome) -> None:
 
 
 def write_report(sweep_dir: Path) -> None:
-    """The sweep report (llmexp.report); a failing report must not hide the jobs' outcomes."""
+    """The sweep report (llmexp.sweep_report); a failing report must not hide the jobs' outcomes."""
     try:
-        from llmexp.report import write_sweep_report
+        from llmexp.sweep_report import write_sweep_report
     except ImportError as err:
         log.warning(f"sweep report skipped ({err}); run `python -m llmexp.report {sweep_dir}` later")
         return

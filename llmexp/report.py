@@ -4,166 +4,54 @@
     python -m llmexp.report SWEEP_DIR    # sweep_summary.json, sweep_report.md, sweep_curves.png
 
 A run directory has `metrics.jsonl` / `summary.json` / `.hydra/`; a sweep directory has
-`multirun.yaml` or job subdirectories (`0/`, `1/`, ...). Plots live in `llmexp.plots`, the sweep
-report in `llmexp.sweep_report` (its names are re-exported here).
+`multirun.yaml` or job subdirectories (`0/`, `1/`, ...). Reading a run directory lives in
+`llmexp.rundir`, plots in `llmexp.plots`, the sweep report in `llmexp.sweep_report`.
 Exit codes: 0 written, 1 a sweep with failed or unfinished jobs, 2 not a run or sweep directory.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from llmexp.monitor import DETECTOR_KINDS, ERROR, Finding, diagnose, settings_from_config, worst_severity
-
-FINISHED = ("completed", "early_stopped")
-
-
-# ----- reading a run directory -----------------------------------------------------------------
-
-def load_records(run_dir: Path) -> list[dict]:
-    """The records of metrics.jsonl; a torn last line (a killed run) is skipped, not fatal."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict) and "step" in rec:
-            records.append(rec)
-    return records
-
-
-def load_json(path: Path) -> dict | None:
-    """A JSON object from disk, or None when it is missing or unreadable."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def load_config(run_dir: Path) -> dict:
-    """`.hydra/config.yaml` as plain data (interpolations left as strings); {} when absent."""
-    import yaml
-
-    try:
-        data = yaml.safe_load((Path(run_dir) / ".hydra" / "config.yaml").read_text())
-    except (OSError, yaml.YAMLError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def load_overrides(run_dir: Path) -> list[str]:
-    """The command-line overrides of a run (`.hydra/overrides.yaml`), else those in summary.json."""
-    import yaml
-
-    try:
-        data = yaml.safe_load((Path(run_dir) / ".hydra" / "overrides.yaml").read_text())
-    except (OSError, yaml.YAMLError):
-        data = (load_json(Path(run_dir) / "summary.json") or {}).get("overrides")
-    from llmexp.security import scrub_overrides
-
-    return scrub_overrides([str(o) for o in data]) if isinstance(data, list) else []
-
-
-def is_run_dir(path: Path) -> bool:
-    path = Path(path)
-    return any((path / name).exists() for name in ("metrics.jsonl", "summary.json", ".hydra/config.yaml"))
-
-
-def job_dirs(sweep_dir: Path) -> list[Path]:
-    """Job subdirectories of a sweep, in job-number order (non-numeric names after, by name)."""
-    found = [p for p in Path(sweep_dir).iterdir()
-             if p.is_dir() and (is_run_dir(p) or (p / "job_status.json").is_file())]
-    return sorted(found, key=lambda p: (0, int(p.name), "") if p.name.isdigit() else (1, 0, p.name))
-
-
-def is_sweep_dir(path: Path) -> bool:
-    path = Path(path)
-    return path.is_dir() and ((path / "multirun.yaml").is_file() or bool(job_dirs(path)))
-
-
-def run_findings(run_dir: Path, records: list[dict] | None = None) -> list[dict]:
-    """Findings of a run: re-diagnosed from its metrics (the same detectors the trainer ran live),
-    plus any of summary.json's of a kind the detectors do not produce."""
-    run_dir = Path(run_dir)
-    records = load_records(run_dir) if records is None else records
-    summary = load_json(run_dir / "summary.json") or {}
-    if not records:
-        return [f for f in summary.get("findings", []) if isinstance(f, dict)]
-    lr = summary.get("lr")
-    settings = settings_from_config(load_config(run_dir), lr=float(lr) if isinstance(lr, int | float) else None)
-    found = [f.to_dict() for f in diagnose(records, settings)]
-    # Keep what only the trainer could know (e.g. rollbacks given up): kinds the detectors never produce.
-    extra = [f for f in summary.get("findings", []) if isinstance(f, dict) and f.get("kind") not in DETECTOR_KINDS]
-    return sorted(found + extra, key=lambda f: int(f.get("step", 0)))
-
-
-# ----- writing atomically ------------------------------------------------------------------------
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write text so that readers see the old file or the new one, never half of one."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
+from llmexp.monitor import ERROR, Finding, worst_severity
+from llmexp.rundir import (
+    fmt,
+    fmt_rate,
+    is_run_dir,
+    is_sweep_dir,
+    last_value,
+    load_config,
+    load_json,
+    load_overrides,
+    load_records,
+    run_findings,
+    write_atomic,
+)
+from llmexp.sweep_report import write_sweep_report
 
 # ----- the run report ----------------------------------------------------------------------------
-
-def _fmt(value: Any, digits: int = 4) -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, float) and math.isfinite(value) and 0 < abs(value) < 1e-2:
-        mantissa, exponent = f"{value:.{digits - 1}e}".split("e")  # learning rates: 3e-04, not 0.0003
-        return f"{mantissa.rstrip('0').rstrip('.')}e{exponent}"
-    if isinstance(value, float):
-        return f"{value:.{digits}g}" if math.isfinite(value) else str(value)
-    return str(value)
-
-
-def _fmt_rate(value: Any) -> str:
-    return f"{value:,.0f}" if isinstance(value, int | float) and math.isfinite(value) else _fmt(value)
-
-
-def _last(records: list[dict], event: str, key: str) -> Any:
-    return next((r[key] for r in reversed(records) if r.get("event") == event and key in r), None)
-
 
 def _key_metrics(records: list[dict], summary: dict) -> list[tuple[str, str]]:
     evals = [(r["step"], r["eval_loss"]) for r in records if r.get("event") == "eval"
              and isinstance(r.get("eval_loss"), int | float) and math.isfinite(r["eval_loss"])]
     best = min(evals, key=lambda sv: sv[1]) if evals else None
-    pick = lambda key, event="train": summary.get(key, _last(records, event, key))  # noqa: E731
+    pick = lambda key, event="train": summary.get(key, last_value(records, event, key))  # noqa: E731
     rows = [
-        ("steps", _fmt(summary.get("step", _last(records, "train", "step")))),
-        ("final train loss", _fmt(pick("train_loss") if "train_loss" in summary else _last(records, "train", "loss"))),
-        ("final eval loss", _fmt(pick("eval_loss", "eval"))),
-        ("final eval ppl", _fmt(pick("eval_ppl", "eval"))),
+        ("steps", fmt(summary.get("step", last_value(records, "train", "step")))),
+        ("final train loss", fmt(summary.get("train_loss", last_value(records, "train", "loss")))),
+        ("final eval loss", fmt(pick("eval_loss", "eval"))),
+        ("final eval ppl", fmt(pick("eval_ppl", "eval"))),
         ("best eval loss", f"{best[1]:.4g} (step {best[0]})" if best else "–"),
-        ("tokens/s", _fmt_rate(pick("tokens_per_sec"))),
-        ("MFU", _fmt(pick("mfu"), 3)),
-        ("peak memory (MB)", _fmt(summary.get("peak_mem_mb", _last(records, "train", "mem_mb")))),
-        ("wall time (s)", _fmt(summary.get("time_s", _last(records, "train", "time_s")))),
-        ("parameters", _fmt(summary.get("num_params"))),
-        ("lr", f"{_fmt(summary.get('lr'))} ({summary['lr_source']})" if summary.get("lr_source")
-         else _fmt(summary.get("lr"))),
+        ("tokens/s", fmt_rate(pick("tokens_per_sec"))),
+        ("MFU", fmt(pick("mfu"), 3)),
+        ("peak memory (MB)", fmt(summary.get("peak_mem_mb", last_value(records, "train", "mem_mb")))),
+        ("wall time (s)", fmt(summary.get("time_s", last_value(records, "train", "time_s")))),
+        ("parameters", fmt(summary.get("num_params"))),
+        ("lr", f"{fmt(summary.get('lr'))} ({summary['lr_source']})" if summary.get("lr_source")
+         else fmt(summary.get("lr"))),
     ]
     return [(k, v) for k, v in rows if v != "–"]
 
@@ -190,7 +78,7 @@ def settings_rows(cfg: dict) -> list[tuple[str, str]]:
         for key in keys:
             node = node.get(key) if isinstance(node, dict) else None
         if node is not None:
-            rows.append((label, _fmt(node)))
+            rows.append((label, fmt(node)))
     return rows
 
 
@@ -254,25 +142,6 @@ def write_run_report(run_dir: Path, findings: list[Finding] | list[dict] | None 
     write_atomic(run_dir / "report.md", text)
 
 
-# ----- the sweep report (llmexp.sweep_report) ------------------------------------------------------
-
-_SWEEP_NAMES = frozenset({"REPLICATE_KEYS", "collect_job", "recommend", "stability", "sweep_report_markdown",
-                          "varying_params", "write_sweep_report"})
-
-
-def __getattr__(name: str) -> Any:
-    """`from llmexp.report import write_sweep_report` (and the other sweep names) still works.
-
-    Resolved on first use: llmexp.sweep_report imports this module's loaders at its top, so
-    importing it here at load time would be a cycle.
-    """
-    if name in _SWEEP_NAMES:
-        from llmexp import sweep_report
-
-        return getattr(sweep_report, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def main(argv: list[str] | None = None) -> int:
     """`python -m llmexp.report DIR`: the run report or the sweep report, whichever DIR is."""
     args = sys.argv[1:] if argv is None else argv
@@ -281,8 +150,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     path = Path(args[0])
     if is_sweep_dir(path) and not (path / "metrics.jsonl").exists():
-        from llmexp.sweep_report import write_sweep_report
-
         summary = write_sweep_report(path)
         rec = summary["recommendation"]
         print(f"wrote {path / 'sweep_report.md'}: {summary['num_jobs']} jobs {summary['status_counts']}")

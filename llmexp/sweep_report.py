@@ -2,8 +2,7 @@
 
     python -m llmexp.report SWEEP_DIR    # sweep_summary.json, sweep_report.md, sweep_curves.png
 
-Reads each job directory with the loaders of `llmexp.report` (which re-exports this module's
-public names, so `from llmexp.report import write_sweep_report` keeps working).
+Reads each job directory with the loaders of `llmexp.rundir`, as the run report does.
 """
 
 from __future__ import annotations
@@ -16,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from llmexp.monitor import ERROR, worst_severity
-from llmexp.report import (
+from llmexp.rundir import (
     FINISHED,
-    _fmt,
-    _fmt_rate,
-    _last,
+    fmt,
+    fmt_rate,
     job_dirs,
+    last_value,
     load_json,
     load_overrides,
     load_records,
@@ -73,7 +72,7 @@ def collect_job(job_dir: Path) -> dict[str, Any]:
                                 ("train_ppl", "train", "ppl"), ("eval_loss", "eval", "eval_loss"),
                                 ("eval_ppl", "eval", "eval_ppl"), ("tokens_per_sec", "train", "tokens_per_sec")):
         value = (summary or {}).get(key)
-        entry[key] = value if value is not None else _last(records, event, rec_key)
+        entry[key] = value if value is not None else last_value(records, event, rec_key)
     if isinstance(entry["train_loss"], int | float) and (summary or {}).get("train_loss") is not None:
         entry["train_ppl"] = math.exp(min(entry["train_loss"], 50.0))  # consistent with the loss shown
     entry["findings"] = run_findings(job_dir, records)
@@ -145,8 +144,8 @@ def sweep_report_markdown(summary: dict) -> str:
         status = j["status"] + (f" ({j['error']})" if j.get("error") and j["status"] not in FINISHED else "")
         rise = j["stability"]["rise_fraction"]
         lines.append(f"| {j['job']} | `{_swept(j, varying) if varying else ' '.join(j['overrides'])}` | {status} | "
-                     f"{_fmt(j['train_loss'])} | {_fmt(j['train_ppl'])} | {_fmt(j['eval_loss'])} | "
-                     f"{_fmt(j['eval_ppl'])} | {_fmt_rate(j['tokens_per_sec'])} | "
+                     f"{fmt(j['train_loss'])} | {fmt(j['train_ppl'])} | {fmt(j['eval_loss'])} | "
+                     f"{fmt(j['eval_ppl'])} | {fmt_rate(j['tokens_per_sec'])} | "
                      f"{'–' if rise is None else f'{rise:.0%}'} | {found} |")
     lines += ["", "*loss rose on*: the share of logged steps where the train loss went up (lower is steadier). "
               "Every job's full overrides are in sweep_summary.json.", "", "![sweep curves](sweep_curves.png)", ""]
