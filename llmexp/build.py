@@ -133,7 +133,7 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module, lr: float, device_t
     check_target(o._target_, "optimizer._target_")
     target = o._target_
     # -- speed (benchmarks issue): bitsandbytes' 8-bit AdamW step is unfused on CPU (~30x fused AdamW's time);
-    # llmexp.optim.AdamW8bit is the same algorithm and state layout as one compiled kernel (needs a C++ compiler).
+    # llmexp.optim.AdamW8bit is the same algorithm and state layout in one C pass over memory (needs a C compiler).
     if device_type == "cpu" and target == "bitsandbytes.optim.AdamW8bit" and not o.kwargs:
         from llmexp.optim import fused_cpu_available
 

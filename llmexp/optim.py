@@ -1,4 +1,4 @@
-"""8-bit AdamW that is fast on CPU: bitsandbytes' blockwise algorithm as one fused torch kernel.
+"""8-bit AdamW that is fast on CPU: bitsandbytes' blockwise algorithm in one pass over memory.
 
 bitsandbytes' `AdamW8bit` keeps both Adam moments in 8 bits (its signed and unsigned "dynamic"
 quantisation maps, one fp32 absmax per block of 256 values), so the state is ~0.25x AdamW's.
@@ -7,17 +7,18 @@ runs about ten separate elementwise torch ops over them, and quantises them back
 calls), so every element crosses memory some twenty times.
 
 This class runs the same algorithm (the same maps, block size, update order and state layout:
-`state1`/`state2` uint8, `absmax1`/`absmax2` fp32) as a single torch.compile'd function per
-tensor: the dequantise, the moment updates, the weight update, the block absmax and the
-re-quantisation fuse into one pass over memory. Without a working compiler it runs the same
-function eagerly (correct, slower). Tensors under `min_8bit_size` values keep fp32 moments,
-as in bitsandbytes.
+`state1`/`state2` uint8, `absmax1`/`absmax2` fp32). `adam8bit_update` below is the algorithm in
+torch, the readable reference; `adam8bit.c` computes exactly the same (the tests compare them
+bit for bit) in one pass: each 256-value block is dequantised, updated and re-quantised while it
+sits in L1, and one call steps every tensor of the model across all threads, so a step costs
+about what fused AdamW's does. Without a C compiler it runs the torch reference (correct, slower).
+Tensors under `min_8bit_size` values keep fp32 moments, as in bitsandbytes.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
-import os
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -29,10 +30,10 @@ BLOCK_SIZE = 256
 
 
 def fused_cpu_available() -> bool:
-    """True when torch.compile can build CPU kernels here (it needs a C++ compiler)."""
-    import shutil
+    """True when the C kernel can be built here (it needs a C compiler)."""
+    from llmexp import native
 
-    return any(shutil.which(name) for name in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if name)
+    return native.c_compiler() is not None
 
 
 def dynamic_map(signed: bool, max_exponent_bits: int = 7, total_bits: int = 8) -> torch.Tensor:
@@ -59,20 +60,26 @@ def dynamic_map(signed: bool, max_exponent_bits: int = 7, total_bits: int = 8) -
     return torch.tensor(sorted(data), dtype=torch.float32)
 
 
-COMPILE_OPTIONS = {"assert_indirect_indexing": False}
-"""Indices come from uint8 codes and 17-bit cells, always inside the 256- and 2^17-entry tables."""
-
 CELL_SHIFT = 15
 """Quantising looks the float's top 17 bits (sign, exponent, 8 mantissa bits) up in a table."""
+LOW_MASK = (1 << CELL_SHIFT) - 1
+NO_MIDPOINT = 1 << CELL_SHIFT
+"""A threshold no 15-bit key exceeds: the cell holds no midpoint."""
 
 
-def nearest_table(midpoints: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _key(bits: torch.Tensor) -> torch.Tensor:
+    """The low 15 bits of a float32, ordered as the floats of one cell are (reversed for negatives)."""
+    return (bits & LOW_MASK) ^ torch.where(bits < 0, LOW_MASK, 0)
+
+
+def nearest_table(midpoints: torch.Tensor) -> torch.Tensor:
     """A lookup that replaces `torch.bucketize(x, midpoints)` (a binary search, ~35 ns a value on CPU).
 
     The float32 bit patterns are cut into 2^17 cells (sign, exponent, top 8 mantissa bits); each
     cell is narrower than the gap between two midpoints of bitsandbytes' maps, so it holds at most
-    one. `table[cell]` counts the midpoints below the cell; one comparison with the next midpoint
-    finishes the job: `q = table[cell] + (x > padded[table[cell]])` equals bucketize exactly.
+    one. Each int32 entry packs `below << 16 | threshold`: the midpoints below the cell, and the
+    key (`_key`) of the midpoint inside it, or NO_MIDPOINT. Then `q = below + (key(x) > threshold)`
+    equals bucketize exactly, with one table load per value.
     """
     cells = torch.arange(1 << (32 - CELL_SHIFT), dtype=torch.int64)
     negative = cells >> (31 - CELL_SHIFT) == 1
@@ -83,26 +90,27 @@ def nearest_table(midpoints: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
 
     low, high = as_float(low_bits), as_float(high_bits)
-    table = torch.bucketize(low, midpoints)
+    below = torch.bucketize(low, midpoints)
     finite = torch.isfinite(low) & torch.isfinite(high)
-    if (torch.bucketize(high, midpoints) - table)[finite].max() > 1:
+    if (torch.bucketize(high, midpoints) - below)[finite].max() > 1:
         raise ValueError("nearest_table: a cell holds two midpoints; the map is too fine for this lookup")
     padded = torch.cat([midpoints, torch.full((1,), math.inf)])
-    return table.to(torch.uint8), padded
+    inside = padded[below] <= high  # the next midpoint lies in this cell
+    threshold = torch.where(inside, _key(padded[below].view(torch.int32)), NO_MIDPOINT)
+    return ((below << 16) | threshold).to(torch.int32)
 
 
-def _quantize(x: torch.Tensor, table: torch.Tensor, padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize(x: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Blockwise: x (blocks, B) fp32 -> (uint8 index of the nearest code value, absmax per block (blocks, 1))."""
     absmax = x.abs().amax(dim=1, keepdim=True)
-    scaled = x / absmax.clamp(min=1e-30)
-    cell = (scaled.view(torch.int32) >> CELL_SHIFT) & ((1 << (32 - CELL_SHIFT)) - 1)
-    below = table[cell].int()
-    return (below + (scaled > padded[below]).int()).to(torch.uint8), absmax
+    bits = (x / absmax.clamp(min=1e-30)).view(torch.int32)
+    entry = table[(bits >> CELL_SHIFT) & ((1 << (32 - CELL_SHIFT)) - 1)]
+    return ((entry >> 16) + (_key(bits) > (entry & 0xFFFF)).int()).to(torch.uint8), absmax
 
 
 def adam8bit_update(p: torch.Tensor, g: torch.Tensor, q1: torch.Tensor, a1: torch.Tensor, q2: torch.Tensor,
-                    a2: torch.Tensor, code1: torch.Tensor, table1: torch.Tensor, padded1: torch.Tensor,
-                    code2: torch.Tensor, table2: torch.Tensor, padded2: torch.Tensor, hyper: torch.Tensor) -> None:
+                    a2: torch.Tensor, code1: torch.Tensor, table1: torch.Tensor, code2: torch.Tensor,
+                    table2: torch.Tensor, hyper: torch.Tensor) -> None:
     """One AdamW step of one tensor, in place. Shapes: p, g, q1, q2 (blocks, B); a1, a2 (blocks, 1).
 
     hyper = [beta1, beta2, eps, decay factor (1 - lr*wd), step size (lr / bias correction 1),
@@ -114,8 +122,8 @@ def adam8bit_update(p: torch.Tensor, g: torch.Tensor, q1: torch.Tensor, a1: torc
     v = code2[q2.int()] * a2 * beta2 + grad * grad * (1 - beta2)
     new_p = p.float() * decay - step_size * m / (v.sqrt() / correction2 + eps)
     p.copy_(new_p)
-    new_q1, new_a1 = _quantize(m, table1, padded1)
-    new_q2, new_a2 = _quantize(v, table2, padded2)
+    new_q1, new_a1 = _quantize(m, table1)
+    new_q2, new_a2 = _quantize(v, table2)
     q1.copy_(new_q1)
     a1.copy_(new_a1)
     q2.copy_(new_q2)
@@ -132,31 +140,46 @@ def adam32bit_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch
     p.mul_(decay).sub_(step_size * m / (v.sqrt() / correction2 + eps))
 
 
-class AdamW8bit(torch.optim.Optimizer):
-    """AdamW with 8-bit blockwise moments; bitsandbytes' algorithm and state layout, fused for CPU.
+class _Tensor8(ctypes.Structure):
+    """adam8bit.c's `Tensor8`: one tensor's pointers, size and hyperparameters."""
 
-    `compile=None` compiles where a compiler works and falls back to eager with a warning.
+    _fields_ = [("p", ctypes.c_void_p), ("g", ctypes.c_void_p), ("q1", ctypes.c_void_p), ("q2", ctypes.c_void_p),
+                ("a1", ctypes.c_void_p), ("a2", ctypes.c_void_p), ("n", ctypes.c_int64),
+                ("hyper", ctypes.c_float * 6)]
+
+
+class _Map(ctypes.Structure):
+    """adam8bit.c's `Map`: a quantisation map and its cell table."""
+
+    _fields_ = [("code", ctypes.c_void_p), ("table", ctypes.c_void_p)]
+
+
+class AdamW8bit(torch.optim.Optimizer):
+    """AdamW with 8-bit blockwise moments; bitsandbytes' algorithm and state layout, fast on CPU.
+
+    `native=None` uses the C kernel where it builds and falls back to the torch reference with a
+    warning; `True` requires the kernel; `False` always runs the reference.
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, min_8bit_size: int = 4096,
-                 compile: bool | None = None) -> None:
+                 native: bool | None = None) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"AdamW8bit: invalid lr={lr}, betas={betas}, eps={eps} or weight_decay={weight_decay}")
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
         self.min_8bit_size = min_8bit_size
-        self._compile = compile
-        self._update: Callable[..., None] | None = None
+        self._native = native
+        self._lib: Any = None
         self._maps: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
     def _maps_on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """(code, table, padded midpoints) of the signed map (first moment), then of the unsigned one."""
+        """(code, table) of the signed map (first moment), then of the unsigned one."""
         if device not in self._maps:
             maps: list[torch.Tensor] = []
             for signed in (True, False):
                 code = dynamic_map(signed)
-                maps += [code, *nearest_table((code[:-1] + code[1:]) / 2)]
+                maps += [code, nearest_table((code[:-1] + code[1:]) / 2)]
             self._maps[device] = tuple(t.to(device) for t in maps)
         return self._maps[device]
 
@@ -182,12 +205,20 @@ class AdamW8bit(torch.optim.Optimizer):
                 state["state1"] = state["state1"].to(torch.uint8)
                 state["state2"] = state["state2"].to(torch.uint8)
 
-    def _updater(self) -> Callable[..., None]:
-        if self._update is None:
-            self._update = adam8bit_update
-            if self._compile is not False:  # static block and map sizes; the block count is marked dynamic
-                self._update = torch.compile(adam8bit_update, dynamic=False, options=COMPILE_OPTIONS)
-        return self._update
+    def _kernel(self) -> Any:
+        """adam8bit.c's library, or None (the torch reference runs) when it is off or cannot be built."""
+        if self._lib is None and self._native is not False:
+            from llmexp import native
+
+            try:
+                self._lib = native.load("adam8bit.c")
+            except OSError as err:
+                if self._native:
+                    raise
+                warnings.warn(f"AdamW8bit: no CPU kernel ({err}); running the torch reference (correct, slower)",
+                              stacklevel=3)
+                self._native = False
+        return self._lib
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -195,6 +226,7 @@ class AdamW8bit(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        batch: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], list[float]]] = []  # for the C kernel
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -205,44 +237,49 @@ class AdamW8bit(torch.optim.Optimizer):
                 state = self.state[p] if self.state[p] else self._init_state(p)
                 state["step"] += 1
                 step = state["step"]
-                hyper = torch.tensor([beta1, beta2, group["eps"], 1 - group["lr"] * group["weight_decay"],
-                                      group["lr"] / (1 - beta1**step), math.sqrt(1 - beta2**step)],
-                                     dtype=torch.float32, device=p.device)
+                hyper = [beta1, beta2, group["eps"], 1 - group["lr"] * group["weight_decay"],
+                         group["lr"] / (1 - beta1**step), math.sqrt(1 - beta2**step)]
                 if state["state1"].dtype == torch.float32:
-                    adam32bit_update(p, p.grad, state["state1"], state["state2"], hyper)
+                    adam32bit_update(p, p.grad, state["state1"], state["state2"], self._hyper(hyper, p))
+                elif self._fits_kernel(p) and self._kernel() is not None:
+                    batch.append((p, p.grad.contiguous(), state, hyper))
                 else:
-                    self._step_8bit(p, state, hyper)
+                    self._step_reference(p, state, self._hyper(hyper, p))
+        if batch:
+            self._step_native(batch)
         return loss
 
-    def _step_8bit(self, p: torch.Tensor, state: dict[str, Any], hyper: torch.Tensor) -> None:
+    @staticmethod
+    def _hyper(values: list[float], p: torch.Tensor) -> torch.Tensor:
+        """As a fp32 tensor, so that the reference computes in the kernel's precision."""
+        return torch.tensor(values, dtype=torch.float32, device=p.device)
+
+    @staticmethod
+    def _fits_kernel(p: torch.Tensor) -> bool:
+        return p.device.type == "cpu" and p.dtype == p.grad.dtype == torch.float32 and p.is_contiguous()
+
+    def _step_native(self, batch: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], list[float]]]) -> None:
+        """Every 8-bit fp32 CPU tensor in one call: the kernel splits all their blocks across torch's threads."""
+        code1, table1, code2, table2 = self._maps_on(torch.device("cpu"))
+        maps = (_Map * 2)(_Map(code1.data_ptr(), table1.data_ptr()), _Map(code2.data_ptr(), table2.data_ptr()))
+        tensors = (_Tensor8 * len(batch))(*[
+            _Tensor8(p.data_ptr(), g.data_ptr(), s["state1"].data_ptr(), s["state2"].data_ptr(),
+                     s["absmax1"].data_ptr(), s["absmax2"].data_ptr(), p.numel(), (ctypes.c_float * 6)(*hyper))
+            for p, g, s, hyper in batch])
+        self._lib.adam8bit_step(tensors, ctypes.c_int64(len(batch)), maps, ctypes.c_int(torch.get_num_threads()))
+
+    def _step_reference(self, p: torch.Tensor, state: dict[str, Any], hyper: torch.Tensor) -> None:
+        """The torch reference over (blocks, 256) views, and the last, partial block on its own."""
         if not p.is_contiguous():
             raise RuntimeError("AdamW8bit needs contiguous parameters")
         maps = self._maps_on(p.device)
         flat = (p.view(-1), p.grad.reshape(-1), state["state1"].view(-1), state["state2"].view(-1))
-        full = (p.numel() // BLOCK_SIZE) * BLOCK_SIZE
         a1, a2 = state["absmax1"].view(-1, 1), state["absmax2"].view(-1, 1)
-        parts = []
+        full = (p.numel() // BLOCK_SIZE) * BLOCK_SIZE
         if full:
-            parts.append(([t[:full].view(-1, BLOCK_SIZE) for t in flat], a1[: full // BLOCK_SIZE],
-                          a2[: full // BLOCK_SIZE]))
-        if full < p.numel():  # the last, partial block
-            parts.append(([t[full:].view(1, -1) for t in flat], a1[-1:], a2[-1:]))
-        if full:
-            (pp, gg, q1, q2), aa1, aa2 = parts[0]
-            for t in (pp, gg, q1, q2, aa1, aa2):
-                torch._dynamo.maybe_mark_dynamic(t, 0)  # one kernel for every tensor size
-            self._run(pp, gg, q1, aa1, q2, aa2, *maps, hyper)
-        if full < p.numel():  # the last, partial block: fewer than BLOCK_SIZE values, run eagerly
-            (pp, gg, q1, q2), aa1, aa2 = parts[-1]
-            adam8bit_update(pp, gg, q1, aa1, q2, aa2, *maps, hyper)
-
-    def _run(self, *args: torch.Tensor) -> None:
-        try:
-            self._updater()(*args)
-        except Exception as err:  # no working compiler: the eager function is the same math
-            if self._update is adam8bit_update or self._compile:
-                raise
-            warnings.warn(f"AdamW8bit: torch.compile failed ({type(err).__name__}: {err}); running eagerly "
-                          "(correct, slower)", stacklevel=3)
-            self._update = adam8bit_update
-            adam8bit_update(*args)
+            pp, gg, q1, q2 = (t[:full].view(-1, BLOCK_SIZE) for t in flat)
+            blocks = full // BLOCK_SIZE
+            adam8bit_update(pp, gg, q1, a1[:blocks], q2, a2[:blocks], *maps, hyper)
+        if full < p.numel():
+            pp, gg, q1, q2 = (t[full:].view(1, -1) for t in flat)
+            adam8bit_update(pp, gg, q1, a1[-1:], q2, a2[-1:], *maps, hyper)

@@ -1,15 +1,18 @@
-"""llmexp.optim.AdamW8bit: bitsandbytes' 8-bit blockwise AdamW, fused for CPU.
+"""llmexp.optim.AdamW8bit: bitsandbytes' 8-bit blockwise AdamW, fast on CPU.
 
-Compared against bitsandbytes itself (the reference implementation) on real tensors.
+The torch reference is compared against bitsandbytes itself on real tensors, and the C kernel
+(built here with the machine's compiler) against the torch reference.
 """
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 
+from llmexp import native
 from llmexp.optim import AdamW8bit, _quantize, dynamic_map, nearest_table
 
 
@@ -23,14 +26,14 @@ def test_maps_are_bitsandbytes_maps() -> None:
 def test_table_lookup_equals_bucketize(signed: bool) -> None:
     code = dynamic_map(signed)
     mid = (code[:-1] + code[1:]) / 2
-    table, padded = nearest_table(mid)
+    table = nearest_table(mid)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(512, 256, generator=gen) * 10.0 ** torch.randint(-9, 2, (512, 1), generator=gen).float()
     x = x if signed else x.abs()
-    q, absmax = _quantize(x, table, padded)
+    q, absmax = _quantize(x, table)
     assert torch.equal(q.long(), torch.bucketize(x / absmax, mid))
     for edge in (mid, torch.nextafter(mid, torch.tensor(2.0)), torch.nextafter(mid, torch.tensor(-2.0))):
-        q, _ = _quantize(torch.cat([edge, torch.ones(1)]).view(1, -1), table, padded)  # absmax 1: scaled == edge
+        q, _ = _quantize(torch.cat([edge, torch.ones(1)]).view(1, -1), table)  # absmax 1: scaled == edge
         assert torch.equal(q.long()[0, :-1], torch.bucketize(edge, mid))
 
 
@@ -50,7 +53,7 @@ def test_same_steps_as_bitsandbytes() -> None:
     """Same maps, blocks, order and state layout; only float rounding at quantisation boundaries differs."""
     bnb = pytest.importorskip("bitsandbytes")
     shapes = [(64, 256), (300,), (1000, 7)]  # 8-bit, fp32 (small), 8-bit with a partial last block
-    ours, ours_opt = _three_steps(AdamW8bit, shapes, compile=False)
+    ours, ours_opt = _three_steps(AdamW8bit, shapes, native=False)
     ref, ref_opt = _three_steps(bnb.optim.AdamW8bit, shapes)
     gen = torch.Generator().manual_seed(0)
     initial = [torch.randn(s, generator=gen) for s in shapes]  # what _three_steps started from
@@ -69,7 +72,7 @@ def test_same_steps_as_bitsandbytes() -> None:
 
 
 def test_state_is_a_quarter_of_adamw() -> None:
-    params, opt = _three_steps(AdamW8bit, [(256, 256), (688, 256)], compile=False)
+    params, opt = _three_steps(AdamW8bit, [(256, 256), (688, 256)], native=False)
     state_bytes = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
                       if torch.is_tensor(t))
     adamw_bytes = 2 * 4 * sum(p.numel() for p in params)
@@ -77,9 +80,9 @@ def test_state_is_a_quarter_of_adamw() -> None:
 
 
 def test_state_dict_round_trip_continues_identically() -> None:
-    params, opt = _three_steps(AdamW8bit, [(32, 256)], compile=False)
+    params, opt = _three_steps(AdamW8bit, [(32, 256)], native=False)
     clone = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt2 = AdamW8bit(clone, lr=1e-3, compile=False)
+    opt2 = AdamW8bit(clone, lr=1e-3, native=False)
     opt2.load_state_dict(copy.deepcopy(opt.state_dict()))  # as from a checkpoint: no shared tensors
     grad = torch.randn(32, 256)
     for o, ps in ((opt, params), (opt2, clone)):
@@ -88,10 +91,52 @@ def test_state_dict_round_trip_continues_identically() -> None:
     assert torch.equal(params[0], clone[0])
 
 
-@pytest.mark.slow
-def test_compiled_step_matches_eager() -> None:
-    """The fused (torch.compile'd) kernel computes what the eager function does (to an ulp)."""
-    eager, eager_opt = _three_steps(AdamW8bit, [(64, 256)], compile=False)
-    fused, fused_opt = _three_steps(AdamW8bit, [(64, 256)], compile=True)
-    assert torch.allclose(eager[0], fused[0], rtol=0, atol=1e-6)
-    assert (eager_opt.state[eager[0]]["state1"] != fused_opt.state[fused[0]]["state1"]).sum() <= 2
+SHAPES = [(64, 256), (300,), (1000, 7), (513, 300), (3, 4096)]
+"""8-bit, fp32 (small), 8-bit with partial last blocks, and a tensor of whole blocks."""
+
+
+def _assert_same_steps(a: list, a_opt: torch.optim.Optimizer, b: list, b_opt: torch.optim.Optimizer) -> None:
+    for x, y in zip(a, b, strict=True):
+        for key, value in a_opt.state[x].items():
+            if torch.is_tensor(value):  # the moments and absmax are computed without sqrt: identical
+                assert torch.equal(value, b_opt.state[y][key]), key
+        # torch's vectorised sqrt is not correctly rounded (the C sqrtf is): an ulp of the update at most
+        assert (x - y).abs().max() <= 1e-6
+
+
+def test_c_kernel_matches_the_torch_reference() -> None:
+    assert native.c_compiler() is not None, "the test machine must have a C compiler (gcc)"
+    reference, reference_opt = _three_steps(AdamW8bit, SHAPES, native=False)
+    kernel, kernel_opt = _three_steps(AdamW8bit, SHAPES, native=True)
+    assert kernel_opt._lib is not None
+    _assert_same_steps(reference, reference_opt, kernel, kernel_opt)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 7])
+def test_c_kernel_splits_blocks_across_threads_exactly(threads: int) -> None:
+    """Thread ranges cut tensors in the middle; every block must still be stepped exactly once."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, one_opt = _three_steps(AdamW8bit, SHAPES, native=True)
+        torch.set_num_threads(threads)
+        many, many_opt = _three_steps(AdamW8bit, SHAPES, native=True)
+    finally:
+        torch.set_num_threads(before)
+    for x, y in zip(one, many, strict=True):
+        assert torch.equal(x, y)
+        assert all(torch.equal(v, many_opt.state[y][k]) for k, v in one_opt.state[x].items() if torch.is_tensor(v))
+
+
+def test_without_a_working_compiler_the_reference_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = tmp_path / "cc"
+    broken.write_text("#!/bin/sh\necho 'cc: simulated failure' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CC", str(broken))
+    monkeypatch.setenv("LLMEXP_CACHE", str(tmp_path / "cache"))
+    with pytest.warns(UserWarning, match="simulated failure"):
+        params, opt = _three_steps(AdamW8bit, SHAPES[:1])
+    assert opt._lib is None
+    assert not list((tmp_path / "cache").rglob("*.so"))  # nothing half-built left behind
+    reference, _ = _three_steps(AdamW8bit, SHAPES[:1], native=False)
+    assert torch.equal(params[0], reference[0])
