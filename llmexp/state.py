@@ -53,8 +53,15 @@ class LoopState:
 
 
 def _lm(rt: Runtime, model: torch.nn.Module) -> torch.nn.Module:
-    """The Hugging Face model inside the DDP/compile/loss wrappers."""
-    return rt.accelerator.unwrap_model(model).lm
+    """The Hugging Face model inside the DDP/compile/loss wrappers.
+
+    Accelerate's `unwrap_model` imports DeepSpeed whenever it is installed (a pause of up to
+    seconds at the first checkpoint of every run); it is only needed under DeepSpeed.
+    """
+    if rt.deepspeed:
+        return rt.accelerator.unwrap_model(model).lm
+    inner = getattr(model, "_orig_mod", model)  # torch.compile
+    return getattr(inner, "module", inner).lm  # DistributedDataParallel
 
 
 def save_state_checkpoint(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, optimizer: Any,
