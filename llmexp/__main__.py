@@ -47,7 +47,8 @@ def cli() -> None:
     import hydra
 
     from llmexp.config import register_configs
-    from llmexp.launcher import jobs_launched, register_launchers
+    from llmexp.jobs import jobs_launched
+    from llmexp.launcher import register_launchers
 
     register_configs()
     register_resolvers()

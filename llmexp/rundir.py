@@ -42,7 +42,7 @@ def load_json(path: Path) -> dict | None:
     """A JSON object from disk, or None when it is missing or unreadable."""
     try:
         data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # also a file of bytes that are not text (UnicodeDecodeError)
         return None
     return data if isinstance(data, dict) else None
 

@@ -1,7 +1,7 @@
 """`cluster=slurm`: a sweep as one SLURM job array through submitit, and the job that runs on a node.
 
 Submission. The launcher pins the sweep directory and each job's run directory
-(`llmexp.launcher.compose_jobs`), wraps each job in a `SlurmJob` (which composes its config on the
+(`llmexp.jobs.compose_jobs`), wraps each job in a `SlurmJob` (which composes its config on the
 node, as Hydra's sweeper has already validated it) and submits them all at once with
 `executor.batch()`, which submitit turns into one `sbatch --array=0-N%array_parallelism`. With
 `cluster.wait=false` it prints the job ids, the sweep directory and the `python -m llmexp.report`
@@ -48,7 +48,7 @@ import submitit
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from llmexp.errors import UserError
-from llmexp.launcher import (
+from llmexp.jobs import (
     JobOutcome,
     JobSpec,
     compose_job,
