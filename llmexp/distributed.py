@@ -137,7 +137,7 @@ def check_engine(accelerator: Any) -> None:
 def check_deepspeed(cfg: DictConfig) -> None:
     """Combinations that cannot work under DeepSpeed: exit 2 with the reason and the fix.
 
-    (8-bit optimizers under offload and on_anomaly=rollback are refused by `config.validate`.)
+    (8-bit optimizers under offload and on_anomaly=rollback are refused by `validation.validate`.)
     """
     ds, errors = cfg.deepspeed, []
     if ds.offload_param != "none" and ds.stage != 3:

@@ -19,9 +19,9 @@ class UserError(ValueError):
 
 def run_guarded(cfg: DictConfig) -> int:
     """Validate, then train; return the exit code. User errors print one clear message, no traceback."""
-    from llmexp.config import validate
     from llmexp.preflight import check_environment
     from llmexp.security import check_hydra_job_dir, scrub_text
+    from llmexp.validation import validate
 
     try:
         check_hydra_job_dir()

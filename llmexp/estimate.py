@@ -153,8 +153,9 @@ def compose(overrides: list[str]) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from llmexp.config import register_configs, validate
+    from llmexp.config import register_configs
     from llmexp.paths import conf_dir, register_resolvers
+    from llmexp.validation import validate
 
     register_configs()
     register_resolvers()

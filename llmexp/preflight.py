@@ -6,7 +6,7 @@ Three passes, none of which imports torch:
   directory: unknown keys (with a did-you-mean), unknown group options, `_target_` overrides
   off the allow-list, path-like values that would escape the output directory. It returns the
   arguments with secret values moved out of sight (`security.redact_overrides`).
-* `structure_errors(cfg)` and `remote_code_errors(cfg.model)` run inside `config.validate` on
+* `structure_errors(cfg)` and `remote_code_errors(cfg.model)` run inside `validation.validate` on
   the composed config: `???` left unset, interpolations that do not resolve, keys added with `+`
   that no schema knows, NUL bytes, disallowed `_target_`s, remote code without a pinned commit.
 * `check_environment(cfg)` runs after `validate` (`errors.run_guarded`), before anything loads:

@@ -22,12 +22,12 @@ import torch
 from omegaconf import DictConfig
 
 from llmexp import data as data_lib
-from llmexp.config import parse_lr
 from llmexp.guard import report_findings
 from llmexp.metrics import MetricsLogger, safe_exp
 from llmexp.runtime import Runtime, setup_runtime
 from llmexp.schedule import auto_lr, lr_at, warmup_steps_for
 from llmexp.state import LoopState, finish_run, load_resume_state, rollback, save_state_checkpoint
+from llmexp.validation import parse_lr
 
 
 @dataclass

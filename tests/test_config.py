@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from llmexp.config import ConfigError, validate
 from llmexp.paths import conf_dir
+from llmexp.validation import ConfigError, validate
 from tests.conftest import compose, run_cli
 
 GROUPS = ["model", "data", "precision", "optimizer", "scheduler", "cluster", "deepspeed", "logger", "experiment"]
