@@ -275,4 +275,4 @@ def _inner(optimizer: Any) -> torch.optim.Optimizer:
 def setup_runtime(cfg: DictConfig) -> Runtime:
     from llmexp.train import run_dir_of
 
-    return Runtime(cfg, run_dir_of(cfg))
+    return Runtime(cfg, run_dir_of())

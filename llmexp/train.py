@@ -173,7 +173,7 @@ def resolve_lr(cfg: DictConfig, num_params: int) -> tuple[float, str]:
     return auto_lr(num_params, finetune=bool(cfg.model.name_or_path)), "auto"
 
 
-def run_dir_of(cfg: DictConfig) -> Path:
+def run_dir_of() -> Path:
     """The Hydra output directory of this job (the same for every rank)."""
     from hydra.core.hydra_config import HydraConfig
 
