@@ -117,13 +117,20 @@ void adam8bit_step(const Tensor8 *tensors, int64_t count, const Map *maps, int t
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > total) threads = total > 0 ? (int)total : 1;
     Work work[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
     for (int t = 0; t < threads; t++)
         work[t] = (Work){tensors, count, maps, total * t / threads, total * (t + 1) / threads};
+#ifdef _OPENMP
+    /* Built against the libgomp torch has loaded: its pool's threads, still spinning after the
+     * last torch op, take the work at once instead of competing with threads of our own. */
+    #pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int t = 0; t < threads; t++) run(&work[t]);
+#else
+    pthread_t ids[MAX_THREADS];
     int started = 1;
     for (; started < threads; started++)
         if (pthread_create(&ids[started], NULL, run, &work[started]) != 0) break;
     run(&work[0]);
     for (int t = 1; t < started; t++) pthread_join(ids[t], NULL);
     for (int t = started; t < threads; t++) run(&work[t]);  /* a thread failed to start: its share runs here */
+#endif
 }

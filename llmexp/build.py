@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 ALLOWED_TARGETS: tuple[str, ...] = ("torch.optim.", "bitsandbytes.optim.", "llmexp.")
+CPU_8BIT_ADAMW = ("bitsandbytes.optim.AdamW8bit", "bitsandbytes.optim.PagedAdamW8bit")
+"""Run as llmexp.optim.AdamW8bit on CPU (the same algorithm, fast there)."""
 """`_target_` prefixes that may be instantiated. Everything else is rejected (exit 2)."""
 
 
@@ -134,7 +136,8 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module, lr: float, device_t
     target = o._target_
     # -- speed (benchmarks issue): bitsandbytes' 8-bit AdamW step is unfused on CPU (~30x fused AdamW's time);
     # llmexp.optim.AdamW8bit is the same algorithm and state layout in one C pass over memory (needs a C compiler).
-    if device_type == "cpu" and target == "bitsandbytes.optim.AdamW8bit" and not o.kwargs:
+    # Paging is a CUDA feature: on CPU bitsandbytes' PagedAdamW8bit is its AdamW8bit.
+    if device_type == "cpu" and target in CPU_8BIT_ADAMW and not o.kwargs:
         from llmexp.optim import fused_cpu_available
 
         if fused_cpu_available():

@@ -41,6 +41,21 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+def loaded_openmp() -> str | None:
+    """The GNU OpenMP runtime this process has loaded (torch's), if any.
+
+    A library built with -fopenmp needs `libgomp.so.1`; the dynamic linker hands it the copy
+    already loaded, so its parallel loops run on torch's own thread pool. With another runtime
+    (Intel's libiomp5, LLVM's libomp) or none, the kernel uses threads of its own instead.
+    """
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    paths = {line.split()[-1] for line in maps.splitlines() if "/libgomp" in line}
+    return min(paths) if paths else None
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("LLMEXP_CACHE", Path.home() / ".cache" / "llmexp")) / "kernels"
 
@@ -51,13 +66,15 @@ def load(source_name: str) -> ctypes.CDLL:
     compiler = c_compiler()
     if compiler is None:
         raise OSError("no C compiler (set CC, or install gcc)")
-    key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, compiler, _cpu_flags()]).encode()).hexdigest()[:16]
+    openmp = loaded_openmp()
+    flags = [*FLAGS, "-fopenmp"] if openmp else list(FLAGS)
+    key = hashlib.sha256("\0".join([source.read_text(), *flags, compiler, _cpu_flags()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # other ranks may build at the same time
             built = Path(tmp) / target.name
-            done = subprocess.run([compiler, *FLAGS, str(source), "-o", str(built), "-lm"],
+            done = subprocess.run([compiler, *flags, str(source), "-o", str(built), "-lm"],
                                   capture_output=True, text=True, check=False)
             if done.returncode != 0:
                 raise OSError(f"{compiler} failed on {source.name}:\n{done.stderr[-2000:]}")

@@ -140,3 +140,15 @@ def test_without_a_working_compiler_the_reference_runs(tmp_path: Path, monkeypat
     assert not list((tmp_path / "cache").rglob("*.so"))  # nothing half-built left behind
     reference, _ = _three_steps(AdamW8bit, SHAPES[:1], native=False)
     assert torch.equal(params[0], reference[0])
+
+
+@pytest.mark.parametrize("name", ["adamw8bit", "paged_adamw8bit"])
+def test_llmexp_builds_the_fast_class_on_cpu_only(name: str, tmp_path: Path) -> None:
+    from llmexp.build import build_model, build_optimizer
+    from tests.conftest import TINY, compose
+
+    cfg = compose([*TINY, f"optimizer={name}"], tmp_path / "run")
+    model = build_model(cfg, cfg.model.vocab_size)
+    assert type(build_optimizer(cfg, model, 1e-3, "cpu")) is AdamW8bit
+    on_gpu = build_optimizer(cfg, model, 1e-3, "cuda")  # what a GPU run gets: bitsandbytes' own class
+    assert type(on_gpu).__module__.startswith("bitsandbytes.")
