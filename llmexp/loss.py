@@ -40,8 +40,10 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                compute_dtype: torch.dtype) -> torch.Tensor:
-        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+                compute_dtype: torch.dtype, grad_enabled: bool) -> torch.Tensor:
+        # needs_input_grad is True under torch.no_grad() too (it follows requires_grad): without the
+        # caller's grad mode, every eval batch would compute the head's gradients for nothing.
+        needs_grad = grad_enabled and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(compute_dtype)
             total = hidden.new_zeros((), dtype=torch.float32)
@@ -68,7 +70,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_hidden, grad_weight = ctx.saved_tensors
         scale = grad_total.float()
-        return grad_hidden * scale.to(grad_hidden.dtype), (grad_weight * scale).to(ctx.weight_dtype), None, None
+        return grad_hidden * scale.to(grad_hidden.dtype), (grad_weight * scale).to(ctx.weight_dtype), None, None, None
 
 
 def _logsumexp_fp32(logits: torch.Tensor) -> torch.Tensor:
@@ -104,7 +106,7 @@ class CausalLMLoss(nn.Module):
         head = self.lm.lm_head
         compute_dtype = _compute_dtype(hidden, head)
         if compute_dtype is not None:
-            return LinearCrossEntropy.apply(hidden, head.weight, flat_targets, compute_dtype)
+            return LinearCrossEntropy.apply(hidden, head.weight, flat_targets, compute_dtype, torch.is_grad_enabled())
         total = hidden.new_zeros((), dtype=torch.float32)
         for start in range(0, hidden.shape[0], CHUNK_TOKENS):
             logits = head(hidden[start:start + CHUNK_TOKENS])

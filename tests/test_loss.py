@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -78,12 +79,28 @@ def test_no_grad_forward_gives_the_same_loss_and_keeps_nothing() -> None:
     assert not eval_loss.requires_grad
 
 
+def _matmuls(fn: Any) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key == "aten::mm")
+
+
+def test_eval_forward_does_not_compute_the_heads_gradients() -> None:
+    """Under no_grad the fused head must skip d loss / d hidden and d loss / d weight (two matmuls per chunk)."""
+    model = CausalLMLoss(_tiny_lm())
+    input_ids, labels = _batch()
+    with torch.no_grad():
+        eval_mms = _matmuls(lambda: model(input_ids, labels))
+    train_mms = _matmuls(lambda: model(input_ids, labels))
+    assert train_mms - eval_mms == 2, (train_mms, eval_mms)
+
+
 def test_far_off_predictions_stay_finite_and_exact() -> None:
     """A target logit 200 below the rest: the softmax underflows, the loss must not."""
     hidden = torch.tensor([[1.0, 0.0], [0.0, 1.0]], requires_grad=True)
     weight = torch.tensor([[-100.0, 0.0], [100.0, 0.0], [0.0, 1.0]], requires_grad=True)
     targets = torch.tensor([0, 2])
-    total = LinearCrossEntropy.apply(hidden, weight, targets, torch.float32)
+    total = LinearCrossEntropy.apply(hidden, weight, targets, torch.float32, True)
     ref = F.cross_entropy(hidden @ weight.t(), targets, reduction="sum")
     assert torch.isfinite(total) and float(total) == pytest.approx(float(ref), rel=1e-6)
     total.backward()
