@@ -25,9 +25,9 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repo root: t
 from common import (
     PY,
     Series,
-    llmexp_metrics,
     llmexp_tokens_per_sec,
     load_average,
+    load_records,
     markdown_table,
     rotated,
     run_process,
@@ -93,7 +93,7 @@ def optimizer_states() -> dict[str, float]:
     torch.manual_seed(0)
     model = LlamaForCausalLM(llama_config())
     makers = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-              "adamw8bit (llmexp.optim, CPU)": lambda ps: AdamW8bit(ps, lr=1e-3, compile=False),
+              "adamw8bit (llmexp.optim, CPU)": lambda ps: AdamW8bit(ps, lr=1e-3),
               "adamw8bit (bitsandbytes)": lambda ps: bnb.optim.AdamW8bit(ps, lr=1e-3),
               "lion": lambda ps: bnb.optim.Lion(ps, lr=1e-4), "lion8bit": lambda ps: bnb.optim.Lion8bit(ps, lr=1e-4)}
     sizes = {}
@@ -142,7 +142,7 @@ def accumulation_end_to_end(steps: int) -> dict[str, float]:
         for name, extra in runs.items():
             run_dir = Path(tmp) / name
             llmexp_run([*common, *extra], run_dir)
-            losses[name] = [r["loss"] for r in llmexp_metrics(run_dir) if r.get("event") == "train"]
+            losses[name] = [r["loss"] for r in load_records(run_dir) if r.get("event") == "train"]
             weights[name] = load_file(str(run_dir / "model" / "model.safetensors"))
     loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses["small"], losses["big"], strict=True))
     weight_diff = max(float((weights["small"][k] - w).norm() / w.norm()) for k, w in weights["big"].items())
@@ -190,7 +190,7 @@ def grad_norm_range(steps: int) -> dict[str, float]:
         run_dir = Path(tmp) / "run"
         summary, _ = llmexp_run([f"train.max_steps={steps}", "train.logging_steps=1", "train.eval_batches=2",
                                  "train.save_steps=0"], run_dir)
-        records = [r for r in llmexp_metrics(run_dir) if r.get("event") == "train"]
+        records = [r for r in load_records(run_dir) if r.get("event") == "train"]
     warmup = max(1, int(0.05 * steps))
     norms = sorted(float(r["grad_norm"]) for r in records if r["step"] > warmup)
     q = statistics.quantiles(norms, n=20)

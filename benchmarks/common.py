@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmexp.rundir import load_records
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 PY = sys.executable
@@ -151,23 +153,12 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def write_result(name: str, text: str) -> Path:
-    """Write benchmarks/results/<name> atomically (temp file, fsync, rename)."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    """Write benchmarks/results/<name> atomically."""
+    from llmexp.paths import write_text_atomic
+
     path = RESULTS / name
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text if text.endswith("\n") else text + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_text_atomic(path, text if text.endswith("\n") else text + "\n")
     return path
-
-
-def llmexp_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def llmexp_tokens_per_sec(run_dir: Path, warmup_steps: int) -> float:
@@ -177,7 +168,7 @@ def llmexp_tokens_per_sec(run_dir: Path, warmup_steps: int) -> float:
     seconds are its tokens over its rate; windows ending at or before `warmup_steps` are dropped.
     Every step has the same token count here, so steps stand in for tokens.
     """
-    records = [r for r in llmexp_metrics(run_dir) if r.get("event") == "train"]
+    records = [r for r in load_records(run_dir) if r.get("event") == "train"]
     steps = seconds = 0.0
     previous = 0
     for r in records:

@@ -36,9 +36,9 @@ from common import (
     Series,
     flops_per_token,
     llama_config,
-    llmexp_metrics,
     llmexp_tokens_per_sec,
     load_average,
+    load_records,
     markdown_table,
     measure_ceiling_tflops,
     rotated,
@@ -151,7 +151,7 @@ def run_arm(arm: str, warmup: int, steps: int, threads: int = 0) -> ArmResult:
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
         result.data = {"tokens_per_sec": llmexp_tokens_per_sec(run_dir, warmup),
                        "num_params": summary.get("num_params"), "compile_time_s": summary.get("compile_time_s"),
-                       "steps_logged": sum(r.get("event") == "train" for r in llmexp_metrics(run_dir))}
+                       "steps_logged": sum(r.get("event") == "train" for r in load_records(run_dir))}
     return result
 
 

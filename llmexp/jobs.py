@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llmexp.paths import register_resolvers, write_json_atomic
-from llmexp.rundir import FINISHED, load_json, write_atomic
+from llmexp.paths import register_resolvers, write_json_atomic, write_text_atomic
+from llmexp.rundir import FINISHED, load_json
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -154,8 +154,7 @@ def record_outcome(spec: JobSpec, outcome: JobOutcome) -> None:
     if not overrides_yaml.exists():  # what Hydra would have written, so reports show the job's settings
         import yaml
 
-        overrides_yaml.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(overrides_yaml, yaml.safe_dump(spec.overrides))
+        write_text_atomic(overrides_yaml, yaml.safe_dump(spec.overrides))
 
 
 def write_report(sweep_dir: Path) -> None:

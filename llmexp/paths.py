@@ -63,14 +63,30 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("llmexp_safe", safe_name)
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write text so that readers see the old file or the new one, never half of one.
+
+    A unique temp file beside the target (concurrent writers never share one), fsync'd, then
+    renamed over it; on any failure the temp file is removed.
+    """
+    import tempfile
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def write_json_atomic(path: Path, obj: object) -> None:
-    """Write JSON so that readers see the old file or the new one, never half of one."""
+    """JSON through write_text_atomic."""
     import json
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(obj, indent=2, default=str))

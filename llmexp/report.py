@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from llmexp.monitor import ERROR, Finding, worst_severity
+from llmexp.paths import write_text_atomic
 from llmexp.rundir import (
     fmt,
     fmt_rate,
@@ -28,7 +29,6 @@ from llmexp.rundir import (
     load_overrides,
     load_records,
     run_findings,
-    write_atomic,
 )
 from llmexp.sweep_report import write_sweep_report
 
@@ -139,7 +139,7 @@ def write_run_report(run_dir: Path, findings: list[Finding] | list[dict] | None 
     clip = (cfg.get("train") or {}).get("max_grad_norm")
     plot_run(records, found, run_dir / "curves.png", title=run_dir.resolve().name,
              max_grad_norm=float(clip) if isinstance(clip, int | float) else None)
-    write_atomic(run_dir / "report.md", text)
+    write_text_atomic(run_dir / "report.md", text)
 
 
 def main(argv: list[str] | None = None) -> int:

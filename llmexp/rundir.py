@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -105,21 +103,6 @@ def run_findings(run_dir: Path, records: list[dict] | None = None) -> list[dict]
 
 
 # ----- writing atomically ------------------------------------------------------------------------
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write text so that readers see the old file or the new one, never half of one."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
 
 # ----- formatting values ----------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from llmexp import checkpoint as ckpt
 from llmexp.errors import STATUS_EXIT
 from llmexp.paths import write_json_atomic
+from llmexp.rundir import last_value
 from llmexp.security import scrub
 
 if TYPE_CHECKING:
@@ -249,10 +250,6 @@ def finish_run(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, optimizer: 
     return summary
 
 
-def _last(history: list[dict[str, Any]], event: str, key: str) -> float | None:
-    return next((r[key] for r in reversed(history) if r.get("event") == event and key in r), None)
-
-
 def build_summary(cfg: DictConfig, rt: Runtime, state: LoopState, log: MetricsLogger, status: str,
                   peak_lr: float, lr_source: str) -> dict[str, Any]:
     """summary.json: the final status and metrics, and every finding with its advice."""
@@ -267,8 +264,8 @@ def build_summary(cfg: DictConfig, rt: Runtime, state: LoopState, log: MetricsLo
     peak_mb = rt.reduce_max(peak_memory_mb(rt.device))  # the busiest rank's peak
     return {
         "status": status, "exit_code": STATUS_EXIT[status], "step": state.step,
-        "train_loss": _last(history, "train", "loss"), "eval_loss": _last(history, "eval", "eval_loss"),
-        "eval_ppl": _last(history, "eval", "eval_ppl"), "best_eval_loss": state.best_eval_loss,
+        "train_loss": last_value(history, "train", "loss"), "eval_loss": last_value(history, "eval", "eval_loss"),
+        "eval_ppl": last_value(history, "eval", "eval_ppl"), "best_eval_loss": state.best_eval_loss,
         "best_eval_step": state.best_eval_step, "tokens_per_sec": tokens_per_sec, "mfu": rt.mfu(tokens_per_sec),
         "lr": peak_lr, "lr_source": lr_source, "num_params": rt.num_params, "precision": rt.precision,
         "global_batch_size": rt.plan.global_batch, "gradient_accumulation_steps": rt.plan.accum,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from llmexp.monitor import ERROR, worst_severity
+from llmexp.paths import write_text_atomic
 from llmexp.rundir import (
     FINISHED,
     fmt,
@@ -25,7 +26,6 @@ from llmexp.rundir import (
     load_overrides,
     load_records,
     run_findings,
-    write_atomic,
 )
 
 
@@ -170,6 +170,6 @@ def write_sweep_report(sweep_dir: Path) -> dict[str, Any]:
     title = sweep_dir.resolve().name + (f"  ·  recommended: {rec['settings']}" if rec else "")
     plot_sweep(jobs, curves, varying, sweep_dir / "sweep_curves.png", title=title,
                recommended=rec["job"] if rec else None)
-    write_atomic(sweep_dir / "sweep_summary.json", json.dumps(summary, indent=2, default=str) + "\n")
-    write_atomic(sweep_dir / "sweep_report.md", sweep_report_markdown(summary))
+    write_text_atomic(sweep_dir / "sweep_summary.json", json.dumps(summary, indent=2, default=str) + "\n")
+    write_text_atomic(sweep_dir / "sweep_report.md", sweep_report_markdown(summary))
     return summary
