@@ -29,10 +29,10 @@ from common import (
     load_average,
     load_records,
     markdown_table,
+    publish,
     rotated,
     run_process,
     utc_now,
-    write_result,
 )
 
 SMALL = ["model.hidden_size=64", "model.num_hidden_layers=2", "model.num_attention_heads=2",
@@ -252,9 +252,7 @@ def main() -> None:
     acc, acc_grads = accumulation_end_to_end(args.accum_steps), accumulation_gradients()
     print("states, accumulation done", file=sys.stderr, flush=True)
     text = render(prec, states, seven_b, acc, acc_grads, grad_norm_range(args.healthy_steps))
-    print(text)
-    if args.out:
-        print(f"\nwritten to {write_result(args.out, text)}", file=sys.stderr)
+    publish(text, args.out)
 
 
 if __name__ == "__main__":

@@ -152,13 +152,15 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def write_result(name: str, text: str) -> Path:
-    """Write benchmarks/results/<name> atomically."""
+def publish(text: str, out: str) -> None:
+    """Print a result table; unless `out` is '', also write it to benchmarks/results/<out> atomically."""
     from llmexp.paths import write_text_atomic
 
-    path = RESULTS / name
-    write_text_atomic(path, text if text.endswith("\n") else text + "\n")
-    return path
+    print(text)
+    if out:
+        path = RESULTS / out
+        write_text_atomic(path, text if text.endswith("\n") else text + "\n")
+        print(f"\nwritten to {path}", file=sys.stderr)
 
 
 def llmexp_tokens_per_sec(run_dir: Path, warmup_steps: int) -> float:

@@ -30,10 +30,10 @@ from common import (
     llmexp_tokens_per_sec,
     load_average,
     markdown_table,
+    publish,
     rotated,
     run_process,
     utc_now,
-    write_result,
 )
 
 OPTIMIZERS: dict[str, list[str]] = {
@@ -146,9 +146,7 @@ def main() -> None:
     text = (f"Measured {utc_now()}: tiny model (7.4M params), micro-batch 8 x 256, bf16; {args.rounds} rounds of "
             f"{args.warmup} warm-up + {args.steps} timed steps per optimizer; step time alone is the median of "
             f"{args.step_reps} steps on random gradients. Load average at the end: {load_average()}.\n\n{table}")
-    print(text)
-    if args.out:
-        print(f"\nwritten to {write_result(args.out, text)}", file=sys.stderr)
+    publish(text, args.out)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PY, REPO, Series, load_average, markdown_table, run_process, utc_now, write_result
+from common import PY, REPO, Series, load_average, markdown_table, publish, run_process, utc_now
 
 FIRST_STEP = ["train.logging_steps=1", "train.max_steps=50"]
 
@@ -100,9 +100,7 @@ def main() -> None:
                            [[a, b, f"{s.median():.2f}", s.spread("{:.2f}")] for a, b, s in rows])
     text = (f"Measured {utc_now()}, {args.reps} fresh processes each; load average at the end: "
             f"{load_average()}.\n\n{table}")
-    print(text)
-    if args.out:
-        print(f"\nwritten to {write_result(args.out, text)}", file=sys.stderr)
+    publish(text, args.out)
 
 
 if __name__ == "__main__":

@@ -41,10 +41,10 @@ from common import (
     load_records,
     markdown_table,
     measure_ceiling_tflops,
+    publish,
     rotated,
     run_process,
     utc_now,
-    write_result,
 )
 
 ARMS = ("raw", "llmexp", "hf", "compile")
@@ -245,9 +245,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown arms {sorted(unknown)}; pick from {', '.join(ARMS)}")
     text = render(run_rounds(arms, args.rounds, args.warmup, args.steps, args.threads), arms, args)
-    print(text)
-    if args.out:
-        print(f"\nwritten to {write_result(args.out, text)}", file=sys.stderr)
+    publish(text, args.out)
 
 
 if __name__ == "__main__":
