@@ -59,6 +59,8 @@ def accelerator_kwargs(cfg: DictConfig) -> dict[str, Any]:
 
     check_launch_env(cfg, dict(os.environ))
     kwargs: dict[str, Any] = {"cpu": not torch.cuda.is_available(), "mixed_precision": "no"}
+    if kwargs["cpu"]:  # DeepSpeed (imported by Accelerate and transformers when installed) would guess the
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # same, with a "Setting accelerator to CPU" warning
     if cfg.deepspeed.stage > 0:
         kwargs["cpu"] = False  # cpu=True makes Accelerate drop the DeepSpeed plugin silently; DeepSpeed finds the CPU
         from accelerate.utils import DeepSpeedPlugin
