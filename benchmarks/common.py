@@ -127,23 +127,13 @@ def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len:
     return llmexp_flops_per_token(num_params, num_layers, hidden_size, seq_len)
 
 
-def measure_ceiling_tflops(seconds: float = 1.0) -> float:
-    """bf16 matmul ceiling of this machine (what MFU divides by): large square matmuls, best of 3 windows."""
+def measure_ceiling_tflops(seconds: float = 1.0, device: str = "cpu") -> float:
+    """bf16 matmul ceiling (what MFU divides by): llmexp's own measurement, best of 3 windows."""
     import torch
 
-    n = 1024
-    a = torch.randn(n, n, dtype=torch.bfloat16)
-    b = torch.randn(n, n, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    best = 0.0
-    for _ in range(3):
-        count, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds / 3:
-            a @ b
-            count += 1
-        best = max(best, 2.0 * n**3 * count / (time.perf_counter() - start) / 1e12)
-    return best
+    from llmexp.metrics import measure_peak_tflops
+
+    return max(measure_peak_tflops(torch.device(device), torch.bfloat16, seconds / 3) for _ in range(3))
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:

@@ -13,6 +13,11 @@ first `--warmup` steps of every arm are not timed. Ratios to (a) are paired with
     python benchmarks/throughput.py                       # 3 rounds x (10 warm-up + 30 timed steps)
     python benchmarks/throughput.py --rounds 5 --steps 60
     python benchmarks/throughput.py --arms raw,llmexp --rounds 1 --steps 5 --warmup 5   # a smoke run
+    python benchmarks/throughput.py --model 1b --rounds 2 --warmup 5 --steps 20 --out throughput_gpu.md  # a GPU
+
+Every arm runs on CUDA when torch sees a GPU (the ceiling is then a bf16 matmul on it), else on the CPU.
+`--model 1b` is a ~1.0B-parameter Llama (hidden 2048, 16 layers, 32 heads, 8 KV heads, MLP 8192; the
+tiny model's 8192-word vocabulary and 256-token positions), for GPUs: benchmarks/gpu.sh runs it.
 
 Writes the table to benchmarks/results/throughput.md as well.
 """
@@ -51,6 +56,27 @@ ARMS = ("raw", "llmexp", "hf", "compile")
 LABELS = {"raw": "(a) hand-written loop", "llmexp": "(b) llmexp", "hf": "(c) HF Trainer",
           "compile": "(d) llmexp, train.compile=true"}
 MICRO_BATCH, SEQ_LEN, LR = 8, 256, 3e-4
+MODELS: dict[str, dict[str, int]] = {
+    "tiny": {},  # conf/model/tiny.yaml as it is
+    "1b": {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "intermediate_size": 8192},
+}
+"""Fields changed from the tiny model's, for every arm alike (llmexp gets them as model.* overrides)."""
+
+
+def device_type() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def stamp() -> float:
+    """A step's end: on a GPU only once its kernels are done."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 # ---------------------------------------------------------------- workers (run in fresh processes)
@@ -63,22 +89,23 @@ def random_batches(num_steps: int, vocab_size: int) -> Any:
     return torch.randint(0, vocab_size, (num_steps, MICRO_BATCH, SEQ_LEN), generator=gen)
 
 
-def worker_raw(warmup: int, steps: int) -> dict[str, Any]:
+def worker_raw(warmup: int, steps: int, model_name: str) -> dict[str, Any]:
     """The loop a user writes from the seed: HF's loss, autocast, clip, step, zero_grad."""
     import torch
     from transformers import LlamaForCausalLM, get_cosine_schedule_with_warmup
 
     torch.manual_seed(0)
-    config = llama_config()
-    model = LlamaForCausalLM(config)
+    config = llama_config(**MODELS[model_name])
+    device = device_type()
+    model = LlamaForCausalLM(config).to(device)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     scheduler = get_cosine_schedule_with_warmup(optimizer, max(1, (warmup + steps) // 20), warmup + steps)
-    data = random_batches(warmup + steps, config.vocab_size)
+    data = random_batches(warmup + steps, config.vocab_size).to(device)
     stamps = []
     for step in range(warmup + steps):
         batch = data[step]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -87,7 +114,7 @@ def worker_raw(warmup: int, steps: int) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         if (step + 1) % 10 == 0:
             print(f"step {step + 1} loss {loss.item():.4f}", flush=True)  # a loop logs now and then
-        stamps.append(time.perf_counter())
+        stamps.append(stamp())
     tokens = steps * MICRO_BATCH * SEQ_LEN
     num_params = sum(p.numel() for p in model.parameters())
     return {"tokens_per_sec": tokens / (stamps[-1] - stamps[warmup - 1]), "num_params": num_params,
@@ -95,13 +122,13 @@ def worker_raw(warmup: int, steps: int) -> dict[str, Any]:
             "hidden_size": config.hidden_size}
 
 
-def worker_hf(warmup: int, steps: int) -> dict[str, Any]:
+def worker_hf(warmup: int, steps: int, model_name: str) -> dict[str, Any]:
     """HF Trainer on the same work; step ends are stamped by a callback."""
     import torch
     from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     torch.manual_seed(0)
-    config = llama_config()
+    config = llama_config(**MODELS[model_name])
     model = LlamaForCausalLM(config)
     data = random_batches(warmup + steps, config.vocab_size).reshape(-1, SEQ_LEN)
     dataset = [{"input_ids": row, "labels": row} for row in data]
@@ -109,14 +136,14 @@ def worker_hf(warmup: int, steps: int) -> dict[str, Any]:
 
     class Stamp(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            stamps.append(time.perf_counter())
+            stamps.append(stamp())
 
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
             output_dir=out, per_device_train_batch_size=MICRO_BATCH, max_steps=warmup + steps, bf16=True,
             learning_rate=LR, weight_decay=0.01, max_grad_norm=1.0, lr_scheduler_type="cosine",
             warmup_steps=max(1, (warmup + steps) // 20), logging_steps=10, save_strategy="no", eval_strategy="no",
-            report_to="none", use_cpu=True, dataloader_num_workers=0, optim="adamw_torch_fused",
+            report_to="none", use_cpu=device_type() == "cpu", dataloader_num_workers=0, optim="adamw_torch_fused",
             disable_tqdm=True, seed=0)
         Trainer(model=model, args=args, train_dataset=dataset, callbacks=[Stamp()]).train()
     tokens = steps * MICRO_BATCH * SEQ_LEN
@@ -124,28 +151,30 @@ def worker_hf(warmup: int, steps: int) -> dict[str, Any]:
 
 
 def worker_ceiling() -> dict[str, Any]:
-    return {"ceiling_tflops": measure_ceiling_tflops()}
+    return {"ceiling_tflops": measure_ceiling_tflops(device=device_type())}
 
 
 # ---------------------------------------------------------------- the parent: rounds and the table
 
 
-def llmexp_overrides(warmup: int, steps: int, compile_model: bool) -> list[str]:
+def llmexp_overrides(warmup: int, steps: int, compile_model: bool, model_name: str = "tiny") -> list[str]:
     total = warmup + steps
-    return ["model=tiny", "data=stdlib", "precision=bf16", "optimizer=adamw", f"batch_size={MICRO_BATCH}",
+    return ["model=tiny", *(f"model.{k}={v}" for k, v in MODELS[model_name].items()), "data=stdlib",
+            "precision=bf16", "optimizer=adamw", f"batch_size={MICRO_BATCH}",
             f"data.max_length={SEQ_LEN}", f"lr={LR}", f"train.max_steps={total}",
             f"train.warmup_steps={max(1, total // 20)}", f"train.logging_steps={math.gcd(warmup, steps)}",
             "train.eval_steps=1000000", "train.eval_batches=1", "train.save_steps=0", "train.resume=never",
             "train.peak_tflops=1", f"train.compile={str(compile_model).lower()}"]
 
 
-def run_arm(arm: str, warmup: int, steps: int, threads: int = 0) -> ArmResult:
+def run_arm(arm: str, warmup: int, steps: int, threads: int = 0, model_name: str = "tiny") -> ArmResult:
     env = {"OMP_NUM_THREADS": str(threads)} if threads else None
     if arm in ("raw", "hf", "ceiling"):
-        return run_process([PY, __file__, "--worker", arm, "--warmup", str(warmup), "--steps", str(steps)], env=env)
+        return run_process([PY, __file__, "--worker", arm, "--warmup", str(warmup), "--steps", str(steps),
+                            "--model", model_name], env=env)
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
-        result = run_process([PY, "-m", "llmexp", *llmexp_overrides(warmup, steps, arm == "compile"),
+        result = run_process([PY, "-m", "llmexp", *llmexp_overrides(warmup, steps, arm == "compile", model_name),
                               f"hydra.run.dir={run_dir}"], env=env)
         summary_path = run_dir / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
@@ -155,7 +184,8 @@ def run_arm(arm: str, warmup: int, steps: int, threads: int = 0) -> ArmResult:
     return result
 
 
-def run_rounds(arms: list[str], rounds: int, warmup: int, steps: int, threads: int = 0) -> dict[str, Any]:
+def run_rounds(arms: list[str], rounds: int, warmup: int, steps: int, threads: int = 0,
+               model_name: str = "tiny") -> dict[str, Any]:
     rates = {arm: Series() for arm in arms}
     ratios = {arm: Series() for arm in arms}
     rss = {arm: Series() for arm in arms}
@@ -163,7 +193,7 @@ def run_rounds(arms: list[str], rounds: int, warmup: int, steps: int, threads: i
     for r in range(rounds):
         round_rates: dict[str, float] = {}
         for arm in [*rotated(arms, r), "ceiling"]:
-            res = run_arm(arm, warmup, steps, threads)
+            res = run_arm(arm, warmup, steps, threads, model_name)
             if res.returncode != 0 or not res.data:
                 print(f"round {r + 1}: {arm} failed (exit {res.returncode}):\n{res.tail}", file=sys.stderr)
                 continue
@@ -216,7 +246,8 @@ def render(results: dict[str, Any], arms: list[str], args: argparse.Namespace) -
                             "MFU", "MFU, input embedding left out of N", "peak RSS (MB)", "note"], rows)
     n = results["model"].get("num_params", 0)
     head = (f"Measured {utc_now()}, {args.rounds} rounds of {args.warmup} warm-up + {args.steps} timed steps per "
-            f"arm, tiny model ({n / 1e6:.2f}M params), micro-batch {MICRO_BATCH} x {SEQ_LEN}, bf16 autocast, AdamW. "
+            f"arm, {args.model} model ({n / 1e6:.2f}M params) on {device_type()}, "
+            f"micro-batch {MICRO_BATCH} x {SEQ_LEN}, bf16 autocast, AdamW. "
             f"bf16 matmul ceiling {ceiling:.3f} TFLOP/s (median of rounds, {results['ceilings'].spread('{:.3f}')}). "
             f"Load average after each round: {'; '.join(results['loads'])}.")
     pairs = [r["llmexp"] / r["hf"] for r in results["per_round"] if r.get("llmexp") and r.get("hf")]
@@ -231,20 +262,22 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps at the start of every arm")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per arm")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny", help="tiny, or ~1B for GPUs")
     parser.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS for every arm (0: torch's default)")
     parser.add_argument("--out", default="throughput.md", help="file name under benchmarks/results/ ('' skips)")
     parser.add_argument("--worker", choices=["raw", "hf", "ceiling"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        result = {"raw": lambda: worker_raw(args.warmup, args.steps), "hf": lambda: worker_hf(args.warmup, args.steps),
-                  "ceiling": worker_ceiling}[args.worker]()
+        workers = {"raw": lambda: worker_raw(args.warmup, args.steps, args.model),
+                   "hf": lambda: worker_hf(args.warmup, args.steps, args.model), "ceiling": worker_ceiling}
+        result = workers[args.worker]()
         print(json.dumps(result), flush=True)
         return
     arms = [a for a in args.arms.split(",") if a]
     unknown = set(arms) - set(ARMS)
     if unknown:
         parser.error(f"unknown arms {sorted(unknown)}; pick from {', '.join(ARMS)}")
-    text = render(run_rounds(arms, args.rounds, args.warmup, args.steps, args.threads), arms, args)
+    text = render(run_rounds(arms, args.rounds, args.warmup, args.steps, args.threads, args.model), arms, args)
     publish(text, args.out)
 
 

@@ -53,16 +53,18 @@ def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len:
 
 def measure_peak_tflops(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -> float:
     """A matmul ceiling for MFU, measured here: large square matmuls in the training dtype."""
-    n = 2048 if device.type == "cuda" else 1024
+    n = 8192 if device.type == "cuda" else 1024  # a GPU needs ~1 TFLOP per matmul to hide launch overhead
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the warm-up (and cuBLAS set-up) stays out of the window
     count, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         a @ b
         count += 1
     if device.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
     return 2.0 * n**3 * count / (time.perf_counter() - start) / 1e12
 
 
