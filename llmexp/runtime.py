@@ -273,6 +273,7 @@ def _inner(optimizer: Any) -> torch.optim.Optimizer:
 
 
 def setup_runtime(cfg: DictConfig) -> Runtime:
-    from llmexp.train import run_dir_of
+    """The runtime of this Hydra job; its output directory (the same on every rank) is the run directory."""
+    from hydra.core.hydra_config import HydraConfig
 
-    return Runtime(cfg, run_dir_of())
+    return Runtime(cfg, Path(HydraConfig.get().runtime.output_dir))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -171,10 +170,3 @@ def resolve_lr(cfg: DictConfig, num_params: int) -> tuple[float, str]:
     if lr is not None:
         return lr, "config"
     return auto_lr(num_params, finetune=bool(cfg.model.name_or_path)), "auto"
-
-
-def run_dir_of() -> Path:
-    """The Hydra output directory of this job (the same for every rank)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    return Path(HydraConfig.get().runtime.output_dir)
