@@ -131,9 +131,9 @@ def measure_ceiling_tflops(seconds: float = 1.0, device: str = "cpu") -> float:
     """bf16 matmul ceiling (what MFU divides by): llmexp's own measurement, best of 3 windows."""
     import torch
 
-    from llmexp.metrics import measure_peak_tflops
+    from llmexp.metrics import measure_ceiling
 
-    return max(measure_peak_tflops(torch.device(device), torch.bfloat16, seconds / 3) for _ in range(3))
+    return measure_ceiling(torch.device(device), torch.bfloat16, seconds=seconds / 3)[0]
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:

@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from llmexp import build
 from llmexp.errors import UserError
-from llmexp.metrics import MetricsLogger, flops_per_token, make_sinks, measure_peak_tflops, peak_memory_mb, safe_exp
+from llmexp.metrics import MetricsLogger, flops_per_token, make_sinks, measure_ceiling, peak_memory_mb, safe_exp
 from llmexp.monitor import MonitorSettings
 
 if TYPE_CHECKING:
@@ -152,16 +152,16 @@ class Runtime:
         """A matmul ceiling in the training dtype, cached per device so later runs start fast."""
         dtype = build.autocast_dtype(self.precision) or torch.float32
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        key = f"{name}|{dtype}|{torch.get_num_threads()}"
+        key = f"v2|{name}|{dtype}|{torch.get_num_threads()}"  # v2: v1 entries could come from a busy machine
         cache = Path(self.cfg.data.cache_dir) / "peak_tflops.json"
         try:
             known = json.loads(cache.read_text())
         except (OSError, ValueError):
             known = {}
         if key not in known:
-            value = max(measure_peak_tflops(self.device, dtype, seconds=0.1) for _ in range(3))
-            if self.device.type == "cpu" and os.getloadavg()[0] > (os.cpu_count() or 1) / 2:
-                return value  # a busy machine's ceiling is too low to keep: measure again next run
+            value, cores_were_ours = measure_ceiling(self.device, dtype)
+            if not cores_were_ours:
+                return value  # too low to keep: measured again next run
             known[key] = value
             from llmexp.paths import write_json_atomic
 
