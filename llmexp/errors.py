@@ -20,7 +20,7 @@ class UserError(ValueError):
 def run_guarded(cfg: DictConfig) -> int:
     """Validate, then train; return the exit code. User errors print one clear message, no traceback."""
     from llmexp.preflight import check_environment
-    from llmexp.security import check_hydra_job_dir, scrub_text
+    from llmexp.security import check_hydra_job_dir
     from llmexp.validation import validate
 
     try:
@@ -31,6 +31,23 @@ def run_guarded(cfg: DictConfig) -> int:
 
         result = train(cfg)
     except UserError as err:
-        print(f"llmexp: error: {scrub_text(str(err))}", file=sys.stderr)
-        return EXIT_USER
+        return user_error_exit(err)
     return STATUS_EXIT[result.status]
+
+
+_last_user_error: str | None = None
+
+
+def user_error_exit(err: UserError) -> int:
+    """Print a user's mistake as one line (secrets scrubbed), keep it for the sweep's record of this job, exit 2."""
+    from llmexp.security import scrub_text
+
+    global _last_user_error
+    _last_user_error = scrub_text(str(err))
+    print(f"llmexp: error: {_last_user_error}", file=sys.stderr)
+    return EXIT_USER
+
+
+def last_user_error() -> str | None:
+    """The message of the last user error in this process: a sweep job's record shows it, not just "exit 2"."""
+    return _last_user_error

@@ -127,10 +127,18 @@ def execute(spec: JobSpec, task_function: Any, hydra_context: Any, singleton_sta
         value = ret._return_value
         code = value if isinstance(value, int) and not isinstance(value, bool) else 0
         status = run_status(spec.job_dir) or ("completed" if code == 0 else "failed")
-        return JobOutcome(spec.num, status, code, None if code == 0 else f"the task exited with code {code}")
+        return JobOutcome(spec.num, status, code, None if code == 0 else _task_error(code))
     err = ret._return_value
     traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
     return JobOutcome(spec.num, "failed", 1, f"{type(err).__name__}: {err}")
+
+
+def _task_error(code: int) -> str:
+    """What a job that returned `code` says in its record: a user error's own message, when it was one."""
+    from llmexp.errors import EXIT_USER, last_user_error
+
+    message = last_user_error() if code == EXIT_USER else None
+    return message or f"the task exited with code {code}"
 
 
 # ----------------------------------------------------------------------------- recording

@@ -1,6 +1,6 @@
 """A throwaway Hydra app for the local launcher tests: llmexp's config tree and launchers, but a task
 that only records where and when it ran, then sleeps, raises or kills itself, chosen per job by
-`model.name` (ok | raise | kill) with `lr` as the seconds to sleep. Starts in ~1 s, no torch."""
+`model.name` (ok | raise | kill | usererror) with `lr` as the seconds to sleep. Starts in ~1 s, no torch."""
 
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ def task(cfg: DictConfig) -> int:
     mode = cfg.model.name
     if mode == "raise":
         raise RuntimeError("toy job failure")
+    if mode == "usererror":
+        from llmexp.errors import UserError, user_error_exit
+
+        return user_error_exit(UserError("toy: data.train_file=/nowhere.jsonl does not exist; fix the path"))
     if mode == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(float(cfg.lr))

@@ -60,6 +60,17 @@ def test_every_job_in_its_own_process_and_a_crash_or_kill_stops_no_other(tmp_pat
     assert "RuntimeError: toy job failure" in (sweep / "1" / "job.log").read_text()  # the child's traceback
 
 
+def test_a_user_error_in_a_job_is_recorded_with_its_message(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    proc = run_toy(sweep, ["model.name=usererror,ok", "lr=0.1"])
+    assert proc.returncode == 1, (tmp_path / "sweep.log").read_text()
+    status = json.loads((sweep / "0" / "job_status.json").read_text())
+    assert status["exit_code"] == 2 and "data.train_file=/nowhere.jsonl does not exist" in status["error"]
+    summary = json.loads((sweep / "sweep_summary.json").read_text())
+    assert "fix the path" in summary["jobs"][0]["error"] and summary["jobs"][1]["status"] == "completed"
+    assert "data.train_file=/nowhere.jsonl" in (sweep / "sweep_report.md").read_text()
+
+
 def test_cpu_jobs_run_serially_by_default_and_max_parallel_at_once(tmp_path: Path) -> None:
     serial = tmp_path / "serial"
     assert run_toy(serial, ["lr=0.5,0.5"]).returncode == 0
