@@ -164,6 +164,9 @@ class ClusterConfig:
     """slurm: jobs of the array running at once."""
     additional_parameters: dict[str, Any] = field(default_factory=dict)
     """slurm: extra sbatch parameters."""
+    setup: list[str] = field(default_factory=list)
+    """slurm: shell lines the job script runs before the job, e.g. `module load cuda/12.4` or
+    `source ~/venv/bin/activate`. They are written into the sbatch script: keep secrets in the environment."""
 
 
 @dataclass

@@ -86,6 +86,8 @@ def sbatch_parameters(cluster: DictConfig, job_name: str) -> dict[str, Any]:
     extra = OmegaConf.to_container(cluster.additional_parameters, resolve=True) or {}
     if extra:
         params["additional_parameters"] = extra
+    if cluster.setup:
+        params["setup"] = [str(line) for line in cluster.setup]
     return params
 
 

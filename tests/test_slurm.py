@@ -74,8 +74,11 @@ def events(run_dir: Path, name: str) -> list[dict]:
 
 
 def test_lr_sweep_completes_as_one_job_array(tmp_path: Path) -> None:
-    proc, sweep, log = start_sweep(tmp_path, "lr", ["lr=1e-3,3e-3,1e-2", "train.max_steps=5", *QUICK])
+    marks = tmp_path / "setup_ran"
+    setup = f"cluster.setup=['mkdir -p {marks}', 'touch {marks}/$SLURM_ARRAY_TASK_ID']"
+    proc, sweep, log = start_sweep(tmp_path, "lr", ["lr=1e-3,3e-3,1e-2", "train.max_steps=5", *QUICK, setup])
     assert proc.wait(timeout=400) == 0, log.read_text()[-3000:]
+    assert sorted(p.name for p in marks.iterdir()) == ["0", "1", "2"]  # cluster.setup ran on the node, per job
     ids = json.loads((sweep / "slurm_jobs.json").read_text())["jobs"]
     array_id = ids["0"].split("_")[0]
     assert ids == {str(i): f"{array_id}_{i}" for i in range(3)}  # one array, all submitted at once
