@@ -140,6 +140,16 @@ def adam32bit_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch
     p.mul_(decay).sub_(step_size * m / (v.sqrt() / correction2 + eps))
 
 
+BNB_NESTED_KEY = "__bnb_optimizer_quant_state__"
+"""Where bitsandbytes' state_dict puts the 8-bit tensors (hidden from FSDP's gather)."""
+
+
+def _unnest(state: Any) -> Any:
+    if isinstance(state, dict) and BNB_NESTED_KEY in state:
+        return {**{k: v for k, v in state.items() if k != BNB_NESTED_KEY}, **state[BNB_NESTED_KEY]}
+    return state
+
+
 class _Tensor8(ctypes.Structure):
     """adam8bit.c's `Tensor8`: one tensor's pointers, size and hyperparameters."""
 
@@ -197,10 +207,22 @@ class AdamW8bit(torch.optim.Optimizer):
         state["absmax2"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
         return state
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's, plus bitsandbytes' `qmap1`/`qmap2` per 8-bit tensor, so its AdamW8bit can resume from it."""
+        out = super().state_dict()
+        code1, _, code2, _ = self._maps_on(torch.device("cpu"))
+        out["state"] = {k: {**v, "qmap1": code1, "qmap2": code2} if "absmax1" in v else v
+                        for k, v in out["state"].items()}  # new dicts: torch's hold the live per-parameter ones
+        return out
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch casts every loaded state tensor to the parameter's dtype; the 8-bit moments go back to uint8."""
+        """Ours or bitsandbytes' (which nests the 8-bit tensors under one key); torch casts every loaded
+        state tensor to the parameter's dtype, so the 8-bit moments go back to uint8."""
+        state_dict = {**state_dict, "state": {k: _unnest(v) for k, v in state_dict["state"].items()}}
         super().load_state_dict(state_dict)
         for state in self.state.values():
+            state.pop("qmap1", None)
+            state.pop("qmap2", None)
             if "absmax1" in state:
                 state["state1"] = state["state1"].to(torch.uint8)
                 state["state2"] = state["state2"].to(torch.uint8)

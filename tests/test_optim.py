@@ -79,11 +79,15 @@ def test_state_is_a_quarter_of_adamw() -> None:
     assert state_bytes <= 0.26 * adamw_bytes, state_bytes / adamw_bytes
 
 
-def test_state_dict_round_trip_continues_identically() -> None:
-    params, opt = _three_steps(AdamW8bit, [(32, 256)], native=False)
+@pytest.mark.parametrize("native", [False, True])
+def test_state_dict_round_trip_continues_identically(native: bool, tmp_path: Path) -> None:
+    from llmexp.ckpt_state import load_state, save_state
+
+    params, opt = _three_steps(AdamW8bit, [(32, 256)], native=native)
     clone = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt2 = AdamW8bit(clone, lr=1e-3, native=False)
-    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))  # as from a checkpoint: no shared tensors
+    opt2 = AdamW8bit(clone, lr=1e-3, native=native)
+    save_state(tmp_path / "optimizer.pt", opt.state_dict())  # llmexp's checkpoint format (no pickle code)
+    opt2.load_state_dict(load_state(tmp_path / "optimizer.pt"))
     grad = torch.randn(32, 256)
     for o, ps in ((opt, params), (opt2, clone)):
         ps[0].grad = grad.clone()
@@ -152,3 +156,25 @@ def test_llmexp_builds_the_fast_class_on_cpu_only(name: str, tmp_path: Path) -> 
     assert type(build_optimizer(cfg, model, 1e-3, "cpu")) is AdamW8bit
     on_gpu = build_optimizer(cfg, model, 1e-3, "cuda")  # what a GPU run gets: bitsandbytes' own class
     assert type(on_gpu).__module__.startswith("bitsandbytes.")
+
+
+@pytest.mark.parametrize("direction", ["bitsandbytes -> llmexp", "llmexp -> bitsandbytes"])
+def test_checkpoints_move_between_bitsandbytes_and_llmexp(direction: str) -> None:
+    """A run saved with one class (bitsandbytes' on a GPU, ours on a CPU) continues with the other."""
+    bnb = pytest.importorskip("bitsandbytes")
+    first, second = ((bnb.optim.AdamW8bit, AdamW8bit) if direction.startswith("bitsandbytes")
+                     else (AdamW8bit, bnb.optim.AdamW8bit))
+    params, first_opt = _three_steps(first, [(64, 256)])
+    clone = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    second_opt = second(clone, lr=1e-3)
+    second_opt.load_state_dict(copy.deepcopy(first_opt.state_dict()))
+    ours_opt, ours_param = (first_opt, params[0]) if first is AdamW8bit else (second_opt, clone[0])
+    assert "qmap1" not in ours_opt.state[ours_param]  # the maps go into the saved dict, not the live state
+    assert second_opt.state[clone[0]]["state1"].dtype == torch.uint8
+    assert second_opt.state[clone[0]]["step"] == 3
+    grad = torch.randn(64, 256, generator=torch.Generator().manual_seed(1)) * 1e-2
+    for opt, ps in ((first_opt, params), (second_opt, clone)):
+        ps[0].grad = grad.clone()
+        opt.step()
+    assert (params[0] - clone[0]).abs().max() < 1e-4  # the same fourth step, up to boundary rounding
+    assert (first_opt.state[params[0]]["state1"] != second_opt.state[clone[0]]["state1"]).float().mean() < 0.01
