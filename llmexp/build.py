@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import os
 from functools import cache
 from pathlib import Path
@@ -143,6 +144,9 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module, lr: float, device_t
         if fused_cpu_available():
             target = "llmexp.optim.AdamW8bit"
     # -- end speed
+    if device_type == "cpu" and target.startswith("bitsandbytes."):
+        # bitsandbytes' CPU backend warns at import that its 4-bit matmul kernels are missing: optimizers never use them
+        logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     cls = locate(target)
     import torch
 
