@@ -140,6 +140,8 @@ def adam32bit_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch
     p.mul_(decay).sub_(step_size * m / (v.sqrt() / correction2 + eps))
 
 
+QUANT_STATE_KEYS = ("state1", "state2", "absmax1", "absmax2")
+"""The 8-bit moments (uint8) and their per-block absmax (fp32)."""
 BNB_NESTED_KEY = "__bnb_optimizer_quant_state__"
 """Where bitsandbytes' state_dict puts the 8-bit tensors (hidden from FSDP's gather)."""
 
@@ -216,16 +218,25 @@ class AdamW8bit(torch.optim.Optimizer):
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Ours or bitsandbytes' (which nests the 8-bit tensors under one key); torch casts every loaded
-        state tensor to the parameter's dtype, so the 8-bit moments go back to uint8."""
-        state_dict = {**state_dict, "state": {k: _unnest(v) for k, v in state_dict["state"].items()}}
-        super().load_state_dict(state_dict)
-        for state in self.state.values():
-            state.pop("qmap1", None)
+        """Ours or bitsandbytes' (which nests the 8-bit tensors under one key).
+
+        torch casts every loaded state tensor to its parameter's dtype: the uint8 moments and the
+        fp32 absmax (which a bf16 parameter would round) are therefore taken from the saved dict as
+        they are, after torch has restored the rest.
+        """
+        saved = {k: _unnest(v) for k, v in state_dict["state"].items()}
+        super().load_state_dict({**state_dict, "state": saved})
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for saved_id, p in zip(saved_ids, params, strict=True):
+            state = self.state.get(p)
+            if state is None:
+                continue
+            state.pop("qmap1", None)  # bitsandbytes' copies of the maps; ours are built here
             state.pop("qmap2", None)
             if "absmax1" in state:
-                state["state1"] = state["state1"].to(torch.uint8)
-                state["state2"] = state["state2"].to(torch.uint8)
+                for key in QUANT_STATE_KEYS:
+                    state[key] = saved[saved_id][key].to(p.device)
 
     def _kernel(self) -> Any:
         """adam8bit.c's library, or None (the torch reference runs) when it is off or cannot be built."""

@@ -178,3 +178,24 @@ def test_checkpoints_move_between_bitsandbytes_and_llmexp(direction: str) -> Non
         opt.step()
     assert (params[0] - clone[0]).abs().max() < 1e-4  # the same fourth step, up to boundary rounding
     assert (first_opt.state[params[0]]["state1"] != second_opt.state[clone[0]]["state1"]).float().mean() < 0.01
+
+
+def test_bf16_parameters_keep_fp32_absmax_through_a_checkpoint(tmp_path: Path) -> None:
+    """torch's load casts state to the parameter dtype; the per-block absmax must not become bf16."""
+    from llmexp.ckpt_state import load_state, save_state
+
+    gen = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64, 256, generator=gen).bfloat16())
+    opt = AdamW8bit([p], lr=1e-3)
+    p.grad = (torch.randn(64, 256, generator=gen) * 1e-2).bfloat16()
+    opt.step()
+    q = torch.nn.Parameter(p.detach().clone())
+    opt2 = AdamW8bit([q], lr=1e-3)
+    save_state(tmp_path / "optimizer.pt", opt.state_dict())
+    opt2.load_state_dict(load_state(tmp_path / "optimizer.pt"))
+    assert opt2.state[q]["absmax2"].dtype == torch.float32
+    assert torch.equal(opt2.state[q]["absmax2"], opt.state[p]["absmax2"])
+    q.grad = p.grad.clone()
+    opt.step()
+    opt2.step()
+    assert torch.equal(p, q)
