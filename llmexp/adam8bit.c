@@ -3,7 +3,8 @@
  * The algorithm is bitsandbytes' (dynamic maps, blocks of 256 values with one fp32 absmax each),
  * written out as `adam8bit_update` in llmexp/optim.py; this file computes exactly what that
  * function computes, operation for operation (built with -ffp-contract=off, so no fused
- * multiply-adds change the rounding), but in one pass over memory: each block is dequantised,
+ * multiply-adds change the rounding; only torch's vectorised sqrt, not correctly rounded, can
+ * differ by an ulp), but in one pass over memory: each block is dequantised,
  * updated and re-quantised while it sits in L1. Threads split the blocks of all tensors evenly.
  */
 #include <math.h>

@@ -22,9 +22,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 ALLOWED_TARGETS: tuple[str, ...] = ("torch.optim.", "bitsandbytes.optim.", "llmexp.")
+"""`_target_` prefixes that may be instantiated. Everything else is rejected (exit 2)."""
 CPU_8BIT_ADAMW = ("bitsandbytes.optim.AdamW8bit", "bitsandbytes.optim.PagedAdamW8bit")
 """Run as llmexp.optim.AdamW8bit on CPU (the same algorithm, fast there)."""
-"""`_target_` prefixes that may be instantiated. Everything else is rejected (exit 2)."""
 
 
 def check_target(target: str, key: str) -> None:
@@ -139,9 +139,9 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module, lr: float, device_t
     # llmexp.optim.AdamW8bit is the same algorithm and state layout in one C pass over memory (needs a C compiler).
     # Paging is a CUDA feature: on CPU bitsandbytes' PagedAdamW8bit is its AdamW8bit.
     if device_type == "cpu" and target in CPU_8BIT_ADAMW and not o.kwargs:
-        from llmexp.optim import fused_cpu_available
+        from llmexp.optim import cpu_kernel_available
 
-        if fused_cpu_available():
+        if cpu_kernel_available():
             target = "llmexp.optim.AdamW8bit"
     # -- end speed
     if device_type == "cpu" and target.startswith("bitsandbytes."):

@@ -41,8 +41,8 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def loaded_openmp() -> str | None:
-    """The GNU OpenMP runtime this process has loaded (torch's), if any.
+def uses_gnu_openmp() -> bool:
+    """True when this process has loaded the GNU OpenMP runtime (torch's libgomp).
 
     A library built with -fopenmp needs `libgomp.so.1`; the dynamic linker hands it the copy
     already loaded, so its parallel loops run on torch's own thread pool. With another runtime
@@ -51,9 +51,8 @@ def loaded_openmp() -> str | None:
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
-        return None
-    paths = {line.split()[-1] for line in maps.splitlines() if "/libgomp" in line}
-    return min(paths) if paths else None
+        return False
+    return any("/libgomp" in line for line in maps.splitlines())
 
 
 def cache_dir() -> Path:
@@ -66,8 +65,7 @@ def load(source_name: str) -> ctypes.CDLL:
     compiler = c_compiler()
     if compiler is None:
         raise OSError("no C compiler (set CC, or install gcc)")
-    openmp = loaded_openmp()
-    flags = [*FLAGS, "-fopenmp"] if openmp else list(FLAGS)
+    flags = [*FLAGS, "-fopenmp"] if uses_gnu_openmp() else list(FLAGS)
     key = hashlib.sha256("\0".join([source.read_text(), *flags, compiler, _cpu_flags()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if not target.exists():

@@ -8,10 +8,11 @@ calls), so every element crosses memory some twenty times.
 
 This class runs the same algorithm (the same maps, block size, update order and state layout:
 `state1`/`state2` uint8, `absmax1`/`absmax2` fp32). `adam8bit_update` below is the algorithm in
-torch, the readable reference; `adam8bit.c` computes exactly the same (the tests compare them
-bit for bit) in one pass: each 256-value block is dequantised, updated and re-quantised while it
-sits in L1, and one call steps every tensor of the model across all threads, so a step costs
-about what fused AdamW's does. Without a C compiler it runs the torch reference (correct, slower).
+torch, the readable reference; `adam8bit.c` computes the same (the tests hold the moments to it
+bit for bit, the weights to an ulp: torch's vectorised sqrt is not correctly rounded) in one
+pass: each 256-value block is dequantised, updated and re-quantised while it sits in L1, and one
+call steps every tensor of the model across all threads, so a step costs about twice fused
+AdamW's. Without a C compiler it runs the torch reference (correct, slower).
 Tensors under `min_8bit_size` values keep fp32 moments, as in bitsandbytes.
 """
 
@@ -29,7 +30,7 @@ BLOCK_SIZE = 256
 """Values per absmax block (bitsandbytes' blockwise size)."""
 
 
-def fused_cpu_available() -> bool:
+def cpu_kernel_available() -> bool:
     """True when the C kernel can be built here (it needs a C compiler)."""
     from llmexp import native
 
@@ -114,7 +115,7 @@ def adam8bit_update(p: torch.Tensor, g: torch.Tensor, q1: torch.Tensor, a1: torc
     """One AdamW step of one tensor, in place. Shapes: p, g, q1, q2 (blocks, B); a1, a2 (blocks, 1).
 
     hyper = [beta1, beta2, eps, decay factor (1 - lr*wd), step size (lr / bias correction 1),
-    sqrt(bias correction 2)] as a fp32 tensor, so that a new lr does not recompile anything.
+    sqrt(bias correction 2)] as a fp32 tensor: the scalars round as the C kernel's fp32 ones do.
     """
     beta1, beta2, eps, decay, step_size, correction2 = hyper.unbind()
     grad = g.float()

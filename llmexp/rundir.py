@@ -102,8 +102,6 @@ def run_findings(run_dir: Path, records: list[dict] | None = None) -> list[dict]
     return sorted(found + extra, key=lambda f: int(f.get("step", 0)))
 
 
-# ----- writing atomically ------------------------------------------------------------------------
-
 # ----- formatting values ----------------------------------------------------------------------
 
 def fmt(value: Any, digits: int = 4) -> str:
