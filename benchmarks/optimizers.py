@@ -1,14 +1,13 @@
 """Every optimizer option against AdamW: training tokens/s, optimizer step time, state bytes.
 
     python benchmarks/optimizers.py                    # 2 rounds, 5 warm-up + 20 timed steps per run
-    python benchmarks/optimizers.py --rounds 3 --steps 40 --only adamw,adamw8bit,adamw8bit_bnb
+    python benchmarks/optimizers.py --rounds 3 --steps 40 --only adamw,adamw8bit
 
 Each round trains the tiny model (micro-batch 8 x 256, bf16) once per optimizer with
 `python -m llmexp`, in fresh processes and a rotated order; tokens/s are paired with AdamW's in
 the same round. A second kind of fresh process builds each optimizer exactly as llmexp does
 (`build.build_optimizer`) and times its step alone on random gradients, then counts its state
-bytes. `adamw8bit` on CPU is llmexp.optim.AdamW8bit (bitsandbytes' algorithm as one compiled
-kernel); `adamw8bit_bnb` forces bitsandbytes' own CPU step for comparison. Writes
+bytes. Every 8-bit option is bitsandbytes' own class, on CPU as on GPU. Writes
 benchmarks/results/optimizers.md.
 """
 
@@ -39,7 +38,6 @@ from common import (
 OPTIMIZERS: dict[str, list[str]] = {
     "adamw": ["optimizer=adamw"],
     "adamw8bit": ["optimizer=adamw8bit"],
-    "adamw8bit_bnb": ["optimizer=adamw8bit", "+optimizer.kwargs.min_8bit_size=4096"],  # kwargs: no CPU swap
     "paged_adamw8bit": ["optimizer=paged_adamw8bit"],
     "lion": ["optimizer=lion"],
     "lion8bit": ["optimizer=lion8bit"],

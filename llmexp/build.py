@@ -23,8 +23,6 @@ if TYPE_CHECKING:
 
 ALLOWED_TARGETS: tuple[str, ...] = ("torch.optim.", "bitsandbytes.optim.", "llmexp.")
 """`_target_` prefixes that may be instantiated. Everything else is rejected (exit 2)."""
-CPU_8BIT_ADAMW = ("bitsandbytes.optim.AdamW8bit", "bitsandbytes.optim.PagedAdamW8bit")
-"""Run as llmexp.optim.AdamW8bit on CPU (the same algorithm, fast there)."""
 
 
 def check_target(target: str, key: str) -> None:
@@ -135,15 +133,6 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module, lr: float, device_t
     o = cfg.optimizer
     check_target(o._target_, "optimizer._target_")
     target = o._target_
-    # -- speed (benchmarks issue): bitsandbytes' 8-bit AdamW step is unfused on CPU (~30x fused AdamW's time);
-    # llmexp.optim.AdamW8bit is the same algorithm and state layout in one C pass over memory (needs a C compiler).
-    # Paging is a CUDA feature: on CPU bitsandbytes' PagedAdamW8bit is its AdamW8bit.
-    if device_type == "cpu" and target in CPU_8BIT_ADAMW and not o.kwargs:
-        from llmexp.optim import cpu_kernel_available
-
-        if cpu_kernel_available():
-            target = "llmexp.optim.AdamW8bit"
-    # -- end speed
     if device_type == "cpu" and target.startswith("bitsandbytes."):
         # bitsandbytes' CPU backend warns at import that its 4-bit matmul kernels are missing: optimizers never use them
         logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
