@@ -9,18 +9,17 @@ No torch here.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from filelock import FileLock
 
 COMPLETE_MARKER = "meta.json"
 """Written last inside an entry; an entry without it is not an entry."""
@@ -73,17 +72,6 @@ def load_meta(entry: Path) -> dict[str, Any] | None:
         return None
 
 
-@contextlib.contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def get_or_build(root: Path, kind: str, key: str,
                  build: Callable[[Path], dict[str, Any]]) -> tuple[Path, dict[str, Any], bool]:
     """Return (entry dir, its meta, cache hit?). On a miss, `build(tmp_dir)` fills a temp dir and
@@ -93,7 +81,9 @@ def get_or_build(root: Path, kind: str, key: str,
     meta = load_meta(entry)
     if meta is not None:
         return entry, meta, True
-    with _locked(Path(root).expanduser() / "locks" / f"{kind}-{key}.lock"):
+    lock_path = Path(root).expanduser() / "locks" / f"{kind}-{key}.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(lock_path):
         meta = load_meta(entry)  # another process may have built it while we waited
         if meta is not None:
             return entry, meta, True
