@@ -17,8 +17,10 @@ deepspeed-ops:
 	TORCH_EXTENSIONS_DIR=$${TORCH_EXTENSIONS_DIR:-$$HOME/.cache/llmexp/torch_extensions} $(PYTHON) -c \
 	  "from deepspeed.ops.op_builder import CPUAdamBuilder, ShareMemCommBuilder; CPUAdamBuilder().load(); ShareMemCommBuilder().load()"
 
+# Every test, then the quick ones again as a CPU without native bf16 (AMD Zen 3 and older: LLMEXP_ASSUME_NO_BF16=1)
 test: install cluster deepspeed-ops
 	$(PYTHON) -m pytest
+	LLMEXP_ASSUME_NO_BF16=1 $(PYTHON) -m pytest -m "not slow" -q
 
 lint:
 	$(PYTHON) -m ruff check .
