@@ -11,7 +11,10 @@ The life of a save:
 So a crash at any point leaves either the previous checkpoints untouched or the new one
 complete; a half-written directory is never called `step_<N>`. Only complete checkpoints
 (manifest present, every size right) are listed, loaded, or counted and deleted by rotation;
-directories this module did not write are never touched. Loading never runs pickle code: tensors
+directories this module did not write are never touched, and nothing is deleted through a
+symbolic link: a `step_<N>` that is a link is moved aside (`step_<N>.displaced-<ns>`), never
+followed. A full disk during a save raises `DiskFull`, naming the path, after the partial
+directory is removed. Loading never runs pickle code: tensors
 go through safetensors, everything else through `torch.load(weights_only=True)` (`ckpt_state`).
 
 No torch at import time: this module sits beside the config path.
@@ -44,22 +47,58 @@ from llmexp.ckpt_state import (
 )
 
 __all__ = [
-    "CorruptCheckpoint", "PreemptionSignal", "capture_rng", "find_resume_checkpoint", "fsync_tree",
-    "list_checkpoints", "load_state", "load_tensors", "load_with_fallback", "publish_dir", "read_manifest",
-    "restore_rng", "rng_filename", "rotate", "save_checkpoint", "save_state", "save_tensors", "verify_checkpoint",
+    "CorruptCheckpoint", "DiskFull", "PreemptionSignal", "capture_rng", "disk_full_error", "find_resume_checkpoint",
+    "fsync_tree", "list_checkpoints", "load_state", "load_tensors", "load_with_fallback", "publish_dir",
+    "read_manifest", "restore_rng", "rng_filename", "rotate", "save_checkpoint", "save_state", "save_tensors",
+    "verify_checkpoint",
 ]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step_(\d+)$")
+# A `step_<N>` that was in the way of a save (incomplete, foreign or a link), moved aside by _publish.
+DISPLACED_DIR = re.compile(r"^step_(\d+)\.displaced-\d+$")
 # Our temporary dirs: a save in progress (step_N), a swapped-out old copy (old-step_N) or a
 # checkpoint being deleted (del-step_N). Host and pid say whose it is, so a dead process's
 # leftovers can be removed without ever touching a live writer's.
 TMP_DIR = re.compile(r"^\.tmp-(?P<tag>(?:old-|del-)?step_\d+)-(?P<host>.+)-(?P<pid>\d+)$")
 # A leftover from another host cannot be probed for liveness; no save takes this long.
 FOREIGN_TMP_STALE_S = 6 * 3600.0
+# A write that fails with less than this left on its filesystem failed for lack of space.
+FULL_DISK_FREE_BYTES = 1 << 20
 
 T = TypeVar("T")
+
+
+class DiskFull(RuntimeError):
+    """A save ran out of space. The message names the path and the free bytes; the partial
+    write was removed and the older checkpoints are untouched."""
+
+
+def disk_full_error(err: BaseException, path: Path) -> DiskFull | None:
+    """A DiskFull naming `path` if `err` (raised while writing under `path`) means the disk is full.
+
+    ENOSPC/EDQUOT say so directly; torch's zip writer turns them into a RuntimeError
+    ("unexpected pos", "file write failed"), so a failed write on a filesystem with almost no
+    space left (under FULL_DISK_FREE_BYTES) counts too. Call it before removing the partial
+    write, whose bytes are what filled the disk.
+    """
+    full = isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+    free_bytes = _free_bytes(path)
+    if not full and not (free_bytes is not None and free_bytes < FULL_DISK_FREE_BYTES):
+        return None
+    free = f"{free_bytes / 2**20:.1f} MiB free" if free_bytes is not None else "free space unknown"
+    return DiskFull(f"no space left on device while writing {path} ({free}; {type(err).__name__}: "
+                    f"{(str(err).strip().splitlines() or [''])[0][:200]})")
+
+
+def _free_bytes(path: Path) -> int | None:
+    for candidate in (Path(path), *Path(path).parents):
+        try:
+            return shutil.disk_usage(candidate).free
+        except OSError:
+            continue
+    return None
 
 
 # ----------------------------------------------------------------------------- file system
@@ -146,12 +185,19 @@ def _exchange(a: Path, b: Path) -> bool:
     return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
-def _remove_tree(path: Path) -> None:
+def _remove_tree(path: Path, step: int) -> None:
     """Delete a directory by first renaming it to our own tmp name, so that a crash half-way
     leaves a dead process's tmp dir (cleaned later) rather than a damaged `step_<N>`."""
-    trash = _tmp_dir(path.parent, f"del-{path.name}")
+    trash = _tmp_dir(path.parent, f"del-step_{step}")
     os.replace(path, trash)
     shutil.rmtree(trash)
+
+
+def _displace(path: Path) -> Path:
+    """Move `path` (a dir or a link, never followed) aside as `<name>.displaced-<ns>`."""
+    aside = path.with_name(f"{path.name}.displaced-{time.time_ns()}")
+    os.replace(path, aside)
+    return aside
 
 
 # ----------------------------------------------------------------------------- manifest
@@ -262,15 +308,18 @@ def save_checkpoint(root: Path, step: int, write: Callable[[Path], None], *, kee
     tmp = _tmp_dir(root, final.name)
     if tmp.exists():  # our own leftover from an earlier failed attempt in this process
         shutil.rmtree(tmp)
-    tmp.mkdir()
     try:
+        tmp.mkdir()
         write(tmp)
         _write_manifest(tmp, step, extra)
         _fsync_tree(tmp)
         _publish(tmp, final)
         _fsync_path(root)
-    except BaseException:
+    except BaseException as err:
+        full = disk_full_error(err, final) if isinstance(err, Exception) else None
         shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:
+            raise full from None
         raise
     rotate(root, keep, best_step, protect=final)
     return final
@@ -294,10 +343,11 @@ def publish_dir(tmp: Path, final: Path) -> None:
 def _publish(tmp: Path, final: Path, *, keep_foreign: bool = True) -> None:
     """Rename the finished tmp dir to its final name. An existing dir of that name is swapped
     out atomically where the kernel can (renameat2), else moved aside first; then deleted.
-    With `keep_foreign`, a `step_<N>` without a valid manifest (not written here) is moved
-    aside, not deleted."""
-    if keep_foreign and final.exists() and not _is_complete(final):
-        os.replace(final, final.with_name(f"{final.name}.displaced-{time.time_ns()}"))
+    A symbolic link of that name is moved aside, never followed nor deleted through. With
+    `keep_foreign`, a `step_<N>` without a valid manifest (not written here) is moved aside
+    too, not deleted."""
+    if final.is_symlink() or (keep_foreign and final.exists() and not _is_complete(final)):
+        _displace(final)
     if not final.exists():
         os.replace(tmp, final)
         return
@@ -319,8 +369,11 @@ def rotate(root: Path, keep: int, best_step: int | None, *, protect: Path | None
     `protect` (the one just saved); return the deleted paths.
 
     Never deletes the newest or `step_<best_step>`, never touches a directory without a valid
-    manifest or with a foreign name. Also removes this module's tmp dirs left by dead
-    processes (same host: the pid is gone; other hosts: older than FOREIGN_TMP_STALE_S).
+    manifest or with a foreign name, never deletes through a symbolic link. Displaced copies
+    (`step_<N>.displaced-*` holding an llmexp manifest) follow the same rule: one goes once
+    step N is older than the `keep` newest and is not the best. Also removes this module's tmp
+    dirs left by dead processes (same host: the pid is gone; other hosts: older than
+    FOREIGN_TMP_STALE_S).
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
@@ -331,11 +384,33 @@ def rotate(root: Path, keep: int, best_step: int | None, *, protect: Path | None
     deleted = []
     for path in complete:
         if path not in spared:
-            _remove_tree(path)
+            _remove_tree(path, _step_of(path) or 0)
             deleted.append(path)
+    if complete:
+        oldest_kept = min(_step_of(p) or 0 for p in complete[-keep:])
+        for path, step in _displaced_dirs(root):
+            if step < oldest_kept and step != best_step:
+                _remove_tree(path, step)
+                deleted.append(path)
     if deleted:
         _fsync_path(root)
     return deleted
+
+
+def _displaced_dirs(root: Path) -> list[tuple[Path, int]]:
+    """Displaced `step_<N>` copies that llmexp wrote (they hold one of its manifests), with N."""
+    found = []
+    for path in root.iterdir() if root.is_dir() else []:
+        match = DISPLACED_DIR.match(path.name)
+        if match is None or path.is_symlink() or not path.is_dir():
+            continue
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+        except (OSError, ValueError):
+            continue  # not ours to judge: kept
+        if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) and "step" in manifest:
+            found.append((path, int(match.group(1))))
+    return found
 
 
 def _remove_stale_tmp(root: Path) -> list[Path]:
@@ -366,12 +441,21 @@ def _is_stale(path: Path, pid: int, host: str) -> bool:
         return False
 
 
+def _warn_links(root: Path, warn: Callable[[str], None]) -> None:
+    """A `step_<N>` that is a symbolic link was not written here: say that it is ignored."""
+    for path in sorted(root.iterdir()) if root.is_dir() else []:
+        if path.is_symlink() and _step_of(path) is not None:
+            warn(f"{path} is a symbolic link, not a checkpoint llmexp wrote: ignored "
+                 f"(a later save of step {_step_of(path)} moves the link aside)")
+
+
 def find_resume_checkpoint(root: Path, warn: Callable[[str], None]) -> Path | None:
     """The newest checkpoint that verifies in full, or None if there is none.
 
     Every newer one that fails (or a `step_<N>` dir without a manifest) is reported through
     `warn` with the name of the bad file, then skipped.
     """
+    _warn_links(Path(root), warn)
     for path in reversed(_step_dirs(Path(root))):
         try:
             verify_checkpoint(path, full=True)
@@ -388,6 +472,7 @@ def load_with_fallback(root: Path, load: Callable[[Path], T], warn: Callable[[st
     `load(path)` should raise CorruptCheckpoint for a bad file (load_state/load_tensors do);
     the fallback then tries the next older checkpoint. Returns (path, load's result) or None.
     """
+    _warn_links(Path(root), warn)
     for path in reversed(_step_dirs(Path(root))):
         try:
             verify_checkpoint(path, full=True)

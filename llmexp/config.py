@@ -232,6 +232,9 @@ class TrainConfig:
     """Checkpoints kept (the best one is kept in addition)."""
     resume: str = "auto"
     """auto (newest complete checkpoint in the run directory), never, or a checkpoint path."""
+    resume_data_mismatch: str = "error"
+    """A resume whose data fingerprint (corpus, tokenizer, data settings) differs from the
+    checkpoint's: error (exit 2, naming both) or warn (resume on the new data)."""
     compile: bool = False
     """torch.compile the model; compile time is reported apart from step time."""
     on_anomaly: str = "skip"

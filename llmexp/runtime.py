@@ -121,6 +121,7 @@ class Runtime:
         self.flops_per_token = 0.0
         self.peak_tflops = 0.0
         self.compile_time_s = 0.0
+        self.data_fingerprint = ""  # the token cache key, set once the data is built (checkpoints keep it)
         self.started = time.perf_counter()
         self.window = ThroughputWindow()
         self.monitor_settings = MonitorSettings()

@@ -4,6 +4,11 @@ A checkpoint holds everything that decides the next step, so a resumed run conti
 where the saved one was: weights (safetensors), optimizer state, the fp16 scaler, every rank's
 RNG states, and this loop state (step = the sampler position, data offset, lr scale, the
 recent losses the spike detector looks at, and the metric history the detectors need).
+
+A checkpoint whose files verify but whose content does not fit this run (an unknown key in the
+trainer state, invalid JSON, a tensor of another shape) is found out before anything is applied,
+so `train.resume=auto` falls back to the previous one. A full disk ends the run as `failed`,
+with summary.json written if there is room for it, and the older checkpoints kept.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig
 
 from llmexp import checkpoint as ckpt
-from llmexp.errors import STATUS_EXIT
+from llmexp.errors import STATUS_EXIT, UserError
 from llmexp.paths import write_json_atomic
 from llmexp.rundir import last_value
 from llmexp.security import scrub
@@ -66,8 +71,12 @@ def _lm(rt: Runtime, model: torch.nn.Module) -> torch.nn.Module:
 
 
 def save_state_checkpoint(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, optimizer: Any,
-                          state: LoopState, log: MetricsLogger) -> None:
-    """Save `checkpoints/step_<N>/` atomically (rank 0 writes; every rank's RNG is gathered)."""
+                          state: LoopState, log: MetricsLogger) -> bool:
+    """Save `checkpoints/step_<N>/` atomically (rank 0 writes; every rank's RNG is gathered).
+
+    Returns False on every rank when the disk was full (reported; older checkpoints kept): the
+    run must stop as `failed` rather than go on without a way back.
+    """
     from accelerate.utils import gather_object
 
     rng_states = gather_object([ckpt.capture_rng()]) if rt.plan.world > 1 else [ckpt.capture_rng()]
@@ -77,6 +86,7 @@ def save_state_checkpoint(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, 
 
         zero_shards = stage_zero_shard(rt, optimizer, state.step)
         weights = full_lm_state(rt, model)
+    full: ckpt.DiskFull | None = None
     if rt.is_main:
         def write(tmp: Path) -> None:
             tensors = weights if weights is not None else _lm(rt, model).state_dict()
@@ -94,10 +104,21 @@ def save_state_checkpoint(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, 
             payload = {"state": asdict(state), "history": log.history}
             (tmp / TRAINER_STATE).write_text(json.dumps(payload, default=str))
 
-        ckpt.save_checkpoint(rt.run_dir / "checkpoints", state.step, write, keep=cfg.train.save_total_limit,
-                             best_step=state.best_eval_step if state.best_eval_step >= 0 else None,
-                             extra={"resume_key": resume_key(cfg, rt)})
+        try:
+            ckpt.save_checkpoint(rt.run_dir / "checkpoints", state.step, write, keep=cfg.train.save_total_limit,
+                                 best_step=state.best_eval_step if state.best_eval_step >= 0 else None,
+                                 extra={"resume_key": resume_key(cfg, rt)})
+        except ckpt.DiskFull as err:
+            full = err
+            _report_disk_full(err, rt, log)
     rt.accelerator.wait_for_everyone()
+    return not rt.any_rank(full is not None)
+
+
+def _report_disk_full(err: ckpt.DiskFull, rt: Runtime, log: MetricsLogger) -> None:
+    kept = [p.name for p in ckpt.list_checkpoints(rt.run_dir / "checkpoints")]
+    log.write(f"error: {err}; the run stops (status failed). Kept: {', '.join(kept) or 'no checkpoint'}. "
+              "Free some space (or lower train.save_total_limit), then run the same command to resume.")
 
 
 def _load_payload(path: Path, rank: int) -> dict[str, Any]:
@@ -110,11 +131,92 @@ def _load_payload(path: Path, rank: int) -> dict[str, Any]:
         "zero": ckpt.load_state(zero_file) if zero_file.exists() else None,
         "rng": ckpt.load_state(rng_file) if rng_file.exists() else None,
         "scaler": ckpt.load_state(path / "scaler.pt") if (path / "scaler.pt").exists() else None,
-        "trainer": json.loads((path / TRAINER_STATE).read_text()),
+        "trainer": _read_trainer_state(path / TRAINER_STATE),
     }
 
 
-def _apply_payload(rt: Runtime, model: torch.nn.Module, optimizer: Any, payload: dict[str, Any]) -> LoopState:
+def _read_trainer_state(file: Path) -> dict[str, Any]:
+    """trainer_state.json, checked against LoopState: a file that verifies but does not fit
+    (invalid JSON, an unknown key, a value of the wrong type) is a CorruptCheckpoint naming it."""
+    try:
+        payload = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ckpt.CorruptCheckpoint(f"{file}: not valid JSON ({err})") from None
+    if not (isinstance(payload, dict) and isinstance(payload.get("state"), dict)
+            and isinstance(payload.get("history"), list) and all(isinstance(r, dict) for r in payload["history"])):
+        raise ckpt.CorruptCheckpoint(f"{file}: expected {{'state': {{...}}, 'history': [{{...}}, ...]}}")
+    defaults = asdict(LoopState())
+    for key, value in payload["state"].items():
+        if key not in defaults:
+            raise ckpt.CorruptCheckpoint(f"{file}: unknown key {key!r} in the trainer state "
+                                         "(written by another llmexp version?)")
+        want = type(defaults[key])
+        if not (isinstance(value, want) or (want is float and isinstance(value, int))):
+            raise ckpt.CorruptCheckpoint(f"{file}: {key}={value!r} is not a {want.__name__}")
+    return payload
+
+
+def _check_fits(rt: Runtime, model: torch.nn.Module, optimizer: Any, path: Path, payload: dict[str, Any]) -> None:
+    """Raise CorruptCheckpoint unless the payload's weights (names, shapes) and optimizer state
+    (groups, moment shapes) fit this run's model, so nothing is applied from a checkpoint that
+    would fail half-way through loading."""
+    live = _lm(rt, model).state_dict()
+    saved = payload["model"]
+    file = path / "model.safetensors"
+    missing, unexpected = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
+    if missing or unexpected:
+        raise ckpt.CorruptCheckpoint(f"{file}: does not fit the model (missing {missing[:3]}, unexpected "
+                                     f"{unexpected[:3]})")
+    if not rt.deepspeed:  # under ZeRO-3 the live parameters are partitioned: no shapes to compare
+        for name, tensor in saved.items():
+            if tuple(tensor.shape) != tuple(live[name].shape):
+                raise ckpt.CorruptCheckpoint(f"{file}: {name} has shape {tuple(tensor.shape)}, the model's is "
+                                             f"{tuple(live[name].shape)}")
+    if payload["optimizer"] is not None:
+        _check_optimizer_fits(optimizer, path / "optimizer.pt", payload["optimizer"])
+
+
+_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+"""torch.optim state entries shaped like their parameter."""
+
+
+def _check_optimizer_fits(optimizer: Any, file: Path, saved: Any) -> None:
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not (isinstance(groups, list) and isinstance(saved.get("state"), dict)):
+        raise ckpt.CorruptCheckpoint(f"{file}: not an optimizer state (no 'state' and 'param_groups')")
+    live = optimizer.param_groups
+    sizes = [len(g.get("params", [])) for g in groups if isinstance(g, dict)]
+    if sizes != [len(g["params"]) for g in live]:
+        raise ckpt.CorruptCheckpoint(f"{file}: parameter groups of sizes {sizes} do not fit the optimizer's "
+                                     f"{[len(g['params']) for g in live]}")
+    params = [p for g in live for p in g["params"]]
+    ids = [i for g in groups for i in g["params"]]
+    by_id = dict(zip(ids, params, strict=True))
+    for pid, entry in saved["state"].items():
+        if pid not in by_id or not isinstance(entry, dict):
+            raise ckpt.CorruptCheckpoint(f"{file}: state for unknown parameter {pid!r}")
+        for key in _MOMENTS:
+            value = entry.get(key)
+            if value is not None and tuple(getattr(value, "shape", ())) != tuple(by_id[pid].shape):
+                raise ckpt.CorruptCheckpoint(f"{file}: {key} of parameter {pid} has shape "
+                                             f"{tuple(getattr(value, 'shape', ()))}, the parameter's is "
+                                             f"{tuple(by_id[pid].shape)}")
+
+
+def _apply_payload(rt: Runtime, model: torch.nn.Module, optimizer: Any, payload: dict[str, Any],
+                   path: Path) -> LoopState:
+    """Load a checked payload into the model, optimizer, RNGs and scaler. A failure now would
+    leave them half-loaded, so it ends the run (exit 2) rather than fall back or start fresh."""
+    try:
+        return _apply(rt, model, optimizer, payload)
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as err:
+        raise ckpt.CorruptCheckpoint(
+            f"{path}: passed its checks but could not be loaded ({type(err).__name__}: "
+            f"{(str(err).strip().splitlines() or [''])[0][:300]}); resume from an older one with "
+            "train.resume=<its path>, or start over with train.resume=never") from None
+
+
+def _apply(rt: Runtime, model: torch.nn.Module, optimizer: Any, payload: dict[str, Any]) -> LoopState:
     if rt.deepspeed or payload["zero"] is not None:
         from llmexp.zero import gathered_for_load, load_zero_shard
 
@@ -132,10 +234,39 @@ def _apply_payload(rt: Runtime, model: torch.nn.Module, optimizer: Any, payload:
 
 
 def resume_key(cfg: DictConfig, rt: Runtime) -> dict[str, Any]:
-    """The settings that shape the trajectory; a resume with other values is warned about."""
+    """The settings that shape the trajectory; a resume with other values is warned about.
+    `data` is the token cache key (corpus content, tokenizer, data settings): a resume on other
+    data is refused unless `train.resume_data_mismatch=warn`."""
     return {"lr": str(cfg.lr), "max_steps": cfg.train.max_steps, "global_batch": rt.plan.global_batch,
             "batch_size": cfg.batch_size, "world_size": rt.plan.world, "seed": cfg.seed,
-            "optimizer": cfg.optimizer.name, "scheduler": cfg.scheduler.name, "precision": rt.precision}
+            "optimizer": cfg.optimizer.name, "scheduler": cfg.scheduler.name, "precision": rt.precision,
+            "data": rt.data_fingerprint}
+
+
+def _compare_resume_key(cfg: DictConfig, rt: Runtime, path: Path, log: MetricsLogger) -> None:
+    """Warn about each trajectory setting that changed since the save; refuse other data (exit 2)
+    unless told to go on. Runs on every rank, before anything is loaded or rewritten."""
+    saved_key = ckpt.read_manifest(path).get("extra", {}).get("resume_key", {})
+    for key, now in resume_key(cfg, rt).items():
+        if key not in saved_key or saved_key[key] == now:
+            continue
+        if key == "data":
+            _data_mismatch(cfg, path, saved_key[key], now, log)
+            continue
+        log.write(f"warning: resuming {path.name} with {key}={now}, but it was saved with {saved_key[key]}; "
+                  "the run will not match an uninterrupted one")
+
+
+def _data_mismatch(cfg: DictConfig, path: Path, saved: str, now: str, log: MetricsLogger) -> None:
+    what = (f"{path.name} was saved with data fingerprint {saved}, but this run's data has fingerprint {now} "
+            "(the data files, the tokenizer or the data.* settings changed)")
+    if cfg.train.resume_data_mismatch == "warn":
+        log.write(f"warning: {what}; resuming anyway (train.resume_data_mismatch=warn)")
+        return
+    raise UserError(f"{what}. Restore the original data, start over with train.resume=never, or set "
+                    "train.resume_data_mismatch=warn to resume on the new data"
+                    + ("" if cfg.train.resume_data_mismatch == "error" else
+                       f" (train.resume_data_mismatch={cfg.train.resume_data_mismatch!r} is neither error nor warn)"))
 
 
 def _set_aside(rt: Runtime, log: MetricsLogger) -> None:
@@ -158,23 +289,29 @@ def _broadcast(rt: Runtime, value: Any) -> Any:
     return broadcast_object_list([value])[0]
 
 
-def _found_checkpoint(cfg: DictConfig, rt: Runtime, log: MetricsLogger) -> tuple[Path, dict[str, Any]] | None:
+def _found_checkpoint(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, optimizer: Any,
+                      log: MetricsLogger) -> tuple[Path, dict[str, Any]] | None:
     """Rank 0 picks the checkpoint (verifying hashes, falling back past bad ones); every rank loads it."""
     choice = cfg.train.resume
+
+    def load(p: Path) -> dict[str, Any]:
+        payload = _load_payload(p, rt.rank)
+        _check_fits(rt, model, optimizer, p, payload)
+        return payload
+
     if choice == "auto":
-        found = ckpt.load_with_fallback(rt.run_dir / "checkpoints", lambda p: _load_payload(p, rt.rank),
-                                        log.write) if rt.is_main else None
+        found = ckpt.load_with_fallback(rt.run_dir / "checkpoints", load, log.write) if rt.is_main else None
         path = _broadcast(rt, str(found[0]) if found else None)
         if path is None:
             return None
-        return Path(path), (found[1] if found else _load_payload(Path(path), rt.rank))
+        return Path(path), (found[1] if found else load(Path(path)))
     path = Path(choice)
     if not (path / ckpt.MANIFEST).is_file():
         raise ckpt.CorruptCheckpoint(f"train.resume={choice}: not a complete checkpoint directory "
                                      "(no manifest.json); use train.resume=auto or a checkpoints/step_<N> dir")
     if rt.is_main:
         ckpt.verify_checkpoint(path, full=True)
-    return path, _load_payload(path, rt.rank)
+    return path, load(path)
 
 
 def load_resume_state(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, optimizer: Any,
@@ -183,18 +320,14 @@ def load_resume_state(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, opti
     if cfg.train.resume == "never":
         _set_aside(rt, log)
         return None
-    found = _found_checkpoint(cfg, rt, log)
+    found = _found_checkpoint(cfg, rt, model, optimizer, log)
     if found is None:
         log.reset_history([])  # nothing to resume from: a killed attempt's lines would duplicate steps
         return None
     path, payload = found
-    state = _apply_payload(rt, model, optimizer, payload)
+    _compare_resume_key(cfg, rt, path, log)
+    state = _apply_payload(rt, model, optimizer, payload, path)
     log.reset_history(payload["trainer"]["history"])
-    saved_key = ckpt.read_manifest(path).get("extra", {}).get("resume_key", {})
-    for key, now in resume_key(cfg, rt).items():
-        if key in saved_key and saved_key[key] != now:
-            log.write(f"warning: resuming {path.name} with {key}={now}, but it was saved with {saved_key[key]}; "
-                      "the run will not match an uninterrupted one")
     log.log({"event": "resume", "step": state.step, "checkpoint": str(path)})
     return state
 
@@ -202,12 +335,17 @@ def load_resume_state(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, opti
 def rollback(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, optimizer: Any, state: LoopState,
              log: MetricsLogger) -> None:
     """Back to the newest good checkpoint, past the data window that led to the anomaly, at a lower lr."""
-    found = ckpt.load_with_fallback(rt.run_dir / "checkpoints", lambda p: _load_payload(p, rt.rank), log.write)
+    def load(p: Path) -> dict[str, Any]:
+        payload = _load_payload(p, rt.rank)
+        _check_fits(rt, model, optimizer, p, payload)
+        return payload
+
+    found = ckpt.load_with_fallback(rt.run_dir / "checkpoints", load, log.write)
     if found is None:
         raise RuntimeError("rollback: no checkpoint to roll back to (one is saved at the start of the run)")
     path, payload = found
     bad_step = state.step
-    restored = _apply_payload(rt, model, optimizer, payload)
+    restored = _apply_payload(rt, model, optimizer, payload, path)
     restored.rollbacks = state.rollbacks + 1
     restored.data_offset = state.data_offset + (bad_step - restored.step + 1)
     restored.lr_scale = state.lr_scale * cfg.train.rollback_lr_factor
@@ -223,24 +361,32 @@ def save_final_model(rt: Runtime, model: torch.nn.Module, tokenizer: Any,
     final = rt.run_dir / "model"
     tmp = rt.run_dir / ".model.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    _lm(rt, model).save_pretrained(tmp, safe_serialization=True, state_dict=weights)  # weights: ZeRO-3 gathered
-    tokenizer.save_pretrained(tmp)
-    ckpt.publish_dir(tmp, final)  # fsyncs, then swaps atomically: model/ is never missing or half-written
+    try:
+        _lm(rt, model).save_pretrained(tmp, safe_serialization=True, state_dict=weights)  # weights: ZeRO-3 gathered
+        tokenizer.save_pretrained(tmp)
+        ckpt.publish_dir(tmp, final)  # fsyncs, then swaps atomically: model/ is never missing or half-written
+    except Exception as err:
+        full = ckpt.disk_full_error(err, final)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:
+            raise full from None
+        raise
 
 
 def finish_run(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, optimizer: Any, tokenizer: Any,
                state: LoopState, log: MetricsLogger, status: str, peak_lr: float, lr_source: str) -> dict[str, Any]:
-    """Final checkpoint and model, summary.json, report; returns the summary."""
-    if status in ("completed", "early_stopped"):
-        save_state_checkpoint(cfg, rt, model, optimizer, state, log)
-        from llmexp.zero import full_lm_state
+    """Final checkpoint and model, summary.json, report; returns the summary.
 
-        weights = full_lm_state(rt, model)  # ZeRO-3: collective, so every rank gathers; else None
-        if rt.is_main:
-            save_final_model(rt, model, tokenizer, weights)
+    A full disk on the way turns the status into `failed` (exit 1); summary.json is still
+    written if there is room for it."""
+    if status in ("completed", "early_stopped"):
+        status = _save_final(cfg, rt, model, optimizer, tokenizer, state, log, status)
     summary = build_summary(cfg, rt, state, log, status, peak_lr, lr_source)
     if rt.is_main:
-        write_json_atomic(rt.run_dir / "summary.json", scrub(summary))
+        try:
+            write_json_atomic(rt.run_dir / "summary.json", scrub(summary))
+        except OSError as err:
+            log.write(f"error: could not write {rt.run_dir / 'summary.json'}: {err}")
         _write_report(rt.run_dir, log)
         log.write(f"\n{status}: {rt.run_dir}\n" + ", ".join(
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
@@ -248,6 +394,25 @@ def finish_run(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, optimizer: 
     log.close()
     rt.accelerator.wait_for_everyone()
     return summary
+
+
+def _save_final(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, optimizer: Any, tokenizer: Any,
+                state: LoopState, log: MetricsLogger, status: str) -> str:
+    """The final checkpoint and `model/`; returns the status, `failed` if the disk was full."""
+    if not save_state_checkpoint(cfg, rt, model, optimizer, state, log):
+        return "failed"
+    from llmexp.zero import full_lm_state
+
+    weights = full_lm_state(rt, model)  # ZeRO-3: collective, so every rank gathers; else None
+    full: ckpt.DiskFull | None = None
+    if rt.is_main:
+        try:
+            save_final_model(rt, model, tokenizer, weights)
+        except ckpt.DiskFull as err:
+            full = err
+            log.write(f"error: {err}; model/ was not written (status failed). The final checkpoint "
+                      f"step_{state.step} is complete: free some space and run the same command to export it.")
+    return "failed" if rt.any_rank(full is not None) else status
 
 
 def build_summary(cfg: DictConfig, rt: Runtime, state: LoopState, log: MetricsLogger, status: str,

@@ -39,18 +39,32 @@ class RunResult:
 
 
 def train(cfg: DictConfig) -> RunResult:
-    """Train one run described by a composed, validated config. Writes the run directory."""
+    """Train one run described by a composed, validated config. Writes the run directory.
+
+    SIGTERM, SIGUSR2 and Ctrl-C are caught from the start: one during start-up stops the run
+    at its first step boundary, before the loop, with status `preempted` and a summary."""
+    from llmexp.checkpoint import PreemptionSignal
+
+    with PreemptionSignal():  # the loop's rt.preemption() shares this one's flag
+        return _train(cfg)
+
+
+def _train(cfg: DictConfig) -> RunResult:
+    """`train` inside its signal guard: build, resume, loop, finish."""
     rt = setup_runtime(cfg)
     tokenizer = data_lib.load_tokenizer(cfg)
     train_ds, eval_ds, data_stats = data_lib.build_datasets(cfg, tokenizer)
+    rt.data_fingerprint = str(data_stats["data_cache_key"])  # in each checkpoint: a resume on other data is caught
     model, optimizer, peak_lr, lr_source = rt.build(cfg, len(tokenizer))
     max_steps = rt.plan.max_steps(len(train_ds))
     warmup = warmup_steps_for(max_steps, cfg.train.warmup_ratio, cfg.train.warmup_steps)
     log = rt.logger(max_steps)
     state = load_resume_state(cfg, rt, model, optimizer, log) or LoopState()
     state.num_examples = len(train_ds)
-    if cfg.train.on_anomaly == "rollback" and state.step == 0:
-        save_state_checkpoint(cfg, rt, model, optimizer, state, log)  # something to roll back to
+    status = "completed"
+    if cfg.train.on_anomaly == "rollback" and state.step == 0 and not save_state_checkpoint(
+            cfg, rt, model, optimizer, state, log):  # something to roll back to
+        status = "failed"  # the disk is full (reported)
     log.log({"event": "start", "step": state.step, "lr_chosen": peak_lr, "lr_source": lr_source,
              "num_params": rt.num_params, "global_batch_size": rt.plan.global_batch,
              "gradient_accumulation_steps": rt.plan.accum, "precision": rt.precision, **data_stats})
@@ -60,9 +74,11 @@ def train(cfg: DictConfig) -> RunResult:
         return state.lr_scale * lr_at(step, name=s.name, peak_lr=peak_lr, max_steps=max_steps, warmup_steps=warmup,
                                       min_lr_ratio=s.min_lr_ratio, decay_ratio=s.decay_ratio)
 
-    status, window = "completed", rt.window
+    window = rt.window
     with rt.preemption() as preempt:
-        while state.step < max_steps:
+        if rt.any_rank(preempt.requested):  # a signal during start-up: this is the first step boundary
+            status = "preempted"
+        while status == "completed" and state.step < max_steps:
             step = state.step
             due = step % cfg.train.eval_steps == 0 and state.last_eval_step != step
             if due and evaluate_and_record(cfg, rt, model, eval_ds, state, log, step):
@@ -88,18 +104,18 @@ def train(cfg: DictConfig) -> RunResult:
             if state.step % cfg.train.logging_steps == 0 or state.step == max_steps:
                 log.log(rt.train_record(state, loss, grad_norm, optimizer, window))
             saved = bool(cfg.train.save_steps) and state.step % cfg.train.save_steps == 0 and state.step < max_steps
-            if saved:
-                save_state_checkpoint(cfg, rt, model, optimizer, state, log)
+            if saved and not save_state_checkpoint(cfg, rt, model, optimizer, state, log):
+                status = "failed"  # the disk is full (reported; the older checkpoints are kept)
+                break
             if rt.any_rank(preempt.requested):  # every rank must agree: saving is collective
-                if not saved:
-                    save_state_checkpoint(cfg, rt, model, optimizer, state, log)
-                status = "preempted"
+                status = "preempted" if saved or save_state_checkpoint(cfg, rt, model, optimizer, state, log) \
+                    else "failed"
                 break
         # Still inside the signal guard: a late SIGTERM only sets the flag, and the run finishes.
         if status in ("completed", "early_stopped") and state.last_eval_step != state.step:
             evaluate_and_record(cfg, rt, model, eval_ds, state, log, state.step)
         summary = finish_run(cfg, rt, model, optimizer, tokenizer, state, log, status, peak_lr, lr_source)
-    return RunResult(status=status, step=state.step, summary=summary)
+    return RunResult(status=summary["status"], step=state.step, summary=summary)  # a full disk: failed
 
 
 def train_step(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
