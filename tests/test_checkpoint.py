@@ -371,7 +371,7 @@ def test_rng_round_trip_through_a_safe_file(tmp_path: Path) -> None:
     assert ck.rng_filename(3) == "rng_rank3.pt"
 
 
-@pytest.mark.parametrize("signum", [signal.SIGUSR2, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGUSR2, signal.SIGTERM, signal.SIGINT])
 def test_preemption_signal_sets_flag_and_restores_handler(signum: int) -> None:
     seen: list[int] = []
     previous = signal.signal(signum, lambda s, f: seen.append(s))
@@ -482,3 +482,136 @@ def test_publish_dir_replaces_whole_or_not_at_all(tmp_path: Path, monkeypatch: p
             ck.publish_dir(tmp, final)
     assert (final / "weights").read_text() == "v2"
     assert sorted(p.name for p in tmp_path.iterdir()) == [".model.v3", "model"]
+
+
+# ----------------------------------------------------------------------------- links, displaced copies, full disks
+
+
+def _outside_checkpoint(tmp_path: Path, step: int) -> tuple[Path, dict[str, bytes]]:
+    """A complete checkpoint of `step` outside the checkpoints dir (what a step_N link points at)."""
+    elsewhere = tmp_path / "elsewhere"
+    save_checkpoint(elsewhere, step, _writer(step), keep=5)
+    return elsewhere / f"step_{step}", _state(elsewhere)
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
+def test_symlinked_step_dir_is_moved_aside_never_followed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         exchange: bool) -> None:
+    """`step_4` replaced by a link to a (complete) checkpoint elsewhere: saving step 4 again moves
+    the link aside and writes a real step_4; the link's target is untouched. (Before: the swapped-
+    out link went to shutil.rmtree, which raised "Cannot call rmtree on a symbolic link".)"""
+    if not exchange:
+        monkeypatch.setattr(ck, "_exchange", lambda a, b: False)
+    root = tmp_path / "checkpoints"
+    save_checkpoint(root, 2, _writer(2), keep=3)
+    target, outside = _outside_checkpoint(tmp_path, 4)
+    (root / "step_4").symlink_to(target, target_is_directory=True)
+    save_checkpoint(root, 4, _writer(4), keep=3)
+    verify_checkpoint(root / "step_4")
+    assert not (root / "step_4").is_symlink()
+    aside = [p for p in root.iterdir() if p.name.startswith("step_4.displaced-")]
+    assert len(aside) == 1 and aside[0].is_symlink() and aside[0].resolve() == target.resolve()
+    assert _state(tmp_path / "elsewhere") == outside
+    (root / "step_9").symlink_to(target, target_is_directory=True)  # resume ignores a link, and says so
+    warnings: list[str] = []
+    assert find_resume_checkpoint(root, warnings.append) == root / "step_4"
+    assert len(warnings) == 1 and "step_9 is a symbolic link" in warnings[0]
+
+
+def test_rotation_never_deletes_through_a_link(tmp_path: Path) -> None:
+    """Links named like checkpoints (step_1, and a displaced-looking one) are neither counted nor
+    deleted by rotation, and what they point at survives any number of saves."""
+    root = tmp_path / "checkpoints"
+    target, outside = _outside_checkpoint(tmp_path, 1)
+    root.mkdir()
+    (root / "step_1").symlink_to(target, target_is_directory=True)
+    (root / "step_1.displaced-1").symlink_to(target, target_is_directory=True)
+    for step in (2, 3, 4, 5):
+        save_checkpoint(root, step, _writer(step), keep=1)
+    assert _steps(root) == [5]
+    assert (root / "step_1").is_symlink() and (root / "step_1.displaced-1").is_symlink()
+    assert _state(tmp_path / "elsewhere") == outside
+
+
+def test_displaced_copies_follow_the_retention_rule(tmp_path: Path) -> None:
+    """A damaged step_N is moved aside when N is saved again; the displaced copy then goes when
+    step N leaves the `keep` newest (unless N is the best). Displaced dirs that llmexp did not
+    write (no manifest of ours) are never deleted. (Before: displaced copies piled up forever.)"""
+    root = tmp_path / "checkpoints"
+    for step in (1, 2):
+        save_checkpoint(root, step, _writer(step), keep=5)
+        _corrupt_truncate(root / f"step_{step}" / "model.safetensors")  # incomplete: moved aside by the next save
+    (root / "step_0.displaced-7").mkdir()
+    (root / "step_0.displaced-7" / "notes.txt").write_text("mine")
+    for step in (1, 2, 3):
+        save_checkpoint(root, step, _writer(step), keep=2, best_step=1)
+    displaced = sorted(p.name.split(".")[0] for p in root.iterdir() if ".displaced-" in p.name)
+    assert displaced == ["step_0", "step_1", "step_2"]  # 1 is the best, 2 among the 2 newest
+    save_checkpoint(root, 4, _writer(4), keep=2, best_step=1)
+    displaced = sorted(p.name.split(".")[0] for p in root.iterdir() if ".displaced-" in p.name)
+    assert displaced == ["step_0", "step_1"] and _steps(root) == [1, 3, 4]
+    assert (root / "step_0.displaced-7" / "notes.txt").read_text() == "mine"
+    save_checkpoint(root, 5, _writer(5), keep=2, best_step=None)
+    displaced = sorted(p.name.split(".")[0] for p in root.iterdir() if ".displaced-" in p.name)
+    assert displaced == ["step_0"] and _steps(root) == [4, 5]
+    assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")]
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path):
+    """A real 3 MiB filesystem (tmpfs): root can mount one. Elsewhere (CI runs the tests unprivileged)
+    the test is skipped; test_crash_in_write_keeps_previous injects ENOSPC there instead."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_full_disk_names_the_path_and_keeps_the_older_checkpoints(small_fs: Path) -> None:
+    """Saves of ~0.9 MiB checkpoints on a real 3 MiB filesystem until it is full: the failing save
+    raises DiskFull naming its path (torch's writer reports ENOSPC as "unexpected pos"), removes its
+    partial write, and every older checkpoint still verifies."""
+    root = small_fs / "checkpoints"
+
+    def write(step: int):
+        def fill(tmp: Path) -> None:
+            save_tensors(tmp / "model.safetensors", {"w": torch.full((256, 256), float(step))})
+            save_state(tmp / "optimizer.pt", {"m": torch.full((256, 512), float(step))})
+        return fill
+
+    saved = []
+    with pytest.raises(ck.DiskFull) as info:
+        for step in range(1, 10):
+            save_checkpoint(root, step, write(step), keep=10)
+            saved.append(step)
+    assert saved and f"no space left on device while writing {root / f'step_{saved[-1] + 1}'}" in str(info.value)
+    assert _steps(root) == saved
+    for path in list_checkpoints(root):
+        verify_checkpoint(path)
+    assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_second_sigint_exits_at_once() -> None:
+    """Ctrl-C sets the flag (and says so); a second one ends the process by SIGINT right away.
+    Real signals, in a child process, since the second one ends it."""
+    code = """
+import signal, time
+from llmexp.checkpoint import PreemptionSignal
+with PreemptionSignal() as outer, PreemptionSignal() as inner:
+    assert inner is outer  # an inner guard shares the outer one's flag
+    signal.raise_signal(signal.SIGINT)
+    assert outer.requested and outer.signal_name == "SIGINT"
+    print("first handled", flush=True)
+    signal.raise_signal(signal.SIGINT)
+    time.sleep(5)
+print("not reached", flush=True)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGINT, done.stderr
+    assert done.stdout == "first handled\n"
+    assert "Ctrl-C again exits at once" in done.stderr and "second Ctrl-C: exiting now" in done.stderr
