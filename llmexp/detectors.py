@@ -381,6 +381,45 @@ def _fp16_health(records: list[dict], settings: MonitorSettings) -> list[Finding
     return []
 
 
+CPU_MFU_PLAUSIBLE = 0.7
+"""On CPU, a whole training step above this share of the measured matmul ceiling is implausible: the step
+also runs attention, norms, the loss and the optimizer, which reach far less than a large matmul does."""
+
+
+def _run_facts(records: list[dict]) -> list[Finding]:
+    """Facts the trainer recorded about the setup (`start` records) or learned while running (`mfu_note`
+    on a train record): emulated bf16, and an MFU it will not report, each said once."""
+    out = []
+    start = next((r for r in records if r.get("event") == "start" and r.get("bf16_emulated")), None)
+    if start is not None:
+        out.append(Finding("bf16_emulated", int(start["step"]), WARNING, str(start["bf16_emulated"]),
+                           str(start.get("bf16_advice") or "Use precision=auto for the faster run.")))
+    noted = next((r for r in records if r.get("event") in ("start", "train") and r.get("mfu_note")), None)
+    if noted is not None:
+        out.append(Finding("mfu_unavailable", int(noted["step"]), INFO, f"MFU is not reported: {noted['mfu_note']}",
+                           "Nothing is wrong with training. For an MFU, run once on an idle machine (the ceiling "
+                           "is then measured and kept) or set train.peak_tflops."))
+    return out
+
+
+def _mfu_plausibility(records: list[dict]) -> list[Finding]:
+    """MFU above the CPU sanity bound: the ceiling it divides by was measured too low."""
+    start = next((r for r in reversed(records) if r.get("event") == "start"), {})
+    if start.get("device") != "cpu":
+        return []
+    high = [(int(r["step"]), _num(r.get("mfu"))) for r in records if r.get("event") == "train"
+            and _num(r.get("mfu")) > CPU_MFU_PLAUSIBLE]
+    if not high:
+        return []
+    step, value = high[0]
+    return [Finding("mfu_implausible", step, WARNING,
+                    f"MFU {value:.0%} at step {step} is implausible on a CPU (a training step reaches well under "
+                    f"{CPU_MFU_PLAUSIBLE:.0%} of a large matmul's rate); {len(high)} logged step(s) above it",
+                    "Do not compare this MFU across runs: its matmul ceiling was probably measured on busy cores. "
+                    "Delete peak_tflops.json in the cache directory (data.cache_dir) and run once on an idle "
+                    "machine, or set train.peak_tflops.")]
+
+
 def run_detectors(records: list[dict], settings: MonitorSettings) -> list[Finding]:
     """Every detector's findings over a whole metric history, unordered (`diagnose` orders them)."""
     live = _effective(records)
@@ -396,5 +435,7 @@ def run_detectors(records: list[dict], settings: MonitorSettings) -> list[Findin
         *_grad_band(_finite(_series(live, "train", "grad_norm")), settings),
         *_perplexity(_finite(_series(live, "eval", "eval_ppl")), settings),
         *_fp16_health(live, settings),
+        *_run_facts(records),
+        *_mfu_plausibility(live),
     ]
     return findings

@@ -13,8 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
+from llmexp.monitor import is_open
 from llmexp.report import write_run_report
-from llmexp.rundir import is_run_dir, is_sweep_dir, load_json, load_records, run_findings
+from llmexp.rundir import finding_state, is_run_dir, is_sweep_dir, load_json, load_records, run_findings
 
 EXIT_HEALTHY, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
 _COLOURS = {"error": "\033[31m", "warning": "\033[33m", "info": "\033[36m", "ok": "\033[32m"}
@@ -41,7 +42,7 @@ def format_findings(findings: list[dict], paint: Paint = lambda text, style: tex
     lines = []
     for f in findings:
         label = paint(f"{f['severity'].upper():<7}", f["severity"])
-        lines.append(f"{label} {f['kind']} at step {f['step']}")
+        lines.append(f"{label} {f['kind']} at step {f['step']}{finding_state(f)}")
         lines.append(f"        {f['message']}")
         lines.append(f"        {paint('advice:', 'bold')} {f['advice']}")
     return "\n".join(lines)
@@ -57,7 +58,7 @@ def diagnose_run(run_dir: Path) -> tuple[int, str]:
     status = summary.get("status", "no summary.json (killed, or still running)")
     steps = max((int(r["step"]) for r in records if r.get("event") == "train"), default=0)
     header = f"{paint(str(run_dir), 'bold')}: status {status}, {steps} steps, {len(records)} metric records"
-    counts = {s: sum(f["severity"] == s for f in findings) for s in ("error", "warning", "info")}
+    counts = {s: sum(f["severity"] == s and is_open(f) for f in findings) for s in ("error", "warning", "info")}
     verdict = ", ".join(f"{n} {s}" for s, n in counts.items())
     text = "\n".join([header, format_findings(findings, paint), f"{verdict}; wrote {run_dir / 'report.md'}"])
     return (EXIT_ERRORS if counts["error"] else EXIT_HEALTHY), text

@@ -127,15 +127,15 @@ def estimate(cfg: DictConfig, *, num_params: int, precision: str, world: int) ->
 
 
 def resolved_precision(name: str) -> str:
-    """`auto` as it would resolve on this machine (bf16 on GPUs and bf16-capable CPUs, else fp32)."""
+    """The precision a run would use on this machine (`build.resolve_precision`: `auto` is bf16 where it
+    is native, else fp32; bf16 stays bf16, emulated or not)."""
     if name != "auto":
         return name
     import torch
 
-    from llmexp.build import cpu_has_fast_bf16
+    from llmexp.build import resolve_precision
 
-    bf16 = torch.cuda.is_bf16_supported() if torch.cuda.is_available() else cpu_has_fast_bf16()
-    return "bf16" if bf16 else "fp32"
+    return resolve_precision(name, "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def format_estimate(est: MemoryEstimate, *, label: str) -> str:

@@ -8,6 +8,7 @@ wandb and tensorboard are optional sinks (`llmexp.sinks`). Only rank 0 logs.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import resource
@@ -18,6 +19,49 @@ from typing import Any, Protocol
 
 import torch
 from omegaconf import DictConfig
+
+CONSOLE_LOGGER = "llmexp.console"
+"""The logger that copies every console line into the job log (`llmexp.log`), never to the console itself."""
+ETA_AFTER_STEPS = 3
+"""Steps timed (after the first, which warms up) before the console prints an ETA."""
+
+
+class _OwnOrWarning(logging.Filter):
+    """Console handlers pass llmexp's own records and anything of WARNING or above."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or record.name.split(".")[0] == "llmexp"
+
+
+def quiet_console() -> None:
+    """Keep third-party INFO lines (matplotlib's font cache, ...) out of the console; Hydra's job log
+    (`llmexp.log`, a file handler on the root logger) still gets them."""
+    for handler in logging.getLogger().handlers:
+        console = isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+        if console and not any(isinstance(f, _OwnOrWarning) for f in handler.filters):
+            handler.addFilter(_OwnOrWarning())
+
+
+def job_log(run_dir: Path) -> tuple[logging.Logger, logging.Handler | None]:
+    """(the logger that writes console lines to the job log, the handler this call opened or None).
+
+    The job log is Hydra's: the root logger's file handlers (`hydra.job_logging`, by default
+    `RUN_DIR/llmexp.log`). Without one (a run started in-process, or job logging turned off) llmexp
+    opens `RUN_DIR/llmexp.log` itself, with the same secret filter.
+    """
+    from llmexp.security import install_log_filter
+
+    logger = logging.getLogger(CONSOLE_LOGGER)
+    logger.propagate, logger.level = False, logging.INFO  # never twice on the console
+    files: list[logging.Handler] = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    own = None
+    if not files:
+        own = logging.FileHandler(run_dir / "llmexp.log", encoding="utf-8")
+        own.setFormatter(logging.Formatter("[%(asctime)s] %(message)s"))
+        files = [own]
+    logger.handlers = files
+    install_log_filter(logger)
+    return logger, own
 
 
 class Sink(Protocol):
@@ -120,9 +164,16 @@ class MetricsLogger:
         self.history: list[dict[str, Any]] = []
         self._file = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if enabled else None  # noqa: SIM115
         self._bar = None
+        self.max_steps = max_steps
+        self._step_times: list[tuple[float, int]] = []  # (time, steps done) at each advance, for the ETA
+        self._steps_done = start_step
+        self._eta_said = False
+        self._job_log: logging.Logger | None = None
+        self._own_handler: logging.Handler | None = None
         if enabled:
             from tqdm.auto import tqdm
 
+            self._job_log, self._own_handler = job_log(run_dir)
             self._bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
                              file=sys.stderr, disable=None if os.environ.get("LLMEXP_NO_BAR") != "1" else True)
 
@@ -141,7 +192,8 @@ class MetricsLogger:
             sink.log(record)
         line = format_line(record)
         if line:
-            self.write(line)
+            eta = self.eta_s() if record["event"] == "train" else None
+            self.write(line + (f" | eta {format_duration(eta)}" if eta is not None else ""))
 
     def reset_history(self, records: list[dict[str, Any]]) -> None:
         """On resume: metrics.jsonl becomes exactly the checkpoint's history (later lines were lost work)."""
@@ -158,22 +210,44 @@ class MetricsLogger:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115
+        self._steps_done = max((int(r.get("step", 0)) for r in records), default=0)
+        self._step_times = []
         if self._bar is not None and records:
-            self._bar.n = max(int(r.get("step", 0)) for r in records)
+            self._bar.n = self._steps_done
             self._bar.refresh()
 
     def write(self, text: str) -> None:
-        """Print above the progress bar."""
+        """Print above the progress bar, and copy the line to the job log (`llmexp.log`)."""
         if not self.enabled:
             return
         if self._bar is not None and not self._bar.disable:
             self._bar.write(text, file=sys.stderr)
         else:
             print(text, file=sys.stderr, flush=True)
+        if self._job_log is not None:
+            self._job_log.info(text)
 
     def advance(self, steps: int = 1) -> None:
+        """One more optimizer step done; after a few timed steps the console gets one ETA line."""
         if self._bar is not None:
             self._bar.update(steps)
+        self._steps_done += steps
+        self._step_times.append((time.perf_counter(), self._steps_done))
+        if not self._eta_said and (eta := self.eta_s()) is not None:
+            self._eta_said = True
+            first_t, first_n = self._step_times[0]
+            per_step = (self._step_times[-1][0] - first_t) / (self._steps_done - first_n)
+            self.write(f"eta {format_duration(eta)} for the {self.max_steps - self._steps_done} remaining steps "
+                       f"({per_step:.3g} s/step so far, evals and checkpoints included)")
+
+    def eta_s(self) -> float | None:
+        """Seconds left at the pace since the first step (the first one warms up); None until
+        `ETA_AFTER_STEPS` steps are timed."""
+        if len(self._step_times) <= ETA_AFTER_STEPS:
+            return None
+        first_t, first_n = self._step_times[0]
+        last_t, last_n = self._step_times[-1]
+        return (last_t - first_t) / (last_n - first_n) * max(0, self.max_steps - last_n)
 
     def close(self) -> None:
         if self._bar is not None:
@@ -182,14 +256,64 @@ class MetricsLogger:
             sink.close()
         if self._file is not None:
             self._file.close()
+        if self._own_handler is not None and self._job_log is not None:
+            self._job_log.removeHandler(self._own_handler)
+            self._own_handler.close()
+            self._own_handler = None
+
+
+def format_duration(seconds: float) -> str:
+    """1h02m, 4m10s, 12s."""
+    s = round(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def _count(n: Any) -> str:
+    return f"{n:,}" if isinstance(n, int) else "?"
+
+
+def format_header(r: dict[str, Any]) -> str:
+    """The console's first lines, from the `start` record: where the run writes, what it trains on, how."""
+    params = r.get("num_params", 0) / 1e6
+    model = (f"{r.get('model')} from {r['model_path']} (fine-tuning)" if r.get("model_path")
+             else f"{r.get('model')} (from scratch)")
+    cache = "cache hit" if r.get("data_cache_hit") else "tokenised now, cached"
+    eval_tokens = f", {_count(r.get('data_eval_tokens'))} eval tokens" if "data_eval_tokens" in r else ""
+    accum, world, micro = r.get("gradient_accumulation_steps"), r.get("world_size"), r.get("batch_size")
+    batch = r.get("global_batch_size")
+    tokens = batch * r["max_length"] if isinstance(batch, int) and isinstance(r.get("max_length"), int) else None
+    precision = f"{r.get('precision')} (precision={r.get('precision_requested')})"
+    if r.get("bf16_emulated"):
+        precision += " EMULATED on this hardware: slower than fp32; precision=auto is faster (see the warning below)"
+    lr = r.get("lr_chosen")
+    source = {"auto": "lr=auto: by model size", "config": "set in the config"}.get(str(r.get("lr_source")),
+                                                                                 str(r.get("lr_source")))
+    resumed = f", resuming at step {r['step']}" if r.get("step") else ""
+    lines = [
+        f"run        {r.get('run_dir')}  (console log: llmexp.log)",
+        f"model      {model}, {params:,.2f}M parameters",
+        f"data       {r.get('data')}: {_count(r.get('data_train_tokens'))} train tokens in "
+        f"{_count(r.get('data_train_examples'))} examples{eval_tokens} ({cache}, {r.get('data_prep_s', 0):.1f} s)",
+        f"steps      {r.get('max_steps')}{resumed}; global batch {batch} = {micro} per device x {world} process(es) "
+        f"x {accum} accumulation step(s)" + (f", {tokens:,} tokens/step" if tokens else ""),
+        f"precision  {precision}",
+        f"optimizer  {r.get('optimizer')}, lr {lr:.2e} ({source}), {r.get('scheduler')} schedule"
+        if isinstance(lr, float) else f"optimizer  {r.get('optimizer')}, {r.get('scheduler')} schedule",
+    ]
+    return "\n".join(lines)
 
 
 def format_line(r: dict[str, Any]) -> str | None:
-    """The dense console line of a train or eval record."""
+    """The console text of a record: the header (start), the dense line of a train or eval record, a finding."""
+    if r.get("event") == "start" and "run_dir" in r:
+        return format_header(r)
     if r.get("event") == "train":
         extra = f" | scale {r['loss_scale']:.0f}" if "loss_scale" in r else ""
+        mfu = f"{r['mfu']:.1%}" if isinstance(r.get("mfu"), float) else "–"
         return (f"step {r['step']:>6} | loss {r['loss']:.4f} | ppl {r['ppl']:9.2f} | lr {r['lr']:.2e} | "
-                f"grad {r['grad_norm']:.3f} | {r['tokens_per_sec']:,.0f} tok/s | mfu {r['mfu']:.1%}{extra}")
+                f"grad {r['grad_norm']:.3f} | {r['tokens_per_sec']:,.0f} tok/s | mfu {mfu}{extra}")
     if r.get("event") == "eval":
         return f"eval {r['step']:>6} | eval_loss {r['eval_loss']:.4f} | eval_ppl {r['eval_ppl']:.2f}"
     if r.get("event") == "finding":

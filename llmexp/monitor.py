@@ -19,13 +19,14 @@ from typing import Any
 
 from llmexp.detectors import ERROR, INFO, WARNING, Finding, is_spike, run_detectors
 
-__all__ = ["DETECTOR_KINDS", "ERROR", "INFO", "WARNING", "Finding", "MonitorSettings", "diagnose", "is_spike",
-           "settings_from_config", "worst_severity"]
+__all__ = ["DETECTOR_KINDS", "ERROR", "INFO", "WARNING", "Finding", "MonitorSettings", "diagnose", "is_open",
+           "is_spike", "reconcile", "settings_from_config", "worst_severity"]
 
 _SEVERITY_RANK = {INFO: 0, WARNING: 1, ERROR: 2}
 DETECTOR_KINDS = frozenset({
     "non_finite", "fp16_overflow", "loss_spike", "grad_norm_spike", "divergence", "oscillation", "plateau",
-    "eval_plateau", "overfitting", "grad_norm_high", "grad_norm_low", "ppl_range", "fp16_skipped_steps"})
+    "eval_plateau", "overfitting", "grad_norm_high", "grad_norm_low", "ppl_range", "fp16_skipped_steps",
+    "bf16_emulated", "mfu_unavailable", "mfu_implausible"})
 """Every kind `diagnose` can report; the trainer's own findings (e.g. about rollbacks) use other kinds."""
 
 
@@ -93,9 +94,71 @@ def diagnose(records: list[dict], settings: MonitorSettings) -> list[Finding]:
     return sorted(run_detectors(records, settings), key=lambda f: (f.step, -_SEVERITY_RANK[f.severity], f.kind))
 
 
+def _key(f: Finding | dict) -> tuple[str, int, str]:
+    """A finding's identity, as the trainer keys the findings it prints (kind, step, severity)."""
+    if isinstance(f, Finding):
+        return f.kind, f.step, f.severity
+    return str(f.get("kind")), int(f.get("step", 0)), str(f.get("severity"))
+
+
+def _logged(records: list[dict]) -> list[tuple[int, dict]]:
+    """The findings the run printed (`finding` records), first occurrence of each, with their record index."""
+    seen: set[tuple[str, int, str]] = set()
+    out = []
+    for i, rec in enumerate(records):
+        if rec.get("event") == "finding" and _key(rec) not in seen:
+            seen.add(_key(rec))
+            out.append((i, rec))
+    return out
+
+
+def _stopped_at(records: list[dict], start: int, key: tuple[str, int, str], settings: MonitorSettings,
+                memo: dict[int, set[tuple[str, int, str]]]) -> int:
+    """The step of the first eval after record `start` whose diagnosis (what the trainer ran live) no
+    longer held the finding `key`; the last step when only the final diagnosis dropped it.
+    `memo` keeps each eval's diagnosis for the other findings."""
+    for i in range(start + 1, len(records)):
+        if records[i].get("event") != "eval":
+            continue
+        if i not in memo:
+            memo[i] = {_key(f) for f in diagnose(records[:i + 1], settings)}
+        if key not in memo[i]:
+            return int(records[i]["step"])
+    return max((int(r.get("step", 0)) for r in records), default=0)
+
+
+def reconcile(records: list[dict], settings: MonitorSettings) -> list[dict]:
+    """The run's findings as summary.json, report.md and the doctor show them: one truth with the console.
+
+    Every finding of the final diagnosis (`status: open`), and every finding the run printed that the
+    final diagnosis no longer holds: `resolved` (e.g. the perplexity came down) or `superseded` (the
+    same kind at the same step changed severity), with `resolved_at`, the step where it stopped holding.
+    """
+    final = diagnose(records, settings)
+    keys = {_key(f) for f in final}
+    out = [{**f.to_dict(), "status": "open", "resolved_at": None} for f in final]
+    memo: dict[int, set[tuple[str, int, str]]] = {}
+    for index, rec in _logged(records):
+        key = _key(rec)
+        if key in keys:
+            continue
+        kind, step, _ = key
+        superseded = any(f.kind == kind and f.step == step for f in final)
+        out.append({"kind": kind, "step": step, "severity": key[2], "message": str(rec.get("message", "")),
+                    "advice": str(rec.get("advice", "")), "status": "superseded" if superseded else "resolved",
+                    "resolved_at": _stopped_at(records, index, key, settings, memo)})
+    return sorted(out, key=lambda f: (f["step"], -_SEVERITY_RANK.get(f["severity"], 0), f["kind"]))
+
+
+def is_open(f: Finding | dict) -> bool:
+    """Whether a finding still holds at the end of the run (objects and older summaries: always)."""
+    return isinstance(f, Finding) or f.get("status", "open") == "open"
+
+
 def worst_severity(findings: Iterable[Finding | dict]) -> str | None:
-    """The most severe severity among findings (objects or dicts), None when there are none."""
-    ranks = [_SEVERITY_RANK.get(f["severity"] if isinstance(f, dict) else f.severity, 0) for f in findings]
+    """The most severe severity among the open findings (objects or dicts), None when there are none."""
+    ranks = [_SEVERITY_RANK.get(f["severity"] if isinstance(f, dict) else f.severity, 0) for f in findings
+             if is_open(f)]
     return None if not ranks else {v: k for k, v in _SEVERITY_RANK.items()}[max(ranks)]
 
 

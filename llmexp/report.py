@@ -16,9 +16,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from llmexp.monitor import ERROR, Finding, worst_severity
+from llmexp.monitor import ERROR, Finding, is_open, worst_severity
 from llmexp.paths import write_text_atomic
 from llmexp.rundir import (
+    finding_state,
     fmt,
     fmt_rate,
     is_run_dir,
@@ -46,7 +47,8 @@ def _key_metrics(records: list[dict], summary: dict) -> list[tuple[str, str]]:
         ("final eval ppl", fmt(pick("eval_ppl", "eval"))),
         ("best eval loss", f"{best[1]:.4g} (step {best[0]})" if best else "–"),
         ("tokens/s", fmt_rate(pick("tokens_per_sec"))),
-        ("MFU", fmt(pick("mfu"), 3)),
+        ("MFU", "not reported (see the mfu_unavailable finding)" if "mfu" in summary and summary["mfu"] is None
+         else fmt(pick("mfu"), 3)),
         ("peak memory (MB)", fmt(summary.get("peak_mem_mb", last_value(records, "train", "mem_mb")))),
         ("wall time (s)", fmt(summary.get("time_s", last_value(records, "train", "time_s")))),
         ("parameters", fmt(summary.get("num_params"))),
@@ -88,7 +90,9 @@ def findings_markdown(findings: list[dict]) -> str:
     icon = {"error": "🛑", "warning": "⚠️", "info": "ℹ️"}
     lines = []
     for f in findings:
-        lines.append(f"- {icon.get(f['severity'], '')} **{f['severity']}** `{f['kind']}` at step {f['step']}: "
+        state = finding_state(f)
+        lines.append(f"- {icon.get(f['severity'], '') if not state else '✅'} **{f['severity']}** `{f['kind']}` at "
+                     f"step {f['step']}{f' **{state.strip()}**' if state else ''}: "
                      f"{f['message']}\n  - *advice:* {f['advice']}")
     return "\n".join(lines) + "\n"
 
@@ -104,7 +108,10 @@ def run_report_markdown(run_dir: Path, records: list[dict], summary: dict | None
     status = (summary or {}).get("status", "unknown (no summary.json: the run was killed or is still running)")
     worst = worst_severity(findings)
     health = "healthy" if worst is None or worst == "info" else ("broken" if worst == ERROR else "needs attention")
-    counts = ", ".join(f"{sum(f['severity'] == s for f in findings)} {s}" for s in ("error", "warning", "info"))
+    still = [f for f in findings if is_open(f)]
+    counts = ", ".join(f"{sum(f['severity'] == s for f in still)} {s}" for s in ("error", "warning", "info"))
+    if len(still) < len(findings):
+        counts += f"; {len(findings) - len(still)} resolved"
     parts = [
         f"# Run report: {Path(run_dir).resolve().name}\n",
         f"**Status:** {status}" + (f" (exit code {summary['exit_code']})" if summary and "exit_code" in summary else "")

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from llmexp.monitor import DETECTOR_KINDS, diagnose, settings_from_config
+from llmexp.monitor import DETECTOR_KINDS, reconcile, settings_from_config
 
 FINISHED = ("completed", "early_stopped")
 """Statuses of a run that ended as intended."""
@@ -87,8 +87,9 @@ def is_sweep_dir(path: Path) -> bool:
 
 
 def run_findings(run_dir: Path, records: list[dict] | None = None) -> list[dict]:
-    """Findings of a run: re-diagnosed from its metrics (the same detectors the trainer ran live),
-    plus any of summary.json's of a kind the detectors do not produce."""
+    """Findings of a run, as its summary.json holds them (`monitor.reconcile`): re-diagnosed from its
+    metrics with the detectors the trainer ran live, every finding it printed kept (open, resolved or
+    superseded), plus any of summary.json's of a kind the detectors do not produce."""
     run_dir = Path(run_dir)
     records = load_records(run_dir) if records is None else records
     summary = load_json(run_dir / "summary.json") or {}
@@ -96,10 +97,21 @@ def run_findings(run_dir: Path, records: list[dict] | None = None) -> list[dict]
         return [f for f in summary.get("findings", []) if isinstance(f, dict)]
     lr = summary.get("lr")
     settings = settings_from_config(load_config(run_dir), lr=float(lr) if isinstance(lr, int | float) else None)
-    found = [f.to_dict() for f in diagnose(records, settings)]
+    found = reconcile(records, settings)
+    known = {(f["kind"], f["step"], f["severity"]) for f in found}
     # Keep what only the trainer could know (e.g. rollbacks given up): kinds the detectors never produce.
-    extra = [f for f in summary.get("findings", []) if isinstance(f, dict) and f.get("kind") not in DETECTOR_KINDS]
+    extra = [f for f in summary.get("findings", []) if isinstance(f, dict) and f.get("kind") not in DETECTOR_KINDS
+             and (f.get("kind"), f.get("step"), f.get("severity")) not in known]
     return sorted(found + extra, key=lambda f: int(f.get("step", 0)))
+
+
+def finding_state(f: dict) -> str:
+    """` (resolved at step N)` / ` (superseded at step N)` for a finding that no longer holds, else ''."""
+    status = f.get("status", "open")
+    if status == "open":
+        return ""
+    at = f.get("resolved_at")
+    return f" ({status} at step {at})" if at is not None else f" ({status})"
 
 
 # ----- formatting values ----------------------------------------------------------------------

@@ -19,7 +19,15 @@ from omegaconf import DictConfig
 
 from llmexp import build
 from llmexp.errors import UserError
-from llmexp.metrics import MetricsLogger, flops_per_token, make_sinks, measure_ceiling, peak_memory_mb, safe_exp
+from llmexp.metrics import (
+    MetricsLogger,
+    flops_per_token,
+    make_sinks,
+    measure_ceiling,
+    peak_memory_mb,
+    quiet_console,
+    safe_exp,
+)
 from llmexp.monitor import MonitorSettings
 
 if TYPE_CHECKING:
@@ -97,6 +105,7 @@ class Runtime:
         from llmexp.distributed import accelerator_kwargs
 
         hf_logging.disable_progress_bar()  # our own bar and lines are the console output
+        quiet_console()  # third-party INFO lines go to llmexp.log only
 
         self.cfg = cfg
         self.run_dir = run_dir
@@ -110,6 +119,7 @@ class Runtime:
         self.device = self.accelerator.device
         self.rank, self.is_main = self.accelerator.process_index, self.accelerator.is_main_process
         self.precision = build.resolve_precision(cfg.precision.name, self.device.type)
+        self.bf16_warning = build.bf16_emulation_warning(self.precision, self.device.type)
         self.plan = make_plan(cfg, self.accelerator.num_processes)
         self.data_seed = cfg.train.seed_data if cfg.train.seed_data is not None else cfg.seed
         self.deepspeed = cfg.deepspeed.stage > 0  # the engine owns accumulation, clipping, fp16 scaling, the step
@@ -119,7 +129,10 @@ class Runtime:
                        if self.precision == "fp16" and not self.deepspeed else None)
         self.num_params = 0
         self.flops_per_token = 0.0
-        self.peak_tflops = 0.0
+        self.peak_tflops: float | None = None
+        """The matmul ceiling MFU divides by; None when it cannot be trusted (`mfu_note` says why)."""
+        self.mfu_note: str | None = None
+        self._mfu_note_pending = False
         self.compile_time_s = 0.0
         self.data_fingerprint = ""  # the token cache key, set once the data is built (checkpoints keep it)
         self.started = time.perf_counter()
@@ -139,7 +152,10 @@ class Runtime:
         c = lm.config
         self.flops_per_token = flops_per_token(self.num_params, c.num_hidden_layers, c.hidden_size,
                                                cfg.data.max_length)
-        self.peak_tflops = cfg.train.peak_tflops or self._measure_peak()
+        if cfg.train.peak_tflops:
+            self.peak_tflops = cfg.train.peak_tflops
+        else:
+            self.peak_tflops, self.mfu_note = self._measure_peak()
         peak_lr, source = resolve_lr(cfg, self.num_params)
         self.monitor_settings = monitor_settings(cfg, self.precision, peak_lr)
         model = CausalLMLoss(lm)
@@ -149,8 +165,9 @@ class Runtime:
             model = torch.compile(model)
         return model, optimizer, peak_lr, source
 
-    def _measure_peak(self) -> float:
-        """A matmul ceiling in the training dtype, cached per device so later runs start fast."""
+    def _measure_peak(self) -> tuple[float | None, str | None]:
+        """(a matmul ceiling in the training dtype, None) cached per device so later runs start fast; or
+        (None, why) when it was measured on shared cores: a guessed ceiling would make every MFU a guess."""
         dtype = build.autocast_dtype(self.precision) or torch.float32
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         key = f"v2|{name}|{dtype}|{torch.get_num_threads()}"  # v2: v1 entries could come from a busy machine
@@ -161,17 +178,34 @@ class Runtime:
             known = {}
         if key not in known:
             value, cores_were_ours = measure_ceiling(self.device, dtype)
-            if not cores_were_ours:
-                return value  # too low to keep: measured again next run
+            if not cores_were_ours:  # too low to use or keep: measured again next run
+                return None, (f"the matmul ceiling ({value:.3g} TFLOPS) was measured while other processes "
+                              "shared the CPU cores, so it is too low and any MFU divided by it too high")
             known[key] = value
             from llmexp.paths import write_json_atomic
 
             write_json_atomic(cache, known)
-        return float(known[key])
+        return float(known[key]), None
 
     def logger(self, max_steps: int) -> MetricsLogger:
         sinks = make_sinks(self.cfg, self.run_dir) if self.is_main else []
         return MetricsLogger(self.run_dir, max_steps, enabled=self.is_main, sinks=sinks)
+
+    def start_facts(self, max_steps: int) -> dict[str, Any]:
+        """What the `start` record adds about the setup: the console header prints it, and the detectors
+        turn `bf16_emulated` and `mfu_note` into findings."""
+        c = self.cfg
+        facts: dict[str, Any] = {
+            "run_dir": str(self.run_dir), "model": c.model.name, "model_path": c.model.name_or_path,
+            "data": c.data.name, "max_length": c.data.max_length, "max_steps": max_steps,
+            "batch_size": self.plan.micro, "world_size": self.plan.world, "optimizer": c.optimizer.name,
+            "scheduler": c.scheduler.name, "precision_requested": c.precision.name, "device": self.device.type,
+            "peak_tflops": self.peak_tflops}
+        if self.bf16_warning:
+            facts.update(bf16_emulated=self.bf16_warning, bf16_advice=build.BF16_EMULATION_ADVICE)
+        if self.mfu_note:
+            facts["mfu_note"] = self.mfu_note
+        return facts
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
@@ -255,6 +289,8 @@ class Runtime:
                   "mfu": self.mfu(tokens_per_sec), "mem_mb": peak_memory_mb(self.device),
                   "epoch": state.step * self.plan.global_batch / max(1, state.num_examples),
                   "time_s": time.perf_counter() - self.started, "skipped_steps": state.skipped_steps}
+        if self._mfu_note_pending:  # said once, on the record where MFU stopped being reported
+            record["mfu_note"], self._mfu_note_pending = self.mfu_note, False
         if self.scaler is not None:
             record["loss_scale"] = self.scaler.get_scale()
         if self.deepspeed and self.precision == "fp16":
@@ -263,9 +299,20 @@ class Runtime:
             record["loss_scale"] = loss_scale(self)
         return record
 
-    def mfu(self, tokens_per_sec: float) -> float:
-        peak = self.peak_tflops * 1e12 * self.plan.world
-        return self.flops_per_token * tokens_per_sec / peak if peak > 0 else 0.0
+    def mfu(self, tokens_per_sec: float) -> float | None:
+        """Model FLOPs utilisation in [0, 1], or None when the ceiling is not trusted.
+
+        A value above 1 proves the ceiling was measured too low: from then on MFU is None, and the
+        next train record carries the reason (`mfu_note`)."""
+        if self.peak_tflops is None or self.peak_tflops <= 0:
+            return None
+        value = self.flops_per_token * tokens_per_sec / (self.peak_tflops * 1e12 * self.plan.world)
+        if value > 1.0:
+            self.mfu_note = (f"MFU came out at {value:.0%}, above 100%: the matmul ceiling "
+                             f"({self.peak_tflops:.3g} TFLOPS) was measured too low")
+            self.peak_tflops, self._mfu_note_pending = None, True
+            return None
+        return value
 
 
 def _inner(optimizer: Any) -> torch.optim.Optimizer:

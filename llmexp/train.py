@@ -67,7 +67,8 @@ def _train(cfg: DictConfig) -> RunResult:
         status = "failed"  # the disk is full (reported)
     log.log({"event": "start", "step": state.step, "lr_chosen": peak_lr, "lr_source": lr_source,
              "num_params": rt.num_params, "global_batch_size": rt.plan.global_batch,
-             "gradient_accumulation_steps": rt.plan.accum, "precision": rt.precision, **data_stats})
+             "gradient_accumulation_steps": rt.plan.accum, "precision": rt.precision, **rt.start_facts(max_steps),
+             **data_stats})
 
     def schedule(step: int) -> float:
         s = cfg.scheduler

@@ -8,7 +8,16 @@ from collections.abc import Callable
 
 import pytest
 
-from llmexp.monitor import ERROR, Finding, MonitorSettings, diagnose, is_spike, settings_from_config, worst_severity
+from llmexp.monitor import (
+    ERROR,
+    Finding,
+    MonitorSettings,
+    diagnose,
+    is_spike,
+    reconcile,
+    settings_from_config,
+    worst_severity,
+)
 
 
 def healthy_loss(step: int) -> float:
@@ -222,3 +231,63 @@ def test_a_slow_steady_fall_is_not_a_plateau() -> None:
         assert not diagnose(records[:end], MonitorSettings()), end
     stuck = [{**r, "loss": 6.24 + 0.02 * ((r["step"] * 7) % 5 - 2) / 2} for r in records]
     assert "plateau" in kinds(diagnose(stuck, MonitorSettings()))
+
+
+def live(records: list[dict], settings: MonitorSettings) -> list[dict]:
+    """The history as the trainer writes it: after each eval it diagnoses the history so far and logs each
+    new finding once (`guard.report_findings`), which the console prints."""
+    out: list[dict] = []
+    seen: set[tuple[str, int, str]] = set()
+    for rec in records:
+        out.append(rec)
+        if rec["event"] == "eval":
+            for f in diagnose(out, settings):
+                if (f.kind, f.step, f.severity) not in seen:
+                    seen.add((f.kind, f.step, f.severity))
+                    out.append({"event": "finding", **f.to_dict()})
+    return out
+
+
+def test_a_printed_finding_that_stopped_holding_is_kept_as_resolved() -> None:
+    """The console printed 'eval perplexity ... far above' at step 100; the perplexity then came down.
+    summary.json (reconcile) keeps the finding, resolved at the first eval that no longer held it."""
+    settings = MonitorSettings()
+    records = live(history(num_steps=400, eval_loss=lambda s: 6.5 if s <= 100 else 3.0), settings)
+    printed = [r for r in records if r["event"] == "finding" and r["kind"] == "ppl_range"]
+    assert printed and printed[0]["step"] == 100
+    assert "ppl_range" not in kinds(diagnose(records, settings))  # the final diagnosis alone would drop it
+    (kept,) = [f for f in reconcile(records, settings) if f["kind"] == "ppl_range"]
+    assert (kept["status"], kept["resolved_at"], kept["step"]) == ("resolved", 200, 100)
+    assert kept["message"] == printed[0]["message"]
+    assert worst_severity([kept]) is None  # a resolved finding no longer counts
+
+
+def test_every_printed_finding_is_in_the_reconciled_list() -> None:
+    settings = MonitorSettings()
+    records = live(history(num_steps=600, loss=lambda s: 7.0, eval_loss=lambda s: 7.0 if s < 300 else 2.5,
+                           grad_norm=lambda s: 0.2, noise=0.004), settings)
+    printed = {(r["kind"], r["step"], r["severity"]) for r in records if r["event"] == "finding"}
+    reconciled = reconcile(records, settings)
+    assert printed and printed <= {(f["kind"], f["step"], f["severity"]) for f in reconciled}
+    assert all(f["status"] in ("open", "resolved", "superseded") for f in reconciled)
+    assert {f["kind"] for f in reconciled if f["status"] == "open"} == kinds(diagnose(records, settings))
+
+
+def test_setup_facts_become_findings_said_once() -> None:
+    """The trainer's `start` record says bf16 is emulated and the MFU ceiling was not trusted."""
+    start = {"event": "start", "step": 0, "device": "cpu", "bf16_emulated": "precision=bf16 ... emulated",
+             "bf16_advice": "Use precision=auto", "mfu_note": "the ceiling was measured on shared cores"}
+    records = [start, *history(num_steps=100)]
+    found = {f.kind: f for f in diagnose(records, MonitorSettings())}
+    assert found["bf16_emulated"].severity == "warning" and "precision=auto" in found["bf16_emulated"].advice
+    assert found["mfu_unavailable"].severity == "info" and "shared cores" in found["mfu_unavailable"].message
+    assert not {"bf16_emulated", "mfu_unavailable"} & kinds(diagnose(history(num_steps=100), MonitorSettings()))
+
+
+def test_an_implausible_cpu_mfu_is_flagged() -> None:
+    records = [{"event": "start", "step": 0, "device": "cpu"},
+               *[{**r, "mfu": 0.87 if r["step"] == 50 else 0.3} for r in history(num_steps=100)]]
+    (f,) = [f for f in diagnose(records, MonitorSettings()) if f.kind == "mfu_implausible"]
+    assert f.step == 50 and "87%" in f.message
+    records[0]["device"] = "cuda"  # a GPU step can reach a high share of its matmul ceiling
+    assert "mfu_implausible" not in kinds(diagnose(records, MonitorSettings()))
