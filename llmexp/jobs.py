@@ -121,6 +121,8 @@ def execute(spec: JobSpec, task_function: Any, hydra_context: Any, singleton_sta
     register_resolvers()
     Singleton.set_state(singleton_state)
     setup_globals()
+    if (refused := _check_job(spec)) is not None:
+        return refused
     ret = run_job(hydra_context=hydra_context, task_function=task_function, config=spec.config,
                   job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
     if ret.status == JobStatus.COMPLETED:
@@ -131,6 +133,21 @@ def execute(spec: JobSpec, task_function: Any, hydra_context: Any, singleton_sta
     err = ret._return_value
     traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
     return JobOutcome(spec.num, "failed", 1, f"{type(err).__name__}: {err}")
+
+
+def _check_job(spec: JobSpec) -> JobOutcome | None:
+    """The CLI's security check, in the job's own process (local) or on its node (SLURM), and the job
+    directory's lock, before Hydra writes anything there; a refusal is this job's user error."""
+    from llmexp.errors import UserError, last_user_error, user_error_exit
+    from llmexp.paths import lock_run_dir
+    from llmexp.security import check_config
+
+    try:
+        check_config(spec.config)
+        lock_run_dir(spec.job_dir)
+    except UserError as err:
+        return JobOutcome(spec.num, "failed", user_error_exit(err), last_user_error())
+    return None
 
 
 def _task_error(code: int) -> str:

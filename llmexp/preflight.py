@@ -3,13 +3,17 @@
 Three passes, none of which imports torch:
 
 * `check_args(argv)` runs in the CLI before Hydra composes, so a typo never creates a run
-  directory: unknown keys (with a did-you-mean), unknown group options, `_target_` overrides
-  off the allow-list, path-like values that would escape the output directory. It returns the
-  arguments with secret values moved out of sight (`security.redact_overrides`).
+  directory: unknown keys (with a did-you-mean), unknown group options, wrong types, group
+  options that are paths. It returns the arguments with secret values moved out of sight
+  (`security.redact_overrides`).
+* `ConfigCheck` wraps Hydra's config loader: every config Hydra composes (the run's, each sweep
+  job's, `--help`'s and `--cfg`'s) goes through `security.check_config` before Hydra uses it, and the
+  CLI's own composition is handed to Hydra instead of composing again.
 * `structure_errors(cfg)` and `remote_code_errors(cfg.model)` run inside `validation.validate` on
   the composed config: `???` left unset, interpolations that do not resolve, keys added with `+`
   that no schema knows, NUL bytes, disallowed `_target_`s, remote code without a pinned commit.
-* `check_environment(cfg)` runs after `validate` (`errors.run_guarded`), before anything loads:
+* `check_environment(cfg)` runs after `validate` (in the CLI before Hydra runs, and again in
+  `errors.run_guarded` for sweep jobs), before anything loads:
   what depends on this machine and launch: bf16 support, the world size, files that must exist.
   `validate` stays a pure function of the config, so a config validates on any machine.
 
@@ -34,9 +38,6 @@ from typing import Any
 from llmexp import security
 from llmexp.errors import UserError
 
-_CUSTOM_TREE_FLAGS = ("-cd", "--config-dir", "-cp", "--config-path", "-cn", "--config-name")
-_PATH_KEYS = ("hydra.job.name", "hydra.output_subdir", "hydra.sweep.subdir")
-"""Hydra keys whose values become path components under the run directory."""
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
@@ -145,8 +146,9 @@ def group_options(group: str) -> list[str] | None:
 # ---------------------------------------------------------------- the command line
 
 
-def _parse_overrides(args: list[str]) -> list[Any]:
-    """Hydra's own parse of the overrides on the command line; anything it cannot parse is left to Hydra."""
+def _parse_overrides(args: list[str]) -> tuple[Any, list[Any]]:
+    """Hydra's own parse of the command line (its flags, then each override); anything it cannot parse is left
+    to Hydra. Returns (argparse namespace or None, parsed overrides)."""
     from hydra._internal.utils import get_args_parser
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -154,12 +156,12 @@ def _parse_overrides(args: list[str]) -> list[Any]:
         with contextlib.redirect_stderr(io.StringIO()):
             namespace, _ = get_args_parser().parse_known_args(args)
     except SystemExit:
-        return []
+        return None, []
     parser, parsed = OverridesParser.create(), []
     for text in namespace.overrides or []:
         with contextlib.suppress(Exception):  # Hydra reports grammar errors itself, with the position
             parsed.extend(parser.parse_overrides([text]))
-    return parsed
+    return namespace, parsed
 
 
 def _values(override: Any) -> list[Any]:
@@ -172,26 +174,11 @@ def _values(override: Any) -> list[Any]:
 
 def _override_errors(ov: Any, custom_tree: bool) -> list[str]:
     """Problems of one parsed override (see `check_args`)."""
-    from llmexp.build import ALLOWED_TARGETS
-
     key, values = ov.key_or_group, _values(ov)
     if ov.is_delete():
         return []
-    if key == "_target_" or key.endswith("._target_"):
-        hydra_side = key.startswith("hydra.")
-        allowed = security.HYDRA_ALLOWED_TARGETS if hydra_side else ALLOWED_TARGETS
-        errors = [f"{key}: {p}; pick a class with its config group (e.g. optimizer=adamw)"
-                  for p in (security.target_problem(v, allowed) for v in values) if p]
-        if hydra_side and not errors:  # Hydra instantiates these itself, before llmexp runs: resolve now
-            errors = [e for v in values if (e := security.hydra_target_problem(key, str(v)))]
-        if not errors and not key.startswith("hydra.") and key != "optimizer._target_":
-            errors.append(f"{key}: llmexp instantiates only optimizer._target_; remove this override")
-        return errors
-    if key.startswith(("hydra.job_logging.", "hydra.hydra_logging.")) and key.endswith(".class"):
-        return [e for v in values if (e := security.logging_class_problem(key, v))]
-    if key in _PATH_KEYS:
-        return [f"{key}={v}: {p}; use a plain name" for v in values
-                if isinstance(v, str) and (p := security.path_problem(v))]
+    if key == "_target_" or key.endswith("._target_") or key.startswith("hydra."):
+        return []  # judged on the composed config, after interpolation (`security.config_problems`)
     if "/" in key or key.startswith("hydra.") or ov.package:
         return []
     options = group_options(key)
@@ -220,12 +207,15 @@ def _option_error(group: str, value: Any, options: list[str], custom_tree: bool)
 def check_args(args: list[str]) -> list[str]:
     """Check the command line before Hydra composes; return it with secrets redacted.
 
-    Raises UserError that lists every problem found. What this pass cannot judge (grammar errors,
-    options added through --config-dir) is left to Hydra, which exits 1 (mapped to 2).
+    Raises UserError that lists every problem found. A fast pass over argv for typos (no composition);
+    what it cannot judge (grammar errors, options added through --config-dir, `_target_`s, `hydra.*`,
+    anything a YAML file sets) is judged on the composed config (`ConfigCheck`) or by Hydra itself.
     """
-    custom_tree = any(a.split("=", 1)[0] in _CUSTOM_TREE_FLAGS or "hydra.searchpath" in a for a in args)
-    errors = [e for ov in _parse_overrides(args) for e in _override_errors(ov, custom_tree) if e]
-    errors += security.user_yaml_errors(args, _CUSTOM_TREE_FLAGS[:4])
+    namespace, overrides = _parse_overrides(args)
+    custom_tree = namespace is None or any(getattr(namespace, flag) is not None
+                                           for flag in ("config_dir", "config_path", "config_name"))
+    custom_tree = custom_tree or any(ov.key_or_group.startswith("hydra.searchpath") for ov in overrides)
+    errors = [e for ov in overrides for e in _override_errors(ov, custom_tree) if e]
     if errors:
         raise UserError("invalid command line:\n  " + "\n  ".join(errors))
     return security.redact_overrides(list(args))
@@ -377,3 +367,131 @@ def remote_code_errors(m: Any) -> list[str]:
     return [f"model.revision={m.revision}: model.trust_remote_code=true runs code from the hub, so pin "
             f"{name} to a full 40-character commit hash (a branch or tag can change under you), "
             "e.g. from the model page's Files and versions > History"]
+
+
+# ---------------------------------------------------------------- Hydra's compositions, checked
+
+
+class ConfigCheck:
+    """Hydra's ConfigLoader with `security.check_config` on every config it composes.
+
+    Hydra 1.3 (`hydra._internal.hydra.Hydra`) composes through `hydra.config_loader` for runs, sweeps,
+    `--help` and `--cfg`, and sweep launchers (local and SLURM) compose each job through the loader in
+    their `HydraContext`, so installing this there checks every config before Hydra instantiates
+    callbacks, the launcher, the sweeper or logging, or creates a directory. `hand_over` gives Hydra a
+    config the CLI already composed and checked, so that it is not composed twice (and Hydra then uses
+    the very directories that were checked and locked). Other methods go to Hydra's loader.
+    """
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self._ready: dict[tuple[Any, ...], Any] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("loader", "_ready"):  # unpickling looks these up before __dict__
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def compose(self, config_name: str | None, overrides: list[str], run_mode: Any) -> Any:
+        """Compose as Hydra's `compose_config` will (from the shell, sweep overrides validated), unchecked."""
+        return self.loader.load_configuration(config_name=config_name, overrides=list(overrides),
+                                              run_mode=run_mode, from_shell=True)
+
+    def check(self, cfg: Any, config_name: str | None, overrides: list[str]) -> None:
+        """`security.check_config`, each problem named with the file (or command line) it came from."""
+        security.check_config(cfg, origin=lambda key: key_origin(self.loader, config_name, overrides, key))
+
+    def hand_over(self, cfg: Any, config_name: str | None, overrides: list[str], run_mode: Any) -> None:
+        """The next `load_configuration` with these arguments returns `cfg` (once) instead of composing."""
+        self._ready[(config_name, tuple(overrides), run_mode)] = cfg
+
+    def load_configuration(self, config_name: str | None, overrides: list[str], run_mode: Any,
+                           from_shell: bool = True, validate_sweep_overrides: bool = True) -> Any:
+        ready = self._ready.pop((config_name, tuple(overrides), run_mode), None)
+        if ready is not None:
+            return ready
+        cfg = self.loader.load_configuration(config_name=config_name, overrides=overrides, run_mode=run_mode,
+                                             from_shell=from_shell, validate_sweep_overrides=validate_sweep_overrides)
+        self.check(cfg, config_name, overrides)
+        return cfg
+
+    def check_sweep_jobs(self, master_config: Any) -> None:
+        """Compose and check every job of a sweep before Hydra's sweeper creates the sweep directory; each
+        config is handed to the sweeper's own validation (`validate_batch_is_legal`) instead of composing again.
+        The sweeper is Hydra's BasicSweeper (the only one `security.SWEEPER_TARGETS` allows)."""
+        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        from omegaconf import OmegaConf
+
+        params = OmegaConf.to_container(master_config.hydra.sweeper.get("params") or {}, resolve=False)
+        arguments = [f"{k}={v}" for k, v in params.items()]  # type: ignore[union-attr]
+        arguments += OmegaConf.to_container(master_config.hydra.overrides.task, resolve=False)  # type: ignore[arg-type]
+        parsed = OverridesParser.create(config_loader=self.loader).parse_overrides(arguments)
+        for batch in BasicSweeper.split_arguments(parsed, None):
+            for job in batch:
+                cfg = self.load_sweep_config(master_config, list(job))
+                self._ready[(id(master_config), tuple(job))] = cfg
+
+    def load_sweep_config(self, master_config: Any, sweep_overrides: list[str]) -> Any:
+        from omegaconf import OmegaConf
+
+        ready = self._ready.pop((id(master_config), tuple(sweep_overrides)), None)
+        if ready is not None:
+            return ready
+        cfg = self.loader.load_sweep_config(master_config, sweep_overrides)
+        overrides = [*OmegaConf.to_container(master_config.hydra.overrides.hydra), *sweep_overrides]  # type: ignore[misc]
+        self.check(cfg, master_config.hydra.job.config_name, overrides)
+        return cfg
+
+
+def key_origin(loader: Any, config_name: str | None, overrides: list[str], key: str) -> str:
+    """Where the value at `key` of a composed config came from: "command line" when an override sets the key
+    or a node above it, else the last config file (in Hydra's defaults order) that sets it."""
+    try:
+        parsed, repo = loader._parse_overrides_and_create_caching_repo(config_name, list(overrides))  # Hydra 1.3
+        for ov in reversed(parsed):
+            name = ov.key_or_group
+            if not ov.is_delete() and not repo.group_exists(name) and (key == name or key.startswith(f"{name}.")):
+                return "command line"
+        defaults = loader.compute_defaults_list(config_name, list(overrides), _run_mode(loader)).defaults
+        for default in reversed(defaults):
+            found = _config_file_setting(repo, default, key)
+            if found:
+                return found
+    except Exception:  # the origin is a courtesy; the refusal stands without it
+        return "config"
+    return "config"
+
+
+def _run_mode(loader: Any) -> Any:
+    from hydra.types import RunMode
+
+    del loader
+    return RunMode.RUN
+
+
+def _config_file_setting(repo: Any, default: Any, key: str) -> str | None:
+    """The file behind one defaults-list entry, if its content (placed at its package) sets `key`."""
+    from omegaconf import OmegaConf
+
+    if default.config_path is None:
+        return None
+    package = default.package or ""
+    if package and key != package and not key.startswith(f"{package}."):
+        return None
+    relative = key[len(package) + 1:] if package and key != package else key if not package else ""
+    result = repo.load_config(default.config_path)
+    if result is None:
+        return None
+    node: Any = OmegaConf.to_container(result.config, resolve=False)
+    for part in [p for p in relative.split(".") if p]:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    where = str(result.path)
+    if where.startswith("file://"):
+        return str(Path(where[len("file://"):]) / f"{default.config_path}.yaml")
+    return f"{where}/{default.config_path}"

@@ -258,7 +258,7 @@ def _compare_resume_key(cfg: DictConfig, rt: Runtime, path: Path, log: MetricsLo
 
 
 def _data_mismatch(cfg: DictConfig, path: Path, saved: str, now: str, log: MetricsLogger) -> None:
-    what = (f"{path.name} was saved with data fingerprint {saved}, but this run's data has fingerprint {now} "
+    what = (f"checkpoint {path} was saved with data fingerprint {saved}, but this run's data has fingerprint {now} "
             "(the data files, the tokenizer or the data.* settings changed)")
     if cfg.train.resume_data_mismatch == "warn":
         log.write(f"warning: {what}; resuming anyway (train.resume_data_mismatch=warn)")

@@ -6,9 +6,13 @@ weights must be bitwise equal to an uninterrupted run's.
 Kills come two ways, both real SIGKILLs of the training process:
 - from outside, at a random moment after a random step has been logged;
 - from inside, at an exact point (before the n-th micro-batch backward, i.e. in the middle of an
-  accumulation window; or right after the n-th file of a checkpoint save), through a tiny hook
-  that wraps one function and then starts the normal CLI. Only the moment is chosen; nothing
-  else is replaced.
+  accumulation window; right after the n-th file of a checkpoint save; or during start-up, while
+  the data is built), through a tiny hook that wraps one function and then starts the normal
+  CLI. Only the moment is chosen; nothing else is replaced. The hook can send other signals
+  than SIGKILL (SIGTERM, SIGINT, two SIGINTs: a second Ctrl-C).
+
+Also here, end to end: checkpoints that verify but do not load, a resume on other data, a full
+disk (a real tmpfs) during a save.
 
 benchmarks/kill_resume.py reuses this harness for 20 random kills.
 """
@@ -42,16 +46,20 @@ TINY = (
     "train.resume=auto", "train.peak_tflops=1.0", "logger=jsonl",
 )
 # Kill from inside at an exact point, then run the normal CLI. LLMEXP_TEST_KILL_AT is
-# "backward:<n>" (before the n-th micro-batch backward) or "ckpt_file:<n>" (after the n-th
-# checkpoint file written through llmexp.checkpoint.save_state / save_tensors).
+# "backward:<n>" (before the n-th micro-batch backward), "startup:1" (as the data is built) or
+# "ckpt_file:<n>" (after the n-th checkpoint file written through llmexp.checkpoint.save_state /
+# save_tensors). LLMEXP_TEST_KILL_SIGNALS lists the signals sent then (default SIGKILL); each
+# one's handler has run before the next is sent (signal.raise_signal), as two key presses would.
 KILL_HOOK = r"""
 import os, signal, sys
 kind, n = os.environ["LLMEXP_TEST_KILL_AT"].split(":")
+signals = [getattr(signal, name) for name in os.environ.get("LLMEXP_TEST_KILL_SIGNALS", "SIGKILL").split(",")]
 calls = [0]
 def count_and_maybe_kill():
     calls[0] += 1
     if calls[0] == int(n):
-        os.kill(os.getpid(), signal.SIGKILL)
+        for sig in signals:
+            signal.raise_signal(sig)
 if kind == "backward":
     from llmexp import runtime
     real_backward = runtime.Runtime.backward
@@ -59,6 +67,13 @@ if kind == "backward":
         count_and_maybe_kill()
         return real_backward(self, loss)
     runtime.Runtime.backward = backward
+elif kind == "startup":
+    from llmexp import data
+    real_build = data.build_datasets
+    def build_datasets(*args, **kwargs):
+        count_and_maybe_kill()
+        return real_build(*args, **kwargs)
+    data.build_datasets = build_datasets
 else:
     from llmexp import checkpoint
     for name in ("save_state", "save_tensors"):
@@ -81,7 +96,9 @@ class Kill:
     hook: str | None = None
     jitter_s: float = 0.0
     signum: int = signal.SIGKILL
-    """SIGKILL, or SIGTERM/SIGUSR2 for a preemption (the run saves and exits `preempted`)."""
+    """SIGKILL, or SIGTERM/SIGUSR2/SIGINT for a preemption (the run saves and exits `preempted`)."""
+    repeat: int = 1
+    """hook only: how many times `signum` is sent (SIGINT twice: the second Ctrl-C ends the run at once)."""
 
 
 def cli_env(cache_dir: Path) -> dict[str, str]:
@@ -94,8 +111,11 @@ def cli_env(cache_dir: Path) -> dict[str, str]:
 
 
 def command(run_dir: Path, overrides: Sequence[str], hook: bool = False) -> list[str]:
+    """The CLI command; an override of a key TINY sets replaces TINY's value."""
     entry = ["-c", KILL_HOOK] if hook else ["-m", "llmexp"]
-    return [sys.executable, *entry, *TINY, *overrides, f"hydra.run.dir={run_dir}"]
+    keys = {o.split("=", 1)[0] for o in overrides}
+    base = [o for o in TINY if o.split("=", 1)[0] not in keys]
+    return [sys.executable, *entry, *base, *overrides, f"hydra.run.dir={run_dir}"]
 
 
 def _train_steps(run_dir: Path) -> list[int]:
@@ -121,6 +141,7 @@ def run_once(run_dir: Path, overrides: Sequence[str], env: dict[str, str], kill:
     env = dict(env)
     if kill is not None and kill.hook:
         env["LLMEXP_TEST_KILL_AT"] = kill.hook
+        env["LLMEXP_TEST_KILL_SIGNALS"] = ",".join([signal.Signals(kill.signum).name] * kill.repeat)
     hook = kill is not None and kill.hook is not None
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command(run_dir, overrides, hook), stdout=log, stderr=subprocess.STDOUT,
@@ -194,6 +215,8 @@ def kill_resume_chain(run_dir: Path, overrides: Sequence[str], env: dict[str, st
         outputs.append(out)
         if kill.signum == signal.SIGKILL:
             assert code == -signal.SIGKILL, f"kill {i} ({kill}) did not land: exit {code}\n{out[-3000:]}"
+        elif kill.signum == signal.SIGINT and kill.repeat > 1:  # the second Ctrl-C: gone at once
+            assert code == -signal.SIGINT and "second Ctrl-C" in out, f"kill {i} ({kill}): exit {code}\n{out[-3000:]}"
         else:
             _check_preempted(run_dir, code, out)
         if between is not None:
@@ -357,3 +380,165 @@ def test_kill9_before_the_first_checkpoint(tmp_path: Path, env: dict[str, str], 
     kill_resume_chain(tmp_path / "run", overrides, env, [Kill(hook="ckpt_file:2")], random.Random(0))
     got = fingerprint(tmp_path / "run")
     assert got == want, f"{first_difference(want, got)}; runs in {tmp_path}"
+
+
+def test_ctrl_c_checkpoints_and_a_second_ctrl_c_exits_at_once(tmp_path: Path, env: dict[str, str],
+                                                             reference) -> None:
+    """Ctrl-C (SIGINT) in the middle of an accumulation window: the run finishes the step, saves
+    a checkpoint and exits 1 with status `preempted`, like SIGTERM; the resumed run gets two
+    Ctrl-Cs and dies at once (no checkpoint); the last run resumes from the checkpoint of the
+    first and ends bitwise equal to an uninterrupted run. (Before: a KeyboardInterrupt traceback,
+    no checkpoint, no summary.)"""
+    overrides = ("precision=fp32", "train.gradient_accumulation_steps=4")
+    want = reference(overrides)
+    kills = [Kill(hook="backward:23", signum=signal.SIGINT), Kill(hook="backward:6", signum=signal.SIGINT, repeat=2)]
+    outputs = kill_resume_chain(tmp_path / "run", overrides, env, kills, random.Random(0))
+    assert "SIGINT: saving a checkpoint at the next step boundary" in outputs[0], outputs[0][-3000:]
+    assert not [out for out in outputs if "Traceback" in out], outputs
+    got = fingerprint(tmp_path / "run")
+    assert got == want, f"{first_difference(want, got)}; runs in {tmp_path}"
+
+
+def test_sigterm_during_startup_ends_cleanly(tmp_path: Path, env: dict[str, str], reference) -> None:
+    """A SIGTERM while the data is being built (before the loop) no longer kills the process: it
+    stops at the first step boundary with status `preempted` (exit 1, summary.json, no traceback),
+    and the next run trains as if nothing had happened. (Before: killed by the signal.)"""
+    overrides = ("precision=fp32", "train.gradient_accumulation_steps=4")
+    want = reference(overrides)
+    run_dir = tmp_path / "run"
+    code, out = run_once(run_dir, overrides, env, Kill(hook="startup:1", signum=signal.SIGTERM))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (code, summary["status"], summary["step"]) == (1, "preempted", 0), out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    code, out = run_once(run_dir, overrides, env)
+    assert code == 0, out[-3000:]
+    got = fingerprint(run_dir)
+    assert got == want, f"{first_difference(want, got)}; runs in {tmp_path}"
+
+
+def _rehash(checkpoint: Path, rel: str) -> None:
+    """Make the manifest match a file changed on purpose, so only loading can tell."""
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    path = checkpoint / rel
+    manifest["files"][rel] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_checkpoints_that_verify_but_do_not_load_fall_back(tmp_path: Path, env: dict[str, str]) -> None:
+    """A finished run's three newest checkpoints are damaged with manifests made to match: invalid
+    JSON in trainer_state.json (step 16), an unknown key in the trainer state (15), a weight of
+    another shape (12). Run again, the resume warns about each, naming the file, falls back to
+    step 9 and ends bitwise equal to the first run. (Before: the resume crashed.)"""
+    from safetensors.torch import load_file, save_file
+
+    overrides = ("precision=fp32", "train.save_total_limit=6")
+    run_dir = tmp_path / "run"
+    code, out = run_once(run_dir, overrides, env)
+    assert code == 0, out[-3000:]
+    want = fingerprint(run_dir)
+    ckpts = run_dir / "checkpoints"
+    (ckpts / "step_16" / "trainer_state.json").write_text('{"state": {"step": 16,')
+    state = json.loads((ckpts / "step_15" / "trainer_state.json").read_text())
+    state["state"]["from_the_future"] = 1
+    (ckpts / "step_15" / "trainer_state.json").write_text(json.dumps(state))
+    weights = load_file(str(ckpts / "step_12" / "model.safetensors"))
+    name = next(iter(weights))
+    weights[name] = weights[name].reshape(-1)[:-1].clone()
+    save_file(weights, str(ckpts / "step_12" / "model.safetensors"))
+    for step, rel in ((16, "trainer_state.json"), (15, "trainer_state.json"), (12, "model.safetensors")):
+        _rehash(ckpts / f"step_{step}", rel)
+    code, out = run_once(run_dir, overrides, env)
+    assert code == 0, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    for what in (f"{ckpts / 'step_16' / 'trainer_state.json'}: not valid JSON",
+                 f"{ckpts / 'step_15' / 'trainer_state.json'}: unknown key 'from_the_future'",
+                 f"{ckpts / 'step_12' / 'model.safetensors'}: {name} has shape"):
+        assert what in out, out[-3000:]
+    resumed = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["checkpoint"] for r in resumed if r["event"] == "resume"] == [str(ckpts / "step_9")]
+    got = fingerprint(run_dir)
+    assert got == want, f"{first_difference(want, got)}; runs in {tmp_path}"
+
+
+def _jsonl(path: Path, n: int) -> Path:
+    """n text records: a small data file whose content the test can change."""
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+    rng = random.Random(0)
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choices(words, k=40))}) + "\n" for _ in range(n)))
+    return path
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_resume_on_other_data_is_refused_unless_told(tmp_path: Path, env: dict[str, str]) -> None:
+    """The data file changes between a run and its resume: the resume exits 2 naming both data
+    fingerprints and train.resume_data_mismatch, leaving metrics and checkpoints as they were;
+    with train.resume_data_mismatch=warn it warns and goes on. (Before: not noticed.)"""
+    data = _jsonl(tmp_path / "train.jsonl", 80)
+    run_dir = tmp_path / "run"
+    overrides = ("data=json", f"data.train_file={data}", "train.max_steps=4", "precision=fp32")
+    code, out = run_once(run_dir, overrides, env)
+    assert code == 0, out[-3000:]
+    saved = json.loads((run_dir / "checkpoints" / "step_4" / "manifest.json").read_text())
+    before_fp = saved["extra"]["resume_key"]["data"]
+    before = {**_tree(run_dir / "checkpoints"), "metrics.jsonl": (run_dir / "metrics.jsonl").read_bytes()}
+    _jsonl(data, 81)
+    code, out = run_once(run_dir, overrides, env)
+    assert code == 2, out[-3000:]
+    error = [line for line in out.splitlines() if line.startswith("llmexp: error:")]
+    assert len(error) == 1 and before_fp in error[0] and "train.resume_data_mismatch=warn" in error[0], out[-3000:]
+    assert "Traceback" not in out
+    after = {**_tree(run_dir / "checkpoints"), "metrics.jsonl": (run_dir / "metrics.jsonl").read_bytes()}
+    assert after == before
+    code, out = run_once(run_dir, (*overrides, "train.resume_data_mismatch=warn"), env)
+    assert code == 0, out[-3000:]
+    assert f"saved with data fingerprint {before_fp}" in out and "resuming anyway" in out, out[-3000:]
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path):
+    """A real 3 MiB filesystem (tmpfs) for a run directory: room for one tiny checkpoint (1.8 MiB)
+    but not two. Mounting needs root; elsewhere (CI runs unprivileged) the test is skipped, and
+    tests/test_checkpoint.py covers the same path by injecting ENOSPC."""
+    import subprocess as sp
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = sp.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        sp.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_full_disk_during_a_save(tmpfs: Path, env: dict[str, str], reference) -> None:
+    """The run directory is on a 3 MiB filesystem: step_3 fits, the save of step_6 runs out of
+    space. The run says "no space left" with the path, writes summary.json (status failed),
+    keeps step_3 and exits 1 without a traceback. Given room, the same command resumes from
+    step_3 and ends bitwise equal to an uninterrupted run. (Before: a bare RuntimeError
+    "unexpected pos", no summary.)"""
+    import subprocess as sp
+
+    from llmexp.checkpoint import list_checkpoints, verify_checkpoint
+
+    overrides = ("precision=fp32", "train.gradient_accumulation_steps=4")
+    want = reference(overrides)
+    run_dir = tmpfs / "run"
+    code, out = run_once(run_dir, overrides, env)
+    assert code == 1, out[-3000:]
+    assert f"no space left on device while writing {run_dir / 'checkpoints' / 'step_6'}" in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["status"], summary["step"]) == ("failed", 6)
+    kept = list_checkpoints(run_dir / "checkpoints")
+    assert [p.name for p in kept] == ["step_3"]
+    verify_checkpoint(kept[0])
+    sp.run(["mount", "-o", "remount,size=64m", str(tmpfs)], check=True)
+    code, out = run_once(run_dir, overrides, env)
+    assert code == 0, out[-3000:]
+    got = fingerprint(run_dir)
+    assert got == want, f"{first_difference(want, got)}; runs in {tmpfs}"

@@ -7,12 +7,12 @@ environment and on the command line, then greps every byte the run left behind.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from omegaconf import DictConfig
 
 from llmexp import security
 from llmexp.errors import UserError
@@ -210,7 +210,7 @@ def test_located_object_must_be_defined_under_the_allow_list() -> None:
                            base=torch.optim.Optimizer)
     with pytest.raises(UserError, match=r"posix\.system"):  # a detour through a module's own `import os`
         security.check_located(os.system, "torch.optim.optimizer.os.system", "k", ALLOWED_TARGETS)
-    with pytest.raises(UserError, match="subclass"):
+    with pytest.raises(UserError, match="not one of the allowed classes"):  # compared by identity
         security.check_located(torch.optim.lr_scheduler.LambdaLR, "torch.optim.lr_scheduler.LambdaLR", "k",
                                ALLOWED_TARGETS, base=torch.optim.Optimizer)
 
@@ -230,20 +230,36 @@ def test_target_from_a_yaml_file_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("target", "message"), [
     ("llmexp.launcher.subprocess.Popen", "resolves to 'subprocess.Popen'"),  # a detour through `import subprocess`
-    ("llmexp.paths.write_json_atomic", "is not a subclass of hydra.experimental.callback.Callback"),
-    ("builtins.exec", "not under an allowed prefix"),
+    ("llmexp.paths.write_json_atomic", "resolves to 'llmexp.paths.write_json_atomic'"),
+    ("builtins.exec", "is not one of the allowed classes here"),
 ])
-def test_hydra_side_targets_are_resolved_and_checked(target: str, message: str) -> None:
-    from llmexp.preflight import check_args
+def test_hydra_side_targets_are_resolved_and_compared_by_identity(target: str, message: str) -> None:
+    problems = dict(security.config_problems(_composed([f"+hydra.callbacks.x._target_={target}"])))
+    assert message in problems["hydra.callbacks.x._target_"]
+    assert security.config_problems(_composed(["+hydra.callbacks.x._target_=llmexp.security.RedactRunFiles"])) == []
 
-    with pytest.raises(UserError, match=re.escape(message)):
-        check_args([f"+hydra.callbacks.x._target_={target}"])
-    assert check_args(["+hydra.callbacks.x._target_=llmexp.security.RedactRunFiles"])  # a real callback passes
+
+def _composed(overrides: list[str], multirun: bool = False) -> DictConfig:
+    """The config `python -m llmexp OVERRIDES` composes (Hydra's own compose, hydra node included)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.types import RunMode
+    from omegaconf import open_dict
+
+    from llmexp.config import register_configs
+    from llmexp.paths import conf_dir, register_resolvers
+
+    register_configs()
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = compose("config", overrides=overrides, return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.mode = RunMode.MULTIRUN if multirun else RunMode.RUN
+    return cfg
 
 
 def test_hydra_callbacks_and_logging_classes_in_user_yaml_are_refused(tmp_path: Path) -> None:
-    """Hydra instantiates `hydra.callbacks` and builds logging handlers before any job code runs, so
-    YAML added with --config-dir is checked before Hydra reads it."""
+    """Hydra instantiates `hydra.callbacks` and builds logging handlers before any job code runs: the
+    composed config is checked before Hydra gets it, naming the YAML file each key came from."""
     extra = tmp_path / "extra"
     (extra / "experiment").mkdir(parents=True)
     (extra / "hydra" / "job_logging").mkdir(parents=True)
@@ -252,13 +268,172 @@ def test_hydra_callbacks_and_logging_classes_in_user_yaml_are_refused(tmp_path: 
         f"      args: [touch, {tmp_path / 'pwned'}]\n")
     (extra / "hydra" / "job_logging" / "evil.yaml").write_text(
         f"version: 1\nhandlers:\n  x:\n    class: subprocess.Popen\n    args: [touch, {tmp_path / 'pwned'}]\n"
+        f"filters:\n  f:\n    (): builtins.open\n    file: {tmp_path / 'pwned'}\n    mode: w\n"
         "root:\n  handlers: [x]\n")
     proc = run_llmexp(["-cd", str(extra), "experiment=evil", "hydra/job_logging=evil",
                        f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
     assert proc.returncode == 2, proc.stderr
-    assert "evil.yaml: hydra.callbacks.evil._target_: 'llmexp.launcher.subprocess.Popen' resolves to" in proc.stderr
-    assert "handlers.x.class: 'subprocess.Popen' is not a logging.* class" in proc.stderr
+    assert (f"{extra / 'experiment' / 'evil.yaml'}: hydra.callbacks.evil._target_: "
+            "'llmexp.launcher.subprocess.Popen' resolves to 'subprocess.Popen'") in proc.stderr
+    assert (f"{extra / 'hydra' / 'job_logging' / 'evil.yaml'}: hydra.job_logging.handlers.x.class: "
+            "'subprocess.Popen' is not one of logging's own classes") in proc.stderr
+    assert "hydra.job_logging.filters.f.(): logging factories ('()')" in proc.stderr
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- one test per route class (issue 14)
+# Each runs the real CLI in tmp_path with a canary that the refused config would create (a file opened
+# by `builtins.open`, a `touch` run through `subprocess.run`, a directory Hydra would write) and checks
+# exit 2, the key and its origin in the message, and that neither the canary nor any directory appears.
+
+
+def _open_canary(canary: Path) -> str:
+    """A `_target_` node that creates `canary` when instantiated."""
+    return f"{{_target_:builtins.open,_args_:[{canary},w]}}"
+
+
+def _refused(tmp_path: Path, args: list[str], fragments: list[str], env: dict[str, str] | None = None,
+             canary: Path | None = None) -> None:
+    before = {p.name for p in tmp_path.iterdir()}
+    proc = run_llmexp([*args, f"hydra.run.dir={tmp_path / 'run'}", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                      tmp_path, env)
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr
+    for fragment in fragments:
+        assert fragment in proc.stderr, f"{fragment!r} not in:\n{proc.stderr}"
+    assert canary is None or not canary.exists(), f"{canary} was created"
+    assert {p.name for p in tmp_path.iterdir()} == before, "a file or directory was created"
+
+
+@pytest.mark.parametrize("override", [
+    "+hydra.callbacks={{evil:{node}}}",
+    "+hydra.callbacks.evil={node}",
+    "++hydra.job_logging.handlers={{x:{{class:logging.FileHandler,filename:{canary}}}}}",
+    "++hydra.job_logging.handlers.x={{class:logging.handlers.SocketHandler,host:localhost,port:9}}",
+    "hydra.hydra_logging.handlers.console.stream=ext://builtins.print",
+])
+def test_route_dict_valued_hydra_overrides(override: str, tmp_path: Path) -> None:
+    canary = tmp_path / "canary"
+    arg = override.format(node=_open_canary(canary), canary=canary)
+    _refused(tmp_path, [arg], ["command line: hydra."], canary=canary)
+
+
+def _evil_tree(root: Path, canary: Path) -> Path:
+    """A config dir whose experiment adds a Hydra callback, and a group for package overrides."""
+    (root / "experiment").mkdir(parents=True)
+    (root / "evilgroup").mkdir()
+    (root / "experiment" / "evil.yaml").write_text(
+        f"# @package _global_\nhydra:\n  callbacks:\n    evil:\n      _target_: builtins.open\n"
+        f"      _args_: [{canary}, w]\n")
+    (root / "evilgroup" / "cb.yaml").write_text(f"_target_: builtins.open\n_args_: [{canary}, w]\n")
+    return root
+
+
+@pytest.mark.parametrize("route", [
+    ["hydra.searchpath=[{dir}]", "experiment=evil"],  # a search path without a scheme
+    ["hydra.searchpath=[file://{dir}]", "experiment=evil"],
+    ["-cd", "{dir}", "experiment=evil"],
+    ["--config-d", "{dir}", "experiment=evil"],  # an abbreviation argparse accepts
+    ["--config-dir={dir}", "experiment=evil"],
+    ["--config-d={dir}", "+evilgroup@hydra.callbacks.x=cb"],  # a package override
+    ["hydra.searchpath=[{dir}]", "+evilgroup@hydra.callbacks.x=cb"],
+])
+def test_route_yaml_from_every_config_source(route: list[str], tmp_path: Path) -> None:
+    canary = tmp_path / "canary"
+    tree = _evil_tree(tmp_path.parent / f"{tmp_path.name}-conf", canary)
+    args = [a.format(dir=tree) for a in route]
+    origin = tree / ("experiment/evil.yaml" if "experiment=evil" in args else "evilgroup/cb.yaml")
+    _refused(tmp_path, args, [f"{origin}: hydra.callbacks.", "'builtins.open'"], canary=canary)
+
+
+def test_route_config_name_abbreviation_loads_a_checked_primary_config(tmp_path: Path) -> None:
+    """`--config-n` (argparse's abbreviation of --config-name) with a primary config from -cd."""
+    canary = tmp_path / "canary"
+    tree = tmp_path.parent / f"{tmp_path.name}-conf"
+    tree.mkdir()
+    (tree / "mine.yaml").write_text(f"defaults:\n  - config\n  - _self_\nhydra:\n  callbacks:\n    evil:\n"
+                                    f"      _target_: builtins.open\n      _args_: [{canary}, w]\n")
+    _refused(tmp_path, ["-cd", str(tree), "--config-n", "mine"], [f"{tree / 'mine.yaml'}: hydra.callbacks.evil"],
+             canary=canary)
+
+
+@pytest.mark.parametrize("target", ["llmexp.launcher.subprocess.run", "llmexp.jobs.os.system",
+                                    "llmexp.security.os.system"])
+def test_route_attribute_walk_targets(target: str, tmp_path: Path) -> None:
+    canary = tmp_path / "canary"
+    args = [f"+hydra.callbacks.x={{_target_:{target},_args_:[[touch,{canary}]]}}"]
+    _refused(tmp_path, args, ["command line: hydra.callbacks.x._target_", f"'{target}' resolves to"], canary=canary)
+
+
+def test_route_attribute_walk_optimizer_target(tmp_path: Path) -> None:
+    canary = tmp_path / "canary"
+    _refused(tmp_path, ["optimizer._target_=llmexp.build.importlib.import_module"],
+             ["command line: optimizer._target_", "not one of the allowed optimizer classes"], canary=canary)
+
+
+class _Planted:
+    def __init__(self, canary: Path) -> None:
+        self.canary = canary
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (open, (str(self.canary), "w"))
+
+
+@pytest.mark.parametrize("flag", ["--experimental-rerun", "--experimental-r"])
+def test_route_experimental_rerun_is_refused(flag: str, tmp_path: Path) -> None:
+    import pickle
+
+    canary = tmp_path / "canary"
+    planted = tmp_path / "config.pickle"
+    planted.write_bytes(pickle.dumps(_Planted(canary)))
+    _refused(tmp_path, [flag, str(planted)], ["--experimental-rerun", "unpickles"], canary=canary)
+
+
+@pytest.mark.parametrize("name", ["CC", "CXX", "LD_PRELOAD", "PATH", "PYTHONPATH", "TORCH_EXTENSIONS_DIR"])
+def test_route_env_set_of_executables(name: str, tmp_path: Path) -> None:
+    evil = tmp_path / "evil.sh"
+    evil.write_text(f"#!/bin/sh\ntouch {tmp_path / 'canary'}\n")
+    evil.chmod(0o755)
+    _refused(tmp_path, [f"+hydra.job.env_set.{name}={evil}"], [f"command line: hydra.job.env_set.{name}"],
+             canary=tmp_path / "canary")
+
+
+@pytest.mark.parametrize(("args", "key"), [
+    (["hydra.output_subdir=${oc.env:LLMEXP_TEST_ESCAPE}"], "hydra.output_subdir"),
+    (["hydra.job.name=${oc.env:LLMEXP_TEST_ESCAPE}"], "hydra.job.name"),
+    (["--multirun", "hydra.sweep.subdir=${oc.env:LLMEXP_TEST_ESCAPE}"], "hydra.sweep.subdir"),
+    (["hydra.job_logging.handlers.file.filename=${oc.env:LLMEXP_TEST_ESCAPE}/x.log"],
+     "hydra.job_logging.handlers.file.filename"),
+])
+def test_route_interpolations_escaping_the_directory(args: list[str], key: str, tmp_path: Path) -> None:
+    escape = tmp_path.parent / f"{tmp_path.name}-escaped"
+    _refused(tmp_path, args, [f"command line: {key}"], env={"LLMEXP_TEST_ESCAPE": f"../../{escape.name}"},
+             canary=escape)
+
+
+def test_the_default_config_passes_the_check() -> None:
+    assert security.config_problems(_composed([])) == []
+    assert security.config_problems(_composed(["cluster=slurm"], multirun=True)) == []
+
+
+def test_hydra_private_api_this_cli_follows_is_unchanged() -> None:
+    """llmexp.__main__ re-runs `hydra._internal.utils._run_hydra` of Hydra 1.3 with every composition checked
+    (and preflight.key_origin uses ConfigLoaderImpl._parse_overrides_and_create_caching_repo): after a Hydra
+    upgrade this fails, and the CLI must be compared with the new `_run_hydra` before the hash is updated."""
+    import hashlib
+    import inspect
+
+    import hydra
+    from hydra._internal import utils
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    assert hydra.__version__ == "1.3.8"
+    digest = hashlib.sha256(inspect.getsource(utils._run_hydra).encode()).hexdigest()
+    assert digest == RUN_HYDRA_SHA256, digest
+    assert callable(ConfigLoaderImpl._parse_overrides_and_create_caching_repo)
+
+
+RUN_HYDRA_SHA256 = "8442d5abfa70fc1d420c452247c93082267cd646af8cdb8f271d42b66589dbbd"
 
 
 # ---------------------------------------------------------------- paths
@@ -327,12 +502,10 @@ def test_run_dir_is_the_users_explicit_choice_but_ids_and_names_are_sanitized(mo
     """`hydra.run.dir` / `hydra.sweep.dir` name the output directory itself, so any path is accepted (as
     with `-o DIR`); values that become components below it are refused or made safe."""
     from llmexp.paths import run_id
-    from llmexp.preflight import check_args
 
-    assert check_args(["hydra.run.dir=../../elsewhere", "hydra.sweep.dir=/abs/sweep"]) == [
-        "hydra.run.dir=../../elsewhere", "hydra.sweep.dir=/abs/sweep"]
-    for key in ("hydra.job.name", "hydra.output_subdir", "hydra.sweep.subdir"):
-        with pytest.raises(UserError, match=key):
-            check_args([f"{key}=../up"])
+    assert security.config_problems(_composed(["hydra.run.dir=../../elsewhere", "hydra.sweep.dir=/abs/sweep"])) == []
+    for key in ("hydra.job.name", "hydra.output_subdir"):
+        assert key in dict(security.config_problems(_composed([f"{key}=../up"])))
+    assert "hydra.sweep.subdir" in dict(security.config_problems(_composed(["hydra.sweep.subdir=../up"], True)))
     monkeypatch.setenv("LLMEXP_RUN_ID", "../../etc/passwd")  # (the environment cannot hold NUL bytes)
     assert run_id() == "etc_passwd"
