@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 from omegaconf import OmegaConf
 
 from llmexp.paths import conf_dir
-from llmexp.validation import ConfigError, validate
+from llmexp.validation import RANGES, ConfigError, number_keys, validate
 from tests.conftest import compose, run_cli
 
 GROUPS = ["model", "data", "precision", "optimizer", "scheduler", "cluster", "deepspeed", "logger", "experiment"]
@@ -90,3 +93,77 @@ def test_help_lists_groups_without_importing_torch() -> None:
     assert "NO_TORCH" in proc.stdout, proc.stdout[-2000:]
     for group in ("model", "optimizer", "precision", "deepspeed", "cluster"):
         assert group in proc.stdout
+
+
+# ---------------------------------------------------------------- every number has a range
+
+
+@pytest.fixture(scope="module")
+def default_cfg(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return compose([], tmp_path_factory.mktemp("run"))
+
+
+def _with(cfg: Any, key: str, value: Any) -> Any:
+    changed = copy.deepcopy(cfg)
+    OmegaConf.update(changed, key, value, merge=False)
+    return changed
+
+
+def _errors(cfg: Any) -> str:
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    return str(err.value)
+
+
+def test_every_number_in_the_schema_has_a_range() -> None:
+    """A new int or float field fails here until `validation.RANGES` says what it may be."""
+    assert set(number_keys()) == set(RANGES), set(number_keys()) ^ set(RANGES)
+
+
+@pytest.mark.parametrize("key", sorted(k for k, tp in number_keys().items() if tp is float))
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_a_float_field_must_be_finite(default_cfg: Any, key: str, value: float) -> None:
+    text = _errors(_with(default_cfg, key, value))
+    assert f"{key}: must be a finite number" in text, text
+
+
+@pytest.mark.parametrize("key", sorted(k for k, tp in number_keys().items() if tp is int))
+def test_an_int_field_must_fit_in_64_bits(default_cfg: Any, key: str) -> None:
+    text = _errors(_with(default_cfg, key, 2**64))
+    assert f"{key}: {2**64} does not fit in 64 bits" in text, text
+
+
+@pytest.mark.parametrize("key", sorted(number_keys()))
+def test_every_number_has_a_lower_bound(default_cfg: Any, key: str) -> None:
+    text = _errors(_with(default_cfg, key, -10**6))
+    assert f"{key}: must be" in text and "got -1000000" in text, text
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (["model.num_attention_heads=0"], "model.num_attention_heads: must be >= 1, got 0"),
+    (["model.num_key_value_heads=0"], "model.num_key_value_heads: must be >= 1, got 0"),
+    (["model.num_attention_heads=4", "model.num_key_value_heads=3"], "model.num_key_value_heads: 3 must divide"),
+    (["seed=18446744073709551616"], "seed: 18446744073709551616 does not fit in 64 bits; must be in [0, 2**64 - 1]"),
+    (["seed=-1"], "seed: must be in [0, 2**64 - 1], got -1"),
+    (["lr=inf"], "lr: must be > 0 and finite"),
+    (["lr=nan"], "lr: must be > 0 and finite"),
+    (["train.weight_decay=inf"], "train.weight_decay: must be a finite number, got inf"),
+    (["optimizer.betas=[0.9,inf]"], "optimizer.betas: must be two numbers in [0, 1)"),
+    (["optimizer.betas=[0.9]"], "optimizer.betas: must be two numbers in [0, 1)"),
+    (["~train"], "train: is required but was deleted (by ~train"),
+    (["~seed"], "seed: is required but was deleted (by ~seed"),
+])
+def test_bad_values_name_the_key(overrides: list[str], expected: str, tmp_path: Path) -> None:
+    text = _errors(compose(overrides, tmp_path))
+    assert expected in text, text
+
+
+def test_the_top_seed_is_accepted(default_cfg: Any) -> None:
+    validate(_with(default_cfg, "seed", 2**64 - 1))
+    validate(_with(default_cfg, "train.seed_data", 2**64 - 1))
+
+
+def test_a_bad_warmup_ratio_does_not_break_the_warmup_rule(default_cfg: Any) -> None:
+    """The cross-field rules skip keys whose own range failed (int(nan) would raise)."""
+    text = _errors(_with(default_cfg, "train.warmup_ratio", math.nan))
+    assert text.count("\n  ") == 1 and "train.warmup_ratio: must be a finite number" in text, text
