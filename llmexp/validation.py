@@ -248,7 +248,18 @@ def _number_errors(cfg: DictConfig) -> dict[str, str]:
         shown = list(betas) if isinstance(betas, ListConfig) else betas
         bad["optimizer.betas"] = (f"optimizer.betas: must be two numbers in [0, 1), got {shown}; "
                                   "e.g. optimizer.betas=[0.9,0.999]")
+    bad.update(_kwargs_errors(cfg.optimizer.kwargs, "optimizer.kwargs"))
     return bad
+
+
+def _kwargs_errors(data: Any, key: str) -> dict[str, str]:
+    """Free-form constructor arguments are passed as they are, so a float among them must be finite too."""
+    if isinstance(data, DictConfig | ListConfig):
+        items = data.items() if isinstance(data, DictConfig) else enumerate(data)
+        return {k: v for name, value in items for k, v in _kwargs_errors(value, f"{key}.{name}").items()}
+    if isinstance(data, float) and not math.isfinite(data):
+        return {key: f"{key}: must be a finite number, got {data}"}
+    return {}
 
 
 def validate(cfg: DictConfig | Config) -> None:

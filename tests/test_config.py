@@ -150,6 +150,7 @@ def test_every_number_has_a_lower_bound(default_cfg: Any, key: str) -> None:
     (["train.weight_decay=inf"], "train.weight_decay: must be a finite number, got inf"),
     (["optimizer.betas=[0.9,inf]"], "optimizer.betas: must be two numbers in [0, 1)"),
     (["optimizer.betas=[0.9]"], "optimizer.betas: must be two numbers in [0, 1)"),
+    (["+optimizer.kwargs.foreach_eps=inf"], "optimizer.kwargs.foreach_eps: must be a finite number, got inf"),
     (["~train"], "train: is required but was deleted (by ~train"),
     (["~seed"], "seed: is required but was deleted (by ~seed"),
 ])
