@@ -330,8 +330,9 @@ def _job_target_problem(key: str, value: object) -> str | None:
                 "hydra.callbacks.<name>, "
                 "hydra.launcher, hydra.sweeper); remove this key. A config is data, llmexp never runs code named in it")
     if value not in allowed:
-        return (f"{value!r} is not one of the allowed optimizer classes; pick one with optimizer=<name> "
-                f"(adamw, adamw8bit, lion, sgd, ...) or name one of {', '.join(allowed)}")
+        return (f"{value!r} is not one of the allowed optimizer classes (torch.optim's and bitsandbytes.optim's "
+                "optimizers, listed in llmexp.security.OPTIMIZER_TARGETS); pick one with its config group, "
+                "e.g. optimizer=adamw")
     return None
 
 
@@ -493,20 +494,17 @@ def config_problems(cfg: DictConfig) -> list[tuple[str, str]]:
                                  f"{os.path.realpath(sweep_dir)}; build subdirs from safe names, e.g. "
                                  "hydra.sweep.subdir='${llmexp_safe:${hydra.job.override_dirname}}'"))
         probe.hydra.runtime.output_dir = job_dir
-    hydra = {}
-    for key in list(probe.hydra.keys()):
-        value = _resolve(probe, f"hydra.{key}", problems)
-        hydra[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    hydra = _resolve_tree(probe.hydra, "hydra", problems)
     problems += [(key, p) for key, value in find_targets({"hydra": hydra}) if (p := _hydra_target_problem(key, value))]
     problems += _job_target_problems(probe)
-    relative_to = job_dir if hydra.get("job", {}).get("chdir") else os.getcwd()
+    relative_to = job_dir if (hydra.get("job") or {}).get("chdir") else os.getcwd()
     for node in ("job_logging", "hydra_logging"):
         base = job_dir if node == "job_logging" else (sweep_dir if multirun else run_dir)
         problems += _logging_problems(hydra.get(node) or {}, f"hydra.{node}", base, relative_to)
     problems += _derived_path_problems(hydra, job_dir)
     problems += [(f"hydra.job.env_set.{name}", f"setting {name} is not allowed (a build step or the interpreter "
                   f"may execute or load code through it); allowed: {', '.join(ENV_SET_ALLOWED)}")
-                 for name in (hydra.get("job", {}).get("env_set") or {}) if name not in ENV_SET_ALLOWED]
+                 for name in ((hydra.get("job") or {}).get("env_set") or {}) if name not in ENV_SET_ALLOWED]
     folder = (hydra.get("launcher") or {}).get("submitit_folder") if multirun else None
     if folder and (problem := outside_problem(str(folder), sweep_dir, os.getcwd())):
         problems.append(("hydra.launcher.submitit_folder", problem))
@@ -542,6 +540,39 @@ def _resolve(cfg: DictConfig, key: str, problems: list[tuple[str, str]]) -> Any:
         return None
 
 
+_TEXT_ONLY = ("hydra.overrides", "hydra.job.override_dirname", "hydra.runtime")
+"""Hydra nodes that hold the command line as typed (and Hydra's own runtime facts): text, never resolved by
+Hydra for a path or a class, so they are read as written (resolving them would resolve a secret's placeholder)."""
+
+
+def _resolve_tree(node: Any, key: str, problems: list[tuple[str, str]]) -> Any:
+    """Plain data of a config node, every interpolation resolved (except `_TEXT_ONLY`); a value that does not
+    resolve is None, with a problem naming its key. `???` (unset) is None."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+    if not isinstance(node, DictConfig | ListConfig) or node._is_none() or node._is_missing():
+        return None if OmegaConf.is_config(node) else node
+    out: dict[Any, Any] = {}
+    for child in (node.keys() if isinstance(node, DictConfig) else range(len(node))):
+        where = f"{key}.{child}"
+        if where in _TEXT_ONLY:
+            raw = node._get_node(child)
+            out[child] = OmegaConf.to_container(raw, resolve=False) if OmegaConf.is_config(raw) else raw._value()
+            continue
+        try:
+            value = node[child]
+        except MissingMandatoryValue:
+            value = None
+        except OmegaConfBaseException as err:
+            reason = str(getattr(err, "msg", err)).splitlines()[0]
+            problems.append((where, f"cannot resolve an interpolation ({reason}); fix the ${{...}} reference or "
+                                    "set the environment variable it reads"))
+            value = None
+        out[child] = _resolve_tree(value, where, problems)
+    return out if isinstance(node, DictConfig) else list(out.values())
+
+
 def _job_target_problems(cfg: DictConfig) -> list[tuple[str, str]]:
     """`_target_`s outside `hydra`: resolved where they resolve (interpolations that do not are refused by the
     dotted-name rule, and `validate` names the failing reference)."""
@@ -550,8 +581,8 @@ def _job_target_problems(cfg: DictConfig) -> list[tuple[str, str]]:
 
     problems = []
     for key in [k for k in cfg if k != "hydra"]:
-        node = cfg[key] if OmegaConf.is_config(cfg._get_node(key)) else None  # type: ignore[union-attr]
-        if node is None:
+        node = cfg._get_node(key)  # type: ignore[union-attr]
+        if not OmegaConf.is_config(node) or node._is_missing() or node._is_none():  # (validate reports ???)
             continue
         try:
             data = OmegaConf.to_container(node, resolve=True)
@@ -567,7 +598,7 @@ def _derived_path_problems(hydra: dict[str, Any], job_dir: str) -> list[tuple[st
     subdir = hydra.get("output_subdir")
     if subdir is not None and (problem := path_problem(str(subdir)) or outside_problem(str(subdir), job_dir)):
         problems.append(("hydra.output_subdir", f"{subdir!r} {problem}" if problem[0] != "'" else problem))
-    name = str(hydra.get("job", {}).get("name"))
+    name = str((hydra.get("job") or {}).get("name"))
     if problem := path_problem(name) or outside_problem(f"{name}.log", job_dir):
         problems.append(("hydra.job.name", f"{name!r} {problem}" if problem[0] != "'" else problem))
     return problems

@@ -1,0 +1,119 @@
+"""The CLI's entry phase: a bad invocation leaves no directory at all, a run directory is locked while a run
+uses it, and `--help` / `--cfg job` compose the config once without importing torch.
+
+Every case runs the real CLI (`python -m llmexp ...`) in a subprocess, in a fresh working directory.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_bad_input import CASES, REPO, run_llmexp
+
+_WRITES_NOTHING = [c for c in CASES if c[0] != "bf16_unsupported"]  # (bf16 now runs emulated: not a mistake)
+
+
+@pytest.mark.parametrize(("args", "env"), [c[1:3] for c in _WRITES_NOTHING], ids=[c[0] for c in _WRITES_NOTHING])
+def test_a_bad_invocation_exits_2_and_creates_no_directory(args: list[str], env: dict[str, str],
+                                                           tmp_path: Path) -> None:
+    """With the default run and sweep directories (`outputs/...`, `multirun/...` in the working directory):
+    every check runs before Hydra creates anything."""
+    proc = run_llmexp(args, tmp_path, env)
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stderr}"
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name != "cache")
+    assert left == [], f"{left} created by a refused invocation:\n{proc.stderr}"
+
+
+def _hold_lock(run_dir: Path) -> subprocess.Popen[str]:
+    """A second, real process that holds `run_dir`'s lock (as a running `python -m llmexp` does) until killed."""
+    code = ("import sys, time\nfrom llmexp.paths import lock_run_dir\nlock_run_dir(sys.argv[1])\n"
+            "print('locked', flush=True)\ntime.sleep(600)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    holder = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], stdout=subprocess.PIPE, text=True, env=env)
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def test_a_second_run_on_a_locked_run_dir_exits_2_naming_the_holder(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    holder = _hold_lock(run_dir)
+    try:
+        proc = run_llmexp(["train.max_steps=1", f"hydra.run.dir={run_dir}"], tmp_path)
+        assert proc.returncode == 2, proc.stderr
+        assert f"is in use by another llmexp run (pid {holder.pid})" in proc.stderr
+        assert sorted(p.name for p in run_dir.iterdir()) == [".llmexp.lock"]  # nothing of the second run
+    finally:
+        holder.kill()
+        holder.wait()
+    again = _hold_lock(run_dir)  # the kernel dropped the killed holder's lock: the directory is free again
+    again.kill()
+    again.wait()
+
+
+@pytest.mark.slow
+def test_two_real_runs_on_one_run_dir(tmp_path: Path) -> None:
+    """Two `python -m llmexp` runs with different lrs on one directory: the second exits 2 naming the first's
+    pid and the first completes with its own settings only (before, both exited 0 and mixed their files)."""
+    from tests.conftest import TINY
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "LLMEXP_CACHE": os.environ.get("LLMEXP_CACHE", str(tmp_path / "cache")),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    first = subprocess.Popen([sys.executable, "-m", "llmexp", *TINY, "train.max_steps=40", "lr=1e-3",
+                              f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        while not (run_dir / ".hydra").exists():  # the first run holds the lock from before .hydra/ is written
+            assert first.poll() is None, first.communicate()[1]
+            time.sleep(0.1)
+        second = subprocess.run([sys.executable, "-m", "llmexp", *TINY, "train.max_steps=40", "lr=2e-3",
+                                 f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                timeout=300)
+        assert second.returncode == 2, second.stderr
+        assert f"(pid {first.pid})" in second.stderr
+    finally:
+        _, stderr = first.communicate(timeout=600)
+    assert first.returncode == 0, stderr[-3000:]
+    assert "lr=2e-3" not in (run_dir / ".hydra" / "overrides.yaml").read_text()
+
+
+_COUNT_COMPOSITIONS = """
+import sys
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+calls = []
+original = ConfigLoaderImpl.load_configuration
+def counted(self, *args, **kwargs):
+    calls.append(1)
+    return original(self, *args, **kwargs)
+ConfigLoaderImpl.load_configuration = counted
+from llmexp.__main__ import cli
+sys.argv = ["llmexp", *sys.argv[1:]]
+code = 0
+try:
+    cli()
+except SystemExit as exit_:
+    code = exit_.code
+heavy = sorted(m for m in ("torch", "transformers", "accelerate", "numpy") if m in sys.modules)
+print("EXIT", code, "COMPOSED", len(calls), "HEAVY", ",".join(heavy) or "none", file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--cfg", "job"], ["--cfg", "hydra"], ["--help", "optimizer=lion"]])
+def test_help_and_cfg_compose_once_and_import_no_torch(args: list[str], tmp_path: Path) -> None:
+    proc = run_llmexp(args, tmp_path, code=_COUNT_COMPOSITIONS)
+    assert "EXIT 0 COMPOSED 1 HEAVY none" in proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_run_composes_its_config_once(tmp_path: Path) -> None:
+    """Checked, validated and locked on the one composition Hydra then runs (refused here by a validation
+    error found after composing, so that no training starts)."""
+    proc = run_llmexp(["train.eval_steps=0", f"hydra.run.dir={tmp_path / 'run'}"],
+                      tmp_path, code=_COUNT_COMPOSITIONS)
+    assert "EXIT 2 COMPOSED 1 HEAVY none" in proc.stderr, proc.stderr[-2000:]
