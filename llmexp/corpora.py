@@ -157,17 +157,23 @@ def read_json_records(path: Path) -> list[Record]:
             items = json.loads(text)
         except json.JSONDecodeError as err:
             raise UserError(f"{path}:{err.lineno}: malformed JSON ({err.msg}, column {err.colno})") from None
+        except RecursionError:  # Python's parser recurses once per level of nesting
+            raise UserError(f"{path}: JSON nested too deeply to parse (over {sys.getrecursionlimit()} levels); "
+                            "records are flat objects of `text`, `prompt` + `completion`, or `messages`") from None
         return [_check_record(rec, f"{path}: record {i}") for i, rec in enumerate(items)]
     records = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            rec = json.loads(line)
+        try:  # (a record just inside the limit can still overflow in _check_record's json.dumps)
+            records.append(_check_record(json.loads(line), f"{path}:{lineno}: record {len(records)}"))
         except json.JSONDecodeError as err:
             raise UserError(f"{path}:{lineno}: malformed JSON line ({err.msg}, column {err.colno}); "
                             "expected one JSON object per line (JSONL) or one JSON list") from None
-        records.append(_check_record(rec, f"{path}:{lineno}: record {len(records)}"))
+        except RecursionError:
+            raise UserError(f"{path}:{lineno}: JSON nested too deeply to parse (over {sys.getrecursionlimit()} "
+                            "levels); a record is a flat object of `text`, `prompt` + `completion`, or `messages`"
+                            ) from None
     return records
 
 

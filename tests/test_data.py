@@ -400,6 +400,10 @@ BAD_INPUTS = {
     "empty": ("", r"data\.train_file=.*train\.jsonl: the file is empty"),
     "blank": ("\n  \n", r"the file is empty"),
     "single_record": ('{"text": "only one"}\n', r"has 1 record\(s\); cannot hold out an eval set"),
+    # nested past Python's recursion limit: json.loads raises RecursionError, not JSONDecodeError
+    "deep_line": ('{"text": "ok"}\n{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n",
+                  r"train\.jsonl:2: JSON nested too deeply to parse"),
+    "deep_list": ("[" + "[" * 100_000 + "]" * 100_000 + "]\n", r"train\.jsonl: JSON nested too deeply to parse"),
 }
 
 
@@ -482,6 +486,16 @@ def test_cli_malformed_line_exits_2_naming_file_and_line(tmp_path: Path) -> None
                  "train.max_steps=2")
     assert result.returncode == 2, result.stderr[-2000:]
     assert "train.jsonl:3: malformed JSON" in result.stderr and "Traceback" not in result.stderr
+    assert entries(tmp_path / "cache", "tokenizers") == [] and entries(tmp_path / "cache") == []
+
+
+def test_cli_deeply_nested_line_exits_2_naming_file_and_line(tmp_path: Path) -> None:
+    deep = '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    (tmp_path / "train.jsonl").write_text(f'{{"text": "a"}}\n{{"text": "b"}}\n{deep}\n', encoding="utf-8")
+    result = cli(tmp_path, tmp_path / "cache", "data=json", "data.train_file=train.jsonl", "data.max_length=64",
+                 "train.max_steps=2")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "train.jsonl:3: JSON nested too deeply" in result.stderr and "Traceback" not in result.stderr
     assert entries(tmp_path / "cache", "tokenizers") == [] and entries(tmp_path / "cache") == []
 
 
