@@ -386,11 +386,27 @@ class ConfigCheck:
     def __init__(self, loader: Any) -> None:
         self.loader = loader
         self._ready: dict[tuple[Any, ...], Any] = {}
+        self._repos: dict[tuple[Any, ...], Any] = {}
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("loader", "_ready"):  # unpickling looks these up before __dict__
+        if name.startswith("__") or name in ("loader", "_ready", "_repos"):  # unpickling asks before __dict__
             raise AttributeError(name)
         return getattr(self.loader, name)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"loader": self.loader, "_ready": self._ready, "_repos": {}}  # (repositories are rebuilt)
+
+    def get_group_options(self, group_name: str, results_filter: Any = "config", config_name: str | None = None,
+                          overrides: list[str] | None = None) -> list[str]:
+        """Hydra 1.3's `ConfigLoaderImpl.get_group_options`, with its config repository built once per command
+        line instead of once per call (`--help` asks ~90 times; each build deep-copies the repository)."""
+        from hydra.core.object_type import ObjectType
+
+        key = (config_name, tuple(overrides or []))
+        if key not in self._repos:
+            _, self._repos[key] = self.loader._parse_overrides_and_create_caching_repo(config_name, list(key[1]))
+        wanted = ObjectType.CONFIG if results_filter == "config" else results_filter  # Hydra's default
+        return self._repos[key].get_group_options(group_name, wanted)  # type: ignore[no-any-return]
 
     def compose(self, config_name: str | None, overrides: list[str], run_mode: Any) -> Any:
         """Compose as Hydra's `compose_config` will (from the shell, sweep overrides validated), unchecked."""
@@ -423,8 +439,8 @@ class ConfigCheck:
         from hydra.core.override_parser.overrides_parser import OverridesParser
         from omegaconf import OmegaConf
 
-        params = OmegaConf.to_container(master_config.hydra.sweeper.get("params") or {}, resolve=False)
-        arguments = [f"{k}={v}" for k, v in params.items()]  # type: ignore[union-attr]
+        params = master_config.hydra.sweeper.get("params")
+        arguments = [f"{k}={v}" for k, v in (OmegaConf.to_container(params) if params else {}).items()]  # type: ignore[union-attr]
         arguments += OmegaConf.to_container(master_config.hydra.overrides.task, resolve=False)  # type: ignore[arg-type]
         parsed = OverridesParser.create(config_loader=self.loader).parse_overrides(arguments)
         for batch in BasicSweeper.split_arguments(parsed, None):
