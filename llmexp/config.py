@@ -196,6 +196,8 @@ class LoggerConfig:
     """wandb: entity (team)."""
     mode: str = "auto"
     """wandb: online, offline, or auto (offline without WANDB_API_KEY)."""
+    init_timeout_s: float = 10.0
+    """wandb: seconds an online start may take to reach the server; past it the run logs offline (a warning)."""
     tags: list[str] = field(default_factory=list)
     """wandb: tags."""
 

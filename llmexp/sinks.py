@@ -7,13 +7,18 @@ wandb and tensorboard are imported only when their sink is built.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from pathlib import Path
 from typing import Any
 
 # One definition of what a secret is, shared with every other writer of run files.
-from llmexp.security import REDACTED, is_secret_key, scrub, scrub_overrides
+from llmexp.security import REDACTED, is_secret_key, scrub, scrub_overrides, scrub_text
+
+log = logging.getLogger(__name__)
+DEFAULT_INIT_TIMEOUT_S = 10.0
+"""The default of `logger.init_timeout_s`, for sink configs made without the schema."""
 
 __all__ = ["REDACTED", "TensorBoardSink", "WandbSink", "is_secret_key", "run_name_from_overrides", "scrub",
            "scrub_overrides", "wandb_mode"]
@@ -62,11 +67,27 @@ class WandbSink:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         tags = get("tags", None)
-        self.run = wandb.init(
-            project=get("project", "llmexp"), entity=get("entity", None), name=run_name_from_overrides(run_name),
-            dir=str(run_dir), config=scrub(cfg_container), tags=list(tags) if tags else None, mode=self.mode,
-            reinit="create_new", settings=wandb.Settings(silent=True, console="off", x_disable_stats=True),
-        )
+        timeout_s = float(get("init_timeout_s", DEFAULT_INIT_TIMEOUT_S))
+
+        def start(mode: str) -> Any:
+            return wandb.init(
+                project=get("project", "llmexp"), entity=get("entity", None), name=run_name_from_overrides(run_name),
+                dir=str(run_dir), config=scrub(cfg_container), tags=list(tags) if tags else None, mode=mode,
+                reinit="create_new",
+                settings=wandb.Settings(silent=True, console="off", x_disable_stats=True, init_timeout=timeout_s),
+            )
+
+        try:
+            self.run = start(self.mode)
+        except wandb.errors.Error as err:  # no network, server down, key refused: the run goes on offline
+            if self.mode != "online":
+                raise
+            reason = scrub_text(str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
+            self.mode = "offline"
+            self.run = start(self.mode)
+            log.warning(f"wandb could not start online within logger.init_timeout_s={timeout_s:g} ({reason}); "
+                        f"logging offline to {run_dir / 'wandb'} instead. Upload it later with "
+                        f"`wandb sync {run_dir / 'wandb'}/offline-run-*`")
         # Steps go backwards after a resume or rollback; wandb's own step must not, so plot against ours.
         self.run.define_metric("trainer/step")
         self.run.define_metric("train/*", step_metric="trainer/step")

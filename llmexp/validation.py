@@ -114,6 +114,7 @@ RANGES: dict[str, Range] = {
     "cluster.max_num_timeout": _at_least(0),
     "cluster.array_parallelism": _at_least(1),
     "deepspeed.stage": Range(low=0, high=3),
+    "logger.init_timeout_s": _POSITIVE,
     "train.max_steps": _at_least(1, "(-1 trains for train.num_train_epochs)", also=(-1,)),
     "train.num_train_epochs": _POSITIVE,
     "train.gradient_accumulation_steps": _at_least(1),

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import socket
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +23,7 @@ from llmexp.sinks import (
     scrub,
     wandb_mode,
 )
+from tests.conftest import TINY
 
 CANARY = "CANARY-7f3a9-do-not-leak"
 
@@ -133,3 +138,32 @@ def test_tensorboard_events_are_readable(tmp_path: Path) -> None:
     assert loss[:5] == [(s, pytest.approx(9.0 - 0.5 * s)) for s in range(1, 6)]
     assert loss[5][0] == 6 and math.isnan(loss[5][1])  # a NaN loss is logged, not dropped
     assert [e.value for e in acc.Scalars("eval/eval_loss")] == [9.0, 6.5]
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on: connections to it are refused at once, like a server that is down."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)  # wandb's own default would wait 90 s and then fail the run
+def test_wandb_without_a_server_falls_back_to_offline(tmp_path: Path) -> None:
+    """A real run with `logger=wandb`, an API key and no reachable server: it finishes, warns, and logs offline.
+
+    Nothing is mocked; the unreachable server is `WANDB_BASE_URL` on a closed loopback port."""
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
+    env.update(WANDB_API_KEY="f" * 40, WANDB_BASE_URL=f"http://127.0.0.1:{_closed_port()}",
+               WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"), WANDB_CACHE_DIR=str(tmp_path / "wandb-cache"))
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "llmexp", *TINY, "logger=wandb", "logger.init_timeout_s=2",
+                           "train.max_steps=2", "train.eval_steps=2", "train.save_steps=0",
+                           f"hydra.run.dir={run_dir}"], env=env, capture_output=True, text=True, timeout=170)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert "wandb could not start online within logger.init_timeout_s=2" in output and "Traceback" not in output
+    assert "logging offline to" in output and "wandb sync" in output
+    offline = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1 and list(offline[0].glob("run-*.wandb")), list((run_dir / "wandb").iterdir())
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
