@@ -20,11 +20,9 @@ class UserError(ValueError):
 def run_guarded(cfg: DictConfig) -> int:
     """Validate, then train; return the exit code. User errors print one clear message, no traceback."""
     from llmexp.preflight import check_environment
-    from llmexp.security import check_hydra_job_dir
     from llmexp.validation import validate
 
-    try:
-        check_hydra_job_dir()
+    try:  # (the CLI ran both before Hydra did anything; a sweep job runs them here, in its own process)
         validate(cfg)
         check_environment(cfg)  # bf16 support, world size, files: before anything loads
         from llmexp.train import train

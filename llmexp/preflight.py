@@ -463,13 +463,15 @@ class ConfigCheck:
 def key_origin(loader: Any, config_name: str | None, overrides: list[str], key: str) -> str:
     """Where the value at `key` of a composed config came from: "command line" when an override sets the key
     or a node above it, else the last config file (in Hydra's defaults order) that sets it."""
+    from hydra.types import RunMode
+
     try:
         parsed, repo = loader._parse_overrides_and_create_caching_repo(config_name, list(overrides))  # Hydra 1.3
         for ov in reversed(parsed):
             name = ov.key_or_group
             if not ov.is_delete() and not repo.group_exists(name) and (key == name or key.startswith(f"{name}.")):
                 return "command line"
-        defaults = loader.compute_defaults_list(config_name, list(overrides), _run_mode(loader)).defaults
+        defaults = loader.compute_defaults_list(config_name, list(overrides), RunMode.RUN).defaults
         for default in reversed(defaults):
             found = _config_file_setting(repo, default, key)
             if found:
@@ -477,13 +479,6 @@ def key_origin(loader: Any, config_name: str | None, overrides: list[str], key: 
     except Exception:  # the origin is a courtesy; the refusal stands without it
         return "config"
     return "config"
-
-
-def _run_mode(loader: Any) -> Any:
-    from hydra.types import RunMode
-
-    del loader
-    return RunMode.RUN
 
 
 def _config_file_setting(repo: Any, default: Any, key: str) -> str | None:

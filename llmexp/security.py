@@ -11,12 +11,15 @@
   `.hydra/*.yaml` once more, filters the job log (`llmexp.log`), and rewrites the job's
   `hydra.overrides.task` / `hydra.job.override_dirname` so that reading them (summary.json, run
   names) cannot resolve a placeholder back into the secret. Writers of run files call `scrub`.
-* `_target_`. Hydra instantiates whatever class a `_target_` names. llmexp only accepts targets
-  under `llmexp.build.ALLOWED_TARGETS` in the job config, and only Hydra's and llmexp's own plugin
-  classes under `hydra.*`; anything else (`builtins.open`, `os.system`, `subprocess.Popen`,
-  `hydra.utils.instantiate`) is a user error (exit 2) before anything is imported or run.
-* Paths. Names that end up in paths go through `llmexp.paths.safe_name`; a sweep job's directory
-  must lie inside its sweep directory (`check_job_dir`).
+* The composed config. `check_config` (through `preflight.ConfigCheck`, on every config Hydra
+  composes: the CLI's run, `--help`, `--cfg`, each sweep job) walks the whole tree, `hydra` node
+  included, with interpolations resolved, before Hydra instantiates or creates anything: each
+  `_target_` must be one of the objects allowed at its key (OPTIMIZER_TARGETS, CALLBACK_TARGETS,
+  LAUNCHER_TARGETS, SWEEPER_TARGETS), compared by identity after import (only llmexp's and Hydra's
+  modules are imported to find out), logging configs use logging's own classes and write inside
+  the run directory, `hydra.job.env_set` sets only ENV_SET_ALLOWED, and every path Hydra derives
+  (`.hydra`, the job log, sweep subdirs, submitit's folder) stays inside the run or sweep directory.
+* Paths. Names that end up in paths go through `llmexp.paths.safe_name`.
 
 Nothing here imports torch.
 """
@@ -430,18 +433,6 @@ def check_job_dir(output_dir: str | Path, sweep_dir: str | Path) -> None:
         raise UserError(f"hydra.sweep.subdir puts this job in {job}, outside the sweep directory {root}; "
                         "build subdirs from safe names, e.g. "
                         "hydra.sweep.subdir='${llmexp_safe:${hydra.job.override_dirname}}'")
-
-
-def check_hydra_job_dir() -> None:
-    """In a sweep, refuse a job whose directory lies outside the sweep directory (no-op outside Hydra)."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    if not HydraConfig.initialized():
-        return
-    hydra_cfg = HydraConfig.get()
-    if hydra_cfg.mode == RunMode.MULTIRUN:
-        check_job_dir(hydra_cfg.runtime.output_dir, hydra_cfg.sweep.dir)
 
 
 def outside_problem(path: str, base_dir: str | Path, relative_to: str | Path | None = None) -> str | None:
