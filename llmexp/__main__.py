@@ -54,11 +54,10 @@ def _compose_and_check(hydra: Any, loader: Any, config_name: str, overrides: lis
     for a single run, lock its directory: all before Hydra creates anything. A sweep's jobs are validated
     in their own processes (a failed job makes the sweep exit 1).
     """
-    from hydra._internal.utils import run_and_report
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    cfg = run_and_report(lambda: loader.compose(config_name, overrides, run_mode))
+    cfg = _reported(lambda: loader.compose(config_name, overrides, run_mode))
     loader.check(cfg, config_name, overrides)
     if full and run_mode == RunMode.RUN:
         from llmexp.paths import lock_run_dir
@@ -192,11 +191,13 @@ def cli() -> None:
     from llmexp.config import register_configs
     from llmexp.jobs import jobs_launched
     from llmexp.launcher import register_launchers
+    from llmexp.preflight import guard_package_sources
 
     version.setbase("1.3")
     register_configs()
     register_resolvers()
     register_launchers()  # a strict editable install hides hydra_plugins/ from Hydra's scan
+    guard_package_sources()  # after the plugin scan: pkg:// search paths import only llmexp's and Hydra's packages
     args_parser = get_args_parser()  # Hydra's own parser: every flag spelling argparse accepts
     try:
         args = args_parser.parse_args()

@@ -506,3 +506,38 @@ def _config_file_setting(repo: Any, default: Any, key: str) -> str | None:
     if where.startswith("file://"):
         return str(Path(where[len("file://"):]) / f"{default.config_path}.yaml")
     return f"{where}/{default.config_path}"
+
+
+# ---------------------------------------------------------------- pkg:// search paths
+
+try:  # Hydra 1.3's `pkg://` config source; Hydra is always installed, but keep this module importable without it
+    from hydra._internal.core_plugins.importlib_resources_config_source import (
+        ImportlibResourcesConfigSource as _PackageSource,
+    )
+except ImportError:  # pragma: no cover
+    _PackageSource = object  # type: ignore[assignment,misc]
+
+TRUSTED_PACKAGES: tuple[str, ...] = ("hydra", "hydra_plugins", "llmexp")
+"""Packages a `pkg://` search path may name."""
+
+
+class TrustedPackageSource(_PackageSource):  # type: ignore[misc,valid-type]
+    """Hydra's `pkg://` config source for llmexp's and Hydra's own packages only.
+
+    Reading `pkg://some.module` imports that module (its code runs) while Hydra composes, before any check
+    of the composed config could run; so a search path (`hydra.searchpath`, from the command line or a
+    primary config) may name only TRUSTED_PACKAGES. Installed by `guard_package_sources`."""
+
+    def __init__(self, provider: str, path: str) -> None:
+        package = path.split("://", 1)[-1].replace("/", ".").strip(".")
+        if package.split(".")[0] not in TRUSTED_PACKAGES:
+            raise UserError(f"hydra.searchpath: {path} would import the package {package!r} (its code runs); "
+                            f"only {', '.join(TRUSTED_PACKAGES)} may be named, use a directory (file://DIR) instead")
+        super().__init__(provider=provider, path=path)
+
+
+def guard_package_sources() -> None:
+    """Route Hydra's `pkg://` scheme to TrustedPackageSource (after Hydra's plugin scan registered its own)."""
+    from hydra._internal.sources_registry import SourcesRegistry  # Hydra 1.3
+
+    SourcesRegistry.instance().types["pkg"] = TrustedPackageSource

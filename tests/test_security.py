@@ -357,6 +357,16 @@ def test_route_config_name_abbreviation_loads_a_checked_primary_config(tmp_path:
              canary=canary)
 
 
+def test_route_package_search_path_imports_no_foreign_package(tmp_path: Path) -> None:
+    """`pkg://X` makes Hydra import X while composing, before any check of the composed config could run."""
+    canary = tmp_path / "canary"
+    packages = tmp_path.parent / f"{tmp_path.name}-pkgs"
+    (packages / "evilpkg").mkdir(parents=True)
+    (packages / "evilpkg" / "__init__.py").write_text(f"open({str(canary)!r}, 'w').close()\n")
+    _refused(tmp_path, ["hydra.searchpath=[pkg://evilpkg]"], ["hydra.searchpath: pkg://evilpkg would import"],
+             env={"PYTHONPATH": os.pathsep.join([str(packages), os.environ.get("PYTHONPATH", "")])}, canary=canary)
+
+
 @pytest.mark.parametrize("target", ["llmexp.launcher.subprocess.run", "llmexp.jobs.os.system",
                                     "llmexp.security.os.system"])
 def test_route_attribute_walk_targets(target: str, tmp_path: Path) -> None:
