@@ -64,7 +64,7 @@ def _compose_and_check(hydra: Any, loader: Any, config_name: str, overrides: lis
         from llmexp.preflight import check_environment
         from llmexp.validation import validate
 
-        HydraConfig.instance().set_config(cfg)  # for ${hydra:...} in the job's values
+        HydraConfig.instance().set_config(_with_output_dir(cfg))  # for ${hydra:...} in the job's values
         validate(cfg)
         check_environment(cfg)
         lock_run_dir(str(cfg.hydra.run.dir))
@@ -73,6 +73,19 @@ def _compose_and_check(hydra: Any, loader: Any, config_name: str, overrides: lis
     loader.hand_over(cfg, config_name, overrides, run_mode)
     del hydra
     return cfg
+
+
+def _with_output_dir(cfg: Any) -> Any:
+    """A copy of a run's config with `hydra.runtime.output_dir` set as Hydra's run_job will set it."""
+    import copy
+    import os
+
+    from omegaconf import open_dict
+
+    probe = copy.deepcopy(cfg)
+    with open_dict(probe.hydra):
+        probe.hydra.runtime.output_dir = os.path.abspath(str(cfg.hydra.run.dir))
+    return probe
 
 
 def _reported(step: Any) -> Any:
