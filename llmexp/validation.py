@@ -198,8 +198,10 @@ def number_keys() -> dict[str, type]:
 
 
 def _deleted_node_errors(node: DictConfig, cls: Any = None, prefix: str = "") -> list[str]:
-    """Keys of the schema that the config lacks: deleted with `~key` (or by a config file)."""
+    """Keys of the schema that the config lacks: deleted with `~key` (or by a config file), and config
+    groups with no option chosen (`~model` leaves `model` at ???)."""
     from llmexp.config import Config
+    from llmexp.preflight import group_options
 
     cls = Config if cls is None else cls
     hints, errors = typing.get_type_hints(cls), []
@@ -208,11 +210,22 @@ def _deleted_node_errors(node: DictConfig, cls: Any = None, prefix: str = "") ->
         if f.name not in node.keys():  # noqa: SIM118 (`in` is false for ???, which structure_errors reports)
             errors.append(f"{key}: is required but was deleted (by ~{key} or a config file); "
                           f"remove that deletion (python -m llmexp --cfg job shows the full config)")
+        elif not prefix and OmegaConf.is_missing(node, f.name) and (options := group_options(f.name)):
+            errors.append(f"{key}: no {key} is chosen (removed by ~{key}?); pick one, e.g. "
+                          f"{key}={_default_option(key) or options[0]} (the options are {', '.join(options)})")
         elif dataclasses.is_dataclass(_unwrap(hints[f.name])) and not OmegaConf.is_missing(node, f.name):
             child = node[f.name]
             if isinstance(child, DictConfig):
                 errors.extend(_deleted_node_errors(child, _unwrap(hints[f.name]), key + "."))
     return errors
+
+
+def _default_option(group: str) -> str | None:
+    """The option `conf/config.yaml`'s defaults list picks for `group`."""
+    from llmexp.paths import conf_dir
+
+    defaults = OmegaConf.load(conf_dir() / "config.yaml").defaults
+    return next((str(d[group]) for d in defaults if isinstance(d, DictConfig) and group in d), None)
 
 
 def _number_problem(key: str, value: Any, tp: type, default: Any) -> str | None:

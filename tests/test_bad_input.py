@@ -54,7 +54,7 @@ CASES: list[tuple[str, list[str], dict[str, str], list[str]]] = [
     # required nodes deleted
     ("delete_train", ["~train"], {}, ["train:", "deleted", "remove"]),
     ("delete_seed", ["~seed"], {}, ["seed:", "deleted", "remove"]),
-    ("delete_group", ["~model"], {}, ["model:", "left unset", "set model="]),
+    ("delete_group", ["~model"], {}, ["model:", "no model is chosen", "model=tiny"]),
     ("bad_policy", ["train.on_anomaly=explode"], {}, ["train.on_anomaly", "stop, skip, rollback"]),
     ("global_batch_does_not_divide", ["batch_size=4", "train.global_batch_size=6"], {},
      ["train.global_batch_size=6", "pick a multiple of 4"]),

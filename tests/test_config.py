@@ -153,6 +153,7 @@ def test_every_number_has_a_lower_bound(default_cfg: Any, key: str) -> None:
     (["+optimizer.kwargs.foreach_eps=inf"], "optimizer.kwargs.foreach_eps: must be a finite number, got inf"),
     (["~train"], "train: is required but was deleted (by ~train"),
     (["~seed"], "seed: is required but was deleted (by ~seed"),
+    (["~model"], "model: no model is chosen (removed by ~model?); pick one, e.g. model=tiny (the options are"),
 ])
 def test_bad_values_name_the_key(overrides: list[str], expected: str, tmp_path: Path) -> None:
     text = _errors(compose(overrides, tmp_path))
