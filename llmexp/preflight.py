@@ -536,6 +536,11 @@ class TrustedPackageSource(_PackageSource):  # type: ignore[misc,valid-type]
         super().__init__(provider=provider, path=path)
 
 
+# Hydra's registry refuses a second class for a scheme unless its __name__ matches the first one's (it then
+# keeps the registered one): so a job process that restores this registry and scans plugins again keeps ours.
+TrustedPackageSource.__name__ = _PackageSource.__name__
+
+
 def guard_package_sources() -> None:
     """Route Hydra's `pkg://` scheme to TrustedPackageSource (after Hydra's plugin scan registered its own)."""
     from hydra._internal.sources_registry import SourcesRegistry  # Hydra 1.3

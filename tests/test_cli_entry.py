@@ -117,3 +117,19 @@ def test_a_run_composes_its_config_once(tmp_path: Path) -> None:
     proc = run_llmexp(["train.eval_steps=0", f"hydra.run.dir={tmp_path / 'run'}"],
                       tmp_path, code=_COUNT_COMPOSITIONS)
     assert "EXIT 2 COMPOSED 1 HEAVY none" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_sweep_job_locks_its_directory_and_a_held_one_fails_that_job(tmp_path: Path) -> None:
+    """Sweep jobs run the same check and take the same lock in their own process: a job whose directory is
+    held fails with the holder's pid in its record, and the sweep exits 1 (a failed job, not a user error)."""
+    sweep = tmp_path / "sweep"
+    holder = _hold_lock(sweep / "0")
+    try:
+        proc = run_llmexp(["--multirun", "train.max_steps=1", "lr=1e-3", f"hydra.sweep.dir={sweep}"], tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    record = (sweep / "0" / "job_status.json").read_text()
+    assert f"is in use by another llmexp run (pid {holder.pid})" in record
+    assert not (sweep / "0" / "metrics.jsonl").exists()
