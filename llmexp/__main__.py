@@ -46,13 +46,13 @@ def _refuse_rerun(args: argparse.Namespace) -> None:
                         "could run); rerun with the overrides in RUN_DIR/.hydra/overrides.yaml instead")
 
 
-def _compose_and_check(hydra: Any, loader: Any, config_name: str, overrides: list[str], run_mode: Any,
-                       full: bool) -> Any:
+def _compose_and_check(loader: Any, config_name: str, overrides: list[str], run_mode: Any, full: bool) -> Any:
     """Compose once, as Hydra is about to, check, and hand the config over to Hydra.
 
-    `full` (a run or a sweep): also validate the config (`validation.validate`, `check_environment`) and,
-    for a single run, lock its directory: all before Hydra creates anything. A sweep's jobs are validated
-    in their own processes (a failed job makes the sweep exit 1).
+    `full`, a single run: also validate the config (`validation.validate`, `check_environment`) and lock
+    its directory. `full`, a sweep: also compose and check every job's config (the sweeper's own validation
+    then reuses them); jobs are validated in their own processes (a failed job makes the sweep exit 1).
+    All before Hydra creates anything.
     """
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -71,7 +71,6 @@ def _compose_and_check(hydra: Any, loader: Any, config_name: str, overrides: lis
     elif full:
         _reported(lambda: loader.check_sweep_jobs(cfg))
     loader.hand_over(cfg, config_name, overrides, run_mode)
-    del hydra
     return cfg
 
 
@@ -158,7 +157,7 @@ def _dispatch(hydra: Any, loader: Any, args_parser: argparse.ArgumentParser, arg
 
     overrides: list[str] = args.overrides
     if args.help or args.hydra_help:  # both configure logging from the config: check it first
-        _compose_and_check(hydra, loader, config_name, overrides, run_mode_type.RUN, full=False)
+        _compose_and_check(loader, config_name, overrides, run_mode_type.RUN, full=False)
         show = hydra.app_help if args.help else hydra.hydra_help
         show(config_name=config_name, args_parser=args_parser, args=args)
         sys.exit(0)
@@ -174,11 +173,11 @@ def _dispatch(hydra: Any, loader: Any, args_parser: argparse.ArgumentParser, arg
         # Hydra asks the config for hydra.mode (one more composition); llmexp takes it from --multirun.
         mode = run_mode_type.MULTIRUN if args.multirun else run_mode_type.RUN
         overrides = [*overrides, f"hydra.mode={mode.name}"]
-        _compose_and_check(hydra, loader, config_name, overrides, mode, full=True)
+        _compose_and_check(loader, config_name, overrides, mode, full=True)
         launch = hydra.multirun if args.multirun else hydra.run
         run_and_report(lambda: launch(config_name=config_name, task_function=task, overrides=overrides))
     elif has_show_cfg:
-        _compose_and_check(hydra, loader, config_name, overrides, run_mode_type.RUN, full=False)
+        _compose_and_check(loader, config_name, overrides, run_mode_type.RUN, full=False)
         run_and_report(lambda: hydra.show_cfg(config_name=config_name, overrides=overrides, cfg_type=args.cfg,
                                               package=args.package, resolve=args.resolve))
     elif args.shell_completion:
