@@ -133,7 +133,8 @@ def _findings_caption(fig: Any, findings: list[dict]) -> None:
     lines = []
     for i, f in enumerate(findings[:12], start=1):
         message = f["message"] if len(f["message"]) <= 110 else f["message"][:107] + "..."
-        lines.append(f"{i}. [{f['severity']}] {f['kind']} @ step {f['step']}: {message}")
+        state = f" ({f['status']} at step {f.get('resolved_at')})" if f.get("status", "open") != "open" else ""
+        lines.append(f"{i}. [{f['severity']}] {f['kind']} @ step {f['step']}{state}: {message}")
     if len(findings) > 12:
         lines.append(f"... and {len(findings) - 12} more (see report.md)")
     fig.text(0.01, 0.0, "\n".join(lines), fontsize=8, va="top", family="monospace")

@@ -302,12 +302,12 @@ def gpu_visible() -> bool:
 
 
 def _precision_errors(cfg: Any) -> list[str]:
-    from llmexp.build import cpu_has_fast_bf16
-
-    if cfg.precision.name != "bf16" or gpu_visible() or cpu_has_fast_bf16():
-        return []  # GPUs are checked at setup (torch.cuda.is_bf16_supported), before anything loads
-    return ["precision=bf16: this CPU has no native bf16 (AVX512-BF16 or AMX), so bf16 would be emulated "
-            "and slow; use precision=auto (bf16 where fast, else fp32) or precision=fp32"]
+    """None any more: bf16 runs wherever torch can compute in it (every CPU, natively or emulated; emulated
+    bf16 warns, see `build.bf16_emulation_warning`). A GPU on which torch cannot compute in bf16 at all is
+    refused at setup (`build.resolve_precision`, exit 2): asking CUDA here, before each rank has picked its
+    device, would open a CUDA context on GPU 0 for every rank."""
+    del cfg
+    return []
 
 
 def _batch_errors(cfg: Any) -> list[str]:

@@ -421,10 +421,10 @@ def build_summary(cfg: DictConfig, rt: Runtime, state: LoopState, log: MetricsLo
     from hydra.core.hydra_config import HydraConfig
 
     from llmexp.metrics import peak_memory_mb
-    from llmexp.monitor import diagnose
+    from llmexp.monitor import reconcile
 
     history = log.history
-    findings = [f.to_dict() for f in diagnose(history, rt.monitor_settings)] if rt.is_main else []
+    findings = reconcile(history, rt.monitor_settings) if rt.is_main else []  # also what the console printed
     tokens_per_sec = rt.window.total_tokens / rt.window.total_seconds if rt.window.total_seconds else 0.0
     peak_mb = rt.reduce_max(peak_memory_mb(rt.device))  # the busiest rank's peak
     return {

@@ -76,3 +76,26 @@ def test_estimate_is_within_tolerance_of_the_measured_peak_on_the_tiny_model(ext
     assert result.returncode == 0, result.stderr[-2000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert abs(figures["error"]) <= TOLERANCE, figures
+
+
+@pytest.mark.parametrize(("no_bf16", "requested", "expected"), [
+    ("1", "auto", "fp32"), ("1", "bf16", "bf16"), ("0", "fp32", "fp32"),
+    pytest.param("0", "auto", "bf16", marks=pytest.mark.skipif(
+        "avx512_bf16" not in Path("/proc/cpuinfo").read_text(),
+        reason="needs a CPU with native bf16 (AVX512-BF16)"))])
+def test_precision_resolves_as_the_trainer_resolves_it(no_bf16: str, requested: str, expected: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`auto` is bf16 only where bf16 is native (this CPU has AVX512-BF16; LLMEXP_ASSUME_NO_BF16=1 hides it);
+    an explicit bf16 stays bf16 (emulated where it must be), so the estimate matches the run."""
+    from llmexp import build
+    from llmexp.estimate import resolved_precision
+
+    monkeypatch.setenv("LLMEXP_ASSUME_NO_BF16", no_bf16)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    build.cpu_has_fast_bf16.cache_clear()
+    try:
+        assert resolved_precision(requested) == expected
+        assert build.resolve_precision(requested, "cpu") == expected
+        assert (build.bf16_emulation_warning(expected, "cpu") is not None) == (no_bf16 == "1" and expected == "bf16")
+    finally:
+        build.cpu_has_fast_bf16.cache_clear()

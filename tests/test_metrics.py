@@ -1,26 +1,68 @@
-"""llmexp.metrics: the matmul ceiling behind MFU is only kept when the cores were the run's own."""
+"""MFU: the matmul ceiling behind it is only kept when the cores were the run's own; without a trusted
+ceiling MFU is null with a reason, and it is never above 100%."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
 from llmexp.metrics import measure_ceiling
+from tests.conftest import TINY, compose, read_metrics
 
 
-def test_a_ceiling_measured_beside_busy_processes_is_not_trusted() -> None:
-    """Real competing processes (one busy loop per core) make the measured ceiling too low to keep."""
+@contextmanager
+def _busy_cores() -> Iterator[None]:
+    """Real competing processes: one busy loop per core."""
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                for _ in range(max(2, torch.get_num_threads()))]
     try:
         time.sleep(0.3)  # let them take the cores
-        shared, trusted = measure_ceiling(torch.device("cpu"), torch.bfloat16)
+        yield
     finally:
         for proc in burners:
             proc.kill()
             proc.wait()
+
+
+def test_a_ceiling_measured_beside_busy_processes_is_not_trusted() -> None:
+    """Real competing processes (one busy loop per core) make the measured ceiling too low to keep."""
+    with _busy_cores():
+        shared, trusted = measure_ceiling(torch.device("cpu"), torch.bfloat16)
     assert shared > 0
     assert not trusted
+
+
+def test_mfu_is_never_above_one_hundred_percent(tmp_path: Path) -> None:
+    """A ceiling far too low (train.peak_tflops, as a busy machine would measure it) would give MFU in the
+    thousands: MFU is logged as null instead, the reason is said once, and summary.json has no number."""
+    from llmexp.train import train
+
+    run_dir = tmp_path / "run"
+    result = train(compose([*TINY, "train.peak_tflops=1e-9", "train.max_steps=3", "train.eval_steps=100",
+                            "train.save_steps=0"], run_dir))
+    train_records = read_metrics(run_dir, "train")
+    assert [r["mfu"] for r in train_records] == [None, None, None]
+    assert [bool(r.get("mfu_note")) for r in train_records] == [True, False, False]  # said once
+    assert result.summary["mfu"] is None
+    (finding,) = [f for f in result.summary["findings"] if f["kind"] == "mfu_unavailable"]
+    assert "above 100%" in finding["message"] and finding["step"] == 1
+
+
+def test_a_ceiling_measured_on_shared_cores_gives_no_mfu(tmp_path: Path) -> None:
+    """With the cores busy and no ceiling cached, the run gets no ceiling (so no MFU) and the reason."""
+    from llmexp.runtime import Runtime
+
+    cfg = compose([*TINY, f"data.cache_dir={tmp_path / 'cache'}"], tmp_path / "run")
+    rt = Runtime(cfg, tmp_path / "run")
+    with _busy_cores():
+        peak, note = rt._measure_peak()
+    assert peak is None and note is not None and "shared the CPU cores" in note
+    assert not (tmp_path / "cache" / "peak_tflops.json").exists()  # nothing kept for later runs either
+    rt.peak_tflops = peak
+    assert rt.mfu(1e9) is None

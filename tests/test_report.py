@@ -205,3 +205,20 @@ def test_recommendation_averages_over_seeds(tmp_path: Path) -> None:
     assert "mean over 2 runs" in rec["reason"] and "runner-up `lr=1e-3`" in rec["reason"]
     text = (tmp_path / "sweep_report.md").read_text()
     assert "**Common overrides:** `train.max_steps=100`" in text and "| `lr=3e-4 seed=1` |" in text
+
+
+def test_report_and_doctor_keep_a_printed_finding_resolved_later(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """The console printed a perplexity finding at step 100 that the run later outgrew: report.md and the
+    doctor list it as resolved (not dropped), and it counts towards neither health nor the exit code."""
+    from llmexp.monitor import MonitorSettings
+    from tests.test_monitor import live
+
+    records = live(history(num_steps=400, eval_loss=lambda s: 6.5 if s <= 100 else 3.0), MonitorSettings())
+    assert any(r["event"] == "finding" and r["kind"] == "ppl_range" for r in records)
+    run = make_run(tmp_path / "run", records, summary_of(records))
+    assert doctor.main([str(run)]) == 0
+    assert "ppl_range at step 100 (resolved at step 200)" in capsys.readouterr().out
+    text = (run / "report.md").read_text()
+    assert "`ppl_range` at step 100 **(resolved at step 200)**" in text
+    assert "(0 error, 0 warning, 0 info; 1 resolved)" in text and "**health:** healthy" in text

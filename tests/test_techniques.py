@@ -138,3 +138,33 @@ def test_compile_trains_and_reports_compile_time_apart(tmp_path: Path) -> None:
     losses_eager = [r["loss"] for r in read_metrics(tmp_path / "eager", "train")]
     losses_compiled = [r["loss"] for r in read_metrics(tmp_path / "compiled", "train")]
     assert losses_compiled == pytest.approx(losses_eager, rel=1e-3)  # same math, other kernels
+
+
+def test_bf16_runs_emulated_on_a_cpu_without_native_bf16_and_says_so(tmp_path: Path) -> None:
+    """`precision=bf16` where bf16 is emulated (LLMEXP_ASSUME_NO_BF16=1 simulates such a CPU: this one has
+    AVX512-BF16) trains in bf16 autocast, warns on the console and keeps the warning as a finding."""
+    run_dir = tmp_path / "bf16"
+    proc = run_cli([*TINY, "precision=bf16", "train.max_steps=3", "train.eval_steps=100", "train.save_steps=0",
+                    f"hydra.run.dir={run_dir}"], env={"LLMEXP_ASSUME_NO_BF16": "1", "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[warning] step 0: precision=bf16 on a CPU without native bf16" in proc.stderr
+    assert "precision=auto" in proc.stderr and "3-4x slower" in proc.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["precision"] == "bf16"
+    (finding,) = [f for f in summary["findings"] if f["kind"] == "bf16_emulated"]
+    assert finding["severity"] == "warning" and "precision=auto" in finding["advice"]
+    assert "`bf16_emulated`" in (run_dir / "report.md").read_text()
+
+
+def test_auto_precision_is_fp32_without_native_bf16(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmexp import build
+
+    monkeypatch.setenv("LLMEXP_ASSUME_NO_BF16", "1")
+    build.cpu_has_fast_bf16.cache_clear()
+    try:
+        summary = _train(["precision=auto", "train.max_steps=2", "train.eval_steps=100", "train.save_steps=0"],
+                         tmp_path / "auto")
+    finally:
+        build.cpu_has_fast_bf16.cache_clear()
+    assert summary["precision"] == "fp32"
+    assert not [f for f in summary["findings"] if f["kind"] == "bf16_emulated"]

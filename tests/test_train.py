@@ -14,11 +14,16 @@ from tests.conftest import compose, read_metrics, run_cli
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`python -m llmexp` with its defaults (tiny model, stdlib corpus), only shortened."""
-    run_dir = tmp_path_factory.mktemp("default") / "run"
+    root = tmp_path_factory.mktemp("default")
+    run_dir = root / "run"
+    # A fresh matplotlib config dir: matplotlib rebuilds its font cache and logs "generated new fontManager"
+    # at INFO, the third-party line that must stay out of the console.
     proc = run_cli(["train.max_steps=40", "train.eval_steps=20", "train.eval_batches=4", "train.save_steps=20",
-                    f"hydra.run.dir={run_dir}"])
+                    f"hydra.run.dir={run_dir}"], env={"MPLCONFIGDIR": str(root / "mpl")})
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"completed: {run_dir}" in proc.stderr
+    (root / "stdout.txt").write_text(proc.stdout)
+    (root / "stderr.txt").write_text(proc.stderr)
     return run_dir
 
 
@@ -61,10 +66,33 @@ def test_saved_model_reloads_with_the_same_eval_loss(default_run: Path, tmp_path
     _, eval_ds, _ = data.build_datasets(cfg, tokenizer)
     model = CausalLMLoss(lm).eval()
     total, count = 0.0, 0
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[json.loads((default_run / "summary.json").read_text())[
+        "precision"]]  # precision=auto: bf16 on a CPU with native bf16, else fp32
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
         for start in range(0, min(len(eval_ds), 4 * cfg.batch_size), cfg.batch_size):
             idx = torch.arange(start, min(start + cfg.batch_size, len(eval_ds))).numpy()
             total += model(**eval_ds.get_batch(idx)).float().item()
             count += eval_ds.num_targets(idx)
     final = read_metrics(default_run, "eval")[-1]["eval_loss"]
     assert total / count == pytest.approx(final, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_console_opens_with_a_header_stays_clean_and_is_kept_in_llmexp_log(default_run: Path) -> None:
+    stderr = (default_run.parent / "stderr.txt").read_text()
+    stdout = (default_run.parent / "stdout.txt").read_text()
+    summary = json.loads((default_run / "summary.json").read_text())
+    head = stderr[:stderr.index("eval      0")]
+    for expected in (f"run        {default_run}", "model      tiny (from scratch), ",
+                     f"{summary['num_params'] / 1e6:,.2f}M parameters", "train tokens in", "eval tokens",
+                     "steps      40; global batch 8 = 8 per device x 1 process(es) x 1 accumulation step(s)",
+                     f"precision  {summary['precision']} (precision=auto)",
+                     "optimizer  adamw, lr 3.00e-04 (lr=auto: by model size), cosine schedule"):
+        assert expected in head, (expected, head)
+    assert "cache hit" in head or "tokenised now" in head
+    assert "eta " in stderr and "remaining steps" in stderr
+    assert "[INFO]" not in stdout + stderr and "fontManager" not in stdout + stderr  # no third-party INFO lines
+    log = (default_run / "llmexp.log").read_text()
+    assert "generated new fontManager" in log  # it did happen, and the job log keeps it
+    for line in ("run        ", "eval      0 | eval_loss", "step     40 | loss", f"completed: {default_run}"):
+        assert line in log, line  # the console log

@@ -1,0 +1,73 @@
+"""The README's headline commands, typed exactly as a new user types them, in a fresh working directory.
+
+    python -m llmexp optimizer=adamw8bit precision=bf16
+    python -m llmexp --multirun lr=1e-5,3e-5,5e-5 batch_size=2,4
+    python -m llmexp --multirun cluster=slurm lr=1e-5,3e-5,5e-5
+
+The first runs in full (the whole default run, 1-3 min on two idle cores) on a CPU without native bf16,
+simulated with LLMEXP_ASSUME_NO_BF16=1 (this machine has AVX512-BF16): the case that once exited 2.
+Six or three full default runs are too slow for a test, so the two sweeps run with the same arguments
+plus only `train.max_steps=` to shorten each job; the SLURM sweep also gets test_slurm.py's markers and
+environment (one thread per job, the repository on PYTHONPATH for Hydra's plugin scan).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_cli
+
+NO_BF16 = {"LLMEXP_ASSUME_NO_BF16": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def only(pattern: str, root: Path) -> Path:
+    """The one path under `root` matching `pattern` (a run or sweep directory the command created)."""
+    (found,) = sorted(root.glob(pattern))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # 1-3 min on two idle cores; far longer on shared ones
+def test_adamw8bit_bf16_headline_runs_on_a_cpu_without_native_bf16(tmp_path: Path) -> None:
+    proc = run_cli(["optimizer=adamw8bit", "precision=bf16"], cwd=tmp_path, env=NO_BF16, timeout_s=2300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_dir = only("outputs/*/*", tmp_path)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["precision"] == "bf16" and summary["step"] == 300
+    (finding,) = [f for f in summary["findings"] if f["kind"] == "bf16_emulated"]
+    assert finding["severity"] == "warning" and "precision=auto" in finding["advice"]
+    assert "precision=bf16 on a CPU without native bf16" in proc.stderr  # printed, not only recorded
+    assert "`bf16_emulated`" in (run_dir / "report.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_local_sweep_headline_runs_every_job(tmp_path: Path) -> None:
+    proc = run_cli(["--multirun", "lr=1e-5,3e-5,5e-5", "batch_size=2,4", "train.max_steps=3"], cwd=tmp_path,
+                   timeout_s=2300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    sweep = json.loads((only("multirun/*/*", tmp_path) / "sweep_summary.json").read_text())
+    assert [j["status"] for j in sweep["jobs"]] == ["completed"] * 6
+    grid = {(float(j["params"]["lr"]), int(j["params"]["batch_size"])) for j in sweep["jobs"]}
+    assert grid == {(lr, b) for lr in (1e-5, 3e-5, 5e-5) for b in (2, 4)}
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+@pytest.mark.timeout(2400)
+def test_slurm_sweep_headline_runs_every_job(tmp_path: Path) -> None:
+    from tests.test_slurm import ENV
+
+    if shutil.which("sinfo") is None or subprocess.run(["sinfo", "-h"], capture_output=True, timeout=30).returncode:
+        pytest.skip("no SLURM cluster: run `sudo bash launch/slurm-local.sh up` (make test does)")
+    proc = run_cli(["--multirun", "cluster=slurm", "lr=1e-5,3e-5,5e-5", "train.max_steps=3"], cwd=tmp_path,
+                   env=ENV, timeout_s=2300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sweep = json.loads((only("multirun/*/*", tmp_path) / "sweep_summary.json").read_text())
+    assert [j["status"] for j in sweep["jobs"]] == ["completed"] * 3
+    assert [float(j["params"]["lr"]) for j in sweep["jobs"]] == [1e-5, 3e-5, 5e-5]
