@@ -615,3 +615,17 @@ print("not reached", flush=True)
     assert done.returncode == -signal.SIGINT, done.stderr
     assert done.stdout == "first handled\n"
     assert "Ctrl-C again exits at once" in done.stderr and "second Ctrl-C: exiting now" in done.stderr
+
+
+def test_checkpoints_dir_itself_may_be_a_link(tmp_path: Path) -> None:
+    """`checkpoints/` as a link to another disk (a scratch volume, say): saves, rotation and resume
+    work inside its target, and the link itself stays a link."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    root = tmp_path / "run" / "checkpoints"
+    root.parent.mkdir()
+    root.symlink_to(scratch, target_is_directory=True)
+    for step in (1, 2, 3):
+        save_checkpoint(root, step, _writer(step), keep=2)
+    assert root.is_symlink() and sorted(p.name for p in scratch.iterdir()) == ["step_2", "step_3"]
+    assert find_resume_checkpoint(root, pytest.fail) == root / "step_3"
