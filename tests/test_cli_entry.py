@@ -133,3 +133,23 @@ def test_a_sweep_job_locks_its_directory_and_a_held_one_fails_that_job(tmp_path:
     record = (sweep / "0" / "job_status.json").read_text()
     assert f"is in use by another llmexp run (pid {holder.pid})" in record
     assert not (sweep / "0" / "metrics.jsonl").exists()
+
+
+def test_a_forked_child_does_not_keep_a_killed_runs_lock(tmp_path: Path) -> None:
+    """A run's forked workers (tokenization) share its lock's file; after `kill -9` of the run the lock must be
+    free at once, even while such a worker lives on (filelock 4 does not leave its descriptor to a fork)."""
+    run_dir = tmp_path / "run"
+    code = ("import os, sys, time\nfrom llmexp.paths import lock_run_dir\nlock_run_dir(sys.argv[1])\n"
+            "if os.fork() == 0:\n    time.sleep(60)\n    os._exit(0)\nprint('locked', flush=True)\ntime.sleep(600)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    holder = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], stdout=subprocess.PIPE, text=True, env=env,
+                              start_new_session=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        holder.kill()
+        holder.wait()
+        again = _hold_lock(run_dir)  # the forked child is still sleeping, yet the lock is free
+        again.kill()
+        again.wait()
+    finally:
+        os.killpg(holder.pid, 9)  # the orphaned child too
