@@ -493,9 +493,7 @@ def config_problems(cfg: DictConfig) -> list[tuple[str, str]]:
         base = job_dir if node == "job_logging" else (sweep_dir if multirun else run_dir)
         problems += _logging_problems(hydra.get(node) or {}, f"hydra.{node}", base, relative_to)
     problems += _derived_path_problems(hydra, job_dir)
-    problems += [(f"hydra.job.env_set.{name}", f"setting {name} is not allowed (a build step or the interpreter "
-                  f"may execute or load code through it); allowed: {', '.join(ENV_SET_ALLOWED)}")
-                 for name in ((hydra.get("job") or {}).get("env_set") or {}) if name not in ENV_SET_ALLOWED]
+    problems += _env_set_problems(hydra.get("job") or {})
     folder = (hydra.get("launcher") or {}).get("submitit_folder") if multirun else None
     if folder and (problem := outside_problem(str(folder), sweep_dir, os.getcwd())):
         problems.append(("hydra.launcher.submitit_folder", problem))
@@ -581,6 +579,16 @@ def _job_target_problems(cfg: DictConfig) -> list[tuple[str, str]]:
             data = OmegaConf.to_container(node, resolve=False)
         problems += [(k, p) for k, v in find_targets({key: data}) if (p := _job_target_problem(k, v))]
     return problems
+
+
+def _env_set_problems(job: dict[str, Any]) -> list[tuple[str, str]]:
+    """`hydra.job.env_set` sets only ENV_SET_ALLOWED; a variable `hydra.job.env_copy` copied from this
+    environment unchanged (Hydra puts it in env_set) changes nothing and passes."""
+    copied = set(job.get("env_copy") or [])
+    return [(f"hydra.job.env_set.{name}", f"setting {name} is not allowed (a build step or the interpreter may "
+             f"execute or load code through it); allowed: {', '.join(ENV_SET_ALLOWED)}")
+            for name, value in (job.get("env_set") or {}).items()
+            if name not in ENV_SET_ALLOWED and not (name in copied and value == os.environ.get(name))]
 
 
 def _derived_path_problems(hydra: dict[str, Any], job_dir: str) -> list[tuple[str, str]]:

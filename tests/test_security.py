@@ -421,6 +421,14 @@ def test_route_interpolations_escaping_the_directory(args: list[str], key: str, 
              canary=escape)
 
 
+def test_env_copy_of_this_environment_passes_and_env_set_of_path_does_not() -> None:
+    copied = _composed(["hydra.job.env_copy=[PATH,HOME]", "+hydra.job.env_set.WANDB_MODE=x"])
+    assert os.environ["PATH"] == copied.hydra.job.env_set.PATH  # (Hydra copies it into env_set)
+    assert security.config_problems(copied) == []
+    assert [k for k, _ in security.config_problems(_composed(["+hydra.job.env_set.PATH=/tmp/evil"]))] == [
+        "hydra.job.env_set.PATH"]
+
+
 def test_the_default_config_passes_the_check() -> None:
     assert security.config_problems(_composed([])) == []
     assert security.config_problems(_composed(["cluster=slurm"], multirun=True)) == []
