@@ -396,6 +396,12 @@ class ConfigCheck:
     def __getstate__(self) -> dict[str, Any]:
         return {"loader": self.loader, "_ready": self._ready, "_repos": {}}  # (repositories are rebuilt)
 
+    def list_groups(self, parent_name: str) -> list[str]:
+        """Hydra 1.3's `ConfigLoaderImpl.list_groups`, through the cached repository below."""
+        from hydra.core.object_type import ObjectType
+
+        return self.get_group_options(group_name=parent_name, results_filter=ObjectType.GROUP)
+
     def get_group_options(self, group_name: str, results_filter: Any = "config", config_name: str | None = None,
                           overrides: list[str] | None = None) -> list[str]:
         """Hydra 1.3's `ConfigLoaderImpl.get_group_options`, with its config repository built once per command

@@ -153,3 +153,13 @@ def test_a_forked_child_does_not_keep_a_killed_runs_lock(tmp_path: Path) -> None
         again.wait()
     finally:
         os.killpg(holder.pid, 9)  # the orphaned child too
+
+
+def test_help_lists_every_group_and_its_options(tmp_path: Path) -> None:
+    """`--help` reads groups through llmexp's cached config repository (preflight.ConfigCheck): same listing."""
+    proc = run_llmexp(["--help"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for line in ("optimizer: adamw, adamw8bit, lion, lion8bit, paged_adamw8bit, sgd", "cluster: local, slurm",
+                 "precision: auto, bf16, fp16, fp32", "scheduler: constant, cosine, linear, wsd"):
+        assert line in proc.stdout, proc.stdout[:2000]
+    assert "hydra/launcher" not in proc.stdout.split("== Config ==")[0]  # Hydra's own groups stay in --hydra-help
