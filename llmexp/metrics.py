@@ -45,15 +45,18 @@ def quiet_console() -> None:
 def job_log(run_dir: Path) -> tuple[logging.Logger, logging.Handler | None]:
     """(the logger that writes console lines to the job log, the handler this call opened or None).
 
-    The job log is Hydra's: the root logger's file handlers (`hydra.job_logging`, by default
-    `RUN_DIR/llmexp.log`). Without one (a run started in-process, or job logging turned off) llmexp
+    The job log is Hydra's: the root logger's file handlers inside the run directory (`hydra.job_logging`,
+    by default `RUN_DIR/llmexp.log`). Without one (a run started in-process, or job logging turned off) llmexp
     opens `RUN_DIR/llmexp.log` itself, with the same secret filter.
     """
     from llmexp.security import install_log_filter
 
     logger = logging.getLogger(CONSOLE_LOGGER)
-    logger.propagate, logger.level = False, logging.INFO  # never twice on the console
-    files: list[logging.Handler] = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    logger.propagate = False  # never twice on the console
+    logger.setLevel(logging.INFO)
+    root = Path(run_dir).resolve()
+    files: list[logging.Handler] = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)
+                                    and Path(h.baseFilename).resolve().is_relative_to(root)]
     own = None
     if not files:
         own = logging.FileHandler(run_dir / "llmexp.log", encoding="utf-8")

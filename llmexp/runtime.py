@@ -308,8 +308,9 @@ class Runtime:
             return None
         value = self.flops_per_token * tokens_per_sec / (self.peak_tflops * 1e12 * self.plan.world)
         if value > 1.0:
-            self.mfu_note = (f"MFU came out at {value:.0%}, above 100%: the matmul ceiling "
-                             f"({self.peak_tflops:.3g} TFLOPS) was measured too low")
+            self.mfu_note = (f"MFU came out at {value:.0%}, above 100%: the matmul ceiling ({self.peak_tflops:.3g} "
+                             "TFLOPS) is too low (train.peak_tflops, or peak_tflops.json in data.cache_dir, which "
+                             "you may delete to measure it again)")
             self.peak_tflops, self._mfu_note_pending = None, True
             return None
         return value

@@ -52,6 +52,8 @@ def test_mfu_is_never_above_one_hundred_percent(tmp_path: Path) -> None:
     assert result.summary["mfu"] is None
     (finding,) = [f for f in result.summary["findings"] if f["kind"] == "mfu_unavailable"]
     assert "above 100%" in finding["message"] and finding["step"] == 1
+    # Started in-process, without Hydra's job logging: llmexp opens the job log itself.
+    assert "step      1 | loss" in (run_dir / "llmexp.log").read_text()
 
 
 def test_a_ceiling_measured_on_shared_cores_gives_no_mfu(tmp_path: Path) -> None:
