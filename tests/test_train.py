@@ -87,7 +87,7 @@ def test_console_opens_with_a_header_stays_clean_and_is_kept_in_llmexp_log(defau
                      f"{summary['num_params'] / 1e6:,.2f}M parameters", "train tokens in", "eval tokens",
                      "steps      40; global batch 8 = 8 per device x 1 process(es) x 1 accumulation step(s)",
                      f"precision  {summary['precision']} (precision=auto)",
-                     "optimizer  adamw, lr 3.00e-04 (lr=auto: by model size), cosine schedule"):
+                     f"optimizer  adamw, lr {summary['lr']:.2e} (", "), cosine schedule"):
         assert expected in head, (expected, head)
     assert "cache hit" in head or "tokenised now" in head
     assert "eta " in stderr and "remaining steps" in stderr
