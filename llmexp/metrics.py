@@ -291,8 +291,8 @@ def format_header(r: dict[str, Any]) -> str:
     if r.get("bf16_emulated"):
         precision += " EMULATED on this hardware: slower than fp32; precision=auto is faster (see the warning below)"
     lr = r.get("lr_chosen")
-    source = {"auto": "lr=auto: by model size", "config": "set in the config"}.get(str(r.get("lr_source")),
-                                                                                 str(r.get("lr_source")))
+    sources = {"auto": "lr=auto: by model size", "config": "lr= on the command line or in the config"}
+    source = sources.get(str(r.get("lr_source")), str(r.get("lr_source")))
     resumed = f", resuming at step {r['step']}" if r.get("step") else ""
     lines = [
         f"run        {r.get('run_dir')}  (console log: llmexp.log)",
