@@ -194,7 +194,11 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module, lr: float, device_t
         kwargs["fused"] = True  # one kernel per step instead of a loop over tensors; CPU and CUDA both have it
     kwargs.update(dict(o.kwargs))
     groups = param_groups(model, cfg.train.weight_decay, o.decay_norms_and_biases)
-    return cls(groups, lr=lr, **kwargs)
+    try:
+        return cls(groups, lr=lr, **kwargs)
+    except (ValueError, TypeError) as err:  # torch and bitsandbytes check their arguments: e.g. eps < 0
+        raise UserError(f"optimizer: {target} rejected its arguments {kwargs} ({err}); "
+                        "fix optimizer.* or optimizer.kwargs.*") from err
 
 
 def count_params(model: torch.nn.Module) -> int:

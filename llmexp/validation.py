@@ -294,6 +294,7 @@ def validate(cfg: DictConfig | Config) -> None:
                f"warmup ({warmup} steps) must be shorter than train.max_steps={t.max_steps}; "
                "lower train.warmup_steps/warmup_ratio or raise train.max_steps")
     _choice(errors, t.on_anomaly, "train.on_anomaly", ANOMALY_POLICIES)
+    _choice(errors, t.resume_data_mismatch, "train.resume_data_mismatch", ("error", "warn"))
     _check(errors, t.resume in ("auto", "never") or bool(t.resume), "train.resume",
            "must be auto, never, or a checkpoint path")
     _validate_groups(cfg, errors, bad.keys())

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import TINY, run_cli
+
 REPO = Path(__file__).resolve().parents[1]
 
 # (id, args, extra env, fragments that must all appear in stderr: the key, then the fix)
@@ -54,6 +56,8 @@ CASES: list[tuple[str, list[str], dict[str, str], list[str]]] = [
     ("delete_seed", ["~seed"], {}, ["seed:", "deleted", "remove"]),
     ("delete_group", ["~model"], {}, ["model:", "no model is chosen", "model=tiny"]),
     ("bad_policy", ["train.on_anomaly=explode"], {}, ["train.on_anomaly", "stop, skip, rollback"]),
+    ("bad_resume_data_mismatch", ["train.resume_data_mismatch=maybe"], {},
+     ["train.resume_data_mismatch", "error, warn"]),
     ("global_batch_does_not_divide", ["batch_size=4", "train.global_batch_size=6"], {},
      ["train.global_batch_size=6", "pick a multiple of 4"]),
     # WORLD_SIZE=2 simulates one rank of a 2-process launch (torchrun/accelerate set it)
@@ -177,3 +181,13 @@ def test_sweep_subdir_outside_the_sweep_dir_is_refused(tmp_path: Path) -> None:
 
 def _job_logs(root: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in root.rglob("*.log"))
+
+
+def test_an_argument_the_optimizer_rejects_exits_2(tmp_path: Path) -> None:
+    """torch checks optimizer.kwargs only when the optimizer is built (after the data): still exit 2, no traceback."""
+    result = run_cli([*TINY, "+optimizer.kwargs.eps=-1", "train.max_steps=1", f"hydra.run.dir={tmp_path / 'run'}"],
+                     cwd=tmp_path, env={"LLMEXP_CACHE": str(tmp_path / "cache")})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert "optimizer.kwargs" in result.stderr and "eps" in result.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "model").exists()
