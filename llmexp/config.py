@@ -206,7 +206,7 @@ class LoggerConfig:
 class TrainConfig:
     """The training loop. Names follow HF `TrainingArguments` where it has the same knob."""
 
-    max_steps: int = 300
+    max_steps: int = 250
     """Optimizer steps; -1 trains for `num_train_epochs` instead."""
     num_train_epochs: float = 1.0
     """Epochs over the training set, used when `max_steps` is -1."""
@@ -226,7 +226,7 @@ class TrainConfig:
     """Steps between train metric lines."""
     eval_steps: int = 100
     """Steps between evals (also at step 0 and at the end)."""
-    eval_batches: int = 8
+    eval_batches: int = 16
     """Batches of `batch_size` per eval; -1 evaluates the whole eval set."""
     save_steps: int = 100
     """Steps between checkpoints; 0 saves only at the end and on preemption."""
@@ -270,7 +270,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     lr: Any = "auto"
     """Peak learning rate, or auto: from the parameter count by the seed's table."""
-    batch_size: int = 8
+    batch_size: int = 4
     """Per-device micro-batch size."""
     seed: int = 0
     """Seed of initialisation, dropout and (unless `train.seed_data`) the data order."""

@@ -169,3 +169,12 @@ def test_a_bad_warmup_ratio_does_not_break_the_warmup_rule(default_cfg: Any) -> 
     """The cross-field rules skip keys whose own range failed (int(nan) would raise)."""
     text = _errors(_with(default_cfg, "train.warmup_ratio", math.nan))
     assert text.count("\n  ") == 1 and "train.warmup_ratio: must be a finite number" in text, text
+
+
+def test_stdlib_pretraining_lr_comes_with_its_data_and_other_data_keep_lr_auto(tmp_path: Path) -> None:
+    """The default run's lr is conf/data/stdlib.yaml's (measured for it, issue 20); fine-tuning on
+    other data keeps lr=auto (the seed's table, / 10), and a command-line lr wins over both."""
+    assert compose([], tmp_path).lr == pytest.approx(6e-4)
+    assert compose(["lr=1e-4"], tmp_path).lr == pytest.approx(1e-4)
+    for other in (["data=json", "data.train_file=t.jsonl"], ["model.name_or_path=run/model", "data=stdlib_sft"]):
+        assert compose(other, tmp_path).lr == "auto", other

@@ -38,7 +38,7 @@ def test_adamw8bit_bf16_headline_runs_on_a_cpu_without_native_bf16(tmp_path: Pat
     assert proc.returncode == 0, proc.stderr[-4000:]
     run_dir = only("outputs/*/*", tmp_path)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["precision"] == "bf16" and summary["step"] == 300
+    assert summary["status"] == "completed" and summary["precision"] == "bf16" and summary["step"] == 250
     (finding,) = [f for f in summary["findings"] if f["kind"] == "bf16_emulated"]
     assert finding["severity"] == "warning" and "precision=auto" in finding["advice"]
     assert "precision=bf16 on a CPU without native bf16" in proc.stderr  # printed, not only recorded

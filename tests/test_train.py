@@ -37,7 +37,8 @@ def test_default_run_writes_the_whole_run_directory(default_run: Path) -> None:
     assert summary["status"] == "completed" and summary["step"] == 40
     for key in ("train_loss", "eval_loss", "eval_ppl", "tokens_per_sec", "mfu", "findings"):
         assert key in summary
-    assert summary["lr_source"] == "auto" and summary["lr"] == pytest.approx(3e-4)  # < 1B params: the seed's 3e-4
+    # data=stdlib brings the default run's pretraining lr (conf/data/stdlib.yaml), not lr=auto's 3e-4
+    assert summary["lr_source"] == "config" and summary["lr"] == pytest.approx(6e-4)
     assert not [f for f in summary["findings"] if f["severity"] == "error"]
 
 
@@ -85,7 +86,7 @@ def test_console_opens_with_a_header_stays_clean_and_is_kept_in_llmexp_log(defau
     head = stderr[:stderr.index("eval      0")]
     for expected in (f"run        {default_run}", "model      tiny (from scratch), ",
                      f"{summary['num_params'] / 1e6:,.2f}M parameters", "train tokens in", "eval tokens",
-                     "steps      40; global batch 8 = 8 per device x 1 process(es) x 1 accumulation step(s)",
+                     "steps      40; global batch 4 = 4 per device x 1 process(es) x 1 accumulation step(s)",
                      f"precision  {summary['precision']} (precision=auto)",
                      f"optimizer  adamw, lr {summary['lr']:.2e} (", "), cosine schedule"):
         assert expected in head, (expected, head)
