@@ -81,3 +81,18 @@ def sft_file(path: Path, n: int = 96) -> Path:
             completion = " ".join(rng.choices(words, k=rng.randint(1, 30)))
             f.write(json.dumps({"prompt": f"Q{i}: {prompt}\n", "completion": completion}) + "\n")
     return path
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path):
+    """A real 3 MiB filesystem (tmpfs): root can mount one. Elsewhere (CI runs the tests unprivileged)
+    the test is skipped; tests/test_checkpoint.py injects ENOSPC there instead."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

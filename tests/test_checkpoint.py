@@ -557,21 +557,6 @@ def test_displaced_copies_follow_the_retention_rule(tmp_path: Path) -> None:
     assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")]
 
 
-@pytest.fixture
-def small_fs(tmp_path: Path):
-    """A real 3 MiB filesystem (tmpfs): root can mount one. Elsewhere (CI runs the tests unprivileged)
-    the test is skipped; test_crash_in_write_keeps_previous injects ENOSPC there instead."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
 def test_full_disk_names_the_path_and_keeps_the_older_checkpoints(small_fs: Path) -> None:
     """Saves of ~0.9 MiB checkpoints on a real 3 MiB filesystem until it is full: the failing save
     raises DiskFull naming its path (torch's writer reports ENOSPC as "unexpected pos"), removes its

@@ -12,7 +12,7 @@ Kills come two ways, both real SIGKILLs of the training process:
   than SIGKILL (SIGTERM, SIGINT, two SIGINTs: a second Ctrl-C).
 
 Also here, end to end: checkpoints that verify but do not load, a resume on other data, a full
-disk (a real tmpfs) during a save.
+disk (a real small_fs) during a save.
 
 benchmarks/kill_resume.py reuses this harness for 20 random kills.
 """
@@ -497,25 +497,7 @@ def test_resume_on_other_data_is_refused_unless_told(tmp_path: Path, env: dict[s
     assert f"saved with data fingerprint {before_fp}" in out and "resuming anyway" in out, out[-3000:]
 
 
-@pytest.fixture
-def tmpfs(tmp_path: Path):
-    """A real 3 MiB filesystem (tmpfs) for a run directory: room for one tiny checkpoint (1.8 MiB)
-    but not two. Mounting needs root; elsewhere (CI runs unprivileged) the test is skipped, and
-    tests/test_checkpoint.py covers the same path by injecting ENOSPC."""
-    import subprocess as sp
-
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = sp.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        sp.run(["umount", "-l", str(mount)], check=False)
-
-
-def test_full_disk_during_a_save(tmpfs: Path, env: dict[str, str], reference) -> None:
+def test_full_disk_during_a_save(small_fs: Path, env: dict[str, str], reference) -> None:
     """The run directory is on a 3 MiB filesystem: step_3 fits, the save of step_6 runs out of
     space. The run says "no space left" with the path, writes summary.json (status failed),
     keeps step_3 and exits 1 without a traceback. Given room, the same command resumes from
@@ -527,7 +509,7 @@ def test_full_disk_during_a_save(tmpfs: Path, env: dict[str, str], reference) ->
 
     overrides = ("precision=fp32", "train.gradient_accumulation_steps=4")
     want = reference(overrides)
-    run_dir = tmpfs / "run"
+    run_dir = small_fs / "run"
     code, out = run_once(run_dir, overrides, env)
     assert code == 1, out[-3000:]
     assert f"no space left on device while writing {run_dir / 'checkpoints' / 'step_6'}" in out, out[-3000:]
@@ -537,8 +519,8 @@ def test_full_disk_during_a_save(tmpfs: Path, env: dict[str, str], reference) ->
     kept = list_checkpoints(run_dir / "checkpoints")
     assert [p.name for p in kept] == ["step_3"]
     verify_checkpoint(kept[0])
-    sp.run(["mount", "-o", "remount,size=64m", str(tmpfs)], check=True)
+    sp.run(["mount", "-o", "remount,size=64m", str(small_fs)], check=True)
     code, out = run_once(run_dir, overrides, env)
     assert code == 0, out[-3000:]
     got = fingerprint(run_dir)
-    assert got == want, f"{first_difference(want, got)}; runs in {tmpfs}"
+    assert got == want, f"{first_difference(want, got)}; runs in {small_fs}"
