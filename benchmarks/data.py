@@ -24,7 +24,7 @@ def compose(*overrides: str) -> Any:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from llmexp.config import register_configs
+    from llmexp.config.schema import register_configs
     from llmexp.paths import conf_dir, register_resolvers
 
     register_configs()
@@ -36,8 +36,8 @@ def compose(*overrides: str) -> Any:
 def bench_tokenise(texts: list[str], tok: Any, block: int, num_proc: int) -> None:
     import datasets
 
-    from llmexp.data import _cut
-    from llmexp.encode import encode_lm
+    from llmexp.data.datasets import _cut
+    from llmexp.data.encode import encode_lm
 
     start = time.perf_counter()
     arrays, stats = _cut("lm_packed", encode_lm(texts, tok), None, block, keep_tail=False)
@@ -67,7 +67,7 @@ def bench_tokenise(texts: list[str], tok: Any, block: int, num_proc: int) -> Non
 
 
 def bench_cache(cfg: Any, tok: Any) -> None:
-    from llmexp.data import build_datasets
+    from llmexp.data.datasets import build_datasets
 
     start = time.perf_counter()
     build_datasets(cfg, tok)
@@ -83,7 +83,7 @@ def bench_train_step(cfg: Any, tok: Any, steps: int, rounds: int) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from llmexp.data import batch_indices, build_datasets
+    from llmexp.data.datasets import batch_indices, build_datasets
 
     train, _, _ = build_datasets(cfg, tok)
     m, batch_size, block = cfg.model, int(cfg.batch_size), int(cfg.data.max_length)
@@ -134,8 +134,8 @@ def main() -> None:
     parser.add_argument("--num-proc", type=int, default=2, help="datasets.map processes")
     args = parser.parse_args()
 
-    from llmexp.corpora import read_text, split_by_hash, stdlib_files, stdlib_root
-    from llmexp.data import load_tokenizer
+    from llmexp.data.corpora import read_text, split_by_hash, stdlib_files, stdlib_root
+    from llmexp.data.datasets import load_tokenizer
 
     with tempfile.TemporaryDirectory() as cache:
         extra = [f"data.max_examples={args.files}"] if args.files else []

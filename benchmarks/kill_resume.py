@@ -50,7 +50,7 @@ def _first_kill(h: ModuleType, rng: random.Random, accum: int, fp16: bool) -> ob
 
 def _progress(h: ModuleType, run_dir: Path) -> tuple[int, int]:
     """(last step logged, newest complete checkpoint step) at the moment of a kill."""
-    from llmexp.checkpoint import list_checkpoints
+    from llmexp.checkpoint.store import list_checkpoints
 
     steps = h._train_steps(run_dir)
     found = list_checkpoints(run_dir / "checkpoints")

@@ -1,4 +1,4 @@
-"""`python -m llmexp`: compose the config with Hydra, check it, and hand it to `llmexp.train.run`.
+"""`python -m llmexp`: compose the config with Hydra, check it, and hand it to `llmexp.train.loop.run`.
 
 Nothing heavy is imported here: `--help` and `--cfg job` never import torch.
 Exit codes: 0 finished, 2 a user's mistake, 3 diverged, 1 anything else.
@@ -32,9 +32,12 @@ def task(cfg: DictConfig) -> int:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from llmexp.errors import run_guarded
+    from llmexp.train.preemption import PreemptionSignal
 
-    code = run_guarded(cfg)
+    with PreemptionSignal():  # from here on SIGTERM/Ctrl-C stop the run at its first step boundary, importing included
+        from llmexp.train.task import run_guarded
+
+        code = run_guarded(cfg)
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         return code
     sys.exit(code)
@@ -60,9 +63,9 @@ def _compose_and_check(loader: Any, config_name: str, overrides: list[str], run_
     cfg = _reported(lambda: loader.compose(config_name, overrides, run_mode))
     loader.check(cfg, config_name, overrides)
     if full and run_mode == RunMode.RUN:
+        from llmexp.config.preflight import check_environment
+        from llmexp.config.validation import validate
         from llmexp.paths import lock_run_dir
-        from llmexp.preflight import check_environment
-        from llmexp.validation import validate
 
         HydraConfig.instance().set_config(_with_output_dir(cfg))  # for ${hydra:...} in the job's values
         validate(cfg)
@@ -118,7 +121,7 @@ def _run_hydra(args_parser: argparse.ArgumentParser, args: argparse.Namespace) -
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
 
-    from llmexp.preflight import ConfigCheck
+    from llmexp.config.preflight import ConfigCheck
 
     config_name = args.config_name if args.config_name is not None else "config"
     config_path = args.config_path if args.config_path is not None else str(conf_dir())
@@ -186,10 +189,26 @@ def _dispatch(hydra: Any, loader: Any, args_parser: argparse.ArgumentParser, arg
         hydra.show_info(args.info, config_name=config_name, overrides=overrides)
 
 
+def register_launchers() -> None:
+    """Make Hydra know llmexp's launcher classes even where it cannot walk `hydra_plugins`.
+
+    setuptools' strict editable installs map `hydra_plugins.llmexp_launcher` through an import
+    hook that `pkgutil.walk_packages` cannot list, so Hydra's plugin scan misses it when
+    `python -m llmexp` runs outside the checkout. Call before `hydra.main` runs the app.
+    """
+    from hydra.core.plugins import Plugins
+
+    from hydra_plugins.llmexp_launcher import llmexp_launcher as plugin
+
+    plugins = Plugins.instance()
+    for cls in (plugin.LocalLauncher, plugin.SlurmLauncher):
+        plugins._register(cls)  # Hydra's own registration step; idempotent
+
+
 def cli() -> None:
     """Entry point. Hydra exits 1 on a compose error; that is a user's mistake, so exit 2."""
-    from llmexp.distributed import maybe_relaunch
-    from llmexp.preflight import check_args
+    from llmexp.config.preflight import check_args
+    from llmexp.train.distributed import maybe_relaunch
 
     maybe_relaunch()  # `accelerate launch --cpu --num_processes N`: start the N ranks before Hydra runs
 
@@ -200,10 +219,9 @@ def cli() -> None:
     from hydra import version
     from hydra._internal.utils import get_args_parser
 
-    from llmexp.config import register_configs
-    from llmexp.jobs import jobs_launched
-    from llmexp.launcher import register_launchers
-    from llmexp.preflight import guard_package_sources
+    from llmexp.config.preflight import guard_package_sources
+    from llmexp.config.schema import register_configs
+    from llmexp.sweep.jobs import jobs_launched
 
     version.setbase("1.3")
     register_configs()
@@ -226,7 +244,7 @@ def cli() -> None:
 
 
 def _exit_user(err: UserError) -> None:
-    from llmexp.security import scrub_text
+    from llmexp.redact import scrub_text
 
     print(f"llmexp: error: {scrub_text(str(err))}", file=sys.stderr)
     sys.exit(EXIT_USER)

@@ -9,9 +9,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
-import os
-from functools import cache
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmexp.errors import UserError
@@ -26,8 +23,8 @@ ALLOWED_TARGETS: tuple[str, ...] = ("torch.optim.", "bitsandbytes.optim.", "llme
 
 
 def check_target(target: str, key: str) -> None:
-    """Reject a `_target_` outside the allow-list before anything is imported (`llmexp.security`)."""
-    from llmexp.security import target_problem
+    """Reject a `_target_` outside the allow-list before anything is imported (`llmexp.config.security`)."""
+    from llmexp.config.security import target_problem
 
     if problem := target_problem(target, ALLOWED_TARGETS):
         raise UserError(f"{key}: {problem}. Pick an optimizer with optimizer=<name>.")
@@ -42,77 +39,16 @@ def locate(target: str) -> Any:
         raise UserError(f"optimizer._target_: cannot import {target!r} ({err}); is its package installed?") from err
 
 
-@cache
-def cpu_has_fast_bf16() -> bool:
-    """True when the CPU has native bf16 dot products (AVX512-BF16 or AMX).
-
-    LLMEXP_ASSUME_NO_BF16=1 answers False: it simulates older hardware (tests, reproductions).
-    """
-    if os.environ.get("LLMEXP_ASSUME_NO_BF16") == "1":
-        return False
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-BF16_EMULATED_SLOWDOWN = "about 3-4x"
-"""Expected step-time cost of emulated bf16 against fp32 on a CPU without native bf16.
-
-Estimated, not measured on such a CPU: on this machine (Xeon with AVX512-BF16) torch's bf16 path
-without oneDNN (`torch.backends.mkldnn.enabled=False`, `ATEN_CPU_CAPABILITY=avx2`: what torch uses
-on CPUs without AVX512, e.g. AMD Zen 3) ran a default-model training step 3.6x slower than fp32,
-its 1024x1024 bf16 matmul ~40x slower. CPUs with AVX512 but no AVX512-BF16 emulate in oneDNN,
-which costs less. `LLMEXP_ASSUME_NO_BF16=1` only changes llmexp's decisions, not torch's kernels."""
 
 
-def bf16_support(device_type: str) -> str:
-    """`native` (fast bf16 matmuls), `emulated` (torch runs bf16 in software or converts, slowly) or `none`.
-
-    Every x86/ARM CPU runs bf16 autocast, natively or emulated. On CUDA, Ampere and newer are native;
-    older GPUs are `emulated` when torch can create and compute bf16 tensors there (its own
-    `including_emulation` test), else `none`.
-    """
-    if device_type == "cpu":
-        return "native" if cpu_has_fast_bf16() else "emulated"
-    import torch
-
-    if device_type == "cuda":
-        if torch.cuda.is_bf16_supported(including_emulation=False):
-            return "native"
-        return "emulated" if torch.cuda.is_bf16_supported(including_emulation=True) else "none"
-    return "native"  # mps, xpu: torch decides; autocast raises its own clear error if it cannot
 
 
-def resolve_precision(name: str, device_type: str) -> str:
-    """bf16/fp16/fp32 for this device; `auto` picks bf16 where it is native (fast), else fp32.
-
-    `precision=bf16` runs wherever torch can run it; where bf16 is emulated the run warns (see
-    `bf16_emulation_warning`). Only a GPU on which torch cannot compute in bf16 at all is refused.
-    """
-    support = bf16_support(device_type)
-    if name == "auto":
-        return "bf16" if support == "native" else "fp32"
-    if name == "bf16" and support == "none":
-        raise UserError("precision=bf16: torch cannot compute in bf16 on this GPU (not even emulated). "
-                        "Use precision=auto (fp32 here) or precision=fp16.")
-    return name
 
 
-def bf16_emulation_warning(precision: str, device_type: str) -> str | None:
-    """The warning for a bf16 run on hardware that emulates it (None when bf16 is native or unused)."""
-    if precision != "bf16" or bf16_support(device_type) != "emulated":
-        return None
-    if device_type == "cpu":
-        return (f"precision=bf16 on a CPU without native bf16 (AVX512-BF16 or AMX): torch emulates it, so training "
-                f"is expected to be {BF16_EMULATED_SLOWDOWN} slower than fp32 (estimated, see the README)")
-    return ("precision=bf16 on a GPU without native bf16 (before Ampere): torch emulates it, so training is "
-            "expected to be slower than fp32")
 
 
-BF16_EMULATION_ADVICE = ("Use precision=auto (fp32 on this hardware) for the faster run; keep bf16 only to "
-                         "match bf16 numerics.")
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
@@ -123,7 +59,7 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
 
 
 def _from_pretrained(cls: Any, cfg: DictConfig) -> Any:
-    from llmexp.tokenizer import hub_error, hub_load_kwargs
+    from llmexp.data.tokenizer import hub_error, hub_load_kwargs
 
     m = cfg.model
     kwargs = hub_load_kwargs(m.name_or_path)  # offline fast path when the hub is unreachable
@@ -184,7 +120,7 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module, lr: float, device_t
     cls = locate(target)
     import torch
 
-    from llmexp.security import check_located
+    from llmexp.config.security import check_located
 
     check_located(cls, target, "optimizer._target_", ALLOWED_TARGETS, base=torch.optim.Optimizer)
     accepted = inspect.signature(cls.__init__).parameters

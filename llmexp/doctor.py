@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TextIO
 
 from llmexp.monitor import is_open
-from llmexp.report import write_run_report
-from llmexp.rundir import finding_state, is_run_dir, is_sweep_dir, load_json, load_records, run_findings
+from llmexp.report.run import write_run_report
+from llmexp.report.rundir import finding_state, is_run_dir, is_sweep_dir, load_json, load_records, run_findings
 
 EXIT_HEALTHY, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
 _COLOURS = {"error": "\033[31m", "warning": "\033[33m", "info": "\033[36m", "ok": "\033[32m"}

@@ -127,13 +127,13 @@ def estimate(cfg: DictConfig, *, num_params: int, precision: str, world: int) ->
 
 
 def resolved_precision(name: str) -> str:
-    """The precision a run would use on this machine (`build.resolve_precision`: `auto` is bf16 where it
+    """The precision a run would use on this machine (`config.derived.resolve_precision`: `auto` is bf16 where it
     is native, else fp32; bf16 stays bf16, emulated or not)."""
     if name != "auto":
         return name
     import torch
 
-    from llmexp.build import resolve_precision
+    from llmexp.config.derived import resolve_precision
 
     return resolve_precision(name, "cuda" if torch.cuda.is_available() else "cpu")
 
@@ -153,9 +153,9 @@ def compose(overrides: list[str]) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from llmexp.config import register_configs
+    from llmexp.config.schema import register_configs
+    from llmexp.config.validation import validate
     from llmexp.paths import conf_dir, register_resolvers
-    from llmexp.validation import validate
 
     register_configs()
     register_resolvers()
@@ -167,7 +167,7 @@ def compose(overrides: list[str]) -> DictConfig:
 
 def main(argv: list[str] | None = None) -> int:
     """Print the estimate; `world_size=N` (default: WORLD_SIZE or 1) sets the number of processes."""
-    from llmexp.distributed import world_size_from_env
+    from llmexp.config.derived import world_size_from_env
     from llmexp.errors import EXIT_USER, UserError
 
     args = list(sys.argv[1:] if argv is None else argv)

@@ -8,19 +8,440 @@ contract) and returns every finding over the whole history. The trainer calls it
 Severities are calibrated so that a healthy run yields nothing of `error` severity:
 error = the run is broken (non-finite values, divergence, clear overfitting); warning = it
 works but something should change; info = worth knowing. No torch and no numpy here.
-The detectors themselves live in `llmexp.detectors`; this module is their public face.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+import itertools
+import math
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from llmexp.detectors import ERROR, INFO, WARNING, Finding, is_spike, run_detectors
+INFO, WARNING, ERROR = "info", "warning", "error"
+_MAD_TO_STD = 1.4826  # scales the median absolute deviation to a standard deviation for normal data
 
-__all__ = ["DETECTOR_KINDS", "ERROR", "INFO", "WARNING", "Finding", "MonitorSettings", "diagnose", "is_open",
-           "is_spike", "reconcile", "settings_from_config", "worst_severity"]
+
+@dataclass(frozen=True)
+class Finding:
+    """One verdict about a run: what, where, how bad, and what to do about it."""
+
+    kind: str
+    step: int
+    severity: str
+    message: str
+    advice: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _num(value: Any) -> float:
+    """A metric as a float; missing or null values (how some writers encode NaN) become NaN."""
+    if value is None:
+        return math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _robust_z(window: list[float], value: float) -> tuple[float, float]:
+    """(z-score of value against window, the window median).
+
+    Centre: the median. Scale: the smaller of the MAD of the values and the MAD of their
+    successive differences / sqrt(2). The second is the noise alone even while the loss is
+    falling fast, where the spread of the values is mostly trend and would hide a spike.
+    """
+    median = statistics.median(window)
+    mad = statistics.median(abs(v - median) for v in window) * _MAD_TO_STD
+    diffs = [b - a for a, b in itertools.pairwise(window)]
+    if len(diffs) >= 2:
+        diff_median = statistics.median(diffs)
+        mad = min(mad, statistics.median(abs(d - diff_median) for d in diffs) * _MAD_TO_STD / math.sqrt(2))
+    floor = 1e-3 * abs(median) + 1e-12  # a flat window must not make every wiggle infinite
+    return (value - median) / max(mad, floor), median
+
+
+def is_spike(values: list[float], value: float, settings: MonitorSettings) -> bool:
+    """Whether `value` jumps far above the trailing `settings.window` of `values`.
+
+    A non-finite value is always a spike. Non-finite history values are ignored. Only upward
+    jumps count, and only once `settings.min_history` finite values are there.
+    """
+    if not math.isfinite(value):
+        return True
+    window = [v for v in values[-settings.window:] if math.isfinite(v)]
+    if len(window) < settings.min_history:
+        return False
+    z, median = _robust_z(window, value)
+    return z > settings.spike_z and value - median > settings.spike_min_rel * abs(median)
+
+
+# ----- history preparation -------------------------------------------------------------------
+
+def _effective(records: list[dict]) -> list[dict]:
+    """The history as the model lived it: after a resume or rollback to step s, the records
+    logged earlier at steps > s were discarded work and are dropped."""
+    kept: list[dict] = []
+    for rec in records:
+        if rec.get("event") in ("resume", "rollback"):
+            to_step = int(rec.get("to_step", rec.get("step", 0)))
+            kept = [r for r in kept if int(r.get("step", 0)) <= to_step or r.get("event") not in ("train", "eval")]
+        kept.append(rec)
+    return kept
+
+
+def _series(records: Iterable[dict], event: str, key: str) -> list[tuple[int, float]]:
+    return [(int(r["step"]), _num(r.get(key))) for r in records if r.get("event") == event and key in r]
+
+
+def _finite(series: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    return [(s, v) for s, v in series if math.isfinite(v)]
+
+
+def _fmt(x: float) -> str:
+    """A learning rate as people write it: 1e-04, 3.3e-04."""
+    mantissa, exponent = f"{x:.2e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{exponent}"
+
+
+def _cap(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def _lower_lr(lr: float) -> str:
+    """The 'lower the lr' clause: a third of it, or the seed's table when it is absurd."""
+    if lr >= 1e-2:
+        return f"lower the lr (now {_fmt(lr)}: far above what LLMs train at; lr=auto picks from the model size)"
+    return f"lower the lr (now {_fmt(lr)}; try {_fmt(lr / 3)})"
+
+
+def _nan_advice(settings: MonitorSettings) -> str:
+    parts = []
+    if settings.max_grad_norm <= 0:
+        parts.append("Turn gradient clipping on (train.max_grad_norm=1.0; 0.5 if it keeps exploding)")
+    else:
+        parts.append(f"Check that clipping is working (train.max_grad_norm={settings.max_grad_norm:g}; try 0.5)")
+    if settings.precision == "fp16":
+        parts.append("switch FP16 to BF16 (precision=bf16) if the hardware has it")
+    parts.append(_lower_lr(settings.lr))
+    parts.append("check the data for abnormal or empty examples")
+    return "; ".join(parts) + "."
+
+
+# ----- detectors -----------------------------------------------------------------------------
+
+def _non_finite(records: list[dict], settings: MonitorSettings) -> list[Finding]:
+    bad: list[tuple[int, str]] = []
+    scaler_overflows = 0
+    for rec in records:
+        if rec.get("event") not in ("train", "anomaly"):
+            continue
+        loss, gnorm = _num(rec.get("loss", 0.0)), _num(rec.get("grad_norm", 0.0))
+        if math.isfinite(loss) and not math.isfinite(gnorm) and settings.precision == "fp16":
+            scaler_overflows += 1  # the fp16 loss scaler overflowed and skipped the step: by design
+            continue
+        what = [name for name, v in (("loss", loss), ("grad norm", gnorm)) if not math.isfinite(v)]
+        if what:
+            bad.append((int(rec["step"]), " and ".join(what)))
+    out = []
+    if bad:
+        first_step, what = bad[0]
+        steps = sorted({s for s, _ in bad})
+        out.append(Finding("non_finite", first_step, ERROR,
+                           f"non-finite {what} at step {first_step} ({len(steps)} step(s) affected, "
+                           f"last at {steps[-1]}): gradients exploded",
+                           _nan_advice(settings)))
+    if scaler_overflows:
+        out.append(Finding("fp16_overflow", 0, INFO,
+                           f"{scaler_overflows} logged step(s) had an infinite grad norm with a finite loss: "
+                           "the fp16 loss scaler skipped them", "Nothing to do unless it is frequent; "
+                           "BF16 (precision=bf16) avoids loss scaling altogether."))
+    return out
+
+
+def _spikes(records: list[dict], settings: MonitorSettings) -> list[Finding]:
+    out = []
+    grad_settings = replace(settings, spike_min_rel=settings.grad_spike_min_rel)
+    for key, label, judge in (("loss", "loss", settings), ("grad_norm", "grad norm", grad_settings)):
+        series = _series(records, "train", key)
+        history: list[float] = []
+        spikes = []
+        for step, value in series:
+            if math.isfinite(value) and is_spike(history, value, judge):
+                _, median = _robust_z([v for v in history[-settings.window:] if math.isfinite(v)], value)
+                spikes.append((step, value, median))
+            history.append(value)
+        for rec in records:  # finite anomalies are spikes the trainer caught live, maybe never logged
+            finite = all(math.isfinite(_num(rec.get(k, 0.0))) for k in ("loss", "grad_norm"))
+            if rec.get("event") == "anomaly" and finite and rec.get("metric", "loss") == key:
+                spikes.append((int(rec["step"]), _num(rec.get(key)), math.nan))
+        if spikes:
+            step, value, median = min(spikes)
+            base = f" (trailing median {median:.3g})" if math.isfinite(median) else ""
+            out.append(Finding(f"{key}_spike", step, WARNING,
+                               f"{label} spiked to {value:.3g} at step {step}{base}; {len(spikes)} spike(s) in all",
+                               f"{_cap(_lower_lr(settings.lr))}, or raise the batch size / "
+                               "gradient accumulation; check that clipping is on; check the data near this step."))
+    return out
+
+
+def _divergence(records: list[dict], train: list[tuple[int, float]], settings: MonitorSettings) -> list[Finding]:
+    """The trainer gave up on the run (an anomaly it could not skip or roll back), or the loss climbed
+    back up and stayed there."""
+    for rec in records:
+        if rec.get("event") == "anomaly" and rec.get("action") == "diverged":
+            loss, gnorm = _num(rec.get("loss")), _num(rec.get("grad_norm"))
+            return [Finding("divergence", int(rec["step"]), ERROR,
+                            f"training diverged at step {rec['step']} (loss {loss:.4g}, grad norm {gnorm:.4g}); "
+                            f"the on_anomaly policy ({rec.get('policy', '?')}) ended the run",
+                            _nan_advice(settings))]
+    if len(train) < settings.min_history * 2:
+        return []
+    tail = [v for _, v in train[-settings.min_history:]]
+    recent = statistics.median(tail)
+    first = statistics.median(v for _, v in train[:3])
+    low_step, low = min(train[:-settings.min_history], key=lambda sv: sv[1])
+    drop = max(first - low, 0.0)
+    rise = recent - low
+    if rise > settings.diverge_min_nats and rise > settings.diverge_rel * drop:
+        began = next(s for s, v in train if s > low_step and v > low + rise / 2)
+        return [Finding("divergence", began, ERROR,
+                        f"the loss climbed back from {low:.3g} (step {low_step}) to {recent:.3g} and stayed there",
+                        f"{_cap(_lower_lr(settings.lr))}, or raise the batch size; "
+                        "check that clipping is on; resume from a checkpoint before this step.")]
+    return []
+
+
+def _linear_fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(slope, robust residual std) of a least-squares line through points."""
+    xs = [float(s) for s, _ in points]
+    ys = [v for _, v in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs) or 1.0
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    resid = [y - (my + slope * (x - mx)) for x, y in zip(xs, ys, strict=True)]
+    centre = statistics.median(resid)
+    return slope, statistics.median(abs(r - centre) for r in resid) * _MAD_TO_STD
+
+
+def _oscillation(train: list[tuple[int, float]], settings: MonitorSettings) -> list[Finding]:
+    w = settings.window
+    hits = []
+    for start in range(0, len(train) - w + 1, max(w // 2, 1)):
+        chunk = train[start:start + w]
+        slope, std = _linear_fit(chunk)  # std: robust (MAD) spread of the residuals, so one spike is not a swing
+        level = statistics.median(v for _, v in chunk)
+        trend_drop = -slope * (chunk[-1][0] - chunk[0][0])
+        if std > settings.oscillation_rel_std * abs(level) and trend_drop < settings.oscillation_trend_ratio * std:
+            hits.append((chunk[0][0], std, level))
+    if not hits:
+        return []
+    step, std, level = hits[0]
+    return [Finding("oscillation", step, WARNING,
+                    f"the loss swings by ±{std:.3g} around {level:.3g} without falling "
+                    f"(from step {step}; {len(hits)} window(s))",
+                    f"The lr is probably too large (now {_fmt(settings.lr)}; try {_fmt(settings.lr / 3)}) or the batch "
+                    "too small: raise batch_size or train.gradient_accumulation_steps.")]
+
+
+def _plateau(train: list[tuple[int, float]], evals: list[tuple[int, float]],
+             settings: MonitorSettings) -> list[Finding]:
+    out = []
+    if len(train) >= settings.plateau_min_records:
+        k = max(3, len(train) // 4)
+        values = [v for _, v in train]
+        first, last = statistics.median(values[:k]), statistics.median(values[-k:])
+        # The drop must also be lost in the noise: a tiny model's slow but steady fall is not a plateau.
+        diffs = [b - a for a, b in itertools.pairwise(values)]
+        centre = statistics.median(diffs)
+        noise = statistics.median(abs(d - centre) for d in diffs) * _MAD_TO_STD / math.sqrt(2)
+        stderr = 1.25 * noise * math.sqrt(2 / k)  # of a difference of two medians of k values
+        if first - last < settings.plateau_min_drop * abs(first) and first - last <= 3 * stderr + 1e-12:
+            out.append(Finding("plateau", train[0][0], WARNING,
+                               f"the loss never fell: {first:.3g} at the start, {last:.3g} at the end",
+                               f"The lr may be too small: raise it 10x (lr={_fmt(settings.lr * 10)}); check that the "
+                               "data loads correctly (look at a few decoded examples); check that the loss "
+                               "matches the task."))
+    if len(evals) > settings.plateau_evals:
+        best_i, best = 0, evals[0][1]
+        for i, (_, v) in enumerate(evals[1:], start=1):
+            if v < best * (1 - settings.min_delta):
+                best_i, best = i, v
+        after = evals[best_i + 1:]
+        rising = any(v > best * (1 + settings.overfit_warn_rise) for _, v in after)  # overfitting's business
+        if len(after) >= settings.plateau_evals and not rising:
+            out.append(Finding("eval_plateau", evals[best_i][0], INFO,
+                               f"the eval loss has not improved for {len(after)} evals since step "
+                               f"{evals[best_i][0]} (best {best:.4g})",
+                               "Training has converged at this lr: stop early "
+                               "(train.early_stopping_patience), or lower the lr / add data to go further."))
+    return out
+
+
+def _overfitting(train: list[tuple[int, float]], evals: list[tuple[int, float]],
+                 settings: MonitorSettings) -> list[Finding]:
+    if len(evals) < settings.overfit_min_evals + 2:
+        return []
+    best_i = min(range(len(evals)), key=lambda i: evals[i][1])
+    best_step, best = evals[best_i]
+    after = evals[best_i + 1:]
+    threshold = best * (1 + settings.overfit_warn_rise)
+    recent = after[-settings.overfit_min_evals:]
+    if len(after) < settings.overfit_min_evals or not all(v > threshold for _, v in recent):
+        return []
+    near = [v for s, v in train if abs(s - best_step) <= max(1, (after[-1][0] - best_step) // 10)]
+    later = [v for s, v in train if s >= after[-1][0] - max(1, (after[-1][0] - best_step) // 10)]
+    if not near or not later or statistics.median(later) >= statistics.median(near):
+        return []  # train loss did not fall: that is divergence or a plateau, not overfitting
+    rise = after[-1][1] / best - 1
+    severity = ERROR if rise >= settings.overfit_error_rise else WARNING
+    return [Finding("overfitting", best_step, severity,
+                    f"the eval loss rose {rise:.1%} above its best ({best:.4g} at step {best_step}) to "
+                    f"{after[-1][1]:.4g} while the train loss kept falling: overfitting began at step {best_step}",
+                    "Stop early (train.early_stopping_patience=2 keeps the best checkpoint), train fewer steps, "
+                    "lower the lr, add dropout (model.attention_dropout=0.1) or add data.")]
+
+
+def _streak_start(points: list[tuple[int, float]], outside: Callable[[float], bool]) -> int:
+    """The step where the trailing run of `outside` values began (the first such step if the last is not).
+    Stable while the condition persists, so the trainer's live findings (keyed by kind and step) do not repeat."""
+    start = None
+    for step, value in reversed(points):
+        if not outside(value):
+            break
+        start = step
+    return start if start is not None else next((s for s, v in points if outside(v)), points[0][0])
+
+
+def _grad_band(train_gn: list[tuple[int, float]], settings: MonitorSettings) -> list[Finding]:
+    half = train_gn[len(train_gn) // 2:]
+    if len(half) < settings.min_history:
+        return []
+    low, high = settings.grad_band
+    median = statistics.median(v for _, v in half)
+    above = sum(v > high for _, v in half) / len(half)
+    below = sum(v < low for _, v in half) / len(half)
+    step = _streak_start(train_gn, lambda v: not low <= v <= high)
+    if above >= settings.grad_band_fraction:
+        clip = ("clipping is off: turn it on (train.max_grad_norm=1.0)" if settings.max_grad_norm <= 0 else
+                f"clipping at {settings.max_grad_norm:g} is rescaling most steps")
+        return [Finding("grad_norm_high", step, WARNING,
+                        f"grad norm above {high:g} on {above:.0%} of the second half of the run (median {median:.3g})",
+                        f"{clip}; if the loss is also noisy, lower the lr (now {_fmt(settings.lr)}).")]
+    if below >= settings.grad_band_fraction:
+        return [Finding("grad_norm_low", step, INFO,
+                        f"grad norm below {low:g} on {below:.0%} of the second half of the run (median {median:.3g})",
+                        "Often fine for small models late in training; if the loss has stalled too, raise the lr.")]
+    return []
+
+
+def _perplexity(evals_ppl: list[tuple[int, float]], settings: MonitorSettings) -> list[Finding]:
+    if len(evals_ppl) < 2:  # the step-0 eval alone says nothing about training
+        return []
+    ppl = evals_ppl[-1][1]
+    f = settings.ppl_far_factor
+    low, high = settings.pretrain_ppl
+    too_high = high * f if settings.run_kind == "pretrain" else settings.finetune_ppl_max * f
+    out_of_range = (lambda v: v > too_high) if ppl > too_high else (lambda v: v < low / f)
+    step = _streak_start(evals_ppl[1:], out_of_range)
+    if settings.run_kind == "finetune":
+        if ppl > settings.finetune_ppl_max * f:
+            return [Finding("ppl_range", step, WARNING,
+                            f"eval perplexity {ppl:.4g} is far above what a fine-tuned model reaches "
+                            f"(lower is better; > {settings.finetune_ppl_max * f:g} is suspicious)",
+                            "Check that the tokenizer and chat template match the model and that the data "
+                            "loads correctly; check the lr is not too high.")]
+        return []
+    if ppl > high * f:
+        return [Finding("ppl_range", step, INFO,
+                        f"eval perplexity {ppl:.4g} is far above the typical pretraining range {low:g}-{high:g}",
+                        "The model has learned little yet: train longer; if the loss has stalled, raise the lr "
+                        "10x or check the data.")]
+    if ppl < low / f:
+        return [Finding("ppl_range", step, INFO,
+                        f"eval perplexity {ppl:.4g} is far below the typical pretraining range {low:g}-{high:g}",
+                        "Check that eval data does not overlap the training data and is not trivially "
+                        "repetitive.")]
+    return []
+
+
+def _fp16_health(records: list[dict], settings: MonitorSettings) -> list[Finding]:
+    train = [r for r in records if r.get("event") == "train"]
+    if settings.precision != "fp16" or not train:
+        return []
+    last = train[-1]
+    skipped, step = int(_num(last.get("skipped_steps", 0)) or 0), int(last["step"])
+    if step > 0 and skipped / step > settings.fp16_skip_fraction:
+        return [Finding("fp16_skipped_steps", step, WARNING,
+                        f"{skipped} of {step} steps were skipped (non-finite gradients or loss-scale overflow)",
+                        "Switch FP16 to BF16 (precision=bf16) where the hardware has it; check clipping is on; "
+                        "lower the lr.")]
+    return []
+
+
+CPU_MFU_PLAUSIBLE = 0.85
+"""On CPU, a whole training step above this share of the measured matmul ceiling is implausible: the step
+also runs attention, norms, the loss and the optimizer, which reach far less than a large matmul does.
+The best measured on an idle 2-core AVX512-BF16 CPU was 75% (the tiny model with torch.compile)."""
+
+
+def _run_facts(records: list[dict]) -> list[Finding]:
+    """Facts the trainer recorded about the setup (`start` records) or learned while running (`mfu_note`
+    on a train record): emulated bf16, and an MFU it will not report, each said once."""
+    out = []
+    start = next((r for r in records if r.get("event") == "start" and r.get("bf16_emulated")), None)
+    if start is not None:
+        out.append(Finding("bf16_emulated", int(start["step"]), WARNING, str(start["bf16_emulated"]),
+                           str(start.get("bf16_advice") or "Use precision=auto for the faster run.")))
+    noted = next((r for r in records if r.get("event") in ("start", "train") and r.get("mfu_note")), None)
+    if noted is not None:
+        out.append(Finding("mfu_unavailable", int(noted["step"]), INFO, f"MFU is not reported: {noted['mfu_note']}",
+                           "Nothing is wrong with training. For an MFU, run once on an idle machine (the ceiling "
+                           "is then measured and kept) or set train.peak_tflops."))
+    return out
+
+
+def _mfu_plausibility(records: list[dict]) -> list[Finding]:
+    """MFU above the CPU sanity bound: the ceiling it divides by was measured too low."""
+    start = next((r for r in reversed(records) if r.get("event") == "start"), {})
+    if start.get("device") != "cpu":
+        return []
+    high = [(int(r["step"]), _num(r.get("mfu"))) for r in records if r.get("event") == "train"
+            and _num(r.get("mfu")) > CPU_MFU_PLAUSIBLE]
+    if not high:
+        return []
+    step, value = high[0]
+    return [Finding("mfu_implausible", step, WARNING,
+                    f"MFU {value:.0%} at step {step} is implausible on a CPU (a training step reaches well under "
+                    f"{CPU_MFU_PLAUSIBLE:.0%} of a large matmul's rate); {len(high)} logged step(s) above it",
+                    "Do not compare this MFU across runs: its matmul ceiling was probably measured on busy cores. "
+                    "Delete peak_tflops.json in the cache directory (data.cache_dir) and run once on an idle "
+                    "machine, or set train.peak_tflops.")]
+
+
+def run_detectors(records: list[dict], settings: MonitorSettings) -> list[Finding]:
+    """Every detector's findings over a whole metric history, unordered (`diagnose` orders them)."""
+    live = _effective(records)
+    train = _finite(_series(live, "train", "loss"))
+    evals = _finite(_series(live, "eval", "eval_loss"))
+    findings = [
+        *_non_finite(records, settings),
+        *_spikes(records, settings),
+        *_divergence(records, train, settings),
+        *_oscillation(train, settings),
+        *_plateau(train, evals, settings),
+        *_overfitting(train, evals, settings),
+        *_grad_band(_finite(_series(live, "train", "grad_norm")), settings),
+        *_perplexity(_finite(_series(live, "eval", "eval_ppl")), settings),
+        *_fp16_health(live, settings),
+        *_run_facts(records),
+        *_mfu_plausibility(live),
+    ]
+    return findings
+
 
 _SEVERITY_RANK = {INFO: 0, WARNING: 1, ERROR: 2}
 DETECTOR_KINDS = frozenset({
@@ -162,9 +583,10 @@ def worst_severity(findings: Iterable[Finding | dict]) -> str | None:
     return None if not ranks else {v: k for k, v in _SEVERITY_RANK.items()}[max(ranks)]
 
 
-def settings_from_config(cfg: dict[str, Any], lr: float | None = None) -> MonitorSettings:
-    """MonitorSettings from a resolved config (as plain data); `lr` overrides an `auto` lr."""
-    model, train, precision = cfg.get("model") or {}, cfg.get("train") or {}, cfg.get("precision") or {}
+def settings_from_config(cfg: dict[str, Any], lr: float | None = None, precision: str | None = None) -> MonitorSettings:
+    """MonitorSettings from a resolved config (as plain data): the trainer's, and the doctor's after the fact.
+    `lr` overrides an `auto` lr and `precision` an `auto` precision with what the run resolved them to."""
+    model, train, precision_cfg = cfg.get("model") or {}, cfg.get("train") or {}, cfg.get("precision") or {}
     try:
         cfg_lr = float(cfg.get("lr"))  # type: ignore[arg-type]
     except (TypeError, ValueError):
@@ -172,6 +594,6 @@ def settings_from_config(cfg: dict[str, Any], lr: float | None = None) -> Monito
     return MonitorSettings(
         run_kind="finetune" if model.get("name_or_path") else "pretrain",
         max_grad_norm=float(train.get("max_grad_norm", 1.0)),
-        precision=str(precision.get("name", "bf16")),
+        precision=precision or str(precision_cfg.get("name", "bf16")),
         lr=lr if lr is not None else (cfg_lr if cfg_lr is not None else MonitorSettings.lr),
     )

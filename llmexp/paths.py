@@ -1,11 +1,15 @@
-"""Where things live: the config tree, run ids and safe path components. No torch here."""
+"""Where things live and how they are written: the config tree, run ids, safe path components, the one
+atomic file writer, the run-directory lock. No torch here."""
 
 from __future__ import annotations
 
 import datetime as dt
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import IO, Any
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=,+-]+")
 
@@ -63,11 +67,14 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("llmexp_safe", safe_name)
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write text so that readers see the old file or the new one, never half of one.
+@contextmanager
+def atomic_file(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
+    """Open a file to be written so that readers see the old one or the new one, never half of one:
+    every llmexp file written in place (summary.json, report.md, plots, metrics.jsonl on resume, a
+    scrubbed `.hydra/` file, a job's pickle) goes through here.
 
-    A unique temp file beside the target (concurrent writers never share one), fsync'd, then
-    renamed over it; on any failure the temp file is removed.
+    A unique temp file beside the target (concurrent writers never share one) is fsync'd, then
+    renamed over it; on any failure the temp file is removed and the old file stays.
     """
     import tempfile
 
@@ -75,14 +82,19 @@ def write_text_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    with atomic_file(path) as f:
+        f.write(text)
 
 
 def write_json_atomic(path: Path, obj: object) -> None:

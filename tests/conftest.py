@@ -43,13 +43,13 @@ def run_cli(args: list[str], cwd: Path | None = None, env: dict[str, str] | None
 
 def compose(overrides: list[str], run_dir: Path) -> Any:
     """The config `python -m llmexp OVERRIDES hydra.run.dir=RUN_DIR` would get, with HydraConfig set,
-    so tests can call `llmexp.train.train(cfg)` in-process."""
+    so tests can call `llmexp.train.loop.train(cfg)` in-process."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
-    from llmexp.config import register_configs
+    from llmexp.config.schema import register_configs
     from llmexp.paths import conf_dir, register_resolvers
 
     register_configs()

@@ -24,7 +24,8 @@ def task(cfg: DictConfig) -> int:
     if mode == "raise":
         raise RuntimeError("toy job failure")
     if mode == "usererror":
-        from llmexp.errors import UserError, user_error_exit
+        from llmexp.errors import UserError
+        from llmexp.train.task import user_error_exit
 
         return user_error_exit(UserError("toy: data.train_file=/nowhere.jsonl does not exist; fix the path"))
     if mode == "kill":
@@ -38,8 +39,8 @@ def task(cfg: DictConfig) -> int:
 def main() -> None:
     import hydra
 
-    from llmexp.config import register_configs
-    from llmexp.launcher import register_launchers
+    from llmexp.__main__ import register_launchers
+    from llmexp.config.schema import register_configs
     from llmexp.paths import conf_dir, register_resolvers
 
     register_configs()

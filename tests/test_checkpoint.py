@@ -1,4 +1,4 @@
-"""llmexp.checkpoint: atomic saves under injected crashes, rotation, corruption fallback, safe
+"""llmexp.checkpoint.store: atomic saves under injected crashes, rotation, corruption fallback, safe
 loading, RNG round trips and preemption signals. Real files, real fsync, real signals; the
 only fakes are the injected failures (os.replace / os.fsync raising), which stand in for a
 crash or a full disk at that exact call."""
@@ -22,25 +22,28 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmexp import checkpoint as ck
-from llmexp.checkpoint import (
+from llmexp.checkpoint import serialize
+from llmexp.checkpoint import store as ck
+from llmexp.checkpoint.serialize import (
     CorruptCheckpoint,
-    PreemptionSignal,
+    UnsafeState,
     capture_rng,
-    find_resume_checkpoint,
-    list_checkpoints,
     load_state,
     load_tensors,
-    load_with_fallback,
     restore_rng,
-    rotate,
-    save_checkpoint,
     save_state,
     save_tensors,
+)
+from llmexp.checkpoint.store import (
+    find_resume_checkpoint,
+    list_checkpoints,
+    load_with_fallback,
+    rotate,
+    save_checkpoint,
     verify_checkpoint,
 )
-from llmexp.ckpt_state import UnsafeState
 from llmexp.errors import UserError
+from llmexp.train.preemption import PreemptionSignal
 
 FILES = ("model.safetensors", "optimizer.pt", "sub/rng_rank0.pt", "meta.json")
 
@@ -178,7 +181,7 @@ def test_sigkill_during_save_keeps_previous(tmp_path: Path) -> None:
     code = f"""
 import time
 from pathlib import Path
-from llmexp.checkpoint import save_checkpoint
+from llmexp.checkpoint.store import save_checkpoint
 def write(tmp):
     (tmp / "model.safetensors").write_bytes(b"x" * 1000)
     print("writing", flush=True)
@@ -368,7 +371,7 @@ def test_rng_round_trip_through_a_safe_file(tmp_path: Path) -> None:
     assert _draw() != expected  # the generators moved on
     restore_rng(load_state(tmp_path / "rng.pt"))
     assert _draw() == expected
-    assert ck.rng_filename(3) == "rng_rank3.pt"
+    assert serialize.rng_filename(3) == "rng_rank3.pt"
 
 
 @pytest.mark.parametrize("signum", [signal.SIGUSR2, signal.SIGTERM, signal.SIGINT])
@@ -586,7 +589,7 @@ def test_second_sigint_exits_at_once() -> None:
     Real signals, in a child process, since the second one ends it."""
     code = """
 import signal, time
-from llmexp.checkpoint import PreemptionSignal
+from llmexp.train.preemption import PreemptionSignal
 with PreemptionSignal() as outer, PreemptionSignal() as inner:
     assert inner is outer  # an inner guard shares the outer one's flag
     signal.raise_signal(signal.SIGINT)

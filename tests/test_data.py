@@ -18,8 +18,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmexp import corpora, data
-from llmexp.cache import get_or_build
+from llmexp.data import corpora
+from llmexp.data import datasets as data
+from llmexp.data.cache import get_or_build
 from llmexp.errors import UserError
 
 TINY = ["model.vocab_size=512", "data.max_length=64", "data.max_examples=30", "data.num_proc=1"]
@@ -30,7 +31,7 @@ def compose(cache: Path, *overrides: str) -> Any:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from llmexp.config import register_configs
+    from llmexp.config.schema import register_configs
     from llmexp.paths import conf_dir, register_resolvers
 
     register_configs()
@@ -442,8 +443,7 @@ def test_missing_files_and_unusable_eval(tmp_path: Path, tok: Any) -> None:
 
 
 def test_hub_names_offline_and_local_model_dirs(tmp_path: Path, tok: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from llmexp import tokenizer as tokenizer_lib
-
+    from llmexp.data import tokenizer as tokenizer_lib
     # This machine has no route to the hub; forcing the offline branch keeps the test the same where one exists.
     monkeypatch.setattr(tokenizer_lib, "hub_reachable", lambda: False)
     with pytest.raises(UserError, match=r"cannot load 'no-such-org/no-such-model'.*model\.name_or_path=/path/to/"):

@@ -59,7 +59,7 @@ def _assert_close(a: dict[int, float], b: dict[int, float], rel: float) -> None:
 
 def test_zero2_with_accumulation_matches_plain_run_and_resumes(tmp_path: Path,
                                                                plain_losses: dict[int, float]) -> None:
-    from llmexp.ckpt_state import load_state
+    from llmexp.checkpoint.serialize import load_state
 
     args = ["deepspeed=zero2", "batch_size=4", "train.gradient_accumulation_steps=2"]
     _run(args, tmp_path)
@@ -77,7 +77,7 @@ def test_zero2_with_accumulation_matches_plain_run_and_resumes(tmp_path: Path,
 
 
 def test_zero2_offload_uses_cpu_adam_learns_and_resumes(tmp_path: Path, plain_losses: dict[int, float]) -> None:
-    from llmexp.ckpt_state import load_state
+    from llmexp.checkpoint.serialize import load_state
 
     args = ["deepspeed=zero2_offload", "batch_size=8"]
     _run(args, tmp_path)

@@ -108,15 +108,15 @@ def _cfg(*overrides: str):
         torch.cuda.is_available(), reason="the CPU accelerator's limit")),
 ])
 def test_check_deepspeed_names_the_conflict(overrides: list[str], fragment: str) -> None:
-    from llmexp.distributed import check_deepspeed
+    from llmexp.train.distributed import check_deepspeed
 
     with pytest.raises(UserError, match=fragment):
         check_deepspeed(_cfg(*overrides))
 
 
 def test_deepspeed_config_agrees_with_the_loop() -> None:
-    from llmexp.distributed import deepspeed_config
-    from llmexp.runtime import make_plan
+    from llmexp.config.derived import make_plan
+    from llmexp.train.distributed import deepspeed_config
 
     cfg = _cfg("deepspeed=zero2_offload", "batch_size=2", "train.global_batch_size=16", "train.max_grad_norm=0.5",
                "precision=bf16")
@@ -138,7 +138,7 @@ def test_deepspeed_config_agrees_with_the_loop() -> None:
 
 
 def test_relaunch_turns_accelerate_cpu_multiprocess_into_torchrun() -> None:
-    from llmexp.distributed import relaunch_argv
+    from llmexp.train.distributed import relaunch_argv
 
     parent = ["/usr/bin/python", "/usr/bin/accelerate", "launch", "--cpu", "--num_processes", "2", "-m", "llmexp"]
     env = {"ACCELERATE_USE_CPU": "True"}
@@ -182,7 +182,7 @@ def test_launch_configs_load_with_accelerate(name: str, processes: int) -> None:
 
 
 def test_deepspeed_launch_config_must_match_the_deepspeed_group() -> None:
-    from llmexp.distributed import check_launch_env
+    from llmexp.train.distributed import check_launch_env
 
     env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
            "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none"}

@@ -87,15 +87,15 @@ def test_precision_resolves_as_the_trainer_resolves_it(no_bf16: str, requested: 
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """`auto` is bf16 only where bf16 is native (this CPU has AVX512-BF16; LLMEXP_ASSUME_NO_BF16=1 hides it);
     an explicit bf16 stays bf16 (emulated where it must be), so the estimate matches the run."""
-    from llmexp import build
+    from llmexp.config import derived
     from llmexp.estimate import resolved_precision
 
     monkeypatch.setenv("LLMEXP_ASSUME_NO_BF16", no_bf16)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    build.cpu_has_fast_bf16.cache_clear()
+    derived.cpu_has_fast_bf16.cache_clear()
     try:
         assert resolved_precision(requested) == expected
-        assert build.resolve_precision(requested, "cpu") == expected
-        assert (build.bf16_emulation_warning(expected, "cpu") is not None) == (no_bf16 == "1" and expected == "bf16")
+        assert derived.resolve_precision(requested, "cpu") == expected
+        assert (derived.bf16_emulation_warning(expected, "cpu") is not None) == (no_bf16 == "1" and expected == "bf16")
     finally:
-        build.cpu_has_fast_bf16.cache_clear()
+        derived.cpu_has_fast_bf16.cache_clear()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from llmexp.errors import UserError
-from llmexp.launcher import child_env, device_slots, visible_gpus
+from llmexp.sweep.local import child_env, device_slots, visible_gpus
 
 APP = Path(__file__).with_name("launcher_toy_app.py")
 

@@ -235,7 +235,7 @@ def test_a_slow_steady_fall_is_not_a_plateau() -> None:
 
 def live(records: list[dict], settings: MonitorSettings) -> list[dict]:
     """The history as the trainer writes it: after each eval it diagnoses the history so far and logs each
-    new finding once (`guard.report_findings`), which the console prints."""
+    new finding once (`train.anomaly.report_findings`), which the console prints."""
     out: list[dict] = []
     seen: set[tuple[str, int, str]] = set()
     for rec in records:

@@ -14,7 +14,7 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
-from llmexp.ckpt_state import load_state, save_state
+from llmexp.checkpoint.serialize import load_state, save_state
 
 SHAPES = [(64, 256), (300,), (1000, 7)]
 """8-bit state, fp32 state (below bitsandbytes' min_8bit_size), 8-bit with a partial last block."""

@@ -10,9 +10,9 @@ import pytest
 import yaml
 
 from llmexp import doctor
-from llmexp.report import main as report_main
-from llmexp.report import write_run_report
-from llmexp.sweep_report import stability, varying_params, write_sweep_report
+from llmexp.report.__main__ import main as report_main
+from llmexp.report.run import write_run_report
+from llmexp.report.sweep import stability, varying_params, write_sweep_report
 from tests.conftest import run_cli
 from tests.test_monitor import healthy_loss, history
 

@@ -47,7 +47,7 @@ TINY = (
 )
 # Kill from inside at an exact point, then run the normal CLI. LLMEXP_TEST_KILL_AT is
 # "backward:<n>" (before the n-th micro-batch backward), "startup:1" (as the data is built) or
-# "ckpt_file:<n>" (after the n-th checkpoint file written through llmexp.checkpoint.save_state /
+# "ckpt_file:<n>" (after the n-th checkpoint file written through llmexp.checkpoint.store.save_state /
 # save_tensors). LLMEXP_TEST_KILL_SIGNALS lists the signals sent then (default SIGKILL); each
 # one's handler has run before the next is sent (signal.raise_signal), as two key presses would.
 KILL_HOOK = r"""
@@ -61,21 +61,21 @@ def count_and_maybe_kill():
         for sig in signals:
             signal.raise_signal(sig)
 if kind == "backward":
-    from llmexp import runtime
+    from llmexp.train import runtime
     real_backward = runtime.Runtime.backward
     def backward(self, loss):
         count_and_maybe_kill()
         return real_backward(self, loss)
     runtime.Runtime.backward = backward
 elif kind == "startup":
-    from llmexp import data
+    from llmexp.data import datasets as data
     real_build = data.build_datasets
     def build_datasets(*args, **kwargs):
         count_and_maybe_kill()
         return real_build(*args, **kwargs)
     data.build_datasets = build_datasets
 else:
-    from llmexp import checkpoint
+    from llmexp.checkpoint import store as checkpoint
     for name in ("save_state", "save_tensors"):
         def wrapped(*args, _real=getattr(checkpoint, name), **kwargs):
             _real(*args, **kwargs)
@@ -229,7 +229,7 @@ def kill_resume_chain(run_dir: Path, overrides: Sequence[str], env: dict[str, st
 
 def _check_preempted(run_dir: Path, code: int, out: str) -> None:
     """A preempted run exits 1 with status `preempted` and a checkpoint of the step it stopped at."""
-    from llmexp.checkpoint import list_checkpoints
+    from llmexp.checkpoint.store import list_checkpoints
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (code, summary["status"]) == (1, "preempted"), f"exit {code}, {summary['status']}\n{out[-3000:]}"
@@ -296,7 +296,7 @@ class Damage:
 
     @staticmethod
     def _newest(run_dir: Path) -> Path:
-        from llmexp.checkpoint import list_checkpoints
+        from llmexp.checkpoint.store import list_checkpoints
 
         found = list_checkpoints(run_dir / "checkpoints")
         assert found, f"no checkpoint to damage in {run_dir}"
@@ -505,7 +505,7 @@ def test_full_disk_during_a_save(small_fs: Path, env: dict[str, str], reference)
     "unexpected pos", no summary.)"""
     import subprocess as sp
 
-    from llmexp.checkpoint import list_checkpoints, verify_checkpoint
+    from llmexp.checkpoint.store import list_checkpoints, verify_checkpoint
 
     overrides = ("precision=fp32", "train.gradient_accumulation_steps=4")
     want = reference(overrides)

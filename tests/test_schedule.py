@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from llmexp.schedule import auto_lr, lr_at, warmup_steps_for
+from llmexp.train.schedule import auto_lr, lr_at, warmup_steps_for
 
 
 def test_cosine_warms_up_then_decays_to_min() -> None:

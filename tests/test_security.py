@@ -14,7 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from omegaconf import DictConfig
 
-from llmexp import security
+from llmexp import redact
+from llmexp.config import security
 from llmexp.errors import UserError
 from llmexp.paths import safe_name
 from tests.test_bad_input import run_llmexp
@@ -25,25 +26,25 @@ from tests.test_bad_input import run_llmexp
 @pytest.mark.parametrize("key", ["api_key", "WANDB_API_KEY", "HF_TOKEN", "hf_token", "token", "AWS_SECRET_ACCESS_KEY",
                                  "db_password", "MY_SERVICE_SECRET", "client_secret", "private_key", "GITHUB_TOKEN"])
 def test_credential_names_are_secret(key: str) -> None:
-    assert security.is_secret_key(key)
+    assert redact.is_secret_key(key)
 
 
 @pytest.mark.parametrize("key", ["tokenizer", "pad_token", "eos_token", "num_key_value_heads", "max_length", "lr",
                                  "tokens_per_sec", "_target_", "monkey", "name_or_path", "cache_dir", "HOME"])
 def test_ordinary_names_are_not_secret(key: str) -> None:
-    assert not security.is_secret_key(key)
+    assert not redact.is_secret_key(key)
 
 
 def test_secret_env_values_pick_credentials_only() -> None:
     env = {"HF_TOKEN": "hf_value_123456", "WANDB_API_KEY": "wandbvalue", "HOME": "/root", "SHORT_TOKEN": "1",
            "LLMEXP_SECRET_0": "from-cli-xyz"}
-    assert security.secret_env_values(env) == ["hf_value_123456", "from-cli-xyz", "wandbvalue"]
+    assert redact.secret_env_values(env) == ["hf_value_123456", "from-cli-xyz", "wandbvalue"]
 
 
 def test_scrub_redacts_keys_env_values_and_token_shapes() -> None:
     data = {"logger": {"api_key": "abc", "project": "p"}, "note": "key is s3cr3t-value inside",
             "list": ["hf_" + "a" * 30, 3, None], "entity": None, "password": ""}
-    clean = security.scrub(data, secrets=["s3cr3t-value"])
+    clean = redact.scrub(data, secrets=["s3cr3t-value"])
     assert clean == {"logger": {"api_key": "***", "project": "p"}, "note": "key is *** inside",
                      "list": ["***", 3, None], "entity": None, "password": ""}
     assert data["logger"]["api_key"] == "abc"  # a copy: the run still has its key
@@ -51,7 +52,7 @@ def test_scrub_redacts_keys_env_values_and_token_shapes() -> None:
 
 def test_scrub_overrides_redacts_secret_keys_and_values() -> None:
     overrides = ["lr=0.1", "+logger.api_key=abc", "+x.note=has sk-" + "b" * 24, "~model.hf_token", "data.name=json"]
-    assert security.scrub_overrides(overrides, secrets=[]) == [
+    assert redact.scrub_overrides(overrides, secrets=[]) == [
         "lr=0.1", "+logger.api_key=***", "+x.note=has ***", "~model.hf_token", "data.name=json"]
 
 
@@ -59,7 +60,7 @@ def test_redact_overrides_moves_secrets_into_private_env_vars() -> None:
     env: dict[str, str] = {"HF_TOKEN": "hf_envsecret_value"}
     args = ["--multirun", "lr=1,2", "+cluster.additional_parameters.api_token='q w'", "+a.note=hf_envsecret_value",
             "+a.ref=${oc.env:HF_TOKEN}", "-cd", "/tmp"]
-    out = security.redact_overrides(args, environ=env)
+    out = redact.redact_overrides(args, environ=env)
     assert out == ["--multirun", "lr=1,2", "+cluster.additional_parameters.api_token=${oc.env:LLMEXP_SECRET_0}",
                    "+a.note=${oc.env:LLMEXP_SECRET_1}", "+a.ref=${oc.env:HF_TOKEN}", "-cd", "/tmp"]
     assert env["LLMEXP_SECRET_0"] == "q w" and env["LLMEXP_SECRET_1"] == "hf_envsecret_value"
@@ -74,7 +75,7 @@ def test_log_filter_scrubs_records(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     handler = logging.FileHandler(tmp_path / "job.log")
     logger.addHandler(handler)
     try:
-        security.install_log_filter(logger)
+        redact.install_log_filter(logger)
         logger.warning("connecting with %s", "canary-log-password")
     finally:
         handler.close()
@@ -102,11 +103,11 @@ def test_scrub_yaml_file_redacts_and_keeps_interpolations(tmp_path: Path) -> Non
                       "data:\n  cache_dir: ${oc.env:HOME}/.cache\n")
     overrides = tmp_path / "overrides.yaml"
     overrides.write_text("- lr=0.1\n- +cluster.additional_parameters.api_token=abc123\n")
-    assert security.scrub_yaml_file(config) and security.scrub_yaml_file(overrides)
+    assert redact.scrub_yaml_file(config) and redact.scrub_yaml_file(overrides)
     assert config.read_text() == ("cluster:\n  additional_parameters:\n    api_token: '***'\n"
                                   "    ref: ${oc.env:HF_TOKEN}\ndata:\n  cache_dir: ${oc.env:HOME}/.cache\n")
     assert overrides.read_text() == "- lr=0.1\n- +cluster.additional_parameters.api_token=***\n"
-    assert not security.scrub_yaml_file(config)  # nothing left to redact: the file is not rewritten
+    assert not redact.scrub_yaml_file(config)  # nothing left to redact: the file is not rewritten
 
 
 ENV_CANARIES = {"WANDB_API_KEY": "canarywandb0123456789abcdef0123456789abcd",
@@ -150,18 +151,17 @@ def test_canary_secrets_never_reach_any_file_of_a_real_run(tmp_path: Path) -> No
 
 
 def _sinks_scrub_is_security_scrub() -> bool:
-    from llmexp import sinks
-
-    return sinks.scrub is security.scrub
+    from llmexp import metrics as sinks
+    return sinks.scrub is redact.scrub
 
 
 @pytest.mark.xfail(condition=not _sinks_scrub_is_security_scrub(), strict=True,
-                   reason="llmexp.sinks keeps its own scrub(), which misses env values; it should import security's")
+                   reason="llmexp.metrics keeps its own scrub(), which misses env values; it should import security's")
 def test_wandb_config_never_holds_an_env_secret_the_config_references(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """`+x.ref=${oc.env:MY_SERVICE_PASSWORD}` resolves to the secret in the config wandb receives; neither
     the key name nor the value's shape gives it away, only its being an env secret's value."""
-    from llmexp.sinks import WandbSink
+    from llmexp.metrics import WandbSink
 
     monkeypatch.setenv("MY_SERVICE_PASSWORD", "canary-env-password-31")
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -229,14 +229,15 @@ def test_target_from_a_yaml_file_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("target", "message"), [
-    ("llmexp.launcher.subprocess.Popen", "resolves to 'subprocess.Popen'"),  # a detour through `import subprocess`
+    ("llmexp.sweep.local.subprocess.Popen", "resolves to 'subprocess.Popen'"),  # a detour through `import subprocess`
     ("llmexp.paths.write_json_atomic", "resolves to 'llmexp.paths.write_json_atomic'"),
     ("builtins.exec", "is not one of the allowed classes here"),
 ])
 def test_hydra_side_targets_are_resolved_and_compared_by_identity(target: str, message: str) -> None:
     problems = dict(security.config_problems(_composed([f"+hydra.callbacks.x._target_={target}"])))
     assert message in problems["hydra.callbacks.x._target_"]
-    assert security.config_problems(_composed(["+hydra.callbacks.x._target_=llmexp.security.RedactRunFiles"])) == []
+    redact = "+hydra.callbacks.x._target_=llmexp.redact.RedactRunFiles"
+    assert security.config_problems(_composed([redact])) == []
 
 
 def _composed(overrides: list[str], multirun: bool = False) -> DictConfig:
@@ -245,7 +246,7 @@ def _composed(overrides: list[str], multirun: bool = False) -> DictConfig:
     from hydra.types import RunMode
     from omegaconf import open_dict
 
-    from llmexp.config import register_configs
+    from llmexp.config.schema import register_configs
     from llmexp.paths import conf_dir, register_resolvers
 
     register_configs()
@@ -264,7 +265,7 @@ def test_hydra_callbacks_and_logging_classes_in_user_yaml_are_refused(tmp_path: 
     (extra / "experiment").mkdir(parents=True)
     (extra / "hydra" / "job_logging").mkdir(parents=True)
     (extra / "experiment" / "evil.yaml").write_text(
-        "# @package _global_\nhydra:\n  callbacks:\n    evil:\n      _target_: llmexp.launcher.subprocess.Popen\n"
+        "# @package _global_\nhydra:\n  callbacks:\n    evil:\n      _target_: llmexp.sweep.local.subprocess.Popen\n"
         f"      args: [touch, {tmp_path / 'pwned'}]\n")
     (extra / "hydra" / "job_logging" / "evil.yaml").write_text(
         f"version: 1\nhandlers:\n  x:\n    class: subprocess.Popen\n    args: [touch, {tmp_path / 'pwned'}]\n"
@@ -274,7 +275,7 @@ def test_hydra_callbacks_and_logging_classes_in_user_yaml_are_refused(tmp_path: 
                        f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert (f"{extra / 'experiment' / 'evil.yaml'}: hydra.callbacks.evil._target_: "
-            "'llmexp.launcher.subprocess.Popen' resolves to 'subprocess.Popen'") in proc.stderr
+            "'llmexp.sweep.local.subprocess.Popen' resolves to 'subprocess.Popen'") in proc.stderr
     assert (f"{extra / 'hydra' / 'job_logging' / 'evil.yaml'}: hydra.job_logging.handlers.x.class: "
             "'subprocess.Popen' is not one of logging's own classes") in proc.stderr
     assert "hydra.job_logging.filters.f.(): logging factories ('()')" in proc.stderr
@@ -367,8 +368,8 @@ def test_route_package_search_path_imports_no_foreign_package(tmp_path: Path) ->
              env={"PYTHONPATH": os.pathsep.join([str(packages), os.environ.get("PYTHONPATH", "")])}, canary=canary)
 
 
-@pytest.mark.parametrize("target", ["llmexp.launcher.subprocess.run", "llmexp.jobs.os.system",
-                                    "llmexp.security.os.system"])
+@pytest.mark.parametrize("target", ["llmexp.sweep.local.subprocess.run", "llmexp.sweep.jobs.os.system",
+                                    "llmexp.config.security.os.system"])
 def test_route_attribute_walk_targets(target: str, tmp_path: Path) -> None:
     canary = tmp_path / "canary"
     args = [f"+hydra.callbacks.x={{_target_:{target},_args_:[[touch,{canary}]]}}"]
@@ -488,13 +489,13 @@ def test_job_dir_must_stay_inside_the_sweep(tmp_path: Path) -> None:
 def _model(**fields: object) -> object:
     from omegaconf import OmegaConf
 
-    from llmexp.config import ModelConfig
+    from llmexp.config.schema import ModelConfig
 
     return OmegaConf.merge(OmegaConf.structured(ModelConfig), fields)
 
 
 def test_remote_code_is_off_by_default() -> None:
-    from llmexp.config import ModelConfig
+    from llmexp.config.schema import ModelConfig
 
     assert ModelConfig().trust_remote_code is False
 
@@ -511,7 +512,7 @@ def test_remote_code_is_off_by_default() -> None:
     ({"trust_remote_code": False, "name_or_path": "org/model", "revision": "main"}, True),
 ])
 def test_remote_code_needs_a_pinned_commit(fields: dict[str, object], ok: bool) -> None:
-    from llmexp.preflight import remote_code_errors
+    from llmexp.config.preflight import remote_code_errors
 
     assert (remote_code_errors(_model(**fields)) == []) is ok
 

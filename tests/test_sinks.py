@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from llmexp.sinks import (
+from llmexp.metrics import (
     REDACTED,
     TensorBoardSink,
     WandbSink,

@@ -58,7 +58,7 @@ def test_default_run_metrics_follow_the_contract(default_run: Path) -> None:
 def test_saved_model_reloads_with_the_same_eval_loss(default_run: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmexp import data
+    from llmexp.data import datasets as data
     from llmexp.loss import CausalLMLoss
 
     cfg = compose(["train.eval_batches=4"], tmp_path)

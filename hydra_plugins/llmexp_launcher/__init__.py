@@ -1,1 +1,1 @@
-"""Hydra discovers llmexp's launchers here; the code lives in `llmexp.launcher`."""
+"""Hydra discovers llmexp's launchers here; the code lives in `llmexp.sweep.local`."""

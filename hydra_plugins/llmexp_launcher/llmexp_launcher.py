@@ -2,15 +2,15 @@
 
 Hydra imports every module under `hydra_plugins` when it starts (also for `--help`), and only
 accepts launcher classes defined here, so this module stays tiny: thin classes that hand the work
-to `llmexp.launcher` (local processes) or `llmexp.slurm` (submitit), imported on the first launch.
+to `llmexp.sweep.local` (local processes) or `llmexp.sweep.slurm` (submitit), imported on the first launch.
 Neither torch nor submitit is imported here.
 
 The launcher configs are `conf/hydra/launcher/llmexp_{local,slurm}.yaml`, found through llmexp's
 config search path: setuptools' editable installs hide this package from Hydra's plugin scan, so
-configs registered here would be missing outside the checkout (see `llmexp.launcher.register_launchers`).
+configs registered here would be missing outside the checkout (see `llmexp.sweep.local.register_launchers`).
 
 Job settings are not launcher parameters: they live in the composed config's `cluster` node
-(`conf/cluster/*.yaml`, typed by `llmexp.config.ClusterConfig`), so `cluster.max_parallel=2` or
+(`conf/cluster/*.yaml`, typed by `llmexp.config.schema.ClusterConfig`), so `cluster.max_parallel=2` or
 `cluster.timeout_min=30` works from the command line like any other key.
 """
 
@@ -51,18 +51,18 @@ class _LlmexpLauncher(Launcher):
 
 
 class LocalLauncher(_LlmexpLauncher):
-    """`cluster=local`: see `llmexp.launcher.launch_local`."""
+    """`cluster=local`: see `llmexp.sweep.local.launch_local`."""
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from llmexp.launcher import launch_local
+        from llmexp.sweep.local import launch_local
 
         return self._guarded(launch_local, job_overrides, initial_job_idx)
 
 
 class SlurmLauncher(_LlmexpLauncher):
-    """`cluster=slurm`: see `llmexp.slurm.launch_slurm`."""
+    """`cluster=slurm`: see `llmexp.sweep.slurm.launch_slurm`."""
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from llmexp.slurm import launch_slurm
+        from llmexp.sweep.slurm import launch_slurm
 
         return self._guarded(launch_slurm, job_overrides, initial_job_idx)

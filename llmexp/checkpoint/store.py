@@ -1,0 +1,465 @@
+"""Checkpoints that never lose work: atomic save, verification, safe rotation and resume.
+
+A checkpoint is a directory `<run_dir>/checkpoints/step_<N>/` holding whatever the trainer's
+`write(dir)` callback put there plus `manifest.json`, which lists every file's size and sha256.
+The life of a save:
+
+    .tmp-step_<N>-<host>-<pid>/   write(tmp) fills it, manifest.json last, fsync every file and dir
+    step_<N>/                     one rename makes it visible (an existing step_<N> is swapped out)
+    rotate()                      only now are old checkpoints deleted
+
+So a crash at any point leaves either the previous checkpoints untouched or the new one
+complete; a half-written directory is never called `step_<N>`. Only complete checkpoints
+(manifest present, every size right) are listed, loaded, or counted and deleted by rotation;
+directories this module did not write are never touched, and nothing is deleted through a
+symbolic link: a `step_<N>` that is a link is moved aside (`step_<N>.displaced-<ns>`), never
+followed. A full disk during a save raises `DiskFull`, naming the path, after the partial
+directory is removed. Loading never runs pickle code: tensors
+go through safetensors, everything else through `torch.load(weights_only=True)` (`llmexp.checkpoint.serialize`).
+
+No torch at import time: this module sits beside the config path.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from llmexp.checkpoint.serialize import CorruptCheckpoint
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+STEP_DIR = re.compile(r"^step_(\d+)$")
+# A `step_<N>` that was in the way of a save (incomplete, foreign or a link), moved aside by _publish.
+DISPLACED_DIR = re.compile(r"^step_(\d+)\.displaced-\d+$")
+# Our temporary dirs: a save in progress (step_N), a swapped-out old copy (old-step_N) or a
+# checkpoint being deleted (del-step_N). Host and pid say whose it is, so a dead process's
+# leftovers can be removed without ever touching a live writer's.
+TMP_DIR = re.compile(r"^\.tmp-(?P<tag>(?:old-|del-)?step_\d+)-(?P<host>.+)-(?P<pid>\d+)$")
+# A leftover from another host cannot be probed for liveness; no save takes this long.
+FOREIGN_TMP_STALE_S = 6 * 3600.0
+# A write that fails with less than this left on its filesystem failed for lack of space.
+FULL_DISK_FREE_BYTES = 1 << 20
+
+T = TypeVar("T")
+
+
+class DiskFull(RuntimeError):
+    """A save ran out of space. The message names the path and the free bytes; the partial
+    write was removed and the older checkpoints are untouched."""
+
+
+def disk_full_error(err: BaseException, path: Path) -> DiskFull | None:
+    """A DiskFull naming `path` if `err` (raised while writing under `path`) means the disk is full.
+
+    ENOSPC/EDQUOT say so directly; torch's zip writer turns them into a RuntimeError
+    ("unexpected pos", "file write failed"), so a failed write on a filesystem with almost no
+    space left (under FULL_DISK_FREE_BYTES) counts too. Call it before removing the partial
+    write, whose bytes are what filled the disk.
+    """
+    full = isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+    free_bytes = _free_bytes(path)
+    if not full and not (free_bytes is not None and free_bytes < FULL_DISK_FREE_BYTES):
+        return None
+    free = f"{free_bytes / 2**20:.1f} MiB free" if free_bytes is not None else "free space unknown"
+    return DiskFull(f"no space left on device while writing {path} ({free}; {type(err).__name__}: "
+                    f"{(str(err).strip().splitlines() or [''])[0][:200]})")
+
+
+def _free_bytes(path: Path) -> int | None:
+    for candidate in (Path(path), *Path(path).parents):
+        try:
+            return shutil.disk_usage(candidate).free
+        except OSError:
+            continue
+    return None
+
+
+# ----------------------------------------------------------------------------- file system
+
+
+def _fsync_path(path: Path) -> None:
+    """fsync a file or directory. Directories on some network filesystems refuse: that is fine."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if not (path.is_dir() and err.errno in (errno.EINVAL, errno.ENOTSUP, errno.EBADF)):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file, then every directory bottom-up, so the whole tree is on disk."""
+    dirs: list[Path] = []
+    for dirpath, _, filenames in os.walk(root):
+        dirs.append(Path(dirpath))
+        for name in filenames:
+            _fsync_path(Path(dirpath) / name)
+    for directory in reversed(dirs):
+        _fsync_path(directory)
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _sha256_all(paths: list[Path]) -> list[str]:
+    """Hash files in parallel: hashlib releases the GIL, and a 7B run's checkpoint (weights,
+    Adam moments, per-rank ZeRO shards) is tens of GB in several files."""
+    if len(paths) < 2:
+        return [_sha256(p) for p in paths]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(4, len(paths), os.cpu_count() or 1)) as pool:
+        return list(pool.map(_sha256, paths))
+
+
+def _files_under(root: Path) -> dict[str, Path]:
+    """Every file under root by its posix path relative to root (the manifest excluded)."""
+    found = {}
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            path = Path(dirpath) / name
+            found[path.relative_to(root).as_posix()] = path
+    found.pop(MANIFEST, None)
+    return dict(sorted(found.items()))
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9._]+", "_", socket.gethostname()) or "host"
+
+
+def _tmp_dir(root: Path, tag: str) -> Path:
+    return root / f".tmp-{tag}-{_host()}-{os.getpid()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths with Linux renameat2(RENAME_EXCHANGE); False where unsupported."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def _remove_tree(path: Path, step: int) -> None:
+    """Delete a directory by first renaming it to our own tmp name, so that a crash half-way
+    leaves a dead process's tmp dir (cleaned later) rather than a damaged `step_<N>`."""
+    trash = _tmp_dir(path.parent, f"del-step_{step}")
+    os.replace(path, trash)
+    shutil.rmtree(trash)
+
+
+def _displace(path: Path) -> Path:
+    """Move `path` (a dir or a link, never followed) aside as `<name>.displaced-<ns>`."""
+    aside = path.with_name(f"{path.name}.displaced-{time.time_ns()}")
+    os.replace(path, aside)
+    return aside
+
+
+# ----------------------------------------------------------------------------- manifest
+
+
+def _step_of(path: Path) -> int | None:
+    match = STEP_DIR.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def _write_manifest(tmp: Path, step: int, extra: Mapping[str, Any] | None) -> None:
+    found = _files_under(tmp)
+    hashes = _sha256_all(list(found.values()))
+    files = {rel: {"size": path.stat().st_size, "sha256": digest}
+             for (rel, path), digest in zip(found.items(), hashes, strict=True)}
+    manifest = {"format_version": FORMAT_VERSION, "step": step, "created_unix": time.time(),
+                "files": files, "extra": dict(extra or {})}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The parsed manifest of a checkpoint dir; CorruptCheckpoint if it is missing or malformed."""
+    file = Path(path) / MANIFEST
+    try:
+        manifest = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"{file}: missing; the checkpoint is incomplete") from None
+    except (OSError, ValueError) as err:
+        raise CorruptCheckpoint(f"{file}: unreadable manifest ({err})") from None
+    ok = (isinstance(manifest, dict) and isinstance(manifest.get("files"), dict)
+          and isinstance(manifest.get("step"), int))
+    if not ok:
+        raise CorruptCheckpoint(f"{file}: malformed manifest (no 'files' or 'step')")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CorruptCheckpoint(f"{file}: format_version {manifest.get('format_version')!r} is not "
+                                f"{FORMAT_VERSION}; written by another llmexp version")
+    return manifest
+
+
+def verify_checkpoint(path: Path, *, full: bool = True) -> None:
+    """Check every file the manifest lists: size always, sha256 too when `full`.
+
+    Raises CorruptCheckpoint naming the first bad file (missing, wrong size, wrong hash, or
+    present but not listed: a loader that looks for optional files must not pick up a stranger).
+    """
+    path = Path(path)
+    manifest = read_manifest(path)
+    step = _step_of(path)
+    if step is not None and step != manifest["step"]:
+        raise CorruptCheckpoint(f"{path / MANIFEST}: says step {manifest['step']} but the dir is {path.name}")
+    unlisted = sorted(set(_files_under(path)) - set(manifest["files"]))
+    if unlisted:
+        raise CorruptCheckpoint(f"{path / unlisted[0]}: not listed in the manifest (added after the save?)")
+    for rel, entry in manifest["files"].items():
+        file = path / rel
+        if not file.resolve().is_relative_to(path.resolve()):
+            raise CorruptCheckpoint(f"{path / MANIFEST}: lists {rel!r}, which is outside the checkpoint")
+        try:
+            size = file.stat().st_size
+        except FileNotFoundError:
+            raise CorruptCheckpoint(f"{file}: missing (listed in the manifest)") from None
+        if size != entry.get("size"):
+            raise CorruptCheckpoint(f"{file}: {size} bytes, the manifest says {entry.get('size')} (truncated?)")
+    if full:
+        files = [path / rel for rel in manifest["files"]]
+        for file, digest, entry in zip(files, _sha256_all(files), manifest["files"].values(), strict=True):
+            if digest != entry.get("sha256"):
+                raise CorruptCheckpoint(f"{file}: sha256 does not match the manifest (the file was altered)")
+
+
+def _is_complete(path: Path) -> bool:
+    try:
+        verify_checkpoint(path, full=False)
+    except CorruptCheckpoint:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """Every `step_<N>` directory, complete or not, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and _step_of(p) is not None]
+    return sorted(found, key=lambda p: _step_of(p) or 0)
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints (manifest present, every size right) under `root`, oldest first."""
+    return [p for p in _step_dirs(Path(root)) if _is_complete(p)]
+
+
+def save_checkpoint(root: Path, step: int, write: Callable[[Path], None], *, keep: int,
+                    best_step: int | None = None, extra: Mapping[str, Any] | None = None) -> Path:
+    """Write a checkpoint atomically as `root/step_<step>`, then rotate; return its path.
+
+    `write(tmp_dir)` puts the files there (any layout, subdirs allowed). `extra` (JSON data)
+    is stored in the manifest. If anything raises, the previous checkpoints are untouched and
+    the partial tmp dir is removed (or, after a hard kill, removed by a later rotate).
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step}"
+    tmp = _tmp_dir(root, final.name)
+    if tmp.exists():  # our own leftover from an earlier failed attempt in this process
+        shutil.rmtree(tmp)
+    try:
+        tmp.mkdir()
+        write(tmp)
+        _write_manifest(tmp, step, extra)
+        _fsync_tree(tmp)
+        _publish(tmp, final)
+        _fsync_path(root)
+    except BaseException as err:
+        full = disk_full_error(err, final) if isinstance(err, Exception) else None
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:
+            raise full from None
+        raise
+    rotate(root, keep, best_step, protect=final)
+    return final
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under `root` (before renaming it into place)."""
+    _fsync_tree(Path(root))
+
+
+def publish_dir(tmp: Path, final: Path) -> None:
+    """Make a finished directory visible under its final name in one step (e.g. `model/`):
+    fsync it, rename it over `final` (an existing `final` is swapped out, then deleted), fsync
+    the parent. Readers see the old or the new directory, never a mix or nothing."""
+    tmp, final = Path(tmp), Path(final)
+    _fsync_tree(tmp)
+    _publish(tmp, final, keep_foreign=False)
+    _fsync_path(final.parent)
+
+
+def _publish(tmp: Path, final: Path, *, keep_foreign: bool = True) -> None:
+    """Rename the finished tmp dir to its final name. An existing dir of that name is swapped
+    out atomically where the kernel can (renameat2), else moved aside first; then deleted.
+    A symbolic link of that name is moved aside, never followed nor deleted through. With
+    `keep_foreign`, a `step_<N>` without a valid manifest (not written here) is moved aside
+    too, not deleted."""
+    if final.is_symlink() or (keep_foreign and final.exists() and not _is_complete(final)):
+        _displace(final)
+    if not final.exists():
+        os.replace(tmp, final)
+        return
+    if _exchange(tmp, final):  # now `tmp` holds the old copy
+        shutil.rmtree(tmp)
+        return
+    old = final.with_name(f".tmp-old-{final.name}-{_host()}-{os.getpid()}")
+    os.replace(final, old)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        os.replace(old, final)  # put the old copy back (a hard kill here is undone by rotate)
+        raise
+    shutil.rmtree(old)
+
+
+def rotate(root: Path, keep: int, best_step: int | None, *, protect: Path | None = None) -> list[Path]:
+    """Delete complete checkpoints beyond the `keep` newest (by step), sparing the best and
+    `protect` (the one just saved); return the deleted paths.
+
+    Never deletes the newest or `step_<best_step>`, never touches a directory without a valid
+    manifest or with a foreign name, never deletes through a symbolic link. Displaced copies
+    (`step_<N>.displaced-*` holding an llmexp manifest) follow the same rule: one goes once
+    step N is older than the `keep` newest and is not the best. Also removes this module's tmp
+    dirs left by dead processes (same host: the pid is gone; other hosts: older than
+    FOREIGN_TMP_STALE_S).
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    root = Path(root)
+    _remove_stale_tmp(root)
+    complete = list_checkpoints(root)
+    spared = set(complete[-keep:]) | {p for p in complete if _step_of(p) == best_step or p == protect}
+    deleted = []
+    for path in complete:
+        if path not in spared:
+            _remove_tree(path, _step_of(path) or 0)
+            deleted.append(path)
+    if complete:
+        oldest_kept = min(_step_of(p) or 0 for p in complete[-keep:])
+        for path, step in _displaced_dirs(root):
+            if step < oldest_kept and step != best_step:
+                _remove_tree(path, step)
+                deleted.append(path)
+    if deleted:
+        _fsync_path(root)
+    return deleted
+
+
+def _displaced_dirs(root: Path) -> list[tuple[Path, int]]:
+    """Displaced `step_<N>` copies that llmexp wrote (they hold one of its manifests), with N."""
+    found = []
+    for path in root.iterdir() if root.is_dir() else []:
+        match = DISPLACED_DIR.match(path.name)
+        if match is None or path.is_symlink() or not path.is_dir():
+            continue
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+        except (OSError, ValueError):
+            continue  # not ours to judge: kept
+        if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) and "step" in manifest:
+            found.append((path, int(match.group(1))))
+    return found
+
+
+def _remove_stale_tmp(root: Path) -> list[Path]:
+    removed = []
+    for path in root.iterdir() if root.is_dir() else []:
+        match = TMP_DIR.match(path.name)
+        if match is None or not path.is_dir() or path.is_symlink():
+            continue
+        if not _is_stale(path, int(match.group("pid")), match.group("host")):
+            continue
+        tag = match.group("tag")
+        original = root / tag.removeprefix("old-")
+        if tag.startswith("old-") and not original.exists() and _is_complete(path):
+            # A replace was cut between its two renames: put the old copy back.
+            os.replace(path, original)
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _is_stale(path: Path, pid: int, host: str) -> bool:
+    if host == _host():
+        return pid != os.getpid() and not _pid_alive(pid)
+    try:
+        return time.time() - path.stat().st_mtime > FOREIGN_TMP_STALE_S
+    except FileNotFoundError:
+        return False
+
+
+def _warn_links(root: Path, warn: Callable[[str], None]) -> None:
+    """A `step_<N>` that is a symbolic link was not written here: say that it is ignored."""
+    for path in sorted(root.iterdir()) if root.is_dir() else []:
+        if path.is_symlink() and _step_of(path) is not None:
+            warn(f"{path} is a symbolic link, not a checkpoint llmexp wrote: ignored "
+                 f"(a later save of step {_step_of(path)} moves the link aside)")
+
+
+def find_resume_checkpoint(root: Path, warn: Callable[[str], None]) -> Path | None:
+    """The newest checkpoint that verifies in full, or None if there is none.
+
+    Every newer one that fails (or a `step_<N>` dir without a manifest) is reported through
+    `warn` with the name of the bad file, then skipped.
+    """
+    _warn_links(Path(root), warn)
+    for path in reversed(_step_dirs(Path(root))):
+        try:
+            verify_checkpoint(path, full=True)
+        except CorruptCheckpoint as err:
+            warn(f"checkpoint {path.name} is unusable, falling back to an older one: {err}")
+            continue
+        return path
+    return None
+
+
+def load_with_fallback(root: Path, load: Callable[[Path], T], warn: Callable[[str], None]) -> tuple[Path, T] | None:
+    """Verify and `load` the newest good checkpoint, falling back past any that fail.
+
+    `load(path)` should raise CorruptCheckpoint for a bad file (load_state/load_tensors do);
+    the fallback then tries the next older checkpoint. Returns (path, load's result) or None.
+    """
+    _warn_links(Path(root), warn)
+    for path in reversed(_step_dirs(Path(root))):
+        try:
+            verify_checkpoint(path, full=True)
+            return path, load(path)
+        except CorruptCheckpoint as err:
+            warn(f"checkpoint {path.name} is unusable, falling back to an older one: {err}")
+    return None

@@ -1,0 +1,130 @@
+"""Values derived from the composed config and the machine, resolved once at set-up and handed on:
+the precision a run uses, the batch plan (micro-batch x accumulation x processes), the world size.
+
+The CLI's preflight, `python -m llmexp.estimate`, the DeepSpeed config and the trainer all ask
+these functions, so they can never disagree. No torch at import (CUDA is asked only for a GPU run).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from llmexp.errors import UserError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+def world_size_from_env() -> int:
+    """Processes in this launch, as torchrun / accelerate launch / SLURM tell every rank."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer step's global batch splits into micro-batches and processes."""
+
+    micro: int
+    accum: int
+    world: int
+    fixed_steps: int
+    epochs: float
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro * self.accum * self.world
+
+    def max_steps(self, num_examples: int) -> int:
+        if self.fixed_steps > 0:
+            return self.fixed_steps
+        return max(1, math.ceil(self.epochs * num_examples / self.global_batch))
+
+
+def make_plan(cfg: DictConfig, world: int) -> BatchPlan:
+    """Derive accumulation from `train.global_batch_size` when it is set."""
+    t, micro = cfg.train, cfg.batch_size
+    accum = t.gradient_accumulation_steps
+    if t.global_batch_size is not None:
+        per_step = micro * world
+        if t.global_batch_size % per_step:
+            raise UserError(f"train.global_batch_size={t.global_batch_size} is not a multiple of batch_size x "
+                            f"processes = {micro} x {world} = {per_step}; pick a multiple of {per_step}")
+        accum = t.global_batch_size // per_step
+    return BatchPlan(micro=micro, accum=accum, world=world, fixed_steps=t.max_steps, epochs=t.num_train_epochs)
+
+
+@cache
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU has native bf16 dot products (AVX512-BF16 or AMX).
+
+    LLMEXP_ASSUME_NO_BF16=1 answers False: it simulates older hardware (tests, reproductions).
+    """
+    if os.environ.get("LLMEXP_ASSUME_NO_BF16") == "1":
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+BF16_EMULATED_SLOWDOWN = "about 3-4x"
+"""Expected step-time cost of emulated bf16 against fp32 on a CPU without native bf16.
+
+Estimated, not measured on such a CPU: on this machine (Xeon with AVX512-BF16) torch's bf16 path
+without oneDNN (`torch.backends.mkldnn.enabled=False`, `ATEN_CPU_CAPABILITY=avx2`: what torch uses
+on CPUs without AVX512, e.g. AMD Zen 3) ran a default-model training step 3.6x slower than fp32,
+its 1024x1024 bf16 matmul ~40x slower. CPUs with AVX512 but no AVX512-BF16 emulate in oneDNN,
+which costs less. `LLMEXP_ASSUME_NO_BF16=1` only changes llmexp's decisions, not torch's kernels."""
+
+
+def bf16_support(device_type: str) -> str:
+    """`native` (fast bf16 matmuls), `emulated` (torch runs bf16 in software or converts, slowly) or `none`.
+
+    Every x86/ARM CPU runs bf16 autocast, natively or emulated. On CUDA, Ampere and newer are native;
+    older GPUs are `emulated` when torch can create and compute bf16 tensors there (its own
+    `including_emulation` test), else `none`.
+    """
+    if device_type == "cpu":
+        return "native" if cpu_has_fast_bf16() else "emulated"
+    import torch
+
+    if device_type == "cuda":
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return "native"
+        return "emulated" if torch.cuda.is_bf16_supported(including_emulation=True) else "none"
+    return "native"  # mps, xpu: torch decides; autocast raises its own clear error if it cannot
+
+
+def resolve_precision(name: str, device_type: str) -> str:
+    """bf16/fp16/fp32 for this device; `auto` picks bf16 where it is native (fast), else fp32.
+
+    `precision=bf16` runs wherever torch can run it; where bf16 is emulated the run warns (see
+    `bf16_emulation_warning`). Only a GPU on which torch cannot compute in bf16 at all is refused.
+    """
+    support = bf16_support(device_type)
+    if name == "auto":
+        return "bf16" if support == "native" else "fp32"
+    if name == "bf16" and support == "none":
+        raise UserError("precision=bf16: torch cannot compute in bf16 on this GPU (not even emulated). "
+                        "Use precision=auto (fp32 here) or precision=fp16.")
+    return name
+
+
+def bf16_emulation_warning(precision: str, device_type: str) -> str | None:
+    """The warning for a bf16 run on hardware that emulates it (None when bf16 is native or unused)."""
+    if precision != "bf16" or bf16_support(device_type) != "emulated":
+        return None
+    if device_type == "cpu":
+        return (f"precision=bf16 on a CPU without native bf16 (AVX512-BF16 or AMX): torch emulates it, so training "
+                f"is expected to be {BF16_EMULATED_SLOWDOWN} slower than fp32 (estimated, see the README)")
+    return ("precision=bf16 on a GPU without native bf16 (before Ampere): torch emulates it, so training is "
+            "expected to be slower than fp32")
+
+
+BF16_EMULATION_ADVICE = ("Use precision=auto (fp32 on this hardware) for the faster run; keep bf16 only to "
+                         "match bf16 numerics.")

@@ -1,0 +1,291 @@
+"""Typed configuration: one dataclass per config group, registered in Hydra's ConfigStore.
+
+The primary config (`conf/config.yaml`) extends `Config`, so every group option that Hydra
+merges into `model`, `data`, ... is checked against these schemas at compose time: a typo'd
+key or a wrong type fails before anything is imported or loaded.
+
+`llmexp.config.validation.validate(cfg)` then checks what a schema cannot express (ranges, cross-field
+rules). This module imports no torch: it sits on the `--help` path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+@dataclass
+class ModelConfig:
+    """The model: built from these fields with `from_config`, or loaded from `name_or_path`."""
+
+    name: str = "tiny"
+    """Label for reports and run names."""
+    name_or_path: str | None = None
+    """A local directory or hub id to load with `from_pretrained`; null builds from the fields below."""
+    revision: str | None = None
+    """Hub revision (commit hash) to pin; required when `trust_remote_code` is true."""
+    trust_remote_code: bool = False
+    """Run modelling code shipped with a hub model. Off unless you trust its author."""
+    hidden_size: int = 256
+    """Width of the residual stream."""
+    num_hidden_layers: int = 4
+    """Number of transformer blocks."""
+    num_attention_heads: int = 4
+    """Attention heads per block."""
+    num_key_value_heads: int = 4
+    """KV heads (grouped-query attention when fewer than the attention heads)."""
+    intermediate_size: int = 688
+    """Width of the SwiGLU MLP."""
+    vocab_size: int = 8192
+    """Vocabulary size; the stdlib tokenizer is trained to this size."""
+    max_position_embeddings: int = 256
+    """Context length the model is built for."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output head."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities (a remedy for overfitting)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from and how they are cut into training examples."""
+
+    name: str = "stdlib"
+    """Corpus kind: stdlib, stdlib_sft, json or text."""
+    train_file: str | None = None
+    """json/text: training file (JSON list or JSONL for json; a file, directory or glob for text)."""
+    eval_file: str | None = None
+    """json/text: evaluation file; null holds out `eval_fraction` of the training records."""
+    max_length: int = 256
+    """Tokens per example (the block size when packing)."""
+    packing: bool = True
+    """Pack examples into full blocks; SFT data is padded per example unless this is true."""
+    eval_fraction: float = 0.05
+    """Share of files (stdlib) or records held out for eval when there is no eval file."""
+    tokenizer: str | None = None
+    """A tokenizer directory; null uses the model's, or trains a byte-level BPE on the corpus."""
+    cache_dir: str = "${oc.env:LLMEXP_CACHE,${oc.env:HOME}/.cache/llmexp}"
+    """Where tokenizers and token arrays are cached, keyed by a content hash."""
+    num_proc: int = 2
+    """Processes for Python-side preparation (stdlib_sft parsing); tokenising uses the tokenizers thread pool."""
+    max_examples: int | None = None
+    """Use at most this many training records (stdlib_sft and quick experiments)."""
+    finetune_only: bool = False
+    """Refuse to start without model.name_or_path: this data fine-tunes an earlier run's model."""
+
+
+@dataclass
+class PrecisionConfig:
+    """Numeric precision of the forward and backward passes; master weights stay in fp32."""
+
+    name: str = "auto"
+    """bf16, fp16 (with dynamic loss scaling), fp32, or auto (bf16 where fast, else fp32)."""
+    init_scale: float = 65536.0
+    """fp16: the first loss scale."""
+    growth_interval: int = 2000
+    """fp16: steps without overflow before the loss scale doubles."""
+
+
+@dataclass
+class OptimizerConfig:
+    """The optimizer; `_target_` must be on the allow-list in `llmexp.build`."""
+
+    _target_: str = "torch.optim.AdamW"
+    """Optimizer class; only allow-listed classes are instantiated."""
+    name: str = "adamw"
+    """adamw, adamw8bit, paged_adamw8bit, lion, lion8bit or sgd."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """Adam/Lion betas."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    momentum: float = 0.0
+    """SGD momentum."""
+    decay_norms_and_biases: bool = False
+    """Also apply weight decay to 1-D params (norms, biases) and embeddings."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra constructor arguments passed as they are."""
+
+
+@dataclass
+class SchedulerConfig:
+    """The learning-rate schedule, a pure function of the step (see `llmexp.train.schedule`)."""
+
+    name: str = "cosine"
+    """cosine, linear, constant or wsd (warmup-stable-decay)."""
+    min_lr_ratio: float = 0.1
+    """The lr at the end of decay, as a fraction of the peak lr."""
+    decay_ratio: float = 0.2
+    """wsd: the fraction of steps spent in the final decay."""
+
+
+@dataclass
+class ClusterConfig:
+    """Where sweep jobs run: `local` processes or SLURM through submitit."""
+
+    name: str = "local"
+    """local or slurm."""
+    max_parallel: int = 1
+    """local, CPU: jobs run at once (on GPUs: one per GPU times `jobs_per_gpu`)."""
+    jobs_per_gpu: int = 1
+    """local, GPU: jobs that share one GPU."""
+    wait: bool = True
+    """Wait for the jobs and write the sweep report; false returns right after submission."""
+    partition: str | None = None
+    """slurm: partition."""
+    nodes: int = 1
+    """slurm: nodes per job."""
+    gpus_per_node: int = 0
+    """slurm: GPUs per node."""
+    tasks_per_node: int = 1
+    """slurm: tasks (trainer processes) per node."""
+    cpus_per_task: int = 1
+    """slurm: CPUs per task."""
+    mem_gb: int | None = None
+    """slurm: memory per node in GB."""
+    timeout_min: int = 60
+    """slurm: wall-time limit per job in minutes."""
+    account: str | None = None
+    """slurm: account to charge."""
+    qos: str | None = None
+    """slurm: quality of service."""
+    constraint: str | None = None
+    """slurm: node feature constraint."""
+    signal_delay_s: int = 120
+    """slurm: seconds before the time limit at which the job is signalled to checkpoint."""
+    max_num_timeout: int = 3
+    """slurm: requeues allowed after timeouts or preemptions."""
+    array_parallelism: int = 256
+    """slurm: jobs of the array running at once."""
+    additional_parameters: dict[str, Any] = field(default_factory=dict)
+    """slurm: extra sbatch parameters."""
+    setup: list[str] = field(default_factory=list)
+    """slurm: shell lines the job script runs before the job, e.g. `module load cuda/12.4` or
+    `source ~/venv/bin/activate`. They are written into the sbatch script: keep secrets in the environment."""
+
+
+@dataclass
+class DeepSpeedConfig:
+    """DeepSpeed ZeRO through Accelerate's plugin; micro-batch, accumulation, clipping and
+    precision are derived from the rest of the config."""
+
+    name: str = "none"
+    """none, zero2, zero2_offload or zero3."""
+    stage: int = 0
+    """ZeRO stage (0 = DeepSpeed off)."""
+    offload_optimizer: str = "none"
+    """none or cpu: keep optimizer state (and its step) on the CPU."""
+    offload_param: str = "none"
+    """none or cpu: ZeRO-3 parameter offload."""
+
+
+@dataclass
+class LoggerConfig:
+    """Metric sinks besides `metrics.jsonl` and the console, which are always on."""
+
+    name: str = "jsonl"
+    """jsonl, wandb or tensorboard."""
+    project: str = "llmexp"
+    """wandb: project."""
+    entity: str | None = None
+    """wandb: entity (team)."""
+    mode: str = "auto"
+    """wandb: online, offline, or auto (offline without WANDB_API_KEY)."""
+    init_timeout_s: float = 10.0
+    """wandb: seconds an online start may take to reach the server; past it the run logs offline (a warning)."""
+    tags: list[str] = field(default_factory=list)
+    """wandb: tags."""
+
+
+@dataclass
+class TrainConfig:
+    """The training loop. Names follow HF `TrainingArguments` where it has the same knob."""
+
+    max_steps: int = 250
+    """Optimizer steps; -1 trains for `num_train_epochs` instead."""
+    num_train_epochs: float = 1.0
+    """Epochs over the training set, used when `max_steps` is -1."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step, per process."""
+    global_batch_size: int | None = None
+    """Examples per optimizer step across all processes; derives the accumulation steps."""
+    max_grad_norm: float = 1.0
+    """Clip the global grad norm to this after backward, before the step; 0 disables."""
+    warmup_ratio: float = 0.05
+    """Warmup as a fraction of `max_steps`."""
+    warmup_steps: int | None = None
+    """Warmup in steps; overrides `warmup_ratio`."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (matrices only, unless the optimizer says otherwise)."""
+    logging_steps: int = 10
+    """Steps between train metric lines."""
+    eval_steps: int = 100
+    """Steps between evals (also at step 0 and at the end)."""
+    eval_batches: int = 16
+    """Batches of `batch_size` per eval; -1 evaluates the whole eval set."""
+    save_steps: int = 100
+    """Steps between checkpoints; 0 saves only at the end and on preemption."""
+    save_total_limit: int = 2
+    """Checkpoints kept (the best one is kept in addition)."""
+    resume: str = "auto"
+    """auto (newest complete checkpoint in the run directory), never, or a checkpoint path."""
+    resume_data_mismatch: str = "error"
+    """A resume whose data fingerprint (corpus, tokenizer, data settings) differs from the
+    checkpoint's: error (exit 2, naming both) or warn (resume on the new data)."""
+    compile: bool = False
+    """torch.compile the model; compile time is reported apart from step time."""
+    on_anomaly: str = "skip"
+    """On a non-finite loss or grad norm: stop, skip the step, or rollback to a checkpoint."""
+    max_consecutive_anomalies: int = 5
+    """skip: anomalous steps in a row before the run is declared diverged."""
+    max_rollbacks: int = 3
+    """rollback: rollbacks before the run is declared diverged."""
+    rollback_lr_factor: float = 0.5
+    """rollback: multiply the lr by this after each rollback."""
+    early_stopping_patience: int = 0
+    """Evals without improvement before stopping early; 0 disables."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s for MFU; null measures a bf16 (or fp32) matmul ceiling at start."""
+    seed_data: int | None = None
+    """Seed of the data order; null uses the top-level `seed`."""
+
+
+@dataclass
+class Config:
+    """The whole run. Short top-level keys keep sweeps short."""
+
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    precision: PrecisionConfig = MISSING
+    optimizer: OptimizerConfig = MISSING
+    scheduler: SchedulerConfig = MISSING
+    cluster: ClusterConfig = MISSING
+    deepspeed: DeepSpeedConfig = MISSING
+    logger: LoggerConfig = MISSING
+    train: TrainConfig = field(default_factory=TrainConfig)
+    lr: Any = "auto"
+    """Peak learning rate, or auto: from the parameter count by the seed's table."""
+    batch_size: int = 4
+    """Per-device micro-batch size."""
+    seed: int = 0
+    """Seed of initialisation, dropout and (unless `train.seed_data`) the data order."""
+    experiment: str | None = None
+    """Name of the experiment overlay, set by `experiment/*.yaml`."""
+
+
+def register_configs() -> None:
+    """Register the schemas. Called by the entry point, never at import time."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+
+
+def to_container(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved config as plain Python data."""
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)  # type: ignore[return-value]

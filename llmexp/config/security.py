@@ -1,0 +1,427 @@
+"""What llmexp does not trust in a config: `_target_` strings, logging configs, and names that become paths.
+
+* Secrets: `llmexp.redact` (hidden wherever llmexp writes).
+* The composed config. `check_config` (through `preflight.ConfigCheck`, on every config Hydra
+  composes: the CLI's run, `--help`, `--cfg`, each sweep job) walks the whole tree, `hydra` node
+  included, with interpolations resolved, before Hydra instantiates or creates anything: each
+  `_target_` must be one of the objects allowed at its key (OPTIMIZER_TARGETS, CALLBACK_TARGETS,
+  LAUNCHER_TARGETS, SWEEPER_TARGETS), compared by identity after import (only llmexp's and Hydra's
+  modules are imported to find out), logging configs use logging's own classes and write inside
+  the run directory, `hydra.job.env_set` sets only ENV_SET_ALLOWED, and every path Hydra derives
+  (`.hydra`, the job log, sweep subdirs, submitit's folder) stays inside the run or sweep directory.
+* Paths. Names that end up in paths go through `llmexp.paths.safe_name`.
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from llmexp.errors import UserError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+_TARGET_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
+
+
+# ---------------------------------------------------------------- _target_ and logging classes
+
+OPTIMIZER_TARGETS: tuple[str, ...] = (
+    *(f"torch.optim.{name}" for name in ("AdamW", "Adam", "SGD", "Adagrad", "Adadelta", "Adamax", "Adafactor",
+                                         "NAdam", "RAdam", "RMSprop", "Rprop", "ASGD")),
+    *(f"bitsandbytes.optim.{name}" for name in ("AdamW8bit", "PagedAdamW8bit", "AdamW", "PagedAdamW", "Adam8bit",
+                                                "PagedAdam8bit", "Lion", "Lion8bit", "PagedLion", "PagedLion8bit",
+                                                "SGD8bit", "RMSprop8bit", "Adagrad8bit")),
+)
+"""The only objects `optimizer._target_` may name (llmexp.build instantiates it, and checks the imported class
+against these objects by identity)."""
+CALLBACK_TARGETS: tuple[str, ...] = ("llmexp.redact.RedactRunFiles",
+                                     "hydra.experimental.callbacks.LogJobReturnCallback")
+LAUNCHER_TARGETS: tuple[str, ...] = ("hydra_plugins.llmexp_launcher.llmexp_launcher.LocalLauncher",
+                                     "hydra_plugins.llmexp_launcher.llmexp_launcher.SlurmLauncher",
+                                     "hydra._internal.core_plugins.basic_launcher.BasicLauncher")
+SWEEPER_TARGETS: tuple[str, ...] = ("hydra._internal.core_plugins.basic_sweeper.BasicSweeper",)
+LOGGING_CLASSES: tuple[str, ...] = ("logging.StreamHandler", "logging.FileHandler", "logging.NullHandler",
+                                    "logging.handlers.RotatingFileHandler", "logging.handlers.TimedRotatingFileHandler",
+                                    "logging.handlers.WatchedFileHandler", "logging.Formatter")
+"""The classes a `class:` in `hydra.job_logging` / `hydra.hydra_logging` may name (Python's logging.config
+builds whatever a `class` or `()` names, with the node's other keys as arguments)."""
+LOGGING_STREAMS: tuple[str, ...] = ("ext://sys.stdout", "ext://sys.stderr")
+ENV_SET_ALLOWED: tuple[str, ...] = (
+    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TOKENIZERS_PARALLELISM", "CUDA_VISIBLE_DEVICES",
+    "CUDA_LAUNCH_BLOCKING", "NCCL_DEBUG", "TORCH_DISTRIBUTED_DEBUG", "PYTHONHASHSEED", "WANDB_MODE", "WANDB_PROJECT",
+    "WANDB_ENTITY", "WANDB_RUN_GROUP", "WANDB_TAGS", "WANDB_NOTES", "WANDB_SILENT", "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "LLMEXP_ASSUME_NO_BF16", "LLMEXP_NO_BAR")
+"""Variables `hydra.job.env_set` may set. Not PATH, CC, CXX, LD_PRELOAD, PYTHONPATH, TORCH_EXTENSIONS_DIR or
+anything else a build step or the interpreter executes or loads code from: an allow-list, not a block-list."""
+HYDRA_ALLOWED_TARGETS: tuple[str, ...] = ("hydra._internal.core_plugins.", "hydra_plugins.", "llmexp.")
+"""Packages whose modules the check may import to resolve a `hydra.*` target (nothing else is imported)."""
+
+
+def allowed_targets(key: str) -> tuple[str, ...]:
+    """The objects a `_target_` at `key` may name; () where llmexp and Hydra instantiate nothing."""
+    if key == "optimizer._target_":
+        return OPTIMIZER_TARGETS
+    if re.fullmatch(r"hydra\.callbacks\.[^.]+\._target_", key):
+        return CALLBACK_TARGETS
+    return {"hydra.launcher._target_": LAUNCHER_TARGETS, "hydra.sweeper._target_": SWEEPER_TARGETS}.get(key, ())
+
+
+def is_allowed_object(obj: object, names: Iterable[str], import_modules: bool = True) -> bool:
+    """`obj` is one of the objects `names` name: compared by identity, so no attribute walk through a
+    module's own imports (`llmexp.sweep.local.subprocess.Popen`) can pass. Without `import_modules`, a name whose
+    module is not imported yet is skipped: its object cannot exist yet, so `obj` cannot be it."""
+    import importlib
+    import sys
+
+    for name in names:
+        module_name, _, attr = name.rpartition(".")
+        module = sys.modules.get(module_name)
+        if module is None and import_modules:
+            module = importlib.import_module(module_name)
+        if module is not None and getattr(module, attr, None) is obj:
+            return True
+    return False
+
+
+def target_problem(target: object, allowed: tuple[str, ...]) -> str | None:
+    """Why `target` may not be instantiated, or None. Purely syntactic: nothing is imported.
+
+    A target must be a dotted name of identifiers (no dunders such as `__builtins__`) under one of
+    the `allowed` prefixes; interpolations and other strings are refused.
+    """
+    if not isinstance(target, str) or not _TARGET_NAME.fullmatch(target) or "__" in target:
+        return f"{target!r} is not a dotted class name (module.Class, no dunders)"
+    if not target.startswith(allowed):
+        return f"{target!r} is not under an allowed prefix ({', '.join(allowed)})"
+    return None
+
+
+def find_keys(node: Any, names: tuple[str, ...] = ("_target_",), path: str = "") -> list[tuple[str, Any]]:
+    """Every (`key.path.<name>`, value) in plain nested data whose last key is one of `names`."""
+    found: list[tuple[str, Any]] = []
+    items = node.items() if isinstance(node, Mapping) else enumerate(node) if isinstance(node, list) else []
+    for key, value in items:
+        key_path = f"{path}.{key}" if path else str(key)
+        if key in names:
+            found.append((key_path, value))
+        else:
+            found.extend(find_keys(value, names, key_path))
+    return found
+
+
+def find_targets(node: Any) -> list[tuple[str, Any]]:
+    """Every (`key.path._target_`, value) in plain nested data."""
+    return find_keys(node, ("_target_",))
+
+
+def target_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
+    """Every `_target_` in a job config (no `hydra` node) that llmexp would refuse, as error lines (syntactic:
+    `validate` runs this on any config; the CLI's `check_config` has resolved and checked them before)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    data = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg
+    errors = []
+    for key, value in find_targets(data):
+        if key.startswith("hydra."):
+            continue
+        problem = _job_target_problem(key, value)
+        if problem:
+            errors.append(f"{key}: {problem}")
+    return errors
+
+
+def _job_target_problem(key: str, value: object) -> str | None:
+    allowed = allowed_targets(key)
+    if problem := target_problem(value, ("",)):
+        return f"{problem}; pick a class with its config group (e.g. optimizer=adamw)"
+    if not allowed:
+        return (f"{value!r} is not allowed here: llmexp instantiates _target_ only at optimizer._target_ (and Hydra at "
+                "hydra.callbacks.<name>, "
+                "hydra.launcher, hydra.sweeper); remove this key. A config is data, llmexp never runs code named in it")
+    if value not in allowed:
+        return (f"{value!r} is not one of the allowed optimizer classes (torch.optim's and bitsandbytes.optim's "
+                "optimizers, listed in llmexp.config.security.OPTIMIZER_TARGETS); pick one with its config group, "
+                "e.g. optimizer=adamw")
+    return None
+
+
+def _hydra_target_problem(key: str, value: object) -> str | None:
+    """Resolve a `hydra.*` target as Hydra will (`_locate` follows attributes through a module's own imports)
+    and compare the object itself with the allowed ones. Only modules of llmexp and Hydra are imported."""
+    from hydra._internal.utils import _locate  # Hydra 1.3: what hydra.utils.instantiate uses
+
+    allowed = allowed_targets(key)
+    if problem := target_problem(value, ("",)):
+        return problem
+    if not allowed:
+        return f"{value!r}: Hydra instantiates nothing at this key; remove it"
+    names = ", ".join(allowed)
+    if not str(value).startswith(HYDRA_ALLOWED_TARGETS):
+        return f"{value!r} is not one of the allowed classes here ({names})"
+    try:
+        obj = _locate(str(value))
+    except Exception as err:  # not importable: refused, whatever the reason
+        return f"cannot import {value!r} ({err}); allowed here: {names}"
+    if not is_allowed_object(obj, allowed):
+        defined_as = f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', None)}"
+        return f"{value!r} resolves to {defined_as!r}, which is not one of the allowed classes here ({names})"
+    return None
+
+
+def check_located(obj: Any, target: str, key: str, allowed: tuple[str, ...],
+                  base: type | tuple[type, ...] | None = None) -> None:
+    """After import (llmexp.build): the object must be one of the objects allowed at `key`, compared by
+    identity (so `torch.optim.X.os.system` style detours fail), and, with `base`, a subclass of it.
+    `allowed` (prefixes) is kept for callers; the explicit lists above decide."""
+    del allowed
+    names = allowed_targets(key) or OPTIMIZER_TARGETS
+    if not is_allowed_object(obj, names):
+        defined_as = f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', None)}"
+        raise UserError(f"{key}: {target!r} resolves to {defined_as!r}, which is not one of the allowed classes; "
+                        "pick a class with its config group (e.g. optimizer=adamw)")
+    bases = base if isinstance(base, tuple) else (base,) if base is not None else ()
+    if bases and not (isinstance(obj, type) and issubclass(obj, bases)):
+        names_ = " or ".join(f"{b.__module__}.{b.__qualname__}" for b in bases)
+        raise UserError(f"{key}: {target!r} is not a subclass of {names_}; "
+                        "pick a class with its config group (e.g. optimizer=adamw)")
+
+
+def _logging_problems(node: Any, key: str, base_dir: str, relative_to: str) -> list[tuple[str, str]]:
+    """A resolved `hydra.job_logging` / `hydra.hydra_logging` tree: only logging's own classes, no factories,
+    streams only stdout/stderr, files only inside `base_dir` (the run or sweep directory; relative file names
+    are taken from `relative_to`, the directory the job runs in)."""
+    problems: list[tuple[str, str]] = []
+    items = node.items() if isinstance(node, Mapping) else enumerate(node) if isinstance(node, list) else []
+    for name, value in items:
+        where = f"{key}.{name}"
+        if name in ("()", "."):
+            problems.append((where, "logging factories ('()') and attribute setters ('.') are not allowed; "
+                                    "use class: logging.<Handler>"))
+        elif name == "class":
+            if value not in LOGGING_CLASSES or not is_allowed_object(_locate_logging(str(value)), LOGGING_CLASSES):
+                allowed = ", ".join(LOGGING_CLASSES)
+                problems.append((where, f"{value!r} is not one of logging's own classes ({allowed})"))
+        elif isinstance(value, str) and value.startswith(("ext://", "cfg://")) and value not in LOGGING_STREAMS:
+            problems.append((where, f"{value!r}: only {' and '.join(LOGGING_STREAMS)} may be referenced"))
+        elif name == "filename" and isinstance(value, str):
+            if problem := outside_problem(value, base_dir, relative_to):
+                problems.append((where, problem))
+        else:
+            problems.extend(_logging_problems(value, where, base_dir, relative_to))
+    return problems
+
+
+def _locate_logging(name: str) -> object:
+    import importlib
+
+    module_name, _, attr = name.rpartition(".")
+    return getattr(importlib.import_module(module_name), attr, None)
+
+
+# ---------------------------------------------------------------- paths
+
+
+def path_problem(value: str, allow_absolute: bool = False) -> str | None:
+    """Why a config value used as a path component or relative path could escape its parent, or None."""
+    if "\x00" in value:
+        return "contains a NUL byte"
+    if not allow_absolute and (value.startswith(("/", "~")) or re.match(r"^[A-Za-z]:[\\/]", value)):
+        return "is an absolute path"
+    if ".." in re.split(r"[\\/]", value):
+        return "contains a '..' component"
+    return None
+
+
+def check_job_dir(output_dir: str | Path, sweep_dir: str | Path) -> None:
+    """A sweep job's directory must be inside the sweep directory (subdir names come from override values)."""
+    job, root = Path(output_dir).resolve(), Path(sweep_dir).resolve()
+    if job != root and root not in job.parents:
+        raise UserError(f"hydra.sweep.subdir puts this job in {job}, outside the sweep directory {root}; "
+                        "build subdirs from safe names, e.g. "
+                        "hydra.sweep.subdir='${llmexp_safe:${hydra.job.override_dirname}}'")
+
+
+def outside_problem(path: str, base_dir: str | Path, relative_to: str | Path | None = None) -> str | None:
+    """Why `path` (relative ones taken from `relative_to`, default `base_dir`) is not inside `base_dir`, or None.
+    Symlinks are followed as far as they exist, so a link inside the directory cannot lead out."""
+    if "\x00" in path:
+        return "contains a NUL byte"
+    root = os.path.realpath(base_dir)
+    target = os.path.realpath(os.path.join(relative_to if relative_to is not None else base_dir, path))
+    if target != root and not target.startswith(root.rstrip(os.sep) + os.sep):
+        return f"{path!r} lies outside {root}; keep names below the run or sweep directory plain and relative"
+    return None
+
+
+# ---------------------------------------------------------------- the composed config
+
+
+def config_problems(cfg: DictConfig) -> list[tuple[str, str]]:
+    """Every (key, problem) of a config composed by Hydra (its `hydra` node included) that llmexp refuses.
+
+    The one security check, run on what Hydra composed from every source, before Hydra instantiates or
+    creates anything: `_target_`s (compared by identity with the allowed objects), logging classes and
+    files, `hydra.job.env_set`, and the paths Hydra derives, all after interpolation. `cfg` is not changed
+    (a copy is resolved), except that resolving `hydra.run.dir` / `hydra.sweep.dir` caches their values in it,
+    so Hydra later uses exactly the directories checked here.
+    """
+    import copy
+
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf, open_dict, read_write
+
+    problems: list[tuple[str, str]] = []
+    hydra_dirs = _resolved_dirs(cfg, problems)
+    if hydra_dirs is None:
+        return problems
+    run_dir, sweep_dir = hydra_dirs
+    probe = copy.deepcopy(cfg)
+    multirun = probe.hydra.mode == RunMode.MULTIRUN
+    with read_write(probe.hydra), open_dict(probe.hydra):
+        if OmegaConf.is_missing(probe.hydra.job, "num"):
+            probe.hydra.job.num = 0
+        job_dir = run_dir
+        if multirun:
+            subdir = _resolve(probe, "hydra.sweep.subdir", problems)
+            if subdir is None:
+                return problems
+            job_dir = os.path.realpath(os.path.join(sweep_dir, str(subdir)))
+            if outside_problem(job_dir, sweep_dir):
+                problems.append(("hydra.sweep.subdir", f"puts a job in {job_dir}, outside the sweep directory "
+                                 f"{os.path.realpath(sweep_dir)}; build subdirs from safe names, e.g. "
+                                 "hydra.sweep.subdir='${llmexp_safe:${hydra.job.override_dirname}}'"))
+        probe.hydra.runtime.output_dir = job_dir
+    hydra = _resolve_tree(probe.hydra, "hydra", problems)
+    problems += [(key, p) for key, value in find_targets({"hydra": hydra}) if (p := _hydra_target_problem(key, value))]
+    problems += _job_target_problems(probe)
+    relative_to = job_dir if (hydra.get("job") or {}).get("chdir") else os.getcwd()
+    for node in ("job_logging", "hydra_logging"):
+        base = job_dir if node == "job_logging" else (sweep_dir if multirun else run_dir)
+        problems += _logging_problems(hydra.get(node) or {}, f"hydra.{node}", base, relative_to)
+    problems += _derived_path_problems(hydra, job_dir)
+    problems += _env_set_problems(hydra.get("job") or {})
+    folder = (hydra.get("launcher") or {}).get("submitit_folder") if multirun else None
+    if folder and (problem := outside_problem(str(folder), sweep_dir, os.getcwd())):
+        problems.append(("hydra.launcher.submitit_folder", problem))
+    return problems
+
+
+def _resolved_dirs(cfg: DictConfig, problems: list[tuple[str, str]]) -> tuple[str, str] | None:
+    """`hydra.run.dir` and `hydra.sweep.dir`, resolved on `cfg` itself (their `${llmexp_run_id:}` is cached there)."""
+    run_dir, sweep_dir = _resolve(cfg, "hydra.run.dir", problems), _resolve(cfg, "hydra.sweep.dir", problems)
+    if run_dir is None or sweep_dir is None:
+        return None
+    for key, value in (("hydra.run.dir", run_dir), ("hydra.sweep.dir", sweep_dir)):
+        if "\x00" in str(value):
+            problems.append((key, "contains a NUL byte"))
+    return (os.path.realpath(str(run_dir)), os.path.realpath(str(sweep_dir))) if not problems else None
+
+
+def _resolve(cfg: DictConfig, key: str, problems: list[tuple[str, str]]) -> Any:
+    """The value at `key` with interpolations resolved; None (and a problem) when they cannot be."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        value = OmegaConf.select(cfg, key, throw_on_missing=False)
+        if OmegaConf.is_config(value):
+            OmegaConf.to_container(value, resolve=True)
+        return value
+    except OmegaConfBaseException as err:
+        reason = str(getattr(err, "msg", err)).splitlines()[0]
+        problems.append((str(getattr(err, "full_key", None) or key),
+                         f"cannot resolve an interpolation ({reason}); fix the ${{...}} reference or set the "
+                         "environment variable it reads"))
+        return None
+
+
+_TEXT_ONLY = ("hydra.overrides", "hydra.job.override_dirname", "hydra.runtime")
+"""Hydra nodes that hold the command line as typed (and Hydra's own runtime facts): text, never resolved by
+Hydra for a path or a class, so they are read as written (resolving them would resolve a secret's placeholder)."""
+
+
+def _resolve_tree(node: Any, key: str, problems: list[tuple[str, str]]) -> Any:
+    """Plain data of a config node, every interpolation resolved (except `_TEXT_ONLY`); a value that does not
+    resolve is None, with a problem naming its key. `???` (unset) is None."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+    if not isinstance(node, DictConfig | ListConfig) or node._is_none() or node._is_missing():
+        return None if OmegaConf.is_config(node) else node
+    out: dict[Any, Any] = {}
+    for child in (node.keys() if isinstance(node, DictConfig) else range(len(node))):
+        where = f"{key}.{child}"
+        if where in _TEXT_ONLY:
+            raw = node._get_node(child)
+            out[child] = OmegaConf.to_container(raw, resolve=False) if OmegaConf.is_config(raw) else raw._value()
+            continue
+        try:
+            value = node[child]
+        except MissingMandatoryValue:
+            value = None
+        except OmegaConfBaseException as err:
+            reason = str(getattr(err, "msg", err)).splitlines()[0]
+            problems.append((where, f"cannot resolve an interpolation ({reason}); fix the ${{...}} reference or "
+                                    "set the environment variable it reads"))
+            value = None
+        out[child] = _resolve_tree(value, where, problems)
+    return out if isinstance(node, DictConfig) else list(out.values())
+
+
+def _job_target_problems(cfg: DictConfig) -> list[tuple[str, str]]:
+    """`_target_`s outside `hydra`: resolved where they resolve (interpolations that do not are refused by the
+    dotted-name rule, and `validate` names the failing reference)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    problems = []
+    for key in [k for k in cfg if k != "hydra"]:
+        node = cfg._get_node(key)  # type: ignore[union-attr]
+        if not OmegaConf.is_config(node) or node._is_missing() or node._is_none():  # (validate reports ???)
+            continue
+        try:
+            data = OmegaConf.to_container(node, resolve=True)
+        except OmegaConfBaseException:
+            data = OmegaConf.to_container(node, resolve=False)
+        problems += [(k, p) for k, v in find_targets({key: data}) if (p := _job_target_problem(k, v))]
+    return problems
+
+
+def _env_set_problems(job: dict[str, Any]) -> list[tuple[str, str]]:
+    """`hydra.job.env_set` sets only ENV_SET_ALLOWED; a variable `hydra.job.env_copy` copied from this
+    environment unchanged (Hydra puts it in env_set) changes nothing and passes."""
+    copied = set(job.get("env_copy") or [])
+    return [(f"hydra.job.env_set.{name}", f"setting {name} is not allowed (a build step or the interpreter may "
+             f"execute or load code through it); allowed: {', '.join(ENV_SET_ALLOWED)}")
+            for name, value in (job.get("env_set") or {}).items()
+            if name not in ENV_SET_ALLOWED and not (name in copied and value == os.environ.get(name))]
+
+
+def _derived_path_problems(hydra: dict[str, Any], job_dir: str) -> list[tuple[str, str]]:
+    """Names Hydra places below the job's directory: `.hydra` (output_subdir) and the job name (its log file)."""
+    problems = []
+    subdir = hydra.get("output_subdir")
+    if subdir is not None and (problem := path_problem(str(subdir)) or outside_problem(str(subdir), job_dir)):
+        problems.append(("hydra.output_subdir", f"{subdir!r} {problem}" if problem[0] != "'" else problem))
+    name = str((hydra.get("job") or {}).get("name"))
+    if problem := path_problem(name) or outside_problem(f"{name}.log", job_dir):
+        problems.append(("hydra.job.name", f"{name!r} {problem}" if problem[0] != "'" else problem))
+    return problems
+
+
+def check_config(cfg: DictConfig, origin: Any = None) -> None:
+    """Raise one UserError naming, for each problem of `config_problems`, the key and where it came from
+    (`origin(key)`: a YAML file or "command line")."""
+    problems = config_problems(cfg)
+    if not problems:
+        return
+    lines = [f"{origin(key) if origin else 'config'}: {key}: {problem}" for key, problem in problems]
+    raise UserError("refused config (llmexp runs no code named in a config and writes only inside the run or "
+                    "sweep directory; README, Security):\n  " + "\n  ".join(lines))

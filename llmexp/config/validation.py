@@ -1,0 +1,335 @@
+"""What a schema cannot express: value ranges, option names and cross-field rules of a composed config.
+
+`validate(cfg)` runs after Hydra composed the config against `llmexp.config.schema`'s schemas and before
+anything loads; it reports every problem at once, each naming the key and the fix (exit 2). It is
+a pure function of the config, so a config validates on any machine; what depends on the machine
+is `llmexp.config.preflight.check_environment`'s. No torch here.
+
+Every number in the schema has a rule in `RANGES`: floats must be finite (nothing reads inf or NaN
+as a setting; a key that does would be listed in `NON_FINITE_OK`), ints must fit the 64 bits that
+torch and numpy take (`seed`: unsigned), and each has the bounds its meaning needs. A test walks the
+schema so that a new field without a rule fails it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from llmexp.errors import UserError
+
+if TYPE_CHECKING:
+    from llmexp.config.schema import Config
+
+# The names each group's options give themselves (`name:` in conf/<group>/*.yaml).
+PRECISIONS = ("bf16", "fp16", "fp32", "auto")
+OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "lion", "lion8bit", "sgd")
+SCHEDULERS = ("cosine", "linear", "constant", "wsd")
+ANOMALY_POLICIES = ("stop", "skip", "rollback")
+DATA_KINDS = ("stdlib", "stdlib_sft", "json", "text")
+LOGGERS = ("jsonl", "wandb", "tensorboard")
+
+INT64_MAX = 2**63 - 1
+"""The largest int torch, numpy and the checkpoint's JSON round trip all take as a signed 64-bit value."""
+SEED_MAX = 2**64 - 1
+"""torch.manual_seed and numpy's generators take seeds up to 2**64 - 1."""
+
+
+class ConfigError(UserError):
+    """A user's mistake in the config: the message names the key and the fix. Exit code 2."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a number may take: `low`..`high` (each end closed unless `*_open`), plus `also`."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    also: tuple[int, ...] = ()
+    """Values allowed outside the range, e.g. -1 for "all"."""
+    note: str = ""
+    """What a special value means, e.g. "(0 disables)"."""
+
+    def contains(self, value: float) -> bool:
+        if value in self.also:
+            return True
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def describe(self) -> str:
+        if self.high == math.inf:
+            text = f"must be {'>' if self.low_open else '>='} {_fmt(self.low)}"
+        else:
+            text = (f"must be in {'(' if self.low_open else '['}{_fmt(self.low)}, "
+                    f"{_fmt(self.high)}{')' if self.high_open else ']'}")
+        text += "".join(f" or {v}" for v in self.also)
+        return f"{text} {self.note}" if self.note else text
+
+
+def _at_least(low: float, note: str = "", also: tuple[int, ...] = ()) -> Range:
+    return Range(low=low, note=note, also=also)
+
+
+_POSITIVE = Range(low=0, low_open=True)
+_FRACTION = Range(low=0, high=1, high_open=True)  # [0, 1)
+
+RANGES: dict[str, Range] = {
+    "model.hidden_size": _at_least(1),
+    "model.num_hidden_layers": _at_least(1),
+    "model.num_attention_heads": _at_least(1),
+    "model.num_key_value_heads": _at_least(1),
+    "model.intermediate_size": _at_least(1),
+    "model.vocab_size": _at_least(1),
+    "model.max_position_embeddings": _at_least(1),
+    "model.rope_theta": _POSITIVE,
+    "model.attention_dropout": _FRACTION,
+    "data.max_length": _at_least(2),
+    "data.eval_fraction": Range(low=0, high=1, low_open=True, high_open=True),
+    "data.num_proc": _at_least(1),
+    "data.max_examples": _at_least(1, "(or null for all)"),
+    "precision.init_scale": _POSITIVE,
+    "precision.growth_interval": _at_least(1),
+    "optimizer.eps": _at_least(0),
+    "optimizer.momentum": _FRACTION,
+    "scheduler.min_lr_ratio": Range(low=0, high=1),
+    "scheduler.decay_ratio": Range(low=0, high=1, low_open=True),
+    "cluster.max_parallel": _at_least(1),
+    "cluster.jobs_per_gpu": _at_least(1),
+    "cluster.nodes": _at_least(1),
+    "cluster.gpus_per_node": _at_least(0),
+    "cluster.tasks_per_node": _at_least(1),
+    "cluster.cpus_per_task": _at_least(1),
+    "cluster.mem_gb": _at_least(1, "(or null for the partition's default)"),
+    "cluster.timeout_min": _at_least(1),
+    "cluster.signal_delay_s": _at_least(0),
+    "cluster.max_num_timeout": _at_least(0),
+    "cluster.array_parallelism": _at_least(1),
+    "deepspeed.stage": Range(low=0, high=3),
+    "logger.init_timeout_s": _POSITIVE,
+    "train.max_steps": _at_least(1, "(-1 trains for train.num_train_epochs)", also=(-1,)),
+    "train.num_train_epochs": _POSITIVE,
+    "train.gradient_accumulation_steps": _at_least(1),
+    "train.global_batch_size": _at_least(1, "(or null)"),
+    "train.max_grad_norm": _at_least(0, "(0 disables)"),
+    "train.warmup_ratio": _FRACTION,
+    "train.warmup_steps": _at_least(0, "(or null to use train.warmup_ratio)"),
+    "train.weight_decay": _at_least(0),
+    "train.logging_steps": _at_least(1),
+    "train.eval_steps": _at_least(1),
+    "train.eval_batches": _at_least(1, "(-1 evaluates the whole eval set)", also=(-1,)),
+    "train.save_steps": _at_least(0, "(0: only at the end)"),
+    "train.save_total_limit": _at_least(1),
+    "train.max_consecutive_anomalies": _at_least(1),
+    "train.max_rollbacks": _at_least(0),
+    "train.rollback_lr_factor": Range(low=0, high=1, low_open=True),
+    "train.early_stopping_patience": _at_least(0, "(0 disables)"),
+    "train.peak_tflops": Range(low=0, low_open=True, note="(or null to measure it)"),
+    "train.seed_data": Range(low=0, high=SEED_MAX, note="(or null to use seed)"),
+    "batch_size": _at_least(1),
+    "seed": Range(low=0, high=SEED_MAX),
+}
+"""The bounds of every int and float field of `llmexp.config.schema.Config` (`lr` is checked by `parse_lr`)."""
+
+NON_FINITE_OK: frozenset[str] = frozenset()
+"""Float keys whose docstring gives inf or NaN a meaning; none does today."""
+
+BETAS_RANGE = _FRACTION
+"""Each of `optimizer.betas`."""
+
+
+def _fmt(bound: float) -> str:
+    return "2**64 - 1" if bound == SEED_MAX else "2**63 - 1" if bound == INT64_MAX else f"{bound:g}"
+
+
+def _check(errors: list[str], ok: bool, key: str, message: str) -> None:
+    if not ok:
+        errors.append(f"{key}: {message}")
+
+
+def _choice(errors: list[str], value: str, key: str, choices: tuple[str, ...]) -> None:
+    _check(errors, value in choices, key, f"{value!r} is not one of {', '.join(choices)}")
+
+
+def parse_lr(value: Any) -> float | None:
+    """`lr` as a float, None for `auto`; raises ValueError for anything else."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return None
+    if isinstance(value, bool):
+        raise ValueError(value)
+    return float(value)
+
+
+def _unwrap(tp: Any) -> Any:
+    """`X | None` -> X."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else Any
+    return tp
+
+
+def schema_fields(cls: Any = None, prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    """Every leaf of the schema: dotted key -> (type with `| None` removed, default or None)."""
+    from llmexp.config.schema import Config
+
+    cls = Config if cls is None else cls
+    hints = typing.get_type_hints(cls)
+    out: dict[str, tuple[Any, Any]] = {}
+    for f in dataclasses.fields(cls):
+        tp = _unwrap(hints[f.name])
+        if dataclasses.is_dataclass(tp):
+            out.update(schema_fields(tp, f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = (tp, None if f.default is dataclasses.MISSING else f.default)
+    return out
+
+
+def number_keys() -> dict[str, type]:
+    """The int and float fields of the schema (each has a rule in `RANGES`)."""
+    return {key: tp for key, (tp, _) in schema_fields().items() if tp in (int, float)}
+
+
+def _deleted_node_errors(node: DictConfig, cls: Any = None, prefix: str = "") -> list[str]:
+    """Keys of the schema that the config lacks: deleted with `~key` (or by a config file), and config
+    groups with no option chosen (`~model` leaves `model` at ???)."""
+    from llmexp.config.preflight import group_options
+    from llmexp.config.schema import Config
+
+    cls = Config if cls is None else cls
+    hints, errors = typing.get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        if f.name not in node.keys():  # noqa: SIM118 (`in` is false for ???, which structure_errors reports)
+            errors.append(f"{key}: is required but was deleted (by ~{key} or a config file); "
+                          f"remove that deletion (python -m llmexp --cfg job shows the full config)")
+        elif not prefix and OmegaConf.is_missing(node, f.name) and (options := group_options(f.name)):
+            errors.append(f"{key}: no {key} is chosen (removed by ~{key}?); pick one, e.g. "
+                          f"{key}={_default_option(key) or options[0]} (the options are {', '.join(options)})")
+        elif dataclasses.is_dataclass(_unwrap(hints[f.name])) and not OmegaConf.is_missing(node, f.name):
+            child = node[f.name]
+            if isinstance(child, DictConfig):
+                errors.extend(_deleted_node_errors(child, _unwrap(hints[f.name]), key + "."))
+    return errors
+
+
+def _default_option(group: str) -> str | None:
+    """The option `conf/config.yaml`'s defaults list picks for `group`."""
+    from llmexp.paths import conf_dir
+
+    defaults = OmegaConf.load(conf_dir() / "config.yaml").defaults
+    return next((str(d[group]) for d in defaults if isinstance(d, DictConfig) and group in d), None)
+
+
+def _number_problem(key: str, value: Any, tp: type, default: Any) -> str | None:
+    """Why `value` is no good for the number field `key`, or None."""
+    if value is None or isinstance(value, bool) or not isinstance(value, int | float):
+        return None  # null where the schema allows it; a wrong type is the schema's to report
+    example = f"; e.g. {key}={default}" if default is not None else ""
+    rng = RANGES[key]
+    if tp is float and not math.isfinite(value) and key not in NON_FINITE_OK:
+        return f"{key}: must be a finite number, got {value}{example}"
+    limit = rng.high if rng.high != math.inf else INT64_MAX
+    if tp is int and not -INT64_MAX - 1 <= value <= limit:
+        bounds = rng.describe() + ("" if rng.high != math.inf else f" and at most {_fmt(limit)}")
+        return f"{key}: {value} does not fit in 64 bits; {bounds}{example}"
+    if not rng.contains(value):
+        return f"{key}: {rng.describe()}, got {value}{example}"
+    return None
+
+
+def _number_errors(cfg: DictConfig) -> dict[str, str]:
+    """key -> message for every int or float field out of its range (`RANGES`), `lr` and the betas."""
+    fields = schema_fields()
+    bad = {key: problem for key, tp in number_keys().items()
+           if (problem := _number_problem(key, OmegaConf.select(cfg, key), tp, fields[key][1]))}
+    try:
+        lr = parse_lr(cfg.lr)
+        if lr is not None and not (math.isfinite(lr) and lr > 0):
+            bad["lr"] = f"lr: must be > 0 and finite, or auto; got {cfg.lr}; try lr=3e-4"
+    except (TypeError, ValueError):
+        bad["lr"] = f"lr: {cfg.lr!r} is not a number or auto; try lr=3e-4 or lr=auto"
+    betas = cfg.optimizer.betas
+    numbers = [b for b in betas if isinstance(b, int | float) and not isinstance(b, bool)]
+    if len(betas) != 2 or len(numbers) != 2 or not all(math.isfinite(b) and BETAS_RANGE.contains(b) for b in numbers):
+        shown = list(betas) if isinstance(betas, ListConfig) else betas
+        bad["optimizer.betas"] = (f"optimizer.betas: must be two numbers in [0, 1), got {shown}; "
+                                  "e.g. optimizer.betas=[0.9,0.999]")
+    bad.update(_kwargs_errors(cfg.optimizer.kwargs, "optimizer.kwargs"))
+    return bad
+
+
+def _kwargs_errors(data: Any, key: str) -> dict[str, str]:
+    """Free-form constructor arguments are passed as they are, so a float among them must be finite too."""
+    if isinstance(data, DictConfig | ListConfig):
+        items = data.items() if isinstance(data, DictConfig) else enumerate(data)
+        return {k: v for name, value in items for k, v in _kwargs_errors(value, f"{key}.{name}").items()}
+    if isinstance(data, float) and not math.isfinite(data):
+        return {key: f"{key}: must be a finite number, got {data}"}
+    return {}
+
+
+def validate(cfg: DictConfig | Config) -> None:
+    """Check ranges and cross-field rules; raise one ConfigError that lists every problem."""
+    from llmexp.config.preflight import structure_errors
+
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.structured(cfg)
+    errors = _deleted_node_errors(cfg) or structure_errors(cfg)  # ~node, ???, unknown keys, _target_s, ${...}
+    if errors:  # the values below cannot be read or trusted until these are fixed
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    bad = _number_errors(cfg)
+    errors = list(bad.values())
+    t = cfg.train
+    if not bad.keys() & {"train.warmup_steps", "train.warmup_ratio", "train.max_steps"}:
+        warmup = t.warmup_steps if t.warmup_steps is not None else int(t.warmup_ratio * max(t.max_steps, 0))
+        _check(errors, t.max_steps == -1 or warmup < t.max_steps, "train.warmup_steps",
+               f"warmup ({warmup} steps) must be shorter than train.max_steps={t.max_steps}; "
+               "lower train.warmup_steps/warmup_ratio or raise train.max_steps")
+    _choice(errors, t.on_anomaly, "train.on_anomaly", ANOMALY_POLICIES)
+    _choice(errors, t.resume_data_mismatch, "train.resume_data_mismatch", ("error", "warn"))
+    _check(errors, t.resume in ("auto", "never") or bool(t.resume), "train.resume",
+           "must be auto, never, or a checkpoint path")
+    _validate_groups(cfg, errors, bad.keys())
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def _validate_groups(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet[str]) -> None:
+    """Option names and the rules between fields; a rule reads only keys whose own range holds."""
+    from llmexp.config.preflight import remote_code_errors
+
+    m, d = cfg.model, cfg.data
+    _choice(errors, cfg.precision.name, "precision.name", PRECISIONS)
+    _choice(errors, cfg.optimizer.name, "optimizer.name", OPTIMIZERS)
+    _choice(errors, cfg.scheduler.name, "scheduler.name", SCHEDULERS)
+    _choice(errors, d.name, "data.name", DATA_KINDS)
+    _choice(errors, cfg.logger.name, "logger.name", LOGGERS)
+    _check(errors, not d.finetune_only or bool(m.name_or_path), "model.name_or_path",
+           f"data={d.name} fine-tunes an earlier model; set model.name_or_path=outputs/<date>/<time>/model")
+    _check(errors, d.name not in ("json", "text") or bool(d.train_file), "data.train_file",
+           f"data={d.name} needs a training file; set data.train_file=path/to/train.jsonl")
+    heads = {"model.hidden_size", "model.num_attention_heads", "model.num_key_value_heads"}
+    if m.name_or_path is None and not bad & heads:
+        _check(errors, m.hidden_size % m.num_attention_heads == 0, "model.hidden_size",
+               f"{m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}")
+        _check(errors, m.num_attention_heads % m.num_key_value_heads == 0, "model.num_key_value_heads",
+               f"{m.num_key_value_heads} must divide model.num_attention_heads={m.num_attention_heads}")
+    if m.name_or_path is None and not bad & {"data.max_length", "model.max_position_embeddings"}:
+        _check(errors, d.max_length <= m.max_position_embeddings, "data.max_length",
+               f"{d.max_length} exceeds model.max_position_embeddings={m.max_position_embeddings}")
+    errors.extend(remote_code_errors(m))  # trust_remote_code needs a pinned commit hash
+    ds = cfg.deepspeed
+    offload = ds.offload_optimizer != "none" or ds.offload_param != "none"
+    _check(errors, not (offload and cfg.optimizer.name.endswith("8bit")), "optimizer",
+           f"{cfg.optimizer.name} keeps its state on the accelerator and cannot run under DeepSpeed "
+           "CPU offload; use optimizer=adamw with deepspeed=zero2_offload, or deepspeed=zero2")
+    _check(errors, not (ds.stage > 0 and cfg.train.on_anomaly == "rollback"), "train.on_anomaly",
+           "rollback is not supported under DeepSpeed; use train.on_anomaly=skip or stop")

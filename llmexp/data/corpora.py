@@ -1,0 +1,355 @@
+"""Where text comes from: the standard library, JSON/JSONL records and plain text files.
+
+Everything here is plain Python (no torch, no tokenizer). A corpus is a list of records, each
+a dict with exactly one shape: `{"text"}`, `{"prompt", "completion"}` or `{"messages"}`.
+Bad input raises `UserError` naming the file, line or record and what was expected.
+"""
+
+from __future__ import annotations
+
+import ast
+import glob
+import hashlib
+import inspect
+import json
+import os
+import sys
+import sysconfig
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmexp.data.cache import hash_file
+from llmexp.errors import UserError
+
+Record = dict[str, Any]
+
+STDLIB_EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
+"""Directory names skipped anywhere under the stdlib (test suites, installed packages, bytecode)."""
+KNOWN_FIELDS = "`text`, `prompt` + `completion`, or `messages` (a list of {role, content})"
+ROLES = ("system", "user", "assistant")
+SFT_RECIPE_VERSION = 1
+"""Bump when the stdlib_sft pairs change, so their cached tokens are rebuilt."""
+
+
+def stdlib_root() -> Path:
+    """The running interpreter's standard library directory."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files(root: Path | None = None) -> list[str]:
+    """Relative paths of the stdlib's .py files, tests and site-packages excluded, sorted."""
+    root = root or stdlib_root()
+    found: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in STDLIB_EXCLUDED_DIRS and not d.startswith("config-"))
+        rel_dir = os.path.relpath(dirpath, root)
+        found += [os.path.normpath(os.path.join(rel_dir, f)) for f in filenames if f.endswith(".py")]
+    return sorted(found)
+
+
+def files_signature(root: Path, rel_paths: Iterable[str]) -> list[tuple[str, int, int]]:
+    """(path, size, mtime_ns) per file: a cheap fingerprint for files that only change on upgrade."""
+    out = []
+    for rel in rel_paths:
+        st = os.stat(root / rel)
+        out.append((rel, st.st_size, st.st_mtime_ns))
+    return out
+
+
+def hash_fraction(text: str) -> float:
+    """A stable number in [0, 1) from a string (Python's hash() is salted per process)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") / 2**64
+
+
+def split_by_hash(names: list[str], eval_fraction: float) -> tuple[list[str], list[str]]:
+    """Deterministic train/eval split by name; eval is never empty when there are 2+ names."""
+    scores = {name: hash_fraction(name) for name in names}
+    eval_names = [n for n in names if scores[n] < eval_fraction]
+    if not eval_names and len(names) >= 2:
+        eval_names = [min(names, key=scores.__getitem__)]
+    held = set(eval_names)
+    return [n for n in names if n not in held], eval_names
+
+
+def limit(names: list[str], max_examples: int | None) -> list[str]:
+    """At most `max_examples` names, a hash-ordered (so unbiased, yet stable) subset."""
+    if max_examples is None or len(names) <= max_examples:
+        return names
+    keep = set(sorted(names, key=hash_fraction)[:max_examples])
+    return [n for n in names if n in keep]
+
+
+def read_text(path: Path) -> str:
+    """A file's text; undecodable bytes are replaced rather than fatal."""
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+# ---------------------------------------------------------------- user files
+
+
+def require_file(path_str: str | None, key: str) -> Path:
+    """The path as an existing, non-empty file, or a UserError naming the key."""
+    if not path_str:
+        raise UserError(f"{key} is not set; set {key}=path/to/file")
+    path = Path(path_str).expanduser()
+    if not path.is_file():
+        raise UserError(f"{key}={path_str}: no such file (resolved to {path.resolve()})")
+    if path.stat().st_size == 0 or not read_text(path).strip():
+        raise UserError(f"{key}={path_str}: the file is empty")
+    return path
+
+
+def text_files(spec: str | None, key: str) -> list[Path]:
+    """A file, a directory (every file under it, recursively) or a glob, as sorted files."""
+    if not spec:
+        raise UserError(f"{key} is not set; set {key}=path/to/file_dir_or_glob")
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    elif any(ch in spec for ch in "*?["):
+        files = sorted(Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file())
+    else:
+        files = [require_file(spec, key)]
+    files = [f for f in files if f.stat().st_size > 0]
+    if not files:
+        raise UserError(f"{key}={spec}: matches no non-empty files")
+    return files
+
+
+def _check_record(rec: Any, where: str) -> Record:
+    """Validate one record's shape; return it reduced to its known fields."""
+    if not isinstance(rec, dict):
+        raise UserError(f"{where}: a record must be a JSON object with {KNOWN_FIELDS}; got {type(rec).__name__}")
+    if "messages" in rec:
+        msgs = rec["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise UserError(f"{where}: `messages` must be a non-empty list of {{role, content}} objects")
+        for j, m in enumerate(msgs):
+            if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+                raise UserError(f"{where}: messages[{j}] must be {{\"role\": one of {', '.join(ROLES)}, "
+                                f"\"content\": string}}; got {json.dumps(m)[:120]}")
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise UserError(f"{where}: `messages` has no assistant turn, so nothing to learn from")
+        return {"messages": [{"role": m["role"], "content": m["content"]} for m in msgs]}
+    if "prompt" in rec or "completion" in rec:
+        for field in ("prompt", "completion"):
+            if not isinstance(rec.get(field), str):
+                raise UserError(f"{where}: `prompt` + `completion` records need both as strings; `{field}` is "
+                                f"{'missing' if field not in rec else type(rec[field]).__name__}")
+        return {"prompt": rec["prompt"], "completion": rec["completion"]}
+    if "text" in rec:
+        if not isinstance(rec["text"], str):
+            raise UserError(f"{where}: `text` must be a string, got {type(rec['text']).__name__}")
+        return {"text": rec["text"]}
+    found = ", ".join(sorted(map(str, rec))) or "none"
+    raise UserError(f"{where}: the record has none of the known fields; expected {KNOWN_FIELDS} (found: {found})")
+
+
+def read_json_records(path: Path) -> list[Record]:
+    """Records of a JSON list or a JSONL file, validated; errors name the file and line."""
+    text = read_text(path)
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{path}:{err.lineno}: malformed JSON ({err.msg}, column {err.colno})") from None
+        except RecursionError:  # Python's parser recurses once per level of nesting
+            raise UserError(f"{path}: JSON nested too deeply to parse (over {sys.getrecursionlimit()} levels); "
+                            "records are flat objects of `text`, `prompt` + `completion`, or `messages`") from None
+        return [_check_record(rec, f"{path}: record {i}") for i, rec in enumerate(items)]
+    records = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:  # (a record just inside the limit can still overflow in _check_record's json.dumps)
+            records.append(_check_record(json.loads(line), f"{path}:{lineno}: record {len(records)}"))
+        except json.JSONDecodeError as err:
+            raise UserError(f"{path}:{lineno}: malformed JSON line ({err.msg}, column {err.colno}); "
+                            "expected one JSON object per line (JSONL) or one JSON list") from None
+        except RecursionError:
+            raise UserError(f"{path}:{lineno}: JSON nested too deeply to parse (over {sys.getrecursionlimit()} "
+                            "levels); a record is a flat object of `text`, `prompt` + `completion`, or `messages`"
+                            ) from None
+    return records
+
+
+def split_records(records: list[Record], eval_fraction: float) -> tuple[list[Record], list[Record]]:
+    """Hold out records by a hash of their content (stable under reordering of the file)."""
+    keys = [f"{i}:{json.dumps(r, sort_keys=True)}" for i, r in enumerate(records)]
+    held = set(split_by_hash(keys, eval_fraction)[1])
+    return [r for k, r in zip(keys, records, strict=True) if k not in held], \
+           [r for k, r in zip(keys, records, strict=True) if k in held]
+
+
+def split_text(texts: list[str], eval_fraction: float) -> tuple[list[str], list[str]]:
+    """One document: its last `eval_fraction` of lines is the eval set. Several: a split by content hash."""
+    if len(texts) == 1:
+        lines = texts[0].splitlines(keepends=True)
+        cut = min(max(1, int(len(lines) * (1 - eval_fraction))), len(lines) - 1)
+        if cut < 1:
+            raise UserError("a single one-line text file cannot be split into train and eval; "
+                            "set data.eval_file or give more text")
+        return ["".join(lines[:cut])], ["".join(lines[cut:])]
+    keys = [f"{i}:{t}" for i, t in enumerate(texts)]
+    train_keys, eval_keys = split_by_hash(keys, eval_fraction)
+    return [k.split(":", 1)[1] for k in train_keys], [k.split(":", 1)[1] for k in eval_keys]
+
+# ---------------------------------------------------------------- stdlib_sft
+
+
+def _docstring_pairs(root: str, rel: str, max_doc_chars: int) -> list[Record]:
+    """signature -> docstring pairs of one module's public functions and methods."""
+    try:
+        tree = ast.parse(read_text(Path(root) / rel))
+    except (SyntaxError, ValueError):
+        return []
+    pairs: list[Record] = []
+
+    def visit(node: ast.AST, owner: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, f"{owner}{child.name}.")
+            elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                doc = ast.get_docstring(child)
+                if doc and not child.name.startswith("_") and len(doc) >= 20:
+                    doc = inspect.cleandoc(doc).split("\n\n")[0][:max_doc_chars]
+                    kw = "async def" if isinstance(child, ast.AsyncFunctionDef) else "def"
+                    ret = f" -> {ast.unparse(child.returns)}" if child.returns else ""
+                    prompt = f"# {rel}: {owner}{child.name}\n{kw} {child.name}({ast.unparse(child.args)}){ret}:\n"
+                    body = "\n".join("    " + ln if ln else "" for ln in doc.splitlines())
+                    pairs.append({"prompt": prompt + '    """', "completion": body.lstrip() + '\n    """\n'})
+
+    visit(tree, "")
+    return pairs
+
+
+def stdlib_sft_records(rel_paths: list[str], num_proc: int, max_doc_chars: int = 400) -> list[Record]:
+    """Instruction pairs from the stdlib: a function's signature is the prompt, its docstring's first
+    paragraph the completion. Parsing runs on `num_proc` processes."""
+    root = str(stdlib_root())
+    args = [(root, rel, max_doc_chars) for rel in rel_paths]
+    if num_proc > 1 and len(rel_paths) > 50:
+        with ProcessPoolExecutor(num_proc) as pool:
+            chunks = list(pool.map(_docstring_pairs, *zip(*args, strict=True), chunksize=16))
+    else:
+        chunks = [_docstring_pairs(*a) for a in args]
+    return [pair for chunk in chunks for pair in chunk]
+
+
+def _first_pairs(rel_paths: list[str], max_examples: int | None, num_proc: int) -> list[Record]:
+    """All pairs, or the first `max_examples` of the files in hash order (parsing only what is needed)."""
+    if max_examples is None:
+        return stdlib_sft_records(rel_paths, num_proc)
+    pairs: list[Record] = []
+    ordered = sorted(rel_paths, key=hash_fraction)
+    for start in range(0, len(ordered), 32):
+        pairs += stdlib_sft_records(ordered[start:start + 32], 1)
+        if len(pairs) >= max_examples:
+            break
+    return pairs[:max_examples]
+
+
+# ---------------------------------------------------------------- the corpus of a config
+
+
+@dataclass
+class Corpus:
+    """A corpus's identity (cheap to compute, keys the caches) and how to read it (only on a miss)."""
+
+    name: str
+    fingerprint: dict[str, Any]
+    """Identifies the train and eval content and how it is split."""
+    bpe_fingerprint: dict[str, Any]
+    """Identifies the text a BPE tokenizer would be trained on (the train split)."""
+    load: Callable[[], tuple[list[Record], list[Record]]]
+    """Read, validate and split: (train records, eval records)."""
+    bpe_texts: Callable[[], Iterator[str]]
+    """The train split's text, for training a tokenizer."""
+
+
+PLAIN_ROLE_HEADERS = {"system": "### System:\n", "user": "### User:\n", "assistant": "### Assistant:\n"}
+"""The plain chat template, for tokenizers without one: each turn is `<header><content>\\n\\n`, and an
+assistant turn is followed by eos; the loss covers assistant content and that eos."""
+
+
+def plain_text(rec: Record) -> str:
+    """A record as plain text (for tokenizer training): the plain chat template without special tokens."""
+    if "text" in rec:
+        return rec["text"]
+    if "prompt" in rec:
+        return rec["prompt"] + rec["completion"]
+    return "".join(f"{PLAIN_ROLE_HEADERS[m['role']]}{m['content']}\n\n" for m in rec["messages"])
+
+
+def _stdlib_corpus(d: Any) -> Corpus:
+    root = stdlib_root()
+    train, held = split_by_hash(stdlib_files(root), float(d.eval_fraction))
+    whole_train = train
+    if d.name == "stdlib":
+        train = limit(train, d.max_examples)
+    base = {"root": str(root), "version": sys.version, "eval_fraction": d.eval_fraction}
+    fp = {**base, "kind": d.name, "train": files_signature(root, train), "eval": files_signature(root, held)}
+    if d.name == "stdlib_sft":
+        fp.update(max_examples=d.max_examples, recipe=SFT_RECIPE_VERSION)
+
+    def load() -> tuple[list[Record], list[Record]]:
+        if d.name == "stdlib":
+            return ([{"text": read_text(root / r)} for r in train], [{"text": read_text(root / r)} for r in held])
+        return _first_pairs(whole_train, d.max_examples, int(d.num_proc)), stdlib_sft_records(held, int(d.num_proc))
+
+    # stdlib_sft shares the stdlib tokenizer: both are trained on the stdlib's train files
+    bpe_files = train if d.name == "stdlib" else whole_train
+    return Corpus(d.name, fp, {**base, "kind": "stdlib", "train": files_signature(root, bpe_files)}, load,
+                  lambda: (read_text(root / r) for r in bpe_files))
+
+
+def _user_corpus(d: Any) -> Corpus:
+    if d.name == "text":
+        train_files = text_files(d.train_file, "data.train_file")
+        eval_files = text_files(d.eval_file, "data.eval_file") if d.eval_file else []
+    else:
+        train_files = [require_file(d.train_file, "data.train_file")]
+        eval_files = [require_file(d.eval_file, "data.eval_file")] if d.eval_file else []
+    train_fp = [hash_file(f) for f in train_files]
+    fp = {"kind": d.name, "train": train_fp, "eval": [hash_file(f) for f in eval_files],
+          "eval_fraction": None if eval_files else d.eval_fraction, "max_examples": d.max_examples}
+
+    def read(files: list[Path]) -> list[Record]:
+        if d.name == "text":
+            return [{"text": read_text(f)} for f in files]
+        return [rec for f in files for rec in read_json_records(f)]
+
+    def load() -> tuple[list[Record], list[Record]]:
+        train = read(train_files)
+        if eval_files:
+            held = read(eval_files)
+        elif d.name == "text":
+            texts, held_texts = split_text([r["text"] for r in train], float(d.eval_fraction))
+            train, held = [{"text": t} for t in texts], [{"text": t} for t in held_texts]
+        else:
+            if len(train) < 2:
+                raise UserError(f"data.train_file={d.train_file} has {len(train)} record(s); cannot hold out an "
+                                "eval set. Add records or set data.eval_file")
+            train, held = split_records(train, float(d.eval_fraction))
+        if d.max_examples is not None:
+            train = train[: int(d.max_examples)]
+        return train, held
+
+    def bpe_texts() -> Iterator[str]:
+        return (plain_text(r) for r in load()[0])
+
+    bpe_fp = {"kind": d.name, "train": train_fp, "eval_fraction": fp["eval_fraction"], "max_examples": d.max_examples}
+    return Corpus(d.name, fp, bpe_fp, load, bpe_texts)
+
+
+def load_corpus(d: Any) -> Corpus:
+    """The corpus `data.name` names (`d` is the `data` config node)."""
+    if d.name in ("stdlib", "stdlib_sft"):
+        return _stdlib_corpus(d)
+    if d.name in ("json", "text"):
+        return _user_corpus(d)
+    raise UserError(f"data.name={d.name!r} is not one of stdlib, stdlib_sft, json, text")

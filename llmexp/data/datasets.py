@@ -1,0 +1,294 @@
+"""Data for the trainer: tokenised, cut into examples, cached, and sampled deterministically.
+
+    tokenizer = load_tokenizer(cfg)                      # llmexp.data.tokenizer
+    train, eval, stats = build_datasets(cfg, tokenizer)  # cached under data.cache_dir
+    idx = batch_indices(seed, step, global_batch, len(train))
+    batch = train.get_batch(micro_batch(idx, rank, world, micro, micro_batch_size))
+
+Examples are cut one of three ways, chosen from the records and `data.packing`:
+- `lm_packed`: `text` records joined with eos and cut into full blocks of `max_length`
+  (pretraining; the last partial block of the train split is dropped and reported);
+- `padded`: one example per row, truncated to `max_length`, padded per batch (with an attention mask);
+- `sft_packed`: whole SFT examples packed into rows of at most `max_length`, each with its own
+  `position_ids` starting at 0, which the model's attention turns into block-diagonal masks.
+
+The token arrays are cached (`tokens/<key>/`, uint16 when the vocabulary fits) under a key of the
+corpus content, the tokenizer and these settings, and memory-mapped on a hit.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from omegaconf import DictConfig
+
+from llmexp.data.cache import get_or_build, hash_obj, save_array
+from llmexp.data.corpora import Record, load_corpus
+from llmexp.data.tokenizer import hub_error, load_tokenizer  # re-exported: the trainer imports them from here
+from llmexp.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["TokenDataset", "batch_indices", "build_datasets", "hub_error", "load_tokenizer", "micro_batch"]
+
+IGNORE_INDEX = -100
+FORMAT_VERSION = 1
+"""Bump when the cached arrays' layout or meaning changes."""
+
+
+# ---------------------------------------------------------------- sampler
+
+
+@functools.lru_cache(maxsize=2)  # this epoch's and the next one's
+def _permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
+    perm = np.random.default_rng([seed % 2**64, epoch]).permutation(num_examples)
+    perm.flags.writeable = False
+    return perm
+
+
+def batch_indices(seed: int, step: int, global_batch_size: int, num_examples: int) -> np.ndarray:
+    """The example indices of the global batch at optimizer step `step` (0-based).
+
+    A pure function of its arguments: position p = step * G + i of an endless stream made of one
+    fresh permutation per epoch (epoch = p // N). Resume, a different world size or a different
+    accumulation split all see the same examples at the same step.
+    """
+    if num_examples <= 0:
+        raise ValueError("batch_indices needs at least one example")
+    positions = step * global_batch_size + np.arange(global_batch_size, dtype=np.int64)
+    epochs = positions // num_examples
+    out = np.empty(global_batch_size, dtype=np.int64)
+    for epoch in np.unique(epochs):
+        sel = epochs == epoch
+        out[sel] = _permutation(seed, int(epoch), num_examples)[positions[sel] % num_examples]
+    return out
+
+
+def micro_batch(indices: np.ndarray, rank: int, world_size: int, micro_index: int,
+                micro_batch_size: int) -> np.ndarray:
+    """This rank's slice of a global batch for micro-step `micro_index` (rank-major within a micro-step)."""
+    start = (micro_index * world_size + rank) * micro_batch_size
+    if start + micro_batch_size > len(indices):
+        raise ValueError(f"micro-batch {micro_index} of rank {rank} lies outside a global batch of {len(indices)}")
+    return indices[start:start + micro_batch_size]
+
+
+# ---------------------------------------------------------------- dataset
+
+
+class TokenDataset:
+    """Rows of tokens (flat array + row offsets), optionally a target mask and position ids."""
+
+    def __init__(self, ids: np.ndarray, offsets: np.ndarray, mask: np.ndarray | None,
+                 positions: np.ndarray | None, row_targets: np.ndarray, pad_id: int) -> None:
+        self.ids, self.offsets, self.mask, self.positions = ids, offsets, mask, positions
+        self.row_targets, self.pad_id = row_targets, pad_id
+        lengths = np.diff(offsets)
+        self.block = int(lengths[0]) if len(lengths) and mask is None and positions is None \
+            and (lengths == lengths[0]).all() else 0
+        """Row length when every row is a full block (fast path: one reshape, no padding)."""
+
+    @classmethod
+    def load(cls, entry: Path, split: str, pad_id: int) -> TokenDataset:
+        """Memory-map a split of a cache entry."""
+        def get(name: str) -> np.ndarray | None:
+            path = entry / f"{split}_{name}.npy"
+            return np.load(path, mmap_mode="r") if path.exists() else None
+
+        return cls(get("ids"), np.load(entry / f"{split}_offsets.npy"), get("mask"), get("positions"),
+                   np.load(entry / f"{split}_row_targets.npy"), pad_id)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def num_targets(self, indices: np.ndarray) -> int:
+        """Label tokens that count after the model's shift: sum of (labels[:, 1:] != -100)."""
+        return int(self.row_targets[np.asarray(indices)].sum())
+
+    def get_batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
+        """input_ids and labels (B, L) int64, aligned (the loss shifts); attention_mask only when
+        rows are padded; position_ids for packed SFT rows."""
+        import torch
+
+        indices = np.asarray(indices, dtype=np.int64)
+        if self.block:
+            rows = self.ids.reshape(-1, self.block)[indices].astype(np.int64)
+            return {"input_ids": torch.from_numpy(rows), "labels": torch.from_numpy(rows.copy())}
+        starts, ends = self.offsets[indices], self.offsets[indices + 1]
+        width = int((ends - starts).max())
+        input_ids = np.full((len(indices), width), self.pad_id, dtype=np.int64)
+        labels = np.full((len(indices), width), IGNORE_INDEX, dtype=np.int64)
+        positions = np.zeros((len(indices), width), dtype=np.int64) if self.positions is not None else None
+        for row, (a, b) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
+            input_ids[row, : b - a] = self.ids[a:b]
+            target = self.mask[a:b].astype(bool) if self.mask is not None else slice(None)
+            labels[row, : b - a][target] = input_ids[row, : b - a][target]
+            if positions is not None:
+                positions[row, : b - a] = self.positions[a:b]
+                positions[row, b - a:] = np.arange(width - (b - a))  # padding: a segment of its own
+        batch = {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels)}
+        if positions is not None:
+            batch["position_ids"] = torch.from_numpy(positions)  # no attention_mask: it would disable packing
+        elif (ends - starts != width).any():
+            batch["attention_mask"] = torch.from_numpy(np.arange(width) < (ends - starts)[:, None]).long()
+        return batch
+
+
+# ---------------------------------------------------------------- cutting examples
+
+
+def _truncate(ids: list[np.ndarray], masks: list[np.ndarray] | None, max_length: int,
+              stats: dict[str, int]) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+    """Cut each example to `max_length`, then drop those left without a target token."""
+    over = [len(x) - max_length for x in ids if len(x) > max_length]
+    stats["truncated_examples"], stats["truncated_tokens"] = len(over), int(sum(over))
+    ids = [x[:max_length] for x in ids]
+    masks = [m[:max_length] for m in masks] if masks is not None else None
+    keep = [i for i, x in enumerate(ids) if (masks[i][1:].any() if masks is not None else len(x) >= 2)]
+    stats["dropped_examples"] = len(ids) - len(keep)
+    return [ids[i] for i in keep], [masks[i] for i in keep] if masks is not None else None
+
+
+def _row_targets(offsets: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """Per row, the label tokens left after the shift (the row's first token is never a target)."""
+    starts = offsets[:-1]
+    if mask is None:
+        return (np.diff(offsets) - 1).astype(np.int64)
+    return (np.add.reduceat(mask.astype(np.int64), starts) - mask[starts]).astype(np.int64)
+
+
+def _cut_blocks(ids: list[np.ndarray], max_length: int, keep_tail: bool,
+                stats: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
+    """Documents joined (each already ends in eos) and cut into full blocks: (flat ids, row offsets)."""
+    flat = np.concatenate(ids) if ids else np.empty(0, np.int64)
+    full = len(flat) // max_length * max_length
+    cuts = list(range(0, full + 1, max_length))
+    if keep_tail and len(flat) - full >= 2:  # eval keeps its last partial block: every held-out token is scored
+        cuts.append(len(flat))
+    else:
+        stats["dropped_tokens"], flat = len(flat) - full, flat[:full]
+    return flat, np.asarray(cuts, dtype=np.int64)
+
+
+def _pack_rows(lengths: np.ndarray, max_length: int) -> np.ndarray:
+    """Row offsets of whole examples packed greedily, in order, into rows of at most `max_length`."""
+    ends = np.cumsum(lengths)
+    row_starts, used = [0], 0
+    for i, n in enumerate(lengths.tolist()):
+        if used + n > max_length:
+            row_starts.append(int(ends[i] - n))
+            used = 0
+        used += n
+    return np.asarray([*row_starts, int(ends[-1])], dtype=np.int64)
+
+
+def _cut(mode: str, ids: list[np.ndarray], masks: list[np.ndarray] | None, max_length: int,
+         keep_tail: bool) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """Arrays of one split (ids, offsets, mask?, positions?, row_targets) and its counts."""
+    stats: dict[str, int] = {"records": len(ids), "truncated_examples": 0, "truncated_tokens": 0,
+                             "dropped_examples": 0, "dropped_tokens": 0}
+    arrays: dict[str, np.ndarray] = {}
+    if mode == "lm_packed":
+        flat, offsets = _cut_blocks(ids, max_length, keep_tail, stats)
+    else:
+        ids, masks = _truncate(ids, masks, max_length, stats)
+        lengths = np.array([len(x) for x in ids], dtype=np.int64)
+        flat = np.concatenate(ids) if ids else np.empty(0, np.int64)
+        if not ids:
+            offsets = np.zeros(1, dtype=np.int64)
+        elif mode == "sft_packed":
+            offsets = _pack_rows(lengths, max_length)
+            arrays["positions"] = np.concatenate([np.arange(n) for n in lengths]).astype(np.uint16)
+        else:
+            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        if masks is not None:
+            arrays["mask"] = np.concatenate(masks).astype(np.uint8) if masks else np.empty(0, np.uint8)
+    if len(offsets) < 2 or offsets[-1] == 0:
+        offsets = np.zeros(1, dtype=np.int64)
+    arrays["ids"], arrays["offsets"] = flat, offsets
+    arrays["row_targets"] = _row_targets(offsets, arrays.get("mask")) if len(offsets) > 1 else np.empty(0, np.int64)
+    stats.update(examples=len(offsets) - 1, tokens=int(offsets[-1]), target_tokens=int(arrays["row_targets"].sum()))
+    return arrays, stats
+
+
+def _check_packing_supported(cfg: DictConfig) -> None:
+    """SFT packing is only right if attention stops at example boundaries: refuse where it may not."""
+    if cfg.model.trust_remote_code:
+        raise UserError("data.packing=true for SFT records relies on transformers' packed-sequence attention "
+                        "(position_ids restarting per example); remote model code may ignore it and let examples "
+                        "attend to each other. Set data.packing=false")
+    try:
+        from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+    except ImportError:
+        raise UserError("data.packing=true for SFT records needs transformers >= 4.53 (packed-sequence masks); "
+                        "upgrade transformers or set data.packing=false") from None
+
+
+# ---------------------------------------------------------------- build
+
+
+def _settings(cfg: DictConfig) -> dict[str, Any]:
+    d = cfg.data
+    return {"format": FORMAT_VERSION, "name": d.name, "max_length": int(d.max_length), "packing": bool(d.packing)}
+
+
+def _build_split(mode: str, recs: list[Record], tok: Any, cfg: DictConfig, split: str,
+                 out: Path, dtype: type) -> dict[str, int]:
+    from llmexp.data.encode import encode_lm, encode_sft
+
+    if mode == "lm_packed" or (mode == "padded" and all("text" in r for r in recs)):
+        ids, masks = encode_lm([r["text"] for r in recs], tok), None
+    else:
+        ids, masks = encode_sft(recs, tok)
+    arrays, stats = _cut(mode, ids, masks, int(cfg.data.max_length), keep_tail=split == "eval")
+    if stats["examples"] == 0:
+        source = f"data.{split}_file={cfg.data[f'{split}_file']}" if cfg.data.get(f"{split}_file") else \
+            f"the {split} split of data={cfg.data.name}"
+        raise UserError(f"{source} has no usable records: {stats['records']} record(s), {stats['dropped_examples']} "
+                        f"left without a target token after truncation to data.max_length={cfg.data.max_length}, "
+                        f"{stats['tokens']} token(s) in all. Add data or raise data.max_length")
+    arrays["ids"] = arrays["ids"].astype(dtype)
+    for name, array in arrays.items():
+        save_array(out, f"{split}_{name}", array)
+    return stats
+
+
+def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[TokenDataset, TokenDataset, dict[str, Any]]:
+    """The train and eval datasets and their stats (for summary.json), from the cache when possible."""
+    from llmexp.data.tokenizer import tokenizer_fingerprint
+
+    start = time.perf_counter()
+    corpus = load_corpus(cfg.data)
+    key = hash_obj({**_settings(cfg), "corpus": corpus.fingerprint, "tokenizer": tokenizer_fingerprint(tokenizer)})
+    dtype = np.uint16 if len(tokenizer) <= 2**16 else np.int32
+
+    def build(tmp: Path) -> dict[str, Any]:
+        train_recs, eval_recs = corpus.load()
+        if not train_recs:
+            raise UserError(f"data={cfg.data.name}: the training split is empty; add data or lower data.eval_fraction")
+        if not eval_recs:
+            raise UserError(f"data={cfg.data.name}: the eval split is empty; set data.eval_file or raise "
+                            "data.eval_fraction")
+        sft = cfg.data.name == "stdlib_sft" or any("text" not in r for r in train_recs + eval_recs)
+        mode = ("sft_packed" if sft else "lm_packed") if cfg.data.packing else "padded"
+        if mode == "sft_packed":
+            _check_packing_supported(cfg)
+        stats = {"mode": mode}
+        for split, recs in (("train", train_recs), ("eval", eval_recs)):
+            split_stats = _build_split(mode, recs, tokenizer, cfg, split, tmp, dtype)
+            stats.update({f"{split}_{k}": v for k, v in split_stats.items()})
+        return {"key": key, "settings": _settings(cfg), "stats": stats}
+
+    entry, meta, hit = get_or_build(Path(str(cfg.data.cache_dir)), "tokens", key, build)
+    if meta["stats"]["mode"] == "sft_packed":
+        _check_packing_supported(cfg)
+    pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    train, held = (TokenDataset.load(entry, split, pad_id) for split in ("train", "eval"))
+    stats = {f"data_{k}": v for k, v in meta["stats"].items()}
+    stats.update(data_cache_hit=hit, data_cache_key=key, data_prep_s=round(time.perf_counter() - start, 3))
+    return train, held, stats

@@ -1,0 +1,42 @@
+"""`python -m llmexp.report DIR`: (re)write a run's report or a sweep's report, whichever DIR is.
+
+    python -m llmexp.report RUN_DIR      # report.md + curves.png
+    python -m llmexp.report SWEEP_DIR    # sweep_summary.json, sweep_report.md, sweep_curves.png
+
+Exit codes: 0 written, 1 a sweep with failed or unfinished jobs, 2 not a run or sweep directory.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from llmexp.report.run import write_run_report
+from llmexp.report.rundir import is_run_dir, is_sweep_dir
+from llmexp.report.sweep import write_sweep_report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m llmexp.report DIR`: the run report or the sweep report, whichever DIR is."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or args[0] in ("-h", "--help"):
+        print("usage: python -m llmexp.report RUN_DIR|SWEEP_DIR", file=sys.stderr)
+        return 2
+    path = Path(args[0])
+    if is_sweep_dir(path) and not (path / "metrics.jsonl").exists():
+        summary = write_sweep_report(path)
+        rec = summary["recommendation"]
+        print(f"wrote {path / 'sweep_report.md'}: {summary['num_jobs']} jobs {summary['status_counts']}")
+        print(f"recommended: {rec['settings']} ({rec['reason']})" if rec else "no recommendation")
+        return 0 if summary["all_finished"] else 1
+    if is_run_dir(path):
+        write_run_report(path)
+        print(f"wrote {path / 'report.md'} and {path / 'curves.png'}")
+        return 0
+    print(f"llmexp.report: error: {path} is neither a run directory (metrics.jsonl, summary.json, .hydra/) "
+          "nor a sweep directory (multirun.yaml, job subdirectories)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

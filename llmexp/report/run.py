@@ -1,0 +1,143 @@
+"""The run report (report.md, curves.png): a pure function of what a run directory holds, so it works
+after the fact (`python -m llmexp.report RUN_DIR`, see `llmexp.report.__main__`).
+
+A run directory has `metrics.jsonl` / `summary.json` / `.hydra/`; a sweep directory has
+`multirun.yaml` or job subdirectories (`0/`, `1/`, ...). Reading a run directory lives in
+`llmexp.report.rundir`, plots in `llmexp.report.plots`, the sweep report in `llmexp.report.sweep`.
+Exit codes: 0 written, 1 a sweep with failed or unfinished jobs, 2 not a run or sweep directory.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from llmexp.monitor import ERROR, Finding, is_open, worst_severity
+from llmexp.paths import write_text_atomic
+from llmexp.report.rundir import (
+    finding_state,
+    fmt,
+    fmt_rate,
+    last_value,
+    load_config,
+    load_json,
+    load_overrides,
+    load_records,
+    run_findings,
+)
+
+# ----- the run report ----------------------------------------------------------------------------
+
+def _key_metrics(records: list[dict], summary: dict) -> list[tuple[str, str]]:
+    evals = [(r["step"], r["eval_loss"]) for r in records if r.get("event") == "eval"
+             and isinstance(r.get("eval_loss"), int | float) and math.isfinite(r["eval_loss"])]
+    best = min(evals, key=lambda sv: sv[1]) if evals else None
+    pick = lambda key, event="train": summary.get(key, last_value(records, event, key))  # noqa: E731
+    rows = [
+        ("steps", fmt(summary.get("step", last_value(records, "train", "step")))),
+        ("final train loss", fmt(summary.get("train_loss", last_value(records, "train", "loss")))),
+        ("final eval loss", fmt(pick("eval_loss", "eval"))),
+        ("final eval ppl", fmt(pick("eval_ppl", "eval"))),
+        ("best eval loss", f"{best[1]:.4g} (step {best[0]})" if best else "–"),
+        ("tokens/s", fmt_rate(pick("tokens_per_sec"))),
+        ("MFU", "not reported (see the mfu_unavailable finding)" if "mfu" in summary and summary["mfu"] is None
+         else fmt(pick("mfu"), 3)),
+        ("peak memory (MB)", fmt(summary.get("peak_mem_mb", last_value(records, "train", "mem_mb")))),
+        ("wall time (s)", fmt(summary.get("time_s", last_value(records, "train", "time_s")))),
+        ("parameters", fmt(summary.get("num_params"))),
+        ("lr", f"{fmt(summary.get('lr'))} ({summary['lr_source']})" if summary.get("lr_source")
+         else fmt(summary.get("lr"))),
+    ]
+    return [(k, v) for k, v in rows if v != "–"]
+
+
+_SETTINGS = (
+    ("model", ("model", "name")), ("model path", ("model", "name_or_path")), ("hidden size", ("model", "hidden_size")),
+    ("layers", ("model", "num_hidden_layers")), ("lr", ("lr",)), ("batch size (per device)", ("batch_size",)),
+    ("gradient accumulation", ("train", "gradient_accumulation_steps")),
+    ("global batch size", ("train", "global_batch_size")), ("max steps", ("train", "max_steps")),
+    ("precision", ("precision", "name")), ("optimizer", ("optimizer", "name")),
+    ("weight decay", ("train", "weight_decay")), ("scheduler", ("scheduler", "name")),
+    ("warmup ratio", ("train", "warmup_ratio")), ("warmup steps", ("train", "warmup_steps")),
+    ("max grad norm (clipping)", ("train", "max_grad_norm")), ("on anomaly", ("train", "on_anomaly")),
+    ("early stopping patience", ("train", "early_stopping_patience")), ("data", ("data", "name")),
+    ("max length", ("data", "max_length")), ("deepspeed", ("deepspeed", "name")), ("seed", ("seed",)),
+)
+
+
+def settings_rows(cfg: dict) -> list[tuple[str, str]]:
+    """The settings that decide how training behaves, as (label, value) rows; unset ones left out."""
+    rows = []
+    for label, keys in _SETTINGS:
+        node: Any = cfg
+        for key in keys:
+            node = node.get(key) if isinstance(node, dict) else None
+        if node is not None:
+            rows.append((label, fmt(node)))
+    return rows
+
+
+def findings_markdown(findings: list[dict]) -> str:
+    if not findings:
+        return "None: the run looks healthy.\n"
+    icon = {"error": "🛑", "warning": "⚠️", "info": "ℹ️"}
+    lines = []
+    for f in findings:
+        state = finding_state(f)
+        lines.append(f"- {icon.get(f['severity'], '') if not state else '✅'} **{f['severity']}** `{f['kind']}` at "
+                     f"step {f['step']}{f' **{state.strip()}**' if state else ''}: "
+                     f"{f['message']}\n  - *advice:* {f['advice']}")
+    return "\n".join(lines) + "\n"
+
+
+def _table(rows: list[tuple[str, str]], header: tuple[str, str]) -> str:
+    out = [f"| {header[0]} | {header[1]} |", "|---|---|"]
+    out += [f"| {k} | {v} |" for k, v in rows]
+    return "\n".join(out) + "\n"
+
+
+def run_report_markdown(run_dir: Path, records: list[dict], summary: dict | None, findings: list[dict],
+                        cfg: dict, overrides: list[str]) -> str:
+    status = (summary or {}).get("status", "unknown (no summary.json: the run was killed or is still running)")
+    worst = worst_severity(findings)
+    health = "healthy" if worst is None or worst == "info" else ("broken" if worst == ERROR else "needs attention")
+    still = [f for f in findings if is_open(f)]
+    counts = ", ".join(f"{sum(f['severity'] == s for f in still)} {s}" for s in ("error", "warning", "info"))
+    if len(still) < len(findings):
+        counts += f"; {len(findings) - len(still)} resolved"
+    parts = [
+        f"# Run report: {Path(run_dir).resolve().name}\n",
+        f"**Status:** {status}" + (f" (exit code {summary['exit_code']})" if summary and "exit_code" in summary else "")
+        + f" · **health:** {health} ({counts})\n",
+        f"**Overrides:** `{' '.join(overrides)}`\n" if overrides else "**Overrides:** none (the default run)\n",
+        "## Key metrics\n", _table(_key_metrics(records, summary or {}), ("metric", "value")),
+        "## Findings\n", findings_markdown(findings),
+        "## Settings that mattered\n",
+        _table(settings_rows(cfg), ("setting", "value")) if cfg else "No `.hydra/config.yaml` found.\n",
+        "## Curves\n", "![curves](curves.png)\n",
+        "Regenerate with `python -m llmexp.doctor RUN_DIR`.\n",
+    ]
+    return "\n".join(parts)
+
+
+def write_run_report(run_dir: Path, findings: list[Finding] | list[dict] | None = None) -> None:
+    """Write report.md and curves.png from metrics.jsonl, summary.json and .hydra/.
+
+    `findings` defaults to a fresh diagnosis of metrics.jsonl (or summary.json's when there are no metrics).
+    """
+    from llmexp.report.plots import plot_run
+
+    run_dir = Path(run_dir)
+    records = load_records(run_dir)
+    if findings is None:
+        found = run_findings(run_dir, records)
+    else:
+        found = [f.to_dict() if isinstance(f, Finding) else dict(f) for f in findings]
+    cfg = load_config(run_dir)
+    text = run_report_markdown(run_dir, records, load_json(run_dir / "summary.json"), found, cfg,
+                               load_overrides(run_dir))
+    clip = (cfg.get("train") or {}).get("max_grad_norm")
+    plot_run(records, found, run_dir / "curves.png", title=run_dir.resolve().name,
+             max_grad_norm=float(clip) if isinstance(clip, int | float) else None)
+    write_text_atomic(run_dir / "report.md", text)

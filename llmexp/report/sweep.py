@@ -1,0 +1,175 @@
+"""The sweep report: one table, one recommendation and one plot over a sweep's job directories.
+
+    python -m llmexp.report SWEEP_DIR    # sweep_summary.json, sweep_report.md, sweep_curves.png
+
+Reads each job directory with the loaders of `llmexp.report.rundir`, as the run report does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from llmexp.monitor import ERROR, worst_severity
+from llmexp.paths import write_text_atomic
+from llmexp.report.rundir import (
+    FINISHED,
+    fmt,
+    fmt_rate,
+    job_dirs,
+    last_value,
+    load_json,
+    load_overrides,
+    load_records,
+    run_findings,
+)
+
+
+def stability(records: list[dict]) -> dict[str, float | None]:
+    """How steadily a run's train loss fell: its drop, the share of logged steps where it rose,
+    and its noise (median deviation from a 5-point running median) relative to the drop."""
+    losses = [float(r["loss"]) for r in records if r.get("event") == "train"
+              and isinstance(r.get("loss"), int | float) and math.isfinite(r["loss"])]
+    if len(losses) < 3:
+        return {"drop": None, "rise_fraction": None, "noise_to_drop": None}
+    k = min(3, len(losses) // 2)
+    drop = statistics.median(losses[:k]) - statistics.median(losses[-k:])
+    rises = sum(b > a for a, b in itertools.pairwise(losses)) / (len(losses) - 1)
+    resid = [abs(v - statistics.median(losses[max(0, i - 2):i + 3])) for i, v in enumerate(losses)]
+    noise = statistics.median(resid)
+    return {"drop": round(drop, 4), "rise_fraction": round(rises, 3),
+            "noise_to_drop": round(noise / drop, 4) if drop > 0 else None}
+
+
+def _param_dict(overrides: list[str]) -> dict[str, str]:
+    out = {}
+    for o in overrides:
+        key, sep, value = o.lstrip("+~").partition("=")
+        if sep:
+            out[key] = value
+    return out
+
+
+def collect_job(job_dir: Path) -> dict[str, Any]:
+    """One sweep job's entry: overrides, status, final metrics, findings and loss stability."""
+    records, summary = load_records(job_dir), load_json(job_dir / "summary.json")
+    job_status = load_json(job_dir / "job_status.json") or {}
+    overrides = load_overrides(job_dir)
+    entry: dict[str, Any] = {"job": job_dir.name, "dir": str(job_dir), "overrides": overrides,
+                             "params": _param_dict(overrides)}
+    if summary is not None:
+        # The launcher writes job_status.json only when it knows more than the trainer (e.g. SLURM cancelled it).
+        entry["status"] = job_status.get("status") or summary.get("status", "unknown")
+        entry["error"] = job_status.get("error")
+    else:
+        entry["status"] = job_status.get("status", "failed")
+        entry["error"] = job_status.get("error") or "no summary.json: the job was killed, crashed, or is still running"
+    for key, event, rec_key in (("step", "train", "step"), ("train_loss", "train", "loss"),
+                                ("train_ppl", "train", "ppl"), ("eval_loss", "eval", "eval_loss"),
+                                ("eval_ppl", "eval", "eval_ppl"), ("tokens_per_sec", "train", "tokens_per_sec")):
+        value = (summary or {}).get(key)
+        entry[key] = value if value is not None else last_value(records, event, rec_key)
+    if isinstance(entry["train_loss"], int | float) and (summary or {}).get("train_loss") is not None:
+        entry["train_ppl"] = math.exp(min(entry["train_loss"], 50.0))  # consistent with the loss shown
+    entry["findings"] = run_findings(job_dir, records)
+    entry["worst_severity"] = worst_severity(entry["findings"])
+    entry["stability"] = stability(records)
+    return entry
+
+
+def varying_params(jobs: list[dict]) -> list[str]:
+    """Override keys whose values differ between jobs, in the order they were given."""
+    keys: list[str] = []
+    for job in jobs:
+        keys += [k for k in job["params"] if k not in keys]
+    return [k for k in keys if len({job["params"].get(k) for job in jobs}) > 1]
+
+
+REPLICATE_KEYS = ("seed", "train.seed_data")
+"""Swept keys that repeat a setting rather than change it: the recommendation averages over them."""
+
+
+def _swept(job: dict, keys: list[str]) -> str:
+    return " ".join(f"{k}={job['params'].get(k)}" for k in keys) or "(defaults)"
+
+
+def recommend(jobs: list[dict], varying: list[str] | None = None) -> dict[str, Any] | None:
+    """The setting with the lowest final eval loss among finished jobs with no error findings (the mean
+    over seeds when seeds are swept too), with the reason and how stably its loss fell."""
+    varying = varying_params(jobs) if varying is None else varying
+    ok = [j for j in jobs if j["status"] in FINISHED and j["worst_severity"] != ERROR
+          and isinstance(j.get("eval_loss"), int | float) and math.isfinite(j["eval_loss"])]
+    if not ok:
+        return None
+    keys = [k for k in varying if k not in REPLICATE_KEYS] or varying
+    groups: dict[str, list[dict]] = {}
+    for j in ok:
+        groups.setdefault(_swept(j, keys), []).append(j)
+    mean = {name: statistics.fmean(j["eval_loss"] for j in members) for name, members in groups.items()}
+    ranked = sorted(groups, key=mean.__getitem__)
+    best_name = ranked[0]
+    best = min(groups[best_name], key=lambda j: j["eval_loss"])
+    runs = len(groups[best_name])
+    what = f"mean over {runs} runs " if runs > 1 else ""
+    reason = (f"lowest final eval loss ({what}{mean[best_name]:.4g}) among {len(ok)} finished job(s) with no "
+              f"error findings ({len(jobs) - len(ok)} excluded)")
+    if len(ranked) > 1:
+        reason += f"; runner-up `{ranked[1]}` at {mean[ranked[1]]:.4g}"
+    stab = [j["stability"] for j in groups[best_name] if j["stability"]["rise_fraction"] is not None]
+    if stab:
+        reason += (f"; its train loss fell {statistics.fmean(x['drop'] for x in stab):.3g} nats and rose on "
+                   f"{statistics.fmean(x['rise_fraction'] for x in stab):.0%} of logged steps")
+    return {"job": best["job"], "settings": best_name, "overrides": best["overrides"], "params": best["params"],
+            "eval_loss": mean[best_name], "reason": reason}
+
+
+def sweep_report_markdown(summary: dict) -> str:
+    rec, varying, jobs = summary["recommendation"], summary["varying"], summary["jobs"]
+    common = [o for o in (jobs[0]["overrides"] if jobs else []) if o.lstrip("+~").partition("=")[0] not in varying
+              and all(o in j["overrides"] for j in jobs)]
+    lines = [f"# Sweep report: {Path(summary['sweep_dir']).name}\n",
+             f"**Jobs:** {summary['num_jobs']} (" + ", ".join(f"{n} {s}" for s, n in summary["status_counts"].items())
+             + ")" + (f" · **swept:** {', '.join(varying)}" if varying else "") + "\n",
+             f"**Common overrides:** `{' '.join(common)}`\n" if common else "",
+             f"**Recommended:** `{rec['settings']}` (job {rec['job']}): {rec['reason']}.\n" if rec else
+             "**Recommended:** none: no job finished without error findings.\n",
+             "| job | settings | status | train loss | train ppl | eval loss | eval ppl | tokens/s | loss rose on | "
+             "findings |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for j in jobs:
+        found = ", ".join(f"{f['severity']}:{f['kind']}@{f['step']}" for f in j["findings"]) or "–"
+        status = j["status"] + (f" ({j['error']})" if j.get("error") and j["status"] not in FINISHED else "")
+        rise = j["stability"]["rise_fraction"]
+        lines.append(f"| {j['job']} | `{_swept(j, varying) if varying else ' '.join(j['overrides'])}` | {status} | "
+                     f"{fmt(j['train_loss'])} | {fmt(j['train_ppl'])} | {fmt(j['eval_loss'])} | "
+                     f"{fmt(j['eval_ppl'])} | {fmt_rate(j['tokens_per_sec'])} | "
+                     f"{'–' if rise is None else f'{rise:.0%}'} | {found} |")
+    lines += ["", "*loss rose on*: the share of logged steps where the train loss went up (lower is steadier). "
+              "Every job's full overrides are in sweep_summary.json.", "", "![sweep curves](sweep_curves.png)", ""]
+    return "\n".join(lines)
+
+
+def write_sweep_report(sweep_dir: Path) -> dict[str, Any]:
+    """Write sweep_summary.json, sweep_report.md and sweep_curves.png; return the summary."""
+    from llmexp.report.plots import plot_sweep
+
+    sweep_dir = Path(sweep_dir)
+    jobs = [collect_job(d) for d in job_dirs(sweep_dir)]
+    counts: dict[str, int] = {}
+    for j in jobs:
+        counts[j["status"]] = counts.get(j["status"], 0) + 1
+    varying = varying_params(jobs)
+    rec = recommend(jobs, varying)
+    summary = {"sweep_dir": str(sweep_dir), "num_jobs": len(jobs), "status_counts": counts,
+               "all_finished": all(j["status"] in FINISHED for j in jobs), "varying": varying,
+               "recommendation": rec, "jobs": jobs}
+    curves = {j["job"]: load_records(Path(j["dir"])) for j in jobs}
+    title = sweep_dir.resolve().name + (f"  ·  recommended: {rec['settings']}" if rec else "")
+    plot_sweep(jobs, curves, varying, sweep_dir / "sweep_curves.png", title=title,
+               recommended=rec["job"] if rec else None)
+    write_text_atomic(sweep_dir / "sweep_summary.json", json.dumps(summary, indent=2, default=str) + "\n")
+    write_text_atomic(sweep_dir / "sweep_report.md", sweep_report_markdown(summary))
+    return summary

@@ -1,0 +1,238 @@
+"""Sweep jobs, whatever runs them: composing them, running one, recording how it ended, the report.
+
+`llmexp.sweep.local` (`cluster=local`, a process per job) and `llmexp.sweep.slurm` (`cluster=slurm`, a
+job array) both pin the sweep directory with `compose_jobs`, run a job with `execute` (in the
+job's own process or on its node) and end the sweep with `finish_sweep`: every job that does not
+end `completed` gets `<job dir>/job_status.json`, the sweep report is written, and the command
+exits 1 if any job did not finish. Nothing here imports torch or submitit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from llmexp.paths import register_resolvers, write_json_atomic, write_text_atomic
+from llmexp.report.rundir import FINISHED, load_json
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from hydra.core.utils import JobReturn
+
+log = logging.getLogger(__name__)
+
+_launched = False
+
+
+def jobs_launched() -> bool:
+    """True once this process launched sweep jobs (the CLI then knows an exit 1 is not a compose error)."""
+    return _launched
+
+
+@dataclass
+class JobSpec:
+    """One sweep job, composed in the launching process."""
+
+    num: int
+    overrides: list[str]
+    config: Any
+    """The job's composed DictConfig (Hydra node included), sweep directory already resolved."""
+    job_dir: Path
+
+
+@dataclass
+class JobOutcome:
+    """How a job ended, as the launcher saw it."""
+
+    num: int
+    status: str
+    """completed, early_stopped, diverged, failed, cancelled, killed, timeout, preempted, submitted..."""
+    exit_code: int | None = None
+    error: str | None = None
+    job_id: str | None = None
+    """The SLURM job id (array form), when there is one."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ----------------------------------------------------------------------------- composing and running
+
+
+def compose_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int,
+                 compose: bool = True) -> list[JobSpec]:
+    """Every job's spec, its sweep directory pinned; its config composed now unless `compose=False`.
+
+    `hydra.sweep.dir` is resolved once here: its `${llmexp_run_id:}` must not be re-evaluated
+    in a child process or on a SLURM node, where time and pid differ. Composition takes ~0.3 s a
+    job (Hydra's sweeper has already composed each once to validate it), so the SLURM launcher
+    leaves it to the node (`compose_job`); the job directory is then derived from the sweep config
+    unless `hydra.sweep.subdir` names the overrides, which only a composition knows.
+    """
+    from omegaconf import OmegaConf, open_dict
+
+    global _launched
+    _launched = True
+    sweep_dir = Path(str(launcher.config.hydra.sweep.dir)).absolute()
+    with open_dict(launcher.config):
+        launcher.config.hydra.sweep.dir = str(sweep_dir)
+    raw_subdir = str(OmegaConf.to_container(launcher.config.hydra.sweep, resolve=False).get("subdir"))
+    compose = compose or "override" in raw_subdir
+    specs, sweep_probe = [], OmegaConf.create({"hydra": OmegaConf.to_container(launcher.config.hydra)})
+    for offset, overrides in enumerate(job_overrides):
+        num = initial_job_idx + offset
+        cfg = compose_job(launcher, list(overrides), num) if compose else None
+        probe = cfg if cfg is not None else sweep_probe
+        with open_dict(probe):
+            probe.hydra.job.num = num
+        subdir = str(OmegaConf.select(probe, "hydra.sweep.subdir"))
+        specs.append(JobSpec(num=num, overrides=list(overrides), config=cfg, job_dir=sweep_dir / subdir))
+    return specs
+
+
+def compose_job(launcher: Any, overrides: list[str], num: int) -> Any:
+    """One job's config, as Hydra's basic launcher composes it."""
+    from omegaconf import open_dict
+
+    cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, overrides)
+    with open_dict(cfg):
+        cfg.hydra.job.id = str(num)
+        cfg.hydra.job.num = num
+    return cfg
+
+
+def run_status(job_dir: Path) -> str | None:
+    """The status the trainer wrote to `summary.json`, or None when there is none (yet)."""
+    status = (load_json(Path(job_dir) / "summary.json") or {}).get("status")
+    return str(status) if status else None
+
+
+def execute(spec: JobSpec, task_function: Any, hydra_context: Any, singleton_state: Any) -> JobOutcome:
+    """Run one job in this process through Hydra's `run_job`; never raises for a failing task."""
+    from hydra.core.singleton import Singleton
+    from hydra.core.utils import JobStatus, run_job, setup_globals
+
+    register_resolvers()
+    Singleton.set_state(singleton_state)
+    setup_globals()
+    if (refused := _check_job(spec)) is not None:
+        return refused
+    ret = run_job(hydra_context=hydra_context, task_function=task_function, config=spec.config,
+                  job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
+    if ret.status == JobStatus.COMPLETED:
+        value = ret._return_value
+        code = value if isinstance(value, int) and not isinstance(value, bool) else 0
+        status = run_status(spec.job_dir) or ("completed" if code == 0 else "failed")
+        return JobOutcome(spec.num, status, code, None if code == 0 else _task_error(code))
+    err = ret._return_value
+    traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
+    return JobOutcome(spec.num, "failed", 1, f"{type(err).__name__}: {err}")
+
+
+def _check_job(spec: JobSpec) -> JobOutcome | None:
+    """The CLI's security check, in the job's own process (local) or on its node (SLURM), and the job
+    directory's lock, before Hydra writes anything there; a refusal is this job's user error."""
+    from llmexp.config.security import check_config
+    from llmexp.errors import UserError
+    from llmexp.paths import lock_run_dir
+    from llmexp.train.task import last_user_error, user_error_exit
+
+    try:
+        check_config(spec.config)
+        lock_run_dir(spec.job_dir)
+    except UserError as err:
+        return JobOutcome(spec.num, "failed", user_error_exit(err), last_user_error())
+    return None
+
+
+def _task_error(code: int) -> str:
+    """What a job that returned `code` says in its record: a user error's own message, when it was one."""
+    from llmexp.errors import EXIT_USER
+    from llmexp.train.task import last_user_error
+
+    message = last_user_error() if code == EXIT_USER else None
+    return message or f"the task exited with code {code}"
+
+
+# ----------------------------------------------------------------------------- recording
+
+
+def record_outcome(spec: JobSpec, outcome: JobOutcome) -> None:
+    """Leave `job_status.json` in the job dir of every job that did not complete or left no summary.json.
+
+    When present it is the launcher's verdict (a trainer's summary may say `preempted` for a job
+    SLURM then cancelled); a job that ended well with its own summary has none, so a stale one
+    (`submitted`, or from an earlier attempt) is removed. Its `overrides` name a job that never
+    started; `.hydra/overrides.yaml` is also written for it, as Hydra would have.
+    """
+    status_path = spec.job_dir / "job_status.json"
+    ended_well = outcome.status in FINISHED and outcome.exit_code in (0, None)
+    if ended_well and (spec.job_dir / "summary.json").exists():
+        status_path.unlink(missing_ok=True)
+        return
+    write_json_atomic(status_path, {**outcome.to_json(), "overrides": spec.overrides})
+    overrides_yaml = spec.job_dir / ".hydra" / "overrides.yaml"
+    if not overrides_yaml.exists():  # what Hydra would have written, so reports show the job's settings
+        import yaml
+
+        write_text_atomic(overrides_yaml, yaml.safe_dump(spec.overrides))
+
+
+def write_report(sweep_dir: Path) -> None:
+    """The sweep report (llmexp.report.sweep); a failing report must not hide the jobs' outcomes."""
+    try:
+        from llmexp.report.sweep import write_sweep_report
+    except ImportError as err:
+        log.warning(f"sweep report skipped ({err}); run `python -m llmexp.report {sweep_dir}` later")
+        return
+    try:
+        write_sweep_report(sweep_dir)
+    except Exception as err:  # report bugs must not turn a finished sweep into a crash
+        log.warning(f"writing the sweep report failed: {type(err).__name__}: {err}")
+    else:
+        log.info(f"Sweep report: {sweep_dir / 'sweep_report.md'}")
+
+
+def job_returns(specs: Sequence[JobSpec], outcomes: Sequence[JobOutcome]) -> list[JobReturn]:
+    """What Hydra expects back: one COMPLETED JobReturn per job, its value the job's exit code.
+
+    Failures are reported by `finish_sweep` (report, summary line, exit code), not by raising the
+    first job's exception from Hydra's sweeper, which would hide the others.
+    """
+    from hydra.core.utils import JobReturn, JobStatus
+
+    returns = []
+    for spec, outcome in zip(specs, outcomes, strict=True):
+        name = str(spec.config.hydra.job.name) if spec.config is not None else None
+        ret = JobReturn(overrides=spec.overrides, working_dir=os.getcwd(), task_name=name, status=JobStatus.COMPLETED)
+        ret.return_value = outcome.exit_code
+        returns.append(ret)
+    return returns
+
+
+def swept(spec: JobSpec, specs: Sequence[JobSpec]) -> str:
+    """A job's overrides that differ between jobs (`lr=0.001 batch_size=4`), for one-line logs."""
+    varying = [o for o in spec.overrides if any(o not in other.overrides for other in specs)]
+    return " ".join(varying or spec.overrides)
+
+
+def finish_sweep(specs: Sequence[JobSpec], outcomes: Sequence[JobOutcome]) -> list[JobReturn]:
+    """Record every outcome, write the sweep report, print a summary; exit 1 if any job did not finish."""
+    for spec, outcome in zip(specs, outcomes, strict=True):
+        record_outcome(spec, outcome)
+    sweep_dir = specs[0].job_dir.parent
+    write_report(sweep_dir)
+    bad = [o for o in outcomes if o.status not in FINISHED]
+    for spec, outcome in zip(specs, outcomes, strict=True):
+        detail = f": {outcome.error}" if outcome.error and outcome.status not in FINISHED else ""
+        log.info(f"  #{spec.num} {outcome.status:<13} {swept(spec, specs)}{detail}")
+    if bad:
+        log.error(f"{len(bad)} of {len(outcomes)} jobs did not finish; see {sweep_dir}")
+        raise SystemExit(1)
+    return job_returns(specs, outcomes)

@@ -1,0 +1,257 @@
+"""`cluster=slurm`: a sweep as one SLURM job array through submitit, and the job that runs on a node.
+
+Submission. The launcher pins the sweep directory and each job's run directory
+(`llmexp.sweep.jobs.compose_jobs`), wraps each job in a `SlurmJob` (which composes its config on the
+node, as Hydra's sweeper has already validated it) and submits them all at once with
+`executor.batch()`, which submitit turns into one `sbatch --array=0-N%array_parallelism`. With
+`cluster.wait=false` it prints the job ids, the sweep directory and the `python -m llmexp.report`
+command, and returns: nothing has to keep watching, each job records how it ended itself.
+Otherwise it polls `sacct` (one call for the whole array) until every job ended, and every job
+gets an outcome, however it ended: a job that raised, was `scancel`'d, ran out of time or memory
+is recorded (`job_status.json`) instead of raising submitit's UncompletedJobError at the first.
+
+Timeout and preemption, and who handles which signal:
+
+1. submitit starts the job with `--signal=USR2@signal_delay_s` and, before calling `SlurmJob`,
+   installs its handlers: SIGUSR2 -> checkpoint-and-requeue, SIGTERM -> log and ignore.
+2. While the trainer's loop runs, its `PreemptionSignal` replaces both: SIGUSR2 (time limit
+   near, or `scancel --signal=USR2`) and SIGTERM (scancel, preemption) only set a flag; at the
+   next step boundary the trainer saves a checkpoint and returns status `preempted`. On return it
+   restores submitit's handlers.
+3. `SlurmJob` then asks SLURM about the job. Still RUNNING means the signal was a warning (time
+   limit or USR2 preemption): it calls submitit's SIGUSR2 handler itself, which calls
+   `SlurmJob.checkpoint()` (the same job, with `train.resume=auto`), counts the timeout against
+   `cluster.max_num_timeout`, runs `scontrol requeue` and exits. The requeued job starts in the
+   same run directory and resumes from the checkpoint just written. Not RUNNING (cancelled,
+   timed out, preempted with PreemptMode=REQUEUE, which requeues by itself) means SLURM decided:
+   the job just returns, so a `scancel` is never undone.
+4. A SIGUSR2 outside the trainer's loop (loading data, writing the report) reaches submitit's
+   handler directly: the job is requeued at once and resumes from its last checkpoint.
+
+Multi-task jobs (`tasks_per_node` > 1 or `nodes` > 1) run `SlurmJob` on every task (srun), each
+with MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE from SLURM's
+variables; only rank 0 writes `.hydra/` and decides about requeueing.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import submitit
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from llmexp.errors import UserError
+from llmexp.paths import register_resolvers, write_json_atomic
+from llmexp.sweep.jobs import (
+    JobOutcome,
+    JobSpec,
+    compose_job,
+    compose_jobs,
+    execute,
+    finish_sweep,
+    job_returns,
+    record_outcome,
+    swept,
+)
+
+log = logging.getLogger(__name__)
+
+# sacct states after which a job will not run again, and what the sweep calls them.
+_FINAL_STATES = {"CANCELLED": "cancelled", "TIMEOUT": "timeout", "FAILED": "failed", "OUT_OF_MEMORY": "failed",
+                 "NODE_FAIL": "failed", "BOOT_FAIL": "failed", "DEADLINE": "timeout", "COMPLETED": "failed"}
+_POLL_S = 2.0
+
+
+def sbatch_parameters(cluster: DictConfig, job_name: str) -> dict[str, Any]:
+    """submitit's SlurmExecutor parameters from the `cluster` config node."""
+    params: dict[str, Any] = {
+        "job_name": job_name, "time": int(cluster.timeout_min), "nodes": int(cluster.nodes),
+        "ntasks_per_node": int(cluster.tasks_per_node), "cpus_per_task": int(cluster.cpus_per_task),
+        "signal_delay_s": int(cluster.signal_delay_s), "array_parallelism": int(cluster.array_parallelism),
+    }
+    if cluster.gpus_per_node:
+        params["gpus_per_node"] = int(cluster.gpus_per_node)
+    if cluster.mem_gb:
+        params["mem"] = f"{int(cluster.mem_gb)}GB"
+    for key in ("partition", "account", "qos", "constraint"):
+        if cluster.get(key):
+            params[key] = str(cluster[key])
+    extra = OmegaConf.to_container(cluster.additional_parameters, resolve=True) or {}
+    if extra:
+        params["additional_parameters"] = extra
+    if cluster.setup:
+        params["setup"] = [str(line) for line in cluster.setup]
+    return params
+
+
+class SlurmJob(submitit.helpers.Checkpointable):
+    """One sweep job on a SLURM node: runs the task, and requeues it when the trainer was preempted."""
+
+    def __init__(self, spec: JobSpec, launcher: Any, singleton_state: Any) -> None:
+        self.spec = spec
+        self.launcher = launcher
+        """Hydra's launcher: the sweep's config, config loader and task function."""
+        self.singleton_state = singleton_state
+
+    def __call__(self) -> dict[str, Any]:
+        requeue_handler = signal.getsignal(signal.SIGUSR2)  # submitit's, installed before this call
+        env = submitit.JobEnvironment()
+        if self.spec.config is None:  # composed here, not at submission (see compose_jobs)
+            from hydra.core.singleton import Singleton
+
+            Singleton.set_state(self.singleton_state)
+            register_resolvers()
+            cfg = compose_job(self.launcher, self.spec.overrides, self.spec.num)
+            self.spec = JobSpec(self.spec.num, self.spec.overrides, cfg, self.spec.job_dir)
+        spec = self.spec
+        if env.num_tasks > 1:
+            submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+            if env.global_rank != 0:  # one writer for .hydra/
+                spec = JobSpec(spec.num, spec.overrides, _with(spec.config, "hydra.output_subdir", None), spec.job_dir)
+        outcome = execute(spec, self.launcher.task_function, self.launcher.hydra_context, self.singleton_state)
+        outcome.job_id = env.job_id
+        if env.global_rank == 0 and outcome.status == "preempted":
+            outcome = _requeue_or_stop(outcome, requeue_handler)
+        if env.global_rank == 0:  # for `cluster.wait=false`: nobody else may be watching
+            record_outcome(spec, outcome)
+        return outcome.to_json()
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
+        """The same job again, resuming from the newest checkpoint in its run directory."""
+        spec = self.spec
+        if spec.config is not None:  # None: signalled before composing, so nothing ran yet
+            spec = JobSpec(spec.num, spec.overrides, _with(spec.config, "train.resume", "auto"), spec.job_dir)
+        again = SlurmJob(spec, self.launcher, self.singleton_state)
+        return submitit.helpers.DelayedSubmission(again, *args, **kwargs)
+
+
+def _with(cfg: DictConfig, key: str, value: Any) -> DictConfig:
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        OmegaConf.update(cfg, key, value, force_add=True)
+    return cfg
+
+
+def slurm_state(job_id: str) -> str:
+    """The job's state as squeue reports it now (RUNNING, COMPLETING, CANCELLED...), '' if unknown."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True,
+                             timeout=60, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.strip().splitlines()[0] if out.strip() else ""
+
+
+def _requeue_or_stop(outcome: JobOutcome, requeue_handler: Any) -> JobOutcome:
+    """After the trainer saved and returned `preempted`: requeue if SLURM still runs the job."""
+    state = slurm_state(str(outcome.job_id))
+    if state != "RUNNING" or not callable(requeue_handler):
+        outcome.error = f"stopped by a signal; SLURM state {state or 'unknown'}, so not requeued here"
+        if state.startswith("CANCELLED"):
+            outcome.status = "cancelled"
+        return outcome
+    log.warning(f"job {outcome.job_id}: checkpoint saved after a signal; requeueing it")
+    try:
+        requeue_handler(signal.SIGUSR2, None)  # submitit: checkpoint() -> scontrol requeue -> exit
+    except submitit.core.utils.UncompletedJobError as err:  # no requeues left (cluster.max_num_timeout)
+        return JobOutcome(outcome.num, "timeout", outcome.exit_code, str(err), outcome.job_id)
+    except subprocess.CalledProcessError as err:
+        return JobOutcome(outcome.num, "preempted", outcome.exit_code, f"requeue failed: {err}", outcome.job_id)
+    return outcome  # not reached when the requeue succeeded: submitit exits the process
+
+
+# ----------------------------------------------------------------------------- the launcher side
+
+
+def launch_slurm(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list:
+    """Hydra's `launch` for `cluster=slurm`: submit every job as one array, then wait or return."""
+    from hydra.core.singleton import Singleton
+
+    cluster = launcher.config.cluster
+    if shutil.which("sbatch") is None:
+        raise UserError("cluster=slurm needs SLURM's sbatch on PATH; run on a SLURM login node, or start a "
+                        "one-machine cluster with `sudo bash launch/slurm-local.sh up`, or use cluster=local")
+    specs = compose_jobs(launcher, job_overrides, initial_job_idx, compose=False)
+    sweep_dir = specs[0].job_dir.parent
+    folder = Path(str(launcher.params.get("submitit_folder", sweep_dir / ".submitit" / "%j"))).absolute()
+    executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=int(cluster.max_num_timeout))
+    executor.update_parameters(**sbatch_parameters(cluster, str(launcher.config.hydra.job.name)))
+    state = Singleton.get_state()
+    for spec in specs:  # until the job records how it ended, the report shows it as submitted
+        record_outcome(spec, JobOutcome(spec.num, "submitted", None, "submitted to SLURM; see slurm_jobs.json"))
+    with executor.batch():
+        jobs = [executor.submit(SlurmJob(spec, launcher, state)) for spec in specs]
+    ids = {s.num: j.job_id for s, j in zip(specs, jobs, strict=True)}
+    write_json_atomic(sweep_dir / "slurm_jobs.json", {"jobs": {str(k): v for k, v in ids.items()},
+                                                      "submitit_folder": str(folder)})
+    log.info(f"Submitted {len(jobs)} jobs to SLURM as array {jobs[0].job_id.split('_')[0]}: {sweep_dir}")
+    if not cluster.get("wait", True):
+        print(f"Submitted SLURM jobs {', '.join(ids.values())}\nSweep directory: {sweep_dir}\n"
+              f"When they have ended: python -m llmexp.report {sweep_dir}", flush=True)
+        return job_returns(specs, [JobOutcome(s.num, "submitted", None, None, ids[s.num]) for s in specs])
+    outcomes = wait_for_jobs(specs, jobs)
+    return finish_sweep(specs, outcomes)
+
+
+def wait_for_jobs(specs: Sequence[JobSpec], jobs: Sequence[submitit.Job], poll_s: float = _POLL_S) -> list[JobOutcome]:
+    """Poll until every job has ended; one sacct call per poll covers the whole array."""
+    outcomes: dict[int, JobOutcome] = {}
+    remaining = dict(zip((s.num for s in specs), zip(specs, jobs, strict=True), strict=True))
+    try:
+        while remaining:
+            time.sleep(poll_s)
+            jobs[0].watcher.update_if_long_enough(mode="force")
+            for num, (spec, job) in list(remaining.items()):
+                if job.done() and not _still_completing(job):
+                    outcomes[num] = collect(spec, job)
+                    record_outcome(spec, outcomes[num])
+                    del remaining[num]
+                    log.info(f"  #{num} ({job.job_id}) {outcomes[num].status}: {swept(spec, specs)}")
+    except KeyboardInterrupt:
+        log.warning(f"stopped watching; {len(remaining)} jobs keep running on SLURM. "
+                    f"Later: python -m llmexp.report {specs[0].job_dir.parent}")
+        raise
+    return [outcomes[s.num] for s in specs]
+
+
+def _still_completing(job: submitit.Job) -> bool:
+    """sacct says the job ended, but its processes are still finishing (a cancelled trainer saving a
+    checkpoint and summary): wait for them, at most SLURM's KillWait, so the record is complete."""
+    task0 = job.task(0) if job.num_tasks > 1 else job
+    return not task0.paths.result_pickle.exists() and bool(slurm_state(job.job_id))
+
+
+def collect(spec: JobSpec, job: submitit.Job) -> JobOutcome:
+    """A finished job's outcome: its own result (rank 0), else what sacct says happened."""
+    task0 = job.task(0) if job.num_tasks > 1 else job
+    state = str(job.state).upper()
+    if task0.paths.result_pickle.exists():
+        try:
+            result = task0.result()
+        except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
+            return JobOutcome(spec.num, "failed", 1, _last_line(str(err)), job.job_id)
+        if isinstance(result, dict):
+            outcome = JobOutcome(**{**result, "job_id": job.job_id})
+            if outcome.status == "preempted" and state.startswith(("CANCELLED", "TIMEOUT")):
+                # The trainer checkpointed on SIGTERM and returned; SLURM had ended the job.
+                outcome.status = _final_status(state)
+                outcome.error = f"SLURM state {state}; the trainer saved a checkpoint at the signal"
+            return outcome
+    return JobOutcome(spec.num, _final_status(state), None, f"SLURM state {state}; logs: {task0.paths.stderr}",
+                      job.job_id)
+
+
+def _final_status(state: str) -> str:
+    return next((name for prefix, name in _FINAL_STATES.items() if state.startswith(prefix)), "failed")
+
+
+def _last_line(text: str) -> str:
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("-")]
+    return lines[-1][:500] if lines else text[:500]

@@ -1,0 +1,74 @@
+"""The anomaly policy: what to do with a step whose loss or grad norm is non-finite or a spike.
+
+It runs after backward and clipping, before the optimizer step, so a bad batch never reaches
+the weights unless the policy lets it:
+    stop      end the run as `diverged` (exit code 3)
+    skip      drop this step's gradients; after `max_consecutive_anomalies` in a row, diverged
+    rollback  restore the last good checkpoint, skip the data window that led here, lower the lr
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from omegaconf import DictConfig
+
+from llmexp.monitor import MonitorSettings, diagnose, is_spike
+
+if TYPE_CHECKING:
+    from llmexp.metrics import MetricsLogger
+    from llmexp.train.runtime import Runtime
+    from llmexp.train.state import LoopState
+
+BLOWUP_FACTOR = 3.0
+"""A loss above this multiple of the lowest recent loss is a blow-up even before the spike
+detector has enough history (an absurd lr wrecks the weights in one or two steps)."""
+
+
+def is_anomalous(state: LoopState, loss: float, grad_norm: float, settings: MonitorSettings) -> bool:
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        return True
+    recent = state.recent_losses
+    return is_spike(recent, loss, settings) or (bool(recent) and loss > BLOWUP_FACTOR * min(recent))
+
+
+def judge_step(train: DictConfig, state: LoopState, loss: float, grad_norm: float, *, fp16: bool, stepped: bool,
+               settings: MonitorSettings, log: MetricsLogger) -> str:
+    """ok (take the step), skipped, rollback or diverged, by `train.on_anomaly`.
+
+    `stepped`: the engine has already applied or skipped the step (DeepSpeed computes the norm inside
+    its step). A non-finite step was then skipped by the engine and is judged as usual (stop ->
+    diverged, skip -> counted); a finite spike cannot be undone and is left to the detectors."""
+    if fp16 and math.isfinite(loss) and not math.isfinite(grad_norm):
+        if stepped:  # DeepSpeed's scaler skipped it (GradScaler's skips are counted where it steps)
+            state.skipped_steps += 1
+        return "ok"  # an fp16 overflow: the loss scaler skips this step and lowers the scale itself
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)
+    if (stepped and finite) or not is_anomalous(state, loss, grad_norm, settings):
+        state.recent_losses = [*state.recent_losses, loss][-settings.window:]
+        state.consecutive_anomalies = 0
+        return "ok"
+    state.consecutive_anomalies += 1
+    policy = train.on_anomaly
+    if policy == "stop":
+        verdict = "diverged"
+    elif policy == "skip":
+        state.skipped_steps += 1
+        verdict = "diverged" if state.consecutive_anomalies > train.max_consecutive_anomalies else "skipped"
+    else:
+        verdict = "diverged" if state.rollbacks >= train.max_rollbacks else "rollback"
+    log.log({"event": "anomaly", "step": state.step, "loss": loss, "grad_norm": grad_norm,
+             "policy": policy, "action": verdict})
+    return verdict
+
+
+def report_findings(rt: Runtime, state: LoopState, log: MetricsLogger) -> None:
+    """Run the detectors over the history so far and log each finding once."""
+    if not rt.is_main:
+        return
+    for finding in diagnose(log.history, rt.monitor_settings):
+        key = f"{finding.kind}@{finding.step}@{finding.severity}"  # a warning that turns error is news
+        if key not in state.seen_findings:
+            state.seen_findings.append(key)
+            log.log({"event": "finding", **finding.to_dict()})

@@ -1,0 +1,237 @@
+"""Processes and engines: the Accelerate settings derived from the config, and DeepSpeed.
+
+Multi-process runs use torch.distributed through Accelerate (DDP; gloo on CPU, NCCL on GPU).
+DeepSpeed ZeRO runs through Accelerate's `DeepSpeedPlugin`, with a DeepSpeed config derived
+here from the composed config, so that micro-batch, accumulation, clipping and precision can
+never disagree with what the loop does:
+
+- micro-batch = `batch_size`, accumulation = the loop's (`train.gradient_accumulation_steps`
+  or the one `train.global_batch_size` derives), train_batch_size = their product x world;
+- the loop normalises each micro-batch's loss by the global batch's target-token count, so the
+  engine must not divide by the accumulation steps again: `backward(scale_wrt_gas=False)`;
+- the engine steps, clips (`gradient_clipping = train.max_grad_norm`) and skips non-finite
+  steps itself (`bf16.check_grad_overflow`), and in fp16 owns the dynamic loss scale (the
+  loop's own GradScaler is off).
+
+The step and checkpoints under ZeRO: `llmexp.train.engine`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from typing import Any
+
+from omegaconf import DictConfig
+
+from llmexp.config.derived import BatchPlan
+from llmexp.errors import UserError
+
+TORCH_EXTENSIONS_DIR = "~/.cache/llmexp/torch_extensions"
+"""Where DeepSpeed's JIT-compiled CPU ops (cpu_adam, cpu_lion) are cached, unless the user set
+TORCH_EXTENSIONS_DIR: the first build takes minutes, later runs load the .so in a second."""
+
+OFFLOAD_OPTIMIZERS = ("adamw", "lion")
+"""Optimizers that Accelerate maps to a DeepSpeed CPU optimizer (DeepSpeedCPUAdam / CPULion)
+under optimizer offload. Accelerate would silently turn anything else into DeepSpeedCPUAdam."""
+
+
+
+
+def accelerator_kwargs(cfg: DictConfig, plan: BatchPlan, precision: str) -> dict[str, Any]:
+    """Arguments for `accelerate.Accelerator`.
+
+    Mixed precision is left to the trainer (its own autocast and fp16 scaler): Accelerate's
+    wrapper would cast the whole logits tensor to fp32 after every forward. Under DeepSpeed
+    the engine owns precision, so the plugin carries it (see `deepspeed_config`).
+    """
+    import torch
+
+    check_launch_env(cfg, dict(os.environ))
+    kwargs: dict[str, Any] = {"cpu": not torch.cuda.is_available(), "mixed_precision": "no"}
+    if kwargs["cpu"]:  # DeepSpeed (imported by Accelerate and transformers when installed) would guess the
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # same, with a "Setting accelerator to CPU" warning
+    if cfg.deepspeed.stage > 0:
+        kwargs["cpu"] = False  # cpu=True makes Accelerate drop the DeepSpeed plugin silently; DeepSpeed finds the CPU
+        from accelerate.utils import DeepSpeedPlugin
+
+        check_deepspeed(cfg)
+        # The launcher's DeepSpeed fields were checked to agree (check_launch_env); our config replaces them.
+        os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser(TORCH_EXTENSIONS_DIR))
+        _single_process_env()
+        ds_config = deepspeed_config(cfg, micro=plan.micro, accum=plan.accum, world=plan.world,
+                                     precision=precision, cuda=torch.cuda.is_available())
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds_config)
+    return kwargs
+
+
+def check_launch_env(cfg: DictConfig, env: dict[str, str]) -> None:
+    """`accelerate launch` with a DeepSpeed config file must agree with the `deepspeed` group: llmexp
+    derives the DeepSpeed config from its own config, and a launcher that says otherwise is a mistake."""
+    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true":
+        return
+    ds = cfg.deepspeed
+    launched = {"stage": env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"),
+                "offload_optimizer": env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"),
+                "offload_param": env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE")}
+    ours = {"stage": str(ds.stage), "offload_optimizer": ds.offload_optimizer, "offload_param": ds.offload_param}
+    clashes = [f"{k}: launcher {v}, deepspeed.{k}={ours[k]}" for k, v in launched.items()
+               if v is not None and v != ours[k]]
+    if ds.stage == 0 or clashes:
+        raise UserError("accelerate launch was given a DeepSpeed config that disagrees with llmexp's deepspeed group ("
+                        + ("; ".join(clashes) or "deepspeed=none") + "). llmexp builds the DeepSpeed config itself: "
+                        "pick the matching option, e.g. deepspeed=zero2_offload with "
+                        "launch/accelerate/deepspeed_zero2_offload.yaml, or launch with launch/accelerate/8gpu.yaml")
+    if env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") not in (None, "", "none", "None"):
+        raise UserError("accelerate launch was given a deepspeed_config_file; llmexp derives the DeepSpeed config "
+                        "from its own config (deepspeed=..., batch_size, train.*, precision). Remove "
+                        "deepspeed_config_file from the accelerate config.")
+
+
+def _single_process_env() -> None:
+    """DeepSpeed initialises torch.distributed even for one process and, without a launcher's
+    variables, goes looking for MPI; give a plain `python -m llmexp` a one-rank world instead."""
+    if "WORLD_SIZE" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+
+
+def check_engine(accelerator: Any) -> None:
+    """Fail loudly if Accelerate did not enable the DeepSpeed plugin it was given, and repair the
+    process layout Accelerate 1.15 leaves at 1 process / rank 0 for DeepSpeed on CPU (it reads
+    it from the device's branch, which CPU lacks), although torch.distributed holds N ranks."""
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        raise RuntimeError(f"deepspeed was configured but Accelerate runs {accelerator.distributed_type}; "
+                           "check ACCELERATE_USE_CPU / `accelerate launch --cpu`, which turn DeepSpeed off")
+    if dist.is_initialized() and accelerator.num_processes != dist.get_world_size():
+        for state in (PartialState(), AcceleratorState()):
+            state.num_processes, state.process_index = dist.get_world_size(), dist.get_rank()
+            state.local_process_index = int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def check_deepspeed(cfg: DictConfig) -> None:
+    """Combinations that cannot work under DeepSpeed: exit 2 with the reason and the fix.
+
+    (8-bit optimizers under offload and on_anomaly=rollback are refused by `validation.validate`.)
+    """
+    ds, errors = cfg.deepspeed, []
+    if ds.offload_param != "none" and ds.stage != 3:
+        errors.append(f"deepspeed.offload_param={ds.offload_param} needs ZeRO stage 3 (got stage {ds.stage}); "
+                      "use deepspeed=zero3 deepspeed.offload_param=cpu")
+    for key in ("offload_optimizer", "offload_param"):
+        if ds[key] not in ("none", "cpu"):
+            errors.append(f"deepspeed.{key}={ds[key]}: must be none or cpu")
+    if ds.offload_optimizer != "none" and cfg.optimizer.name not in OFFLOAD_OPTIMIZERS:
+        errors.append(f"optimizer={cfg.optimizer.name} has no DeepSpeed CPU implementation, and optimizer offload "
+                      f"needs one (Accelerate would silently swap in DeepSpeedCPUAdam); use optimizer=adamw or "
+                      "optimizer=lion with deepspeed=zero2_offload, or deepspeed=zero2 without offload")
+    if cfg.train.compile:
+        errors.append("train.compile=true is not supported with deepspeed: the engine wraps the module; "
+                      "use train.compile=false or deepspeed=none")
+    if cfg.precision.name == "fp16" and not _has_cuda():
+        errors.append("precision=fp16: DeepSpeed's CPU accelerator has no fp16 (it supports fp32 and bf16); "
+                      "use precision=fp32, or bf16 on a CPU with AVX512-BF16/AMX")
+    if cfg.precision.name == "fp16" and not _is_power_of_two(cfg.precision.init_scale):
+        errors.append(f"precision.init_scale={cfg.precision.init_scale}: DeepSpeed's loss scale starts at a power "
+                      "of two; use e.g. precision.init_scale=65536")
+    if errors:
+        raise UserError("deepspeed: invalid combination:\n  " + "\n  ".join(errors))
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _is_power_of_two(value: float) -> bool:
+    return value >= 1 and math.log2(value).is_integer()
+
+
+def deepspeed_config(cfg: DictConfig, *, micro: int, accum: int, world: int, precision: str,
+                     cuda: bool) -> dict[str, Any]:
+    """The DeepSpeed config, every value derived from the composed config (no `auto`)."""
+    ds = cfg.deepspeed
+    zero: dict[str, Any] = {"stage": ds.stage, "contiguous_gradients": True, "overlap_comm": cuda}
+    if ds.offload_optimizer != "none":
+        zero["offload_optimizer"] = {"device": ds.offload_optimizer, "pin_memory": cuda}
+    if ds.stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True  # model/ and checkpoints need full weights
+        if ds.offload_param != "none":
+            zero["offload_param"] = {"device": ds.offload_param, "pin_memory": cuda}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "train_batch_size": micro * accum * world,
+        "gradient_clipping": float(cfg.train.max_grad_norm),
+        "zero_optimization": zero,
+        "bf16": {"enabled": precision == "bf16", "check_grad_overflow": True},
+        "fp16": {"enabled": precision == "fp16"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,  # the loop logs; keep DeepSpeed's own step lines out of the console
+        "wall_clock_breakdown": False,
+    }
+    if precision == "fp16":  # the same dynamic loss scaling the non-DeepSpeed path gets from GradScaler
+        config["fp16"].update({"loss_scale": 0, "initial_scale_power": int(math.log2(cfg.precision.init_scale)),
+                               "loss_scale_window": cfg.precision.growth_interval, "hysteresis": 1,
+                               "min_loss_scale": 1})
+    return config
+
+
+# ----------------------------------------------------------------------------- launching
+
+
+def relaunch_argv(parent_cmdline: list[str], env: dict[str, str], argv: list[str]) -> list[str] | None:
+    """The torchrun command that runs `argv` on N processes, when this process was started by
+    `accelerate launch --cpu --num_processes N` (N > 1) as a single process.
+
+    Accelerate 1.15 starts CPU multi-process jobs only through mpirun (`--mpirun_hostfile`);
+    without it, `--cpu --num_processes 2` silently runs ONE process. We start the N ranks with
+    torch.distributed.run instead (gloo), which is what `--multi_gpu` does on a GPU machine.
+    """
+    if "WORLD_SIZE" in env or env.get("ACCELERATE_USE_CPU", "").lower() not in ("true", "1"):
+        return None
+    try:
+        at = next(i for i, a in enumerate(parent_cmdline) if a in ("launch", "accelerate.commands.launch"))
+    except StopIteration:
+        return None
+    num_processes = _flag_value(parent_cmdline[at + 1:], "--num_processes")
+    if num_processes is None or num_processes <= 1:
+        return None
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}",
+            *argv]
+
+
+def _flag_value(args: list[str], flag: str) -> int | None:
+    for i, arg in enumerate(args):
+        if arg.startswith(flag + "="):
+            return int(arg.split("=", 1)[1])
+        if arg == flag and i + 1 < len(args):
+            return int(args[i + 1])
+        if not arg.startswith("-"):  # the training script or module: the launcher's flags end here
+            return None
+    return None
+
+
+def maybe_relaunch() -> None:
+    """Called first by the CLI: turn `accelerate launch --cpu --num_processes N` into N ranks."""
+    if "WORLD_SIZE" in os.environ or not os.environ.get("ACCELERATE_USE_CPU"):
+        return
+    import psutil
+
+    parent = psutil.Process(os.getppid()).cmdline()
+    argv = relaunch_argv(parent, dict(os.environ), ["-m", "llmexp", *sys.argv[1:]])
+    if argv is not None:
+        os.execv(sys.executable, argv)

@@ -1,0 +1,193 @@
+"""The training loop, top to bottom.
+
+    setup -> data -> model -> optimizer -> (resume) -> for each step:
+        [eval] -> micro-batches (forward, backward) -> unscale -> grad norm + clip
+        -> non-finite / spike check BEFORE the optimizer step -> step -> [log] [save] [preempt?]
+    -> final eval -> model/ -> summary.json -> report
+
+Everything that decides *what* to do lives in components: the schedule (`schedule.lr_at`),
+the detectors (`monitor`), the sampler (`data.batch_indices`), checkpoint I/O (`state`).
+The loop only calls them in the right order.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from llmexp.data import datasets as data_lib
+from llmexp.metrics import safe_exp
+from llmexp.train.anomaly import judge_step, report_findings
+from llmexp.train.finish import finish_run
+from llmexp.train.resume import load_resume_state, rollback, save_state_checkpoint
+from llmexp.train.runtime import Runtime, setup_runtime
+from llmexp.train.schedule import lr_at, warmup_steps_for
+from llmexp.train.state import LoopState, Run
+
+
+@dataclass
+class RunResult:
+    """What `train` returns: the final status and the summary written to summary.json."""
+
+    status: str
+    step: int
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def train(cfg: DictConfig) -> RunResult:
+    """Train one run described by a composed, validated config. Writes the run directory.
+
+    SIGTERM, SIGUSR2 and Ctrl-C are caught from the start: one during start-up stops the run
+    at its first step boundary, before the loop, with status `preempted` and a summary."""
+    from llmexp.train.preemption import PreemptionSignal
+
+    with PreemptionSignal():  # the loop's rt.preemption() shares this one's flag
+        return _train(cfg)
+
+
+def _train(cfg: DictConfig) -> RunResult:
+    """`train` inside its signal guard: build, resume, loop, finish."""
+    rt = setup_runtime(cfg)
+    tokenizer = data_lib.load_tokenizer(cfg)
+    train_ds, eval_ds, data_stats = data_lib.build_datasets(cfg, tokenizer)
+    rt.data_fingerprint = str(data_stats["data_cache_key"])  # in each checkpoint: a resume on other data is caught
+    model, optimizer, peak_lr, lr_source = rt.build(cfg, len(tokenizer))
+    max_steps = rt.plan.max_steps(len(train_ds))
+    warmup = warmup_steps_for(max_steps, cfg.train.warmup_ratio, cfg.train.warmup_steps)
+    log = rt.logger(max_steps)
+    run = Run(cfg, rt, model, optimizer, log, peak_lr=peak_lr, lr_source=lr_source)
+    run.state = state = load_resume_state(run) or LoopState()
+    state.num_examples = len(train_ds)
+    status = "completed"
+    if cfg.train.on_anomaly == "rollback" and state.step == 0 and not save_state_checkpoint(run):
+        status = "failed"  # the disk is full (reported); the start checkpoint is what a rollback goes back to
+    log.log({"event": "start", "step": state.step, "lr_chosen": peak_lr, "lr_source": lr_source,
+             "num_params": rt.num_params, "global_batch_size": rt.plan.global_batch,
+             "gradient_accumulation_steps": rt.plan.accum, "precision": rt.precision, **rt.start_facts(max_steps),
+             **data_stats})
+
+    def schedule(step: int) -> float:
+        s = cfg.scheduler
+        return state.lr_scale * lr_at(step, name=s.name, peak_lr=peak_lr, max_steps=max_steps, warmup_steps=warmup,
+                                      min_lr_ratio=s.min_lr_ratio, decay_ratio=s.decay_ratio)
+
+    window, engine = rt.window, rt.engine
+    with rt.preemption() as preempt:
+        if rt.any_rank(preempt.requested):  # a signal during start-up: this is the first step boundary
+            status = "preempted"
+        while status == "completed" and state.step < max_steps:
+            step = state.step
+            due = step % cfg.train.eval_steps == 0 and state.last_eval_step != step
+            if due and evaluate_and_record(run, eval_ds, step):
+                status = "early_stopped"
+                break
+            for group in optimizer.param_groups:
+                group["lr"] = schedule(step)
+            window.begin()
+            loss_sum, n_targets, n_tokens = forward_backward(rt, model, train_ds, state)
+            grad_norm = engine.unscale_and_clip(model, optimizer, cfg.train.max_grad_norm)  # DeepSpeed steps here
+            loss, grad_norm = torch.stack([rt.reduce_sum(loss_sum) / n_targets,
+                                           grad_norm.float().reshape(())]).tolist()  # the step's one host sync
+            # Non-finite or spiking: the policy decides BEFORE the weights change (DeepSpeed: after, see engine.py).
+            verdict = judge_step(cfg.train, state, loss, grad_norm, fp16=rt.precision == "fp16",
+                                 stepped=engine.steps_in_clip, settings=rt.monitor_settings, log=log)
+            if verdict == "ok":
+                if engine.scaler is not None:  # fp16: the scaler skips a step whose grads overflowed
+                    state.skipped_steps += not engine.scaler_step(optimizer)
+                else:
+                    optimizer.step()  # under DeepSpeed Accelerate's no-op: the engine has stepped
+            optimizer.zero_grad(set_to_none=True)
+            if verdict == "diverged":
+                status = "diverged"
+                break
+            if verdict == "rollback":
+                rollback(run)
+                continue
+            if cfg.train.compile and not rt.compile_time_s:
+                rt.compile_time_s = window.discard()  # the first step compiles: report it apart
+            else:
+                window.add(n_tokens)
+            state.step += 1
+            log.advance()
+            if state.step % cfg.train.logging_steps == 0 or state.step == max_steps:
+                log.log(rt.train_record(state, loss, grad_norm, optimizer, window))
+            saved = bool(cfg.train.save_steps) and state.step % cfg.train.save_steps == 0 and state.step < max_steps
+            if saved and not save_state_checkpoint(run):
+                status = "failed"  # the disk is full (reported; the older checkpoints are kept)
+                break
+            if rt.any_rank(preempt.requested):  # every rank must agree: saving is collective
+                status = "preempted" if saved or save_state_checkpoint(run) \
+                    else "failed"
+                break
+        # Still inside the signal guard: a late SIGTERM only sets the flag, and the run finishes.
+        if status in ("completed", "early_stopped") and state.last_eval_step != state.step:
+            evaluate_and_record(run, eval_ds, state.step)
+        summary = finish_run(run, tokenizer, status)
+    return RunResult(status=summary["status"], step=state.step, summary=summary)  # a full disk: failed
+
+
+def forward_backward(rt: Runtime, model: torch.nn.Module, train_ds: data_lib.TokenDataset,
+                     state: LoopState) -> tuple[torch.Tensor, int, int]:
+    """Forward and backward over every micro-batch of one global batch; returns (loss sum on this rank,
+    target tokens of the global batch, tokens of the global batch).
+
+    Each micro-batch's loss *sum* is divided by the target-token count of the whole global batch,
+    so accumulation and world size do not change the loss (a mean of means would).
+    """
+    plan = rt.plan
+    indices = data_lib.batch_indices(rt.data_seed, state.step + state.data_offset, plan.global_batch, len(train_ds))
+    n_targets = max(1, train_ds.num_targets(indices))
+    loss_sum = torch.zeros((), device=rt.device)
+    n_tokens = 0
+    for micro in range(plan.accum):
+        batch_idx = data_lib.micro_batch(indices, rt.rank, plan.world, micro, plan.micro)
+        batch = {k: v.to(rt.device, non_blocking=True) for k, v in train_ds.get_batch(batch_idx).items()}
+        n_tokens += batch["input_ids"].numel()
+        # DDP averages gradients over ranks, so scale by world / n_targets to get the global mean.
+        sync = nullcontext() if micro == plan.accum - 1 else rt.accelerator.no_sync(model)
+        with sync, rt.autocast():
+            micro_sum = model(**batch)
+        rt.engine.backward(micro_sum * (plan.world / n_targets))
+        loss_sum += micro_sum.detach()
+    return loss_sum, n_targets, n_tokens * plan.world
+
+
+@torch.no_grad()
+def evaluate(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, eval_ds: data_lib.TokenDataset) -> float:
+    """Mean loss per target token over a fixed slice of the eval set, summed across ranks."""
+    model.eval()
+    total_examples = len(eval_ds)
+    if cfg.train.eval_batches > 0:
+        total_examples = min(total_examples, cfg.train.eval_batches * rt.plan.micro * rt.plan.world)
+    sums = torch.zeros(2, device=rt.device)
+    for start in range(rt.rank * rt.plan.micro, total_examples, rt.plan.micro * rt.plan.world):
+        idx = torch.arange(start, min(start + rt.plan.micro, total_examples)).numpy()
+        batch = {k: v.to(rt.device) for k, v in eval_ds.get_batch(idx).items()}
+        with rt.autocast():
+            sums[0] += model(**batch).float()
+        sums[1] += eval_ds.num_targets(idx)
+    model.train()
+    loss_sum, count = rt.reduce_sum(sums).tolist()
+    return loss_sum / max(count, 1.0)
+
+
+def evaluate_and_record(run: Run, eval_ds: data_lib.TokenDataset, step: int) -> bool:
+    """Eval, log it, track the best; True when early stopping says stop."""
+    cfg, state = run.cfg, run.state
+    eval_loss = evaluate(cfg, run.rt, run.model, eval_ds)
+    state.last_eval_step = step
+    run.log.log({"event": "eval", "step": step, "eval_loss": eval_loss, "eval_ppl": safe_exp(eval_loss)})
+    report_findings(run.rt, state, run.log)
+    if math.isfinite(eval_loss) and eval_loss < state.best_eval_loss:
+        state.best_eval_loss, state.best_eval_step, state.evals_since_best = eval_loss, step, 0
+        return False
+    state.evals_since_best += 1
+    patience = cfg.train.early_stopping_patience
+    return bool(patience) and state.evals_since_best >= patience
+
+

@@ -1,0 +1,67 @@
+"""Preemption and Ctrl-C as a flag the trainer checks at each step boundary, never a lost run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterable
+from types import FrameType
+from typing import Any, ClassVar
+
+
+class PreemptionSignal:
+    """While active, SIGTERM, SIGUSR2 and SIGINT (Ctrl-C) only set `.requested` (and `.signal_name`).
+
+    The trainer checks `.requested` at each step boundary (the first one is before the loop,
+    so a signal during start-up counts too), saves a checkpoint and exits with status
+    `preempted`, so a scheduler can requeue the run. A second SIGINT ends the process at once,
+    by SIGINT's default action, as Ctrl-C normally does: no checkpoint, no summary. On exit the
+    previous handlers are restored. Outside the main thread Python cannot install handlers:
+    then it stays inert (`.active` is False). Entered while another one is active, it hands out
+    that one, so an early, outer guard and the trainer's share one flag.
+    """
+
+    _current: ClassVar[PreemptionSignal | None] = None
+
+    def __init__(self, signals: Iterable[str] = ("SIGTERM", "SIGUSR2", "SIGINT")) -> None:
+        self.signals = [getattr(signal, name) for name in signals]
+        self.requested = False
+        self.signal_name: str | None = None
+        self.active = False
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self.signal_name == "SIGINT":  # the second Ctrl-C
+            os.write(2, b"\nllmexp: second Ctrl-C: exiting now, without a checkpoint\n")
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+            return
+        name = signal.Signals(signum).name
+        if not self.requested:  # os.write: print() is not safe inside a signal handler
+            again = "; Ctrl-C again exits at once" if signum == signal.SIGINT else ""
+            os.write(2, f"\nllmexp: {name}: saving a checkpoint at the next step boundary, then stopping{again}\n"
+                     .encode())
+        self.requested = True
+        self.signal_name = "SIGINT" if signum == signal.SIGINT else (self.signal_name or name)
+
+    def __enter__(self) -> PreemptionSignal:
+        if PreemptionSignal._current is not None:
+            return PreemptionSignal._current
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        self.active = True
+        PreemptionSignal._current = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.active:
+            return
+        for sig, previous in self._previous.items():
+            # None: the old handler was not installed from Python; the default is the best guess.
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+        self.active = False
+        PreemptionSignal._current = None

@@ -1,0 +1,301 @@
+"""How a run is saved to a checkpoint, resumed from one, and rolled back to one.
+
+A checkpoint holds everything that decides the next step, so a resumed run continues bitwise
+where the saved one was: weights (safetensors), optimizer state, the fp16 scaler, every rank's
+RNG states, and this loop state (step = the sampler position, data offset, lr scale, the
+recent losses the spike detector looks at, and the metric history the detectors need).
+
+A checkpoint whose files verify but whose content does not fit this run (an unknown key in the
+trainer state, invalid JSON, a tensor of another shape) is found out before anything is applied,
+so `train.resume=auto` falls back to the previous one. A full disk ends the run as `failed`,
+with summary.json written if there is room for it, and the older checkpoints kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig
+
+from llmexp.checkpoint import serialize
+from llmexp.checkpoint import store as ckpt
+from llmexp.errors import UserError
+from llmexp.train.state import LoopState, Run
+
+if TYPE_CHECKING:
+    from llmexp.metrics import MetricsLogger
+    from llmexp.train.runtime import Runtime
+
+TRAINER_STATE = "trainer_state.json"
+
+
+def save_state_checkpoint(run: Run) -> bool:
+    """Save `checkpoints/step_<N>/` atomically (rank 0 writes; every rank's RNG is gathered).
+
+    Returns False on every rank when the disk was full (reported; older checkpoints kept): the
+    run must stop as `failed` rather than go on without a way back.
+    """
+    from accelerate.utils import gather_object
+
+    cfg, rt, model, state, log = run.cfg, run.rt, run.model, run.state, run.log
+    rng_states = gather_object([serialize.capture_rng()]) if rt.plan.world > 1 else [serialize.capture_rng()]
+    engine = rt.engine
+    write_optimizer = engine.optimizer_writer(run.optimizer, rt.run_dir, state.step)  # ZeRO: collective
+    weights = engine.full_weights(model)  # ZeRO-3: gathered (collective); else None
+    full: ckpt.DiskFull | None = None
+    if rt.is_main:
+        def write(tmp: Path) -> None:
+            tensors = weights if weights is not None else engine.lm(model).state_dict()
+            serialize.save_tensors(tmp / "model.safetensors", tensors)
+            write_optimizer(tmp)
+            for rank, rng in enumerate(rng_states):
+                serialize.save_state(tmp / serialize.rng_filename(rank), rng)
+            if (scaler := engine.scaler_state()) is not None:
+                serialize.save_state(tmp / "scaler.pt", scaler)
+            payload = {"state": asdict(state), "history": log.history}
+            (tmp / TRAINER_STATE).write_text(json.dumps(payload, default=str))
+
+        try:
+            ckpt.save_checkpoint(rt.run_dir / "checkpoints", state.step, write, keep=cfg.train.save_total_limit,
+                                 best_step=state.best_eval_step if state.best_eval_step >= 0 else None,
+                                 extra={"resume_key": resume_key(cfg, rt)})
+        except ckpt.DiskFull as err:
+            full = err
+            _report_disk_full(err, rt, log)
+    rt.accelerator.wait_for_everyone()
+    return not rt.any_rank(full is not None)
+
+
+def _report_disk_full(err: ckpt.DiskFull, rt: Runtime, log: MetricsLogger) -> None:
+    kept = [p.name for p in ckpt.list_checkpoints(rt.run_dir / "checkpoints")]
+    log.write(f"error: {err}; the run stops (status failed). Kept: {', '.join(kept) or 'no checkpoint'}. "
+              "Free some space (or lower train.save_total_limit), then run the same command to resume.")
+
+
+def _load_payload(path: Path, rank: int) -> dict[str, Any]:
+    """Read (and so verify) every file of a checkpoint this rank needs; no pickle code runs."""
+    rng_file = path / serialize.rng_filename(rank)
+    zero_file = path / f"zero_rank{rank}.pt"  # DeepSpeed ZeRO: this rank's optimizer shard instead of optimizer.pt
+    return {
+        "model": serialize.load_tensors(path / "model.safetensors"),
+        "optimizer": serialize.load_state(path / "optimizer.pt") if not zero_file.exists() else None,
+        "zero": serialize.load_state(zero_file) if zero_file.exists() else None,
+        "rng": serialize.load_state(rng_file) if rng_file.exists() else None,
+        "scaler": serialize.load_state(path / "scaler.pt") if (path / "scaler.pt").exists() else None,
+        "trainer": _read_trainer_state(path / TRAINER_STATE),
+    }
+
+
+def _read_trainer_state(file: Path) -> dict[str, Any]:
+    """trainer_state.json, checked against LoopState: a file that verifies but does not fit
+    (invalid JSON, an unknown key, a value of the wrong type) is a CorruptCheckpoint naming it."""
+    try:
+        payload = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ckpt.CorruptCheckpoint(f"{file}: not valid JSON ({err})") from None
+    if not (isinstance(payload, dict) and isinstance(payload.get("state"), dict)
+            and isinstance(payload.get("history"), list) and all(isinstance(r, dict) for r in payload["history"])):
+        raise ckpt.CorruptCheckpoint(f"{file}: expected {{'state': {{...}}, 'history': [{{...}}, ...]}}")
+    defaults = asdict(LoopState())
+    for key, value in payload["state"].items():
+        if key not in defaults:
+            raise ckpt.CorruptCheckpoint(f"{file}: unknown key {key!r} in the trainer state "
+                                         "(written by another llmexp version?)")
+        want = type(defaults[key])
+        if not (isinstance(value, want) or (want is float and isinstance(value, int))):
+            raise ckpt.CorruptCheckpoint(f"{file}: {key}={value!r} is not a {want.__name__}")
+    return payload
+
+
+def _check_fits(run: Run, path: Path, payload: dict[str, Any]) -> None:
+    """Raise CorruptCheckpoint unless the payload's weights (names, shapes) and optimizer state
+    (groups, moment shapes) fit this run's model, so nothing is applied from a checkpoint that
+    would fail half-way through loading."""
+    live = run.rt.engine.lm(run.model).state_dict()
+    saved = payload["model"]
+    file = path / "model.safetensors"
+    missing, unexpected = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
+    if missing or unexpected:
+        raise ckpt.CorruptCheckpoint(f"{file}: does not fit the model (missing {missing[:3]}, unexpected "
+                                     f"{unexpected[:3]})")
+    if not run.rt.engine.params_partitioned:  # ZeRO-3: no rank holds whole parameters to compare
+        for name, tensor in saved.items():
+            if tuple(tensor.shape) != tuple(live[name].shape):
+                raise ckpt.CorruptCheckpoint(f"{file}: {name} has shape {tuple(tensor.shape)}, the model's is "
+                                             f"{tuple(live[name].shape)}")
+    if payload["optimizer"] is not None:
+        _check_optimizer_fits(run.optimizer, path / "optimizer.pt", payload["optimizer"])
+
+
+_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+"""torch.optim state entries shaped like their parameter."""
+
+
+def _check_optimizer_fits(optimizer: Any, file: Path, saved: Any) -> None:
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not (isinstance(groups, list) and isinstance(saved.get("state"), dict)):
+        raise ckpt.CorruptCheckpoint(f"{file}: not an optimizer state (no 'state' and 'param_groups')")
+    live = optimizer.param_groups
+    sizes = [len(g.get("params", [])) for g in groups if isinstance(g, dict)]
+    if sizes != [len(g["params"]) for g in live]:
+        raise ckpt.CorruptCheckpoint(f"{file}: parameter groups of sizes {sizes} do not fit the optimizer's "
+                                     f"{[len(g['params']) for g in live]}")
+    params = [p for g in live for p in g["params"]]
+    ids = [i for g in groups for i in g["params"]]
+    by_id = dict(zip(ids, params, strict=True))
+    for pid, entry in saved["state"].items():
+        if pid not in by_id or not isinstance(entry, dict):
+            raise ckpt.CorruptCheckpoint(f"{file}: state for unknown parameter {pid!r}")
+        for key in _MOMENTS:
+            value = entry.get(key)
+            if value is not None and tuple(getattr(value, "shape", ())) != tuple(by_id[pid].shape):
+                raise ckpt.CorruptCheckpoint(f"{file}: {key} of parameter {pid} has shape "
+                                             f"{tuple(getattr(value, 'shape', ()))}, the parameter's is "
+                                             f"{tuple(by_id[pid].shape)}")
+
+
+def _apply_payload(run: Run, payload: dict[str, Any], path: Path) -> LoopState:
+    """Load a checked payload into the model, optimizer, RNGs and scaler. A failure now would
+    leave them half-loaded, so it ends the run (exit 2) rather than fall back or start fresh."""
+    try:
+        return _apply(run, payload)
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as err:
+        raise ckpt.CorruptCheckpoint(
+            f"{path}: passed its checks but could not be loaded ({type(err).__name__}: "
+            f"{(str(err).strip().splitlines() or [''])[0][:300]}); resume from an older one with "
+            "train.resume=<its path>, or start over with train.resume=never") from None
+
+
+def _apply(run: Run, payload: dict[str, Any]) -> LoopState:
+    engine = run.rt.engine
+    engine.load_weights(run.model, payload["model"])
+    engine.load_optimizer(run.optimizer, payload)
+    if payload["rng"] is not None:
+        serialize.restore_rng(payload["rng"])
+    engine.load_scaler_state(payload["scaler"])
+    return LoopState(**payload["trainer"]["state"])
+
+
+def resume_key(cfg: DictConfig, rt: Runtime) -> dict[str, Any]:
+    """The settings that shape the trajectory; a resume with other values is warned about.
+    `data` is the token cache key (corpus content, tokenizer, data settings): a resume on other
+    data is refused unless `train.resume_data_mismatch=warn`."""
+    return {"lr": str(cfg.lr), "max_steps": cfg.train.max_steps, "global_batch": rt.plan.global_batch,
+            "batch_size": cfg.batch_size, "world_size": rt.plan.world, "seed": cfg.seed,
+            "optimizer": cfg.optimizer.name, "scheduler": cfg.scheduler.name, "precision": rt.precision,
+            "data": rt.data_fingerprint}
+
+
+def _compare_resume_key(run: Run, path: Path) -> None:
+    """Warn about each trajectory setting that changed since the save; refuse other data (exit 2)
+    unless told to go on. Runs on every rank, before anything is loaded or rewritten."""
+    saved_key = ckpt.read_manifest(path).get("extra", {}).get("resume_key", {})
+    for key, now in resume_key(run.cfg, run.rt).items():
+        if key not in saved_key or saved_key[key] == now:
+            continue
+        if key == "data":
+            _data_mismatch(run.cfg.train, path, saved_key[key], now, run.log)
+            continue
+        run.log.write(f"warning: resuming {path.name} with {key}={now}, but it was saved with {saved_key[key]}; "
+                  "the run will not match an uninterrupted one")
+
+
+def _data_mismatch(train: DictConfig, path: Path, saved: str, now: str, log: MetricsLogger) -> None:
+    what = (f"checkpoint {path} was saved with data fingerprint {saved}, but this run's data has fingerprint {now} "
+            "(the data files, the tokenizer or the data.* settings changed)")
+    if train.resume_data_mismatch == "warn":
+        log.write(f"warning: {what}; resuming anyway (train.resume_data_mismatch=warn)")
+        return
+    raise UserError(f"{what}. Restore the original data, start over with train.resume=never, or set "
+                    "train.resume_data_mismatch=warn to resume on the new data"
+                    + ("" if train.resume_data_mismatch == "error" else
+                       f" (train.resume_data_mismatch={train.resume_data_mismatch!r} is neither error nor warn)"))
+
+
+def _set_aside(rt: Runtime, log: MetricsLogger) -> None:
+    """`train.resume=never` in a directory with checkpoints: keep them, but out of this run's way."""
+    root = rt.run_dir / "checkpoints"
+    if rt.is_main and ckpt.list_checkpoints(root):
+        aside = root.with_name(f"checkpoints.before-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.replace(root, aside)
+        log.write(f"train.resume=never: moved the earlier checkpoints to {aside}")
+    log.reset_history([])  # metrics.jsonl starts over with this run
+    rt.accelerator.wait_for_everyone()
+
+
+def _broadcast(rt: Runtime, value: Any) -> Any:
+    """Rank 0's value on every rank."""
+    if rt.plan.world == 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([value])[0]
+
+
+def _loader(run: Run) -> Callable[[Path], dict[str, Any]]:
+    """Reads a checkpoint for this rank and checks that it fits the run, applying nothing yet."""
+    def load(path: Path) -> dict[str, Any]:
+        payload = _load_payload(path, run.rt.rank)
+        _check_fits(run, path, payload)
+        return payload
+
+    return load
+
+
+def _found_checkpoint(run: Run) -> tuple[Path, dict[str, Any]] | None:
+    """Rank 0 picks the checkpoint (verifying hashes, falling back past bad ones); every rank loads it."""
+    rt, choice, load = run.rt, run.cfg.train.resume, _loader(run)
+    if choice == "auto":
+        found = ckpt.load_with_fallback(rt.run_dir / "checkpoints", load, run.log.write) if rt.is_main else None
+        path = _broadcast(rt, str(found[0]) if found else None)
+        if path is None:
+            return None
+        return Path(path), (found[1] if found else load(Path(path)))
+    path = Path(choice)
+    if not (path / ckpt.MANIFEST).is_file():
+        raise ckpt.CorruptCheckpoint(f"train.resume={choice}: not a complete checkpoint directory "
+                                     "(no manifest.json); use train.resume=auto or a checkpoints/step_<N> dir")
+    if rt.is_main:
+        ckpt.verify_checkpoint(path, full=True)
+    return path, load(path)
+
+
+def load_resume_state(run: Run) -> LoopState | None:
+    """Resume per `train.resume`: auto (newest good checkpoint here), never, or a path."""
+    if run.cfg.train.resume == "never":
+        _set_aside(run.rt, run.log)
+        return None
+    found = _found_checkpoint(run)
+    if found is None:
+        run.log.reset_history([])  # nothing to resume from: a killed attempt's lines would duplicate steps
+        return None
+    path, payload = found
+    _compare_resume_key(run, path)
+    state = _apply_payload(run, payload, path)
+    run.log.reset_history(payload["trainer"]["history"])
+    run.log.log({"event": "resume", "step": state.step, "checkpoint": str(path)})
+    return state
+
+
+def rollback(run: Run) -> None:
+    """Back to the newest good checkpoint, past the data window that led to the anomaly, at a lower lr."""
+    state, log = run.state, run.log
+    found = ckpt.load_with_fallback(run.rt.run_dir / "checkpoints", _loader(run), log.write)
+    if found is None:
+        raise RuntimeError("rollback: no checkpoint to roll back to (one is saved at the start of the run)")
+    path, payload = found
+    bad_step = state.step
+    restored = _apply_payload(run, payload, path)
+    restored.rollbacks = state.rollbacks + 1
+    restored.data_offset = state.data_offset + (bad_step - restored.step + 1)
+    restored.lr_scale = state.lr_scale * run.cfg.train.rollback_lr_factor
+    restored.skipped_steps, restored.seen_findings = state.skipped_steps, state.seen_findings
+    state.__dict__.update(asdict(restored))
+    log.log({"event": "rollback", "step": bad_step, "to_step": restored.step, "checkpoint": str(path),
+             "lr_scale": restored.lr_scale, "data_offset": restored.data_offset})

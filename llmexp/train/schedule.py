@@ -1,0 +1,70 @@
+"""Learning-rate schedules as pure functions of the step, the seed's lr-by-size rule, and the peak lr.
+
+The trainer sets `group["lr"] = lr_at(step, ...)` before every optimizer step, so the schedule
+holds no state: resuming at step k gives exactly the lr of step k (cf. transformers #34053), and
+nothing is handed to `accelerator.prepare` (which would step it once per process, accelerate #2318).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from llmexp.config.validation import parse_lr
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+# The seed's table (section 2.2): parameter count -> recommended peak lr for pretraining.
+LR_BY_SIZE: tuple[tuple[float, float], ...] = ((1e9, 3e-4), (7e9, 2e-4), (70e9, 1e-4), (math.inf, 7e-5))
+FINETUNE_DIVISOR = 10.0
+"""The seed: fine-tune at 1/10 to 1/5 of the pretraining lr; we take the conservative end."""
+
+
+def auto_lr(num_params: int, finetune: bool) -> float:
+    """The seed's rule of thumb: < 1B -> 3e-4, 1-7B -> 2e-4, 7-70B -> 1e-4, > 70B -> 7e-5; / 10 to fine-tune."""
+    lr = next(lr for limit, lr in LR_BY_SIZE if num_params < limit)
+    return lr / FINETUNE_DIVISOR if finetune else lr
+
+
+def warmup_steps_for(max_steps: int, warmup_ratio: float, warmup_steps: int | None) -> int:
+    """`warmup_steps` wins over `warmup_ratio`, as in HF TrainingArguments."""
+    return warmup_steps if warmup_steps is not None else math.ceil(warmup_ratio * max_steps)
+
+
+def lr_at(step: int, *, name: str, peak_lr: float, max_steps: int, warmup_steps: int,
+          min_lr_ratio: float = 0.0, decay_ratio: float = 0.2) -> float:
+    """The lr used by optimizer step `step` (0-based).
+
+    Warmup rises linearly to the peak over `warmup_steps` (step 0 already gets a non-zero lr,
+    so no step is wasted). Afterwards:
+      cosine:   min + (peak - min) * (1 + cos(pi * progress)) / 2
+      linear:   peak -> min linearly
+      constant: peak
+      wsd:      peak until the last `decay_ratio` of the steps, then linear to min
+    """
+    if step < warmup_steps:
+        return peak_lr * (step + 1) / warmup_steps
+    min_lr = peak_lr * min_lr_ratio
+    if name == "constant":
+        return peak_lr
+    if name == "wsd":
+        decay_start = max_steps - max(1, round(decay_ratio * max_steps))
+        if step < max(decay_start, warmup_steps):
+            return peak_lr
+        progress = (step - decay_start) / max(1, max_steps - decay_start)
+        return peak_lr - (peak_lr - min_lr) * min(1.0, progress)
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    if name == "linear":
+        return peak_lr - (peak_lr - min_lr) * progress
+    if name == "cosine":
+        return min_lr + (peak_lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"unknown scheduler {name!r}")
+
+
+def resolve_lr(cfg: DictConfig, num_params: int) -> tuple[float, str]:
+    """The peak lr and where it came from (`config`, or `auto` by the seed's table)."""
+    lr = parse_lr(cfg.lr)
+    if lr is not None:
+        return lr, "config"
+    return auto_lr(num_params, finetune=bool(cfg.model.name_or_path)), "auto"

@@ -1,0 +1,49 @@
+"""What a run carries from step to step (`LoopState`), and the live objects of a run (`Run`) that
+saving, resuming, rolling back, evaluating and finishing all take as one argument."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from omegaconf import DictConfig
+
+    from llmexp.metrics import MetricsLogger
+    from llmexp.train.runtime import Runtime
+
+
+@dataclass
+class LoopState:
+    """Everything besides weights, optimizer and RNG that the next step depends on."""
+
+    step: int = 0
+    data_offset: int = 0
+    lr_scale: float = 1.0
+    rollbacks: int = 0
+    skipped_steps: int = 0
+    consecutive_anomalies: int = 0
+    recent_losses: list[float] = field(default_factory=list)
+    best_eval_loss: float = math.inf
+    best_eval_step: int = -1
+    evals_since_best: int = 0
+    last_eval_step: int = -1
+    num_examples: int = 0
+    seen_findings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Run:
+    """One run's live objects, built once by the loop."""
+
+    cfg: DictConfig
+    rt: Runtime
+    model: torch.nn.Module
+    optimizer: Any
+    log: MetricsLogger
+    peak_lr: float
+    lr_source: str
+    """`config` (the `lr` key) or `auto` (the seed's lr-by-size rule)."""
+    state: LoopState = field(default_factory=LoopState)

@@ -1,0 +1,45 @@
+"""The Hydra task of one run: a composed config in, an exit code out (the CLI's run and every sweep job).
+
+Light to import: a sweep job of any Hydra app reports a UserError through `user_error_exit`, and the
+trainer (torch) is imported only when a run starts."""
+
+from __future__ import annotations
+
+import sys
+
+from omegaconf import DictConfig
+
+from llmexp.config.preflight import check_environment
+from llmexp.config.validation import validate
+from llmexp.errors import EXIT_USER, STATUS_EXIT, UserError
+from llmexp.redact import scrub_text
+
+
+def run_guarded(cfg: DictConfig) -> int:
+    """Validate, then train; return the exit code. User errors print one clear message, no traceback."""
+
+    try:  # (the CLI ran both before Hydra did anything; a sweep job runs them here, in its own process)
+        validate(cfg)
+        check_environment(cfg)  # bf16 support, world size, files: before anything loads
+        from llmexp.train.loop import train
+
+        result = train(cfg)
+    except UserError as err:
+        return user_error_exit(err)
+    return STATUS_EXIT[result.status]
+
+
+_last_user_error: str | None = None
+
+
+def user_error_exit(err: UserError) -> int:
+    """Print a user's mistake as one line (secrets scrubbed), keep it for the sweep's record of this job, exit 2."""
+    global _last_user_error
+    _last_user_error = scrub_text(str(err))
+    print(f"llmexp: error: {_last_user_error}", file=sys.stderr)
+    return EXIT_USER
+
+
+def last_user_error() -> str | None:
+    """The message of the last user error in this process: a sweep job's record shows it, not just "exit 2"."""
+    return _last_user_error

@@ -1,0 +1,156 @@
+"""The package's layers (README, "Code map"): no module imports a layer above its own, and the imports
+between llmexp's modules form no cycle. Every import counts, at the top of a file or inside a
+function; only the imports under `if TYPE_CHECKING:` (annotations, never executed) are exempt."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("base", ("llmexp", "llmexp.errors", "llmexp.paths", "llmexp.redact")),
+    ("config", ("llmexp.config",)),
+    ("data", ("llmexp.data",)),
+    ("build", ("llmexp.build", "llmexp.loss", "llmexp.estimate")),
+    ("checkpoint", ("llmexp.checkpoint",)),
+    ("monitor", ("llmexp.monitor", "llmexp.metrics")),
+    ("report", ("llmexp.report", "llmexp.doctor")),
+    ("train", ("llmexp.train",)),
+    ("sweep", ("llmexp.sweep", "hydra_plugins")),
+    ("cli", ("llmexp.__main__",)),
+)
+"""Lowest first. A module belongs to the layer of the longest prefix that names it."""
+
+
+def layer_of(module: str) -> int:
+    matches = [(len(prefix), i) for i, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
+               if module == prefix or module.startswith(prefix + ".")]
+    if not matches:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS in tests/test_layers.py")
+    return max(matches)[1]
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement that can execute: anywhere in the file, except under `if TYPE_CHECKING:`."""
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append(node)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """module -> the modules of `packages` it imports (`from pkg import mod` counts as pkg.mod)."""
+    files = {module_name(p, root): p for pkg in packages for p in (root / pkg).rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in files}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in _runtime_imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base for alias in node.names]
+            graph[name] |= {t for t in targets if t in files and t != name}
+    return graph
+
+
+def upward_edges(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{src} ({LAYERS[layer_of(src)][0]}) imports {dst} ({LAYERS[layer_of(dst)][0]})"
+                  for src, dsts in graph.items() for dst in dsts if layer_of(dst) > layer_of(src))
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def strongconnect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            strongconnect(v)
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    return import_graph(REPO, ("llmexp", "hydra_plugins"))
+
+
+def test_every_module_is_in_a_layer(graph: dict[str, set[str]]) -> None:
+    for module in graph:
+        layer_of(module)
+
+
+def test_no_module_imports_a_layer_above_its_own(graph: dict[str, set[str]]) -> None:
+    assert upward_edges(graph) == []
+
+
+def test_the_imports_form_no_cycle(graph: dict[str, set[str]]) -> None:
+    assert cycles(graph) == []
+
+
+def test_the_checker_sees_function_level_imports_and_exempts_type_checking(tmp_path: Path) -> None:
+    """The checker itself: a function-level upward import and a cycle are caught; annotations are not."""
+    pkg = tmp_path / "llmexp"
+    (pkg / "train").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train" / "__init__.py").write_text("")
+    (pkg / "paths.py").write_text("def f():\n    from llmexp.train import loop\n")  # base -> train: upward
+    (pkg / "train" / "loop.py").write_text("from llmexp.train import engine\n")
+    (pkg / "train" / "engine.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from llmexp.sweep import jobs\n"
+        "from . import loop\n")  # a cycle through a relative import; the TYPE_CHECKING import is exempt
+    found = import_graph(tmp_path, ("llmexp",))
+    assert upward_edges(found) == ["llmexp.paths (base) imports llmexp.train.loop (train)"]
+    assert cycles(found) == [["llmexp.train.engine", "llmexp.train.loop"]]
