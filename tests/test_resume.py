@@ -47,7 +47,7 @@ TINY = (
 )
 # Kill from inside at an exact point, then run the normal CLI. LLMEXP_TEST_KILL_AT is
 # "backward:<n>" (before the n-th micro-batch backward), "startup:1" (as the data is built) or
-# "ckpt_file:<n>" (after the n-th checkpoint file written through llmexp.checkpoint.store.save_state /
+# "ckpt_file:<n>" (after the n-th checkpoint file written through llmexp.checkpoint.serialize.save_state /
 # save_tensors). LLMEXP_TEST_KILL_SIGNALS lists the signals sent then (default SIGKILL); each
 # one's handler has run before the next is sent (signal.raise_signal), as two key presses would.
 KILL_HOOK = r"""
@@ -61,12 +61,12 @@ def count_and_maybe_kill():
         for sig in signals:
             signal.raise_signal(sig)
 if kind == "backward":
-    from llmexp.train import runtime
-    real_backward = runtime.Runtime.backward
+    from llmexp.train import engine
+    real_backward = engine.PlainEngine.backward
     def backward(self, loss):
         count_and_maybe_kill()
         return real_backward(self, loss)
-    runtime.Runtime.backward = backward
+    engine.PlainEngine.backward = backward
 elif kind == "startup":
     from llmexp.data import datasets as data
     real_build = data.build_datasets
@@ -75,7 +75,7 @@ elif kind == "startup":
         return real_build(*args, **kwargs)
     data.build_datasets = build_datasets
 else:
-    from llmexp.checkpoint import store as checkpoint
+    from llmexp.checkpoint import serialize as checkpoint
     for name in ("save_state", "save_tensors"):
         def wrapped(*args, _real=getattr(checkpoint, name), **kwargs):
             _real(*args, **kwargs)

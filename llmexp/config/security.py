@@ -155,7 +155,7 @@ def _job_target_problem(key: str, value: object) -> str | None:
 def _hydra_target_problem(key: str, value: object) -> str | None:
     """Resolve a `hydra.*` target as Hydra will (`_locate` follows attributes through a module's own imports)
     and compare the object itself with the allowed ones. Only modules of llmexp and Hydra are imported."""
-    from hydra._internal.utils import _locate  # Hydra 1.3: what hydra.utils.instantiate uses
+    from hydra.utils import get_object  # what hydra.utils.instantiate uses to find a target
 
     allowed = allowed_targets(key)
     if problem := target_problem(value, ("",)):
@@ -166,7 +166,7 @@ def _hydra_target_problem(key: str, value: object) -> str | None:
     if not str(value).startswith(HYDRA_ALLOWED_TARGETS):
         return f"{value!r} is not one of the allowed classes here ({names})"
     try:
-        obj = _locate(str(value))
+        obj = get_object(str(value))
     except Exception as err:  # not importable: refused, whatever the reason
         return f"cannot import {value!r} ({err}); allowed here: {names}"
     if not is_allowed_object(obj, allowed):

@@ -24,7 +24,6 @@ from llmexp.config.derived import (
     resolve_precision,
     world_size_from_env,
 )
-from llmexp.config.schema import to_container
 from llmexp.metrics import (
     MetricsLogger,
     flops_per_token,
@@ -134,7 +133,8 @@ class Runtime:
         else:
             self.peak_tflops, self.mfu_note = self._measure_peak()
         peak_lr, source = resolve_lr(cfg, self.num_params)
-        self.monitor_settings = settings_from_config(to_container(cfg), lr=peak_lr, precision=self.precision)
+        facts = {"model": {"name_or_path": cfg.model.name_or_path}, "train": {"max_grad_norm": cfg.train.max_grad_norm}}
+        self.monitor_settings = settings_from_config(facts, lr=peak_lr, precision=self.precision)
         model = CausalLMLoss(lm)
         optimizer = build.build_optimizer(cfg, model, peak_lr, self.device.type)
         model, optimizer = self.accelerator.prepare(model, optimizer)
