@@ -367,6 +367,8 @@ class WandbSink:
     """Weights & Biases: the resolved config (secrets removed), train/* and eval/* against trainer/step."""
 
     def __init__(self, run_dir: Path, cfg_container: dict, run_name: str, logger_cfg: Any) -> None:
+        if os.environ.get("WANDB_MODE") == "":  # empty means unset to a shell user; wandb would raise on it
+            del os.environ["WANDB_MODE"]
         import wandb
 
         get = logger_cfg.get if hasattr(logger_cfg, "get") else lambda k, d=None: getattr(logger_cfg, k, d)

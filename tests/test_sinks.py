@@ -94,9 +94,13 @@ def read_wandb_log(path: Path) -> list:
     return out
 
 
-def test_wandb_offline_run_is_readable_and_has_no_secrets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("env_mode", [None, ""])  # an empty WANDB_MODE means unset (wandb itself rejects it)
+def test_wandb_offline_run_is_readable_and_has_no_secrets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          env_mode: str | None) -> None:
     monkeypatch.delenv("WANDB_API_KEY", raising=False)  # no key: the sink must go offline, never prompt
     monkeypatch.delenv("WANDB_MODE", raising=False)
+    if env_mode is not None:
+        monkeypatch.setenv("WANDB_MODE", env_mode)
     monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
     cfg = {"lr": 1e-3, "batch_size": 4, "model": {"hidden_size": 64}, "hub": {"hf_token": CANARY}}
