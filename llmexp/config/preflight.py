@@ -13,8 +13,9 @@ Three passes, none of which imports torch:
   the composed config: `???` left unset, interpolations that do not resolve, keys added with `+`
   that no schema knows, NUL bytes, disallowed `_target_`s, remote code without a pinned commit.
 * `check_environment(cfg)` runs after `validate` (in the CLI before Hydra runs, and again in
-  `errors.run_guarded` for sweep jobs), before anything loads:
-  what depends on this machine and launch: bf16 support, the world size, files that must exist.
+  `train.task.run_guarded` for sweep jobs), before anything loads: what depends on this machine
+  and launch: the world size, files that must exist. (bf16 runs on every CPU, emulated where it is
+  not native; only a GPU on which torch cannot compute in bf16 is refused, at set-up.)
   `validate` stays a pure function of the config, so a config validates on any machine.
 
 Environment: `LLMEXP_ASSUME_NO_BF16=1` makes llmexp treat this CPU as one without native bf16

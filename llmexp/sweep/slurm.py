@@ -14,10 +14,12 @@ Timeout and preemption, and who handles which signal:
 
 1. submitit starts the job with `--signal=USR2@signal_delay_s` and, before calling `SlurmJob`,
    installs its handlers: SIGUSR2 -> checkpoint-and-requeue, SIGTERM -> log and ignore.
-2. While the trainer's loop runs, its `PreemptionSignal` replaces both: SIGUSR2 (time limit
-   near, or `scancel --signal=USR2`) and SIGTERM (scancel, preemption) only set a flag; at the
-   next step boundary the trainer saves a checkpoint and returns status `preempted`. On return it
-   restores submitit's handlers.
+2. From the start of llmexp's task (before torch is imported) until the run has finished,
+   llmexp's `PreemptionSignal` replaces both: SIGUSR2 (time limit near, or `scancel
+   --signal=USR2`) and SIGTERM (scancel, preemption) only set a flag; at the next step boundary
+   (the first is before the loop, so start-up counts) the trainer saves a checkpoint and returns
+   status `preempted`. A signal after the last step lets the run finish. On return it restores
+   submitit's handlers.
 3. `SlurmJob` then asks SLURM about the job. Still RUNNING means the signal was a warning (time
    limit or USR2 preemption): it calls submitit's SIGUSR2 handler itself, which calls
    `SlurmJob.checkpoint()` (the same job, with `train.resume=auto`), counts the timeout against
@@ -25,8 +27,8 @@ Timeout and preemption, and who handles which signal:
    same run directory and resumes from the checkpoint just written. Not RUNNING (cancelled,
    timed out, preempted with PreemptMode=REQUEUE, which requeues by itself) means SLURM decided:
    the job just returns, so a `scancel` is never undone.
-4. A SIGUSR2 outside the trainer's loop (loading data, writing the report) reaches submitit's
-   handler directly: the job is requeued at once and resumes from its last checkpoint.
+4. A SIGUSR2 before the task starts (submitit loading the job) reaches submitit's handler
+   directly: the job is requeued at once and resumes from its last checkpoint.
 
 Multi-task jobs (`tasks_per_node` > 1 or `nodes` > 1) run `SlurmJob` on every task (srun), each
 with MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE from SLURM's
