@@ -318,6 +318,8 @@ def format_line(r: dict[str, Any]) -> str | None:
         return f"eval {r['step']:>6} | eval_loss {r['eval_loss']:.4f} | eval_ppl {r['eval_ppl']:.2f}"
     if r.get("event") == "finding":
         return f"[{r['severity']}] step {r['step']}: {r['message']} -> {r['advice']}"
+    if r.get("event") == "sample":
+        return "\n".join(f"sample {r['step']:>4} | {s['prompt']!r} -> {s['completion']!r}" for s in r["samples"])
     return None
 
 
@@ -403,6 +405,13 @@ class WandbSink:
         self.run.define_metric("eval/*", step_metric="trainer/step")
 
     def log(self, record: dict[str, Any]) -> None:
+        if record.get("event") == "sample":  # a table per sampling step: prompt, continuation
+            import wandb
+
+            rows = [[int(record["step"]), s["prompt"], s["completion"]] for s in record["samples"]]
+            self.run.log({"trainer/step": int(record["step"]),
+                          "samples": wandb.Table(columns=["step", "prompt", "completion"], data=rows)})
+            return
         data = _numbers(record)
         if data:
             self.run.log({"trainer/step": int(record["step"]), **data})

@@ -228,6 +228,16 @@ class TrainConfig:
     """Steps between evals (also at step 0 and at the end)."""
     eval_batches: int = 16
     """Batches of `batch_size` per eval; -1 evaluates the whole eval set."""
+    sample_prompts: list[str] = field(default_factory=list)
+    """Prompts the model continues while it trains (metrics.jsonl, console, wandb, report.md); none: no samples."""
+    sample_steps: int = 0
+    """Steps between samples (also at step 0 and at the end); 0 samples only at the end."""
+    sample_max_new_tokens: int = 32
+    """Tokens generated per prompt."""
+    sample_temperature: float = 0.0
+    """0 decodes greedily; above 0 samples at this temperature."""
+    sample_seed: int = 0
+    """Seed of sampling, on a generator of its own: training's random state is never touched."""
     save_steps: int = 100
     """Steps between checkpoints; 0 saves only at the end and on preemption."""
     save_total_limit: int = 2

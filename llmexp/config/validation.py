@@ -126,6 +126,10 @@ RANGES: dict[str, Range] = {
     "train.logging_steps": _at_least(1),
     "train.eval_steps": _at_least(1),
     "train.eval_batches": _at_least(1, "(-1 evaluates the whole eval set)", also=(-1,)),
+    "train.sample_steps": _at_least(0, "(0: only at the end)"),
+    "train.sample_max_new_tokens": Range(low=1, high=4096),
+    "train.sample_temperature": _at_least(0, "(0 decodes greedily)"),
+    "train.sample_seed": Range(low=0, high=SEED_MAX),
     "train.save_steps": _at_least(0, "(0: only at the end)"),
     "train.save_total_limit": _at_least(1),
     "train.max_consecutive_anomalies": _at_least(1),
@@ -333,3 +337,6 @@ def _validate_groups(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet
            "CPU offload; use optimizer=adamw with deepspeed=zero2_offload, or deepspeed=zero2")
     _check(errors, not (ds.stage > 0 and cfg.train.on_anomaly == "rollback"), "train.on_anomaly",
            "rollback is not supported under DeepSpeed; use train.on_anomaly=skip or stop")
+    _check(errors, not (ds.stage >= 3 and cfg.train.sample_prompts), "train.sample_prompts",
+           "samples need whole weights on one process, and ZeRO-3 partitions them; use deepspeed=zero2, or "
+           "sample from model/ after the run")

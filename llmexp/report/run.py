@@ -97,6 +97,22 @@ def _table(rows: list[tuple[str, str]], header: tuple[str, str]) -> str:
     return "\n".join(out) + "\n"
 
 
+def samples_markdown(records: list[dict]) -> str:
+    """The first and the last samples side by side: what training changed in the model's continuations."""
+    events = [r for r in records if r.get("event") == "sample" and isinstance(r.get("samples"), list)]
+    if not events:
+        return ""
+    first, last = events[0], events[-1]
+    cell = lambda text: str(text).replace("|", "\\|").replace("\n", "⏎ ")  # noqa: E731  (one table row each)
+    both = last is not first
+    header = f"| prompt | step {first['step']} |" + (f" step {last['step']} |" if both else "")
+    rows = [header, "|---|---|" + ("---|" if both else "")]
+    for a, b in zip(first["samples"], last["samples"], strict=False):
+        later = f" {cell(b['completion'])} |" if both else ""
+        rows.append(f"| {cell(a['prompt'])} | {cell(a['completion'])} |{later}")
+    return "## Samples\n\n" + "\n".join(rows) + "\n"
+
+
 def run_report_markdown(run_dir: Path, records: list[dict], summary: dict | None, findings: list[dict],
                         cfg: dict, overrides: list[str]) -> str:
     status = (summary or {}).get("status", "unknown (no summary.json: the run was killed or is still running)")
@@ -115,6 +131,7 @@ def run_report_markdown(run_dir: Path, records: list[dict], summary: dict | None
         "## Findings\n", findings_markdown(findings),
         "## Settings that mattered\n",
         _table(settings_rows(cfg), ("setting", "value")) if cfg else "No `.hydra/config.yaml` found.\n",
+        *([samples] if (samples := samples_markdown(records)) else []),
         "## Curves\n", "![curves](curves.png)\n",
         "Regenerate with `python -m llmexp.doctor RUN_DIR`.\n",
     ]

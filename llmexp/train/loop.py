@@ -1,13 +1,15 @@
 """The training loop, top to bottom.
 
     setup -> data -> model -> optimizer -> (resume) -> for each step:
-        [eval] -> micro-batches (forward, backward) -> unscale -> grad norm + clip
-        -> non-finite / spike check BEFORE the optimizer step -> step -> [log] [save] [preempt?]
-    -> final eval -> model/ -> summary.json -> report
+        [eval] [samples] -> micro-batches (forward, backward) -> unscale -> grad norm + clip
+        -> non-finite / spike check BEFORE the optimizer step -> optimizer.step() -> zero_grad
+        -> [log] [save] [preempt?]
+    -> final eval and samples -> model/ -> summary.json -> report
 
-Everything that decides *what* to do lives in components: the schedule (`schedule.lr_at`),
-the detectors (`monitor`), the sampler (`data.batch_indices`), checkpoint I/O (`state`).
-The loop only calls them in the right order.
+Everything that decides *what* to do lives in components: the schedule (`schedule.lr_at`), the
+anomaly policy (`anomaly.judge_step`), the detectors (`monitor`), the sampler
+(`data.batch_indices`), the step engine (`engine`: plain or DeepSpeed), checkpoint I/O (`resume`,
+`finish`). The loop only calls them in the right order.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from omegaconf import DictConfig
 
 from llmexp.data import datasets as data_lib
 from llmexp.metrics import safe_exp
+from llmexp.train import samples
 from llmexp.train.anomaly import judge_step, report_findings
 from llmexp.train.finish import finish_run
 from llmexp.train.resume import load_resume_state, rollback, save_state_checkpoint
@@ -86,6 +89,8 @@ def _train(cfg: DictConfig) -> RunResult:
             if due and evaluate_and_record(run, eval_ds, step):
                 status = "early_stopped"
                 break
+            if samples.due(cfg.train, step, max_steps):
+                samples.record(run, tokenizer, step)  # on a forked RNG: training is bitwise unchanged
             for group in optimizer.param_groups:
                 group["lr"] = schedule(step)
             window.begin()
@@ -127,6 +132,8 @@ def _train(cfg: DictConfig) -> RunResult:
         # Still inside the signal guard: a late SIGTERM only sets the flag, and the run finishes.
         if status in ("completed", "early_stopped") and state.last_eval_step != state.step:
             evaluate_and_record(run, eval_ds, state.step)
+        if status in ("completed", "early_stopped") and cfg.train.sample_prompts:
+            samples.record(run, tokenizer, state.step)
         summary = finish_run(run, tokenizer, status)
     return RunResult(status=summary["status"], step=state.step, summary=summary)  # a full disk: failed
 

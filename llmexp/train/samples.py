@@ -1,0 +1,58 @@
+"""Samples while training: the model continues `train.sample_prompts` every `train.sample_steps`.
+
+Reading a few continuations is the quickest check that a fine-tune does what the loss says. The
+samples must not change training, so generation runs on rank 0 only, in eval mode, without
+gradients, with the RNG of every device forked (`torch.random.fork_rng`) and seeded from
+`train.sample_seed`: the losses of a run are bitwise the same with and without samples.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from llmexp.train.state import Run
+
+
+def due(train: DictConfig, step: int, max_steps: int) -> bool:
+    """Sample at step 0, every `sample_steps`, and at the end (only at the end when `sample_steps` is 0)."""
+    if not train.sample_prompts:
+        return False
+    every = train.sample_steps
+    return step == max_steps or (every > 0 and step % every == 0)
+
+
+@torch.no_grad()
+def generate(run: Run, tokenizer: Any) -> list[dict[str, str]]:
+    """Each prompt with its continuation (greedy, or sampled at `train.sample_temperature`)."""
+    train, rt = run.cfg.train, run.rt
+    lm = rt.engine.lm(run.model)
+    was_training = lm.training
+    lm.eval()
+    devices = [rt.device.index or 0] if rt.device.type == "cuda" else []
+    samples = []
+    try:
+        with torch.random.fork_rng(devices=devices), rt.autocast():
+            torch.manual_seed(train.sample_seed)
+            for prompt in train.sample_prompts:
+                samples.append({"prompt": prompt, "completion": _continue(lm, tokenizer, prompt, train, rt.device)})
+    finally:
+        lm.train(was_training)
+    return samples
+
+
+def _continue(lm: Any, tokenizer: Any, prompt: str, train: DictConfig, device: torch.device) -> str:
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
+    sampled = train.sample_temperature > 0
+    out = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=train.sample_max_new_tokens,
+                      do_sample=sampled, temperature=train.sample_temperature if sampled else None, top_p=None,
+                      top_k=None, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def record(run: Run, tokenizer: Any, step: int) -> None:
+    """Generate on rank 0 and log one `sample` event (metrics.jsonl, the console, wandb's table)."""
+    if run.rt.is_main:
+        run.log.log({"event": "sample", "step": step, "samples": generate(run, tokenizer)})

@@ -1,0 +1,57 @@
+"""Samples while training (`train.sample_prompts`): logged, shown, reported, and training unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from llmexp.config.validation import ConfigError, validate
+from tests.conftest import TINY, read_metrics, run_cli
+
+RUN = [*TINY, "precision=fp32", "lr=3e-3", "train.max_steps=6", "train.eval_steps=3", "train.save_steps=0"]
+PROMPTS = ["train.sample_prompts=['def main(', 'import os']", "train.sample_steps=3",
+           "train.sample_max_new_tokens=8", "train.sample_temperature=0.8", "train.sample_seed=7"]
+
+
+def _run(tmp_path: Path, name: str, extra: list[str]) -> tuple[Path, str]:
+    run_dir = tmp_path / name
+    proc = run_cli([*RUN, *extra, f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                   env={"LLMEXP_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir, proc.stdout + proc.stderr
+
+
+def test_samples_are_logged_shown_reported_and_leave_training_bitwise_unchanged(tmp_path: Path) -> None:
+    plain_dir, _ = _run(tmp_path, "plain", [])
+    sampled_dir, console = _run(tmp_path, "sampled", PROMPTS)  # temperature > 0: sampling draws random numbers
+    losses = lambda d: [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(d, "train")]  # noqa: E731
+    assert losses(sampled_dir) == losses(plain_dir)  # the same floats: sampling touched no RNG training uses
+    events = read_metrics(sampled_dir, "sample")
+    assert [e["step"] for e in events] == [0, 3, 6]
+    assert all([s["prompt"] for s in e["samples"]] == ["def main(", "import os"] for e in events)
+    assert all(isinstance(s["completion"], str) and s["completion"] for e in events for s in e["samples"])
+    assert "sample    0 | 'def main(' ->" in console
+    report = (sampled_dir / "report.md").read_text()
+    assert "## Samples" in report and "| prompt | step 0 | step 6 |" in report
+    assert "## Samples" not in (plain_dir / "report.md").read_text()
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"train": {"sample_max_new_tokens": 0}}, "train.sample_max_new_tokens"),
+    ({"train": {"sample_temperature": -1.0}}, "train.sample_temperature"),
+    ({"train": {"sample_prompts": ["x"]}, "deepspeed": {"stage": 3}}, "train.sample_prompts"),
+])
+def test_bad_sample_settings_name_the_key(overrides: dict, message: str) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from llmexp.config.schema import register_configs
+    from llmexp.paths import conf_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = compose("config")
+    cfg = OmegaConf.merge(cfg, OmegaConf.create(overrides))
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg)
