@@ -33,7 +33,8 @@ def records() -> list[dict]:
     out += [{"event": "train", "step": s, "loss": 9.0 - 0.5 * s, "ppl": math.exp(9.0 - 0.5 * s), "lr": 1e-3,
              "grad_norm": 1.0 + 0.1 * s, "tokens_per_sec": 1000.0} for s in range(1, 6)]
     out += [{"event": "finding", "step": 5, "kind": "plateau", "severity": "info", "message": "m", "advice": "a"},
-            {"event": "eval", "step": 5, "eval_loss": 6.5, "eval_ppl": math.exp(6.5)}]
+            {"event": "eval", "step": 5, "eval_loss": 6.5, "eval_ppl": math.exp(6.5)},
+            {"event": "sample", "step": 5, "samples": [{"prompt": "def f(", "completion": "x): pass"}]}]
     return out
 
 
@@ -125,6 +126,10 @@ def test_wandb_offline_run_is_readable_and_has_no_secrets(tmp_path: Path, monkey
     losses = {h["trainer/step"]: h["train/loss"] for h in history if "train/loss" in h}
     assert losses == {s: 9.0 - 0.5 * s for s in range(1, 6)}
     assert [h["eval/eval_loss"] for h in history if "eval/eval_loss" in h] == [9.0, 6.5]
+    (table,) = [h for h in history if "samples/_type" in h]  # the sample event: a wandb table at step 5
+    assert table["samples/_type"] == "table-file" and table["samples/nrows"] == 1 and table["trainer/step"] == 5
+    (table_file,) = run_dirs[0].rglob("samples_*.table.json")
+    assert json.loads(table_file.read_text())["data"] == [[5, "def f(", "x): pass"]]
 
 
 def test_tensorboard_events_are_readable(tmp_path: Path) -> None:
