@@ -15,7 +15,7 @@ from llmexp.paths import conf_dir
 from tests.conftest import compose, run_cli
 
 GROUPS = ["model", "data", "precision", "optimizer", "scheduler", "cluster", "deepspeed", "logger", "experiment"]
-NEEDS = {"data/json": ["data.train_file=t.jsonl"], "data/text": ["data.train_file=t.txt"],
+NEEDS = {"data/json": ["data.train_file=t.jsonl"], "data/text": ["data.train_file=t.txt"], "data/hf": ["data.path=d"],
          "data/stdlib_sft": ["model.name_or_path=run/model"], "experiment/sft_demo": ["model.name_or_path=run/model"]}
 
 

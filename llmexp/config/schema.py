@@ -57,7 +57,7 @@ class DataConfig:
     """Where tokens come from and how they are cut into training examples."""
 
     name: str = "stdlib"
-    """Corpus kind: stdlib, stdlib_sft, json or text."""
+    """Corpus kind: stdlib, stdlib_sft, json, text or hf (the `datasets` library)."""
     train_file: str | None = None
     """json/text: training file (JSON list or JSONL for json; a file, directory or glob for text)."""
     eval_file: str | None = None
@@ -78,6 +78,24 @@ class DataConfig:
     """Use at most this many training records (stdlib_sft and quick experiments)."""
     finetune_only: bool = False
     """Refuse to start without model.name_or_path: this data fine-tunes an earlier run's model."""
+    path: str | None = None
+    """hf: a hub id, a `save_to_disk` directory, or a file builder (parquet, arrow, json, csv, text)."""
+    data_files: Any = None
+    """hf: the file, glob or list of files a file builder reads."""
+    config_name: str | None = None
+    """hf: the dataset's configuration (what `datasets.load_dataset` calls `name`)."""
+    split: str = "train"
+    """hf: the split to train on."""
+    eval_split: str | None = None
+    """hf: the split to evaluate on; null holds out `eval_fraction` of the training rows."""
+    text_field: str | None = None
+    """hf: the column of plain text (null: found by name: text, prompt/completion, messages, Alpaca's)."""
+    prompt_field: str | None = None
+    """hf: the prompt column of prompt/completion data."""
+    completion_field: str | None = None
+    """hf: the completion column of prompt/completion data."""
+    messages_field: str | None = None
+    """hf: the column of chat messages (a list of {role, content})."""
 
 
 @dataclass

@@ -32,7 +32,7 @@ PRECISIONS = ("bf16", "fp16", "fp32", "auto")
 OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "lion", "lion8bit", "sgd")
 SCHEDULERS = ("cosine", "linear", "constant", "wsd")
 ANOMALY_POLICIES = ("stop", "skip", "rollback")
-DATA_KINDS = ("stdlib", "stdlib_sft", "json", "text")
+DATA_KINDS = ("stdlib", "stdlib_sft", "json", "text", "hf")
 LOGGERS = ("jsonl", "wandb", "tensorboard")
 
 INT64_MAX = 2**63 - 1
@@ -320,6 +320,8 @@ def _validate_groups(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet
            f"data={d.name} fine-tunes an earlier model; set model.name_or_path=outputs/<date>/<time>/model")
     _check(errors, d.name not in ("json", "text") or bool(d.train_file), "data.train_file",
            f"data={d.name} needs a training file; set data.train_file=path/to/train.jsonl")
+    _check(errors, d.name != "hf" or bool(d.path), "data.path",
+           "data=hf needs a dataset: a hub id, a save_to_disk directory, or data.path=parquet with data.data_files")
     heads = {"model.hidden_size", "model.num_attention_heads", "model.num_key_value_heads"}
     if m.name_or_path is None and not bad & heads:
         _check(errors, m.hidden_size % m.num_attention_heads == 0, "model.hidden_size",

@@ -119,7 +119,7 @@ def text_files(spec: str | None, key: str) -> list[Path]:
     return files
 
 
-def _check_record(rec: Any, where: str) -> Record:
+def check_record(rec: Any, where: str) -> Record:
     """Validate one record's shape; return it reduced to its known fields."""
     if not isinstance(rec, dict):
         raise UserError(f"{where}: a record must be a JSON object with {KNOWN_FIELDS}; got {type(rec).__name__}")
@@ -160,13 +160,13 @@ def read_json_records(path: Path) -> list[Record]:
         except RecursionError:  # Python's parser recurses once per level of nesting
             raise UserError(f"{path}: JSON nested too deeply to parse (over {sys.getrecursionlimit()} levels); "
                             "records are flat objects of `text`, `prompt` + `completion`, or `messages`") from None
-        return [_check_record(rec, f"{path}: record {i}") for i, rec in enumerate(items)]
+        return [check_record(rec, f"{path}: record {i}") for i, rec in enumerate(items)]
     records = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        try:  # (a record just inside the limit can still overflow in _check_record's json.dumps)
-            records.append(_check_record(json.loads(line), f"{path}:{lineno}: record {len(records)}"))
+        try:  # (a record just inside the limit can still overflow in check_record's json.dumps)
+            records.append(check_record(json.loads(line), f"{path}:{lineno}: record {len(records)}"))
         except json.JSONDecodeError as err:
             raise UserError(f"{path}:{lineno}: malformed JSON line ({err.msg}, column {err.colno}); "
                             "expected one JSON object per line (JSONL) or one JSON list") from None
@@ -285,7 +285,7 @@ def plain_text(rec: Record) -> str:
     return "".join(f"{PLAIN_ROLE_HEADERS[m['role']]}{m['content']}\n\n" for m in rec["messages"])
 
 
-def _stdlib_corpus(d: Any) -> Corpus:
+def stdlib_corpus(d: Any) -> Corpus:
     root = stdlib_root()
     train, held = split_by_hash(stdlib_files(root), float(d.eval_fraction))
     whole_train = train
@@ -307,7 +307,7 @@ def _stdlib_corpus(d: Any) -> Corpus:
                   lambda: (read_text(root / r) for r in bpe_files))
 
 
-def _user_corpus(d: Any) -> Corpus:
+def user_corpus(d: Any) -> Corpus:
     if d.name == "text":
         train_files = text_files(d.train_file, "data.train_file")
         eval_files = text_files(d.eval_file, "data.eval_file") if d.eval_file else []
@@ -344,12 +344,3 @@ def _user_corpus(d: Any) -> Corpus:
 
     bpe_fp = {"kind": d.name, "train": train_fp, "eval_fraction": fp["eval_fraction"], "max_examples": d.max_examples}
     return Corpus(d.name, fp, bpe_fp, load, bpe_texts)
-
-
-def load_corpus(d: Any) -> Corpus:
-    """The corpus `data.name` names (`d` is the `data` config node)."""
-    if d.name in ("stdlib", "stdlib_sft"):
-        return _stdlib_corpus(d)
-    if d.name in ("json", "text"):
-        return _user_corpus(d)
-    raise UserError(f"data.name={d.name!r} is not one of stdlib, stdlib_sft, json, text")

@@ -27,7 +27,8 @@ import numpy as np
 from omegaconf import DictConfig
 
 from llmexp.data.cache import get_or_build, hash_obj, save_array
-from llmexp.data.corpora import Record, load_corpus
+from llmexp.data.corpora import Record
+from llmexp.data.sources import load_corpus
 from llmexp.data.tokenizer import hub_error, load_tokenizer  # re-exported: the trainer imports them from here
 from llmexp.errors import UserError
 

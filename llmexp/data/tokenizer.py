@@ -9,18 +9,15 @@ here; `llmexp.build` uses it too. transformers is imported inside functions only
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import os
-import socket
-import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
 from llmexp.data.cache import get_or_build, hash_obj
-from llmexp.data.corpora import load_corpus
+from llmexp.data.hub import hub_reachable
+from llmexp.data.sources import load_corpus
 from llmexp.errors import UserError
 
 if TYPE_CHECKING:
@@ -47,20 +44,6 @@ def hub_error(name: str, cause: BaseException | None = None, key: str = "model.n
         f"{name} --local-dir {short}`, copy that directory here and set {key}=/path/to/{short} "
         "(or point it at the model/ directory of an earlier llmexp run)."
     )
-
-
-@functools.lru_cache(maxsize=1)
-def hub_reachable(timeout_s: float = 3.0) -> bool:
-    """Whether the hub answers a TCP connect: checked once, so an offline machine fails in seconds
-    instead of minutes of retries inside `from_pretrained`."""
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
-        return False
-    host = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or ""
-    try:
-        socket.create_connection((host, 443), timeout=timeout_s).close()
-    except OSError:
-        return False
-    return True
 
 
 def hub_load_kwargs(name: str, key: str = "model.name_or_path") -> dict[str, Any]:

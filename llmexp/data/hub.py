@@ -1,0 +1,135 @@
+"""`data=hf`: anything the `datasets` library loads, turned into llmexp's records.
+
+    data.path=tatsu-lab/alpaca                             a hub id: the local HF cache offline, the hub online
+    data.path=/data/my_set                                 a directory written by `Dataset.save_to_disk`
+    data.path=parquet data.data_files=/data/*.parquet      files, through one of datasets' builders
+                                                           (parquet, arrow, json, csv, text)
+
+Columns become one of llmexp's record shapes (`text`, `prompt` + `completion`, `messages`): named
+by `data.text_field`, `data.prompt_field` + `data.completion_field` or `data.messages_field`, or
+else found by their usual names, Alpaca's `{instruction, input, output}` included. A missing column
+exits 2 naming the columns there are. The token cache is keyed by the dataset's own fingerprint
+(datasets computes one per loaded table), so a changed dataset is tokenised again.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from llmexp.data.corpora import Corpus, Record, check_record, plain_text, split_records
+from llmexp.errors import UserError
+
+BUILDERS = ("parquet", "arrow", "json", "csv", "text")
+"""`data.path` values that name one of datasets' file builders: `data.data_files` says which files."""
+
+ALPACA = ("instruction", "input", "output")
+
+
+@functools.lru_cache(maxsize=1)
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the hub answers a TCP connect: checked once, so an offline machine fails in seconds
+    instead of minutes of retries inside `from_pretrained`."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    host = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or ""
+    try:
+        socket.create_connection((host, 443), timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
+
+
+def _load_split(d: Any, split: str) -> Any:
+    """One split as a `datasets.Dataset` (memory-mapped arrow), or a UserError that says how to fix it."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    path = str(d.path)
+    if path in BUILDERS and not d.data_files:
+        raise UserError(f"data.path={path} reads files: set data.data_files=/path/to/*.{path}")
+    local = Path(path).expanduser()
+    try:
+        if local.is_dir() and ((local / "dataset_info.json").exists() or (local / "dataset_dict.json").exists()):
+            return _split_of(datasets.load_from_disk(str(local)), split, path)
+        if not (path in BUILDERS or local.exists()) and not hub_reachable():
+            datasets.config.HF_HUB_OFFLINE = True  # read the local cache only, and fail at once when it is not there
+        files = list(d.data_files) if d.data_files is not None and not isinstance(d.data_files, str) else d.data_files
+        return datasets.load_dataset(path, name=d.config_name, data_files=files, split=split)
+    except (FileNotFoundError, ConnectionError, ValueError, OSError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        raise UserError(f"data.path={path}: cannot load it ({first}). Offline, a hub dataset must be in the local "
+                        "HF cache; otherwise save it where the hub is reachable with "
+                        "`datasets.load_dataset(...).save_to_disk(DIR)`, copy DIR here and set data.path=DIR, "
+                        "or point data.path=parquet|json|csv at files with data.data_files=...") from None
+
+
+def _split_of(loaded: Any, split: str, path: str) -> Any:
+    """A split of a `save_to_disk` directory: a DatasetDict's by name; a lone Dataset is the `train` split."""
+    splits = list(loaded.keys()) if hasattr(loaded, "keys") else ["train"]
+    if split not in splits:
+        raise UserError(f"data.split / data.eval_split: {path} has no split {split!r}; it has {', '.join(splits)}")
+    return loaded[split] if hasattr(loaded, "keys") else loaded
+
+
+def _columns(d: Any, names: list[str]) -> dict[str, str]:
+    """Which column gives which record field; a named column that is missing is a UserError."""
+    chosen = {k: v for k, v in (("text", d.text_field), ("prompt", d.prompt_field),
+                                ("completion", d.completion_field), ("messages", d.messages_field)) if v}
+    for field, column in chosen.items():
+        if column not in names:
+            raise UserError(f"data.{field}_field={column}: no such column; the dataset has {', '.join(names)}")
+    if chosen:
+        return chosen
+    for shape in (("messages",), ("prompt", "completion"), ("text",)):
+        if all(c in names for c in shape):
+            return {c: c for c in shape}
+    if all(c in names for c in ALPACA):
+        return {"alpaca": "alpaca"}
+    raise UserError(f"data.path={d.path}: no column to train on among {', '.join(names)}; name one with "
+                    "data.text_field, data.prompt_field + data.completion_field, or data.messages_field")
+
+
+def _record(row: dict[str, Any], columns: dict[str, str]) -> Record:
+    if "alpaca" in columns:  # Alpaca: the instruction, then the input when there is one
+        prompt = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
+        return {"prompt": f"{prompt}\n\n", "completion": row["output"]}
+    return {field: row[column] for field, column in columns.items()}
+
+
+def _records(ds: Any, d: Any, where: str) -> list[Record]:
+    columns = _columns(d, list(ds.column_names))
+    return [check_record(_record(row, columns), f"{where}: row {i}") for i, row in enumerate(ds)]
+
+
+def hf_corpus(d: Any) -> Corpus:
+    """The `hf` corpus of a `data` config node: fingerprinted by datasets, read only on a cache miss."""
+    train_ds = _load_split(d, d.split)
+    eval_ds = _load_split(d, d.eval_split) if d.eval_split else None
+    fields = {k: d[k] for k in ("text_field", "prompt_field", "completion_field", "messages_field")}
+    fp = {"kind": "hf", "train": train_ds._fingerprint, "eval": eval_ds._fingerprint if eval_ds else None,
+          "eval_fraction": None if eval_ds else d.eval_fraction, "max_examples": d.max_examples, **fields}
+
+    def load() -> tuple[list[Record], list[Record]]:
+        train = _records(train_ds, d, f"{d.path} [{d.split}]")
+        if eval_ds is not None:
+            held = _records(eval_ds, d, f"{d.path} [{d.eval_split}]")
+        elif len(train) < 2:
+            raise UserError(f"data.path={d.path} has {len(train)} row(s); cannot hold out an eval set: add rows or "
+                            "set data.eval_split")
+        else:
+            train, held = split_records(train, float(d.eval_fraction))
+        if d.max_examples is not None:
+            train = train[: int(d.max_examples)]
+        return train, held
+
+    def bpe_texts() -> Iterator[str]:
+        return (plain_text(r) for r in load()[0])
+
+    bpe_fp = {k: v for k, v in fp.items() if k != "eval"}
+    return Corpus("hf", fp, bpe_fp, load, bpe_texts)

@@ -1,0 +1,72 @@
+"""`data=hf`: datasets in the hub's formats through the `datasets` library, end to end from the CLI.
+
+No hub here: the tests write the datasets themselves (save_to_disk, parquet) and check that a hub id
+that is not in the local cache fails fast, offline, with the way to use a local copy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import datasets
+import pytest
+
+from tests.conftest import TINY, read_metrics, run_cli
+
+RUN = [*TINY, "data=hf", "precision=fp32", "train.max_steps=3", "train.eval_steps=3", "train.save_steps=0",
+       "data.max_length=64"]
+
+
+def _rows(n: int) -> dict[str, list]:
+    return {"instruction": [f"Add {i} and {i + 1}." for i in range(n)], "input": ["" if i % 2 else "Be brief."
+                                                                                   for i in range(n)],
+            "output": [f"{2 * i + 1}" for i in range(n)]}
+
+
+def _cli(tmp_path: Path, args: list[str], env: dict[str, str] | None = None):
+    return run_cli([*RUN, *args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
+                   env={"LLMEXP_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", **(env or {})})
+
+
+def test_a_save_to_disk_directory_with_alpaca_columns_trains(tmp_path: Path) -> None:
+    datasets.Dataset.from_dict(_rows(80)).save_to_disk(str(tmp_path / "alpaca"))
+    proc = _cli(tmp_path, [f"data.path={tmp_path / 'alpaca'}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (start,) = read_metrics(tmp_path / "run", "start")
+    assert start["data"] == "hf" and start["data_train_records"] == 60 and start["data_eval_records"] > 0, start
+    assert len(read_metrics(tmp_path / "run", "train")) == 3
+
+
+def test_parquet_files_and_a_dataset_dict_with_an_eval_split(tmp_path: Path) -> None:
+    texts = [f"def f{i}(x):\n    return x * {i}\n" for i in range(120)]
+    datasets.Dataset.from_dict({"body": texts}).to_parquet(str(tmp_path / "code.parquet"))
+    files = f"data.data_files={tmp_path / 'code.parquet'}"
+    proc = _cli(tmp_path, ["data.path=parquet", files, "data.text_field=body", "data.packing=true"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    chats = [[{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"hello {i}"}]
+             for i in range(40)]
+    split = datasets.Dataset.from_dict({"conversation": chats}).train_test_split(test_size=0.25, seed=0)
+    split.save_to_disk(str(tmp_path / "chat"))
+    proc = _cli(tmp_path, [f"data.path={tmp_path / 'chat'}", "data.eval_split=test", "data.messages_field=conversation",
+                           "train.resume=never"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (start,) = read_metrics(tmp_path / "run", "start")
+    assert (start["data_train_records"], start["data_eval_records"]) == (30, 10), start
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["data.text_field=body"], "data.text_field=body: no such column; the dataset has instruction, input, output"),
+    (["data.split=validation"], "has no split 'validation'; it has train"),
+])
+def test_a_missing_column_or_split_exits_2_naming_what_there_is(tmp_path: Path, args: list[str], says: str) -> None:
+    datasets.Dataset.from_dict(_rows(20)).save_to_disk(str(tmp_path / "alpaca"))
+    proc = _cli(tmp_path, [f"data.path={tmp_path / 'alpaca'}", *args])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert says in proc.stderr and "Traceback" not in proc.stderr
+    assert not list((tmp_path / "cache").rglob("tokens/*/*.npy"))  # nothing half-built in the token cache
+
+
+def test_a_hub_id_not_in_the_local_cache_fails_fast_offline(tmp_path: Path) -> None:
+    proc = _cli(tmp_path, ["data.path=someone/not-cached-here"], env={"HF_HOME": str(tmp_path / "hf")})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "data.path=someone/not-cached-here: cannot load it" in proc.stderr and "save_to_disk" in proc.stderr
+    assert "Traceback" not in proc.stderr
