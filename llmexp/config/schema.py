@@ -1,6 +1,6 @@
 """Typed configuration: one dataclass per config group, registered in Hydra's ConfigStore.
 
-The primary config (`conf/config.yaml`) extends `Config`, so every group option that Hydra
+The primary config (`llmexp/conf/config.yaml`) extends `Config`, so every group option that Hydra
 merges into `model`, `data`, ... is checked against these schemas at compose time: a typo'd
 key or a wrong type fails before anything is imported or loaded.
 
