@@ -126,7 +126,10 @@ class SchedulerConfig:
 
 @dataclass
 class ClusterConfig:
-    """Where sweep jobs run: `local` processes or SLURM through submitit."""
+    """Where sweep jobs run: `local` processes or SLURM through submitit.
+
+    llmexp's short spelling of the launcher's settings: `llmexp/conf/hydra/launcher/cluster_*.yaml` maps
+    each key onto `hydra.launcher.*`, where the launchers (`hydra_plugins.llmexp_launcher`) read them."""
 
     name: str = "local"
     """local or slurm."""
