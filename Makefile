@@ -7,7 +7,7 @@ PIP_CONSTRAINTS = $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 .PHONY: install cluster deepspeed-ops test lint bench
 
 install:
-	$(PYTHON) -m pip install -q $(PIP_CONSTRAINTS) -e '.[test]' --config-settings editable_mode=compat
+	$(PYTHON) -m pip install -q $(PIP_CONSTRAINTS) -e '.[test]'
 
 cluster:
 	bash launch/slurm-local.sh up

@@ -103,10 +103,10 @@ def rotated(items: list[str], round_index: int) -> list[str]:
 
 
 def tiny_model_fields() -> dict[str, Any]:
-    """The `tiny` model's fields, read from conf/model/tiny.yaml so every arm builds the same model."""
+    """The `tiny` model's fields, read from llmexp/conf/model/tiny.yaml so every arm builds the same model."""
     from omegaconf import OmegaConf
 
-    fields = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / "tiny.yaml"))
+    fields = OmegaConf.to_container(OmegaConf.load(REPO / "llmexp" / "conf" / "model" / "tiny.yaml"))
     assert isinstance(fields, dict)
     fields.pop("name", None)
     return {str(k): v for k, v in fields.items()}

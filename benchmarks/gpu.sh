@@ -3,8 +3,7 @@
 #   bash benchmarks/gpu.sh
 # Every arm of benchmarks/throughput.py (hand-written loop, llmexp, HF Trainer, llmexp + compile) on a
 # ~1B-parameter Llama in bf16, 2 rounds; writes benchmarks/results/throughput_gpu.md. Needs a CUDA
-# build of torch (install without constraints-cpu.txt: pip install -e '.[test]' --config-settings
-# editable_mode=compat).
+# build of torch (install without constraints-cpu.txt: pip install -e '.[test]').
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: run this on a GPU machine')"

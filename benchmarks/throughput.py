@@ -57,7 +57,7 @@ LABELS = {"raw": "(a) hand-written loop", "llmexp": "(b) llmexp", "hf": "(c) HF 
           "compile": "(d) llmexp, train.compile=true"}
 MICRO_BATCH, SEQ_LEN, LR = 8, 256, 3e-4
 MODELS: dict[str, dict[str, int]] = {
-    "tiny": {},  # conf/model/tiny.yaml as it is
+    "tiny": {},  # llmexp/conf/model/tiny.yaml as it is
     "1b": {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
            "intermediate_size": 8192},
 }

@@ -189,22 +189,6 @@ def _dispatch(hydra: Any, loader: Any, args_parser: argparse.ArgumentParser, arg
         hydra.show_info(args.info, config_name=config_name, overrides=overrides)
 
 
-def register_launchers() -> None:
-    """Make Hydra know llmexp's launcher classes even where it cannot walk `hydra_plugins`.
-
-    setuptools' strict editable installs map `hydra_plugins.llmexp_launcher` through an import
-    hook that `pkgutil.walk_packages` cannot list, so Hydra's plugin scan misses it when
-    `python -m llmexp` runs outside the checkout. Call before `hydra.main` runs the app.
-    """
-    from hydra.core.plugins import Plugins
-
-    from hydra_plugins.llmexp_launcher import llmexp_launcher as plugin
-
-    plugins = Plugins.instance()
-    for cls in (plugin.LocalLauncher, plugin.SlurmLauncher):
-        plugins._register(cls)  # Hydra's own registration step; idempotent
-
-
 def cli() -> None:
     """Entry point. Hydra exits 1 on a compose error; that is a user's mistake, so exit 2."""
     from llmexp.config.preflight import check_args
@@ -218,6 +202,7 @@ def cli() -> None:
         _exit_user(err)
     from hydra import version
     from hydra._internal.utils import get_args_parser
+    from hydra.core.plugins import Plugins
 
     from llmexp.config.preflight import guard_package_sources
     from llmexp.config.schema import register_configs
@@ -226,7 +211,7 @@ def cli() -> None:
     version.setbase("1.3")
     register_configs()
     register_resolvers()
-    register_launchers()  # a strict editable install hides hydra_plugins/ from Hydra's scan
+    Plugins.instance()  # Hydra's plugin scan (llmexp's launchers included), which registers the config sources
     guard_package_sources()  # after the plugin scan: pkg:// search paths import only llmexp's and Hydra's packages
     args_parser = get_args_parser()  # Hydra's own parser: every flag spelling argparse accepts
     try:

@@ -15,12 +15,12 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._=,+-]+")
 
 
 def conf_dir() -> Path:
-    """The Hydra config tree: `conf/` beside the package in a checkout, `llmexp/conf` in a wheel."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here.parent / "conf", here / "conf"):
-        if (candidate / "config.yaml").is_file():
-            return candidate
-    raise FileNotFoundError(f"llmexp's conf/ tree is missing (looked beside {here}); reinstall llmexp")
+    """The Hydra config tree, `llmexp/conf/`: package data, so a checkout, an editable install and a
+    wheel all hold it at the same place."""
+    here = Path(__file__).resolve().parent / "conf"
+    if not (here / "config.yaml").is_file():
+        raise FileNotFoundError(f"llmexp's config tree is missing ({here}/config.yaml); reinstall llmexp")
+    return here
 
 
 def safe_name(text: str, max_len: int = 120) -> str:

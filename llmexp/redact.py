@@ -6,7 +6,7 @@ variables named like credentials (`WANDB_API_KEY`, `HF_TOKEN`, `*_TOKEN`, `*_KEY
 `*_PASSWORD`) are replaced by `REDACTED` wherever llmexp writes. A secret given on the command line
 never reaches Hydra: `redact_overrides` moves it into a private environment variable and leaves
 `${oc.env:LLMEXP_SECRET_<n>}` in its place, so `.hydra/`, Hydra's error messages and wandb's
-recorded argv only ever see the placeholder. `RedactRunFiles` (a Hydra callback, conf/config.yaml)
+recorded argv only ever see the placeholder. `RedactRunFiles` (a Hydra callback, llmexp/conf/config.yaml)
 runs when a job starts: it scrubs `.hydra/*.yaml` once more, filters the job log (`llmexp.log`), and
 rewrites the job's `hydra.overrides.task` / `hydra.job.override_dirname` so that reading them
 (summary.json, run names) cannot resolve a placeholder back into the secret. Writers of run files
@@ -159,7 +159,7 @@ except ImportError:  # pragma: no cover
 
 
 class RedactRunFiles(_HydraCallback):  # type: ignore[misc,valid-type]
-    """Hydra callback (conf/config.yaml `hydra.callbacks`): when a job starts, after Hydra wrote
+    """Hydra callback (llmexp/conf/config.yaml `hydra.callbacks`): when a job starts, after Hydra wrote
     `.hydra/`, redact secrets there and filter the job log (`llmexp.log`) from then on."""
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:

@@ -39,13 +39,11 @@ def task(cfg: DictConfig) -> int:
 def main() -> None:
     import hydra
 
-    from llmexp.__main__ import register_launchers
     from llmexp.config.schema import register_configs
     from llmexp.paths import conf_dir, register_resolvers
 
     register_configs()
     register_resolvers()
-    register_launchers()
     hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")(task)()
 
 

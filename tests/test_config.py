@@ -33,13 +33,13 @@ def test_design_groups_have_their_options() -> None:
                           ("cluster", "local"), ("deepspeed", "none"), ("deepspeed", "zero2"),
                           ("deepspeed", "zero2_offload"), ("deepspeed", "zero3"), ("logger", "jsonl"),
                           ("logger", "wandb"), ("logger", "tensorboard"), ("experiment", "seed_llama2_7b")]:
-        assert (group, option) in have, f"conf/{group}/{option}.yaml is missing"
+        assert (group, option) in have, f"llmexp/conf/{group}/{option}.yaml is missing"
 
 
 def test_every_yaml_opens_with_a_comment_on_when_to_pick_it() -> None:
     for group, option in _options():
         first = (conf_dir() / group / f"{option}.yaml").read_text().lstrip().splitlines()[0]
-        assert first.startswith("#"), f"conf/{group}/{option}.yaml must open with a comment"
+        assert first.startswith("#"), f"llmexp/conf/{group}/{option}.yaml must open with a comment"
 
 
 @pytest.mark.parametrize(("group", "option"), _options())
@@ -172,7 +172,7 @@ def test_a_bad_warmup_ratio_does_not_break_the_warmup_rule(default_cfg: Any) -> 
 
 
 def test_stdlib_pretraining_lr_comes_with_its_data_and_other_data_keep_lr_auto(tmp_path: Path) -> None:
-    """The default run's lr is conf/data/stdlib.yaml's (measured for it, issue 20); fine-tuning on
+    """The default run's lr is llmexp/conf/data/stdlib.yaml's (measured for it, issue 20); fine-tuning on
     other data keeps lr=auto (the seed's table, / 10), and a command-line lr wins over both."""
     assert compose([], tmp_path).lr == pytest.approx(6e-4)
     assert compose(["lr=1e-4"], tmp_path).lr == pytest.approx(1e-4)

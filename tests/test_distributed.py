@@ -177,7 +177,7 @@ def test_launch_configs_load_with_accelerate(name: str, processes: int) -> None:
 
     from llmexp.paths import conf_dir
 
-    config = load_config_from_file(str(conf_dir().parent / "launch" / "accelerate" / f"{name}.yaml"))
+    config = load_config_from_file(str(conf_dir().parents[1] / "launch" / "accelerate" / f"{name}.yaml"))
     assert config.num_processes == processes and config.mixed_precision == "no"  # llmexp owns precision
 
 

@@ -81,6 +81,9 @@ def test_cpu_jobs_run_serially_by_default_and_max_parallel_at_once(tmp_path: Pat
     assert max_overlap(records) == 2
     assert {r["cuda"] for r in records} == {None}
     assert {r["omp"] for r in records} == {str(max(1, (os.cpu_count() or 1) // 2))}  # CPU shared fairly
+    spelled = tmp_path / "spelled"  # the launcher's own spelling of cluster.max_parallel (issue 19)
+    assert run_toy(spelled, ["lr=1.5,1.5", "hydra.launcher.max_parallel=2"]).returncode == 0
+    assert max_overlap(toy_records(spelled, range(2))) == 2
 
 
 def test_fake_gpus_one_job_per_gpu_and_queueing(tmp_path: Path) -> None:
@@ -103,8 +106,10 @@ def test_device_slots() -> None:
     assert device_slots(["0", "1"], jobs_per_gpu=2, max_parallel=1) == ["0", "1", "0", "1"]
     assert device_slots(["GPU-a1"], jobs_per_gpu=3, max_parallel=1) == ["GPU-a1"] * 3
     assert device_slots([], jobs_per_gpu=4, max_parallel=3) == [None, None, None]
-    with pytest.raises(UserError, match=r"cluster\.max_parallel"):
+    with pytest.raises(UserError, match=r"hydra\.launcher\.max_parallel=0"):  # any Hydra app's spelling
         device_slots([], jobs_per_gpu=1, max_parallel=0)
+    with pytest.raises(UserError, match=r"cluster\.jobs_per_gpu=0"):  # llmexp's
+        device_slots(["0"], jobs_per_gpu=0, max_parallel=1, prefix="cluster.")
 
 
 def test_visible_gpus_and_child_env() -> None:

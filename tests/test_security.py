@@ -435,6 +435,19 @@ def test_the_default_config_passes_the_check() -> None:
     assert security.config_problems(_composed(["cluster=slurm"], multirun=True)) == []
 
 
+def test_the_launcher_configs_from_the_plugin_pass_and_a_foreign_launcher_target_does_not() -> None:
+    """The launcher configs come from the plugin's ConfigStore entries (issue 19); their `_target_`s are the
+    allow-listed classes, in both spellings of a setting, and anything else at `hydra.launcher._target_` is refused."""
+    for overrides in (["hydra.launcher.max_parallel=2"], ["cluster=slurm", "hydra.launcher.timeout_min=5"],
+                      ["hydra/launcher=llmexp_slurm"], ["hydra/launcher=basic"]):
+        assert security.config_problems(_composed(overrides, multirun=True)) == [], overrides
+    problems = dict(security.config_problems(_composed(["hydra.launcher._target_=builtins.exec"], multirun=True)))
+    assert "is not one of the allowed classes here" in problems["hydra.launcher._target_"]
+    escaped = dict(security.config_problems(_composed(["cluster=slurm", "hydra.launcher.submitit_folder=/etc/x"],
+                                                      multirun=True)))
+    assert "hydra.launcher.submitit_folder" in escaped
+
+
 def test_hydra_private_api_this_cli_follows_is_unchanged() -> None:
     """llmexp.__main__ re-runs `hydra._internal.utils._run_hydra` of Hydra 1.3 with every composition checked
     (and preflight.key_origin uses ConfigLoaderImpl._parse_overrides_and_create_caching_repo): after a Hydra

@@ -25,7 +25,7 @@ from tests.conftest import TINY
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
-# PYTHONPATH: Hydra's plugin scan cannot see hydra_plugins/ through setuptools' editable import hook.
+# PYTHONPATH: the SLURM jobs import this checkout, ahead of any installed llmexp.
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 QUICK = ["train.eval_steps=100000", "train.save_steps=0"]
 

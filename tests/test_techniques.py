@@ -85,7 +85,7 @@ def _state_bytes(optimizer_name: str) -> tuple[int, set[torch.dtype]]:
                                       "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
                                       "max_position_embeddings": 256, "rope_theta": 1e4, "attention_dropout": 0.0,
                                       "tie_word_embeddings": False, "gradient_checkpointing": False},
-                            "optimizer": OmegaConf.load(Path(__file__).parents[1] / "conf/optimizer" /
+                            "optimizer": OmegaConf.load(Path(__file__).parents[1] / "llmexp/conf/optimizer" /
                                                         f"{optimizer_name}.yaml"),
                             "train": {"weight_decay": 0.01}})
     cfg.optimizer.setdefault("eps", 1e-8)

@@ -37,7 +37,7 @@ def test_default_run_writes_the_whole_run_directory(default_run: Path) -> None:
     assert summary["status"] == "completed" and summary["step"] == 40
     for key in ("train_loss", "eval_loss", "eval_ppl", "tokens_per_sec", "mfu", "findings"):
         assert key in summary
-    # data=stdlib brings the default run's pretraining lr (conf/data/stdlib.yaml), not lr=auto's 3e-4
+    # data=stdlib brings the default run's pretraining lr (llmexp/conf/data/stdlib.yaml), not lr=auto's 3e-4
     assert summary["lr_source"] == "config" and summary["lr"] == pytest.approx(6e-4)
     assert not [f for f in summary["findings"] if f["severity"] == "error"]
 

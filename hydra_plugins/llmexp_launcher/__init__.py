@@ -1,1 +1,1 @@
-"""Hydra discovers llmexp's launchers here; the code lives in `llmexp.sweep.local`."""
+"""Hydra discovers llmexp's launchers and their configs here; the work is done in `llmexp.sweep`."""

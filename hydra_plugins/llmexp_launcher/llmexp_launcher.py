@@ -1,34 +1,87 @@
-"""llmexp's Hydra launchers: `hydra/launcher=llmexp_local` and `hydra/launcher=llmexp_slurm`.
+"""llmexp's Hydra launchers, usable by any Hydra app: `hydra/launcher=llmexp_local` and `hydra/launcher=llmexp_slurm`.
 
-Hydra imports every module under `hydra_plugins` when it starts (also for `--help`), and only
-accepts launcher classes defined here, so this module stays tiny: thin classes that hand the work
-to `llmexp.sweep.local` (local processes) or `llmexp.sweep.slurm` (submitit), imported on the first launch.
-Neither torch nor submitit is imported here.
+Hydra imports every module under `hydra_plugins` when it starts (also for `--help`), so this module
+stays small and light: the launcher configs (dataclasses, registered in Hydra's ConfigStore as
+hydra-submitit-launcher does) and thin classes that hand the work to `llmexp.sweep.local` (a process
+per job) or `llmexp.sweep.slurm` (a submitit job array), imported on the first launch. Neither torch
+nor submitit is imported here.
 
-The launcher configs are `conf/hydra/launcher/llmexp_{local,slurm}.yaml`, found through llmexp's
-config search path: setuptools' editable installs hide this package from Hydra's plugin scan, so
-configs registered here would be missing outside the checkout (see `llmexp.sweep.local.register_launchers`).
-
-Job settings are not launcher parameters: they live in the composed config's `cluster` node
-(`conf/cluster/*.yaml`, typed by `llmexp.config.schema.ClusterConfig`), so `cluster.max_parallel=2` or
-`cluster.timeout_min=30` works from the command line like any other key.
+Settings live under `hydra.launcher.*` (`hydra.launcher.max_parallel=2`). llmexp's own `cluster=`
+group selects these launchers and maps its short keys onto them (`cluster.max_parallel=2` is the same
+setting; `llmexp/conf/hydra/launcher/cluster_*.yaml`). The extras that only make sense for llmexp's trainer
+(resume on requeue, `job_status.json`, the sweep report) apply when the composed config is llmexp's
+(`llmexp.sweep.jobs.is_llmexp_config`); any other app gets Hydra's usual job returns.
 """
 
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from hydra.core.config_store import ConfigStore
 from hydra.core.utils import JobReturn
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+
+_HERE = "hydra_plugins.llmexp_launcher.llmexp_launcher"
+
+
+@dataclass
+class LocalLauncherConf:
+    """`hydra/launcher=llmexp_local`: each job in its own process on this machine."""
+
+    _target_: str = f"{_HERE}.LocalLauncher"
+    max_parallel: int = 1
+    """Jobs at once on CPU (with GPUs: one per visible GPU times `jobs_per_gpu`)."""
+    jobs_per_gpu: int = 1
+    """Jobs that share one GPU."""
+
+
+@dataclass
+class SlurmLauncherConf:
+    """`hydra/launcher=llmexp_slurm`: the sweep as one SLURM job array through submitit."""
+
+    _target_: str = f"{_HERE}.SlurmLauncher"
+    submitit_folder: str = "${hydra.sweep.dir}/.submitit/%j"
+    """Where submitit keeps each job's script, pickles and logs."""
+    partition: str | None = None
+    nodes: int = 1
+    gpus_per_node: int = 0
+    tasks_per_node: int = 1
+    cpus_per_task: int = 1
+    mem_gb: int | None = None
+    timeout_min: int = 60
+    """Wall-time limit per job, in minutes."""
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    signal_delay_s: int = 120
+    """Seconds before the time limit at which the job gets SIGUSR2 (llmexp's trainer checkpoints then)."""
+    max_num_timeout: int = 3
+    """Requeues allowed after timeouts or preemptions."""
+    array_parallelism: int = 256
+    """Jobs of the array running at once."""
+    additional_parameters: dict[str, Any] = field(default_factory=dict)
+    """Further sbatch parameters, e.g. {mail-type: END}."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines the job script runs first, e.g. `module load cuda/12.4`."""
+    wait: bool = True
+    """llmexp's tasks only: false returns right after submission (each job records how it ended)."""
+
+
+ConfigStore.instance().store(group="hydra/launcher", name="llmexp_local", node=LocalLauncherConf,
+                             provider="llmexp_launcher")
+ConfigStore.instance().store(group="hydra/launcher", name="llmexp_slurm", node=SlurmLauncherConf,
+                             provider="llmexp_launcher")
 
 
 class _LlmexpLauncher(Launcher):
     """Holds what Hydra hands a launcher; `launch` is implemented by the subclasses."""
 
     def __init__(self, **params: Any) -> None:
-        self.params = params
+        self.settings: DictConfig = OmegaConf.create(params)
+        """The launcher's config (`hydra.launcher.*` less `_target_`), as Hydra instantiated it."""
         self.config: DictConfig | None = None
         self.hydra_context: HydraContext | None = None
         self.task_function: TaskFunction | None = None
@@ -40,7 +93,7 @@ class _LlmexpLauncher(Launcher):
 
     def _guarded(self, launch: Callable[..., Sequence[JobReturn]], job_overrides: Sequence[Sequence[str]],
                  initial_job_idx: int) -> Sequence[JobReturn]:
-        """A user's mistake (e.g. cluster=slurm without SLURM) is one message and exit 2, no traceback."""
+        """A user's mistake (e.g. llmexp_slurm without SLURM) is one message and exit 2, no traceback."""
         from llmexp.errors import EXIT_USER, UserError
 
         try:
@@ -51,7 +104,7 @@ class _LlmexpLauncher(Launcher):
 
 
 class LocalLauncher(_LlmexpLauncher):
-    """`cluster=local`: see `llmexp.sweep.local.launch_local`."""
+    """`hydra/launcher=llmexp_local` (llmexp: `cluster=local`): see `llmexp.sweep.local.launch_local`."""
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from llmexp.sweep.local import launch_local
@@ -60,7 +113,7 @@ class LocalLauncher(_LlmexpLauncher):
 
 
 class SlurmLauncher(_LlmexpLauncher):
-    """`cluster=slurm`: see `llmexp.sweep.slurm.launch_slurm`."""
+    """`hydra/launcher=llmexp_slurm` (llmexp: `cluster=slurm`): see `llmexp.sweep.slurm.launch_slurm`."""
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from llmexp.sweep.slurm import launch_slurm

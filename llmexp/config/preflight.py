@@ -139,7 +139,7 @@ def _suggest(parts: list[str], i: int, fields: dict[str, Any]) -> str:
 
 
 def group_options(group: str) -> list[str] | None:
-    """The options of a config group (`conf/<group>/*.yaml`), or None if `group` is not a group."""
+    """The options of a config group (`llmexp/conf/<group>/*.yaml`), or None if `group` is not a group."""
     from llmexp.paths import conf_dir
 
     directory = conf_dir() / group
@@ -201,7 +201,7 @@ def _option_error(group: str, value: Any, options: list[str], custom_tree: bool)
     if problem := security.path_problem(text):
         return f"{group}={text}: {problem}; pick one of {', '.join(options)}"
     if text in options or custom_tree:
-        return ""  # --config-dir or a search path may add options that conf/ does not list
+        return ""  # --config-dir or a search path may add options that llmexp/conf/ does not list
     close = difflib.get_close_matches(text, options, n=1, cutoff=0.5)
     hint = f"did you mean {group}={close[0]}? " if close else ""
     return f"{group}={text}: no such option; {hint}the options are {', '.join(options)}"

@@ -1,6 +1,6 @@
 """Typed configuration: one dataclass per config group, registered in Hydra's ConfigStore.
 
-The primary config (`conf/config.yaml`) extends `Config`, so every group option that Hydra
+The primary config (`llmexp/conf/config.yaml`) extends `Config`, so every group option that Hydra
 merges into `model`, `data`, ... is checked against these schemas at compose time: a typo'd
 key or a wrong type fails before anything is imported or loaded.
 
@@ -144,7 +144,10 @@ class SchedulerConfig:
 
 @dataclass
 class ClusterConfig:
-    """Where sweep jobs run: `local` processes or SLURM through submitit."""
+    """Where sweep jobs run: `local` processes or SLURM through submitit.
+
+    llmexp's short spelling of the launcher's settings: `llmexp/conf/hydra/launcher/cluster_*.yaml` maps
+    each key onto `hydra.launcher.*`, where the launchers (`hydra_plugins.llmexp_launcher`) read them."""
 
     name: str = "local"
     """local or slurm."""

@@ -27,7 +27,7 @@ from llmexp.errors import UserError
 if TYPE_CHECKING:
     from llmexp.config.schema import Config
 
-# The names each group's options give themselves (`name:` in conf/<group>/*.yaml).
+# The names each group's options give themselves (`name:` in llmexp/conf/<group>/*.yaml).
 PRECISIONS = ("bf16", "fp16", "fp32", "auto")
 OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "lion", "lion8bit", "sgd")
 SCHEDULERS = ("cosine", "linear", "constant", "wsd")
@@ -225,7 +225,7 @@ def _deleted_node_errors(node: DictConfig, cls: Any = None, prefix: str = "") ->
 
 
 def _default_option(group: str) -> str | None:
-    """The option `conf/config.yaml`'s defaults list picks for `group`."""
+    """The option `llmexp/conf/config.yaml`'s defaults list picks for `group`."""
     from llmexp.paths import conf_dir
 
     defaults = OmegaConf.load(conf_dir() / "config.yaml").defaults

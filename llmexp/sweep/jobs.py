@@ -1,5 +1,10 @@
 """Sweep jobs, whatever runs them: composing them, running one, recording how it ended, the report.
 
+The launchers serve any Hydra app. For llmexp's own config (`is_llmexp_config`) a job runs through
+`execute` (the security check, the run-directory lock, an outcome read from `summary.json`) and the
+sweep ends with `finish_sweep`; any other app's job runs through `run_task`, as Hydra's basic
+launcher runs it, and its JobReturn goes back to Hydra unchanged.
+
 `llmexp.sweep.local` (`cluster=local`, a process per job) and `llmexp.sweep.slurm` (`cluster=slurm`, a
 job array) both pin the sweep directory with `compose_jobs`, run a job with `execute` (in the
 job's own process or on its node) and end the sweep with `finish_sweep`: every job that does not
@@ -65,6 +70,14 @@ class JobOutcome:
 # ----------------------------------------------------------------------------- composing and running
 
 
+def is_llmexp_config(config: Any) -> bool:
+    """The composed config is llmexp's trainer config (it has `cluster` and `train` nodes), so the
+    launchers add llmexp's extras: resume on requeue, `job_status.json`, the sweep report."""
+    from omegaconf import DictConfig
+
+    return all(isinstance(config.get(key, None), DictConfig) for key in ("cluster", "train"))
+
+
 def compose_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int,
                  compose: bool = True) -> list[JobSpec]:
     """Every job's spec, its sweep directory pinned; its config composed now unless `compose=False`.
@@ -113,18 +126,46 @@ def run_status(job_dir: Path) -> str | None:
     return str(status) if status else None
 
 
-def execute(spec: JobSpec, task_function: Any, hydra_context: Any, singleton_state: Any) -> JobOutcome:
-    """Run one job in this process through Hydra's `run_job`; never raises for a failing task."""
+def _enter(singleton_state: Any) -> None:
+    """The launching process's Hydra state (config store, resolvers) in this process, as Hydra's launchers do."""
     from hydra.core.singleton import Singleton
-    from hydra.core.utils import JobStatus, run_job, setup_globals
+    from hydra.core.utils import setup_globals
 
-    register_resolvers()
     Singleton.set_state(singleton_state)
     setup_globals()
+
+
+def _run_job(spec: JobSpec, task_function: Any, hydra_context: Any) -> JobReturn:
+    from hydra.core.utils import run_job
+
+    return run_job(hydra_context=hydra_context, task_function=task_function, config=spec.config,
+                   job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
+
+
+def run_task(spec: JobSpec, task_function: Any, hydra_context: Any, singleton_state: Any) -> JobReturn:
+    """Any Hydra app's job, in this process, as Hydra's basic launcher runs it; never raises for a failing task."""
+    _enter(singleton_state)
+    return _run_job(spec, task_function, hydra_context)
+
+
+def failed_return(spec: JobSpec, message: str) -> JobReturn:
+    """The JobReturn of a job that left none (killed, lost): FAILED, its value the error Hydra re-raises."""
+    from hydra.core.utils import JobReturn, JobStatus
+
+    ret = JobReturn(overrides=spec.overrides, cfg=spec.config, working_dir=str(spec.job_dir), status=JobStatus.FAILED)
+    ret.return_value = RuntimeError(message)
+    return ret
+
+
+def execute(spec: JobSpec, task_function: Any, hydra_context: Any, singleton_state: Any) -> JobOutcome:
+    """Run one of llmexp's jobs in this process through Hydra's `run_job`; never raises for a failing task."""
+    from hydra.core.utils import JobStatus
+
+    register_resolvers()
+    _enter(singleton_state)
     if (refused := _check_job(spec)) is not None:
         return refused
-    ret = run_job(hydra_context=hydra_context, task_function=task_function, config=spec.config,
-                  job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
+    ret = _run_job(spec, task_function, hydra_context)
     if ret.status == JobStatus.COMPLETED:
         value = ret._return_value
         code = value if isinstance(value, int) and not isinstance(value, bool) else 0

@@ -1,16 +1,18 @@
-"""The local launcher: `cluster=local` (the default) runs every job of a `--multirun` in its own
-process, so a crash or a `kill -9` of one job loses only that job:
+"""The local launcher: `hydra/launcher=llmexp_local` (llmexp's `cluster=local`, the default) runs every
+job of a `--multirun` in its own process, so a crash or a `kill -9` of one job loses only that job:
 
-* with GPUs, side by side, one job per visible GPU (times `cluster.jobs_per_gpu`), each child
+* with GPUs, side by side, one job per visible GPU (times `hydra.launcher.jobs_per_gpu`), each child
   started with its own `CUDA_VISIBLE_DEVICES`; further jobs wait for a free GPU;
-* on CPU, one after another, or `cluster.max_parallel` at once.
+* on CPU, one after another, or `hydra.launcher.max_parallel` at once.
 
 The parent composes each job's config (so composition errors stop the sweep before anything
 runs), pickles it with the task function into `<sweep dir>/.llmexp/<num>.job.pkl`, and starts
 `python -m llmexp.sweep.local <pickle>`. The child runs Hydra's `run_job` (so `.hydra/` and the job
 log land in `<sweep dir>/<num>/` as usual) and writes `<num>.outcome.json`; its stdout and stderr go
 to `<sweep dir>/<num>/job.log`. A child that dies without an outcome is recorded from its exit
-signal. What every job and sweep share with `cluster=slurm` (`llmexp.sweep.slurm`) is in `llmexp.sweep.jobs`.
+signal. For an app other than llmexp the child also pickles Hydra's JobReturn (`<num>.return.pkl`),
+which the launcher hands back to Hydra as it is. What every job and sweep share with the SLURM
+launcher (`llmexp.sweep.slurm`) is in `llmexp.sweep.jobs`.
 Nothing here imports torch or submitit.
 """
 
@@ -31,7 +33,17 @@ from typing import TYPE_CHECKING, Any
 
 from llmexp.errors import UserError
 from llmexp.paths import atomic_file, write_json_atomic
-from llmexp.sweep.jobs import JobOutcome, JobSpec, compose_jobs, execute, finish_sweep, swept
+from llmexp.sweep.jobs import (
+    JobOutcome,
+    JobSpec,
+    compose_jobs,
+    execute,
+    failed_return,
+    finish_sweep,
+    is_llmexp_config,
+    run_task,
+    swept,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -61,15 +73,17 @@ def visible_gpus(env: Mapping[str, str] | None = None) -> list[str]:
     return [line.strip() for line in out.splitlines() if line.strip()]
 
 
-def device_slots(gpus: Sequence[str], jobs_per_gpu: int, max_parallel: int) -> list[str | None]:
+def device_slots(gpus: Sequence[str], jobs_per_gpu: int, max_parallel: int,
+                 prefix: str = "hydra.launcher.") -> list[str | None]:
     """One entry per job that may run at once: a CUDA_VISIBLE_DEVICES value, or None for a CPU slot.
 
     With GPUs, each GPU appears `jobs_per_gpu` times (interleaved, so the first jobs spread over all
-    GPUs); without, there are `max_parallel` CPU slots.
+    GPUs); without, there are `max_parallel` CPU slots. `prefix` spells the keys in an error as the user
+    wrote them: `cluster.` for llmexp, `hydra.launcher.` for any other app.
     """
     if jobs_per_gpu < 1 or max_parallel < 1:
-        raise UserError(f"cluster.jobs_per_gpu={jobs_per_gpu} and cluster.max_parallel={max_parallel}: "
-                        "both must be >= 1; e.g. cluster.max_parallel=2")
+        raise UserError(f"{prefix}jobs_per_gpu={jobs_per_gpu} and {prefix}max_parallel={max_parallel}: "
+                        f"both must be >= 1; e.g. {prefix}max_parallel=2")
     if gpus:
         return [gpu for _ in range(jobs_per_gpu) for gpu in gpus]
     return [None] * max_parallel
@@ -98,24 +112,35 @@ class _Running:
 
 
 def launch_local(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[JobReturn]:
-    """Hydra's `launch` for `cluster=local`."""
+    """Hydra's `launch` for `hydra/launcher=llmexp_local`."""
     from hydra.core.singleton import Singleton
 
-    cluster = launcher.config.cluster
+    settings, extras = launcher.settings, is_llmexp_config(launcher.config)
     specs = compose_jobs(launcher, job_overrides, initial_job_idx)
-    slots = device_slots(visible_gpus(), int(cluster.get("jobs_per_gpu", 1)), int(cluster.get("max_parallel", 1)))
-    if not cluster.get("wait", True):
-        log.warning("cluster.wait=false applies to cluster=slurm; local jobs run to the end here")
+    slots = device_slots(visible_gpus(), int(settings.get("jobs_per_gpu", 1)), int(settings.get("max_parallel", 1)),
+                         prefix="cluster." if extras else "hydra.launcher.")  # the spelling the user knows
     work = specs[0].job_dir.parent / ".llmexp"
     work.mkdir(parents=True, exist_ok=True)
     state = Singleton.get_state()
     for spec in specs:
-        _dump_job(work / f"{spec.num}.job.pkl", (spec, launcher.task_function, launcher.hydra_context, state))
+        _dump_job(work / f"{spec.num}.job.pkl", (spec, launcher.task_function, launcher.hydra_context, state, extras))
     where = f"GPUs {sorted(set(s for s in slots if s))}" if slots[0] is not None else "CPU"
     log.info(f"Launching {len(specs)} jobs locally, {len(slots)} at a time on {where}: {specs[0].job_dir.parent}")
     outcomes = _run_queue(specs, slots, work)
-    shutil.rmtree(work, ignore_errors=True)  # the pickles; outcomes are recorded by finish_sweep
-    return finish_sweep(specs, [outcomes[s.num] for s in specs])
+    returns = None if extras else [_job_return(s, outcomes[s.num], work) for s in specs]
+    shutil.rmtree(work, ignore_errors=True)  # the pickles; llmexp's outcomes are recorded by finish_sweep
+    return finish_sweep(specs, [outcomes[s.num] for s in specs]) if returns is None else returns
+
+
+def _job_return(spec: JobSpec, outcome: JobOutcome, work: Path) -> JobReturn:
+    """Another app's job: the JobReturn its process pickled, or a FAILED one saying how the process ended."""
+    import cloudpickle
+
+    try:
+        with open(work / f"{spec.num}.return.pkl", "rb") as f:
+            return cloudpickle.load(f)
+    except (OSError, EOFError, cloudpickle.pickle.UnpicklingError):
+        return failed_return(spec, outcome.error or f"job #{spec.num} ended {outcome.status}")
 
 
 def _dump_job(path: Path, payload: tuple) -> None:
@@ -198,10 +223,30 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     job_path, outcome_path = (sys.argv[1:] if argv is None else list(argv))[:2]
     with open(job_path, "rb") as f:
-        spec, task_function, hydra_context, state = cloudpickle.load(f)
-    outcome = execute(spec, task_function, hydra_context, state)
+        spec, task_function, hydra_context, state, extras = cloudpickle.load(f)
+    if extras:
+        outcome = execute(spec, task_function, hydra_context, state)
+    else:
+        outcome = _run_other_app(spec, task_function, hydra_context, state, Path(outcome_path))
     write_json_atomic(Path(outcome_path), outcome.to_json())
     return 0
+
+
+def _run_other_app(spec: JobSpec, task_function: Any, hydra_context: Any, state: Any, outcome_path: Path) -> JobOutcome:
+    """Another app's job: Hydra's JobReturn pickled beside the outcome for the launcher to hand back."""
+    import cloudpickle
+    from hydra.core.utils import JobStatus
+
+    ret = run_task(spec, task_function, hydra_context, state)
+    try:
+        payload = cloudpickle.dumps(ret)
+    except Exception as err:  # an unpicklable return value: the job failed as far as Hydra can tell
+        payload = cloudpickle.dumps(failed_return(spec, f"the job's return value cannot be pickled: {err}"))
+    with atomic_file(outcome_path.with_name(f"{spec.num}.return.pkl"), "wb") as f:
+        f.write(payload)
+    ok = ret.status == JobStatus.COMPLETED
+    return JobOutcome(spec.num, "completed" if ok else "failed", 0 if ok else 1,
+                      None if ok else f"{type(ret._return_value).__name__}: {ret._return_value}")
 
 
 if __name__ == "__main__":

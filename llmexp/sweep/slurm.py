@@ -1,4 +1,7 @@
-"""`cluster=slurm`: a sweep as one SLURM job array through submitit, and the job that runs on a node.
+"""`hydra/launcher=llmexp_slurm` (llmexp's `cluster=slurm`): a sweep as one SLURM job array through
+submitit, and the job that runs on a node. Settings are `hydra.launcher.*` (llmexp maps `cluster.*` there).
+For an app other than llmexp, each job runs Hydra's `run_job` on its node and the launcher waits for
+the array and hands the JobReturns back, as hydra-submitit-launcher does; what follows is llmexp's.
 
 Submission. The launcher pins the sweep directory and each job's run directory
 (`llmexp.sweep.jobs.compose_jobs`), wraps each job in a `SlurmJob` (which composes its config on the
@@ -57,9 +60,12 @@ from llmexp.sweep.jobs import (
     compose_job,
     compose_jobs,
     execute,
+    failed_return,
     finish_sweep,
+    is_llmexp_config,
     job_returns,
     record_outcome,
+    run_task,
     swept,
 )
 
@@ -72,7 +78,7 @@ _POLL_S = 2.0
 
 
 def sbatch_parameters(cluster: DictConfig, job_name: str) -> dict[str, Any]:
-    """submitit's SlurmExecutor parameters from the `cluster` config node."""
+    """submitit's SlurmExecutor parameters from the launcher's settings (`hydra.launcher.*`)."""
     params: dict[str, Any] = {
         "job_name": job_name, "time": int(cluster.timeout_min), "nodes": int(cluster.nodes),
         "ntasks_per_node": int(cluster.tasks_per_node), "cpus_per_task": int(cluster.cpus_per_task),
@@ -96,13 +102,15 @@ def sbatch_parameters(cluster: DictConfig, job_name: str) -> dict[str, Any]:
 class SlurmJob(submitit.helpers.Checkpointable):
     """One sweep job on a SLURM node: runs the task, and requeues it when the trainer was preempted."""
 
-    def __init__(self, spec: JobSpec, launcher: Any, singleton_state: Any) -> None:
+    def __init__(self, spec: JobSpec, launcher: Any, singleton_state: Any, extras: bool = True) -> None:
         self.spec = spec
         self.launcher = launcher
         """Hydra's launcher: the sweep's config, config loader and task function."""
         self.singleton_state = singleton_state
+        self.extras = extras
+        """llmexp's task (`is_llmexp_config`): an outcome dict, resume on requeue; else Hydra's JobReturn."""
 
-    def __call__(self) -> dict[str, Any]:
+    def __call__(self) -> Any:
         requeue_handler = signal.getsignal(signal.SIGUSR2)  # submitit's, installed before this call
         env = submitit.JobEnvironment()
         if self.spec.config is None:  # composed here, not at submission (see compose_jobs)
@@ -117,6 +125,8 @@ class SlurmJob(submitit.helpers.Checkpointable):
             submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
             if env.global_rank != 0:  # one writer for .hydra/
                 spec = JobSpec(spec.num, spec.overrides, _with(spec.config, "hydra.output_subdir", None), spec.job_dir)
+        if not self.extras:
+            return run_task(spec, self.launcher.task_function, self.launcher.hydra_context, self.singleton_state)
         outcome = execute(spec, self.launcher.task_function, self.launcher.hydra_context, self.singleton_state)
         outcome.job_id = env.job_id
         if env.global_rank == 0 and outcome.status == "preempted":
@@ -128,9 +138,9 @@ class SlurmJob(submitit.helpers.Checkpointable):
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
         """The same job again, resuming from the newest checkpoint in its run directory."""
         spec = self.spec
-        if spec.config is not None:  # None: signalled before composing, so nothing ran yet
+        if spec.config is not None and self.extras:  # None: signalled before composing, so nothing ran yet
             spec = JobSpec(spec.num, spec.overrides, _with(spec.config, "train.resume", "auto"), spec.job_dir)
-        again = SlurmJob(spec, self.launcher, self.singleton_state)
+        again = SlurmJob(spec, self.launcher, self.singleton_state, self.extras)
         return submitit.helpers.DelayedSubmission(again, *args, **kwargs)
 
 
@@ -173,33 +183,48 @@ def _requeue_or_stop(outcome: JobOutcome, requeue_handler: Any) -> JobOutcome:
 
 
 def launch_slurm(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list:
-    """Hydra's `launch` for `cluster=slurm`: submit every job as one array, then wait or return."""
+    """Hydra's `launch` for `hydra/launcher=llmexp_slurm`: submit every job as one array, then wait or return."""
     from hydra.core.singleton import Singleton
 
-    cluster = launcher.config.cluster
+    settings, extras = launcher.settings, is_llmexp_config(launcher.config)
     if shutil.which("sbatch") is None:
         raise UserError("cluster=slurm needs SLURM's sbatch on PATH; run on a SLURM login node, or start a "
                         "one-machine cluster with `sudo bash launch/slurm-local.sh up`, or use cluster=local")
     specs = compose_jobs(launcher, job_overrides, initial_job_idx, compose=False)
     sweep_dir = specs[0].job_dir.parent
-    folder = Path(str(launcher.params.get("submitit_folder", sweep_dir / ".submitit" / "%j"))).absolute()
-    executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=int(cluster.max_num_timeout))
-    executor.update_parameters(**sbatch_parameters(cluster, str(launcher.config.hydra.job.name)))
+    folder = Path(str(settings.get("submitit_folder") or sweep_dir / ".submitit" / "%j")).absolute()
+    executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=int(settings.max_num_timeout))
+    executor.update_parameters(**sbatch_parameters(settings, str(launcher.config.hydra.job.name)))
     state = Singleton.get_state()
-    for spec in specs:  # until the job records how it ended, the report shows it as submitted
+    for spec in specs if extras else ():  # until the job records how it ended, the report shows it as submitted
         record_outcome(spec, JobOutcome(spec.num, "submitted", None, "submitted to SLURM; see slurm_jobs.json"))
     with executor.batch():
-        jobs = [executor.submit(SlurmJob(spec, launcher, state)) for spec in specs]
+        jobs = [executor.submit(SlurmJob(spec, launcher, state, extras)) for spec in specs]
+    if not extras:  # another app: Hydra's JobReturns, as hydra-submitit-launcher returns them
+        log.info(f"Submitted {len(jobs)} jobs to SLURM as array {jobs[0].job_id.split('_')[0]}: {sweep_dir}")
+        return other_app_returns(specs, jobs)
     ids = {s.num: j.job_id for s, j in zip(specs, jobs, strict=True)}
     write_json_atomic(sweep_dir / "slurm_jobs.json", {"jobs": {str(k): v for k, v in ids.items()},
                                                       "submitit_folder": str(folder)})
     log.info(f"Submitted {len(jobs)} jobs to SLURM as array {jobs[0].job_id.split('_')[0]}: {sweep_dir}")
-    if not cluster.get("wait", True):
+    if not settings.get("wait", True):
         print(f"Submitted SLURM jobs {', '.join(ids.values())}\nSweep directory: {sweep_dir}\n"
               f"When they have ended: python -m llmexp.report {sweep_dir}", flush=True)
         return job_returns(specs, [JobOutcome(s.num, "submitted", None, None, ids[s.num]) for s in specs])
     outcomes = wait_for_jobs(specs, jobs)
     return finish_sweep(specs, outcomes)
+
+
+def other_app_returns(specs: Sequence[JobSpec], jobs: Sequence[submitit.Job]) -> list:
+    """Another app's JobReturns, waiting for each job; a job SLURM ended (cancelled, out of time or memory)
+    gets a FAILED one naming why, as the local launcher gives a killed job, so every job has a return."""
+    returns = []
+    for spec, job in zip(specs, jobs, strict=True):
+        try:
+            returns.append(job.results()[0])
+        except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
+            returns.append(failed_return(spec, f"SLURM job {job.job_id}: {_last_line(str(err))}"))
+    return returns
 
 
 def wait_for_jobs(specs: Sequence[JobSpec], jobs: Sequence[submitit.Job], poll_s: float = _POLL_S) -> list[JobOutcome]:
