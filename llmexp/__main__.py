@@ -1,4 +1,4 @@
-"""`python -m llmexp`: compose the config with Hydra, check it, and hand it to `llmexp.train.loop.run`.
+"""`python -m llmexp`: compose the config with Hydra, check it, and hand it to `llmexp.train.task.run_guarded`.
 
 Nothing heavy is imported here: `--help` and `--cfg job` never import torch.
 Exit codes: 0 finished, 2 a user's mistake, 3 diverged, 1 anything else.
@@ -11,6 +11,7 @@ names runs and no directory is created for a refused or invalid config. `_run_hy
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -220,6 +221,9 @@ def cli() -> None:
         _run_hydra(args_parser, args)
     except UserError as err:
         _exit_user(err)
+    except BrokenPipeError:  # `python -m llmexp --help | head`: the reader left; no traceback (Python's own recipe)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
     except SystemExit as exit_:
         if exit_.code == 1 and not _task_started and not jobs_launched():  # a sweep's failed job is not exit 2
             print("Fix the override or config key named above (python -m llmexp --help lists them).",

@@ -43,7 +43,7 @@ def run_cli(args: list[str], cwd: Path | None = None, env: dict[str, str] | None
 
 def compose(overrides: list[str], run_dir: Path) -> Any:
     """The config `python -m llmexp OVERRIDES hydra.run.dir=RUN_DIR` would get, with HydraConfig set,
-    so tests can call `llmexp.train.loop.train(cfg)` in-process."""
+    so tests can call `llmexp.train.train.train(cfg)` in-process."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.hydra_config import HydraConfig

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from llmexp.loss import CausalLMLoss
-from llmexp.train.loop import train
+from llmexp.train.train import train
 from tests.conftest import TINY, compose, read_metrics
 
 COMMON = [*TINY, "scheduler=constant", "train.warmup_steps=0", "lr=3e-3", "train.eval_steps=100",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from llmexp.train.loop import train
+from llmexp.train.train import train
 from tests.conftest import TINY, compose, read_metrics
 
 

@@ -146,11 +146,11 @@ def test_the_checker_sees_function_level_imports_and_exempts_type_checking(tmp_p
     (pkg / "train").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "train" / "__init__.py").write_text("")
-    (pkg / "paths.py").write_text("def f():\n    from llmexp.train import loop\n")  # base -> train: upward
-    (pkg / "train" / "loop.py").write_text("from llmexp.train import engine\n")
+    (pkg / "paths.py").write_text("def f():\n    from llmexp.train import train\n")  # base -> train: upward
+    (pkg / "train" / "train.py").write_text("from llmexp.train import engine\n")
     (pkg / "train" / "engine.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from llmexp.sweep import jobs\n"
-        "from . import loop\n")  # a cycle through a relative import; the TYPE_CHECKING import is exempt
+        "from . import train\n")  # a cycle through a relative import; the TYPE_CHECKING import is exempt
     found = import_graph(tmp_path, ("llmexp",))
-    assert upward_edges(found) == ["llmexp.paths (base) imports llmexp.train.loop (train)"]
-    assert cycles(found) == [["llmexp.train.engine", "llmexp.train.loop"]]
+    assert upward_edges(found) == ["llmexp.paths (base) imports llmexp.train.train (train)"]
+    assert cycles(found) == [["llmexp.train.engine", "llmexp.train.train"]]

@@ -41,7 +41,7 @@ def test_a_ceiling_measured_beside_busy_processes_is_not_trusted() -> None:
 def test_mfu_is_never_above_one_hundred_percent(tmp_path: Path) -> None:
     """A ceiling far too low (train.peak_tflops, as a busy machine would measure it) would give MFU in the
     thousands: MFU is logged as null instead, the reason is said once, and summary.json has no number."""
-    from llmexp.train.loop import train
+    from llmexp.train.train import train
 
     run_dir = tmp_path / "run"
     result = train(compose([*TINY, "train.peak_tflops=1e-9", "train.max_steps=3", "train.eval_steps=100",

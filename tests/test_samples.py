@@ -23,6 +23,7 @@ def _run(tmp_path: Path, name: str, extra: list[str]) -> tuple[Path, str]:
     return run_dir, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_samples_are_logged_shown_reported_and_leave_training_bitwise_unchanged(tmp_path: Path) -> None:
     plain_dir, _ = _run(tmp_path, "plain", [])
     sampled_dir, console = _run(tmp_path, "sampled", PROMPTS)  # temperature > 0: sampling draws random numbers

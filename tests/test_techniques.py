@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llmexp.train.loop import train
 from llmexp.train.schedule import lr_at
+from llmexp.train.train import train
 from tests.conftest import TINY, compose, read_metrics, run_cli, sft_file
 
 

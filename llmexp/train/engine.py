@@ -1,7 +1,7 @@
 """How this process carries out a step and saves its optimizer: plain PyTorch or DeepSpeed ZeRO,
 behind one small interface that `Runtime` picks once at set-up.
 
-The loop (`llmexp.train.loop`) calls, for every optimizer step:
+The loop (`llmexp.train.train`) calls, for every optimizer step:
 
     engine.backward(loss)                          each micro-batch (fp16: through the loss scaler)
     engine.unscale_and_clip(model, optimizer, n)   the pre-clip global grad norm (inf/nan if non-finite)

@@ -21,7 +21,7 @@ def run_guarded(cfg: DictConfig) -> int:
     try:  # (the CLI ran both before Hydra did anything; a sweep job runs them here, in its own process)
         validate(cfg)
         check_environment(cfg)  # bf16 support, world size, files: before anything loads
-        from llmexp.train.loop import train
+        from llmexp.train.train import train
 
         result = train(cfg)
     except UserError as err:
