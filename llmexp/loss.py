@@ -87,9 +87,8 @@ class CausalLMLoss(nn.Module):
     def __init__(self, lm: nn.Module) -> None:
         super().__init__()
         self.lm = lm
-        # Decoder + head split is known for Llama-family models; anything else uses its own logits.
-        self.split = hasattr(lm, "model") and hasattr(lm, "lm_head") and lm.config.model_type in (
-            "llama", "mistral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "smollm3")
+        self.split = fused_head_problem(lm) is None
+        """Decoder + fused head; False runs the model's own forward and its logits (always exact)."""
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,6 +111,32 @@ class CausalLMLoss(nn.Module):
             logits = head(hidden[start:start + CHUNK_TOKENS])
             total = total + F.cross_entropy(logits.float(), flat_targets[start:start + CHUNK_TOKENS], reduction="sum")
         return total
+
+
+FUSED_HEAD_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "smollm3")
+"""Model types whose logits are exactly `lm_head(model(...).last_hidden_state)`: checked against each
+architecture's modelling code (tests/test_architectures.py). Anything else, e.g. Gemma 2's soft-capped
+logits, Cohere's logit scale or Granite's logit divisor, or a type added later, uses its own forward."""
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling",
+                    "output_multiplier_scale")
+"""Config fields that change logits after the head: set on any model, they rule the fused head out."""
+
+
+def fused_head_problem(lm: nn.Module) -> str | None:
+    """Why the fused head would not be exact for `lm` (None: it is). The check is by what the model
+    does to its logits, since a wrong loss would be silent: an unknown type is skipped, not guessed."""
+    config = getattr(lm, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FUSED_HEAD_TYPES:
+        return f"model type {model_type!r} is not known to produce lm_head(hidden) as its logits"
+    if not (hasattr(lm, "model") and isinstance(getattr(lm, "lm_head", None), nn.Linear)):
+        return "no decoder + linear lm_head split"
+    for name in LOGIT_TRANSFORMS:
+        if getattr(config, name, None) not in (None, 0, 1, 1.0):
+            return f"the config's {name}={getattr(config, name)} transforms the logits (soft-capping or scaling)"
+    if lm.lm_head.bias is not None:
+        return "the lm_head has a bias"
+    return None
 
 
 def _compute_dtype(hidden: torch.Tensor, head: nn.Module) -> torch.dtype | None:
