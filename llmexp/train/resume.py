@@ -51,7 +51,7 @@ def save_state_checkpoint(run: Run) -> bool:
     full: ckpt.DiskFull | None = None
     if rt.is_main:
         def write(tmp: Path) -> None:
-            tensors = weights if weights is not None else engine.lm(model).state_dict()
+            tensors = weights if weights is not None else engine.checkpoint_weights(model)
             serialize.save_tensors(tmp / "model.safetensors", tensors)
             write_optimizer(tmp)
             for rank, rng in enumerate(rng_states):
@@ -117,7 +117,7 @@ def _check_fits(run: Run, path: Path, payload: dict[str, Any]) -> None:
     """Raise CorruptCheckpoint unless the payload's weights (names, shapes) and optimizer state
     (groups, moment shapes) fit this run's model, so nothing is applied from a checkpoint that
     would fail half-way through loading."""
-    live = run.rt.engine.lm(run.model).state_dict()
+    live = run.rt.engine.checkpoint_weights(run.model)
     saved = payload["model"]
     file = path / "model.safetensors"
     missing, unexpected = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
