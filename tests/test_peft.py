@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,17 @@ def test_lora_run_exports_an_adapter_and_a_merged_model(base_dir: Path, tmp_path
     assert float((want - before).abs().max()) > 1e-3  # the adapters learned something
     assert (run_dir / "model" / "tokenizer.json").is_file()
     assert (run_dir / "model" / "merged" / "tokenizer.json").is_file()
+    assert summary["total_params"] == 123_200 + summary["num_params"]  # the tiny Llama + its adapters
+    assert "trained of" in (run_dir / "report.md").read_text()
+    # resuming these adapters on another base is refused: the checkpoints hold no base weights
+    other = tmp_path / "other"
+    shutil.copytree(base_dir, other)
+    result = run_cli([f"model.name_or_path={other}", "peft=lora", "peft.lora_dropout=0.0", "precision=fp32",
+                      "train.max_steps=6", "train.save_steps=2", *RUN, f"hydra.run.dir={run_dir}"],
+                     env={"HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2 and "holds adapters trained on another base model" in result.stderr, \
+        result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
 
 
 def test_qlora_runs_on_this_cpu_and_merges_into_a_full_precision_base(base_dir: Path, tmp_path: Path) -> None:
@@ -258,3 +270,18 @@ def test_adapter_weights_round_trip_through_a_checkpoint_state(base_dir: Path, t
             torch.nn.init.zeros_(p)
     engine.load_weights(CausalLMLoss(other), state)
     assert all(torch.equal(a, b) for a, b in zip(lm.state_dict().values(), other.state_dict().values(), strict=True))
+
+
+def test_base_model_fingerprint_follows_the_base(base_dir: Path, tmp_path: Path) -> None:
+    from llmexp.train.resume import base_model_fingerprint
+
+    first = base_model_fingerprint(compose([f"model.name_or_path={base_dir}"], tmp_path))
+    assert first == base_model_fingerprint(compose([f"model.name_or_path={base_dir}"], tmp_path))
+    copy_dir = tmp_path / "copy"
+    shutil.copytree(base_dir, copy_dir)
+    before = base_model_fingerprint(compose([f"model.name_or_path={copy_dir}"], tmp_path))
+    config = json.loads((copy_dir / "config.json").read_text())
+    config["rope_theta"] = 500000.0
+    (copy_dir / "config.json").write_text(json.dumps(config))
+    assert base_model_fingerprint(compose([f"model.name_or_path={copy_dir}"], tmp_path)) != before
+    assert base_model_fingerprint(compose([], tmp_path)) == "from-config"
