@@ -52,6 +52,7 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 # ---------------------------------------------------------------- through the CLI
 
+@pytest.mark.slow  # two CLI runs: 16-24 s here
 def test_lora_run_exports_an_adapter_and_a_merged_model(base_dir: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     result = run_cli([f"model.name_or_path={base_dir}", "peft=lora", "peft.lora_dropout=0.0", "precision=fp32",
