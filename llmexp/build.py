@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from llmexp.errors import UserError
@@ -58,31 +59,37 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
 
-def _from_pretrained(cls: Any, cfg: DictConfig) -> Any:
+def _from_pretrained(cls: Any, cfg: DictConfig, **extra: Any) -> Any:
     from llmexp.data.tokenizer import hub_error, hub_load_kwargs
 
     m = cfg.model
     kwargs = hub_load_kwargs(m.name_or_path)  # offline fast path when the hub is unreachable
     try:
         return cls.from_pretrained(m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code,
-                                   **kwargs)
+                                   **kwargs, **extra)
     except OSError as err:
         raise hub_error(m.name_or_path, err) from err
 
 
-def build_model(cfg: DictConfig, vocab_size: int) -> PreTrainedModel:
-    """A fresh Llama-style model from the config fields, or a pretrained one from `name_or_path`.
+def build_model(cfg: DictConfig, vocab_size: int, precision: str = "fp32") -> PreTrainedModel:
+    """A fresh Llama-style model from the config fields, or a pretrained one from `name_or_path`,
+    with LoRA adapters when `peft` asks for them (then only the adapters train).
 
-    Weights stay in fp32 (the master copy); autocast runs the matmuls in bf16/fp16.
+    Trained weights stay in fp32 (the master copy); autocast runs the matmuls in bf16/fp16. With
+    adapters the frozen base is held in the precision's dtype (lora) or, for its linear layers, in
+    4-bit NF4 computing in that dtype (qlora); peft keeps the adapters themselves in fp32.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     m = cfg.model
+    four_bit = cfg.peft.name != "none" and cfg.peft.load_in_4bit
     if m.name_or_path:
         config = _from_pretrained(AutoConfig, cfg)
-        model = _from_pretrained(AutoModelForCausalLM, cfg)
-        model.config = config
-        model.float()
+        extra = quantization_kwargs(cfg, precision) if four_bit else {}
+        model = _from_pretrained(AutoModelForCausalLM, cfg, **extra)
+        if not four_bit:  # a 4-bit model keeps its own config: it carries the quantization_config
+            model.config = config
+            model.float()
     else:
         config = LlamaConfig(
             vocab_size=vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
@@ -92,9 +99,77 @@ def build_model(cfg: DictConfig, vocab_size: int) -> PreTrainedModel:
             attention_dropout=m.attention_dropout, attn_implementation="sdpa",
         )
         model = LlamaForCausalLM(config)
+    if cfg.peft.name != "none":
+        if not four_bit and (dtype := autocast_dtype(precision)) is not None:
+            model.to(dtype)  # a frozen base needs no fp32 master copy: half the memory; the adapters stay fp32
+        return add_adapters(cfg, model, four_bit)
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     return model
+
+
+def quantization_kwargs(cfg: DictConfig, precision: str) -> dict[str, Any]:
+    """from_pretrained arguments for a 4-bit NF4 base (QLoRA: Dettmers et al. 2023), after checking that
+    bitsandbytes can run 4-bit here at all: a failure would otherwise surface mid-load as a traceback."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if problem := four_bit_problem(device):
+        raise UserError(f"peft={cfg.peft.name}: bitsandbytes cannot run 4-bit weights on this {device} ({problem}); "
+                        "use peft=lora (16/32-bit base) or a CUDA GPU")
+    pe = cfg.peft
+    compute = autocast_dtype(precision) or torch.float32
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=pe.bnb_4bit_quant_type,
+                               bnb_4bit_use_double_quant=pe.bnb_4bit_use_double_quant, bnb_4bit_compute_dtype=compute)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    # the whole model on this process's device: 4-bit weights cannot be moved after loading
+    return {"quantization_config": quant, "dtype": torch.float32,
+            "device_map": {"": local if device == "cuda" else "cpu"}}
+
+
+def four_bit_problem(device: str) -> str | None:
+    """Why bitsandbytes cannot quantise to 4-bit NF4 and multiply on `device` (None: it can). A real
+    probe, not a table: bitsandbytes' backends change by version (0.50 runs 4-bit on CPU too)."""
+    try:
+        import bitsandbytes.functional as bnbf
+        import torch
+    except ImportError as err:
+        return f"bitsandbytes is not installed: {err}"
+    try:
+        weight = torch.randn(64, 64, device=device, dtype=torch.float32)
+        packed, state = bnbf.quantize_4bit(weight, quant_type="nf4", compress_statistics=True)
+        x = torch.randn(2, 64, device=device, dtype=torch.float32)
+        out = x @ bnbf.dequantize_4bit(packed, state).t()
+        if not bool(torch.isfinite(out).all()):
+            return "its 4-bit round trip gave non-finite values"
+    except Exception as err:  # bitsandbytes raises RuntimeError, NotImplementedError, ... by backend
+        return f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}"
+    return None
+
+
+def add_adapters(cfg: DictConfig, model: Any, four_bit: bool) -> Any:
+    """Wrap `model` in a peft LoRA model: the base is frozen, the adapters train. Gradient
+    checkpointing is non-reentrant, so it needs no input that requires grad and works under DDP."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    pe = cfg.peft
+    ckpt_kwargs = {"use_reentrant": False}
+    if four_bit:  # fp32 norms and embeddings, frozen base, checkpointing set up for 4-bit layers
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.model.gradient_checkpointing,
+                                                gradient_checkpointing_kwargs=ckpt_kwargs)
+    elif cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
+    target = pe.target_modules if isinstance(pe.target_modules, str) else list(pe.target_modules)
+    lora = LoraConfig(r=pe.r, lora_alpha=pe.lora_alpha, lora_dropout=pe.lora_dropout, target_modules=target,
+                      bias="none", task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, lora)
+    except ValueError as err:  # peft: "Target modules {...} not found in the base model"
+        names = sorted({name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
+                        if mod.__class__.__name__ in ("Linear", "Linear4bit", "Conv1D")})
+        raise UserError(f"peft.target_modules={target}: {str(err).splitlines()[0][:200]}; this model's linear "
+                        f"layers are {names}, or use peft.target_modules=all-linear") from err
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float, decay_all: bool) -> list[dict[str, Any]]:
@@ -137,6 +212,8 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module, lr: float, device_t
                         "fix optimizer.* or optimizer.kwargs.*") from err
 
 
-def count_params(model: torch.nn.Module) -> int:
-    """Trainable parameters (shared tensors counted once)."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
+def count_params(model: torch.nn.Module, trainable_only: bool = True) -> int:
+    """Parameters (shared tensors counted once): trainable ones, or all of them. A 4-bit weight counts
+    its values, not its packed bytes (bitsandbytes stores two per uint8 element)."""
+    unique = {id(p): p for p in model.parameters() if p.requires_grad or not trainable_only}.values()
+    return sum(p.numel() * (2 if getattr(p, "quant_state", None) is not None else 1) for p in unique)

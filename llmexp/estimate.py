@@ -14,6 +14,13 @@ Per device, for the composed model, precision, optimizer, ZeRO stage and world s
                   layer inputs under gradient checkpointing; plus backward's working set (one
                   layer's activation gradients)
 
+With adapters (`peft=lora` / `qlora`) only the adapters have gradients and optimizer state (4 B
+each for the fp32 adapter weights, plus the optimizer's bytes). The frozen base is in the autocast
+dtype under lora (2 B/param in bf16/fp16, 4 B in fp32); under qlora every linear layer but the head
+is 4-bit NF4: 0.5 B/param plus 0.127 bits/param of constants with double quantisation (QLoRA paper,
+section 3), while embeddings, norms and the head stay fp32. LoRA's dropout keeps a copy of each
+adapted layer's input for backward.
+
 The parameter count comes from the model built on the meta device (no memory is allocated),
 so it is exact for `model=llama2-7b` too. The figures are the ZeRO paper's accounting
 (Rajbhandari et al. 2020) with our trainer's specifics; `benchmarks/memory.py` measures the
@@ -29,6 +36,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 MiB = 2**20
+NF4_BYTES_PER_PARAM = 0.5 + 0.127 / 8
+"""4-bit NF4 with double quantisation: half a byte plus 0.127 bits of constants per weight (QLoRA paper)."""
 STATE_BYTES_PER_PARAM = {"adamw": 8.0, "adamw8bit": 2.0, "paged_adamw8bit": 2.0, "lion": 4.0, "lion8bit": 1.0}
 """Optimizer state per parameter; 8-bit states are one byte per moment (+ <1% block scales)."""
 
@@ -43,14 +52,28 @@ class MemoryEstimate:
     optimizer: float
     activations: float
     cpu_offloaded: float
+    trainable_params: int | None = None
+    """With adapters: the adapters' parameters (None: every parameter trains)."""
 
     @property
     def total(self) -> float:
         return self.weights + self.gradients + self.optimizer + self.activations
 
 
-def count_params_meta(cfg: DictConfig) -> int:
-    """Parameters of the configured model, built on the meta device: nothing is allocated."""
+@dataclass(frozen=True)
+class AdapterFacts:
+    """What the memory of an adapter run depends on, read off the meta model."""
+
+    trainable: int
+    """LoRA parameters: r * (in + out) per adapted linear layer."""
+    quantized: int
+    """Weights stored in 4 bits under qlora: every linear layer but the output head."""
+    dropout_elems_per_token: int
+    """Elements of the adapted layers' inputs per token (all layers), which LoRA's dropout copies."""
+
+
+def meta_model(cfg: DictConfig) -> Any:
+    """The configured model built on the meta device: shapes without memory."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
@@ -64,8 +87,34 @@ def count_params_meta(cfg: DictConfig) -> int:
                              max_position_embeddings=m.max_position_embeddings,
                              tie_word_embeddings=m.tie_word_embeddings)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(config)
+
+
+def count_params_meta(cfg: DictConfig) -> int:
+    """Parameters of the configured model, built on the meta device: nothing is allocated."""
+    model = meta_model(cfg)
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def adapter_facts(cfg: DictConfig) -> AdapterFacts | None:
+    """The adapters' size and the 4-bit share of the base for `peft=lora/qlora`; None for peft=none.
+    `target_modules` is matched as peft matches it: all-linear is every linear layer but the head,
+    a list matches module names or their last components."""
+    from torch import nn
+
+    pe = cfg.peft
+    if pe.name == "none":
+        return None
+    model = meta_model(cfg)
+    head = model.get_output_embeddings()
+    linears = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear) and mod is not head]
+    targets = list(pe.target_modules) if not isinstance(pe.target_modules, str) else None
+    adapted = [mod for name, mod in linears
+               if targets is None or any(name == t or name.endswith("." + t) for t in targets)]
+    trainable = sum(pe.r * (mod.in_features + mod.out_features) for mod in adapted)
+    quantized = sum(mod.weight.numel() for _, mod in linears) if pe.load_in_4bit else 0
+    dropout = sum(mod.in_features for mod in adapted) if pe.lora_dropout > 0 else 0
+    return AdapterFacts(trainable=trainable, quantized=quantized, dropout_elems_per_token=dropout)
 
 
 def _has_local_config(path: str) -> bool:
@@ -102,8 +151,11 @@ def activation_bytes(cfg: DictConfig, precision: str, micro_batch: int) -> float
     return float(layer_bytes + tokens * 4 * 2 * d + logits_bytes + working_bytes)  # + final norm in/out
 
 
-def estimate(cfg: DictConfig, *, num_params: int, precision: str, world: int) -> MemoryEstimate:
+def estimate(cfg: DictConfig, *, num_params: int, precision: str, world: int,
+             adapters: AdapterFacts | None = None) -> MemoryEstimate:
     """The per-device memory of one configuration (see the module docstring for the accounting)."""
+    if adapters is not None:
+        return _estimate_adapters(cfg, num_params, precision, adapters)
     ds, opt = cfg.deepspeed, cfg.optimizer
     zero = ds.stage if ds.stage > 0 else 0
     half_module = zero > 0 and precision in ("bf16", "fp16")  # DeepSpeed keeps 16-bit module weights
@@ -126,6 +178,24 @@ def estimate(cfg: DictConfig, *, num_params: int, precision: str, world: int) ->
                           activations=activation_bytes(cfg, precision, cfg.batch_size), cpu_offloaded=cpu)
 
 
+def _estimate_adapters(cfg: DictConfig, num_params: int, precision: str, adapters: AdapterFacts) -> MemoryEstimate:
+    """LoRA / QLoRA on one process (DeepSpeed is refused with adapters): frozen base, trained adapters."""
+    opt, n_a = cfg.optimizer, float(adapters.trainable)
+    state_b = STATE_BYTES_PER_PARAM.get(opt.name, 4.0 if (opt.name == "sgd" and opt.momentum) else 0.0)
+    autocast = precision in ("bf16", "fp16")
+    full_precision = float(num_params - adapters.quantized)
+    # lora holds the frozen base in the autocast dtype; qlora keeps its embeddings, norms and head in fp32
+    base_b = 2.0 if autocast and not cfg.peft.load_in_4bit else 4.0
+    weights = full_precision * base_b + adapters.quantized * NF4_BYTES_PER_PARAM + n_a * 4.0
+    if autocast:  # 16-bit copies of the fp32 adapters that matmuls keep for backward
+        weights += n_a * 2.0
+    tokens = cfg.batch_size * cfg.data.max_length
+    dropout_copies = tokens * adapters.dropout_elems_per_token * (2 if autocast else 4)
+    activations = activation_bytes(cfg, precision, cfg.batch_size) + dropout_copies
+    return MemoryEstimate(num_params=num_params, weights=weights, gradients=n_a * 4.0, optimizer=n_a * state_b,
+                          activations=activations, cpu_offloaded=0.0, trainable_params=adapters.trainable)
+
+
 def resolved_precision(name: str) -> str:
     """The precision a run would use on this machine (`config.derived.resolve_precision`: `auto` is bf16 where it
     is native, else fp32; bf16 stays bf16, emulated or not)."""
@@ -142,6 +212,9 @@ def format_estimate(est: MemoryEstimate, *, label: str) -> str:
     rows = [("weights", est.weights), ("gradients", est.gradients), ("optimizer state", est.optimizer),
             ("activations", est.activations), ("total per device", est.total)]
     lines = [label, f"  parameters        {est.num_params / 1e6:,.1f} M"]
+    if est.trainable_params is not None:
+        share = est.trainable_params / max(1, est.num_params)
+        lines.append(f"  trainable         {est.trainable_params / 1e6:,.2f} M ({share:.2%}: the adapters)")
     lines += [f"  {name:<17} {value / MiB:>12,.1f} MiB" for name, value in rows]
     if est.cpu_offloaded:
         lines.append(f"  {'CPU (offloaded)':<17} {est.cpu_offloaded / MiB:>12,.1f} MiB")
@@ -187,8 +260,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llmexp.estimate: error: {err}", file=sys.stderr)
         return EXIT_USER
     precision = resolved_precision(cfg.precision.name)
-    est = estimate(cfg, num_params=count_params_meta(cfg), precision=precision, world=world)
-    label = (f"model={cfg.model.name} precision={precision} optimizer={cfg.optimizer.name} "
+    est = estimate(cfg, num_params=count_params_meta(cfg), precision=precision, world=world,
+                   adapters=adapter_facts(cfg))
+    label = (f"model={cfg.model.name} peft={cfg.peft.name} precision={precision} optimizer={cfg.optimizer.name} "
              f"deepspeed={cfg.deepspeed.name} world_size={world} batch_size={cfg.batch_size} "
              f"max_length={cfg.data.max_length}")
     print(format_estimate(est, label=label))

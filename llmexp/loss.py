@@ -43,12 +43,14 @@ class LinearCrossEntropy(torch.autograd.Function):
                 compute_dtype: torch.dtype, grad_enabled: bool) -> torch.Tensor:
         # needs_input_grad is True under torch.no_grad() too (it follows requires_grad): without the
         # caller's grad mode, every eval batch would compute the head's gradients for nothing.
-        needs_grad = grad_enabled and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
+        # A frozen head (LoRA leaves lm_head out) needs no weight gradient: that matmul is skipped.
+        grad_h, grad_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
+        needs_grad = grad_h or grad_w
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(compute_dtype)
             total = hidden.new_zeros((), dtype=torch.float32)
-            grad_hidden = torch.empty_like(hidden) if needs_grad else None
-            grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs_grad else None
+            grad_hidden = torch.empty_like(hidden) if grad_h else None
+            grad_weight = torch.zeros_like(weight, dtype=torch.float32) if grad_w else None
             for start in range(0, hidden.shape[0], CHUNK_TOKENS):
                 h = hidden[start:start + CHUNK_TOKENS].to(compute_dtype)
                 t = targets[start:start + CHUNK_TOKENS]
@@ -56,12 +58,14 @@ class LinearCrossEntropy(torch.autograd.Function):
                 lse = _logsumexp_fp32(logits)
                 target_logit = logits.gather(1, t[:, None]).squeeze(1).float()
                 total = total + (lse - target_logit).sum()
-                if grad_hidden is not None and grad_weight is not None:
+                if needs_grad:
                     grad_logits = torch.softmax(logits, dim=1)  # computed in fp32, stored in compute_dtype
                     rows = torch.arange(t.shape[0], device=t.device)
                     grad_logits[rows, t] = (torch.exp(target_logit - lse) - 1.0).to(compute_dtype)  # - one_hot
-                    grad_hidden[start:start + CHUNK_TOKENS] = grad_logits @ w
-                    grad_weight += (grad_logits.t() @ h).float()
+                    if grad_hidden is not None:
+                        grad_hidden[start:start + CHUNK_TOKENS] = grad_logits @ w
+                    if grad_weight is not None:
+                        grad_weight += (grad_logits.t() @ h).float()
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total
@@ -70,7 +74,8 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_hidden, grad_weight = ctx.saved_tensors
         scale = grad_total.float()
-        return grad_hidden * scale.to(grad_hidden.dtype), (grad_weight * scale).to(ctx.weight_dtype), None, None, None
+        return (grad_hidden * scale.to(grad_hidden.dtype) if grad_hidden is not None else None,
+                (grad_weight * scale).to(ctx.weight_dtype) if grad_weight is not None else None, None, None, None)
 
 
 def _logsumexp_fp32(logits: torch.Tensor) -> torch.Tensor:
@@ -87,9 +92,8 @@ class CausalLMLoss(nn.Module):
     def __init__(self, lm: nn.Module) -> None:
         super().__init__()
         self.lm = lm
-        # Decoder + head split is known for Llama-family models; anything else uses its own logits.
-        self.split = hasattr(lm, "model") and hasattr(lm, "lm_head") and lm.config.model_type in (
-            "llama", "mistral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "smollm3")
+        self.split = fused_head_problem(lm) is None
+        """Decoder + fused head; False runs the model's own forward and its logits (always exact)."""
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -101,9 +105,10 @@ class CausalLMLoss(nn.Module):
         if not self.split:
             logits = self.lm(**inputs).logits[:, :-1]
             return F.cross_entropy(logits[keep].float(), targets[keep], reduction="sum")
-        hidden = self.lm.model(**inputs).last_hidden_state
+        causal = causal_lm(self.lm)
+        hidden = causal.model(**inputs).last_hidden_state
         hidden, flat_targets = hidden[:, :-1][keep], targets[keep]
-        head = self.lm.lm_head
+        head = causal.lm_head
         compute_dtype = _compute_dtype(hidden, head)
         if compute_dtype is not None:
             return LinearCrossEntropy.apply(hidden, head.weight, flat_targets, compute_dtype, torch.is_grad_enabled())
@@ -112,6 +117,40 @@ class CausalLMLoss(nn.Module):
             logits = head(hidden[start:start + CHUNK_TOKENS])
             total = total + F.cross_entropy(logits.float(), flat_targets[start:start + CHUNK_TOKENS], reduction="sum")
         return total
+
+
+FUSED_HEAD_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "smollm3")
+"""Model types whose logits are exactly `lm_head(model(...).last_hidden_state)`: checked against each
+architecture's modelling code (tests/test_architectures.py). Anything else, e.g. Gemma 2's soft-capped
+logits, Cohere's logit scale or Granite's logit divisor, or a type added later, uses its own forward."""
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling",
+                    "output_multiplier_scale")
+"""Config fields that change logits after the head: set on any model, they rule the fused head out."""
+
+
+def causal_lm(lm: nn.Module) -> nn.Module:
+    """The transformers model itself: inside a peft model the adapters live in its layers, so its
+    decoder and head run them; the wrapper only forwards."""
+    get_base = getattr(lm, "get_base_model", None)
+    return get_base() if callable(get_base) else lm
+
+
+def fused_head_problem(lm: nn.Module) -> str | None:
+    """Why the fused head would not be exact for `lm` (None: it is). The check is by what the model
+    does to its logits, since a wrong loss would be silent: an unknown type is skipped, not guessed."""
+    lm = causal_lm(lm)
+    config = getattr(lm, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FUSED_HEAD_TYPES:
+        return f"model type {model_type!r} is not known to produce lm_head(hidden) as its logits"
+    if not (hasattr(lm, "model") and isinstance(getattr(lm, "lm_head", None), nn.Linear)):
+        return "no decoder + linear lm_head split"
+    for name in LOGIT_TRANSFORMS:
+        if getattr(config, name, None) not in (None, 0, 1, 1.0):
+            return f"the config's {name}={getattr(config, name)} transforms the logits (soft-capping or scaling)"
+    if lm.lm_head.bias is not None:
+        return "the lm_head has a bias"
+    return None
 
 
 def _compute_dtype(hidden: torch.Tensor, head: nn.Module) -> torch.dtype | None:

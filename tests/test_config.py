@@ -14,9 +14,11 @@ from llmexp.config.validation import RANGES, ConfigError, number_keys, validate
 from llmexp.paths import conf_dir
 from tests.conftest import compose, run_cli
 
-GROUPS = ["model", "data", "precision", "optimizer", "scheduler", "cluster", "deepspeed", "logger", "experiment"]
+GROUPS = ["model", "data", "precision", "optimizer", "scheduler", "cluster", "deepspeed", "logger", "peft",
+          "experiment"]
 NEEDS = {"data/json": ["data.train_file=t.jsonl"], "data/text": ["data.train_file=t.txt"], "data/hf": ["data.path=d"],
-         "data/stdlib_sft": ["model.name_or_path=run/model"], "experiment/sft_demo": ["model.name_or_path=run/model"]}
+         "data/stdlib_sft": ["model.name_or_path=run/model"], "experiment/sft_demo": ["model.name_or_path=run/model"],
+         "peft/qlora": ["model.name_or_path=run/model"]}
 
 
 def _options() -> list[tuple[str, str]]:

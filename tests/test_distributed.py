@@ -192,3 +192,23 @@ def test_deepspeed_launch_config_must_match_the_deepspeed_group() -> None:
     with pytest.raises(UserError, match="offload_optimizer: launcher cpu"):
         check_launch_env(_cfg("deepspeed=zero2"), env)
     check_launch_env(_cfg("deepspeed=zero2"), {})  # no DeepSpeed launcher: nothing to agree with
+
+
+@pytest.mark.slow
+def test_two_processes_with_lora_match_one(tmp_path: Path) -> None:
+    """DDP with adapters: only the adapters' gradients are all-reduced (the frozen base has none), and
+    2 x batch_size=4 gives the losses of 1 x batch_size=8, with non-reentrant gradient checkpointing on in
+    the 2-process run. Adapter dropout is off: its masks are drawn per rank."""
+    lora = ["peft=lora", "peft.r=4", "peft.lora_dropout=0.0", "train.max_steps=3", "train.save_steps=3"]
+    single = tmp_path / "single"
+    result = run_cli([*RUN, *lora, "batch_size=8", f"hydra.run.dir={single}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    multi = tmp_path / "multi"
+    result = _launch(TORCHRUN, [*lora, "model.gradient_checkpointing=true", "batch_size=4",
+                                f"hydra.run.dir={multi}"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    one, two = _losses(single), _losses(multi)
+    assert one.keys() == two.keys() == {1, 2, 3}
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=1e-5), step
+    assert (multi / "model" / "adapter_model.safetensors").is_file()

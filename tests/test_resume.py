@@ -182,7 +182,10 @@ def fingerprint(run_dir: Path) -> dict[str, object]:
         elif r["event"] == "eval":
             evals.append((r["step"], r["eval_loss"]))
     last_ckpt = run_dir / "checkpoints" / f"step_{MAX_STEPS}" / "model.safetensors"
-    return {"train": train, "eval": evals, "model": _sha256(run_dir / "model" / "model.safetensors"),
+    exported = run_dir / "model" / "model.safetensors"
+    if not exported.exists():  # peft: model/ holds the adapter
+        exported = run_dir / "model" / "adapter_model.safetensors"
+    return {"train": train, "eval": evals, "model": _sha256(exported),
             "checkpoint_model": _sha256(last_ckpt)}
 
 
@@ -370,6 +373,32 @@ def test_kill9_under_fp16_loss_scaling(tmp_path: Path, env: dict[str, str], refe
     kill_resume_chain(tmp_path / "run", overrides, env, kills, rng)
     got = fingerprint(tmp_path / "run")
     assert got == ref, f"seed {seed}, kills {kills}: {first_difference(ref, got)}; runs in {tmp_path}"
+
+
+def test_kill9_with_lora_adapters(tmp_path: Path, env: dict[str, str], reference) -> None:
+    """peft=lora with adapter dropout (its RNG must come back too), accum=2: killed mid-window (after
+    micro-batch 1 of step 4), then at a random point. The run ends bitwise equal to the uninterrupted
+    one, and its checkpoints hold only what resume needs: the adapters and their optimizer state."""
+    from safetensors import safe_open
+
+    overrides = ("precision=fp32", "peft=lora", "peft.r=4", "peft.lora_dropout=0.1",
+                 "train.gradient_accumulation_steps=2")
+    want = reference(overrides)
+    seed = _seed()
+    rng = random.Random(seed)
+    kills = [Kill(hook="backward:7"), Kill(at_step=rng.randrange(6, MAX_STEPS - 1), jitter_s=0.2)]
+    kill_resume_chain(tmp_path / "run", overrides, env, kills, rng)
+    got = fingerprint(tmp_path / "run")
+    assert got == want, f"seed {seed}, kills {kills}: {first_difference(want, got)}; runs in {tmp_path}"
+    checkpoint = tmp_path / "run" / "checkpoints" / f"step_{MAX_STEPS}"
+    with safe_open(checkpoint / "model.safetensors", "pt") as f:
+        keys = list(f.keys())
+    # 2 layers x 7 linear layers (q, k, v, o, gate, up, down) x (lora_A, lora_B)
+    assert len(keys) == 28 and all(".lora_A." in k or ".lora_B." in k for k in keys), keys
+    import torch
+
+    optimizer = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    assert len(optimizer["state"]) == len(keys), len(optimizer["state"])
 
 
 def test_kill9_before_the_first_checkpoint(tmp_path: Path, env: dict[str, str], reference) -> None:

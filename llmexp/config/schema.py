@@ -224,6 +224,29 @@ class LoggerConfig:
 
 
 @dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning through the peft library: train low-rank adapters, freeze the base."""
+
+    name: str = "none"
+    """none (every weight trains), lora, or qlora (LoRA on a 4-bit NF4 base through bitsandbytes)."""
+    r: int = 16
+    """LoRA rank: the adapters' inner width."""
+    lora_alpha: float = 32.0
+    """LoRA scaling numerator: the update is scaled by lora_alpha / r."""
+    lora_dropout: float = 0.05
+    """Dropout on the adapters' input."""
+    target_modules: Any = "all-linear"
+    """Which layers get adapters: all-linear (every linear layer of the decoder, per architecture,
+    never the output head), or a list of module names such as [q_proj, v_proj]."""
+    load_in_4bit: bool = False
+    """Load the base weights in 4 bits (qlora sets it)."""
+    bnb_4bit_quant_type: str = "nf4"
+    """4-bit data type: nf4 (QLoRA's NormalFloat) or fp4."""
+    bnb_4bit_use_double_quant: bool = True
+    """Quantise the quantisation constants too (about 0.37 bits per weight saved)."""
+
+
+@dataclass
 class TrainConfig:
     """The training loop. Names follow HF `TrainingArguments` where it has the same knob."""
 
@@ -284,6 +307,8 @@ class TrainConfig:
     """Peak TFLOP/s for MFU; null measures a bf16 (or fp32) matmul ceiling at start."""
     seed_data: int | None = None
     """Seed of the data order; null uses the top-level `seed`."""
+    merge_adapter: bool = False
+    """With peft: also write the base model with the adapters merged in to `model/merged/`."""
 
 
 @dataclass
@@ -298,6 +323,7 @@ class Config:
     cluster: ClusterConfig = MISSING
     deepspeed: DeepSpeedConfig = MISSING
     logger: LoggerConfig = MISSING
+    peft: PeftConfig = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
     lr: Any = "auto"
     """Peak learning rate, or auto: from the parameter count by the seed's table."""

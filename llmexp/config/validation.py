@@ -34,6 +34,7 @@ SCHEDULERS = ("cosine", "linear", "constant", "wsd")
 ANOMALY_POLICIES = ("stop", "skip", "rollback")
 DATA_KINDS = ("stdlib", "stdlib_sft", "json", "text", "hf")
 LOGGERS = ("jsonl", "wandb", "tensorboard")
+PEFT_METHODS = ("none", "lora", "qlora")
 
 INT64_MAX = 2**63 - 1
 """The largest int torch, numpy and the checkpoint's JSON round trip all take as a signed 64-bit value."""
@@ -115,6 +116,9 @@ RANGES: dict[str, Range] = {
     "cluster.array_parallelism": _at_least(1),
     "deepspeed.stage": Range(low=0, high=3),
     "logger.init_timeout_s": _POSITIVE,
+    "peft.r": _at_least(1),
+    "peft.lora_alpha": _POSITIVE,
+    "peft.lora_dropout": _FRACTION,
     "train.max_steps": _at_least(1, "(-1 trains for train.num_train_epochs)", also=(-1,)),
     "train.num_train_epochs": _POSITIVE,
     "train.gradient_accumulation_steps": _at_least(1),
@@ -342,3 +346,33 @@ def _validate_groups(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet
     _check(errors, not (ds.stage >= 3 and cfg.train.sample_prompts), "train.sample_prompts",
            "samples need whole weights on one process, and ZeRO-3 partitions them; use deepspeed=zero2, or "
            "sample from model/ after the run")
+    _validate_peft(cfg, errors)
+
+
+def _validate_peft(cfg: DictConfig, errors: list[str]) -> None:
+    """The adapter options, and the combinations that cannot work, each with the reason."""
+    pe = cfg.peft
+    _choice(errors, pe.name, "peft.name", PEFT_METHODS)
+    _choice(errors, pe.bnb_4bit_quant_type, "peft.bnb_4bit_quant_type", ("nf4", "fp4"))
+    target = pe.target_modules
+    _check(errors, target == "all-linear" or (isinstance(target, ListConfig) and len(target) > 0
+                                              and all(isinstance(t, str) and t for t in target)),
+           "peft.target_modules", f"must be all-linear or a list of module names, got {target!r}; "
+           "e.g. peft.target_modules=[q_proj,v_proj]")
+    if pe.name == "none":
+        _check(errors, not pe.load_in_4bit, "peft.load_in_4bit",
+               "a 4-bit base cannot be trained without adapters; use peft=qlora")
+        _check(errors, not cfg.train.merge_adapter, "train.merge_adapter",
+               "there is no adapter to merge with peft=none; use peft=lora, or drop train.merge_adapter")
+        return
+    if pe.load_in_4bit:
+        _check(errors, bool(cfg.model.name_or_path), "model.name_or_path",
+               f"peft={pe.name} loads a pretrained model in 4 bits; set model.name_or_path=<a model directory "
+               "or hub id>")
+    # llmexp's ZeRO checkpoints save every rank's optimizer partition and the whole model; an adapter-only
+    # checkpoint and resume under ZeRO are not implemented, and ZeRO-3 cannot partition bitsandbytes' packed
+    # 4-bit weights. One GPU or DDP (accelerate launch / torchrun, deepspeed=none) trains adapters.
+    _check(errors, cfg.deepspeed.stage == 0, "deepspeed",
+           f"peft={pe.name} does not run under DeepSpeed in llmexp (adapter-only ZeRO checkpoints are not "
+           "implemented, and ZeRO cannot partition 4-bit weights); adapters and their optimizer state are "
+           "small, so use deepspeed=none (DDP for several GPUs)")

@@ -45,11 +45,19 @@ def _key_metrics(records: list[dict], summary: dict) -> list[tuple[str, str]]:
          else fmt(pick("mfu"), 3)),
         ("peak memory (MB)", fmt(summary.get("peak_mem_mb", last_value(records, "train", "mem_mb")))),
         ("wall time (s)", fmt(summary.get("time_s", last_value(records, "train", "time_s")))),
-        ("parameters", fmt(summary.get("num_params"))),
+        ("parameters", _parameters(summary)),
         ("lr", f"{fmt(summary.get('lr'))} ({summary['lr_source']})" if summary.get("lr_source")
          else fmt(summary.get("lr"))),
     ]
     return [(k, v) for k, v in rows if v != "–"]
+
+
+def _parameters(summary: dict[str, Any]) -> str:
+    """The trained parameters; with adapters, also of how many (frozen base included)."""
+    trained, total = summary.get("num_params"), summary.get("total_params")
+    if isinstance(trained, int) and isinstance(total, int) and total > trained:
+        return f"{fmt(trained)} trained of {fmt(total)} ({trained / total:.2%}: adapters)"
+    return fmt(trained)
 
 
 _SETTINGS = (

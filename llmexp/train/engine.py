@@ -56,6 +56,8 @@ class PlainEngine:
     """True when `unscale_and_clip` has already applied the step (DeepSpeed)."""
     params_partitioned = False
     """True when no rank holds whole parameters (ZeRO-3): shapes cannot be checked before a load."""
+    trainable_only = False
+    """True with adapters: checkpoints hold only the trainable weights (`checkpoint_weights`)."""
 
     def __init__(self, accelerator: Any, precision: str, init_scale: float, growth_interval: int) -> None:
         self.accelerator = accelerator
@@ -94,11 +96,22 @@ class PlainEngine:
         """Whole weights when they must be gathered first (collective: every rank calls); None: use `lm`'s."""
         return None
 
+    def checkpoint_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The weights a checkpoint holds: all of them, or with adapters only the trainable ones. The
+        frozen base is rebuilt identically on resume (loaded from `model.name_or_path`, or initialised
+        from the seed), so writing it again with every checkpoint would buy nothing."""
+        state = self.lm(model).state_dict()
+        if not self.trainable_only:
+            return state
+        names = {name for name, p in self.lm(model).named_parameters() if p.requires_grad}
+        return {k: v for k, v in state.items() if k in names}
+
     def optimizer_writer(self, optimizer: Any, run_dir: Path, step: int) -> OptimizerWriter:
         return lambda tmp: serialize.save_state(tmp / "optimizer.pt", optimizer.state_dict())
 
     def load_weights(self, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
-        self.lm(model).load_state_dict(weights)
+        # with adapters the frozen base is missing by design (`checkpoint_weights`); resume checked the rest
+        self.lm(model).load_state_dict(weights, strict=not self.trainable_only)
 
     def load_optimizer(self, optimizer: Any, payload: dict[str, Any]) -> None:
         if payload["zero"] is not None:

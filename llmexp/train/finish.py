@@ -32,8 +32,13 @@ def save_final_model(rt: Runtime, model: torch.nn.Module, tokenizer: Any,
     tmp = rt.run_dir / ".model.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        # weights: the ZeRO-3 gathered ones, else None (the model's own)
-        rt.engine.lm(model).save_pretrained(tmp, safe_serialization=True, state_dict=weights)
+        lm = rt.engine.lm(model)
+        if rt.cfg.peft.name != "none":  # adapter_config.json + adapter_model.safetensors (PeftModel.from_pretrained)
+            lm.save_pretrained(tmp, safe_serialization=True)
+            if rt.cfg.train.merge_adapter:
+                save_merged(rt, lm, tmp, tokenizer)
+        else:  # weights: the ZeRO-3 gathered ones, else None (the model's own)
+            lm.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
         tokenizer.save_pretrained(tmp)
         ckpt.publish_dir(tmp, final)  # fsyncs, then swaps atomically: model/ is never missing or half-written
     except Exception as err:
@@ -42,6 +47,29 @@ def save_final_model(rt: Runtime, model: torch.nn.Module, tokenizer: Any,
         if full is not None:
             raise full from None
         raise
+
+
+def save_merged(rt: Runtime, lm: Any, model_dir: Path, tokenizer: Any) -> None:
+    """`model/merged/`: the base with the adapters added into its weights, a plain transformers model
+    (in its own directory: next to adapter_config.json, transformers would load the adapter instead).
+
+    A 4-bit base is not merged into: its weights would be rounded to 4 bits again. The base is loaded
+    again in fp32 from `model.name_or_path` and the saved adapter merged into that (the usual QLoRA
+    recipe). A 16/32-bit base is merged in place: the run is over, and this needs no second copy."""
+    import torch
+
+    if rt.cfg.peft.load_in_4bit:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        m = rt.cfg.model
+        base = AutoModelForCausalLM.from_pretrained(m.name_or_path, revision=m.revision, dtype=torch.float32,
+                                                    trust_remote_code=m.trust_remote_code)
+        merged = PeftModel.from_pretrained(base, model_dir).merge_and_unload()
+    else:
+        merged = lm.merge_and_unload()
+    merged.save_pretrained(model_dir / "merged", safe_serialization=True)
+    tokenizer.save_pretrained(model_dir / "merged")
 
 
 def finish_run(run: Run, tokenizer: Any, status: str) -> dict[str, Any]:
@@ -97,7 +125,8 @@ def build_summary(run: Run, status: str) -> dict[str, Any]:
         "train_loss": last_value(history, "train", "loss"), "eval_loss": last_value(history, "eval", "eval_loss"),
         "eval_ppl": last_value(history, "eval", "eval_ppl"), "best_eval_loss": state.best_eval_loss,
         "best_eval_step": state.best_eval_step, "tokens_per_sec": tokens_per_sec, "mfu": rt.mfu(tokens_per_sec),
-        "lr": run.peak_lr, "lr_source": run.lr_source, "num_params": rt.num_params, "precision": rt.precision,
+        "lr": run.peak_lr, "lr_source": run.lr_source, "num_params": rt.num_params,
+        "total_params": rt.total_params, "precision": rt.precision,
         "global_batch_size": rt.plan.global_batch, "gradient_accumulation_steps": rt.plan.accum,
         "world_size": rt.plan.world, "peak_mem_mb": peak_mb, "skipped_steps": state.skipped_steps,
         "rollbacks": state.rollbacks, "compile_time_s": rt.compile_time_s, "time_s": rt.elapsed(),

@@ -51,7 +51,7 @@ def save_state_checkpoint(run: Run) -> bool:
     full: ckpt.DiskFull | None = None
     if rt.is_main:
         def write(tmp: Path) -> None:
-            tensors = weights if weights is not None else engine.lm(model).state_dict()
+            tensors = weights if weights is not None else engine.checkpoint_weights(model)
             serialize.save_tensors(tmp / "model.safetensors", tensors)
             write_optimizer(tmp)
             for rank, rng in enumerate(rng_states):
@@ -117,7 +117,7 @@ def _check_fits(run: Run, path: Path, payload: dict[str, Any]) -> None:
     """Raise CorruptCheckpoint unless the payload's weights (names, shapes) and optimizer state
     (groups, moment shapes) fit this run's model, so nothing is applied from a checkpoint that
     would fail half-way through loading."""
-    live = run.rt.engine.lm(run.model).state_dict()
+    live = run.rt.engine.checkpoint_weights(run.model)
     saved = payload["model"]
     file = path / "model.safetensors"
     missing, unexpected = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
@@ -189,7 +189,26 @@ def resume_key(cfg: DictConfig, rt: Runtime) -> dict[str, Any]:
     return {"lr": str(cfg.lr), "max_steps": cfg.train.max_steps, "global_batch": rt.plan.global_batch,
             "batch_size": cfg.batch_size, "world_size": rt.plan.world, "seed": cfg.seed,
             "optimizer": cfg.optimizer.name, "scheduler": cfg.scheduler.name, "precision": rt.precision,
-            "data": rt.data_fingerprint}
+            "data": rt.data_fingerprint, "peft": cfg.peft.name, "base_model": base_model_fingerprint(cfg)}
+
+
+def base_model_fingerprint(cfg: DictConfig) -> str:
+    """What identifies the pretrained base: its name, revision and, for a local directory, its config
+    and the names and sizes of its weight files (cheap: no weight is read). With adapters a checkpoint
+    holds no base weights, so resuming on another base would silently train a different model."""
+    import hashlib
+
+    m = cfg.model
+    if not m.name_or_path:
+        return "from-config"
+    parts = [str(m.name_or_path), str(m.revision)]
+    directory = Path(m.name_or_path).expanduser()
+    if directory.is_dir():
+        config = directory / "config.json"
+        parts.append(config.read_text(errors="replace") if config.is_file() else "")
+        parts += sorted(f"{f.name}:{f.stat().st_size}" for f in directory.iterdir()
+                        if f.suffix in (".safetensors", ".bin") and f.is_file())
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 def _compare_resume_key(run: Run, path: Path) -> None:
@@ -202,6 +221,11 @@ def _compare_resume_key(run: Run, path: Path) -> None:
         if key == "data":
             _data_mismatch(run.cfg.train, path, saved_key[key], now, run.log)
             continue
+        if key == "base_model" and run.cfg.peft.name != "none":
+            raise UserError(f"checkpoint {path} holds adapters trained on another base model (fingerprint "
+                            f"{saved_key[key]}, now {now}: model.name_or_path, its revision, config or weight "
+                            "files changed). Point model.name_or_path at the original base, or start over "
+                            "with train.resume=never")
         run.log.write(f"warning: resuming {path.name} with {key}={now}, but it was saved with {saved_key[key]}; "
                   "the run will not match an uninterrupted one")
 

@@ -105,6 +105,8 @@ class Runtime:
             if cfg.deepspeed.stage > 0 else
             PlainEngine(self.accelerator, self.precision, cfg.precision.init_scale, cfg.precision.growth_interval))
         self.num_params = 0
+        """Trainable parameters (the adapters' only under peft)."""
+        self.total_params = 0
         self.flops_per_token = 0.0
         self.peak_tflops: float | None = None
         """The matmul ceiling MFU divides by; None when it cannot be trusted (`mfu_note` says why)."""
@@ -123,16 +125,20 @@ class Runtime:
         from llmexp.train.schedule import resolve_lr
 
         torch.manual_seed(cfg.seed)  # same init on every rank
-        lm = build.build_model(cfg, vocab_size)
+        lm = build.build_model(cfg, vocab_size, self.precision)
         self.num_params = build.count_params(lm)
+        self.total_params = build.count_params(lm, trainable_only=False)
+        self.engine.trainable_only = cfg.peft.name != "none"  # checkpoints: the adapters, not the frozen base
         c = lm.config
-        self.flops_per_token = flops_per_token(self.num_params, c.num_hidden_layers, c.hidden_size,
+        # Every weight takes part in forward and backward (6N); with adapters the frozen weights need no
+        # weight gradient (4N), which this count leaves in: MFU is then a slight overestimate.
+        self.flops_per_token = flops_per_token(self.total_params, c.num_hidden_layers, c.hidden_size,
                                                cfg.data.max_length)
         if cfg.train.peak_tflops:
             self.peak_tflops = cfg.train.peak_tflops
         else:
             self.peak_tflops, self.mfu_note = self._measure_peak()
-        peak_lr, source = resolve_lr(cfg, self.num_params)
+        peak_lr, source = resolve_lr(cfg, self.total_params)
         facts = {"model": {"name_or_path": cfg.model.name_or_path}, "train": {"max_grad_norm": cfg.train.max_grad_norm}}
         self.monitor_settings = settings_from_config(facts, lr=peak_lr, precision=self.precision)
         model = CausalLMLoss(lm)

@@ -62,9 +62,24 @@ def lr_at(step: int, *, name: str, peak_lr: float, max_steps: int, warmup_steps:
     raise ValueError(f"unknown scheduler {name!r}")
 
 
+ADAPTER_LR_BY_SIZE: tuple[tuple[float, float], ...] = ((20e9, 2e-4), (math.inf, 1e-4))
+"""lr=auto with LoRA/QLoRA, by the base model's parameter count: the QLoRA paper (Dettmers et al. 2023,
+arXiv:2305.14314, appendix B, hyperparameters) trained 7B and 13B adapters at 2e-4 and 33B and 65B
+ones at 1e-4; the peft/TRL/Axolotl LoRA recipes use 1e-4 to 2e-4 at any size. Adapters start at zero
+(B = 0) and are small, so they take a pretraining-size lr, not the seed's 1/10 fine-tuning rule."""
+
+
+def auto_adapter_lr(total_params: int) -> float:
+    """The QLoRA paper's rule: 2e-4 up to ~13B base parameters, 1e-4 for 33B and above."""
+    return next(lr for limit, lr in ADAPTER_LR_BY_SIZE if total_params < limit)
+
+
 def resolve_lr(cfg: DictConfig, num_params: int) -> tuple[float, str]:
-    """The peak lr and where it came from (`config`, or `auto` by the seed's table)."""
+    """The peak lr and where it came from (`config`, `auto` by the seed's table, or `auto-adapter`:
+    the QLoRA paper's rule for adapters). `num_params` counts every weight of the model, frozen or not."""
     lr = parse_lr(cfg.lr)
     if lr is not None:
         return lr, "config"
+    if cfg.peft.name != "none":
+        return auto_adapter_lr(num_params), "auto-adapter"
     return auto_lr(num_params, finetune=bool(cfg.model.name_or_path)), "auto"
