@@ -135,7 +135,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from llmexp.data.corpora import read_text, split_by_hash, stdlib_files, stdlib_root
-    from llmexp.data.datasets import load_tokenizer
+    from llmexp.data.tokenizer import load_tokenizer
 
     with tempfile.TemporaryDirectory() as cache:
         extra = [f"data.max_examples={args.files}"] if args.files else []

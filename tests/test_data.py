@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from llmexp.data import corpora
 from llmexp.data import datasets as data
 from llmexp.data.cache import get_or_build
+from llmexp.data.tokenizer import hub_error, load_tokenizer
 from llmexp.errors import UserError
 
 TINY = ["model.vocab_size=512", "data.max_length=64", "data.max_examples=30", "data.num_proc=1"]
@@ -48,7 +49,7 @@ def session_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tok(session_cache: Path) -> Any:
     """The stdlib BPE of the tiny config, trained once."""
-    return data.load_tokenizer(compose(session_cache))
+    return load_tokenizer(compose(session_cache))
 
 
 def entries(cache: Path, kind: str = "tokens") -> list[str]:
@@ -104,7 +105,7 @@ def test_stdlib_blocks_and_cache_hit(session_cache: Path, tok: Any) -> None:
     assert not stats["data_cache_hit"] or again["data_cache_hit"]
     assert again["data_cache_hit"] and again["data_cache_key"] == stats["data_cache_key"]
     assert np.array_equal(np.asarray(again_train.ids), np.asarray(train.ids))
-    assert data.load_tokenizer(cfg).get_vocab() == tok.get_vocab()  # the cached tokenizer is reused
+    assert load_tokenizer(cfg).get_vocab() == tok.get_vocab()  # the cached tokenizer is reused
 
 
 def test_stdlib_change_invalidates_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -117,14 +118,14 @@ def test_stdlib_change_invalidates_cache(tmp_path: Path, monkeypatch: pytest.Mon
     (root / "test" / "test_x.py").write_text("assert False\n")
     monkeypatch.setattr(corpora, "stdlib_root", lambda: root)
     cfg = compose(tmp_path / "cache", "data.max_examples=null", "data.max_length=16", "data.eval_fraction=0.3")
-    tok = data.load_tokenizer(cfg)
+    tok = load_tokenizer(cfg)
     _, _, first = data.build_datasets(cfg, tok)
     assert first["data_train_records"] + first["data_eval_records"] == 6  # test/ is excluded
     _, _, hit = data.build_datasets(cfg, tok)
     assert hit["data_cache_hit"]
     path = root / "pkg" / "mod0.py"
     path.write_text(path.read_text() + "# changed\n")
-    _, _, changed = data.build_datasets(cfg, data.load_tokenizer(cfg))
+    _, _, changed = data.build_datasets(cfg, load_tokenizer(cfg))
     assert not changed["data_cache_hit"] and changed["data_cache_key"] != first["data_cache_key"]
 
 
@@ -422,7 +423,7 @@ def test_bad_input_while_training_the_tokenizer_leaves_no_cache(tmp_path: Path) 
     train = tmp_path / "train.jsonl"
     train.write_text('{"text": "a"}\n{"text": "b"}\n{oops\n', encoding="utf-8")
     with pytest.raises(UserError, match=r"train\.jsonl:3"):
-        data.load_tokenizer(json_cfg(tmp_path / "cache", train))
+        load_tokenizer(json_cfg(tmp_path / "cache", train))
     assert entries(tmp_path / "cache", "tokenizers") == [] and entries(tmp_path / "cache") == []
 
 
@@ -447,15 +448,15 @@ def test_hub_names_offline_and_local_model_dirs(tmp_path: Path, tok: Any, monkey
     # This machine has no route to the hub; forcing the offline branch keeps the test the same where one exists.
     monkeypatch.setattr(tokenizer_lib, "hub_reachable", lambda: False)
     with pytest.raises(UserError, match=r"cannot load 'no-such-org/no-such-model'.*model\.name_or_path=/path/to/"):
-        data.load_tokenizer(compose(tmp_path, "model.name_or_path=no-such-org/no-such-model"))
+        load_tokenizer(compose(tmp_path, "model.name_or_path=no-such-org/no-such-model"))
     with pytest.raises(UserError, match=r"model\.name_or_path=\./missing/model is not a directory.*model/ of an"):
-        data.load_tokenizer(compose(tmp_path, "model.name_or_path=./missing/model"))
+        load_tokenizer(compose(tmp_path, "model.name_or_path=./missing/model"))
     with pytest.raises(UserError, match=r"data\.tokenizer=.* holds no loadable"):
-        data.load_tokenizer(compose(tmp_path, f"data.tokenizer={tmp_path}"))
+        load_tokenizer(compose(tmp_path, f"data.tokenizer={tmp_path}"))
     tok.save_pretrained(str(tmp_path / "model"))  # what a run's model/ holds
-    loaded = data.load_tokenizer(compose(tmp_path, f"model.name_or_path={tmp_path / 'model'}"))
+    loaded = load_tokenizer(compose(tmp_path, f"model.name_or_path={tmp_path / 'model'}"))
     assert loaded.get_vocab() == tok.get_vocab() and loaded.pad_token_id == tok.pad_token_id
-    assert data.hub_error("org/name").args[0].startswith("cannot load 'org/name'")
+    assert hub_error("org/name").args[0].startswith("cannot load 'org/name'")
 
 
 # ---------------------------------------------------------------- through the CLI
@@ -477,7 +478,7 @@ def test_sft_demo_requires_a_model(tmp_path: Path, session_cache: Path) -> None:
     cfg = compose(session_cache, "experiment=sft_demo")
     assert cfg.data.name == "stdlib_sft" and cfg.data.finetune_only and cfg.model.name_or_path is None
     with pytest.raises(UserError, match=r"experiment=sft_demo\) fine-tunes an earlier model: set model\.name_or_path"):
-        data.load_tokenizer(cfg)
+        load_tokenizer(cfg)
 
 
 def test_cli_malformed_line_exits_2_naming_file_and_line(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 
     tokenizer = load_tokenizer(cfg)                      # llmexp.data.tokenizer
     train, eval, stats = build_datasets(cfg, tokenizer)  # cached under data.cache_dir
-    idx = batch_indices(seed, step, global_batch, len(train))
+    idx = train.step_indices(seed, step, global_batch)  # batch_indices(seed, step, global_batch, len(train))
     batch = train.get_batch(micro_batch(idx, rank, world, micro, micro_batch_size))
 
 Examples are cut one of three ways, chosen from the records and `data.packing`:
@@ -29,13 +29,10 @@ from omegaconf import DictConfig
 from llmexp.data.cache import get_or_build, hash_obj, save_array
 from llmexp.data.corpora import Record
 from llmexp.data.sources import load_corpus
-from llmexp.data.tokenizer import hub_error, load_tokenizer  # re-exported: the trainer imports them from here
 from llmexp.errors import UserError
 
 if TYPE_CHECKING:
     import torch
-
-__all__ = ["TokenDataset", "batch_indices", "build_datasets", "hub_error", "load_tokenizer", "micro_batch"]
 
 IGNORE_INDEX = -100
 FORMAT_VERSION = 1
@@ -106,6 +103,10 @@ class TokenDataset:
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
+
+    def step_indices(self, seed: int, step: int, global_batch_size: int) -> np.ndarray:
+        """The rows of the global batch at optimizer step `step`: the trainer's one question to its data."""
+        return batch_indices(seed, step, global_batch_size, len(self))
 
     def num_targets(self, indices: np.ndarray) -> int:
         """Label tokens that count after the model's shift: sum of (labels[:, 1:] != -100)."""

@@ -8,7 +8,7 @@
 
 Everything that decides *what* to do lives in components: the schedule (`schedule.lr_at`), the
 anomaly policy (`anomaly.judge_step`), the detectors (`monitor`), the sampler
-(`data.batch_indices`), the step engine (`engine`: plain or DeepSpeed), checkpoint I/O (`resume`,
+(`TokenDataset.step_indices`), the step engine (`engine`: plain or DeepSpeed), checkpoint I/O (`resume`,
 `finish`). The loop only calls them in the right order.
 """
 
@@ -23,6 +23,7 @@ import torch
 from omegaconf import DictConfig
 
 from llmexp.data import datasets as data_lib
+from llmexp.data.tokenizer import load_tokenizer
 from llmexp.metrics import safe_exp
 from llmexp.train import samples
 from llmexp.train.anomaly import judge_step, report_findings
@@ -56,7 +57,7 @@ def train(cfg: DictConfig) -> RunResult:
 def _train(cfg: DictConfig) -> RunResult:
     """`train` inside its signal guard: build, resume, loop, finish."""
     rt = setup_runtime(cfg)
-    tokenizer = data_lib.load_tokenizer(cfg)
+    tokenizer = load_tokenizer(cfg)
     train_ds, eval_ds, data_stats = data_lib.build_datasets(cfg, tokenizer)
     rt.data_fingerprint = str(data_stats["data_cache_key"])  # in each checkpoint: a resume on other data is caught
     model, optimizer, peak_lr, lr_source = rt.build(cfg, len(tokenizer))
@@ -147,7 +148,7 @@ def forward_backward(rt: Runtime, model: torch.nn.Module, train_ds: data_lib.Tok
     so accumulation and world size do not change the loss (a mean of means would).
     """
     plan = rt.plan
-    indices = data_lib.batch_indices(rt.data_seed, state.step + state.data_offset, plan.global_batch, len(train_ds))
+    indices = train_ds.step_indices(rt.data_seed, state.step + state.data_offset, plan.global_batch)
     n_targets = max(1, train_ds.num_targets(indices))
     loss_sum = torch.zeros((), device=rt.device)
     n_tokens = 0
