@@ -292,10 +292,13 @@ def format_header(r: dict[str, Any]) -> str:
                "auto-adapter": "lr=auto with adapters: the QLoRA paper's 2e-4 (1e-4 above ~20B)"}
     source = sources.get(str(r.get("lr_source")), str(r.get("lr_source")))
     resumed = f", resuming at step {r['step']}" if r.get("step") else ""
+    shares = r.get("data_mix_shares")
+    data = f"{r.get('data')} mix of {len(shares)} sources ({' / '.join(f'{s:.1%}' for s in shares)} of the " \
+        "examples)" if shares else r.get("data")
     lines = [
         f"run        {r.get('run_dir')}  (console log: llmexp.log)",
         f"model      {model}, {params:,.2f}M parameters",
-        f"data       {r.get('data')}: {_count(r.get('data_train_tokens'))} train tokens in "
+        f"data       {data}: {_count(r.get('data_train_tokens'))} train tokens in "
         f"{_count(r.get('data_train_examples'))} examples{eval_tokens} ({cache}, {r.get('data_prep_s', 0):.1f} s)",
         f"steps      {r.get('max_steps')}{resumed}; global batch {batch} = {micro} per device x {world} process(es) "
         f"x {accum} accumulation step(s)" + (f", {tokens:,} tokens/step" if tokens else ""),

@@ -19,6 +19,22 @@ from llmexp.errors import UserError
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
+MIX_ROUND = 1000
+"""Training examples per round of a `data.mix`: each round holds every source's quota exactly."""
+
+
+def mix_quotas(weights: list[float]) -> list[int]:
+    """Examples per round for each `data.mix` source: the largest-remainder apportionment of MIX_ROUND,
+    so the quotas sum to MIX_ROUND and each is within one example of its exact share."""
+    total = sum(weights)
+    exact = [w / total * MIX_ROUND for w in weights]
+    quotas = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (quotas[i] - exact[i], i))
+    for i in by_remainder[: MIX_ROUND - sum(quotas)]:
+        quotas[i] += 1
+    return quotas
+
+
 def world_size_from_env() -> int:
     """Processes in this launch, as torchrun / accelerate launch / SLURM tell every rank."""
     return int(os.environ.get("WORLD_SIZE", "1"))

@@ -324,8 +324,10 @@ def _validate_groups(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet
            f"data={d.name} fine-tunes an earlier model; set model.name_or_path=outputs/<date>/<time>/model")
     _check(errors, d.name not in ("json", "text") or bool(d.train_file), "data.train_file",
            f"data={d.name} needs a training file; set data.train_file=path/to/train.jsonl")
-    _check(errors, d.name != "hf" or bool(d.path), "data.path",
-           "data=hf needs a dataset: a hub id, a save_to_disk directory, or data.path=parquet with data.data_files")
+    _check(errors, d.name != "hf" or bool(d.path) or bool(d.mix), "data.path",
+           "data=hf needs a dataset: a hub id, a save_to_disk directory, or data.path=parquet with data.data_files "
+           "(or several with data.mix=[{path: ..., weight: ...}, ...])")
+    _validate_mix(d, errors)
     heads = {"model.hidden_size", "model.num_attention_heads", "model.num_key_value_heads"}
     if m.name_or_path is None and not bad & heads:
         _check(errors, m.hidden_size % m.num_attention_heads == 0, "model.hidden_size",
@@ -347,6 +349,27 @@ def _validate_groups(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet
            "samples need whole weights on one process, and ZeRO-3 partitions them; use deepspeed=zero2, or "
            "sample from model/ after the run")
     _validate_peft(cfg, errors)
+
+
+def _validate_mix(d: DictConfig, errors: list[str]) -> None:
+    """`data.mix`: hf sources only, instead of data.path, each with a share of at least 1 in MIX_ROUND."""
+    from llmexp.config.derived import MIX_ROUND, mix_quotas
+
+    if not d.mix:
+        return
+    _check(errors, d.name == "hf", "data.mix", f"mixes datasets read by data=hf; data={d.name} reads one source: "
+           "use data=hf with data.mix, or drop data.mix")
+    _check(errors, not d.path, "data.path", "data.path and data.mix both name the data; keep one (a one-source "
+           "mix is data.path)")
+    weights = [float(s.weight) for s in d.mix]
+    for i, (source, w) in enumerate(zip(d.mix, weights, strict=True)):
+        _check(errors, bool(source.path), f"data.mix[{i}].path", "names no dataset; set a hub id, a directory, or "
+               "a file builder with data_files")
+        _check(errors, math.isfinite(w) and w > 0, f"data.mix[{i}].weight", f"must be a positive number, got {w}")
+    if all(math.isfinite(w) and w > 0 for w in weights):
+        for i, q in enumerate(mix_quotas(weights)):
+            _check(errors, q > 0, f"data.mix[{i}].weight", f"{weights[i]} gives this source less than one example "
+                   f"in {MIX_ROUND}; raise it or drop the source")
 
 
 def _validate_peft(cfg: DictConfig, errors: list[str]) -> None:

@@ -19,6 +19,7 @@ corpus content, the tokenizer and these settings, and memory-mapped on a hit.
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,9 +27,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from omegaconf import DictConfig
 
+from llmexp.config.derived import mix_quotas
 from llmexp.data.cache import get_or_build, hash_obj, save_array
 from llmexp.data.corpora import Record
-from llmexp.data.sources import load_corpus
+from llmexp.data.sources import load_corpora
 from llmexp.errors import UserError
 
 if TYPE_CHECKING:
@@ -42,9 +44,10 @@ FORMAT_VERSION = 1
 # ---------------------------------------------------------------- sampler
 
 
-@functools.lru_cache(maxsize=2)  # this epoch's and the next one's
-def _permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
-    perm = np.random.default_rng([seed % 2**64, epoch]).permutation(num_examples)
+@functools.lru_cache(maxsize=16)  # this epoch's and the next one's, of each mixture source
+def _permutation(seed: int, epoch: int, num_examples: int, stream: int = 0) -> np.ndarray:
+    key = [seed % 2**64, epoch] + ([stream] if stream else [])  # stream 0: the unmixed sampler's own key
+    perm = np.random.default_rng(key).permutation(num_examples)
     perm.flags.writeable = False
     return perm
 
@@ -59,11 +62,56 @@ def batch_indices(seed: int, step: int, global_batch_size: int, num_examples: in
     if num_examples <= 0:
         raise ValueError("batch_indices needs at least one example")
     positions = step * global_batch_size + np.arange(global_batch_size, dtype=np.int64)
+    return _stream_positions(seed, positions, num_examples)
+
+
+def _stream_positions(seed: int, positions: np.ndarray, num_examples: int, stream: int = 0) -> np.ndarray:
+    """Examples at `positions` of an endless stream made of one fresh permutation per epoch."""
     epochs = positions // num_examples
-    out = np.empty(global_batch_size, dtype=np.int64)
+    out = np.empty(len(positions), dtype=np.int64)
     for epoch in np.unique(epochs):
         sel = epochs == epoch
-        out[sel] = _permutation(seed, int(epoch), num_examples)[positions[sel] % num_examples]
+        out[sel] = _permutation(seed, int(epoch), num_examples, stream)[positions[sel] % num_examples]
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _round_order(seed: int, round_index: int, quotas: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """One round of a mixture: each slot's source (every quota met, in a seeded random order) and,
+    per slot, how many slots of the same source precede it in the round."""
+    order = np.random.default_rng([seed % 2**64, 2**32 + round_index]).permutation(
+        np.repeat(np.arange(len(quotas)), quotas))
+    occurrence = np.empty(len(order), dtype=np.int64)
+    for source in range(len(quotas)):
+        slots = np.flatnonzero(order == source)
+        occurrence[slots] = np.arange(len(slots))
+    return order, occurrence
+
+
+def mix_indices(seed: int, step: int, global_batch_size: int, quotas: tuple[int, ...],
+                boundaries: np.ndarray) -> np.ndarray:
+    """The example indices of a mixture's global batch at step `step` (0-based); source s owns the
+    examples [boundaries[s], boundaries[s + 1]).
+
+    A pure function of its arguments, like `batch_indices`: position p of the endless stream lies in
+    round p // R (R = sum(quotas)), whose seeded order says which source serves p and how many draws
+    that source had before it; draw n of source s is its example permutation(seed, s, n // N_s)[n % N_s],
+    so each source is walked epoch by epoch, without replacement, at its own pace.
+    """
+    per_round, quota = sum(quotas), np.asarray(quotas, dtype=np.int64)
+    positions = step * global_batch_size + np.arange(global_batch_size, dtype=np.int64)
+    sources, draws = np.empty_like(positions), np.empty_like(positions)
+    for r in np.unique(positions // per_round).tolist():
+        sel = positions // per_round == r
+        order, occurrence = _round_order(seed, r, quotas)
+        slots = positions[sel] % per_round
+        sources[sel] = order[slots]
+        draws[sel] = r * quota[order[slots]] + occurrence[slots]
+    out = np.empty_like(positions)
+    for source in np.unique(sources).tolist():
+        size = int(boundaries[source + 1] - boundaries[source])
+        sel = sources == source
+        out[sel] = boundaries[source] + _stream_positions(seed, draws[sel], size, stream=1 + source)
     return out
 
 
@@ -86,6 +134,8 @@ class TokenDataset:
                  positions: np.ndarray | None, row_targets: np.ndarray, pad_id: int) -> None:
         self.ids, self.offsets, self.mask, self.positions = ids, offsets, mask, positions
         self.row_targets, self.pad_id = row_targets, pad_id
+        self.mix: tuple[tuple[int, ...], np.ndarray] | None = None
+        """A mixture's (quotas per round, source boundaries): set by `build_datasets` for `data.mix`."""
         lengths = np.diff(offsets)
         self.block = int(lengths[0]) if len(lengths) and mask is None and positions is None \
             and (lengths == lengths[0]).all() else 0
@@ -106,6 +156,8 @@ class TokenDataset:
 
     def step_indices(self, seed: int, step: int, global_batch_size: int) -> np.ndarray:
         """The rows of the global batch at optimizer step `step`: the trainer's one question to its data."""
+        if self.mix is not None:
+            return mix_indices(seed, step, global_batch_size, *self.mix)
         return batch_indices(seed, step, global_batch_size, len(self))
 
     def num_targets(self, indices: np.ndarray) -> int:
@@ -239,8 +291,9 @@ def _settings(cfg: DictConfig) -> dict[str, Any]:
     return {"format": FORMAT_VERSION, "name": d.name, "max_length": int(d.max_length), "packing": bool(d.packing)}
 
 
-def _build_split(mode: str, recs: list[Record], tok: Any, cfg: DictConfig, split: str,
-                 out: Path, dtype: type) -> dict[str, int]:
+def _encode_cut(mode: str, recs: list[Record], tok: Any, cfg: DictConfig, split: str,
+                source: str) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """One split of one source as token arrays; `source` names it in the error when nothing is usable."""
     from llmexp.data.encode import encode_lm, encode_sft
 
     if mode == "lm_packed" or (mode == "padded" and all("text" in r for r in recs)):
@@ -249,15 +302,36 @@ def _build_split(mode: str, recs: list[Record], tok: Any, cfg: DictConfig, split
         ids, masks = encode_sft(recs, tok)
     arrays, stats = _cut(mode, ids, masks, int(cfg.data.max_length), keep_tail=split == "eval")
     if stats["examples"] == 0:
-        source = f"data.{split}_file={cfg.data[f'{split}_file']}" if cfg.data.get(f"{split}_file") else \
-            f"the {split} split of data={cfg.data.name}"
         raise UserError(f"{source} has no usable records: {stats['records']} record(s), {stats['dropped_examples']} "
                         f"left without a target token after truncation to data.max_length={cfg.data.max_length}, "
                         f"{stats['tokens']} token(s) in all. Add data or raise data.max_length")
-    arrays["ids"] = arrays["ids"].astype(dtype)
-    for name, array in arrays.items():
-        save_array(out, f"{split}_{name}", array)
-    return stats
+    return arrays, stats
+
+
+def _concat(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Several sources' arrays as one split: rows follow each other, offsets shifted."""
+    if len(parts) == 1:
+        return parts[0]
+    shifts = np.cumsum([0] + [int(p["offsets"][-1]) for p in parts[:-1]])
+    out = {"offsets": np.concatenate([parts[0]["offsets"][:1]] + [p["offsets"][1:] + shift
+                                                                 for p, shift in zip(parts, shifts, strict=True)])}
+    for name in parts[0].keys() - {"offsets"}:
+        out[name] = np.concatenate([p[name] for p in parts])
+    return out
+
+
+def _source_name(cfg: DictConfig, split: str, index: int) -> str:
+    d = cfg.data
+    if d.mix:
+        return f"data.mix[{index}] ({d.mix[index].path}), {split} split,"
+    if d.get(f"{split}_file"):
+        return f"data.{split}_file={d[f'{split}_file']}"
+    return f"the {split} split of data={d.name}"
+
+
+def _interleave(lists: list[list[Record]]) -> list[Record]:
+    """Records taken in turn from each list: a mixture's eval slice (`train.eval_batches`) covers every source."""
+    return [r for group in itertools.zip_longest(*lists) for r in group if r is not None]
 
 
 def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[TokenDataset, TokenDataset, dict[str, Any]]:
@@ -265,25 +339,39 @@ def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[TokenDataset, Token
     from llmexp.data.tokenizer import tokenizer_fingerprint
 
     start = time.perf_counter()
-    corpus = load_corpus(cfg.data)
-    key = hash_obj({**_settings(cfg), "corpus": corpus.fingerprint, "tokenizer": tokenizer_fingerprint(tokenizer)})
+    corpora = load_corpora(cfg.data)
+    sources = [c.fingerprint for c in corpora]
+    key = hash_obj({**_settings(cfg), "corpus": sources[0] if len(sources) == 1 else sources,
+                    "tokenizer": tokenizer_fingerprint(tokenizer)})
     dtype = np.uint16 if len(tokenizer) <= 2**16 else np.int32
 
     def build(tmp: Path) -> dict[str, Any]:
-        train_recs, eval_recs = corpus.load()
-        if not train_recs:
-            raise UserError(f"data={cfg.data.name}: the training split is empty; add data or lower data.eval_fraction")
+        loaded = [c.load() for c in corpora]
+        for i, (train_recs, _) in enumerate(loaded):
+            if not train_recs:
+                raise UserError(f"{_source_name(cfg, 'train', i)} is empty; add data or lower data.eval_fraction")
+        eval_recs = _interleave([held for _, held in loaded])
         if not eval_recs:
             raise UserError(f"data={cfg.data.name}: the eval split is empty; set data.eval_file or raise "
                             "data.eval_fraction")
-        sft = cfg.data.name == "stdlib_sft" or any("text" not in r for r in train_recs + eval_recs)
+        sft = cfg.data.name == "stdlib_sft" or any("text" not in r for recs, held in loaded for r in recs + held)
         mode = ("sft_packed" if sft else "lm_packed") if cfg.data.packing else "padded"
         if mode == "sft_packed":
             _check_packing_supported(cfg)
-        stats = {"mode": mode}
-        for split, recs in (("train", train_recs), ("eval", eval_recs)):
-            split_stats = _build_split(mode, recs, tokenizer, cfg, split, tmp, dtype)
-            stats.update({f"{split}_{k}": v for k, v in split_stats.items()})
+        train_parts = [_encode_cut(mode, recs, tokenizer, cfg, "train", _source_name(cfg, "train", i))
+                       for i, (recs, _) in enumerate(loaded)]
+        eval_part = _encode_cut(mode, eval_recs, tokenizer, cfg, "eval", _source_name(cfg, "eval", 0))
+        stats: dict[str, Any] = {"mode": mode}
+        for split, parts in (("train", train_parts), ("eval", [eval_part])):
+            arrays = _concat([p[0] for p in parts])
+            arrays["ids"] = arrays["ids"].astype(dtype)
+            for name, array in arrays.items():
+                save_array(tmp, f"{split}_{name}", array)
+            stats.update({f"{split}_{k}": sum(p[1][k] for p in parts) for k in parts[0][1]})
+        if cfg.data.mix:  # where each source's examples start and end: the mixture sampler's
+            examples = [p[1]["examples"] for p in train_parts]
+            save_array(tmp, "train_sources", np.cumsum([0, *examples]).astype(np.int64))
+            stats["train_source_examples"] = examples
         return {"key": key, "settings": _settings(cfg), "stats": stats}
 
     entry, meta, hit = get_or_build(Path(str(cfg.data.cache_dir)), "tokens", key, build)
@@ -291,6 +379,11 @@ def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[TokenDataset, Token
         _check_packing_supported(cfg)
     pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     train, held = (TokenDataset.load(entry, split, pad_id) for split in ("train", "eval"))
-    stats = {f"data_{k}": v for k, v in meta["stats"].items()}
+    stats: dict[str, Any] = {}
+    if cfg.data.mix:
+        quotas = tuple(mix_quotas([float(s.weight) for s in cfg.data.mix]))
+        train.mix = (quotas, np.load(entry / "train_sources.npy"))
+        stats["data_mix_shares"] = [q / sum(quotas) for q in quotas]
+    stats.update({f"data_{k}": v for k, v in meta["stats"].items()})
     stats.update(data_cache_hit=hit, data_cache_key=key, data_prep_s=round(time.perf_counter() - start, 3))
     return train, held, stats

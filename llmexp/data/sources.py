@@ -1,20 +1,51 @@
-"""The corpus a `data` config node names: the standard library, JSON/text files, or a `datasets` dataset."""
+"""The corpus a `data` config node names: the standard library, JSON/text files, a `datasets`
+dataset, or (`data.mix`) several `datasets` datasets, one corpus each."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from typing import Any
 
-from llmexp.data.corpora import Corpus, stdlib_corpus, user_corpus
+from omegaconf import DictConfig, OmegaConf
+
+from llmexp.data.corpora import Corpus, Record, stdlib_corpus, user_corpus
 from llmexp.data.hub import hf_corpus
 from llmexp.errors import UserError
 
 
-def load_corpus(d: Any) -> Corpus:
-    """The corpus `data.name` names (`d` is the `data` config node)."""
+def load_corpora(d: Any) -> list[Corpus]:
+    """One corpus per source: each `data.mix` entry, or the one corpus `data.name` names."""
+    if d.name == "hf" and d.mix:
+        return [hf_corpus(mix_source(d, i)) for i in range(len(d.mix))]
     if d.name in ("stdlib", "stdlib_sft"):
-        return stdlib_corpus(d)
+        return [stdlib_corpus(d)]
     if d.name in ("json", "text"):
-        return user_corpus(d)
+        return [user_corpus(d)]
     if d.name == "hf":
-        return hf_corpus(d)
+        return [hf_corpus(d)]
     raise UserError(f"data.name={d.name!r} is not one of stdlib, stdlib_sft, json, text, hf")
+
+
+def load_corpus(d: Any) -> Corpus:
+    """All of the data as one corpus (what a tokenizer is trained on): a mixture's sources joined."""
+    corpora = load_corpora(d)
+    return corpora[0] if len(corpora) == 1 else _joined(corpora)
+
+
+def mix_source(d: Any, index: int) -> DictConfig:
+    """`data.mix[index]` as a `data=hf` node: the entry's own fields over the mixture's shared ones."""
+    shared = {"eval_fraction": d.eval_fraction, "max_examples": d.max_examples}
+    return OmegaConf.create({**shared, **OmegaConf.to_container(d.mix[index])})
+
+
+def _joined(corpora: list[Corpus]) -> Corpus:
+    def load() -> tuple[list[Record], list[Record]]:
+        parts = [c.load() for c in corpora]
+        return [r for train, _ in parts for r in train], [r for _, held in parts for r in held]
+
+    def bpe_texts() -> Iterator[str]:
+        return itertools.chain.from_iterable(c.bpe_texts() for c in corpora)
+
+    return Corpus("mix", {"mix": [c.fingerprint for c in corpora]}, {"mix": [c.bpe_fingerprint for c in corpora]},
+                  load, bpe_texts)
