@@ -108,6 +108,13 @@ class TokenDataset:
         """The rows of the global batch at optimizer step `step`: the trainer's one question to its data."""
         return batch_indices(seed, step, global_batch_size, len(self))
 
+    def position(self, step: int, global_batch_size: int) -> dict[str, Any]:
+        """Where the data stands before step `step`, for a checkpoint: nothing, the sampler is stateless."""
+        return {}
+
+    def restore(self, position: dict[str, Any]) -> None:
+        """Continue from a checkpoint's `position`: nothing to do for a stateless sampler."""
+
     def num_targets(self, indices: np.ndarray) -> int:
         """Label tokens that count after the model's shift: sum of (labels[:, 1:] != -100)."""
         return int(self.row_targets[np.asarray(indices)].sum())
@@ -189,7 +196,7 @@ def _pack_rows(lengths: np.ndarray, max_length: int) -> np.ndarray:
     return np.asarray([*row_starts, int(ends[-1])], dtype=np.int64)
 
 
-def _cut(mode: str, ids: list[np.ndarray], masks: list[np.ndarray] | None, max_length: int,
+def cut_examples(mode: str, ids: list[np.ndarray], masks: list[np.ndarray] | None, max_length: int,
          keep_tail: bool) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     """Arrays of one split (ids, offsets, mask?, positions?, row_targets) and its counts."""
     stats: dict[str, int] = {"records": len(ids), "truncated_examples": 0, "truncated_tokens": 0,
@@ -218,7 +225,7 @@ def _cut(mode: str, ids: list[np.ndarray], masks: list[np.ndarray] | None, max_l
     return arrays, stats
 
 
-def _check_packing_supported(cfg: DictConfig) -> None:
+def check_packing_supported(cfg: DictConfig) -> None:
     """SFT packing is only right if attention stops at example boundaries: refuse where it may not."""
     if cfg.model.trust_remote_code:
         raise UserError("data.packing=true for SFT records relies on transformers' packed-sequence attention "
@@ -239,15 +246,24 @@ def _settings(cfg: DictConfig) -> dict[str, Any]:
     return {"format": FORMAT_VERSION, "name": d.name, "max_length": int(d.max_length), "packing": bool(d.packing)}
 
 
-def _build_split(mode: str, recs: list[Record], tok: Any, cfg: DictConfig, split: str,
-                 out: Path, dtype: type) -> dict[str, int]:
+def example_mode(sft: bool, packing: bool) -> str:
+    """How records become rows: `lm_packed`, `sft_packed` or `padded` (module docstring)."""
+    return ("sft_packed" if sft else "lm_packed") if packing else "padded"
+
+
+def encode_records(mode: str, recs: list[Record], tok: Any) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+    """Token ids per record, and a target mask per record for SFT records (None: every token a target)."""
     from llmexp.data.encode import encode_lm, encode_sft
 
     if mode == "lm_packed" or (mode == "padded" and all("text" in r for r in recs)):
-        ids, masks = encode_lm([r["text"] for r in recs], tok), None
-    else:
-        ids, masks = encode_sft(recs, tok)
-    arrays, stats = _cut(mode, ids, masks, int(cfg.data.max_length), keep_tail=split == "eval")
+        return encode_lm([r["text"] for r in recs], tok), None
+    return encode_sft(recs, tok)
+
+
+def _build_split(mode: str, recs: list[Record], tok: Any, cfg: DictConfig, split: str,
+                 out: Path, dtype: type) -> dict[str, int]:
+    ids, masks = encode_records(mode, recs, tok)
+    arrays, stats = cut_examples(mode, ids, masks, int(cfg.data.max_length), keep_tail=split == "eval")
     if stats["examples"] == 0:
         source = f"data.{split}_file={cfg.data[f'{split}_file']}" if cfg.data.get(f"{split}_file") else \
             f"the {split} split of data={cfg.data.name}"
@@ -260,10 +276,14 @@ def _build_split(mode: str, recs: list[Record], tok: Any, cfg: DictConfig, split
     return stats
 
 
-def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[TokenDataset, TokenDataset, dict[str, Any]]:
+def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[Any, TokenDataset, dict[str, Any]]:
     """The train and eval datasets and their stats (for summary.json), from the cache when possible."""
     from llmexp.data.tokenizer import tokenizer_fingerprint
 
+    if cfg.data.get("streaming"):  # the train split is read as it trains, never cached (llmexp.data.stream)
+        from llmexp.data.stream import build_stream_datasets
+
+        return build_stream_datasets(cfg, tokenizer)
     start = time.perf_counter()
     corpus = load_corpus(cfg.data)
     key = hash_obj({**_settings(cfg), "corpus": corpus.fingerprint, "tokenizer": tokenizer_fingerprint(tokenizer)})
@@ -277,9 +297,9 @@ def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[TokenDataset, Token
             raise UserError(f"data={cfg.data.name}: the eval split is empty; set data.eval_file or raise "
                             "data.eval_fraction")
         sft = cfg.data.name == "stdlib_sft" or any("text" not in r for r in train_recs + eval_recs)
-        mode = ("sft_packed" if sft else "lm_packed") if cfg.data.packing else "padded"
+        mode = example_mode(sft, bool(cfg.data.packing))
         if mode == "sft_packed":
-            _check_packing_supported(cfg)
+            check_packing_supported(cfg)
         stats = {"mode": mode}
         for split, recs in (("train", train_recs), ("eval", eval_recs)):
             split_stats = _build_split(mode, recs, tokenizer, cfg, split, tmp, dtype)
@@ -288,7 +308,7 @@ def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[TokenDataset, Token
 
     entry, meta, hit = get_or_build(Path(str(cfg.data.cache_dir)), "tokens", key, build)
     if meta["stats"]["mode"] == "sft_packed":
-        _check_packing_supported(cfg)
+        check_packing_supported(cfg)
     pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     train, held = (TokenDataset.load(entry, split, pad_id) for split in ("train", "eval"))
     stats = {f"data_{k}": v for k, v in meta["stats"].items()}

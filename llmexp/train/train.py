@@ -64,9 +64,10 @@ def _train(cfg: DictConfig) -> RunResult:
     max_steps = rt.plan.max_steps(len(train_ds))
     warmup = warmup_steps_for(max_steps, cfg.train.warmup_ratio, cfg.train.warmup_steps)
     log = rt.logger(max_steps)
-    run = Run(cfg, rt, model, optimizer, log, peak_lr=peak_lr, lr_source=lr_source)
+    run = Run(cfg, rt, model, optimizer, log, peak_lr=peak_lr, lr_source=lr_source, train_data=train_ds)
     run.state = state = load_resume_state(run) or LoopState()
-    state.num_examples = len(train_ds)
+    train_ds.restore(state.data_state)  # a stream continues at its checkpoint's window; the cached data is stateless
+    state.num_examples = len(train_ds)  # 0 for a stream: its length is unknown
     status = "completed"
     if cfg.train.on_anomaly == "rollback" and state.step == 0 and not save_state_checkpoint(run):
         status = "failed"  # the disk is full (reported); the start checkpoint is what a rollback goes back to
