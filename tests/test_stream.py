@@ -22,7 +22,7 @@ import pytest
 
 from llmexp.config.validation import ConfigError, validate
 from llmexp.data.datasets import build_datasets
-from llmexp.data.stream import StreamDataset
+from llmexp.data.stream import StreamDataset, build_stream_datasets
 from llmexp.data.tokenizer import load_tokenizer, train_bpe
 from tests.conftest import TINY, compose, run_cli
 
@@ -65,7 +65,8 @@ def _cfg(data_dir: Path, tmp_path: Path, *args: str) -> Any:
 
 
 def _build(cfg: Any) -> tuple[Any, Any]:
-    train, held, _ = build_datasets(cfg, load_tokenizer(cfg))
+    build = build_stream_datasets if cfg.data.streaming else build_datasets  # as the trainer picks
+    train, held, _ = build(cfg, load_tokenizer(cfg))
     return train, held
 
 
@@ -115,10 +116,10 @@ def test_the_order_is_seeded_shuffled_within_windows_and_epochs_go_on(data_dir: 
             "data.streaming=true"]
     cfg = _cfg(data_dir, tmp_path, *args)
     tok = load_tokenizer(cfg)
-    first, again = (build_datasets(cfg, tok)[0] for _ in range(2))
+    first, again = (build_stream_datasets(cfg, tok)[0] for _ in range(2))
     rows = _stream_rows(first, range(40))  # 160 examples: two epochs of 80 rows
     assert rows == _stream_rows(again, range(40))  # deterministic
-    assert rows != _stream_rows(build_datasets(cfg, tok)[0], range(40), seed=1)
+    assert rows != _stream_rows(build_stream_datasets(cfg, tok)[0], range(40), seed=1)
     docs = [tok.decode(r[0]).split(":")[0] for r in rows]
     held = {f"doc {i}" for i in range(10)}
     assert not held & set(docs)  # the eval rows are never trained on

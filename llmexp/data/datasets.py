@@ -13,7 +13,9 @@ Examples are cut one of three ways, chosen from the records and `data.packing`:
   `position_ids` starting at 0, which the model's attention turns into block-diagonal masks.
 
 The token arrays are cached (`tokens/<key>/`, uint16 when the vocabulary fits) under a key of the
-corpus content, the tokenizer and these settings, and memory-mapped on a hit.
+corpus content, the tokenizer and these settings, and memory-mapped on a hit. With `data.streaming=true`
+the trainer builds from `llmexp.data.stream` instead, which cuts with the same `encode_records` and
+`cut_examples` as it reads, and caches nothing.
 """
 
 from __future__ import annotations
@@ -276,14 +278,10 @@ def _build_split(mode: str, recs: list[Record], tok: Any, cfg: DictConfig, split
     return stats
 
 
-def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[Any, TokenDataset, dict[str, Any]]:
+def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[TokenDataset, TokenDataset, dict[str, Any]]:
     """The train and eval datasets and their stats (for summary.json), from the cache when possible."""
     from llmexp.data.tokenizer import tokenizer_fingerprint
 
-    if cfg.data.get("streaming"):  # the train split is read as it trains, never cached (llmexp.data.stream)
-        from llmexp.data.stream import build_stream_datasets
-
-        return build_stream_datasets(cfg, tokenizer)
     start = time.perf_counter()
     corpus = load_corpus(cfg.data)
     key = hash_obj({**_settings(cfg), "corpus": corpus.fingerprint, "tokenizer": tokenizer_fingerprint(tokenizer)})

@@ -290,6 +290,10 @@ def _eval_dataset(d: Any, mode: str, tok: Any, max_length: int, pad_id: int) -> 
     columns = _columns_of(source, d, where)
     rows = iter(source) if d.eval_split else itertools.islice(iter(source), int(d.stream_eval_rows))
     recs = [check_record(to_record(row, columns), f"{where}: row {i}") for i, row in enumerate(rows)]
+    if not d.eval_split and len(recs) < int(d.stream_eval_rows):  # found now, not at the first step
+        raise UserError(f"{where} has {len(recs)} row(s), and data.stream_eval_rows={d.stream_eval_rows} holds "
+                        "out that many for eval: nothing would be left to train on. Lower data.stream_eval_rows "
+                        "or set data.eval_split")
     arrays, stats = cut_examples(mode, *encode_records(mode, recs, tok), max_length, keep_tail=True)
     if stats["examples"] == 0:
         held = f"data.eval_split={d.eval_split}" if d.eval_split else f"data.stream_eval_rows={d.stream_eval_rows}"
