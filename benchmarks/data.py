@@ -36,11 +36,11 @@ def compose(*overrides: str) -> Any:
 def bench_tokenise(texts: list[str], tok: Any, block: int, num_proc: int) -> None:
     import datasets
 
-    from llmexp.data.datasets import _cut
+    from llmexp.data.datasets import cut_examples
     from llmexp.data.encode import encode_lm
 
     start = time.perf_counter()
-    arrays, stats = _cut("lm_packed", encode_lm(texts, tok), None, block, keep_tail=False)
+    arrays, stats = cut_examples("lm_packed", encode_lm(texts, tok), None, block, keep_tail=False)
     ours_s = time.perf_counter() - start
     n_tokens = stats["tokens"] + stats["dropped_tokens"]
 

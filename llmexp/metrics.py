@@ -280,6 +280,8 @@ def format_header(r: dict[str, Any]) -> str:
     model = (f"{r.get('model')} from {r['model_path']} (fine-tuning)" if r.get("model_path")
              else f"{r.get('model')} (from scratch)")
     cache = "cache hit" if r.get("data_cache_hit") else "tokenised now, cached"
+    if r.get("data_streaming"):
+        cache = "streamed: tokenised as it trains, not cached"
     eval_tokens = f", {_count(r.get('data_eval_tokens'))} eval tokens" if "data_eval_tokens" in r else ""
     accum, world, micro = r.get("gradient_accumulation_steps"), r.get("world_size"), r.get("batch_size")
     batch = r.get("global_batch_size")

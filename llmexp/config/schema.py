@@ -126,6 +126,15 @@ class DataConfig:
     """hf: several datasets sampled by weight instead of `data.path` (each entry: path, weight, and any of
     data_files, config_name, split, eval_split, *_field). Every 1,000 training examples hold each source's
     share to within one example, in an order that is a pure function of (seed, step)."""
+    streaming: bool = False
+    """hf: read the train split as training goes (`datasets` streaming) instead of tokenising it into the
+    cache first, for corpora larger than memory or the disk cache; needs train.max_steps and a tokenizer."""
+    shuffle_window: int = 10000
+    """streaming: records are shuffled within consecutive windows of this many, by (seed, epoch, window), so
+    resume is exact; larger windows mix more and replay more on resume."""
+    stream_eval_rows: int = 1000
+    """streaming without data.eval_split: the first this-many rows of the split are the eval set; training
+    skips them."""
 
 
 @dataclass

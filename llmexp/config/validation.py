@@ -97,6 +97,8 @@ RANGES: dict[str, Range] = {
     "data.eval_fraction": Range(low=0, high=1, low_open=True, high_open=True),
     "data.num_proc": _at_least(1),
     "data.max_examples": _at_least(1, "(or null for all)"),
+    "data.shuffle_window": _at_least(1),
+    "data.stream_eval_rows": _at_least(1),
     "precision.init_scale": _POSITIVE,
     "precision.growth_interval": _at_least(1),
     "optimizer.eps": _at_least(0),
@@ -328,6 +330,8 @@ def _validate_groups(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet
            "data=hf needs a dataset: a hub id, a save_to_disk directory, or data.path=parquet with data.data_files "
            "(or several with data.mix=[{path: ..., weight: ...}, ...])")
     _validate_mix(d, errors)
+    if d.streaming:
+        _validate_streaming(cfg, errors, bad)
     heads = {"model.hidden_size", "model.num_attention_heads", "model.num_key_value_heads"}
     if m.name_or_path is None and not bad & heads:
         _check(errors, m.hidden_size % m.num_attention_heads == 0, "model.hidden_size",
@@ -370,6 +374,25 @@ def _validate_mix(d: DictConfig, errors: list[str]) -> None:
         for i, q in enumerate(mix_quotas(weights)):
             _check(errors, q > 0, f"data.mix[{i}].weight", f"{weights[i]} gives this source less than one example "
                    f"in {MIX_ROUND}; raise it or drop the source")
+
+
+def _validate_streaming(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet[str]) -> None:
+    """What `data.streaming=true` needs: it reads the split once, as it trains, and never whole."""
+    d, t = cfg.data, cfg.train
+    _check(errors, d.name == "hf", "data.streaming",
+           f"streaming reads through the `datasets` library, so it needs data=hf (data={d.name} is read whole); "
+           "use data=hf data.path=..., or set data.streaming=false")
+    _check(errors, "train.max_steps" in bad or t.max_steps > 0, "train.max_steps",
+           "a stream's length is unknown until it ends, so data.streaming=true needs a step count: set "
+           "train.max_steps=N (train.num_train_epochs cannot be turned into steps)")
+    _check(errors, bool(d.tokenizer or cfg.model.name_or_path), "data.tokenizer",
+           "data.streaming=true cannot train a BPE on the whole split first: set data.tokenizer=<a tokenizer "
+           "directory or hub id>, or model.name_or_path=<a model> to use its tokenizer")
+    _check(errors, not d.mix, "data.mix", "a streamed mixture is not implemented: stream one dataset "
+           "(data.path), or drop data.streaming to mix cached datasets")
+    _check(errors, t.on_anomaly != "rollback", "train.on_anomaly",
+           "rollback is not supported with data.streaming=true (it skips ahead over data the stream would have to "
+           "re-read from a checkpoint's window); use train.on_anomaly=skip or stop")
 
 
 def _validate_peft(cfg: DictConfig, errors: list[str]) -> None:

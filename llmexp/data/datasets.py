@@ -13,7 +13,9 @@ Examples are cut one of three ways, chosen from the records and `data.packing`:
   `position_ids` starting at 0, which the model's attention turns into block-diagonal masks.
 
 The token arrays are cached (`tokens/<key>/`, uint16 when the vocabulary fits) under a key of the
-corpus content, the tokenizer and these settings, and memory-mapped on a hit.
+corpus content, the tokenizer and these settings, and memory-mapped on a hit. With `data.streaming=true`
+the trainer builds from `llmexp.data.stream` instead, which cuts with the same `encode_records` and
+`cut_examples` as it reads, and caches nothing.
 """
 
 from __future__ import annotations
@@ -160,6 +162,13 @@ class TokenDataset:
             return mix_indices(seed, step, global_batch_size, *self.mix)
         return batch_indices(seed, step, global_batch_size, len(self))
 
+    def position(self, step: int, global_batch_size: int) -> dict[str, Any]:
+        """Where the data stands before step `step`, for a checkpoint: nothing, the sampler is stateless."""
+        return {}
+
+    def restore(self, position: dict[str, Any]) -> None:
+        """Continue from a checkpoint's `position`: nothing to do for a stateless sampler."""
+
     def num_targets(self, indices: np.ndarray) -> int:
         """Label tokens that count after the model's shift: sum of (labels[:, 1:] != -100)."""
         return int(self.row_targets[np.asarray(indices)].sum())
@@ -241,7 +250,7 @@ def _pack_rows(lengths: np.ndarray, max_length: int) -> np.ndarray:
     return np.asarray([*row_starts, int(ends[-1])], dtype=np.int64)
 
 
-def _cut(mode: str, ids: list[np.ndarray], masks: list[np.ndarray] | None, max_length: int,
+def cut_examples(mode: str, ids: list[np.ndarray], masks: list[np.ndarray] | None, max_length: int,
          keep_tail: bool) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     """Arrays of one split (ids, offsets, mask?, positions?, row_targets) and its counts."""
     stats: dict[str, int] = {"records": len(ids), "truncated_examples": 0, "truncated_tokens": 0,
@@ -270,7 +279,7 @@ def _cut(mode: str, ids: list[np.ndarray], masks: list[np.ndarray] | None, max_l
     return arrays, stats
 
 
-def _check_packing_supported(cfg: DictConfig) -> None:
+def check_packing_supported(cfg: DictConfig) -> None:
     """SFT packing is only right if attention stops at example boundaries: refuse where it may not."""
     if cfg.model.trust_remote_code:
         raise UserError("data.packing=true for SFT records relies on transformers' packed-sequence attention "
@@ -291,16 +300,25 @@ def _settings(cfg: DictConfig) -> dict[str, Any]:
     return {"format": FORMAT_VERSION, "name": d.name, "max_length": int(d.max_length), "packing": bool(d.packing)}
 
 
-def _encode_cut(mode: str, recs: list[Record], tok: Any, cfg: DictConfig, split: str,
-                source: str) -> tuple[dict[str, np.ndarray], dict[str, int]]:
-    """One split of one source as token arrays; `source` names it in the error when nothing is usable."""
+def example_mode(sft: bool, packing: bool) -> str:
+    """How records become rows: `lm_packed`, `sft_packed` or `padded` (module docstring)."""
+    return ("sft_packed" if sft else "lm_packed") if packing else "padded"
+
+
+def encode_records(mode: str, recs: list[Record], tok: Any) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+    """Token ids per record, and a target mask per record for SFT records (None: every token a target)."""
     from llmexp.data.encode import encode_lm, encode_sft
 
     if mode == "lm_packed" or (mode == "padded" and all("text" in r for r in recs)):
-        ids, masks = encode_lm([r["text"] for r in recs], tok), None
-    else:
-        ids, masks = encode_sft(recs, tok)
-    arrays, stats = _cut(mode, ids, masks, int(cfg.data.max_length), keep_tail=split == "eval")
+        return encode_lm([r["text"] for r in recs], tok), None
+    return encode_sft(recs, tok)
+
+
+def _encode_cut(mode: str, recs: list[Record], tok: Any, cfg: DictConfig, split: str,
+                source: str) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """One split of one source as token arrays; `source` names it in the error when nothing is usable."""
+    ids, masks = encode_records(mode, recs, tok)
+    arrays, stats = cut_examples(mode, ids, masks, int(cfg.data.max_length), keep_tail=split == "eval")
     if stats["examples"] == 0:
         raise UserError(f"{source} has no usable records: {stats['records']} record(s), {stats['dropped_examples']} "
                         f"left without a target token after truncation to data.max_length={cfg.data.max_length}, "
@@ -355,9 +373,9 @@ def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[TokenDataset, Token
             raise UserError(f"data={cfg.data.name}: the eval split is empty; set data.eval_file or raise "
                             "data.eval_fraction")
         sft = cfg.data.name == "stdlib_sft" or any("text" not in r for recs, held in loaded for r in recs + held)
-        mode = ("sft_packed" if sft else "lm_packed") if cfg.data.packing else "padded"
+        mode = example_mode(sft, bool(cfg.data.packing))
         if mode == "sft_packed":
-            _check_packing_supported(cfg)
+            check_packing_supported(cfg)
         train_parts = [_encode_cut(mode, recs, tokenizer, cfg, "train", _source_name(cfg, "train", i))
                        for i, (recs, _) in enumerate(loaded)]
         eval_part = _encode_cut(mode, eval_recs, tokenizer, cfg, "eval", _source_name(cfg, "eval", 0))
@@ -376,7 +394,7 @@ def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[TokenDataset, Token
 
     entry, meta, hit = get_or_build(Path(str(cfg.data.cache_dir)), "tokens", key, build)
     if meta["stats"]["mode"] == "sft_packed":
-        _check_packing_supported(cfg)
+        check_packing_supported(cfg)
     pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     train, held = (TokenDataset.load(entry, split, pad_id) for split in ("train", "eval"))
     stats: dict[str, Any] = {}

@@ -45,8 +45,9 @@ def hub_reachable(timeout_s: float = 3.0) -> bool:
     return True
 
 
-def _load_split(d: Any, split: str) -> Any:
-    """One split as a `datasets.Dataset` (memory-mapped arrow), or a UserError that says how to fix it."""
+def load_split(d: Any, split: str, streaming: bool = False) -> Any:
+    """One split as a `datasets.Dataset` (memory-mapped arrow), or with `streaming` as a
+    `datasets.IterableDataset` read as it is iterated; else a UserError that says how to fix it."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -56,11 +57,12 @@ def _load_split(d: Any, split: str) -> Any:
     local = Path(path).expanduser()
     try:
         if local.is_dir() and ((local / "dataset_info.json").exists() or (local / "dataset_dict.json").exists()):
-            return _split_of(datasets.load_from_disk(str(local)), split, path)
+            table = _split_of(datasets.load_from_disk(str(local)), split, path)
+            return table.to_iterable_dataset() if streaming else table
         if not (path in BUILDERS or local.exists()) and not hub_reachable():
             datasets.config.HF_HUB_OFFLINE = True  # read the local cache only, and fail at once when it is not there
         files = list(d.data_files) if d.data_files is not None and not isinstance(d.data_files, str) else d.data_files
-        return datasets.load_dataset(path, name=d.config_name, data_files=files, split=split)
+        return datasets.load_dataset(path, name=d.config_name, data_files=files, split=split, streaming=streaming)
     except (FileNotFoundError, ConnectionError, ValueError, OSError) as err:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
         raise UserError(f"data.path={path}: cannot load it ({first}). Offline, a hub dataset must be in the local "
@@ -77,7 +79,7 @@ def _split_of(loaded: Any, split: str, path: str) -> Any:
     return loaded[split] if hasattr(loaded, "keys") else loaded
 
 
-def _columns(d: Any, names: list[str]) -> dict[str, str]:
+def record_columns(d: Any, names: list[str]) -> dict[str, str]:
     """Which column gives which record field; a named column that is missing is a UserError."""
     chosen = {k: v for k, v in (("text", d.text_field), ("prompt", d.prompt_field),
                                 ("completion", d.completion_field), ("messages", d.messages_field)) if v}
@@ -95,7 +97,8 @@ def _columns(d: Any, names: list[str]) -> dict[str, str]:
                     "data.text_field, data.prompt_field + data.completion_field, or data.messages_field")
 
 
-def _record(row: dict[str, Any], columns: dict[str, str]) -> Record:
+def to_record(row: dict[str, Any], columns: dict[str, str]) -> Record:
+    """One row as an llmexp record, through the mapping `record_columns` chose."""
     if "alpaca" in columns:  # Alpaca: the instruction, then the input when there is one
         prompt = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
         return {"prompt": f"{prompt}\n\n", "completion": row["output"]}
@@ -103,14 +106,14 @@ def _record(row: dict[str, Any], columns: dict[str, str]) -> Record:
 
 
 def _records(ds: Any, d: Any, where: str) -> list[Record]:
-    columns = _columns(d, list(ds.column_names))
-    return [check_record(_record(row, columns), f"{where}: row {i}") for i, row in enumerate(ds)]
+    columns = record_columns(d, list(ds.column_names))
+    return [check_record(to_record(row, columns), f"{where}: row {i}") for i, row in enumerate(ds)]
 
 
 def hf_corpus(d: Any) -> Corpus:
     """The `hf` corpus of a `data` config node: fingerprinted by datasets, read only on a cache miss."""
-    train_ds = _load_split(d, d.split)
-    eval_ds = _load_split(d, d.eval_split) if d.eval_split else None
+    train_ds = load_split(d, d.split)
+    eval_ds = load_split(d, d.eval_split) if d.eval_split else None
     fields = {k: d[k] for k in ("text_field", "prompt_field", "completion_field", "messages_field")}
     fp = {"kind": "hf", "train": train_ds._fingerprint, "eval": eval_ds._fingerprint if eval_ds else None,
           "eval_fraction": None if eval_ds else d.eval_fraction, "max_examples": d.max_examples, **fields}

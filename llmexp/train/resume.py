@@ -44,6 +44,8 @@ def save_state_checkpoint(run: Run) -> bool:
     from accelerate.utils import gather_object
 
     cfg, rt, model, state, log = run.cfg, run.rt, run.model, run.state, run.log
+    if run.train_data is not None:  # a stream's position is not a function of the step: it is saved
+        state.data_state = run.train_data.position(state.step + state.data_offset, rt.plan.global_batch)
     rng_states = gather_object([serialize.capture_rng()]) if rt.plan.world > 1 else [serialize.capture_rng()]
     engine = rt.engine
     write_optimizer = engine.optimizer_writer(run.optimizer, rt.run_dir, state.step)  # ZeRO: collective

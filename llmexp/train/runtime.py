@@ -225,7 +225,7 @@ class Runtime:
         record = {"event": "train", "step": state.step, "loss": loss, "ppl": safe_exp(loss),
                   "lr": optimizer.param_groups[0]["lr"], "grad_norm": grad_norm, "tokens_per_sec": tokens_per_sec,
                   "mfu": self.mfu(tokens_per_sec), "mem_mb": peak_memory_mb(self.device),
-                  "epoch": state.step * self.plan.global_batch / max(1, state.num_examples),
+                  "epoch": state.step * self.plan.global_batch / state.num_examples if state.num_examples else None,
                   "time_s": time.perf_counter() - self.started, "skipped_steps": state.skipped_steps}
         if self._mfu_note_pending:  # said once, on the record where MFU stopped being reported
             record["mfu_note"], self._mfu_note_pending = self.mfu_note, False

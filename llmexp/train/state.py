@@ -32,6 +32,8 @@ class LoopState:
     last_eval_step: int = -1
     num_examples: int = 0
     seen_findings: list[str] = field(default_factory=list)
+    data_state: dict[str, Any] = field(default_factory=dict)
+    """Where a stateful train set stands (data.streaming: its window start); empty for the cached data."""
 
 
 @dataclass
@@ -47,3 +49,5 @@ class Run:
     lr_source: str
     """`config` (the `lr` key) or `auto` (the seed's lr-by-size rule)."""
     state: LoopState = field(default_factory=LoopState)
+    train_data: Any = None
+    """The train set: a checkpoint asks it for its `position` (a stream's window start)."""

@@ -23,6 +23,7 @@ import torch
 from omegaconf import DictConfig
 
 from llmexp.data import datasets as data_lib
+from llmexp.data import stream as stream_lib
 from llmexp.data.tokenizer import load_tokenizer
 from llmexp.metrics import safe_exp
 from llmexp.train import samples
@@ -58,15 +59,17 @@ def _train(cfg: DictConfig) -> RunResult:
     """`train` inside its signal guard: build, resume, loop, finish."""
     rt = setup_runtime(cfg)
     tokenizer = load_tokenizer(cfg)
-    train_ds, eval_ds, data_stats = data_lib.build_datasets(cfg, tokenizer)
+    build = stream_lib.build_stream_datasets if cfg.data.streaming else data_lib.build_datasets  # stream: uncached
+    train_ds, eval_ds, data_stats = build(cfg, tokenizer)
     rt.data_fingerprint = str(data_stats["data_cache_key"])  # in each checkpoint: a resume on other data is caught
     model, optimizer, peak_lr, lr_source = rt.build(cfg, len(tokenizer))
     max_steps = rt.plan.max_steps(len(train_ds))
     warmup = warmup_steps_for(max_steps, cfg.train.warmup_ratio, cfg.train.warmup_steps)
     log = rt.logger(max_steps)
-    run = Run(cfg, rt, model, optimizer, log, peak_lr=peak_lr, lr_source=lr_source)
+    run = Run(cfg, rt, model, optimizer, log, peak_lr=peak_lr, lr_source=lr_source, train_data=train_ds)
     run.state = state = load_resume_state(run) or LoopState()
-    state.num_examples = len(train_ds)
+    train_ds.restore(state.data_state)  # a stream continues at its checkpoint's window; the cached data is stateless
+    state.num_examples = len(train_ds)  # 0 for a stream: its length is unknown
     status = "completed"
     if cfg.train.on_anomaly == "rollback" and state.step == 0 and not save_state_checkpoint(run):
         status = "failed"  # the disk is full (reported); the start checkpoint is what a rollback goes back to
@@ -139,7 +142,7 @@ def _train(cfg: DictConfig) -> RunResult:
     return RunResult(status=summary["status"], step=state.step, summary=summary)  # a full disk: failed
 
 
-def forward_backward(rt: Runtime, model: torch.nn.Module, train_ds: data_lib.TokenDataset,
+def forward_backward(rt: Runtime, model: torch.nn.Module, train_ds: data_lib.TokenDataset | stream_lib.StreamDataset,
                      state: LoopState) -> tuple[torch.Tensor, int, int]:
     """Forward and backward over every micro-batch of one global batch; returns (loss sum on this rank,
     target tokens of the global batch, tokens of the global batch).

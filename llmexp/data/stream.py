@@ -1,0 +1,348 @@
+"""`data.streaming=true` (data=hf): the train split read as training goes, never tokenised into the cache.
+
+    train, eval, stats = build_stream_datasets(cfg, tokenizer)  # through llmexp.data.datasets.build_datasets
+    idx = train.step_indices(seed, step, global_batch)         # arange(G): the rows of this step's batch
+    batch = train.get_batch(micro_batch(idx, rank, world, micro, micro_batch_size))
+
+The global batch at step t is examples [t*G, (t+1)*G) of an endless stream of examples: the split's rows,
+read through `datasets` with `streaming=True` (a hub id, data files; a `save_to_disk` directory through
+`to_iterable_dataset()`), in windows of `data.shuffle_window` rows. Each window is permuted by an rng
+seeded by (seed, epoch, window), mapped to records with hub.py's columns, tokenised in one call and cut
+the way the cached path cuts (`llmexp.data.datasets.cut_examples`): full blocks for text, SFT rows
+otherwise. What does not fill a row yet (the packer's carry-over) goes on into the next window; when the
+split ends the next epoch starts, carry-over included. datasets' shuffle buffer is not used: its content
+is not part of `state_dict()`, so a resume through it could not be exact.
+
+Resume: at each window start the stream keeps a `WindowStart` (datasets' `state_dict()`, exact without a
+shuffle buffer; the carry-over; the example count). `position(step)` is the one that step's first example
+lies in (JSON, in the checkpoint's trainer state) and `restore` continues from it, reading at most one
+window again. Eval: `data.eval_split`, else the first `data.stream_eval_rows` rows of the split, which
+training skips; it is small and held in memory. Nothing of the train split goes to the token cache.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import glob
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from omegaconf import DictConfig
+
+from llmexp.data.cache import hash_obj
+from llmexp.data.corpora import Record, check_record
+from llmexp.data.datasets import (
+    FORMAT_VERSION,
+    TokenDataset,
+    check_packing_supported,
+    cut_examples,
+    encode_records,
+    example_mode,
+)
+from llmexp.data.hub import load_split, record_columns, to_record
+from llmexp.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+STREAM_VERSION = 1
+"""Bump when the order or cutting of streamed examples changes: it is part of the data fingerprint."""
+
+
+@dataclass
+class WindowStart:
+    """Where the stream stands at a window's first row: enough to continue from there exactly."""
+
+    epoch: int
+    window: int
+    examples: int
+    """Examples the stream produced before this window."""
+    source: dict[str, Any] | None = None
+    """datasets' `IterableDataset.state_dict()` at this row; None: the epoch's first row."""
+    carry: list[list[int]] = field(default_factory=list)
+    """Tokens cut but not yet in a finished row, one list per example (text: one run of tokens)."""
+    carry_masks: list[list[int]] | None = None
+    """The carry-over's target masks (SFT rows); None for text."""
+
+
+@dataclass
+class StreamSpec:
+    """What the stream reads and how it cuts: fixed for a run."""
+
+    open_split: Callable[[], Any]
+    """A fresh `datasets.IterableDataset` of the train split."""
+    columns: dict[str, str]
+    mode: str
+    tokenizer: Any
+    max_length: int
+    window: int
+    skip_rows: int
+    """Rows at the start of every epoch that are the eval set (0 with data.eval_split)."""
+    pad_id: int
+    where: str
+
+
+class StreamDataset:
+    """The train split as a stream, behind TokenDataset's interface (`step_indices`, `get_batch`,
+    `num_targets`, `position`, `restore`). Stateful: `get_batch` and `num_targets` answer for the
+    step the last `step_indices` call asked for.
+
+    Every rank reads the whole stream and builds the whole global batch, then keeps its share through
+    `micro_batch`, exactly as with the cached data: so micro-batching and world size see the same
+    examples at the same step, and no rank has to tell another where the stream is.
+    """
+
+    def __init__(self, spec: StreamSpec) -> None:
+        self.spec = spec
+        self._seed: int | None = None
+        self._starts = [WindowStart(0, 0, 0)]
+        """Window starts still needed; the last one is where reading continues."""
+        self._windows: list[tuple[int, TokenDataset]] = []
+        """Rows cut but not yet trained past: (index of the first example, rows)."""
+        self._source: Any = None
+        self._reader: Iterator[dict[str, Any]] | None = None
+        self._epoch_first: tuple[int, int] = (0, 0)
+        """(epoch, examples) when the current epoch began: an epoch that adds nothing is an error."""
+        self._step = TokenDataset(np.empty(0, np.int64), np.zeros(1, np.int64), None, None,
+                                  np.empty(0, np.int64), spec.pad_id)
+        atexit.register(self.close)
+
+    def __len__(self) -> int:
+        return 0  # unknown until the stream ends; the trainer needs train.max_steps (validated)
+
+    # ------------------------------------------------------------ the trainer's questions
+
+    def step_indices(self, seed: int, step: int, global_batch_size: int) -> np.ndarray:
+        """Rows 0..G-1 of the step's batch: examples [step*G, (step+1)*G) of the stream, read as needed."""
+        lo, hi = step * global_batch_size, (step + 1) * global_batch_size
+        if self._seed is not None and seed != self._seed:
+            self._reset(WindowStart(0, 0, 0))  # another seed is another order: start over
+        self._seed = seed
+        self._rewind(lo)
+        while self._starts[-1].examples < hi:
+            self._read_window()
+        self._step = _gather(self._overlapping(lo, hi), self.spec.pad_id)
+        self._forget_before(lo)
+        return np.arange(global_batch_size, dtype=np.int64)
+
+    def num_targets(self, indices: np.ndarray) -> int:
+        return self._step.num_targets(indices)
+
+    def get_batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
+        return self._step.get_batch(indices)
+
+    def position(self, step: int, global_batch_size: int) -> dict[str, Any]:
+        """The window start that step `step`'s first example lies in, as JSON-able data for a checkpoint."""
+        first = step * global_batch_size
+        return copy.deepcopy(asdict(max((s for s in self._starts if s.examples <= first),
+                                        key=lambda s: s.examples, default=WindowStart(0, 0, 0))))
+
+    def restore(self, position: dict[str, Any]) -> None:
+        """Continue from a checkpoint's `position` (an empty one: from the start)."""
+        self._reset(WindowStart(**copy.deepcopy(position)) if position else WindowStart(0, 0, 0))
+
+    # ------------------------------------------------------------ reading and cutting
+
+    def close(self) -> None:
+        """Close the open reader now: one left to the interpreter's exit finds pyarrow torn down and
+        prints a warning from inside datasets."""
+        if self._reader is not None and hasattr(self._reader, "close"):
+            self._reader.close()
+        self._reader = self._source = None
+
+    def _reset(self, start: WindowStart) -> None:
+        self.close()
+        self._starts, self._windows = [start], []
+
+    def _rewind(self, lo: int) -> None:
+        """Go back to the window start at or before example `lo` when what is kept begins after it."""
+        kept = self._windows[0][0] if self._windows else self._starts[-1].examples
+        if kept > lo:
+            candidates = [s for s in self._starts if s.examples <= lo]
+            self._reset(max(candidates, key=lambda s: s.examples, default=WindowStart(0, 0, 0)))
+
+    def _read_window(self) -> None:
+        start = self._starts[-1]
+        rows = self._rows(start)
+        if not rows:  # the split ended: the next epoch begins, the carry-over goes on
+            self._next_epoch(start)
+            return
+        order = np.random.default_rng([self._seed % 2**64, start.epoch, start.window]).permutation(len(rows))
+        recs = [self._record(rows[i], start, int(i)) for i in order]
+        ids, masks = encode_records(self.spec.mode, recs, self.spec.tokenizer)
+        ids = [np.asarray(c, np.int64) for c in start.carry] + ids
+        if masks is not None:
+            masks = [np.asarray(m, bool) for m in start.carry_masks or []] + masks
+        arrays, _ = cut_examples(self.spec.mode, ids, masks, self.spec.max_length, keep_tail=False)
+        done, carry, carry_masks = self._split_carry(arrays, ids)
+        self._windows.append((start.examples, done))
+        self._starts.append(WindowStart(start.epoch, start.window + 1, start.examples + len(done),
+                                        copy.deepcopy(self._source.state_dict()), carry, carry_masks))
+
+    def _rows(self, start: WindowStart) -> list[dict[str, Any]]:
+        """The next window's rows (fewer at the end of the split, none after it)."""
+        if self._reader is None:
+            self._source = self.spec.open_split()
+            if start.source is not None:
+                self._source.load_state_dict(copy.deepcopy(start.source))
+            self._reader = iter(self._source)
+            if start.source is None:  # an epoch's first rows: the eval set is never trained on
+                self._epoch_first = (start.epoch, start.examples)
+                for _ in itertools.islice(self._reader, self.spec.skip_rows):
+                    pass
+        return list(itertools.islice(self._reader, self.spec.window))
+
+    def _record(self, row: dict[str, Any], start: WindowStart, i: int) -> Record:
+        where = f"{self.spec.where}: epoch {start.epoch}, window {start.window}, row {i}"
+        return check_record(to_record(row, self.spec.columns), where)
+
+    def _next_epoch(self, end: WindowStart) -> None:
+        if self._epoch_first == (end.epoch, end.examples) and (end.window == 0 or self.spec.mode != "lm_packed"):
+            why = "no rows besides the eval rows" if end.window == 0 else "no row kept a target token"
+            raise UserError(f"{self.spec.where}: a whole epoch of the stream gave no training example ({why}); "
+                            "add data, lower data.stream_eval_rows, set data.eval_split, or raise data.max_length")
+        self._starts[-1] = WindowStart(end.epoch + 1, 0, end.examples, None, end.carry, end.carry_masks)
+        self.close()
+
+    def _split_carry(self, arrays: dict[str, np.ndarray], ids: list[np.ndarray]
+                     ) -> tuple[TokenDataset, list[list[int]], list[list[int]] | None]:
+        """The finished rows, and what goes on into the next window: a text block's unfilled tail, or the
+        examples of the last packed SFT row (more may still fit beside them)."""
+        offsets = arrays["offsets"]
+        rows = len(offsets) - 1
+        if self.spec.mode == "lm_packed":
+            tail = np.concatenate(ids)[int(offsets[-1]):] if ids else np.empty(0, np.int64)
+            return _take(arrays, rows, self.spec.pad_id), [tail.tolist()] if len(tail) else [], None
+        if self.spec.mode == "padded" or rows == 0:
+            return _take(arrays, rows, self.spec.pad_id), [], None
+        a = int(offsets[-2])
+        cuts = np.flatnonzero(arrays["positions"][a:] == 0)[1:]
+        carry = [x.tolist() for x in np.split(arrays["ids"][a:], cuts)]
+        carry_masks = [x.astype(int).tolist() for x in np.split(arrays["mask"][a:], cuts)]
+        return _take(arrays, rows - 1, self.spec.pad_id), carry, carry_masks
+
+    def _overlapping(self, lo: int, hi: int) -> list[tuple[TokenDataset, int, int]]:
+        """(rows, first, end) of every kept window, clipped to examples [lo, hi)."""
+        parts = []
+        for first, rows in self._windows:
+            a, b = max(lo, first), min(hi, first + len(rows))
+            if a < b:
+                parts.append((rows, a - first, b - first))
+        return parts
+
+    def _forget_before(self, lo: int) -> None:
+        """Drop rows and window starts that no step from `lo` on can need."""
+        self._windows = [(f, r) for f, r in self._windows if f + len(r) > lo]
+        keep = [i for i in range(len(self._starts)) if i + 1 == len(self._starts) or self._starts[i + 1].examples > lo]
+        self._starts = [self._starts[i] for i in keep]
+
+
+# ---------------------------------------------------------------- rows
+
+
+def _take(arrays: dict[str, np.ndarray], rows: int, pad_id: int) -> TokenDataset:
+    """The first `rows` rows of `cut_examples`' arrays as a TokenDataset."""
+    end = int(arrays["offsets"][rows])
+    mask, positions = arrays.get("mask"), arrays.get("positions")
+    return TokenDataset(arrays["ids"][:end], arrays["offsets"][: rows + 1],
+                        mask[:end] if mask is not None else None, positions[:end] if positions is not None else None,
+                        arrays["row_targets"][:rows], pad_id)
+
+
+def _gather(parts: list[tuple[TokenDataset, int, int]], pad_id: int) -> TokenDataset:
+    """Rows [a, b) of each part, in order, as one TokenDataset (a step's global batch)."""
+    def cat(name: str) -> np.ndarray | None:
+        if getattr(parts[0][0], name) is None:
+            return None
+        return np.concatenate([getattr(ds, name)[ds.offsets[a]:ds.offsets[b]] for ds, a, b in parts])
+
+    lengths = np.concatenate([np.diff(ds.offsets[a:b + 1]) for ds, a, b in parts])
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    targets = np.concatenate([ds.row_targets[a:b] for ds, a, b in parts])
+    return TokenDataset(cat("ids"), offsets, cat("mask"), cat("positions"), targets, pad_id)
+
+
+# ---------------------------------------------------------------- build
+
+
+def _columns_of(source: Any, d: Any, where: str) -> dict[str, str]:
+    """hub.py's column mapping; a stream without declared features shows its columns in its first row."""
+    names = source.column_names
+    if names is None:
+        first = next(iter(source), None)
+        if first is None:
+            raise UserError(f"{where} is empty; add rows or point data.path elsewhere")
+        names = list(first)
+    return record_columns(d, list(names))
+
+
+def _eval_dataset(d: Any, mode: str, tok: Any, max_length: int, pad_id: int) -> tuple[TokenDataset, dict[str, int]]:
+    """The eval set, in memory: data.eval_split, else the split's first data.stream_eval_rows rows."""
+    split = d.eval_split or d.split
+    where = f"{d.path} [{split}]"
+    source = load_split(d, split, streaming=True)
+    columns = _columns_of(source, d, where)
+    rows = iter(source) if d.eval_split else itertools.islice(iter(source), int(d.stream_eval_rows))
+    recs = [check_record(to_record(row, columns), f"{where}: row {i}") for i, row in enumerate(rows)]
+    if not d.eval_split and len(recs) < int(d.stream_eval_rows):  # found now, not at the first step
+        raise UserError(f"{where} has {len(recs)} row(s), and data.stream_eval_rows={d.stream_eval_rows} holds "
+                        "out that many for eval: nothing would be left to train on. Lower data.stream_eval_rows "
+                        "or set data.eval_split")
+    arrays, stats = cut_examples(mode, *encode_records(mode, recs, tok), max_length, keep_tail=True)
+    if stats["examples"] == 0:
+        held = f"data.eval_split={d.eval_split}" if d.eval_split else f"data.stream_eval_rows={d.stream_eval_rows}"
+        raise UserError(f"{where}: the eval set ({held}) has no usable records: {len(recs)} row(s); raise "
+                        "data.stream_eval_rows, set data.eval_split, or raise data.max_length")
+    return _take(arrays, len(arrays["offsets"]) - 1, pad_id), stats
+
+
+def _local_files(d: Any) -> list[tuple[str, int, int]]:
+    """(path, size, mtime_ns) of the local files the stream reads: a cheap fingerprint, where hashing the
+    content of a corpus larger than the disk cache would mean reading it all."""
+    patterns = [str(Path(str(d.path)).expanduser())]
+    files = d.data_files
+    if files is not None:
+        values = files.values() if hasattr(files, "values") else [files]
+        patterns += [str(p) for v in values for p in ([v] if isinstance(v, str) else v)]
+    found = {Path(p) for pattern in patterns for p in glob.glob(str(Path(pattern).expanduser()), recursive=True)}
+    paths = sorted(q for p in found for q in ([p] if p.is_file() else p.rglob("*")) if q.is_file())
+    return [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in paths]
+
+
+def stream_fingerprint(cfg: DictConfig, tok: Any) -> str:
+    """The data key of a streamed run (checkpoints compare it on resume): source, settings, tokenizer."""
+    from llmexp.data.tokenizer import tokenizer_fingerprint
+
+    d = cfg.data
+    keys = ("name", "path", "config_name", "split", "eval_split", "text_field", "prompt_field", "completion_field",
+            "messages_field", "max_length", "packing", "shuffle_window", "stream_eval_rows")
+    settings = {k: d[k] for k in keys}
+    settings["data_files"] = str(d.data_files)
+    return hash_obj({"format": FORMAT_VERSION, "stream": STREAM_VERSION, **settings, "files": _local_files(d),
+                     "tokenizer": tokenizer_fingerprint(tok)})
+
+
+def build_stream_datasets(cfg: DictConfig, tok: Any) -> tuple[StreamDataset, TokenDataset, dict[str, Any]]:
+    """The streamed train split, the in-memory eval set, and their stats (for summary.json)."""
+    began = time.perf_counter()
+    d = cfg.data
+    where = f"{d.path} [{d.split}]"
+    columns = _columns_of(load_split(d, d.split, streaming=True), d, where)
+    mode = example_mode("text" not in columns, bool(d.packing))
+    if mode == "sft_packed":
+        check_packing_supported(cfg)
+    pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    held, eval_stats = _eval_dataset(d, mode, tok, int(d.max_length), pad_id)
+    spec = StreamSpec(lambda: load_split(d, d.split, streaming=True), columns, mode, tok, int(d.max_length),
+                      int(d.shuffle_window), 0 if d.eval_split else int(d.stream_eval_rows), pad_id, where)
+    stats: dict[str, Any] = {"data_mode": mode, "data_streaming": True, "data_cache_hit": False,
+                             "data_cache_key": stream_fingerprint(cfg, tok)}
+    stats.update({f"data_eval_{k}": v for k, v in eval_stats.items()})
+    stats["data_prep_s"] = round(time.perf_counter() - began, 3)
+    return StreamDataset(spec), held, stats
