@@ -170,7 +170,7 @@ def run_arm(arm: str, work: Path, files: list[Path], block: int, num_proc: int) 
     result = run_process(cmd, env=env, timeout_s=3600)
     if result.returncode != 0 or not result.data:
         raise SystemExit(f"arm {arm} failed (exit {result.returncode}):\n{result.tail}")
-    return result.data
+    return {**result.data, "peak_rss_mb": result.peak_rss_mb}  # wait4: the largest of the arm's processes
 
 
 # ---------------------------------------------------------------- checks and the table
@@ -211,22 +211,23 @@ def table(rounds: list[dict[str, dict[str, Any]]], mb: float, rows: int, args: a
     ratios = [r["hf"]["seconds"] / r["llmexp"]["seconds"] for r in rounds]
     spread = f" ({min(ratios):.2f}–{max(ratios):.2f})" if len(ratios) > 1 else ""
 
-    def row(name: str, seconds: float, blocks: int, ratio: str) -> list[str]:
-        return [name, f"{seconds:.2f}", f"{tokens / seconds:,.0f}", f"{mb / seconds:.1f}", f"{blocks:,}", ratio]
+    def row(name: str, seconds: float, blocks: int, ratio: str, rss: str) -> list[str]:
+        return [name, f"{seconds:.2f}", f"{tokens / seconds:,.0f}", f"{mb / seconds:.1f}", f"{blocks:,}", ratio, rss]
 
     body = [row("llmexp `build_datasets`, cold (empty cache)", med("llmexp", "seconds"), rounds[0]["llmexp"]["blocks"],
-                f"**{statistics.median(ratios):.2f}×**{spread}"),
+                f"**{statistics.median(ratios):.2f}×**{spread}", f"{med('llmexp', 'peak_rss_mb'):,.0f} MB"),
             row(f"`datasets.map` (run_clm.py recipe, num_proc={args.num_proc})", med("hf", "seconds"),
-                rounds[0]["hf"]["blocks"], "1.00×"),
+                rounds[0]["hf"]["blocks"], "1.00×", f"{med('hf', 'peak_rss_mb'):,.0f} MB"),
             row("llmexp `build_datasets`, warm (cache hit)", med("llmexp", "warm_s"), rounds[0]["llmexp"]["blocks"],
-                f"{med('hf', 'seconds') / med('llmexp', 'warm_s'):,.0f}×")]
+                f"{med('hf', 'seconds') / med('llmexp', 'warm_s'):,.0f}×", "(same process as cold)")]
     header = (f"Measured {utc_now()} on {cpu_model()} ({os.cpu_count()} cores, shared with other jobs: "
               f"load average at the end {load_average()}); {versions()}.\n\n"
               f"Corpus: {mb:.1f} MB of text ({rows:,} parquet rows, stdlib sources copied), {tokens:,} tokens "
               f"(byte-level BPE, vocab 8192, the same for both), blocks of {args.block}; {len(rounds)} round(s), "
               "each arm in a fresh process with empty caches, alternating first; medians.\n\n")
     return header + markdown_table(
-        ["arm", "seconds", "tokens/s", "MB/s", "blocks", "speed-up over datasets.map (paired)"], body)
+        ["arm", "seconds", "tokens/s", "MB/s", "blocks", "speed-up over datasets.map (paired)",
+         "peak RSS (largest process)"], body)
 
 
 def benchmark(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
