@@ -6,6 +6,9 @@
 3. Training-step time with real batches (sampler + memmap + `get_batch`) against synthetic tokens
    already in memory, on the tiny model. Target: <= 1.02x, i.e. the data path is never the bottleneck.
 
+Item 1 runs in memory on the stdlib; `benchmarks/data_hf.py` measures `data=hf` end to end (parquet
+files in, the token cache out) against the same recipe on >= 100 MB, each side in a fresh process.
+
     python benchmarks/data.py                 # the whole stdlib, 30 steps per arm, alternating
     python benchmarks/data.py --files 100 --steps 10
 """

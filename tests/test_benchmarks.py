@@ -1,0 +1,30 @@
+"""The benchmarks' quick modes: facts that must hold whatever the machine's speed (no timing asserts)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow  # ~30 s: three fresh processes import datasets/transformers, and a BPE is trained
+def test_data_hf_quick_both_sides_produce_the_same_tokens() -> None:
+    """benchmarks/data_hf.py --quick: llmexp's data=hf packs exactly the tokens datasets.map's run_clm
+    recipe produces for the same text and tokenizer, blocks differ only by dropped tails, and the
+    speed-up is a positive finite number."""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "data_hf.py"), "--quick"],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    facts = json.loads(result.stdout.strip().splitlines()[-1])
+    assert facts["same_tokens"] and facts["same_token_count"] and facts["llmexp_tail_only"], facts
+    assert facts["blocks_differ_by_tails_only"], facts
+    assert math.isfinite(facts["speedup"]) and facts["speedup"] > 0, facts
+    (run,) = facts["rounds"]
+    assert run["llmexp"]["blocks"] > 0 and run["llmexp"]["tokens"] == run["hf"]["tokens"] > 0, run
+    assert "| `datasets.map` (run_clm.py recipe" in result.stdout  # the table is printed, and written nowhere
