@@ -1,9 +1,9 @@
 """Full fine-tuning against `peft=lora` and `peft=qlora` on the same model: trainable parameters,
 frozen-weight bytes, optimizer-state bytes, peak memory and tokens/s.
 
-    python benchmarks/peft.py                  # ~20M-parameter Llama on this CPU: a few minutes
-    python benchmarks/peft.py --quick          # a tiny Llama, seconds (tests/test_benchmarks.py runs it)
-    python benchmarks/peft.py --size 1b --arms lora,qlora --warmup 5 --steps 45 --out-dir $OUT  # a GPU
+    python benchmarks/peft.py                  # ~32M-parameter Llama on this CPU: a few minutes
+    python benchmarks/peft.py --quick          # a 2.2M-parameter Llama, 3 steps: ~1 minute (tests run it)
+    bash benchmarks/gpu_finetune.sh            # ~1B parameters, lora and qlora, 50 steps each, on a GPU
 
 A Llama-architecture model is built from its config class (random weights: speed and memory do not
 depend on the values) and written with save_pretrained, with a byte-level BPE tokenizer of the same
@@ -35,6 +35,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from llmexp.report.rundir import load_records
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
@@ -74,9 +76,9 @@ SIZES: dict[str, Size] = {
     # ~2.2M parameters, test_peft's vocabulary: seconds per arm, yet r=16 is small against its width
     "tiny": Size({"vocab_size": 384, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 2,
                   "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}, 4, 32, 40),
-    # ~20M parameters: the three arms take a few minutes on a 2-core CPU shared with other jobs (a 63M
+    # ~32M parameters: the three arms take a few minutes on a 2-core CPU shared with other jobs (a 63M
     # model ran at ~25 tokens/s there, 40 s a step)
-    "cpu": Size({"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4, "num_attention_heads": 8,
+    "cpu": Size({"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8, "num_attention_heads": 8,
                  "num_key_value_heads": 4}, 4, 128, 100),
     # ~1.0B parameters, benchmarks/throughput.py's `--model 1b` (a GPU)
     "1b": Size({"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -154,7 +156,9 @@ def run_arm(arm: str, base: Path, size: Size, warmup: int, steps: int, precision
             print(f"{arm}: llmexp failed (exit {res.returncode}):\n{res.tail}", file=sys.stderr)
             return {}
         summary = json.loads((run_dir / "summary.json").read_text())
-        return {"trainable": summary["num_params"], "total": summary["total_params"],
+        start = next(r for r in load_records(run_dir) if r.get("event") == "start")
+        return {"bf16_emulated": bool(start.get("bf16_emulated")),
+                "trainable": summary["num_params"], "total": summary["total_params"],
                 "peak_mem_mb": summary["peak_mem_mb"], "tokens_per_sec": llmexp_tokens_per_sec(run_dir, warmup),
                 "optimizer_bytes": optimizer_state_bytes(run_dir / "checkpoints" / f"step_{warmup + steps}")}
 
@@ -220,7 +224,7 @@ def render(results: dict[str, dict[str, Any]], rates: dict[str, Series], paired:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="cpu")
-    parser.add_argument("--quick", action="store_true", help="--size tiny --warmup 1 --steps 2 --out ''")
+    parser.add_argument("--quick", action="store_true", help="--size tiny --warmup 1 --steps 2 --out '' (a test)")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of full,lora,qlora")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=1, help="steps left out of tokens/s")
@@ -273,6 +277,9 @@ def main() -> None:
               f"tokens of the stdlib data, precision={args.precision}, AdamW; {args.rounds} round(s) of "
               f"{args.warmup} warm-up + {args.steps} timed steps per arm, each arm a fresh `python -m llmexp`. "
               f"Load average at the end: {load_average()}. Ratios to full fine-tuning in parentheses.")
+    if any(r.get("bf16_emulated") for r in results.values()):
+        header += (" This CPU has no native bf16 (AVX512-BF16 or AMX): torch emulates it, so these tokens/s are"
+                   " far below what the same CPU does in fp32; the parameter and byte columns do not depend on it.")
     text = f"{header}\n\n{render(results, rates, paired)}"
     if args.json:
         print(json.dumps({"total_params": total, "arms": results}))
