@@ -35,3 +35,13 @@ def test_peft_benchmark_quick_states_what_adapters_save() -> None:
     assert lora["frozen_bytes"] == 2 * facts["total_params"]  # the whole base, frozen in bf16
     assert qlora["frozen_bytes"] < 0.6 * lora["frozen_bytes"]  # 4-bit linear layers (fp32 embeddings and head)
     assert "| `peft=qlora` |" in result.stdout
+
+
+@pytest.mark.slow  # three fresh processes: 41 s on a loaded 2-core CPU
+def test_gpu_finetune_script_runs_end_to_end_on_a_cpu(tmp_path: Path) -> None:
+    result = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_finetune.sh"), "--tiny", "--cpu", str(tmp_path)],
+                            capture_output=True, text=True, env=ENV, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = (tmp_path / "peft_gpu.md").read_text()
+    assert "| `peft=lora` |" in table and "| `peft=qlora` |" in table and "peft=none" not in table
+    assert "precision=bf16" in table and "1 warm-up + 2 timed steps" in table and "nvidia-smi" in table
