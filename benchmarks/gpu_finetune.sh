@@ -26,7 +26,7 @@ out="$(realpath -m "${out:-benchmarks/results}")"
 smi="not run (--cpu)"
 if [ ${#cpu[@]} -eq 0 ]; then
     python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: run this on a GPU machine, or pass --tiny --cpu')"
-    smi="$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1)"
+    smi="$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -1 || true)"
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 python benchmarks/peft.py --size "$size" "${cpu[@]}" --arms "${ARMS:-lora,qlora}" --precision bf16 \
