@@ -102,6 +102,20 @@ def rotated(items: list[str], round_index: int) -> list[str]:
     return items[k:] + items[:k]
 
 
+def compose(overrides: list[str]) -> Any:
+    """The config `python -m llmexp OVERRIDES` would get, composed in this process (no run directory)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from llmexp.config.schema import register_configs
+    from llmexp.paths import conf_dir, register_resolvers
+
+    register_configs()
+    register_resolvers()
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        return hydra_compose("config", overrides=overrides)
+
+
 def tiny_model_fields() -> dict[str, Any]:
     """The `tiny` model's fields, read from llmexp/conf/model/tiny.yaml so every arm builds the same model."""
     from omegaconf import OmegaConf
@@ -142,13 +156,13 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def publish(text: str, out: str) -> None:
-    """Print a result table; unless `out` is '', also write it to benchmarks/results/<out> atomically."""
+def publish(text: str, out: str, directory: Path = RESULTS) -> None:
+    """Print a result table; unless `out` is '', also write it to <directory>/<out> (benchmarks/results/) atomically."""
     from llmexp.paths import write_text_atomic
 
     print(text)
     if out:
-        path = RESULTS / out
+        path = directory / out
         write_text_atomic(path, text if text.endswith("\n") else text + "\n")
         print(f"\nwritten to {path}", file=sys.stderr)
 

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     PY,
     Series,
+    compose,
     llmexp_tokens_per_sec,
     load_average,
     markdown_table,
@@ -44,19 +45,6 @@ OPTIMIZERS: dict[str, list[str]] = {
     "sgd": ["optimizer=sgd"],
 }
 LR = {"lion": 1e-4, "lion8bit": 1e-4, "sgd": 0.1}
-
-
-def compose(overrides: list[str]) -> Any:
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from llmexp.config.schema import register_configs
-    from llmexp.paths import conf_dir, register_resolvers
-
-    register_configs()
-    register_resolvers()
-    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
-        return hydra_compose("config", overrides=overrides)
 
 
 def worker_state(name: str, steps: int) -> dict[str, Any]:

@@ -1,16 +1,52 @@
-"""The benchmarks' quick modes: facts that must hold whatever the machine's speed (no timing asserts)."""
+"""The benchmarks' quick modes: each runs end to end here, and its table states facts that must hold
+whatever the machine's size or speed (no timing asserts)."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def last_json(stdout: str) -> dict[str, Any]:
+    return next(json.loads(line) for line in reversed(stdout.splitlines()) if line.startswith("{"))
+
+
+@pytest.mark.slow  # four fresh processes: ~1 minute on a loaded 2-core CPU
+def test_peft_benchmark_quick_states_what_adapters_save() -> None:
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peft.py"), "--quick", "--json", "--cpu"],
+                            capture_output=True, text=True, env=ENV, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    facts = last_json(result.stdout)
+    full, lora, qlora = (facts["arms"][a] for a in ("full", "lora", "qlora"))
+    assert full["trainable"] == facts["total_params"] and full["frozen_bytes"] == 0
+    assert lora["trainable"] == qlora["trainable"] < 0.15 * full["trainable"]
+    for arm in (full, lora, qlora):  # AdamW: two fp32 moments a trained parameter, plus a step counter a tensor
+        assert 8 * arm["trainable"] <= arm["optimizer_bytes"] < 8.01 * arm["trainable"], arm
+        assert arm["peak_mem_mb"] > 0 and arm["tokens_per_sec"] > 0, arm
+    assert lora["optimizer_bytes"] < 0.15 * full["optimizer_bytes"]
+    assert lora["frozen_bytes"] == 2 * facts["total_params"]  # the whole base, frozen in bf16
+    assert qlora["frozen_bytes"] < 0.6 * lora["frozen_bytes"]  # 4-bit linear layers (fp32 embeddings and head)
+    assert "| `peft=qlora` |" in result.stdout
+
+
+@pytest.mark.slow  # three fresh processes: 41 s on a loaded 2-core CPU
+def test_gpu_finetune_script_runs_end_to_end_on_a_cpu(tmp_path: Path) -> None:
+    result = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_finetune.sh"), "--tiny", "--cpu", str(tmp_path)],
+                            capture_output=True, text=True, env=ENV, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = (tmp_path / "peft_gpu.md").read_text()
+    assert "| `peft=lora` |" in table and "| `peft=qlora` |" in table and "peft=none" not in table
+    assert "precision=bf16" in table and "1 warm-up + 2 timed steps" in table and "nvidia-smi" in table
 
 
 @pytest.mark.slow  # ~30 s: three fresh processes import datasets/transformers, and a BPE is trained
