@@ -2,7 +2,7 @@
 # LoRA and QLoRA on a lent GPU, prepared to run once (a few minutes, no network needed):
 #   bash benchmarks/gpu_finetune.sh [OUT_DIR]           # OUT_DIR: default $OUT, else benchmarks/results
 #   bash benchmarks/gpu_finetune.sh --tiny --cpu DIR    # the same path on a CPU, tiny model, 3 steps (the test)
-# benchmarks/peft.py --size 1b: a ~1.0B-parameter random-init Llama (hidden 2048, 16 layers, MLP 8192,
+# benchmarks/adapters.py --size 1b: a ~1.0B-parameter random-init Llama (hidden 2048, 16 layers, MLP 8192,
 # vocabulary 8192) saved locally with llmexp's stdlib BPE tokenizer; `peft=lora` and `peft=qlora`, 50
 # steps each (5 warm-up + 45 timed), micro-batch 8 x 1024, precision=bf16, each a fresh `python -m llmexp`.
 # Writes OUT_DIR/peft_gpu.md: the card, the date, trainable parameters, optimizer state, peak memory
@@ -29,6 +29,6 @@ if [ ${#cpu[@]} -eq 0 ]; then
     smi="$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -1 || true)"
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-python benchmarks/peft.py --size "$size" "${cpu[@]}" --arms "${ARMS:-lora,qlora}" --precision bf16 \
+python benchmarks/adapters.py --size "$size" "${cpu[@]}" --arms "${ARMS:-lora,qlora}" --precision bf16 \
     "${steps[@]}" --out peft_gpu.md --out-dir "$out"
 printf '\nnvidia-smi (name, memory, driver): %s\n' "$smi" >> "$out/peft_gpu.md"

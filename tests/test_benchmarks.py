@@ -23,7 +23,7 @@ def last_json(stdout: str) -> dict[str, Any]:
 
 @pytest.mark.slow  # four fresh processes: ~1 minute on a loaded 2-core CPU
 def test_peft_benchmark_quick_states_what_adapters_save() -> None:
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peft.py"), "--quick", "--json", "--cpu"],
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "adapters.py"), "--quick", "--json", "--cpu"],
                             capture_output=True, text=True, env=ENV, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     facts = last_json(result.stdout)

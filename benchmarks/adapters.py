@@ -1,8 +1,8 @@
 """Full fine-tuning against `peft=lora` and `peft=qlora` on the same model: trainable parameters,
 frozen-weight bytes, optimizer-state bytes, peak memory and tokens/s.
 
-    python benchmarks/peft.py                  # ~32M-parameter Llama on this CPU: a few minutes
-    python benchmarks/peft.py --quick          # a 2.2M-parameter Llama, 3 steps: ~1 minute (tests run it)
+    python benchmarks/adapters.py                  # ~32M-parameter Llama on this CPU: a few minutes
+    python benchmarks/adapters.py --quick          # a 2.2M-parameter Llama, 3 steps: ~1 minute (tests run it)
     bash benchmarks/gpu_finetune.sh            # ~1B parameters, lora and qlora, 50 steps each, on a GPU
 
 A Llama-architecture model is built from its config class (random weights: speed and memory do not
@@ -53,10 +53,6 @@ from common import (
     run_process,
     utc_now,
 )
-
-# This file is named peft.py: with its folder on sys.path, `import peft` (in build_model) would import it.
-HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 ARMS = ("full", "lora", "qlora")
 PEFT = {"full": "none", "lora": "lora", "qlora": "qlora"}
