@@ -117,7 +117,8 @@ def data_overrides(size: Size) -> list[str]:
 
 def prepare_data(base: Path, size: Size) -> None:
     """Tokenise the data into llmexp's cache now, so the first arm's time and memory do not include it."""
-    from llmexp.data.datasets import build_datasets, load_tokenizer
+    from llmexp.data.datasets import build_datasets
+    from llmexp.data.tokenizer import load_tokenizer
 
     cfg = compose([f"model.name_or_path={base}", *data_overrides(size)])
     build_datasets(cfg, load_tokenizer(cfg))

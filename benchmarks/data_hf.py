@@ -108,7 +108,8 @@ def arm_llmexp(work: Path, files: list[Path], block: int) -> dict[str, Any]:
     import datasets  # noqa: F401  imported before the clock starts, as in the datasets.map arm
     from data import compose  # benchmarks/data.py: Hydra composition of llmexp's config
 
-    from llmexp.data.datasets import build_datasets, load_tokenizer
+    from llmexp.data.datasets import build_datasets
+    from llmexp.data.tokenizer import load_tokenizer
 
     cfg = compose("data=hf", "data.path=parquet", "data.data_files=[" + ",".join(f"'{f}'" for f in files) + "]",
                   "data.eval_split='train[:1]'", "data.packing=true", f"data.max_length={block}",
