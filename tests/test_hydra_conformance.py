@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,20 @@ from hydra_plugins.llmexp_launcher import llmexp_launcher
 REPO = Path(__file__).resolve().parents[1]
 QUIET = ["hydra/hydra_logging=disabled", "hydra/job_logging=disabled"]
 SLURM = ["hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=30"]
+
+
+@pytest.fixture(autouse=True)
+def _hydra_version_base_unset() -> Iterator[None]:
+    """Hydra's suites expect a fresh process's version base (unset: jobs chdir into their output dirs).
+    It is a process-wide singleton, and tests/conftest.py's compose() sets it to 1.3 for every test
+    after it, so the suites would fail in a full run and pass alone; unset it around each test."""
+    from hydra import version
+
+    base = version.VersionBase.instance()
+    saved = base.getbase()
+    base.version_base = version._UNSPECIFIED_  # no public way to unset it
+    yield
+    base.version_base = saved
 
 
 @pytest.fixture(scope="module")

@@ -106,4 +106,5 @@ def test_far_off_predictions_stay_finite_and_exact() -> None:
     total.backward()
     ref_h, ref_w = torch.autograd.grad(F.cross_entropy(hidden @ weight.t(), targets, reduction="sum"),
                                        [hidden, weight])
-    assert torch.allclose(hidden.grad, ref_h) and torch.allclose(weight.grad, ref_w)
+    # atol: a gradient of ~0 next to ones of 200 is float32 rounding (+-1e-6), and its sign varies by CPU kernel
+    assert torch.allclose(hidden.grad, ref_h, atol=1e-5) and torch.allclose(weight.grad, ref_w, atol=1e-5)

@@ -75,24 +75,11 @@ def test_each_optimizer_lowers_the_loss(optimizer: str, lr: float, tmp_path: Pat
     assert sum(losses[-3:]) / 3 < losses[0] - 0.1, losses
 
 
-def _state_bytes(optimizer_name: str) -> tuple[int, set[torch.dtype]]:
+def _state_bytes(optimizer_name: str, tmp_path: Path) -> tuple[int, set[torch.dtype]]:
     """Optimizer-state bytes after one step on the default tiny model (6.8M params)."""
-    from omegaconf import OmegaConf
-
     from llmexp.build import build_model, build_optimizer
 
-    cfg = OmegaConf.create({"model": {"name_or_path": None, "hidden_size": 256, "intermediate_size": 688,
-                                      "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
-                                      "max_position_embeddings": 256, "rope_theta": 1e4, "attention_dropout": 0.0,
-                                      "tie_word_embeddings": False, "gradient_checkpointing": False},
-                            "optimizer": OmegaConf.load(Path(__file__).parents[1] / "llmexp/conf/optimizer" /
-                                                        f"{optimizer_name}.yaml"),
-                            "train": {"weight_decay": 0.01}})
-    cfg.optimizer.setdefault("eps", 1e-8)
-    cfg.optimizer.setdefault("momentum", 0.0)
-    cfg.optimizer.setdefault("betas", [0.9, 0.99])
-    cfg.optimizer.setdefault("kwargs", {})
-    cfg.optimizer.setdefault("decay_norms_and_biases", False)
+    cfg = compose([f"optimizer={optimizer_name}", "train.weight_decay=0.01"], tmp_path / optimizer_name)
     model = build_model(cfg, 8192)
     opt = build_optimizer(cfg, model, 1e-3, "cpu")
     for p in model.parameters():
@@ -103,10 +90,10 @@ def _state_bytes(optimizer_name: str) -> tuple[int, set[torch.dtype]]:
     return sum(t.numel() * t.element_size() for t in tensors), {t.dtype for t in moments}
 
 
-def test_optimizer_state_sizes_match_the_seed() -> None:
-    adamw, _ = _state_bytes("adamw")
-    eight, dtypes = _state_bytes("adamw8bit")
-    lion, _ = _state_bytes("lion")
+def test_optimizer_state_sizes_match_the_seed(tmp_path: Path) -> None:
+    adamw, _ = _state_bytes("adamw", tmp_path)
+    eight, dtypes = _state_bytes("adamw8bit", tmp_path)
+    lion, _ = _state_bytes("lion", tmp_path)
     assert dtypes == {torch.uint8}
     assert eight <= 0.27 * adamw, eight / adamw
     assert lion <= 0.51 * adamw, lion / adamw
