@@ -53,34 +53,40 @@ class ModelConfig:
 
 
 @dataclass
-class MixSourceConfig:
+class HfSourceConfig:
+    """How `data=hf` reads one dataset: the fields `data` and each `data.mix` entry share."""
+
+    data_files: Any = None
+    """hf: the file, glob or list of files a file builder reads."""
+    config_name: str | None = None
+    """hf: the dataset's configuration (what `datasets.load_dataset` calls `name`)."""
+    split: str = "train"
+    """hf: the split to train on."""
+    eval_split: str | None = None
+    """hf: the split to evaluate on; null holds out `data.eval_fraction` of the training rows."""
+    text_field: str | None = None
+    """hf: the column of plain text (null: found by name: text, prompt/completion, messages, Alpaca's)."""
+    prompt_field: str | None = None
+    """hf: the prompt column of prompt/completion data."""
+    completion_field: str | None = None
+    """hf: the completion column of prompt/completion data."""
+    messages_field: str | None = None
+    """hf: the column of chat messages (a list of {role, content})."""
+
+
+@dataclass
+class MixSourceConfig(HfSourceConfig):
     """One source of `data.mix`: a dataset as `data=hf` reads it, and its share of the training examples."""
 
     path: str = MISSING
     """A hub id, a `save_to_disk` directory, or a file builder (parquet, arrow, json, csv, text)."""
     weight: float = 1.0
     """This source's share of the training examples, relative to the others' weights (> 0)."""
-    data_files: Any = None
-    """The file, glob or list of files a file builder reads."""
-    config_name: str | None = None
-    """The dataset's configuration (what `datasets.load_dataset` calls `name`)."""
-    split: str = "train"
-    """The split to train on."""
-    eval_split: str | None = None
-    """The split to evaluate on; null holds out `data.eval_fraction` of this source's training rows."""
-    text_field: str | None = None
-    """The column of plain text (null: found by name, as for `data=hf`)."""
-    prompt_field: str | None = None
-    """The prompt column of prompt/completion data."""
-    completion_field: str | None = None
-    """The completion column of prompt/completion data."""
-    messages_field: str | None = None
-    """The column of chat messages (a list of {role, content})."""
 
 
 @dataclass
-class DataConfig:
-    """Where tokens come from and how they are cut into training examples."""
+class DataConfig(HfSourceConfig):
+    """Where tokens come from and how they are cut into training examples (the `data=hf` fields inherited)."""
 
     name: str = "stdlib"
     """Corpus kind: stdlib, stdlib_sft, json, text or hf (the `datasets` library)."""
@@ -106,22 +112,6 @@ class DataConfig:
     """Refuse to start without model.name_or_path: this data fine-tunes an earlier run's model."""
     path: str | None = None
     """hf: a hub id, a `save_to_disk` directory, or a file builder (parquet, arrow, json, csv, text)."""
-    data_files: Any = None
-    """hf: the file, glob or list of files a file builder reads."""
-    config_name: str | None = None
-    """hf: the dataset's configuration (what `datasets.load_dataset` calls `name`)."""
-    split: str = "train"
-    """hf: the split to train on."""
-    eval_split: str | None = None
-    """hf: the split to evaluate on; null holds out `eval_fraction` of the training rows."""
-    text_field: str | None = None
-    """hf: the column of plain text (null: found by name: text, prompt/completion, messages, Alpaca's)."""
-    prompt_field: str | None = None
-    """hf: the prompt column of prompt/completion data."""
-    completion_field: str | None = None
-    """hf: the completion column of prompt/completion data."""
-    messages_field: str | None = None
-    """hf: the column of chat messages (a list of {role, content})."""
     mix: list[MixSourceConfig] = field(default_factory=list)
     """hf: several datasets sampled by weight instead of `data.path` (each entry: path, weight, and any of
     data_files, config_name, split, eval_split, *_field). Every 1,000 training examples hold each source's
