@@ -153,6 +153,8 @@ def test_streaming_mistakes_are_each_named_with_the_fix(data_dir: Path, tmp_path
         "train.max_steps": [hf, tok, "train.max_steps=-1"],
         "data.tokenizer": [hf],
         "train.on_anomaly": [hf, tok, "train.on_anomaly=rollback"],
+        "data.max_examples": [hf, tok, "data.max_examples=100"],
+        "data.mix": [tok, "data.mix=[{path: x}]"],
     }
     for key, args in cases.items():
         cfg = compose(_overrides("data.streaming=true", *args), tmp_path / key)

@@ -388,6 +388,8 @@ def _validate_streaming(cfg: DictConfig, errors: list[str], bad: typing.Abstract
     _check(errors, bool(d.tokenizer or cfg.model.name_or_path), "data.tokenizer",
            "data.streaming=true cannot train a BPE on the whole split first: set data.tokenizer=<a tokenizer "
            "directory or hub id>, or model.name_or_path=<a model> to use its tokenizer")
+    _check(errors, d.max_examples is None, "data.max_examples", "a stream is not read whole, so it cannot be cut "
+           "to a number of records; set data.max_examples=null and bound the run with train.max_steps")
     _check(errors, not d.mix, "data.mix", "a streamed mixture is not implemented: stream one dataset "
            "(data.path), or drop data.streaming to mix cached datasets")
     _check(errors, t.on_anomaly != "rollback", "train.on_anomaly",
