@@ -25,8 +25,24 @@ def rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
+def reset_peak_rss() -> None:
+    """Make the peak RSS this process's current RSS (Linux >= 4.0: `/proc/self/clear_refs`), so that the
+    peak read after training is training's own: an earlier, higher one (imports, the warm-up, memory
+    the allocator has since returned) would otherwise count against the run, and it varies by machine."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # not Linux: ru_maxrss below is the whole process's peak (an overestimate at worst)
+
+
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    """The peak RSS since `reset_peak_rss` (Linux: VmHWM), else the whole process's."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024  # kB
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 def _warm_up(cfg: Any, device: Any, overrides: list[str]) -> None:
@@ -74,6 +90,7 @@ def measure(overrides: list[str], steps: int = 3) -> dict[str, Any]:
     torch.manual_seed(0)
     _warm_up(cfg, device, overrides)  # load kernels and libraries before the baseline: they are runtime, not state
     base_mb = rss_mb() if device.type == "cpu" else 0.0
+    reset_peak_rss()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     _train(cfg, device, steps)
