@@ -15,7 +15,7 @@ setting; `llmexp/conf/hydra/launcher/cluster_*.yaml`). The extras that only make
 
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -23,6 +23,8 @@ from hydra.core.utils import JobReturn
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
+
+from llmexp.config.schema import SlurmJobConfig  # dataclasses only: no torch, fine on Hydra's start-up path
 
 _HERE = "hydra_plugins.llmexp_launcher.llmexp_launcher"
 
@@ -39,33 +41,13 @@ class LocalLauncherConf:
 
 
 @dataclass
-class SlurmLauncherConf:
-    """`hydra/launcher=llmexp_slurm`: the sweep as one SLURM job array through submitit."""
+class SlurmLauncherConf(SlurmJobConfig):
+    """`hydra/launcher=llmexp_slurm`: the sweep as one SLURM job array through submitit (the job's
+    resources and requeue settings: `SlurmJobConfig`, the fields `cluster=slurm` maps its keys onto)."""
 
     _target_: str = f"{_HERE}.SlurmLauncher"
     submitit_folder: str = "${hydra.sweep.dir}/.submitit/%j"
     """Where submitit keeps each job's script, pickles and logs."""
-    partition: str | None = None
-    nodes: int = 1
-    gpus_per_node: int = 0
-    tasks_per_node: int = 1
-    cpus_per_task: int = 1
-    mem_gb: int | None = None
-    timeout_min: int = 60
-    """Wall-time limit per job, in minutes."""
-    account: str | None = None
-    qos: str | None = None
-    constraint: str | None = None
-    signal_delay_s: int = 120
-    """Seconds before the time limit at which the job gets SIGUSR2 (llmexp's trainer checkpoints then)."""
-    max_num_timeout: int = 3
-    """Requeues allowed after timeouts or preemptions."""
-    array_parallelism: int = 256
-    """Jobs of the array running at once."""
-    additional_parameters: dict[str, Any] = field(default_factory=dict)
-    """Further sbatch parameters, e.g. {mail-type: END}."""
-    setup: list[str] = field(default_factory=list)
-    """Shell lines the job script runs first, e.g. `module load cuda/12.4`."""
     wait: bool = True
     """llmexp's tasks only: false returns right after submission (each job records how it ended)."""
 

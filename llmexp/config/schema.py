@@ -172,20 +172,10 @@ class SchedulerConfig:
 
 
 @dataclass
-class ClusterConfig:
-    """Where sweep jobs run: `local` processes or SLURM through submitit.
+class SlurmJobConfig:
+    """One SLURM job's resources and requeue settings: llmexp's `cluster.*` keys and the `llmexp_slurm`
+    launcher's `hydra.launcher.*` (hydra_plugins/llmexp_launcher) both hold these fields."""
 
-    llmexp's short spelling of the launcher's settings: `llmexp/conf/hydra/launcher/cluster_*.yaml` maps
-    each key onto `hydra.launcher.*`, where the launchers (`hydra_plugins.llmexp_launcher`) read them."""
-
-    name: str = "local"
-    """local or slurm."""
-    max_parallel: int = 1
-    """local, CPU: jobs run at once (on GPUs: one per GPU times `jobs_per_gpu`)."""
-    jobs_per_gpu: int = 1
-    """local, GPU: jobs that share one GPU."""
-    wait: bool = True
-    """Wait for the jobs and write the sweep report; false returns right after submission."""
     partition: str | None = None
     """slurm: partition."""
     nodes: int = 1
@@ -217,6 +207,23 @@ class ClusterConfig:
     setup: list[str] = field(default_factory=list)
     """slurm: shell lines the job script runs before the job, e.g. `module load cuda/12.4` or
     `source ~/venv/bin/activate`. They are written into the sbatch script: keep secrets in the environment."""
+
+
+@dataclass
+class ClusterConfig(SlurmJobConfig):
+    """Where sweep jobs run: `local` processes or SLURM through submitit.
+
+    llmexp's short spelling of the launcher's settings: `llmexp/conf/hydra/launcher/cluster_*.yaml` maps
+    each key onto `hydra.launcher.*`, where the launchers (`hydra_plugins.llmexp_launcher`) read them."""
+
+    name: str = "local"
+    """local or slurm."""
+    max_parallel: int = 1
+    """local, CPU: jobs run at once (on GPUs: one per GPU times `jobs_per_gpu`)."""
+    jobs_per_gpu: int = 1
+    """local, GPU: jobs that share one GPU."""
+    wait: bool = True
+    """Wait for the jobs and write the sweep report; false returns right after submission."""
 
 
 @dataclass
