@@ -325,22 +325,32 @@ def user_corpus(d: Any) -> Corpus:
 
     def load() -> tuple[list[Record], list[Record]]:
         train = read(train_files)
-        if eval_files:
-            held = read(eval_files)
-        elif d.name == "text":
+        held = read(eval_files) if eval_files else None
+        if held is None and d.name == "text":  # text is held out by lines or files, not by records
             texts, held_texts = split_text([r["text"] for r in train], float(d.eval_fraction))
             train, held = [{"text": t} for t in texts], [{"text": t} for t in held_texts]
-        else:
-            if len(train) < 2:
-                raise UserError(f"data.train_file={d.train_file} has {len(train)} record(s); cannot hold out an "
-                                "eval set. Add records or set data.eval_file")
-            train, held = split_records(train, float(d.eval_fraction))
-        if d.max_examples is not None:
-            train = train[: int(d.max_examples)]
-        return train, held
-
-    def bpe_texts() -> Iterator[str]:
-        return (plain_text(r) for r in load()[0])
+        return hold_out(train, held, d, lambda n: f"data.train_file={d.train_file} has {n} record(s); cannot hold "
+                        "out an eval set. Add records or set data.eval_file")
 
     bpe_fp = {"kind": d.name, "train": train_fp, "eval_fraction": fp["eval_fraction"], "max_examples": d.max_examples}
-    return Corpus(d.name, fp, bpe_fp, load, bpe_texts)
+    return records_corpus(d.name, fp, bpe_fp, load)
+
+
+def hold_out(train: list[Record], held: list[Record] | None, d: Any,
+             too_few: Callable[[int], str]) -> tuple[list[Record], list[Record]]:
+    """A corpus's (train, eval) records: `held` when it has its own eval set, else `data.eval_fraction` of
+    the training records held out by content hash (`too_few(n)` is the error for fewer than two); the
+    training records are then cut to `data.max_examples`."""
+    if held is None:
+        if len(train) < 2:
+            raise UserError(too_few(len(train)))
+        train, held = split_records(train, float(d.eval_fraction))
+    if d.max_examples is not None:
+        train = train[: int(d.max_examples)]
+    return train, held
+
+
+def records_corpus(name: str, fingerprint: dict[str, Any], bpe_fingerprint: dict[str, Any],
+                   load: Callable[[], tuple[list[Record], list[Record]]]) -> Corpus:
+    """A corpus whose tokenizer is trained on its training records as plain text."""
+    return Corpus(name, fingerprint, bpe_fingerprint, load, lambda: (plain_text(r) for r in load()[0]))

@@ -18,11 +18,10 @@ import functools
 import os
 import socket
 import urllib.parse
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from llmexp.data.corpora import Corpus, Record, check_record, plain_text, split_records
+from llmexp.data.corpora import Corpus, Record, check_record, hold_out, records_corpus
 from llmexp.errors import UserError
 
 BUILDERS = ("parquet", "arrow", "json", "csv", "text")
@@ -120,19 +119,9 @@ def hf_corpus(d: Any) -> Corpus:
 
     def load() -> tuple[list[Record], list[Record]]:
         train = _records(train_ds, d, f"{d.path} [{d.split}]")
-        if eval_ds is not None:
-            held = _records(eval_ds, d, f"{d.path} [{d.eval_split}]")
-        elif len(train) < 2:
-            raise UserError(f"data.path={d.path} has {len(train)} row(s); cannot hold out an eval set: add rows or "
-                            "set data.eval_split")
-        else:
-            train, held = split_records(train, float(d.eval_fraction))
-        if d.max_examples is not None:
-            train = train[: int(d.max_examples)]
-        return train, held
-
-    def bpe_texts() -> Iterator[str]:
-        return (plain_text(r) for r in load()[0])
+        held = _records(eval_ds, d, f"{d.path} [{d.eval_split}]") if eval_ds is not None else None
+        return hold_out(train, held, d, lambda n: f"data.path={d.path} has {n} row(s); cannot hold out an eval "
+                        "set: add rows or set data.eval_split")
 
     bpe_fp = {k: v for k, v in fp.items() if k != "eval"}
-    return Corpus("hf", fp, bpe_fp, load, bpe_texts)
+    return records_corpus("hf", fp, bpe_fp, load)
