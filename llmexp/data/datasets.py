@@ -300,6 +300,11 @@ def _settings(cfg: DictConfig) -> dict[str, Any]:
     return {"format": FORMAT_VERSION, "name": d.name, "max_length": int(d.max_length), "packing": bool(d.packing)}
 
 
+def pad_id_of(tok: Any) -> int:
+    """The id that pads rows: the tokenizer's pad token, else its eos (labels mask padding out anyway)."""
+    return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+
+
 def example_mode(sft: bool, packing: bool) -> str:
     """How records become rows: `lm_packed`, `sft_packed` or `padded` (module docstring)."""
     return ("sft_packed" if sft else "lm_packed") if packing else "padded"
@@ -340,6 +345,8 @@ def _concat(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 
 def _source_name(cfg: DictConfig, split: str, index: int) -> str:
     d = cfg.data
+    if d.mix and split == "eval":  # every source's held-out records, interleaved
+        return "the eval split of data.mix (all sources' held-out records)"
     if d.mix:
         return f"data.mix[{index}] ({d.mix[index].path}), {split} split,"
     if d.get(f"{split}_file"):
@@ -395,7 +402,7 @@ def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[TokenDataset, Token
     entry, meta, hit = get_or_build(Path(str(cfg.data.cache_dir)), "tokens", key, build)
     if meta["stats"]["mode"] == "sft_packed":
         check_packing_supported(cfg)
-    pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    pad_id = pad_id_of(tokenizer)
     train, held = (TokenDataset.load(entry, split, pad_id) for split in ("train", "eval"))
     stats: dict[str, Any] = {}
     if cfg.data.mix:

@@ -18,6 +18,7 @@ import functools
 import os
 import socket
 import urllib.parse
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -104,9 +105,13 @@ def to_record(row: dict[str, Any], columns: dict[str, str]) -> Record:
     return {field: row[column] for field, column in columns.items()}
 
 
+def row_records(rows: Iterable[dict[str, Any]], columns: dict[str, str], where: str) -> list[Record]:
+    """Rows as checked llmexp records; a bad one is named by `where` and its index."""
+    return [check_record(to_record(row, columns), f"{where}: row {i}") for i, row in enumerate(rows)]
+
+
 def _records(ds: Any, d: Any, where: str) -> list[Record]:
-    columns = record_columns(d, list(ds.column_names))
-    return [check_record(to_record(row, columns), f"{where}: row {i}") for i, row in enumerate(ds)]
+    return row_records(ds, record_columns(d, list(ds.column_names)), where)
 
 
 def hf_corpus(d: Any) -> Corpus:

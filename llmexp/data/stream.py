@@ -44,8 +44,9 @@ from llmexp.data.datasets import (
     cut_examples,
     encode_records,
     example_mode,
+    pad_id_of,
 )
-from llmexp.data.hub import load_split, record_columns, to_record
+from llmexp.data.hub import load_split, record_columns, row_records, to_record
 from llmexp.errors import UserError
 
 if TYPE_CHECKING:
@@ -289,7 +290,7 @@ def _eval_dataset(d: Any, mode: str, tok: Any, max_length: int, pad_id: int) -> 
     source = load_split(d, split, streaming=True)
     columns = _columns_of(source, d, where)
     rows = iter(source) if d.eval_split else itertools.islice(iter(source), int(d.stream_eval_rows))
-    recs = [check_record(to_record(row, columns), f"{where}: row {i}") for i, row in enumerate(rows)]
+    recs = row_records(rows, columns, where)
     if not d.eval_split and len(recs) < int(d.stream_eval_rows):  # found now, not at the first step
         raise UserError(f"{where} has {len(recs)} row(s), and data.stream_eval_rows={d.stream_eval_rows} holds "
                         "out that many for eval: nothing would be left to train on. Lower data.stream_eval_rows "
@@ -337,7 +338,7 @@ def build_stream_datasets(cfg: DictConfig, tok: Any) -> tuple[StreamDataset, Tok
     mode = example_mode("text" not in columns, bool(d.packing))
     if mode == "sft_packed":
         check_packing_supported(cfg)
-    pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    pad_id = pad_id_of(tok)
     held, eval_stats = _eval_dataset(d, mode, tok, int(d.max_length), pad_id)
     spec = StreamSpec(lambda: load_split(d, d.split, streaming=True), columns, mode, tok, int(d.max_length),
                       int(d.shuffle_window), 0 if d.eval_split else int(d.stream_eval_rows), pad_id, where)
