@@ -242,6 +242,41 @@ class DeepSpeedConfig:
 
 
 @dataclass
+class FsdpConfig:
+    """PyTorch FSDP2 (`fully_shard`) through Accelerate's FSDP plugin: each decoder layer is one unit;
+    its mixed precision follows `precision` and its activation checkpointing `model.gradient_checkpointing`."""
+
+    name: str = "none"
+    """none (DDP when several processes run), full_shard (parameters, gradients and optimizer state
+    sharded: ZeRO-3-like), shard_grad_op (parameters kept whole after the forward: ZeRO-2-like) or
+    hybrid_shard (full_shard inside a node, replicated across nodes)."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state on the CPU between uses."""
+
+
+@dataclass
+class SweepConfig:
+    """How `--multirun` explores: Hydra's grid, or an optuna search with pruning from live eval losses."""
+
+    name: str = "grid"
+    """grid (every combination, as Hydra's basic sweeper), random or tpe (optuna samplers)."""
+    n_trials: int = 12
+    """random/tpe: trials in all (finished ones in a resumed sweep count)."""
+    parallel: int = 1
+    """random/tpe: trials at once (GPUs, SLURM array slots or CPU slots)."""
+    seed: int = 0
+    """random/tpe: the sampler's seed."""
+    pruner: str = "none"
+    """random/tpe: asha, hyperband, median or none; a trial's eval losses are its intermediate values."""
+    zip: list[str] = field(default_factory=list)
+    """grid: keys swept together instead of as a product, e.g. [lr,batch_size]: the i-th values pair up."""
+    lr_scaling: str = "none"
+    """grid: none, sqrt or linear: scale each job's lr by (batch_size / base_batch_size)**(1/2 or 1)."""
+    base_batch_size: int | None = None
+    """grid, with lr_scaling: the batch size the given lr is for (null: the smallest batch_size swept)."""
+
+
+@dataclass
 class LoggerConfig:
     """Metric sinks besides `metrics.jsonl` and the console, which are always on."""
 
@@ -360,6 +395,8 @@ class Config:
     deepspeed: DeepSpeedConfig = MISSING
     logger: LoggerConfig = MISSING
     peft: PeftConfig = MISSING
+    fsdp: FsdpConfig = MISSING
+    sweep: SweepConfig = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
     lr: Any = "auto"
     """Peak learning rate, or auto: from the parameter count by the seed's table."""

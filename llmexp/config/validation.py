@@ -35,6 +35,10 @@ ANOMALY_POLICIES = ("stop", "skip", "rollback")
 DATA_KINDS = ("stdlib", "stdlib_sft", "json", "text", "hf")
 LOGGERS = ("jsonl", "wandb", "tensorboard")
 PEFT_METHODS = ("none", "lora", "qlora")
+FSDP_STRATEGIES = ("none", "full_shard", "shard_grad_op", "hybrid_shard")
+SWEEP_STRATEGIES = ("grid", "random", "tpe")
+PRUNERS = ("none", "asha", "hyperband", "median")
+LR_SCALINGS = ("none", "sqrt", "linear")
 
 INT64_MAX = 2**63 - 1
 """The largest int torch, numpy and the checkpoint's JSON round trip all take as a signed 64-bit value."""
@@ -119,6 +123,10 @@ RANGES: dict[str, Range] = {
     "deepspeed.stage": Range(low=0, high=3),
     "logger.init_timeout_s": _POSITIVE,
     "peft.r": _at_least(1),
+    "sweep.n_trials": _at_least(1),
+    "sweep.parallel": _at_least(1),
+    "sweep.seed": Range(low=0, high=SEED_MAX),
+    "sweep.base_batch_size": _at_least(1, "(or null: the smallest batch_size swept)"),
     "peft.lora_alpha": _POSITIVE,
     "peft.lora_dropout": _FRACTION,
     "train.max_steps": _at_least(1, "(-1 trains for train.num_train_epochs)", also=(-1,)),
