@@ -67,6 +67,8 @@ class _LlmexpLauncher(Launcher):
         self.config: DictConfig | None = None
         self.hydra_context: HydraContext | None = None
         self.task_function: TaskFunction | None = None
+        self.within_search = False
+        """Set by llmexp's search sweeper: a batch's failed or pruned jobs are results, not a reason to exit 1."""
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config = config
