@@ -77,10 +77,11 @@ class GridSweeper(BasicSweeper):
     def split_arguments(self, overrides: list[Override], max_batch_size: int | None) -> list[list[list[str]]]:
         """BasicSweeper.sweep calls this through `self`: the jobs, in batches of `max_batch_size`."""
         from llmexp.config.space import grid_jobs, scale_lr
+        from llmexp.sweep.jobs import exit_2_on_user_error
 
-        jobs = grid_jobs(overrides, self.zip_keys)
+        jobs = exit_2_on_user_error(grid_jobs, overrides, self.zip_keys)
         config_lr = self.config.lr if self.config is not None and "lr" in self.config else None
-        jobs = scale_lr(jobs, self.lr_scaling, self.base_batch_size, config_lr)
+        jobs = exit_2_on_user_error(scale_lr, jobs, self.lr_scaling, self.base_batch_size, config_lr)
         size = max_batch_size or len(jobs)
         return [jobs[i:i + size] for i in range(0, len(jobs), size)]
 
@@ -103,6 +104,11 @@ class SearchSweeper(Sweeper):
                                                                 task_function=task_function, config=config)
 
     def sweep(self, arguments: list[str]) -> Any:
+        from llmexp.sweep.jobs import exit_2_on_user_error
+
+        return exit_2_on_user_error(self._sweep, arguments)
+
+    def _sweep(self, arguments: list[str]) -> Any:
         from pathlib import Path
 
         from hydra.core.override_parser.overrides_parser import OverridesParser

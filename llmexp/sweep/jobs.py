@@ -20,13 +20,15 @@ import sys
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from llmexp.paths import register_resolvers, write_json_atomic, write_text_atomic
 from llmexp.report.rundir import FINISHED, load_json
 
+T = TypeVar("T")
+
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from hydra.core.utils import JobReturn
 
@@ -76,6 +78,18 @@ def is_llmexp_config(config: Any) -> bool:
     from omegaconf import DictConfig
 
     return all(isinstance(config.get(key, None), DictConfig) for key in ("cluster", "train"))
+
+
+def exit_2_on_user_error(action: Callable[..., T], *args: Any) -> T:
+    """`action(*args)`, a user's mistake inside a launcher or sweeper (Hydra would print it as a traceback and
+    exit 1) printed as one line and exit 2, as the CLI prints its own."""
+    from llmexp.errors import EXIT_USER, UserError
+
+    try:
+        return action(*args)
+    except UserError as err:
+        print(f"llmexp: error: {err}", file=sys.stderr)
+        raise SystemExit(EXIT_USER) from None
 
 
 def compose_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int,

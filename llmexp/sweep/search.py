@@ -73,7 +73,9 @@ def open_study(sweep_dir: Path, space: dict[str, Any], fixed: Sequence[str], sam
 
     study = optuna.create_study(storage=journal_storage(sweep_dir), study_name=STUDY_NAME, sampler=sampler,
                                 pruner=pruner, direction="minimize", load_if_exists=True)
-    identity = {"space": {k: distribution_to_json(d) for k, d in space.items()}, "fixed": list(fixed)}
+    settings = [o for o in fixed if o.split("=")[0].split(".")[0] in ("sweep", "hydra")]  # may change on a rerun
+    identity = {"space": {k: distribution_to_json(d) for k, d in space.items()},
+                "fixed": [o for o in fixed if o not in settings]}
     stored = study.user_attrs.get("search")
     if stored is None:
         study.set_user_attr("search", identity)
