@@ -149,6 +149,15 @@ def test_a_failed_trial_teaches_the_sampler_and_a_crash_does_not() -> None:
 
 # ----------------------------------------------------------------------------- end to end, through the CLI
 
+
+def test_sweep_mistakes_exit_2_and_name_the_key(tmp_path: Path) -> None:
+    unpaired = run_cli(["--multirun", "lr=1e-3,2e-3", "batch_size=4,8,16", "sweep.zip=[lr,batch_size]",
+                        f"hydra.sweep.dir={tmp_path / 's'}"], cwd=tmp_path)
+    assert unpaired.returncode == 2 and "sweep.zip" in unpaired.stderr and "lr: 2, batch_size: 3" in unpaired.stderr
+    assert "Traceback" not in unpaired.stderr and not (tmp_path / "s").exists()
+    grid_pruner = run_cli(["sweep.pruner=asha", "train.max_steps=1"], cwd=tmp_path)
+    assert grid_pruner.returncode == 2 and "sweep.pruner: a pruner stops the trials of a search" in grid_pruner.stderr
+
 RUN = [*TINY, "precision=fp32", "train.max_steps=12", "train.eval_steps=4", "train.save_steps=4",
        "train.warmup_steps=1"]
 ENV = {"OMP_NUM_THREADS": "1"}

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmexp.config.space import search_space, trial_overrides
 from llmexp.config.study import journal_storage, make_pruner
-from llmexp.errors import UserError
+from llmexp.errors import EXIT_USER, UserError
 from llmexp.paths import STUDY_NAME
 from llmexp.report.rundir import FINISHED, load_json
 from llmexp.sweep.jobs import job_dir_of, write_report
@@ -97,6 +97,8 @@ class TrialResult:
     value: float | None = None
     step: int | None = None
     reason: str | None = None
+    user_error: bool = False
+    """The trial exited 2: a mistake in the config or data, which every other trial would repeat."""
 
 
 def read_result(job_dir: Path) -> TrialResult:
@@ -121,7 +123,7 @@ def read_result(job_dir: Path) -> TrialResult:
         return TrialResult("completed", value=float(eval_loss), step=step)
     reason = verdict.get("error") or (f"ended {status} without a finite eval loss" if status in FINISHED
                                       else f"ended {status}")
-    return TrialResult("crashed", step=step, reason=str(reason))
+    return TrialResult("crashed", step=step, reason=str(reason), user_error=verdict.get("exit_code") == EXIT_USER)
 
 
 def tell(study: Any, trial: optuna.Trial, result: TrialResult) -> None:
@@ -217,6 +219,9 @@ def _run_batch(sweeper: Any, study: Any, batch: list[optuna.Trial], sweep_dir: P
             interrupted = True  # stays RUNNING: a rerun resumes it from its checkpoint
             continue
         tell(study, trial, result)
+        if result.user_error:
+            raise UserError(f"trial {trial.number} stopped on a mistake that every trial would repeat, so the search "
+                            f"stops: {result.reason}")
         shown = f"{result.value:.4f}" if result.value is not None else result.reason or f"step {result.step}"
         log.info(f"  trial {trial.number} {result.status}: {shown}")
     if interrupted:
