@@ -245,18 +245,21 @@ def ended_before(spec: JobSpec) -> JobOutcome | None:
     to another sweep, which is refused rather than mixed into this one's report.
     """
     from llmexp.errors import STATUS_EXIT, UserError
+    from llmexp.redact import scrub_overrides
     from llmexp.report.rundir import load_overrides
 
+    recorded = load_overrides(spec.job_dir)
+    if not recorded:
+        return None  # no earlier launch of this job (a lock held by anything else fails the job, as always)
+    if recorded != scrub_overrides(spec.overrides):
+        raise UserError(f"{spec.job_dir} holds a job of another sweep ({' '.join(recorded)}), not this sweep's job "
+                        f"#{spec.num} ({' '.join(spec.overrides)}); rerun that sweep's command, or pick a new "
+                        "hydra.sweep.dir")
     _wait_for_holder(spec.job_dir)
     status = run_status(spec.job_dir)
     verdict = (load_json(spec.job_dir / "job_status.json") or {}).get("status", status)
     if status not in ENDED or verdict != status:
         return None
-    recorded = load_overrides(spec.job_dir)
-    if recorded != spec.overrides:
-        raise UserError(f"{spec.job_dir} holds a job of another sweep ({' '.join(recorded)}), not this sweep's job "
-                        f"#{spec.num} ({' '.join(spec.overrides)}); rerun that sweep's command, or pick a new "
-                        "hydra.sweep.dir")
     return JobOutcome(spec.num, status, STATUS_EXIT[status], None)
 
 
