@@ -51,3 +51,5 @@ class Run:
     state: LoopState = field(default_factory=LoopState)
     train_data: Any = None
     """The train set: a checkpoint asks it for its `position` (a stream's window start)."""
+    resumed_from_world_size: int | None = None
+    """The number of processes that saved the checkpoint this run resumed from (None: not resumed)."""
