@@ -1,6 +1,6 @@
 """One process's set-up for a run: devices and processes (Accelerate), the resolved precision, the
-batch plan, the step engine (plain, DeepSpeed or FSDP: `llmexp.train.engine`, `llmexp.train.fsdp`), the model and optimizer,
-and the facts and metric records that describe them (parameters, MFU, throughput).
+batch plan, the step engine (plain, DeepSpeed or FSDP: `llmexp.train.engine`, `llmexp.train.fsdp`), the
+model and optimizer, and the facts and metric records that describe them (parameters, MFU, throughput).
 """
 
 from __future__ import annotations
@@ -187,7 +187,8 @@ class Runtime:
         facts: dict[str, Any] = {
             "run_dir": str(self.run_dir), "model": c.model.name, "model_path": c.model.name_or_path,
             "data": c.data.name, "max_length": c.data.max_length, "max_steps": max_steps,
-            "batch_size": self.plan.micro, "world_size": self.plan.world, "fsdp": c.fsdp.name, "optimizer": c.optimizer.name,
+            "batch_size": self.plan.micro, "world_size": self.plan.world, "fsdp": c.fsdp.name,
+            "optimizer": c.optimizer.name,
             "scheduler": c.scheduler.name, "precision_requested": c.precision.name, "device": self.device.type,
             "peak_tflops": self.peak_tflops}
         if self.bf16_warning:
