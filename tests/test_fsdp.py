@@ -197,7 +197,7 @@ def test_zero_refuses_another_world_size_by_name() -> None:
         _check_world_size(run, 4)
     run.rt.engine = PlainEngine
     _check_world_size(run, 4)  # DDP: replicated state, resumes on any number
-    assert "saved by 4 processes on 2" in lines[0]
+    assert "saved by 4 process(es) on 2" in lines[0]
 
 
 @pytest.mark.slow  # one tiny 3-step process: the GPU script's path, not its figures
@@ -209,3 +209,19 @@ def test_gpu_fsdp_script_tiny_cpu_path(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     table = (tmp_path / "fsdp_gpu.md").read_text()
     assert "| fsdp | full_shard |" in table and "| tokens/s |" in table and "| peak memory |" in table
+
+
+def test_checkpoint_kinds_do_not_mix(tmp_path: Path) -> None:
+    """A DDP checkpoint under fsdp, or an FSDP one (dcp/) under fsdp=none, exits 2 naming the option,
+    before anything is loaded (the engines on stand-in accelerators: nothing collective runs)."""
+    from llmexp.config.derived import BatchPlan
+    from llmexp.train.engine import PlainEngine
+    from llmexp.train.fsdp import FsdpEngine
+
+    plain = PlainEngine(SimpleNamespace(), "fp32", 1.0, 1)
+    with pytest.raises(UserError, match="saved with FSDP"):
+        plain.load_state(None, None, {"dcp": tmp_path, "model": None, "optimizer": None})  # type: ignore[arg-type]
+    plan = BatchPlan(micro=4, accum=1, world=1, fixed_steps=4, epochs=1.0)
+    fsdp = FsdpEngine(SimpleNamespace(), "fp32", plan, "full_shard", False)
+    with pytest.raises(UserError, match="saved without FSDP"):
+        fsdp.load_state(None, None, {"dcp": None, "model": {}, "optimizer": {}})  # type: ignore[arg-type]

@@ -131,7 +131,9 @@ def _check_fits(run: Run, path: Path, payload: dict[str, Any]) -> None:
     (groups, moment shapes) fit this run's model, so nothing is applied from a checkpoint that
     would fail half-way through loading."""
     saved = payload["model"]
-    if saved is None:  # FSDP's dcp/: dcp.load checks every shard's shape against the model
+    # FSDP's dcp/: dcp.load checks every shard's shape. A checkpoint of the other kind passes here so that
+    # the engine's load_state names the mismatch (exit 2) instead of resume=auto falling back past it.
+    if saved is None or run.rt.engine.sharded_checkpoints:
         return
     live = run.rt.engine.checkpoint_weights(run.model)
     file = path / "model.safetensors"
@@ -258,7 +260,7 @@ def _check_world_size(run: Run, saved: int | None) -> None:
         from llmexp.train.engine import zero_world_mismatch
 
         raise zero_world_mismatch(saved, rt.plan.world)
-    run.log.write(f"resuming a checkpoint saved by {saved} processes on {rt.plan.world}: the global batch is "
+    run.log.write(f"resuming a checkpoint saved by {saved} process(es) on {rt.plan.world}: the global batch is "
                   f"{rt.plan.global_batch} as before, so the run continues as an uninterrupted {rt.plan.world}-process "
                   "run would (up to fp32 reduction order)")
 
