@@ -243,8 +243,9 @@ class DeepSpeedConfig:
 
 @dataclass
 class FsdpConfig:
-    """PyTorch FSDP2 (`fully_shard`) through Accelerate's FSDP plugin: each decoder layer is one unit;
-    its mixed precision follows `precision` and its activation checkpointing `model.gradient_checkpointing`."""
+    """PyTorch FSDP2 (torch's `fully_shard`; Accelerate's plugin is off on CPU and one process, see
+    `llmexp.train.fsdp`): each decoder layer is one unit; its mixed precision follows `precision` and its
+    activation checkpointing `model.gradient_checkpointing`. Checkpoints go through DCP and reshard on load."""
 
     name: str = "none"
     """none (DDP when several processes run), full_shard (parameters, gradients and optimizer state

@@ -362,6 +362,34 @@ def _validate_groups(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet
            "sample from model/ after the run")
     _validate_peft(cfg, errors)
     _validate_sweep(cfg.sweep, errors)
+    _validate_fsdp(cfg, errors)
+
+
+def _validate_fsdp(cfg: DictConfig, errors: list[str]) -> None:
+    """`fsdp`: the option name, and the combinations that cannot work, each with the reason and the fix."""
+    fs = cfg.fsdp
+    _choice(errors, fs.name, "fsdp.name", FSDP_STRATEGIES)
+    if fs.name == "none":
+        _check(errors, not fs.cpu_offload, "fsdp.cpu_offload",
+               "offloads FSDP's shards, and fsdp=none shards nothing; use fsdp=full_shard fsdp.cpu_offload=true")
+        return
+    _check(errors, cfg.deepspeed.stage == 0, "deepspeed",
+           f"fsdp={fs.name} and deepspeed={cfg.deepspeed.name} both shard the model; pick one: deepspeed=none "
+           "with fsdp (its checkpoints resume on another number of processes), or fsdp=none with deepspeed")
+    _check(errors, not cfg.optimizer.name.endswith("8bit"), "optimizer",
+           f"{cfg.optimizer.name} keeps its state in bitsandbytes' own blocks, which FSDP cannot shard "
+           "(bitsandbytes #1403); use optimizer=adamw (or lion) with fsdp, or fsdp=none")
+    _check(errors, cfg.precision.name != "fp16", "precision",
+           "fp16 under FSDP needs a sharded loss scaler, which llmexp does not wire; use precision=bf16 "
+           "(or fp32), or fsdp=none for fp16")
+    _check(errors, cfg.peft.name == "none", "peft",
+           f"peft={cfg.peft.name} with fsdp is not supported: adapters and their optimizer state are small, "
+           "so use fsdp=none (DDP for several GPUs)")
+    _check(errors, cfg.train.on_anomaly != "rollback", "train.on_anomaly",
+           "rollback is not supported under fsdp; use train.on_anomaly=skip or stop")
+    _check(errors, not cfg.train.sample_prompts, "train.sample_prompts",
+           "samples are generated on one process, and FSDP shards the weights over all of them; drop "
+           "train.sample_prompts, or sample from model/ after the run")
 
 
 def _validate_mix(d: DictConfig, errors: list[str]) -> None:

@@ -60,7 +60,7 @@ def accelerator_kwargs(cfg: DictConfig, plan: BatchPlan, precision: str) -> dict
         # The launcher's DeepSpeed fields were checked to agree (check_launch_env); our config replaces them.
         os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser(TORCH_EXTENSIONS_DIR))
-        _single_process_env()
+        single_process_env()
         ds_config = deepspeed_config(cfg, micro=plan.micro, accum=plan.accum, world=plan.world,
                                      precision=precision, cuda=torch.cuda.is_available())
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds_config)
@@ -90,7 +90,7 @@ def check_launch_env(cfg: DictConfig, env: dict[str, str]) -> None:
                         "deepspeed_config_file from the accelerate config.")
 
 
-def _single_process_env() -> None:
+def single_process_env() -> None:
     """DeepSpeed initialises torch.distributed even for one process and, without a launcher's
     variables, goes looking for MPI; give a plain `python -m llmexp` a one-rank world instead."""
     if "WORLD_SIZE" in os.environ:

@@ -21,6 +21,9 @@ Under ZeRO, DeepSpeed's own `save_checkpoint`/`load_checkpoint` would read back 
 moments, loss scale) is converted to tensors and plain data and saved as `zero_rank<R>.pt` through
 `checkpoint.serialize.save_state`, which loads back with `weights_only=True`; ZeRO's own
 `load_state_dict` then restores it. Resuming a ZeRO checkpoint needs the same number of processes.
+
+`FsdpEngine` (FSDP2, `llmexp.train.fsdp`) shards the model before the optimizer is built (`shard`)
+and keeps Accelerate's wrappers out (`prepare`); its checkpoints go through DCP (`load_state`).
 """
 
 from __future__ import annotations
@@ -58,11 +61,28 @@ class PlainEngine:
     """True when no rank holds whole parameters (ZeRO-3): shapes cannot be checked before a load."""
     trainable_only = False
     """True with adapters: checkpoints hold only the trainable weights (`checkpoint_weights`)."""
+    collective_forward = False
+    """True when every forward is collective (FSDP all-gathers): every rank must run as many."""
+    sharded_checkpoints = False
+    """True when checkpoints hold a DCP `dcp/` directory (FSDP) instead of model and optimizer files."""
+    reshardable = True
+    """True when a checkpoint resumes on another number of processes (DDP: replicated state; FSDP: DCP)."""
 
     def __init__(self, accelerator: Any, precision: str, init_scale: float, growth_interval: int) -> None:
         self.accelerator = accelerator
         self.scaler = (torch.amp.GradScaler(accelerator.device.type, init_scale=init_scale,
                                             growth_interval=growth_interval) if precision == "fp16" else None)
+
+    def shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model as the optimizer must see it (FSDP shards it here); before the optimizer is built."""
+        return model
+
+    def prepare(self, model: torch.nn.Module, optimizer: Any) -> tuple[torch.nn.Module, Any]:
+        return self.accelerator.prepare(model, optimizer)  # DDP, or the DeepSpeed engine
+
+    def no_sync(self, model: torch.nn.Module) -> AbstractContextManager[Any]:
+        """Around every micro-batch but the last: no gradient reduction yet."""
+        return self.accelerator.no_sync(model)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.accelerator.backward(self.scaler.scale(loss) if self.scaler is not None else loss)
@@ -96,6 +116,10 @@ class PlainEngine:
         """Whole weights when they must be gathered first (collective: every rank calls); None: use `lm`'s."""
         return None
 
+    def final_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """The weights `model/` gets (collective); None: the model's own."""
+        return self.full_weights(model)
+
     def checkpoint_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The weights a checkpoint holds: all of them, or with adapters only the trainable ones. The
         frozen base is rebuilt identically on resume (loaded from `model.name_or_path`, or initialised
@@ -108,6 +132,15 @@ class PlainEngine:
 
     def optimizer_writer(self, optimizer: Any, run_dir: Path, step: int) -> OptimizerWriter:
         return lambda tmp: serialize.save_state(tmp / "optimizer.pt", optimizer.state_dict())
+
+    def load_state(self, model: torch.nn.Module, optimizer: Any, payload: dict[str, Any]) -> None:
+        """Weights and optimizer state from a checked payload (`llmexp.train.resume`)."""
+        if payload["dcp"] is not None:
+            raise UserError("this checkpoint was saved with FSDP (it holds dcp/); resume it with the fsdp option it "
+                            "was saved with (any of full_shard, shard_grad_op, hybrid_shard), or start afresh with "
+                            "train.resume=never")
+        self.load_weights(model, payload["model"])
+        self.load_optimizer(optimizer, payload)
 
     def load_weights(self, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
         # with adapters the frozen base is missing by design (`checkpoint_weights`); resume checked the rest
@@ -126,6 +159,13 @@ class PlainEngine:
             self.scaler.load_state_dict(state)
 
 
+def zero_world_mismatch(saved: int, now: int) -> UserError:
+    return UserError(f"this DeepSpeed ZeRO checkpoint was saved by {saved} processes and cannot be resumed on {now}: "
+                     "ZeRO partitions are per rank and DeepSpeed cannot repartition them (DeepSpeed #2898). Resume "
+                     f"on {saved} processes, or start afresh with train.resume=never; for runs whose allocation may "
+                     "change, train with fsdp=full_shard (deepspeed=none), whose DCP checkpoints reshard on load")
+
+
 def _zero_mismatch(saved_with_zero: bool) -> UserError:
     saved = "with" if saved_with_zero else "without"
     return UserError(f"this checkpoint was saved {saved} DeepSpeed ZeRO and cannot be resumed "
@@ -137,6 +177,7 @@ class DeepSpeedEngine(PlainEngine):
     """A DeepSpeed ZeRO engine, prepared by Accelerate (its config: `llmexp.train.distributed`)."""
 
     steps_in_clip = True
+    reshardable = False  # ZeRO's partitions are per rank; DeepSpeed cannot repartition them (DeepSpeed #2898)
 
     def __init__(self, accelerator: Any, precision: str, plan: BatchPlan, stage: int) -> None:
         self.accelerator = accelerator
@@ -220,8 +261,7 @@ class DeepSpeedEngine(PlainEngine):
         if shard is None:
             raise _zero_mismatch(saved_with_zero=False)
         if shard["world_size"] != self.plan.world:
-            raise UserError(f"this DeepSpeed checkpoint was saved by {shard['world_size']} processes; resume it "
-                            f"with the same number (got {self.plan.world}), or start afresh with train.resume=never")
+            raise zero_world_mismatch(shard["world_size"], self.plan.world)
         zero = inner_optimizer(optimizer)
         state = dict(shard["zero"])
         scaler = zero.loss_scaler

@@ -100,7 +100,7 @@ def _save_final(run: Run, tokenizer: Any, status: str) -> str:
     if not save_state_checkpoint(run):
         return "failed"
     rt = run.rt
-    weights = rt.engine.full_weights(run.model)  # ZeRO-3: collective, so every rank gathers; else None
+    weights = rt.engine.final_weights(run.model)  # ZeRO-3 and FSDP: collective, so every rank gathers; else None
     full: ckpt.DiskFull | None = None
     if rt.is_main:
         try:
@@ -128,7 +128,8 @@ def build_summary(run: Run, status: str) -> dict[str, Any]:
         "lr": run.peak_lr, "lr_source": run.lr_source, "num_params": rt.num_params,
         "total_params": rt.total_params, "precision": rt.precision,
         "global_batch_size": rt.plan.global_batch, "gradient_accumulation_steps": rt.plan.accum,
-        "world_size": rt.plan.world, "peak_mem_mb": peak_mb, "skipped_steps": state.skipped_steps,
+        "world_size": rt.plan.world, "resumed_from_world_size": run.resumed_from_world_size,
+        "fsdp": rt.cfg.fsdp.name, "peak_mem_mb": peak_mb, "skipped_steps": state.skipped_steps,
         "rollbacks": state.rollbacks, "compile_time_s": rt.compile_time_s, "time_s": rt.elapsed(),
         "overrides": list(HydraConfig.get().overrides.task), "findings": findings,
     }

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
-from llmexp.checkpoint import serialize
+from llmexp.checkpoint import dcp, serialize
 from llmexp.checkpoint import store as ckpt
 from llmexp.errors import UserError
 from llmexp.train.state import LoopState, Run
@@ -54,7 +54,8 @@ def save_state_checkpoint(run: Run) -> bool:
     if rt.is_main:
         def write(tmp: Path) -> None:
             tensors = weights if weights is not None else engine.checkpoint_weights(model)
-            serialize.save_tensors(tmp / "model.safetensors", tensors)
+            if tensors:  # FSDP: the weights are in dcp/, with the optimizer state
+                serialize.save_tensors(tmp / "model.safetensors", tensors)
             write_optimizer(tmp)
             for rank, rng in enumerate(rng_states):
                 serialize.save_state(tmp / serialize.rng_filename(rank), rng)
@@ -81,12 +82,22 @@ def _report_disk_full(err: ckpt.DiskFull, rt: Runtime, log: MetricsLogger) -> No
 
 
 def _load_payload(path: Path, rank: int) -> dict[str, Any]:
-    """Read (and so verify) every file of a checkpoint this rank needs; no pickle code runs."""
+    """Read (and so verify) every file of a checkpoint this rank needs; no pickle code runs.
+
+    An FSDP checkpoint holds `dcp/` instead of model.safetensors and optimizer.pt: its `.metadata` is
+    read here through the restricted unpickler (a refusal falls back like any corrupt file), its
+    shards by `FsdpEngine.load_state`, collectively. The manifest says which files must be there."""
     rng_file = path / serialize.rng_filename(rank)
     zero_file = path / f"zero_rank{rank}.pt"  # DeepSpeed ZeRO: this rank's optimizer shard instead of optimizer.pt
+    model_file, optimizer_file, dcp_dir = path / "model.safetensors", path / "optimizer.pt", path / "dcp"
+    if dcp_dir.is_dir():
+        dcp.read_metadata(dcp_dir)
+    elif not model_file.exists():
+        raise ckpt.CorruptCheckpoint(f"{model_file}: missing (and no dcp/ either)")
     return {
-        "model": serialize.load_tensors(path / "model.safetensors"),
-        "optimizer": serialize.load_state(path / "optimizer.pt") if not zero_file.exists() else None,
+        "model": serialize.load_tensors(model_file) if model_file.exists() else None,
+        "dcp": dcp_dir if dcp_dir.is_dir() else None,
+        "optimizer": serialize.load_state(optimizer_file) if optimizer_file.exists() else None,
         "zero": serialize.load_state(zero_file) if zero_file.exists() else None,
         "rng": serialize.load_state(rng_file) if rng_file.exists() else None,
         "scaler": serialize.load_state(path / "scaler.pt") if (path / "scaler.pt").exists() else None,
@@ -119,8 +130,12 @@ def _check_fits(run: Run, path: Path, payload: dict[str, Any]) -> None:
     """Raise CorruptCheckpoint unless the payload's weights (names, shapes) and optimizer state
     (groups, moment shapes) fit this run's model, so nothing is applied from a checkpoint that
     would fail half-way through loading."""
-    live = run.rt.engine.checkpoint_weights(run.model)
     saved = payload["model"]
+    # FSDP's dcp/: dcp.load checks every shard's shape. A checkpoint of the other kind passes here so that
+    # the engine's load_state names the mismatch (exit 2) instead of resume=auto falling back past it.
+    if saved is None or run.rt.engine.sharded_checkpoints:
+        return
+    live = run.rt.engine.checkpoint_weights(run.model)
     file = path / "model.safetensors"
     missing, unexpected = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
     if missing or unexpected:
@@ -167,7 +182,7 @@ def _apply_payload(run: Run, payload: dict[str, Any], path: Path) -> LoopState:
     leave them half-loaded, so it ends the run (exit 2) rather than fall back or start fresh."""
     try:
         return _apply(run, payload)
-    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as err:
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AssertionError) as err:
         raise ckpt.CorruptCheckpoint(
             f"{path}: passed its checks but could not be loaded ({type(err).__name__}: "
             f"{(str(err).strip().splitlines() or [''])[0][:300]}); resume from an older one with "
@@ -176,8 +191,7 @@ def _apply_payload(run: Run, payload: dict[str, Any], path: Path) -> LoopState:
 
 def _apply(run: Run, payload: dict[str, Any]) -> LoopState:
     engine = run.rt.engine
-    engine.load_weights(run.model, payload["model"])
-    engine.load_optimizer(run.optimizer, payload)
+    engine.load_state(run.model, run.optimizer, payload)
     if payload["rng"] is not None:
         serialize.restore_rng(payload["rng"])
     engine.load_scaler_state(payload["scaler"])
@@ -191,7 +205,8 @@ def resume_key(cfg: DictConfig, rt: Runtime) -> dict[str, Any]:
     return {"lr": str(cfg.lr), "max_steps": cfg.train.max_steps, "global_batch": rt.plan.global_batch,
             "batch_size": cfg.batch_size, "world_size": rt.plan.world, "seed": cfg.seed,
             "optimizer": cfg.optimizer.name, "scheduler": cfg.scheduler.name, "precision": rt.precision,
-            "data": rt.data_fingerprint, "peft": cfg.peft.name, "base_model": base_model_fingerprint(cfg)}
+            "data": rt.data_fingerprint, "peft": cfg.peft.name, "base_model": base_model_fingerprint(cfg),
+            "fsdp": cfg.fsdp.name}
 
 
 def base_model_fingerprint(cfg: DictConfig) -> str:
@@ -220,6 +235,8 @@ def _compare_resume_key(run: Run, path: Path) -> None:
     for key, now in resume_key(run.cfg, run.rt).items():
         if key not in saved_key or saved_key[key] == now:
             continue
+        if key in ("world_size", "fsdp"):  # world_size: `_check_world_size`; fsdp: the engine's load_state
+            continue
         if key == "data":
             _data_mismatch(run.cfg.train, path, saved_key[key], now, run.log)
             continue
@@ -230,6 +247,22 @@ def _compare_resume_key(run: Run, path: Path) -> None:
                             "with train.resume=never")
         run.log.write(f"warning: resuming {path.name} with {key}={now}, but it was saved with {saved_key[key]}; "
                   "the run will not match an uninterrupted one")
+
+
+def _check_world_size(run: Run, saved: int | None) -> None:
+    """Another number of processes than the save's: fine where the checkpoint reshards (DDP's state is
+    replicated, FSDP's DCP reshards on load; the sampler cuts the same global batch for any world size).
+    ZeRO cannot: exit 2 naming the rule, before anything is loaded."""
+    rt = run.rt
+    if saved is None or saved == rt.plan.world:
+        return
+    if not rt.engine.reshardable:
+        from llmexp.train.engine import zero_world_mismatch
+
+        raise zero_world_mismatch(saved, rt.plan.world)
+    run.log.write(f"resuming a checkpoint saved by {saved} process(es) on {rt.plan.world}: the global batch is "
+                  f"{rt.plan.global_batch} as before, so the run continues as an uninterrupted {rt.plan.world}-process "
+                  "run would (up to fp32 reduction order)")
 
 
 def _data_mismatch(train: DictConfig, path: Path, saved: str, now: str, log: MetricsLogger) -> None:
@@ -303,9 +336,13 @@ def load_resume_state(run: Run) -> LoopState | None:
         return None
     path, payload = found
     _compare_resume_key(run, path)
+    saved_world = ckpt.read_manifest(path).get("extra", {}).get("resume_key", {}).get("world_size")
+    _check_world_size(run, saved_world)
     state = _apply_payload(run, payload, path)
+    run.resumed_from_world_size = saved_world
     run.log.reset_history(payload["trainer"]["history"])
-    run.log.log({"event": "resume", "step": state.step, "checkpoint": str(path)})
+    run.log.log({"event": "resume", "step": state.step, "checkpoint": str(path), "world_size": run.rt.plan.world,
+                 "resumed_from_world_size": saved_world})
     return state
 
 

@@ -1,6 +1,6 @@
 """One process's set-up for a run: devices and processes (Accelerate), the resolved precision, the
-batch plan, the step engine (plain or DeepSpeed, `llmexp.train.engine`), the model and optimizer,
-and the facts and metric records that describe them (parameters, MFU, throughput).
+batch plan, the step engine (plain, DeepSpeed or FSDP: `llmexp.train.engine`, `llmexp.train.fsdp`), the
+model and optimizer, and the facts and metric records that describe them (parameters, MFU, throughput).
 """
 
 from __future__ import annotations
@@ -100,10 +100,7 @@ class Runtime:
         self.device = self.accelerator.device
         self.rank, self.is_main = self.accelerator.process_index, self.accelerator.is_main_process
         self.data_seed = cfg.train.seed_data if cfg.train.seed_data is not None else cfg.seed
-        self.engine: PlainEngine = (
-            DeepSpeedEngine(self.accelerator, self.precision, self.plan, cfg.deepspeed.stage)
-            if cfg.deepspeed.stage > 0 else
-            PlainEngine(self.accelerator, self.precision, cfg.precision.init_scale, cfg.precision.growth_interval))
+        self.engine = self._engine(cfg)
         self.num_params = 0
         """Trainable parameters (the adapters' only under peft)."""
         self.total_params = 0
@@ -117,6 +114,15 @@ class Runtime:
         self.started = time.perf_counter()
         self.window = ThroughputWindow()
         self.monitor_settings = MonitorSettings()
+
+    def _engine(self, cfg: DictConfig) -> PlainEngine:
+        if cfg.deepspeed.stage > 0:
+            return DeepSpeedEngine(self.accelerator, self.precision, self.plan, cfg.deepspeed.stage)
+        if cfg.fsdp.name != "none":
+            from llmexp.train.fsdp import FsdpEngine
+
+            return FsdpEngine(self.accelerator, self.precision, self.plan, cfg.fsdp.name, cfg.fsdp.cpu_offload)
+        return PlainEngine(self.accelerator, self.precision, cfg.precision.init_scale, cfg.precision.growth_interval)
 
     # ------------------------------------------------------------------ building
     def build(self, cfg: DictConfig, vocab_size: int) -> tuple[torch.nn.Module, Any, float, str]:
@@ -141,9 +147,9 @@ class Runtime:
         peak_lr, source = resolve_lr(cfg, self.total_params)
         facts = {"model": {"name_or_path": cfg.model.name_or_path}, "train": {"max_grad_norm": cfg.train.max_grad_norm}}
         self.monitor_settings = settings_from_config(facts, lr=peak_lr, precision=self.precision)
-        model = CausalLMLoss(lm)
+        model = self.engine.shard(CausalLMLoss(lm))  # FSDP: before the optimizer sees the parameters
         optimizer = build.build_optimizer(cfg, model, peak_lr, self.device.type)
-        model, optimizer = self.accelerator.prepare(model, optimizer)
+        model, optimizer = self.engine.prepare(model, optimizer)
         if cfg.train.compile:
             model = torch.compile(model)
         return model, optimizer, peak_lr, source
@@ -181,7 +187,8 @@ class Runtime:
         facts: dict[str, Any] = {
             "run_dir": str(self.run_dir), "model": c.model.name, "model_path": c.model.name_or_path,
             "data": c.data.name, "max_length": c.data.max_length, "max_steps": max_steps,
-            "batch_size": self.plan.micro, "world_size": self.plan.world, "optimizer": c.optimizer.name,
+            "batch_size": self.plan.micro, "world_size": self.plan.world, "fsdp": c.fsdp.name,
+            "optimizer": c.optimizer.name,
             "scheduler": c.scheduler.name, "precision_requested": c.precision.name, "device": self.device.type,
             "peak_tflops": self.peak_tflops}
         if self.bf16_warning:

@@ -54,3 +54,5 @@ class Run:
     """The train set: a checkpoint asks it for its `position` (a stream's window start)."""
     pruning: TrialPruning | None = None
     """In a search with a pruner: this job's trial, which each eval reports to (`llmexp.train.pruning`)."""
+    resumed_from_world_size: int | None = None
+    """The number of processes that saved the checkpoint this run resumed from (None: not resumed)."""

@@ -8,7 +8,7 @@
 
 Everything that decides *what* to do lives in components: the schedule (`schedule.lr_at`), the
 anomaly policy (`anomaly.judge_step`), the detectors (`monitor`), the sampler
-(`TokenDataset.step_indices`), the step engine (`engine`: plain or DeepSpeed), checkpoint I/O (`resume`,
+(`TokenDataset.step_indices`), the step engine (`engine`: plain, DeepSpeed or FSDP), checkpoint I/O (`resume`,
 `finish`). The loop only calls them in the right order.
 """
 
@@ -163,7 +163,7 @@ def forward_backward(rt: Runtime, model: torch.nn.Module, train_ds: data_lib.Tok
         batch = {k: v.to(rt.device, non_blocking=True) for k, v in train_ds.get_batch(batch_idx).items()}
         n_tokens += batch["input_ids"].numel()
         # DDP averages gradients over ranks, so scale by world / n_targets to get the global mean.
-        sync = nullcontext() if micro == plan.accum - 1 else rt.accelerator.no_sync(model)
+        sync = nullcontext() if micro == plan.accum - 1 else rt.engine.no_sync(model)
         with sync, rt.autocast():
             micro_sum = model(**batch)
         rt.engine.backward(micro_sum * (plan.world / n_targets))
@@ -179,12 +179,19 @@ def evaluate(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, eval_ds: data
     if cfg.train.eval_batches > 0:
         total_examples = min(total_examples, cfg.train.eval_batches * rt.plan.micro * rt.plan.world)
     sums = torch.zeros(2, device=rt.device)
-    for start in range(rt.rank * rt.plan.micro, total_examples, rt.plan.micro * rt.plan.world):
+    stride = rt.plan.micro * rt.plan.world
+    starts = list(range(rt.rank * rt.plan.micro, total_examples, stride))
+    # FSDP: each forward all-gathers, so every rank runs as many; a rank out of examples repeats one, unsummed.
+    rounds = -(-total_examples // stride) if rt.engine.collective_forward else len(starts)
+    for i in range(rounds):
+        start = starts[i] if i < len(starts) else 0
         idx = torch.arange(start, min(start + rt.plan.micro, total_examples)).numpy()
         batch = {k: v.to(rt.device) for k, v in eval_ds.get_batch(idx).items()}
         with rt.autocast():
-            sums[0] += model(**batch).float()
-        sums[1] += eval_ds.num_targets(idx)
+            loss_sum = model(**batch).float()
+        if i < len(starts):
+            sums[0] += loss_sum
+            sums[1] += eval_ds.num_targets(idx)
     model.train()
     loss_sum, count = rt.reduce_sum(sums).tolist()
     return loss_sum / max(count, 1.0)

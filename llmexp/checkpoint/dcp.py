@@ -1,0 +1,123 @@
+"""Sharded checkpoints through torch.distributed.checkpoint (DCP), read without running pickle code.
+
+DCP writes one `.distcp` file per rank plus a `.metadata` index, and reads them back whatever the
+number of processes now (it reshards). Its stock reader runs pickle code twice:
+
+- `FileSystemReader.read_metadata` calls a plain `pickle.load` on `.metadata`;
+- `DefaultLoadPlanner.load_bytes` calls `torch.load(weights_only=False)` on every non-tensor entry
+  (the optimizer's param groups, for instance).
+
+`SafeReader` reads `.metadata` with `MetadataUnpickler`, which builds only DCP's own metadata
+classes, dtypes, layouts, `torch.Size` and paths, and refuses any other global (so a crafted
+`.metadata` cannot call `os.system`); `SafePlanner` loads the non-tensor entries with
+`torch.load(weights_only=True)`. Tensor data DCP already reads with `weights_only=True`. A refusal
+is a `CorruptCheckpoint` naming the file (exit 2, or the next older checkpoint with resume=auto).
+
+torch is imported inside the functions: this module sits beside the config path.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+from llmexp.checkpoint.serialize import CorruptCheckpoint
+
+METADATA_FILE = ".metadata"
+
+_ALLOWED_GLOBALS: dict[str, frozenset[str]] = {
+    "torch.distributed.checkpoint.metadata": frozenset({
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"}),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch.serialization": frozenset({"_get_layout"}),  # a layout from its name: a lookup, no side effect
+    "torch": frozenset({"Size"}),  # plus every torch.dtype, checked by type below
+    "pathlib": frozenset({"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"}),
+    "collections": frozenset({"OrderedDict"}),
+}
+"""What a DCP `.metadata` written by torch 2.x pickles (found by unpickling one with a logging
+`find_class`); everything else is refused."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP metadata and refuses every other global."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if name in _ALLOWED_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refused global {module}.{name}: not part of DCP's metadata")
+
+
+def read_metadata(directory: Path, rank: int | None = None) -> Any:
+    """The checkpoint's DCP `Metadata`, unpickled safely; CorruptCheckpoint naming the file otherwise."""
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    file = Path(directory) / (METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
+    try:
+        with open(file, "rb") as f:
+            metadata = MetadataUnpickler(f).load()
+    except Exception as err:  # UnpicklingError (refused), EOFError (truncated), OSError, ...
+        first_line = (str(err).strip().splitlines() or [""])[0][:300]
+        raise CorruptCheckpoint(f"{file}: cannot be loaded safely ({type(err).__name__}: {first_line})") from None
+    if not isinstance(metadata, Metadata):
+        raise CorruptCheckpoint(f"{file}: holds a {type(metadata).__name__}, not DCP metadata")
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    return metadata
+
+
+def safe_reader(directory: Path) -> Any:
+    """A `FileSystemReader` whose `.metadata` goes through `MetadataUnpickler`."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            metadata = read_metadata(Path(self.path), kwargs.get("rank"))
+            metadata.storage_meta.load_id = self.load_id  # what the stock reader sets too
+            return metadata
+
+    return SafeReader(directory)
+
+
+def safe_planner() -> Any:
+    """A `DefaultLoadPlanner` that loads non-tensor entries with `torch.load(weights_only=True)`."""
+    import torch
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element  # what the stock load_bytes uses
+    from torch.distributed.checkpoint.planner import ReadItem
+
+    class SafePlanner(DefaultLoadPlanner):
+        # The stock load_bytes, with weights_only=True (it has no switch for it).
+        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+            fqn = read_item.dest_index.fqn
+            try:
+                obj = torch.load(value, weights_only=True)
+            except Exception as err:
+                raise CorruptCheckpoint(f"DCP entry {fqn}: cannot be loaded safely ({type(err).__name__}: "
+                                        f"{(str(err).strip().splitlines() or [''])[0][:200]})") from None
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    return SafePlanner()
+
+
+def save(state: dict[str, Any], directory: Path) -> None:
+    """`dcp.save` of a (sharded) state dict into `directory` (collective: every rank calls)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=str(directory))
+
+
+def load(state: dict[str, Any], directory: Path) -> None:
+    """`dcp.load` into `state` in place (collective), through `safe_reader` and `safe_planner`."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state, storage_reader=safe_reader(directory), planner=safe_planner())

@@ -1,0 +1,188 @@
+"""The FSDP2 step engine: every decoder layer and the model root sharded with torch's `fully_shard`,
+checkpoints through torch.distributed.checkpoint (DCP), which reshards on load.
+
+Why torch's `fully_shard` and not Accelerate's FSDP plugin: Accelerate 1.15 turns the plugin on only
+for multi-accelerator runs (MULTI_GPU, MULTI_XPU, ...; `AcceleratorState.__init__`), so on CPU and on
+one process it silently drops it and runs DDP or nothing. One code path, sharded the same way on
+one process, on CPU with gloo (the tests) and on GPUs, is worth more than the plugin's wrapping.
+
+- `fsdp.name`: full_shard (parameters re-sharded after the forward), shard_grad_op (kept gathered
+  from the forward to the backward: more memory, fewer all-gathers), hybrid_shard (a 2-D mesh:
+  sharded within a node, `LOCAL_WORLD_SIZE` ranks; replicated across nodes).
+- mixed precision follows `precision`: bf16 gathers bf16 parameters and reduces gradients in fp32
+  (the sharded master weights stay fp32); fp32 changes nothing. fp16 is refused by validation
+  (it would need a sharded loss scaler).
+- activation checkpointing follows `model.gradient_checkpointing` (transformers' non-reentrant
+  checkpointing inside each layer, set by `build.build_model`; it composes with fully_shard).
+- the loop's loss is scaled by world / target tokens, because FSDP2's reduce-scatter averages over
+  ranks exactly as DDP's all-reduce does; accumulation skips that reduce-scatter until the last
+  micro-batch (`no_sync`).
+- a checkpoint holds `dcp/` (each rank's shard of weights and optimizer state, and `.metadata`),
+  written to a staging directory by every rank and moved into the checkpoint by rank 0, so the
+  checkpoint is still published by one rename and listed in the manifest. It loads on any number
+  of processes, through `llmexp.checkpoint.dcp`'s pickle-free reader.
+- `model/` is the full state dict gathered to rank 0 (CPU), saved as safetensors.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmexp.checkpoint import dcp
+from llmexp.checkpoint.serialize import CorruptCheckpoint
+from llmexp.config.derived import BatchPlan
+from llmexp.errors import UserError
+from llmexp.train.engine import OptimizerWriter, PlainEngine
+
+DCP_DIR = "dcp"
+"""The directory inside `checkpoints/step_<N>/` that holds the DCP checkpoint."""
+
+
+def ensure_process_group() -> None:
+    """fully_shard needs a process group even for one process: give a plain `python -m llmexp` one."""
+    import torch.distributed as dist
+
+    from llmexp.train.distributed import single_process_env
+
+    if not dist.is_initialized():
+        single_process_env()
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+class FsdpEngine(PlainEngine):
+    """FSDP2 through torch's `fully_shard`; the optimizer is a plain torch optimizer over DTensors."""
+
+    collective_forward = True
+    sharded_checkpoints = True
+
+    def __init__(self, accelerator: Any, precision: str, plan: BatchPlan, strategy: str, cpu_offload: bool) -> None:
+        self.accelerator = accelerator
+        self.scaler = None
+        self.precision = precision
+        self.plan = plan
+        self.strategy = strategy
+        self.cpu_offload = cpu_offload
+        self.model: torch.nn.Module | None = None  # the sharded model, for the checkpoint writer
+
+    # ------------------------------------------------------------------ building
+    def _mesh(self) -> Any:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device = self.accelerator.device.type
+        if self.strategy != "hybrid_shard":
+            return init_device_mesh(device, (self.plan.world,), mesh_dim_names=("shard",))
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.plan.world))
+        if self.plan.world % per_node:
+            raise UserError(f"fsdp=hybrid_shard shards within a node: {self.plan.world} processes do not split into "
+                            f"nodes of LOCAL_WORLD_SIZE={per_node}; use fsdp=full_shard")
+        return init_device_mesh(device, (self.plan.world // per_node, per_node),
+                                mesh_dim_names=("replicate", "shard"))
+
+    def shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        """fully_shard each decoder layer (transformers' `_no_split_modules`), then the root."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        ensure_process_group()
+        lm = model.lm  # type: ignore[attr-defined]  # CausalLMLoss
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if self.precision == "bf16" else MixedPrecisionPolicy())
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else OffloadPolicy()
+        kwargs = {"mesh": self._mesh(), "mp_policy": mp, "offload_policy": offload,
+                  "reshard_after_forward": self.strategy != "shard_grad_op"}
+        unit_names = set(getattr(lm, "_no_split_modules", None) or ())
+        layers = [m for m in lm.modules() if type(m).__name__ in unit_names]
+        if not layers:
+            raise UserError(f"fsdp={self.strategy}: found no decoder layers to shard in {type(lm).__name__} "
+                            "(transformers' _no_split_modules is empty); use fsdp=none")
+        for layer in layers:
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        self.model = model
+        return model
+
+    def prepare(self, model: torch.nn.Module, optimizer: Any) -> tuple[torch.nn.Module, Any]:
+        return model, optimizer  # already sharded; Accelerate's DDP wrapper must stay out
+
+    # ------------------------------------------------------------------ the step
+    @contextmanager
+    def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
+        """Accumulate unsharded gradients; the last micro-batch reduce-scatters them once."""
+        inner: Any = getattr(model, "_orig_mod", model)
+        inner.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            inner.set_requires_gradient_sync(True)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def unscale_and_clip(self, model: torch.nn.Module, optimizer: Any, max_norm: float) -> torch.Tensor:
+        """The global pre-clip norm over the sharded gradients (a DTensor, made whole), and the clip."""
+        import math
+
+        limit = max_norm if max_norm > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], limit)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    # ------------------------------------------------------------------ checkpoints
+    def lm(self, model: torch.nn.Module) -> torch.nn.Module:
+        return getattr(model, "_orig_mod", model).lm
+
+    def checkpoint_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {}  # the weights are in dcp/, written by `optimizer_writer`
+
+    def final_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """The full weights gathered to rank 0 on the CPU (collective); {} on the other ranks."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(getattr(model, "_orig_mod", model),
+                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {k.removeprefix("lm."): v for k, v in state.items()}
+
+    def _state(self, optimizer: Any) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        assert self.model is not None, "shard() builds the model first"
+        model_state, optim_state = get_state_dict(self.model, optimizer)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def optimizer_writer(self, optimizer: Any, run_dir: Path, step: int) -> OptimizerWriter:
+        """Every rank writes its shard with dcp.save into a staging dir beside the checkpoints
+        (collective, same filesystem); rank 0 then moves it into the checkpoint it publishes."""
+        staging = run_dir / ".fsdp_dcp" / f"step_{step}"
+        if self.accelerator.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)  # a crashed save's leftover
+        self.accelerator.wait_for_everyone()
+        dcp.save(self._state(optimizer), staging)
+        self.accelerator.wait_for_everyone()
+
+        def move(checkpoint_tmp: Path) -> None:
+            os.replace(staging, checkpoint_tmp / DCP_DIR)
+            shutil.rmtree(staging.parent, ignore_errors=True)
+
+        return move
+
+    def load_state(self, model: torch.nn.Module, optimizer: Any, payload: dict[str, Any]) -> None:
+        """dcp.load into this run's shards, whatever the number of processes that saved them."""
+        from torch.distributed.checkpoint.api import CheckpointException
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        if payload["dcp"] is None:
+            raise UserError("this checkpoint was saved without FSDP (fsdp=none or deepspeed); resume it with the "
+                            "options it was saved with, or start afresh with train.resume=never")
+        state = self._state(optimizer)
+        try:
+            dcp.load(state, payload["dcp"])
+        except CheckpointException as err:  # a BaseException in torch: turn it into the user's error
+            refused = [e[0] for e in err.failures.values() if isinstance(e[0], CorruptCheckpoint)]
+            raise refused[0] if refused else RuntimeError(str(err).splitlines()[-1][:300]) from None
+        set_state_dict(self.model or model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
