@@ -152,10 +152,13 @@ RANGES: dict[str, Range] = {
     "train.early_stopping_patience": _at_least(0, "(0 disables)"),
     "train.peak_tflops": Range(low=0, low_open=True, note="(or null to measure it)"),
     "train.seed_data": Range(low=0, high=SEED_MAX, note="(or null to use seed)"),
-    "batch_size": _at_least(1),
     "seed": Range(low=0, high=SEED_MAX),
 }
-"""The bounds of every int and float field of `llmexp.config.schema.Config` (`lr` is checked by `parse_lr`)."""
+"""The bounds of every int and float field of `llmexp.config.schema.Config` (`lr` is checked by `parse_lr`,
+`batch_size` by `parse_batch_size`)."""
+
+BATCH_SIZE_RANGE = _at_least(1)
+"""`batch_size` when it is a number (it may also be `auto`)."""
 
 NON_FINITE_OK: frozenset[str] = frozenset()
 """Float keys whose docstring gives inf or NaN a meaning; none does today."""
@@ -184,6 +187,15 @@ def parse_lr(value: Any) -> float | None:
     if isinstance(value, bool):
         raise ValueError(value)
     return float(value)
+
+
+def parse_batch_size(value: Any) -> int | None:
+    """`batch_size` as an int >= 1, None for `auto`; raises ValueError for anything else."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not BATCH_SIZE_RANGE.contains(value):
+        raise ValueError(value)
+    return value
 
 
 def _unwrap(tp: Any) -> Any:
@@ -274,6 +286,11 @@ def _number_errors(cfg: DictConfig) -> dict[str, str]:
             bad["lr"] = f"lr: must be > 0 and finite, or auto; got {cfg.lr}; try lr=3e-4"
     except (TypeError, ValueError):
         bad["lr"] = f"lr: {cfg.lr!r} is not a number or auto; try lr=3e-4 or lr=auto"
+    try:
+        parse_batch_size(cfg.batch_size)
+    except ValueError:
+        bad["batch_size"] = (f"batch_size: must be an integer >= 1 or auto, got {cfg.batch_size!r}; "
+                             "e.g. batch_size=4, or batch_size=auto for the largest that fits in memory")
     betas = cfg.optimizer.betas
     numbers = [b for b in betas if isinstance(b, int | float) and not isinstance(b, bool)]
     if len(betas) != 2 or len(numbers) != 2 or not all(math.isfinite(b) and BETAS_RANGE.contains(b) for b in numbers):
@@ -316,6 +333,10 @@ def validate(cfg: DictConfig | Config) -> None:
     _check(errors, t.resume in ("auto", "never") or bool(t.resume), "train.resume",
            "must be auto, never, or a checkpoint path")
     _validate_groups(cfg, errors, bad.keys())
+    if "batch_size" not in bad and parse_batch_size(cfg.batch_size) is None and cfg.deepspeed.stage > 0:
+        errors.append(f"batch_size=auto does not work with deepspeed={cfg.deepspeed.name}: DeepSpeed fixes the "
+                      "micro-batch in its config before the model exists; set batch_size to a number "
+                      "(python -m llmexp.estimate batch_size=auto shows what fits)")
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
 

@@ -28,8 +28,9 @@ from llmexp.data.tokenizer import load_tokenizer
 from llmexp.metrics import safe_exp
 from llmexp.train import samples
 from llmexp.train.anomaly import judge_step, report_findings
+from llmexp.train.autobatch import choose_batch_size
 from llmexp.train.finish import finish_run
-from llmexp.train.resume import load_resume_state, rollback, save_state_checkpoint
+from llmexp.train.resume import load_resume_state, rollback, save_state_checkpoint, saved_auto_batch
 from llmexp.train.runtime import Runtime, setup_runtime
 from llmexp.train.schedule import lr_at, warmup_steps_for
 from llmexp.train.state import LoopState, Run
@@ -62,12 +63,16 @@ def _train(cfg: DictConfig) -> RunResult:
     build = stream_lib.build_stream_datasets if cfg.data.streaming else data_lib.build_datasets  # stream: uncached
     train_ds, eval_ds, data_stats = build(cfg, tokenizer)
     rt.data_fingerprint = str(data_stats["data_cache_key"])  # in each checkpoint: a resume on other data is caught
+    if cfg.batch_size == "auto":  # before anything reads the plan: the checkpoint's choice, else estimate + probe
+        saved = saved_auto_batch(cfg, rt.run_dir)
+        rt.auto_batch = choose_batch_size(cfg, rt, len(tokenizer), len(train_ds), saved).record()
     model, optimizer, peak_lr, lr_source = rt.build(cfg, len(tokenizer))
     max_steps = rt.plan.max_steps(len(train_ds))
     warmup = warmup_steps_for(max_steps, cfg.train.warmup_ratio, cfg.train.warmup_steps)
     log = rt.logger(max_steps)
     run = Run(cfg, rt, model, optimizer, log, peak_lr=peak_lr, lr_source=lr_source, train_data=train_ds)
     run.state = state = load_resume_state(run) or LoopState()
+    state.batch_size_auto = rt.auto_batch or {}  # checkpoints keep the choice
     train_ds.restore(state.data_state)  # a stream continues at its checkpoint's window; the cached data is stateless
     state.num_examples = len(train_ds)  # 0 for a stream: its length is unknown
     status = "completed"
