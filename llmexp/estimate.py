@@ -195,7 +195,7 @@ def estimate(cfg: DictConfig, *, num_params: int, precision: str, world: int,
 
     `micro_batch` replaces `batch_size` (which may be `auto`: 1 then); under FSDP `units` (default: read
     off the meta model) and `shards` (default: world; hybrid_shard: LOCAL_WORLD_SIZE) may be given."""
-    from llmexp.config.validation import parse_batch_size
+    from llmexp.config.derived import parse_batch_size
 
     micro = micro_batch or parse_batch_size(cfg.batch_size) or 1
     if adapters is not None:

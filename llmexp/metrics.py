@@ -346,7 +346,8 @@ def _auto_batch_line(a: dict[str, Any]) -> str:
     probed = ", ".join(f"{p.get('micro')} {'fits' if p.get('fits') else 'too large'} ({p.get('peak_mb', 0):,.0f} MiB)"
                        for p in a.get("probed", []))
     return (f"batch      batch_size=auto: {a.get('chosen')} per device (estimate allows up to {a.get('upper_bound')} "
-            f"of {a.get('budget_mb', 0):,.0f} MiB; probed {probed or 'on another rank'})")
+            f"of {a.get('budget_mb', 0):,.0f} MiB; probed {probed or 'on another rank'} "
+            f"in {a.get('search_s', 0):.1f} s)")
 
 
 def format_line(r: dict[str, Any]) -> str | None:

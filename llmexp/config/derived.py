@@ -12,9 +12,8 @@ import os
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from llmexp.config.validation import parse_batch_size
 from llmexp.errors import UserError
 
 if TYPE_CHECKING:
@@ -39,6 +38,15 @@ def mix_quotas(weights: list[float]) -> list[int]:
 def world_size_from_env() -> int:
     """Processes in this launch, as torchrun / accelerate launch / SLURM tell every rank."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def parse_batch_size(value: Any) -> int | None:
+    """`batch_size` as an int >= 1, None for `auto`; raises ValueError for anything else."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(value)
+    return value
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,7 @@ from typing import Any
 
 from llmexp import redact
 from llmexp.config import security
-from llmexp.config.derived import world_size_from_env
-from llmexp.config.validation import parse_batch_size
+from llmexp.config.derived import parse_batch_size, world_size_from_env
 from llmexp.errors import UserError
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")

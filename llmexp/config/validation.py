@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from llmexp.config.derived import parse_batch_size
 from llmexp.errors import UserError
 
 if TYPE_CHECKING:
@@ -155,10 +156,7 @@ RANGES: dict[str, Range] = {
     "seed": Range(low=0, high=SEED_MAX),
 }
 """The bounds of every int and float field of `llmexp.config.schema.Config` (`lr` is checked by `parse_lr`,
-`batch_size` by `parse_batch_size`)."""
-
-BATCH_SIZE_RANGE = _at_least(1)
-"""`batch_size` when it is a number (it may also be `auto`)."""
+`batch_size` by `derived.parse_batch_size`)."""
 
 NON_FINITE_OK: frozenset[str] = frozenset()
 """Float keys whose docstring gives inf or NaN a meaning; none does today."""
@@ -187,15 +185,6 @@ def parse_lr(value: Any) -> float | None:
     if isinstance(value, bool):
         raise ValueError(value)
     return float(value)
-
-
-def parse_batch_size(value: Any) -> int | None:
-    """`batch_size` as an int >= 1, None for `auto`; raises ValueError for anything else."""
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not BATCH_SIZE_RANGE.contains(value):
-        raise ValueError(value)
-    return value
 
 
 def _unwrap(tp: Any) -> Any:

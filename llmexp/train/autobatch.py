@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,8 @@ class AutoBatch:
     """One entry per probe step on this rank: micro-batch, fits, measured peak (MiB; CPU: RSS growth)."""
     source: str = "probe"
     """probe, or checkpoint (a resumed run reuses the saved choice and probes nothing)."""
+    search_s: float = 0.0
+    """Seconds the search took on this rank (the probe steps, their model builds and the estimate)."""
 
     def record(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,6 +72,7 @@ def choose_batch_size(cfg: DictConfig, rt: Runtime, vocab_size: int, num_example
 
 
 def _search(cfg: DictConfig, rt: Runtime, vocab_size: int, num_examples: int) -> AutoBatch:
+    started = time.perf_counter()
     candidates = auto_batch_candidates(cfg, rt.plan.world, num_examples)
     on_cuda = rt.device.type == "cuda"
     # On CPU the processes of one host share its RAM; on CUDA each rank has its GPU.
@@ -91,7 +95,7 @@ def _search(cfg: DictConfig, rt: Runtime, vocab_size: int, num_examples: int) ->
                         f"plan with per process; probed {probed}). Lower data.max_length, set "
                         "model.gradient_checkpointing=true, use peft=lora, or shard the model (deepspeed/fsdp)")
     return AutoBatch(chosen=chosen, upper_bound=upper, budget_mb=round(budget / MiB, 1), world_size=rt.plan.world,
-                     probed=probed)
+                     probed=probed, search_s=round(time.perf_counter() - started, 2))
 
 
 def _probe(cfg: DictConfig, rt: Runtime, vocab_size: int, micro: int, budget: float) -> tuple[bool, float]:
