@@ -343,6 +343,8 @@ def _auto_batch_line(a: dict[str, Any]) -> str:
     """How batch_size=auto chose the micro-batch (the `start` record's `batch_size_auto`)."""
     if a.get("source") == "checkpoint":
         return f"batch      batch_size=auto: {a.get('chosen')}, as chosen before the checkpoint (not probed again)"
+    if a.get("note"):
+        return f"batch      batch_size=auto: {a.get('chosen')} per device ({a['note']})"
     probed = ", ".join(f"{p.get('micro')} {'fits' if p.get('fits') else 'too large'} ({p.get('peak_mb', 0):,.0f} MiB)"
                        for p in a.get("probed", []))
     return (f"batch      batch_size=auto: {a.get('chosen')} per device (estimate allows up to {a.get('upper_bound')} "

@@ -56,16 +56,11 @@ def test_preflight_needs_a_global_batch_the_processes_divide(monkeypatch: pytest
     assert _batch_errors(compose_checked(["batch_size=auto", "train.global_batch_size=32"])) == []
 
 
-def test_estimate_cli_prints_the_upper_bound_for_auto() -> None:
-    import contextlib
-    import io
-
+def test_estimate_cli_prints_the_upper_bound_for_auto(capsys: pytest.CaptureFixture[str]) -> None:
     from llmexp.estimate import main
 
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert main(["batch_size=auto", "train.global_batch_size=64"]) == 0
-    assert "batch_size=auto: up to 64 per device by this estimate" in out.getvalue()
+    assert main(["batch_size=auto", "train.global_batch_size=64"]) == 0
+    assert "batch_size=auto: up to 64 per device by this estimate" in capsys.readouterr().out
 
 
 AUTO = [*TINY, "batch_size=auto", "train.global_batch_size=8", "train.max_steps=4", "train.save_steps=2",
@@ -106,3 +101,14 @@ def test_auto_probes_logs_the_choice_and_a_resume_keeps_it_without_probing(tmp_p
     assert resumed["batch_size_auto"]["source"] == "checkpoint"
     again = {r["step"]: r["loss"] for r in read_metrics(run_dir, "train")}
     assert again == first  # steps 3 and 4 retrained from the checkpoint: bitwise the same losses
+
+
+def test_the_upper_bound_is_the_largest_candidate_whose_estimate_fits_the_budget() -> None:
+    from llmexp.estimate import count_params_meta, estimate, largest_fitting
+
+    cfg = compose_checked(["batch_size=auto", "precision=fp32"])
+    facts = {"num_params": count_params_meta(cfg), "precision": "fp32", "world": 1}
+    at_4 = estimate(cfg, micro_batch=4, **facts).total
+    assert estimate(cfg, micro_batch=8, **facts).total > at_4  # activations grow with the micro-batch
+    assert largest_fitting(cfg, [16, 8, 4, 2, 1], at_4 + 1, **facts) == 4
+    assert largest_fitting(cfg, [16, 8, 4, 2, 1], 1.0, **facts) == 1  # none fits: the probe decides from 1

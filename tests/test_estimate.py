@@ -128,12 +128,12 @@ def test_fsdp_bytes_per_parameter(overrides: list[str], precision: str, per_para
         assert est.cpu_offloaded == pytest.approx((4 + 4 + 8) / shards * LLAMA2_7B_PARAMS)
 
 
-def test_estimate_cli_prints_the_fsdp_term() -> None:
-    result = subprocess.run([sys.executable, "-m", "llmexp.estimate", "model=llama2-7b", "precision=bf16",
-                             "fsdp.name=full_shard", "world_size=8", "batch_size=1"],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "fsdp=full_shard" in result.stdout and "FSDP gathered" in result.stdout
+def test_estimate_cli_prints_the_fsdp_term(capsys: pytest.CaptureFixture[str]) -> None:
+    from llmexp.estimate import main
+
+    assert main(["model=llama2-7b", "precision=bf16", "fsdp.name=full_shard", "world_size=8", "batch_size=1"]) == 0
+    out = capsys.readouterr().out
+    assert "fsdp=full_shard" in out and "FSDP gathered" in out and "2,544.1 MiB" in out
 
 
 @pytest.mark.slow  # two gloo processes, two strategies: ~60 s on a loaded 2-core CPU

@@ -53,6 +53,8 @@ class AutoBatch:
     """probe, or checkpoint (a resumed run reuses the saved choice and probes nothing)."""
     search_s: float = 0.0
     """Seconds the search took on this rank (the probe steps, their model builds and the estimate)."""
+    note: str = ""
+    """Why nothing was probed, when that is so."""
 
     def record(self) -> dict[str, Any]:
         return asdict(self)
@@ -81,21 +83,32 @@ def _search(cfg: DictConfig, rt: Runtime, vocab_size: int, num_examples: int) ->
     facts = {"num_params": count_params_meta(cfg), "precision": rt.precision, "world": rt.plan.world,
              "adapters": adapter_facts(cfg), "units": fsdp_units(cfg) if cfg.fsdp.name != "none" else None}
     upper = largest_fitting(cfg, candidates, budget, on_cpu=not on_cuda, **facts)
-    probed: list[dict[str, Any]] = []
-    chosen = 0
-    for micro in candidates[candidates.index(upper):]:
-        fits, peak_mb = _probe(cfg, rt, vocab_size, micro, budget)
-        probed.append({"micro": micro, "fits": fits, "peak_mb": round(peak_mb, 1)})
-        if fits:
-            chosen = micro
-            break
+    if cfg.fsdp.name != "none":
+        # The probe builds the model unwrapped: under FSDP it would measure unsharded memory and pick far too
+        # small. The sharded step lives in the trainer's FSDP engine; until the probe runs through it, the
+        # estimate (held to measured FSDP peaks, benchmarks/memory_fsdp.py) decides alone.
+        chosen, probed, note = upper, [], f"fsdp={cfg.fsdp.name}: the estimate alone (the probe step is not sharded)"
+    else:
+        (chosen, probed), note = _probe_down(cfg, rt, vocab_size, candidates[candidates.index(upper):], budget), ""
     chosen = rt.reduce_min(chosen)  # the largest every rank can run (0: one of them fits none)
     if chosen < 1:
         raise UserError(f"batch_size=auto: not even a micro-batch of 1 fits in memory ({budget / MiB:,.0f} MiB to "
                         f"plan with per process; probed {probed}). Lower data.max_length, set "
                         "model.gradient_checkpointing=true, use peft=lora, or shard the model (deepspeed/fsdp)")
     return AutoBatch(chosen=chosen, upper_bound=upper, budget_mb=round(budget / MiB, 1), world_size=rt.plan.world,
-                     probed=probed, search_s=round(time.perf_counter() - started, 2))
+                     probed=probed, search_s=round(time.perf_counter() - started, 2), note=note)
+
+
+def _probe_down(cfg: DictConfig, rt: Runtime, vocab_size: int, sizes: list[int],
+                budget: float) -> tuple[int, list[dict[str, Any]]]:
+    """The first of `sizes` (largest first) whose probe step fits (0: none), and what each probe measured."""
+    probed: list[dict[str, Any]] = []
+    for micro in sizes:
+        fits, peak_mb = _probe(cfg, rt, vocab_size, micro, budget)
+        probed.append({"micro": micro, "fits": fits, "peak_mb": round(peak_mb, 1)})
+        if fits:
+            return micro, probed
+    return 0, probed
 
 
 def _probe(cfg: DictConfig, rt: Runtime, vocab_size: int, micro: int, budget: float) -> tuple[bool, float]:
