@@ -278,8 +278,11 @@ def _number_errors(cfg: DictConfig) -> dict[str, str]:
     try:
         parse_batch_size(cfg.batch_size)
     except ValueError:
-        bad["batch_size"] = (f"batch_size: must be an integer >= 1 or auto, got {cfg.batch_size!r}; "
-                             "e.g. batch_size=4, or batch_size=auto for the largest that fits in memory")
+        value = cfg.batch_size
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        bad["batch_size"] = (f"batch_size: must be >= 1 (or auto), got {value}; e.g. batch_size=4" if is_int else
+                             f"batch_size={value}: must be an integer or auto; e.g. batch_size=4, or batch_size=auto "
+                             "for the largest micro-batch that fits in memory")
     betas = cfg.optimizer.betas
     numbers = [b for b in betas if isinstance(b, int | float) and not isinstance(b, bool)]
     if len(betas) != 2 or len(numbers) != 2 or not all(math.isfinite(b) and BETAS_RANGE.contains(b) for b in numbers):
