@@ -34,16 +34,20 @@ adapted layer's input for backward.
 The parameter count comes from the model built on the meta device (no memory is allocated),
 so it is exact for `model=llama2-7b` too. The figures are the ZeRO paper's accounting
 (Rajbhandari et al. 2020) with our trainer's specifics; `benchmarks/memory.py` measures the
-real peak and `tests/test_estimate.py` holds the estimate to it.
+real peak (`benchmarks/memory_fsdp.py` the per-rank peak under FSDP) and `tests/test_estimate.py`
+holds the estimate to both.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig
+
+from llmexp.config.derived import parse_batch_size
 
 MiB = 2**20
 NF4_BYTES_PER_PARAM = 0.5 + 0.127 / 8
@@ -195,8 +199,6 @@ def estimate(cfg: DictConfig, *, num_params: int, precision: str, world: int,
 
     `micro_batch` replaces `batch_size` (which may be `auto`: 1 then); under FSDP `units` (default: read
     off the meta model) and `shards` (default: world; hybrid_shard: LOCAL_WORLD_SIZE) may be given."""
-    from llmexp.config.derived import parse_batch_size
-
     micro = micro_batch or parse_batch_size(cfg.batch_size) or 1
     if adapters is not None:
         return _estimate_adapters(cfg, num_params, precision, adapters, micro)
@@ -227,8 +229,6 @@ def estimate(cfg: DictConfig, *, num_params: int, precision: str, world: int,
 
 def fsdp_shards(strategy: str, world: int) -> int:
     """Ranks one parameter is split over: all of them, or under hybrid_shard those of one node."""
-    import os
-
     if strategy == "hybrid_shard":
         return max(1, min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     return max(1, world)
@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     facts = {"num_params": count_params_meta(cfg), "precision": precision, "world": world,
              "adapters": adapter_facts(cfg), "units": fsdp_units(cfg) if cfg.fsdp.name != "none" else None}
     auto_line, micro = "", None
-    if cfg.batch_size == "auto":
+    if parse_batch_size(cfg.batch_size) is None:
         micro, auto_line = _auto_upper_bound(cfg, world, facts)
     est = estimate(cfg, micro_batch=micro, **facts)
     label = (f"model={cfg.model.name} peft={cfg.peft.name} precision={precision} optimizer={cfg.optimizer.name} "
@@ -382,8 +382,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _auto_upper_bound(cfg: DictConfig, world: int, facts: dict[str, Any]) -> tuple[int, str]:
     """What batch_size=auto would start its probe at on this machine, and the line that says so."""
-    import os
-
     import torch
 
     from llmexp.config.derived import auto_batch_candidates

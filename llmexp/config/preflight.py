@@ -329,7 +329,7 @@ def _batch_errors(cfg: Any) -> list[str]:
         return []
     per_step = micro * world
     nearest = per_step * max(1, round(global_batch / per_step))
-    if cfg.batch_size == "auto":
+    if parse_batch_size(cfg.batch_size) is None:
         return [f"train.global_batch_size={global_batch} is not a multiple of the {world} processes, so no "
                 f"micro-batch for batch_size=auto divides it; pick a multiple of {world} (e.g. {nearest})"]
     return [f"train.global_batch_size={global_batch} is not a multiple of batch_size x processes = "

@@ -89,7 +89,7 @@ def settings_rows(cfg: dict) -> list[tuple[str, str]]:
 def _with_auto_batch(cfg: dict, records: list[dict]) -> dict:
     """batch_size=auto shows the micro-batch the run chose (its last `start` record says which)."""
     starts = [r for r in records if r.get("event") == "start" and "batch_size" in r]
-    if cfg.get("batch_size") != "auto" or not starts:
+    if str(cfg.get("batch_size")).strip().lower() != "auto" or not starts:
         return cfg
     return {**cfg, "batch_size": f"auto: {starts[-1]['batch_size']}"}
 

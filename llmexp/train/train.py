@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from llmexp.config.derived import parse_batch_size
 from llmexp.data import datasets as data_lib
 from llmexp.data import stream as stream_lib
 from llmexp.data.tokenizer import load_tokenizer
@@ -63,7 +64,8 @@ def _train(cfg: DictConfig) -> RunResult:
     build = stream_lib.build_stream_datasets if cfg.data.streaming else data_lib.build_datasets  # stream: uncached
     train_ds, eval_ds, data_stats = build(cfg, tokenizer)
     rt.data_fingerprint = str(data_stats["data_cache_key"])  # in each checkpoint: a resume on other data is caught
-    if cfg.batch_size == "auto":  # before anything reads the plan: the checkpoint's choice, else estimate + probe
+    if parse_batch_size(cfg.batch_size) is None:  # batch_size=auto, before anything reads the plan:
+        # the choice the checkpoint holds, else the estimate's upper bound and a probe step
         saved = saved_auto_batch(cfg, rt.run_dir)
         rt.auto_batch = choose_batch_size(cfg, rt, len(tokenizer), len(train_ds), saved).record()
     model, optimizer, peak_lr, lr_source = rt.build(cfg, len(tokenizer))
