@@ -14,35 +14,8 @@ Run it in a fresh process per config: peak RSS only grows.
 from __future__ import annotations
 
 import json
-import resource
 import sys
 from typing import Any
-
-
-def rss_mb() -> float:
-    import psutil
-
-    return psutil.Process().memory_info().rss / 2**20
-
-
-def reset_peak_rss() -> None:
-    """Make the peak RSS this process's current RSS (Linux >= 4.0: `/proc/self/clear_refs`), so that the
-    peak read after training is training's own: an earlier, higher one (imports, the warm-up, memory
-    the allocator has since returned) would otherwise count against the run, and it varies by machine."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass  # not Linux: ru_maxrss below is the whole process's peak (an overestimate at worst)
-
-
-def peak_rss_mb() -> float:
-    """The peak RSS since `reset_peak_rss` (Linux: VmHWM), else the whole process's."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024  # kB
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 def _warm_up(cfg: Any, device: Any, overrides: list[str]) -> None:
@@ -83,6 +56,7 @@ def measure(overrides: list[str], steps: int = 3) -> dict[str, Any]:
     import torch
 
     from llmexp.estimate import compose, count_params_meta, estimate, resolved_precision, summary
+    from llmexp.metrics import peak_rss_mb, reset_peak_rss, rss_mb
 
     cfg = compose(overrides)
     precision = resolved_precision(cfg.precision.name)

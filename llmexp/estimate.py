@@ -14,6 +14,16 @@ Per device, for the composed model, precision, optimizer, ZeRO stage and world s
                   layer inputs under gradient checkpointing; plus backward's working set (one
                   layer's activation gradients)
 
+Under FSDP (`fsdp=full_shard / shard_grad_op / hybrid_shard`, FSDP2's `fully_shard` per decoder
+layer plus the root) each rank keeps 1/shards of the fp32 parameters, gradients and optimizer state
+(shards = world, or the processes of one node under hybrid_shard), and on top of that what is
+gathered while it runs (`gathered`), in the compute dtype (2 B under bf16/fp16, else 4 B): the
+root's parameters (embeddings, head, final norm: FSDP2 keeps the root gathered from forward to
+backward) and two layers' (the one running and the prefetched next), and as many unsharded
+gradients before their reduce-scatter; shard_grad_op keeps every layer gathered between forward and
+backward. `fsdp.cpu_offload=true` moves the sharded parameters, gradients and optimizer state to the
+host (`CPU (offloaded)`).
+
 With adapters (`peft=lora` / `qlora`) only the adapters have gradients and optimizer state (4 B
 each for the fp32 adapter weights, plus the optimizer's bytes). The frozen base is in the autocast
 dtype under lora (2 B/param in bf16/fp16, 4 B in fp32); under qlora every linear layer but the head
@@ -24,16 +34,20 @@ adapted layer's input for backward.
 The parameter count comes from the model built on the meta device (no memory is allocated),
 so it is exact for `model=llama2-7b` too. The figures are the ZeRO paper's accounting
 (Rajbhandari et al. 2020) with our trainer's specifics; `benchmarks/memory.py` measures the
-real peak and `tests/test_estimate.py` holds the estimate to it.
+real peak (`benchmarks/memory_fsdp.py` the per-rank peak under FSDP) and `tests/test_estimate.py`
+holds the estimate to both.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig
+
+from llmexp.config.derived import parse_batch_size
 
 MiB = 2**20
 NF4_BYTES_PER_PARAM = 0.5 + 0.127 / 8
@@ -54,10 +68,23 @@ class MemoryEstimate:
     cpu_offloaded: float
     trainable_params: int | None = None
     """With adapters: the adapters' parameters (None: every parameter trains)."""
+    gathered: float = 0.0
+    """FSDP: full parameters and unsharded gradients of the units in flight, on top of the shards."""
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations
+        return self.weights + self.gradients + self.optimizer + self.activations + self.gathered
+
+
+@dataclass(frozen=True)
+class FsdpUnits:
+    """The parameters FSDP gathers at once, read off the meta model: the root's and one decoder layer's."""
+
+    root: int
+    """Parameters outside the decoder layers (embeddings, head, final norm; tied weights once)."""
+    layer: int
+    """Parameters of one decoder layer."""
+    num_layers: int
 
 
 @dataclass(frozen=True)
@@ -117,6 +144,16 @@ def adapter_facts(cfg: DictConfig) -> AdapterFacts | None:
     return AdapterFacts(trainable=trainable, quantized=quantized, dropout_elems_per_token=dropout)
 
 
+def fsdp_units(cfg: DictConfig) -> FsdpUnits:
+    """The sizes of the units `fully_shard` wraps: each decoder layer, and the root with what is left."""
+    model = meta_model(cfg)
+    layers = list(model.model.layers)
+    unique = {id(p): p for p in model.parameters()}
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    root = sum(p.numel() for key, p in unique.items() if key not in in_layers)
+    return FsdpUnits(root=root, layer=sum(p.numel() for p in layers[0].parameters()), num_layers=len(layers))
+
+
 def _has_local_config(path: str) -> bool:
     from pathlib import Path
 
@@ -151,16 +188,28 @@ def activation_bytes(cfg: DictConfig, precision: str, micro_batch: int) -> float
     return float(layer_bytes + tokens * 4 * 2 * d + logits_bytes + working_bytes)  # + final norm in/out
 
 
+def _state_bytes_per_param(opt: DictConfig) -> float:
+    return STATE_BYTES_PER_PARAM.get(opt.name, 4.0 if (opt.name == "sgd" and opt.momentum) else 0.0)
+
+
 def estimate(cfg: DictConfig, *, num_params: int, precision: str, world: int,
-             adapters: AdapterFacts | None = None) -> MemoryEstimate:
-    """The per-device memory of one configuration (see the module docstring for the accounting)."""
+             adapters: AdapterFacts | None = None, micro_batch: int | None = None,
+             units: FsdpUnits | None = None, shards: int | None = None) -> MemoryEstimate:
+    """The per-device memory of one configuration (see the module docstring for the accounting).
+
+    `micro_batch` replaces `batch_size` (which may be `auto`: 1 then); under FSDP `units` (default: read
+    off the meta model) and `shards` (default: world; hybrid_shard: LOCAL_WORLD_SIZE) may be given."""
+    micro = micro_batch or parse_batch_size(cfg.batch_size) or 1
     if adapters is not None:
-        return _estimate_adapters(cfg, num_params, precision, adapters)
+        return _estimate_adapters(cfg, num_params, precision, adapters, micro)
+    if cfg.fsdp.name != "none":
+        return _estimate_fsdp(cfg, num_params, precision, micro, units or fsdp_units(cfg),
+                              shards or fsdp_shards(cfg.fsdp.name, world))
     ds, opt = cfg.deepspeed, cfg.optimizer
     zero = ds.stage if ds.stage > 0 else 0
     half_module = zero > 0 and precision in ("bf16", "fp16")  # DeepSpeed keeps 16-bit module weights
     weight_b = 2.0 if half_module else 4.0
-    state_b = STATE_BYTES_PER_PARAM.get(opt.name, 4.0 if (opt.name == "sgd" and opt.momentum) else 0.0)
+    state_b = _state_bytes_per_param(opt)
     if half_module:
         state_b += 4.0  # the fp32 master copy lives with the optimizer state
     n = float(num_params)
@@ -175,13 +224,38 @@ def estimate(cfg: DictConfig, *, num_params: int, precision: str, world: int,
     if ds.offload_param != "none" and zero >= 3:
         cpu, weights = cpu + weights, 0.0
     return MemoryEstimate(num_params=num_params, weights=weights, gradients=gradients, optimizer=optimizer,
-                          activations=activation_bytes(cfg, precision, cfg.batch_size), cpu_offloaded=cpu)
+                          activations=activation_bytes(cfg, precision, micro), cpu_offloaded=cpu)
 
 
-def _estimate_adapters(cfg: DictConfig, num_params: int, precision: str, adapters: AdapterFacts) -> MemoryEstimate:
+def fsdp_shards(strategy: str, world: int) -> int:
+    """Ranks one parameter is split over: all of them, or under hybrid_shard those of one node."""
+    if strategy == "hybrid_shard":
+        return max(1, min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    return max(1, world)
+
+
+def _estimate_fsdp(cfg: DictConfig, num_params: int, precision: str, micro: int, units: FsdpUnits,
+                   shards: int) -> MemoryEstimate:
+    """FSDP2: fp32 shards of parameters, gradients and optimizer state, plus the gathered units."""
+    n = float(num_params)
+    compute_b = 2.0 if precision in ("bf16", "fp16") else 4.0  # FSDP's param_dtype: the autocast dtype
+    weights, gradients = n * 4.0 / shards, n * 4.0 / shards
+    optimizer = n * _state_bytes_per_param(cfg.optimizer) / shards
+    in_flight = units.root + 2 * units.layer  # the root stays gathered; a layer runs while the next is prefetched
+    kept = num_params if cfg.fsdp.name == "shard_grad_op" else in_flight  # shard_grad_op: whole until backward
+    gathered = (kept + in_flight) * compute_b  # + unsharded grads awaiting their reduce-scatter
+    cpu = 0.0
+    if cfg.fsdp.cpu_offload:
+        cpu, weights, gradients, optimizer = weights + gradients + optimizer, 0.0, 0.0, 0.0
+    return MemoryEstimate(num_params=num_params, weights=weights, gradients=gradients, optimizer=optimizer,
+                          activations=activation_bytes(cfg, precision, micro), cpu_offloaded=cpu, gathered=gathered)
+
+
+def _estimate_adapters(cfg: DictConfig, num_params: int, precision: str, adapters: AdapterFacts,
+                       micro: int) -> MemoryEstimate:
     """LoRA / QLoRA on one process (DeepSpeed is refused with adapters): frozen base, trained adapters."""
     opt, n_a = cfg.optimizer, float(adapters.trainable)
-    state_b = STATE_BYTES_PER_PARAM.get(opt.name, 4.0 if (opt.name == "sgd" and opt.momentum) else 0.0)
+    state_b = _state_bytes_per_param(opt)
     autocast = precision in ("bf16", "fp16")
     full_precision = float(num_params - adapters.quantized)
     # lora holds the frozen base in the autocast dtype; qlora keeps its embeddings, norms and head in fp32
@@ -189,9 +263,9 @@ def _estimate_adapters(cfg: DictConfig, num_params: int, precision: str, adapter
     weights = full_precision * base_b + adapters.quantized * NF4_BYTES_PER_PARAM + n_a * 4.0
     if autocast:  # 16-bit copies of the fp32 adapters that matmuls keep for backward
         weights += n_a * 2.0
-    tokens = cfg.batch_size * cfg.data.max_length
+    tokens = micro * cfg.data.max_length
     dropout_copies = tokens * adapters.dropout_elems_per_token * (2 if autocast else 4)
-    activations = activation_bytes(cfg, precision, cfg.batch_size) + dropout_copies
+    activations = activation_bytes(cfg, precision, micro) + dropout_copies
     return MemoryEstimate(num_params=num_params, weights=weights, gradients=n_a * 4.0, optimizer=n_a * state_b,
                           activations=activations, cpu_offloaded=0.0, trainable_params=adapters.trainable)
 
@@ -210,6 +284,7 @@ def resolved_precision(name: str) -> str:
 
 def format_estimate(est: MemoryEstimate, *, label: str) -> str:
     rows = [("weights", est.weights), ("gradients", est.gradients), ("optimizer state", est.optimizer),
+            *([("FSDP gathered", est.gathered)] if est.gathered else []),
             ("activations", est.activations), ("total per device", est.total)]
     lines = [label, f"  parameters        {est.num_params / 1e6:,.1f} M"]
     if est.trainable_params is not None:
@@ -219,6 +294,38 @@ def format_estimate(est: MemoryEstimate, *, label: str) -> str:
     if est.cpu_offloaded:
         lines.append(f"  {'CPU (offloaded)':<17} {est.cpu_offloaded / MiB:>12,.1f} MiB")
     return "\n".join(lines)
+
+
+CPU_RAM_SHARE = 0.8
+"""Of the RAM available now, what batch_size=auto may plan with on CPU: the OS, the page cache and other
+programs need the rest, and there is no out-of-memory exception to recover from (the kernel kills)."""
+CUDA_FREE_SHARE = 0.9
+"""Of the GPU's free memory, what the estimate may plan with: the allocator's fragmentation and the CUDA
+context are not in the accounting (the probe then finds out for sure)."""
+
+
+def memory_budget(device_type: str, processes_on_host: int) -> float:
+    """Bytes one process may plan with: a share of this GPU's free memory, or on CPU a share of the
+    available RAM split between the processes of this host (they share it)."""
+    if device_type == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info()[0] * CUDA_FREE_SHARE
+    import psutil
+
+    return psutil.virtual_memory().available * CPU_RAM_SHARE / max(1, processes_on_host)
+
+
+def largest_fitting(cfg: DictConfig, candidates: list[int], budget: float, **kwargs: Any) -> int:
+    """The largest candidate micro-batch whose estimate (device plus offloaded host memory when both are the
+    host's, i.e. on CPU) fits `budget`; the smallest candidate when none does (the probe decides then).
+    `kwargs` go to `estimate` (num_params, precision, world, adapters, units)."""
+    on_cpu = kwargs.pop("on_cpu", True)
+    for micro in sorted(candidates, reverse=True):
+        est = estimate(cfg, micro_batch=micro, **kwargs)
+        if est.total + (est.cpu_offloaded if on_cpu else 0.0) <= budget:
+            return micro
+    return min(candidates)
 
 
 def compose(overrides: list[str]) -> DictConfig:
@@ -260,13 +367,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llmexp.estimate: error: {err}", file=sys.stderr)
         return EXIT_USER
     precision = resolved_precision(cfg.precision.name)
-    est = estimate(cfg, num_params=count_params_meta(cfg), precision=precision, world=world,
-                   adapters=adapter_facts(cfg))
+    facts = {"num_params": count_params_meta(cfg), "precision": precision, "world": world,
+             "adapters": adapter_facts(cfg), "units": fsdp_units(cfg) if cfg.fsdp.name != "none" else None}
+    auto_line, micro = "", None
+    if parse_batch_size(cfg.batch_size) is None:
+        micro, auto_line = _auto_upper_bound(cfg, world, facts)
+    est = estimate(cfg, micro_batch=micro, **facts)
     label = (f"model={cfg.model.name} peft={cfg.peft.name} precision={precision} optimizer={cfg.optimizer.name} "
-             f"deepspeed={cfg.deepspeed.name} world_size={world} batch_size={cfg.batch_size} "
-             f"max_length={cfg.data.max_length}")
-    print(format_estimate(est, label=label))
+             f"deepspeed={cfg.deepspeed.name} fsdp={cfg.fsdp.name}{' cpu_offload' if cfg.fsdp.cpu_offload else ''} "
+             f"world_size={world} batch_size={micro or cfg.batch_size} max_length={cfg.data.max_length}")
+    print(format_estimate(est, label=label) + auto_line)
     return 0
+
+
+def _auto_upper_bound(cfg: DictConfig, world: int, facts: dict[str, Any]) -> tuple[int, str]:
+    """What batch_size=auto would start its probe at on this machine, and the line that says so."""
+    import torch
+
+    from llmexp.config.derived import auto_batch_candidates
+
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if device_type == "cpu" else 1
+    budget = memory_budget(device_type, processes)
+    upper = largest_fitting(cfg, auto_batch_candidates(cfg, world, 0), budget, on_cpu=device_type == "cpu", **facts)
+    return upper, (f"\nbatch_size=auto: up to {upper} per device by this estimate ({budget / MiB:,.0f} MiB to plan "
+                   f"with on this {device_type}); the run's probe step confirms it")
 
 
 def summary(est: MemoryEstimate) -> dict[str, Any]:

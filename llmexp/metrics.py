@@ -140,6 +140,33 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def reset_peak_rss() -> None:
+    """Make the peak RSS this process's current RSS (Linux >= 4.0: `/proc/self/clear_refs`), so that the next
+    `peak_rss_mb` is the peak of what ran since: an earlier, higher one (imports, memory the allocator has since
+    returned) would otherwise count."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # not Linux: peak_rss_mb is then the whole process's peak (an overestimate at worst)
+
+
+def peak_rss_mb() -> float:
+    """The peak RSS since `reset_peak_rss` (Linux: VmHWM), else the whole process's."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024  # kB
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def rss_mb() -> float:
+    """This process's resident memory now."""
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
 def safe_exp(x: float) -> float:
     """exp(x) as a JSON-safe float (inf instead of OverflowError)."""
     try:
@@ -304,11 +331,25 @@ def format_header(r: dict[str, Any]) -> str:
         f"{_count(r.get('data_train_examples'))} examples{eval_tokens} ({cache}, {r.get('data_prep_s', 0):.1f} s)",
         f"steps      {r.get('max_steps')}{resumed}; global batch {batch} = {micro} per device x {world} process(es) "
         f"x {accum} accumulation step(s)" + (f", {tokens:,} tokens/step" if tokens else ""),
+        *([_auto_batch_line(r["batch_size_auto"])] if isinstance(r.get("batch_size_auto"), dict) else []),
         f"precision  {precision}",
         f"optimizer  {r.get('optimizer')}, lr {lr:.2e} ({source}), {r.get('scheduler')} schedule"
         if isinstance(lr, float) else f"optimizer  {r.get('optimizer')}, {r.get('scheduler')} schedule",
     ]
     return "\n".join(lines)
+
+
+def _auto_batch_line(a: dict[str, Any]) -> str:
+    """How batch_size=auto chose the micro-batch (the `start` record's `batch_size_auto`)."""
+    if a.get("source") == "checkpoint":
+        return f"batch      batch_size=auto: {a.get('chosen')}, as chosen before the checkpoint (not probed again)"
+    if a.get("note"):
+        return f"batch      batch_size=auto: {a.get('chosen')} per device ({a['note']})"
+    probed = ", ".join(f"{p.get('micro')} {'fits' if p.get('fits') else 'too large'} ({p.get('peak_mb', 0):,.0f} MiB)"
+                       for p in a.get("probed", []))
+    return (f"batch      batch_size=auto: {a.get('chosen')} per device (estimate allows up to {a.get('upper_bound')} "
+            f"of {a.get('budget_mb', 0):,.0f} MiB; probed {probed or 'on another rank'} "
+            f"in {a.get('search_s', 0):.1f} s)")
 
 
 def format_line(r: dict[str, Any]) -> str | None:

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from llmexp.errors import UserError
 
@@ -40,6 +40,15 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def parse_batch_size(value: Any) -> int | None:
+    """`batch_size` as an int >= 1, None for `auto`; raises ValueError for anything else."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(value)
+    return value
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """How one optimizer step's global batch splits into micro-batches and processes."""
@@ -60,9 +69,11 @@ class BatchPlan:
         return max(1, math.ceil(self.epochs * num_examples / self.global_batch))
 
 
-def make_plan(cfg: DictConfig, world: int) -> BatchPlan:
-    """Derive accumulation from `train.global_batch_size` when it is set."""
-    t, micro = cfg.train, cfg.batch_size
+def make_plan(cfg: DictConfig, world: int, micro: int | None = None) -> BatchPlan:
+    """Derive accumulation from `train.global_batch_size` when it is set. `micro` is the micro-batch
+    `batch_size=auto` chose (`llmexp.train.autobatch`); without one, batch_size=auto plans with 1 until it has."""
+    t = cfg.train
+    micro = micro or parse_batch_size(cfg.batch_size) or 1
     accum = t.gradient_accumulation_steps
     if t.global_batch_size is not None:
         per_step = micro * world
@@ -71,6 +82,33 @@ def make_plan(cfg: DictConfig, world: int) -> BatchPlan:
                             f"processes = {micro} x {world} = {per_step}; pick a multiple of {per_step}")
         accum = t.global_batch_size // per_step
     return BatchPlan(micro=micro, accum=accum, world=world, fixed_steps=t.max_steps, epochs=t.num_train_epochs)
+
+
+AUTO_BATCH_MAX = 1024
+"""The largest micro-batch batch_size=auto considers without other caps: beyond it a step gains no throughput
+on any device (the matmuls are long saturated), and a search needs an upper end."""
+
+
+def auto_batch_candidates(cfg: DictConfig, world: int, num_examples: int) -> list[int]:
+    """The micro-batches batch_size=auto may pick, largest first, each at most half the one before.
+
+    Capped at the global batch per process when `train.global_batch_size` is set (the global batch stays
+    fixed, so the micro-batch must divide its per-process share: accumulation makes up the rest), and at the
+    train set's per-process share when it is known (`num_examples`, 0 for a stream): a larger micro-batch
+    would only repeat examples within one step."""
+    global_batch, cap = cfg.train.global_batch_size, AUTO_BATCH_MAX
+    per_process = global_batch // world if global_batch is not None else None
+    if per_process is not None:
+        cap = min(cap, per_process)
+    if num_examples > 0:
+        cap = min(cap, max(1, math.ceil(num_examples / world)))
+    fits = (lambda m: per_process % m == 0) if per_process is not None else (lambda m: m & (m - 1) == 0)
+    chain, size = [], cap
+    while size >= 1:
+        size = next(m for m in range(size, 0, -1) if fits(m))
+        chain.append(size)
+        size //= 2
+    return chain
 
 
 @cache

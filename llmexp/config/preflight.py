@@ -38,7 +38,7 @@ from typing import Any
 
 from llmexp import redact
 from llmexp.config import security
-from llmexp.config.derived import world_size_from_env
+from llmexp.config.derived import parse_batch_size, world_size_from_env
 from llmexp.errors import UserError
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
@@ -314,8 +314,13 @@ def _precision_errors(cfg: Any) -> list[str]:
 
 
 def _batch_errors(cfg: Any) -> list[str]:
-    """`train.global_batch_size` must split into batch_size x processes x accumulation steps."""
-    global_batch, micro = cfg.train.global_batch_size, cfg.batch_size
+    """`train.global_batch_size` must split into batch_size x processes x accumulation steps
+    (with batch_size=auto the probe picks a divisor, so the processes alone must divide it)."""
+    global_batch = cfg.train.global_batch_size
+    try:
+        micro = parse_batch_size(cfg.batch_size) or 1
+    except ValueError:
+        return []  # validation names the bad value
     try:
         world = max(1, world_size_from_env())
     except ValueError:
@@ -324,6 +329,9 @@ def _batch_errors(cfg: Any) -> list[str]:
         return []
     per_step = micro * world
     nearest = per_step * max(1, round(global_batch / per_step))
+    if parse_batch_size(cfg.batch_size) is None:
+        return [f"train.global_batch_size={global_batch} is not a multiple of the {world} processes, so no "
+                f"micro-batch for batch_size=auto divides it; pick a multiple of {world} (e.g. {nearest})"]
     return [f"train.global_batch_size={global_batch} is not a multiple of batch_size x processes = "
             f"{micro} x {world} = {per_step}; pick a multiple of {per_step} (e.g. {nearest})"]
 

@@ -401,8 +401,9 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     lr: Any = "auto"
     """Peak learning rate, or auto: from the parameter count by the seed's table."""
-    batch_size: int = 4
-    """Per-device micro-batch size."""
+    batch_size: Any = 4
+    """Per-device micro-batch size, or auto: the largest that fits in memory (the estimate, then a probe step;
+    with `train.global_batch_size` set, a divisor of it per process, accumulation making up the rest)."""
     seed: int = 0
     """Seed of initialisation, dropout and (unless `train.seed_data`) the data order."""
     experiment: str | None = None

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from llmexp.config.derived import parse_batch_size
 from llmexp.errors import UserError
 
 if TYPE_CHECKING:
@@ -152,10 +153,10 @@ RANGES: dict[str, Range] = {
     "train.early_stopping_patience": _at_least(0, "(0 disables)"),
     "train.peak_tflops": Range(low=0, low_open=True, note="(or null to measure it)"),
     "train.seed_data": Range(low=0, high=SEED_MAX, note="(or null to use seed)"),
-    "batch_size": _at_least(1),
     "seed": Range(low=0, high=SEED_MAX),
 }
-"""The bounds of every int and float field of `llmexp.config.schema.Config` (`lr` is checked by `parse_lr`)."""
+"""The bounds of every int and float field of `llmexp.config.schema.Config` (`lr` is checked by `parse_lr`,
+`batch_size` by `derived.parse_batch_size`)."""
 
 NON_FINITE_OK: frozenset[str] = frozenset()
 """Float keys whose docstring gives inf or NaN a meaning; none does today."""
@@ -274,6 +275,14 @@ def _number_errors(cfg: DictConfig) -> dict[str, str]:
             bad["lr"] = f"lr: must be > 0 and finite, or auto; got {cfg.lr}; try lr=3e-4"
     except (TypeError, ValueError):
         bad["lr"] = f"lr: {cfg.lr!r} is not a number or auto; try lr=3e-4 or lr=auto"
+    try:
+        parse_batch_size(cfg.batch_size)
+    except ValueError:
+        value = cfg.batch_size
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        bad["batch_size"] = (f"batch_size: must be >= 1 (or auto), got {value}; e.g. batch_size=4" if is_int else
+                             f"batch_size={value}: must be an integer or auto; e.g. batch_size=4, or batch_size=auto "
+                             "for the largest micro-batch that fits in memory")
     betas = cfg.optimizer.betas
     numbers = [b for b in betas if isinstance(b, int | float) and not isinstance(b, bool)]
     if len(betas) != 2 or len(numbers) != 2 or not all(math.isfinite(b) and BETAS_RANGE.contains(b) for b in numbers):
@@ -316,6 +325,10 @@ def validate(cfg: DictConfig | Config) -> None:
     _check(errors, t.resume in ("auto", "never") or bool(t.resume), "train.resume",
            "must be auto, never, or a checkpoint path")
     _validate_groups(cfg, errors, bad.keys())
+    if "batch_size" not in bad and parse_batch_size(cfg.batch_size) is None and cfg.deepspeed.stage > 0:
+        errors.append(f"batch_size=auto does not work with deepspeed={cfg.deepspeed.name}: DeepSpeed fixes the "
+                      "micro-batch in its config before the model exists; set batch_size to a number "
+                      "(python -m llmexp.estimate batch_size=auto shows what fits)")
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
 

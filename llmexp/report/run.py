@@ -86,6 +86,14 @@ def settings_rows(cfg: dict) -> list[tuple[str, str]]:
     return rows
 
 
+def _with_auto_batch(cfg: dict, records: list[dict]) -> dict:
+    """batch_size=auto shows the micro-batch the run chose (its last `start` record says which)."""
+    starts = [r for r in records if r.get("event") == "start" and "batch_size" in r]
+    if str(cfg.get("batch_size")).strip().lower() != "auto" or not starts:
+        return cfg
+    return {**cfg, "batch_size": f"auto: {starts[-1]['batch_size']}"}
+
+
 def findings_markdown(findings: list[dict]) -> str:
     if not findings:
         return "None: the run looks healthy.\n"
@@ -138,7 +146,8 @@ def run_report_markdown(run_dir: Path, records: list[dict], summary: dict | None
         "## Key metrics\n", _table(_key_metrics(records, summary or {}), ("metric", "value")),
         "## Findings\n", findings_markdown(findings),
         "## Settings that mattered\n",
-        _table(settings_rows(cfg), ("setting", "value")) if cfg else "No `.hydra/config.yaml` found.\n",
+        _table(settings_rows(_with_auto_batch(cfg, records)), ("setting", "value")) if cfg
+        else "No `.hydra/config.yaml` found.\n",
         *([samples] if (samples := samples_markdown(records)) else []),
         "## Curves\n", "![curves](curves.png)\n",
         "Regenerate with `python -m llmexp.doctor RUN_DIR`.\n",

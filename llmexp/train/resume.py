@@ -203,7 +203,7 @@ def resume_key(cfg: DictConfig, rt: Runtime) -> dict[str, Any]:
     `data` is the token cache key (corpus content, tokenizer, data settings): a resume on other
     data is refused unless `train.resume_data_mismatch=warn`."""
     return {"lr": str(cfg.lr), "max_steps": cfg.train.max_steps, "global_batch": rt.plan.global_batch,
-            "batch_size": cfg.batch_size, "world_size": rt.plan.world, "seed": cfg.seed,
+            "batch_size": rt.plan.micro, "world_size": rt.plan.world, "seed": cfg.seed,
             "optimizer": cfg.optimizer.name, "scheduler": cfg.scheduler.name, "precision": rt.precision,
             "data": rt.data_fingerprint, "peft": cfg.peft.name, "base_model": base_model_fingerprint(cfg),
             "fsdp": cfg.fsdp.name}
@@ -323,6 +323,22 @@ def _found_checkpoint(run: Run) -> tuple[Path, dict[str, Any]] | None:
     if rt.is_main:
         ckpt.verify_checkpoint(path, full=True)
     return path, load(path)
+
+
+def saved_auto_batch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
+    """The batch_size=auto choice saved in the checkpoint a resume would start from (`train.resume`: auto is the
+    newest here), read before any model exists so that a resumed run does not probe again. Unverified: a bad
+    checkpoint is found out by `load_resume_state` later; here it only means probing again (None)."""
+    choice = cfg.train.resume
+    if choice == "never":
+        return None
+    found = ckpt.list_checkpoints(run_dir / "checkpoints") if choice == "auto" else [Path(choice)]
+    try:
+        state = json.loads((found[-1] / TRAINER_STATE).read_text())["state"] if found else {}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    saved = state.get("batch_size_auto") if isinstance(state, dict) else None
+    return saved if isinstance(saved, dict) and saved else None
 
 
 def load_resume_state(run: Run) -> LoopState | None:

@@ -88,7 +88,9 @@ class Runtime:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"  # Accelerate's choice (accelerator_kwargs)
         self.precision = resolve_precision(cfg.precision.name, device_type)
         self.bf16_warning = bf16_emulation_warning(self.precision, device_type)
-        self.plan = make_plan(cfg, world_size_from_env())
+        self.plan = make_plan(cfg, world_size_from_env())  # batch_size=auto: micro 1 until `autobatch` settles it
+        self.auto_batch: dict[str, Any] | None = None
+        """batch_size=auto: how the micro-batch was chosen (`autobatch.AutoBatch.record`); None otherwise."""
         self.accelerator = Accelerator(**accelerator_kwargs(cfg, self.plan, self.precision))
         if cfg.deepspeed.stage > 0:  # before anything reads the process layout (see check_engine)
             from llmexp.train.distributed import check_engine
@@ -191,6 +193,8 @@ class Runtime:
             "optimizer": c.optimizer.name,
             "scheduler": c.scheduler.name, "precision_requested": c.precision.name, "device": self.device.type,
             "peak_tflops": self.peak_tflops}
+        if self.auto_batch:
+            facts["batch_size_auto"] = self.auto_batch
         if self.bf16_warning:
             facts.update(bf16_emulated=self.bf16_warning, bf16_advice=BF16_EMULATION_ADVICE)
         if self.mfu_note:
@@ -217,6 +221,13 @@ class Runtime:
         tensor = torch.tensor(value, device=self.device)
         torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
         return float(tensor.item())
+
+    def reduce_min(self, value: int) -> int:
+        if self.plan.world == 1:
+            return value
+        tensor = torch.tensor(value, device=self.device)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN)
+        return int(tensor.item())
 
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(tensor, reduction="sum") if self.plan.world > 1 else tensor

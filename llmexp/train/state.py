@@ -35,6 +35,8 @@ class LoopState:
     seen_findings: list[str] = field(default_factory=list)
     data_state: dict[str, Any] = field(default_factory=dict)
     """Where a stateful train set stands (data.streaming: its window start); empty for the cached data."""
+    batch_size_auto: dict[str, Any] = field(default_factory=dict)
+    """batch_size=auto: the choice (`train.autobatch.AutoBatch`), reused on resume instead of probing again."""
 
 
 @dataclass

@@ -22,15 +22,17 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from llmexp.config.derived import parse_batch_size
 from llmexp.data import datasets as data_lib
 from llmexp.data import stream as stream_lib
 from llmexp.data.tokenizer import load_tokenizer
 from llmexp.metrics import safe_exp
 from llmexp.train import samples
 from llmexp.train.anomaly import judge_step, report_findings
+from llmexp.train.autobatch import choose_batch_size
 from llmexp.train.finish import finish_run
 from llmexp.train.pruning import TrialPruning
-from llmexp.train.resume import load_resume_state, rollback, save_state_checkpoint
+from llmexp.train.resume import load_resume_state, rollback, save_state_checkpoint, saved_auto_batch
 from llmexp.train.runtime import Runtime, setup_runtime
 from llmexp.train.schedule import lr_at, warmup_steps_for
 from llmexp.train.state import LoopState, Run
@@ -63,6 +65,10 @@ def _train(cfg: DictConfig) -> RunResult:
     build = stream_lib.build_stream_datasets if cfg.data.streaming else data_lib.build_datasets  # stream: uncached
     train_ds, eval_ds, data_stats = build(cfg, tokenizer)
     rt.data_fingerprint = str(data_stats["data_cache_key"])  # in each checkpoint: a resume on other data is caught
+    if parse_batch_size(cfg.batch_size) is None:  # batch_size=auto, before anything reads the plan:
+        # the choice the checkpoint holds, else the estimate's upper bound and a probe step
+        saved = saved_auto_batch(cfg, rt.run_dir)
+        rt.auto_batch = choose_batch_size(cfg, rt, len(tokenizer), len(train_ds), saved).record()
     model, optimizer, peak_lr, lr_source = rt.build(cfg, len(tokenizer))
     max_steps = rt.plan.max_steps(len(train_ds))
     warmup = warmup_steps_for(max_steps, cfg.train.warmup_ratio, cfg.train.warmup_steps)
@@ -70,6 +76,7 @@ def _train(cfg: DictConfig) -> RunResult:
     run = Run(cfg, rt, model, optimizer, log, peak_lr=peak_lr, lr_source=lr_source, train_data=train_ds)
     run.pruning = TrialPruning.for_job(cfg, rt.is_main)  # a search's trial reports its evals to the study
     run.state = state = load_resume_state(run) or LoopState()
+    state.batch_size_auto = rt.auto_batch or {}  # checkpoints keep the choice
     train_ds.restore(state.data_state)  # a stream continues at its checkpoint's window; the cached data is stateless
     state.num_examples = len(train_ds)  # 0 for a stream: its length is unknown
     status = "completed"

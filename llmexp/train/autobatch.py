@@ -1,0 +1,146 @@
+"""`batch_size=auto`: the largest micro-batch that fits in memory, found before the run's model is built.
+
+    candidates (`config.derived.auto_batch_candidates`: halving, capped by the global batch per process
+      and the train set) -> upper bound: the largest whose estimate (`llmexp.estimate`) fits the budget
+      (a share of CUDA's free memory, or of the available RAM split between this host's processes)
+    -> probe, largest first: one real forward + backward + optimizer step of a throwaway model
+      built as the run builds it, at that micro-batch
+        CUDA: torch.OutOfMemoryError means "too large", the next candidate is tried
+        CPU:  there is no exception (the kernel kills the process), so the estimate keeps the probe
+              below the budget and the probe's measured peak RSS must fit it too
+    -> the minimum over ranks (every rank must run the same micro-batch).
+
+Accelerate's `find_executable_batch_size` retries the whole training function on OOM: it cannot see a
+CPU running out, and a retry would rebuild data and logger too; this probe is one step, then gone.
+A resumed run reuses the choice its checkpoint's loop state holds (`LoopState.batch_size_auto`).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from omegaconf import DictConfig
+
+from llmexp import build
+from llmexp.config.derived import auto_batch_candidates, make_plan
+from llmexp.errors import UserError
+from llmexp.estimate import adapter_facts, count_params_meta, fsdp_units, largest_fitting, memory_budget
+from llmexp.metrics import peak_rss_mb, reset_peak_rss, rss_mb
+
+if TYPE_CHECKING:
+    from llmexp.train.runtime import Runtime
+
+MiB = 2**20
+
+
+@dataclass
+class AutoBatch:
+    """The choice and how it was made: the `start` record's `batch_size_auto`, kept in checkpoints."""
+
+    chosen: int
+    upper_bound: int
+    """The largest candidate whose estimate fits `budget_mb`: where the probe started."""
+    budget_mb: float
+    world_size: int
+    probed: list[dict[str, Any]] = field(default_factory=list)
+    """One entry per probe step on this rank: micro-batch, fits, measured peak (MiB; CPU: RSS growth)."""
+    source: str = "probe"
+    """probe, or checkpoint (a resumed run reuses the saved choice and probes nothing)."""
+    search_s: float = 0.0
+    """Seconds the search took on this rank (the probe steps, their model builds and the estimate)."""
+    note: str = ""
+    """Why nothing was probed, when that is so."""
+
+    def record(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def choose_batch_size(cfg: DictConfig, rt: Runtime, vocab_size: int, num_examples: int,
+                      saved: dict[str, Any] | None) -> AutoBatch:
+    """Settle `batch_size=auto` and set `rt.plan` to it: the saved choice when resuming on as many processes,
+    else the estimate's upper bound and the probe. Runs on every rank (it ends in one collective)."""
+    world = rt.plan.world
+    if saved and saved.get("world_size") == world and isinstance(saved.get("chosen"), int):
+        choice = AutoBatch(**{**saved, "source": "checkpoint"})
+    else:
+        choice = _search(cfg, rt, vocab_size, num_examples)
+    rt.plan = make_plan(cfg, world, micro=choice.chosen)
+    return choice
+
+
+def _search(cfg: DictConfig, rt: Runtime, vocab_size: int, num_examples: int) -> AutoBatch:
+    started = time.perf_counter()
+    candidates = auto_batch_candidates(cfg, rt.plan.world, num_examples)
+    on_cuda = rt.device.type == "cuda"
+    # On CPU the processes of one host share its RAM; on CUDA each rank has its GPU.
+    processes = 1 if on_cuda else int(os.environ.get("LOCAL_WORLD_SIZE", rt.plan.world))
+    budget = memory_budget(rt.device.type, processes)
+    facts = {"num_params": count_params_meta(cfg), "precision": rt.precision, "world": rt.plan.world,
+             "adapters": adapter_facts(cfg), "units": fsdp_units(cfg) if cfg.fsdp.name != "none" else None}
+    upper = largest_fitting(cfg, candidates, budget, on_cpu=not on_cuda, **facts)
+    if cfg.fsdp.name != "none":
+        # The probe builds the model unwrapped: under FSDP it would measure unsharded memory and pick far too
+        # small. The sharded step lives in the trainer's FSDP engine; until the probe runs through it, the
+        # estimate (held to measured FSDP peaks, benchmarks/memory_fsdp.py) decides alone.
+        chosen, probed, note = upper, [], f"fsdp={cfg.fsdp.name}: the estimate alone (the probe step is not sharded)"
+    else:
+        (chosen, probed), note = _probe_down(cfg, rt, vocab_size, candidates[candidates.index(upper):], budget), ""
+    chosen = rt.reduce_min(chosen)  # the largest every rank can run (0: one of them fits none)
+    if chosen < 1:
+        raise UserError(f"batch_size=auto: not even a micro-batch of 1 fits in memory ({budget / MiB:,.0f} MiB to "
+                        f"plan with per process; probed {probed}). Lower data.max_length, set "
+                        "model.gradient_checkpointing=true, use peft=lora, or shard the model (deepspeed/fsdp)")
+    return AutoBatch(chosen=chosen, upper_bound=upper, budget_mb=round(budget / MiB, 1), world_size=rt.plan.world,
+                     probed=probed, search_s=round(time.perf_counter() - started, 2), note=note)
+
+
+def _probe_down(cfg: DictConfig, rt: Runtime, vocab_size: int, sizes: list[int],
+                budget: float) -> tuple[int, list[dict[str, Any]]]:
+    """The first of `sizes` (largest first) whose probe step fits (0: none), and what each probe measured."""
+    probed: list[dict[str, Any]] = []
+    for micro in sizes:
+        fits, peak_mb = _probe(cfg, rt, vocab_size, micro, budget)
+        probed.append({"micro": micro, "fits": fits, "peak_mb": round(peak_mb, 1)})
+        if fits:
+            return micro, probed
+    return 0, probed
+
+
+def _probe(cfg: DictConfig, rt: Runtime, vocab_size: int, micro: int, budget: float) -> tuple[bool, float]:
+    """(fits, peak MiB) of one training step at `micro`; on CPU the peak is the RSS growth over the step."""
+    on_cuda = rt.device.type == "cuda"
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats(rt.device)
+    base_mb = 0.0 if on_cuda else rss_mb()
+    reset_peak_rss()
+    try:
+        _step(cfg, rt, vocab_size, micro)
+        fits = True
+    except torch.OutOfMemoryError:  # CUDA only; its traceback (and the step's tensors) is gone after this block
+        fits = False
+    peak_mb = torch.cuda.max_memory_allocated(rt.device) / MiB if on_cuda else peak_rss_mb() - base_mb
+    gc.collect()
+    if on_cuda:
+        torch.cuda.empty_cache()
+    # CUDA: it ran, so it fits (the OOM is the test); CPU: the measured peak must fit the budget too.
+    return fits and (on_cuda or peak_mb * MiB <= budget), peak_mb
+
+
+def _step(cfg: DictConfig, rt: Runtime, vocab_size: int, micro: int) -> None:
+    """One forward + backward + optimizer step on a model and optimizer built as the run builds them; they are
+    freed on return. The run's own model is built afterwards (and seeded then): the probe changes nothing."""
+    from llmexp.loss import CausalLMLoss
+
+    model = CausalLMLoss(build.build_model(cfg, vocab_size, rt.precision)).to(rt.device)
+    optimizer = build.build_optimizer(cfg, model, 1e-6, rt.device.type)
+    ids = torch.randint(0, vocab_size, (micro, cfg.data.max_length), device=rt.device,
+                        generator=torch.Generator(rt.device).manual_seed(0))
+    with rt.autocast():
+        loss = model(input_ids=ids, labels=ids)
+    (loss / ids.numel()).backward()
+    optimizer.step()
