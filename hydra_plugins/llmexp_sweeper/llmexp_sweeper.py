@@ -9,7 +9,7 @@ them (`sweep.n_trials=20` is `hydra.sweeper.n_trials=20`; `llmexp/conf/hydra/swe
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -19,43 +19,31 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
 
+from llmexp.config.schema import GridSweepConfig, SearchSweepConfig  # dataclasses only: no torch
+
 _HERE = "hydra_plugins.llmexp_sweeper.llmexp_sweeper"
 
 
 @dataclass
-class GridSweeperConf:
+class GridSweeperConf(GridSweepConfig):
     """`hydra/sweeper=llmexp_grid` (llmexp's `sweep=grid`, the default): every combination, as Hydra's basic
-    sweeper, except for the keys of `zip`, whose values pair up."""
+    sweeper, except for the keys of `zip`, whose values pair up (the options: `GridSweepConfig`)."""
 
     _target_: str = f"{_HERE}.GridSweeper"
     max_batch_size: int | None = None
     """Jobs handed to the launcher at once (null: all)."""
     params: dict[str, str] | None = None
     """Swept keys given in the config instead of the command line, as Hydra's basic sweeper takes them."""
-    zip: list[str] = field(default_factory=list)
-    """Keys swept together: the i-th values of each make the i-th job."""
-    lr_scaling: str = "none"
-    """none, sqrt or linear: each job's lr times (batch_size / base_batch_size) to that power."""
-    base_batch_size: int | None = None
-    """The batch size the given lr is for (null: the smallest batch_size swept)."""
 
 
 @dataclass
-class SearchSweeperConf:
-    """`hydra/sweeper=llmexp_search` (llmexp's `sweep=random|tpe`): an optuna study over the swept keys."""
+class SearchSweeperConf(SearchSweepConfig):
+    """`hydra/sweeper=llmexp_search` (llmexp's `sweep=random|tpe`): an optuna study over the swept keys (the
+    options: `SearchSweepConfig`; each trial reads `sweep.pruner` from its own config, so set it there)."""
 
     _target_: str = f"{_HERE}.SearchSweeper"
     sampler: str = "tpe"
     """random or tpe."""
-    n_trials: int = 12
-    """Trials in all, counting those of an earlier, interrupted launch of the same sweep."""
-    parallel: int = 1
-    """Trials at once (one batch of the launcher)."""
-    seed: int = 0
-    """The sampler's seed."""
-    pruner: str = "none"
-    """asha, hyperband, median or none. Each trial asks the pruner itself, with its own `sweep.pruner`: set
-    it through llmexp's `sweep.pruner`, which both read."""
     params: dict[str, str] | None = None
     """Search-space entries given in the config instead of the command line."""
 
@@ -119,7 +107,8 @@ class SearchSweeper(Sweeper):
         assert self.config is not None and self.hydra_context is not None
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         overrides = parser.parse_overrides([*(f"{k}={v}" for k, v in self.params.items()), *arguments])
-        settings = SearchSettings(**self.settings)
+        options = dict(self.settings)
+        settings = SearchSettings(options.pop("sampler"), SearchSweepConfig(**options))
         self._prepare_launcher(settings)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)

@@ -256,25 +256,37 @@ class FsdpConfig:
 
 
 @dataclass
-class SweepConfig:
+class GridSweepConfig:
+    """The grid's options (`sweep=grid`); also the `llmexp_grid` Hydra sweeper's, which `sweep.*` maps onto."""
+
+    zip: list[str] = field(default_factory=list)
+    """Keys swept together instead of as a product, e.g. [lr,batch_size]: the i-th values pair up."""
+    lr_scaling: str = "none"
+    """none, sqrt or linear: scale each job's lr by (batch_size / base_batch_size)**(1/2 or 1)."""
+    base_batch_size: int | None = None
+    """With lr_scaling: the batch size the given lr is for (null: the smallest batch_size swept)."""
+
+
+@dataclass
+class SearchSweepConfig:
+    """A search's options (`sweep=random|tpe`); also the `llmexp_search` Hydra sweeper's."""
+
+    n_trials: int = 12
+    """Trials in all (those of an earlier, interrupted launch of the same sweep count)."""
+    parallel: int = 1
+    """Trials at once (GPUs, SLURM array slots or CPU slots)."""
+    seed: int = 0
+    """The sampler's seed."""
+    pruner: str = "none"
+    """asha, hyperband, median or none; a trial's eval losses are its intermediate values."""
+
+
+@dataclass
+class SweepConfig(SearchSweepConfig, GridSweepConfig):
     """How `--multirun` explores: Hydra's grid, or an optuna search with pruning from live eval losses."""
 
     name: str = "grid"
     """grid (every combination, as Hydra's basic sweeper), random or tpe (optuna samplers)."""
-    n_trials: int = 12
-    """random/tpe: trials in all (finished ones in a resumed sweep count)."""
-    parallel: int = 1
-    """random/tpe: trials at once (GPUs, SLURM array slots or CPU slots)."""
-    seed: int = 0
-    """random/tpe: the sampler's seed."""
-    pruner: str = "none"
-    """random/tpe: asha, hyperband, median or none; a trial's eval losses are its intermediate values."""
-    zip: list[str] = field(default_factory=list)
-    """grid: keys swept together instead of as a product, e.g. [lr,batch_size]: the i-th values pair up."""
-    lr_scaling: str = "none"
-    """grid: none, sqrt or linear: scale each job's lr by (batch_size / base_batch_size)**(1/2 or 1)."""
-    base_batch_size: int | None = None
-    """grid, with lr_scaling: the batch size the given lr is for (null: the smallest batch_size swept)."""
 
 
 @dataclass

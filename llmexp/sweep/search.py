@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from llmexp.config.schema import SearchSweepConfig
 from llmexp.config.space import search_space, trial_overrides
 from llmexp.config.study import journal_storage, make_pruner
 from llmexp.errors import EXIT_USER, UserError
@@ -46,10 +47,8 @@ class SearchSettings:
     """The search sweeper's settings (`hydra.sweeper.*`, mapped from `sweep.*`)."""
 
     sampler: str
-    n_trials: int
-    parallel: int
-    seed: int
-    pruner: str
+    """random or tpe."""
+    search: SearchSweepConfig
 
 
 # ----------------------------------------------------------------------------- the study
@@ -157,14 +156,14 @@ def run_search(sweeper: Any, overrides: Sequence[Any], settings: SearchSettings)
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    config = sweeper.config
+    config, search = sweeper.config, settings.search
     space, fixed = search_space(overrides)
     sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
-    pruner = make_pruner(settings.pruner, int(config.train.eval_steps), int(config.train.max_steps))
-    sampler = make_sampler(settings.sampler, settings.seed, settings.n_trials)
+    pruner = make_pruner(search.pruner, int(config.train.eval_steps), int(config.train.max_steps))
+    sampler = make_sampler(settings.sampler, search.seed, search.n_trials)
     study = open_study(sweep_dir, space, fixed, sampler, pruner)
     if study.trials:  # a rerun: a sampler seeded as the first run's would propose that run's points again
-        study.sampler = make_sampler(settings.sampler, settings.seed + len(study.trials), settings.n_trials)
+        study.sampler = make_sampler(settings.sampler, search.seed + len(study.trials), search.n_trials)
     returns: list[Sequence[JobReturn]] = []
     resumed = [optuna.trial.Trial(study, frozen._trial_id)  # the storage's id: optuna has no public lookup
                for frozen in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))]
@@ -174,8 +173,8 @@ def run_search(sweeper: Any, overrides: Sequence[Any], settings: SearchSettings)
     for batch in _contiguous(resumed):
         if not _run_batch(sweeper, study, batch, sweep_dir, returns):
             return returns
-    while (ended := _ended(study)) < settings.n_trials:
-        batch = [study.ask(space) for _ in range(min(settings.parallel, settings.n_trials - ended))]
+    while (ended := _ended(study)) < search.n_trials:
+        batch = [study.ask(space) for _ in range(min(search.parallel, search.n_trials - ended))]
         for trial in batch:
             trial.set_user_attr("overrides", trial_overrides(trial.params, fixed))
         if not _run_batch(sweeper, study, batch, sweep_dir, returns):
