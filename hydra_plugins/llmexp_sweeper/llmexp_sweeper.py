@@ -128,4 +128,5 @@ class SearchSweeper(Sweeper):
                             "the next ones; use cluster.wait=true (the default)")
         self.launcher.within_search = True
         if isinstance(self.launcher, LocalLauncher):  # CPU slots; with GPUs the launcher uses one per GPU
-            self.launcher.settings.max_parallel = max(int(self.launcher.settings.max_parallel), settings.parallel)
+            slots = max(int(self.launcher.settings.max_parallel), settings.search.parallel)
+            self.launcher.settings.max_parallel = slots
