@@ -8,8 +8,10 @@ The first runs on a CPU without native bf16 (simulated with LLMEXP_ASSUME_NO_BF1
 AVX512-BF16): the case that once exited 2. Where the CPU really lacks bf16, torch emulates it and the
 whole default run takes 3-4x fp32's time (5+ min on two idle cores), so every headline command runs
 with the same arguments plus only `train.max_steps=` (benchmarks/first_run.py times the whole default
-run). The SLURM sweep also gets test_slurm.py's markers and environment (one thread per job, the
-repository on PYTHONPATH for Hydra's plugin scan).
+run). The bf16 run takes 10 steps, enough for one train line (train.logging_steps=10): every further
+step is the same 8-bit Adam step in emulated bf16, at 3-4x fp32's cost. The SLURM sweep also gets
+test_slurm.py's markers and environment (one thread per job, the repository on PYTHONPATH for Hydra's
+plugin scan).
 """
 
 from __future__ import annotations
@@ -35,12 +37,12 @@ def only(pattern: str, root: Path) -> Path:
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_adamw8bit_bf16_headline_runs_on_a_cpu_without_native_bf16(tmp_path: Path) -> None:
-    proc = run_cli(["optimizer=adamw8bit", "precision=bf16", "train.max_steps=30"], cwd=tmp_path, env=NO_BF16,
+    proc = run_cli(["optimizer=adamw8bit", "precision=bf16", "train.max_steps=10"], cwd=tmp_path, env=NO_BF16,
                    timeout_s=2300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     run_dir = only("outputs/*/*", tmp_path)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["precision"] == "bf16" and summary["step"] == 30
+    assert summary["status"] == "completed" and summary["precision"] == "bf16" and summary["step"] == 10
     (finding,) = [f for f in summary["findings"] if f["kind"] == "bf16_emulated"]
     assert finding["severity"] == "warning" and "precision=auto" in finding["advice"]
     assert "precision=bf16 on a CPU without native bf16" in proc.stderr  # printed, not only recorded

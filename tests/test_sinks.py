@@ -176,3 +176,14 @@ def test_wandb_without_a_server_falls_back_to_offline(tmp_path: Path) -> None:
     offline = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(offline) == 1 and list(offline[0].glob("run-*.wandb")), list((run_dir / "wandb").iterdir())
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+    # The real trainer fed the offline run its config, its name and its steps (this once had a run of its own,
+    # tests/test_doctor_e2e.py's wandb test; the run above goes through the same trainer and sink).
+    (run_file,) = offline[0].glob("run-*.wandb")
+    log = read_wandb_log(run_file)
+    run = next(r.run for r in log if r.WhichOneof("record_type") == "run")
+    config = {u.key: json.loads(u.value_json) for u in run.config.update}
+    assert config["model"]["hidden_size"] == 64 and config["train"]["max_steps"] == 2
+    assert "model.hidden_size=64" in run.display_name
+    steps = [json.loads(i.value_json) for r in log if r.WhichOneof("record_type") == "history"
+             for i in r.history.item if "/".join(i.nested_key) == "trainer/step" or i.key == "trainer/step"]
+    assert 2 in steps
