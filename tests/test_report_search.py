@@ -23,6 +23,7 @@ from optuna.trial import TrialState
 
 from llmexp.paths import STUDY_NAME, study_journal
 from llmexp.report.__main__ import main as report_main
+from llmexp.report.search import load_study
 from llmexp.report.sweep import write_sweep_report
 from tests.test_monitor import history
 from tests.test_report import make_run, png_size, summary_of
@@ -72,13 +73,15 @@ def add_trial(study: optuna.Study, sweep: Path, params: dict[str, Any], state: T
     if state == TrialState.PRUNED:
         summary = {**summary_of(records, status="pruned"), "step": stop}
         trial.set_user_attr("stopped_step", stop)
-    elif state == TrialState.FAIL:
-        summary = summary_of(records, status="failed")
+    elif state == TrialState.FAIL:  # a doctor's error: the sweeper tells it as PRUNED, its status says failed
+        summary = summary_of(records, status="diverged")
         trial.set_user_attr("reason", "doctor: non_finite at step 20")
+        trial.set_user_attr("stopped_step", stop)
+        state = TrialState.PRUNED
     elif state == TrialState.RUNNING:
         summary = None
     if summary is not None:
-        trial.set_user_attr("status", summary["status"])
+        trial.set_user_attr("status", "failed" if summary["status"] == "diverged" else summary["status"])
     make_run(sweep / str(trial.number), records, summary, tuple(overrides))
     if state == TrialState.COMPLETE:
         study.tell(trial, evals[-1]["eval_loss"])
@@ -141,9 +144,13 @@ def test_report_mid_sweep_reads_a_journal_being_written(tmp_path: Path) -> None:
     make_search(sweep)
     with open(study_journal(sweep), "a") as f:
         f.write('{"op_code": 4, "worker_id": "x", "trial_id": 7, "para')
+    study, error = load_study(sweep)
+    assert error is None and study is not None
+    assert len(study.trials) == len(TRIALS) and study.trials[-1].state == TrialState.RUNNING
+    study_journal(sweep).write_text("not a journal\n")  # a damaged journal: said in one line, the rest reported
     summary = write_sweep_report(sweep)
-    assert summary["search"]["counts"]["running"] == 1 and len(summary["search"]["trials"]) == len(TRIALS)
-    assert summary["search_error"] is None and (sweep / "sweep_search.png").is_file()
+    assert summary["search"] is None and "could not be read" in summary["search_error"]
+    assert "**Search:** the optuna study" in (sweep / "sweep_report.md").read_text()
 
 
 def test_importances_that_cannot_be_computed_are_explained_in_one_line(tmp_path: Path) -> None:

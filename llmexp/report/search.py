@@ -85,13 +85,17 @@ def trial_rows(study: Any, jobs_by_name: dict[str, dict]) -> list[dict[str, Any]
     rows, best = [], math.inf
     for trial in study.get_trials(deepcopy=False):
         state = trial.state.name.lower()
+        if trial.user_attrs.get("status") == "failed":
+            # The sweeper tells a run that failed on a doctor's error as PRUNED (TPE learns nothing from FAIL):
+            # for the sampler a bad region, for the reader a failure.
+            state = "fail"
         value = trial.value if state == "complete" else None
         if value is not None and math.isfinite(value):
             best = min(best, value)
         job = jobs_by_name.get(str(trial.number), {})
         curve = sorted((int(step), float(v)) for step, v in trial.intermediate_values.items())
         stopped = trial.user_attrs.get("stopped_step")
-        if state == PRUNED and stopped is None:
+        if state == PRUNED and not isinstance(stopped, int):
             stopped = job.get("step") if isinstance(job.get("step"), int) else _last_step(dict(curve))
         steps = job.get("step") if isinstance(job.get("step"), int) else _last_step(dict(curve))
         rows.append({"number": trial.number, "params": dict(trial.params), "state": state, "value": value,
