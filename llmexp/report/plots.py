@@ -310,6 +310,8 @@ def _trial_curves_panel(ax: Any, rows: list[dict]) -> None:
                 ls="--" if r["state"] == "running" else "-")
         if r["state"] == "pruned" and ys:
             stop = r["stopped_step"] if r["stopped_step"] is not None else xs[-1]
+            # The stop request follows the eval that decided it; the run goes on until its next step boundary.
+            ax.plot([xs[-1], stop], [ys[-1], ys[-1]], ":", color=colour, lw=1)
             ax.plot([stop], [ys[-1]], marker, color=colour, ms=9)
             ax.annotate(str(r["number"]), (stop, ys[-1]), xytext=(4, 3), textcoords="offset points", fontsize=7,
                         color=colour)
