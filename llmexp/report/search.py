@@ -175,8 +175,9 @@ def search_markdown(search: dict[str, Any]) -> list[str]:
     lines += ["### Optimisation history", "", "| trial | " + " | ".join(names) + " | state | eval loss | "
               "best so far | steps |", "|---" * (len(names) + 5) + "|"]
     for r in rows:
+        reason = r["reason"] if not r["reason"] or len(r["reason"]) <= 80 else r["reason"][:77] + "..."
         state = r["state"] + (f" at step {r['stopped_step']}" if r["state"] == PRUNED else "") + (
-            f" ({r['reason']})" if r["reason"] and r["state"] == "fail" else "")
+            f" ({reason})" if reason and r["state"] == "fail" else "")
         value = fmt(r["value"]) if r["value"] is not None else (
             f"({fmt(r['last_eval_loss'])} last)" if r["last_eval_loss"] is not None else "–")
         lines.append(f"| {r['number']} | " + " | ".join(fmt(r["params"].get(n)) for n in names)
@@ -194,6 +195,7 @@ def search_markdown(search: dict[str, Any]) -> list[str]:
     else:
         lines.append(search["importances_note"])
     lines += ["", "*eval loss*: a complete trial's final eval loss (the objective); a pruned or running trial's "
-              "latest is shown in brackets. *steps*: training steps the trial ran.", "",
+              "latest is shown in brackets. *steps*: training steps the trial ran. A failed trial's full reason is in "
+              "sweep_summary.json.", "",
               "![search history](sweep_search.png)", ""]
     return lines
