@@ -206,13 +206,13 @@ def plot(grid: dict[str, Any], searches: list[dict[str, Any]], path: Path) -> No
     right.set_ylabel("best final eval loss so far")
     right.set_title("best so far against steps spent")
     lows = [v for v in [grid["best_loss"], *[s["best_loss"] for s in searches], *[p["eval_loss"] for p in ok]] if v]
-    if lows:  # diverged points and a pruned trial's early loss must not flatten the view near the optimum
-        lo, hi = min(lows), sorted(lows)[len(lows) // 2]
-        for ax in (left, right):
-            ax.set_ylim(lo - 0.05 * (hi - lo or 1), hi + 0.4 * (hi - lo or 1))
-    for ax in (left, right):
+    if lows:  # the landscape whole (a trial pruned early at a blown-up loss may fall above it); the race zoomed in
+        lo, hi = min(lows), max(lows)
+        left.set_ylim(lo - 0.03 * (hi - lo or 1), hi + 0.05 * (hi - lo or 1))
+        right.set_ylim(lo - 0.2 * (grid["best_loss"] * LOSS_TARGET - lo), grid["best_loss"] * (2 * LOSS_TARGET - 1))
+    for ax, corner in ((left, "lower left"), (right, "upper right")):  # where the points are not
         ax.grid(alpha=0.25)
-        ax.legend(fontsize=7, loc="upper right")
+        ax.legend(fontsize=7, loc=corner)
     fig.tight_layout()
     with atomic_file(path, "wb") as f:
         fig.savefig(f, format="png", dpi=110, bbox_inches="tight")
