@@ -4,7 +4,7 @@ from __future__ import annotations
 
 EXIT_OK, EXIT_ERROR, EXIT_USER, EXIT_DIVERGED = 0, 1, 2, 3
 STATUS_EXIT = {"completed": EXIT_OK, "early_stopped": EXIT_OK, "diverged": EXIT_DIVERGED,
-               "preempted": EXIT_ERROR, "failed": EXIT_ERROR}
+               "preempted": EXIT_ERROR, "failed": EXIT_ERROR, "pruned": EXIT_OK}
 
 
 class UserError(ValueError):

@@ -107,16 +107,11 @@ def write_json_atomic(path: Path, obj: object) -> None:
 def study_journal(sweep_dir: Path) -> Path:
     """Where an optuna search keeps its study (`sweep=random|tpe`): an optuna JournalStorage file, study
     name `STUDY_NAME`, safe on a shared filesystem. Trial number N is the sweep's job N (`SWEEP_DIR/N`)."""
-    return Path(sweep_dir) / ".llmexp" / "study.journal"
+    return Path(sweep_dir) / "study.journal"  # not in .llmexp/, which the local launcher removes after each batch
 
 
 STUDY_NAME = "llmexp"
 """The optuna study's name inside `study_journal`."""
-
-STOP_REQUEST = "stop_request.json"
-"""`RUN_DIR/stop_request.json`: written by a sweeper that prunes the run (`{"status": "pruned", "reason": ...}`);
-the trainer checks for it at each step boundary and stops as it does on a preemption (checkpoint, then stop)."""
-
 
 LOCK_NAME = ".llmexp.lock"
 _held_locks: list[object] = []

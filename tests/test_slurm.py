@@ -158,3 +158,33 @@ def test_timeout_checkpoints_requeues_and_resumes_exactly(tmp_path: Path) -> Non
     resumed, uninterrupted = train_losses(job), train_losses(ref_dir)
     assert sorted(resumed) == list(range(1, num_steps + 1))
     assert resumed == uninterrupted  # bitwise: the same floats at every step
+
+
+def test_a_tpe_asha_search_prunes_on_slurm_and_a_rerun_extends_it(tmp_path: Path) -> None:
+    """Issue #17: 6 trials of tpe + asha, 2 at a time as job arrays; each trial reports its evals to the study
+    in the sweep directory from its node and the ones ASHA condemns stop with a checkpoint. The same
+    command with sweep.n_trials=7 then runs one more trial, and none of the first six again."""
+    from optuna.trial import TrialState
+
+    from llmexp.config.study import load_study
+
+    search = ["sweep=tpe", "sweep.parallel=2", "sweep.pruner=asha", "lr=tag(log,interval(1e-5,1e-1))",
+              "train.max_steps=12", "train.eval_steps=3", "train.save_steps=0", "precision=fp32"]
+    proc, sweep, log = start_sweep(tmp_path, "tpe", [*search, "sweep.n_trials=6"])
+    assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    trials = load_study(sweep).get_trials()
+    assert len(trials) == 6 and all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
+    pruned = [t for t in trials if t.state == TrialState.PRUNED]
+    assert pruned, [(t.params, t.intermediate_values) for t in trials]
+    for trial in pruned:
+        summary = json.loads((sweep / str(trial.number) / "summary.json").read_text())
+        assert summary["status"] == "pruned" and summary["step"] == max(trial.intermediate_values) < 12
+        assert (sweep / str(trial.number) / "checkpoints" / f"step_{summary['step']}").is_dir()
+    assert sorted(json.loads((sweep / "slurm_jobs.json").read_text())["jobs"], key=int) == [str(n) for n in range(6)]
+
+    proc, _, log = start_sweep(tmp_path, "tpe", [*search, "sweep.n_trials=7"])
+    assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
+    trials = load_study(sweep).get_trials()
+    assert len(trials) == 7 and trials[6].state in (TrialState.COMPLETE, TrialState.PRUNED)
+    assert all(len(events(sweep / str(n), "start")) == 1 for n in range(6))  # not run again
+    assert (sweep / "sweep_report.md").exists()

@@ -13,7 +13,6 @@ setting; `llmexp/conf/hydra/launcher/cluster_*.yaml`). The extras that only make
 (`llmexp.sweep.jobs.is_llmexp_config`); any other app gets Hydra's usual job returns.
 """
 
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +66,8 @@ class _LlmexpLauncher(Launcher):
         self.config: DictConfig | None = None
         self.hydra_context: HydraContext | None = None
         self.task_function: TaskFunction | None = None
+        self.within_search = False
+        """Set by llmexp's search sweeper: a batch's failed or pruned jobs are results, not a reason to exit 1."""
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config = config
@@ -76,13 +77,9 @@ class _LlmexpLauncher(Launcher):
     def _guarded(self, launch: Callable[..., Sequence[JobReturn]], job_overrides: Sequence[Sequence[str]],
                  initial_job_idx: int) -> Sequence[JobReturn]:
         """A user's mistake (e.g. llmexp_slurm without SLURM) is one message and exit 2, no traceback."""
-        from llmexp.errors import EXIT_USER, UserError
+        from llmexp.sweep.jobs import exit_2_on_user_error
 
-        try:
-            return launch(self, job_overrides, initial_job_idx)
-        except UserError as err:
-            print(f"llmexp: error: {err}", file=sys.stderr)
-            raise SystemExit(EXIT_USER) from None
+        return exit_2_on_user_error(launch, self, job_overrides, initial_job_idx)
 
 
 class LocalLauncher(_LlmexpLauncher):

@@ -441,21 +441,28 @@ class ConfigCheck:
         return cfg
 
     def check_sweep_jobs(self, master_config: Any) -> None:
-        """Compose and check every job of a sweep before Hydra's sweeper creates the sweep directory; each
-        config is handed to the sweeper's own validation (`validate_batch_is_legal`) instead of composing again.
-        The sweeper is Hydra's BasicSweeper (the only one `security.SWEEPER_TARGETS` allows)."""
-        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+        """Compose and check every job of a sweep before the sweeper creates the sweep directory; each config is
+        handed to the sweeper's own validation (`validate_batch_is_legal`) instead of composing again. A search's
+        trials are not known yet: one job with each swept key at its first value stands for them."""
         from hydra.core.override_parser.overrides_parser import OverridesParser
         from omegaconf import OmegaConf
 
-        params = master_config.hydra.sweeper.get("params")
+        from llmexp.config.space import grid_jobs, probe_job, scale_lr
+
+        sweeper = master_config.hydra.sweeper
+        params = sweeper.get("params")
         arguments = [f"{k}={v}" for k, v in (OmegaConf.to_container(params) if params else {}).items()]  # type: ignore[union-attr]
         arguments += OmegaConf.to_container(master_config.hydra.overrides.task, resolve=False)  # type: ignore[arg-type]
         parsed = OverridesParser.create(config_loader=self.loader).parse_overrides(arguments)
-        for batch in BasicSweeper.split_arguments(parsed, None):
-            for job in batch:
-                cfg = self.load_sweep_config(master_config, list(job))
-                self._ready[(id(master_config), tuple(job))] = cfg
+        if str(sweeper._target_).endswith(".SearchSweeper"):
+            jobs = [probe_job(parsed)]
+        else:  # Hydra's BasicSweeper or llmexp's GridSweeper (zip, lr scaling), the two SWEEPER_TARGETS allow
+            jobs = grid_jobs(parsed, list(sweeper.get("zip") or []))
+            jobs = scale_lr(jobs, str(sweeper.get("lr_scaling") or "none"), sweeper.get("base_batch_size"),
+                            master_config.get("lr"))
+        for job in jobs:
+            cfg = self.load_sweep_config(master_config, list(job))
+            self._ready[(id(master_config), tuple(job))] = cfg
 
     def load_sweep_config(self, master_config: Any, sweep_overrides: list[str]) -> Any:
         from omegaconf import OmegaConf

@@ -46,7 +46,9 @@ CALLBACK_TARGETS: tuple[str, ...] = ("llmexp.redact.RedactRunFiles",
 LAUNCHER_TARGETS: tuple[str, ...] = ("hydra_plugins.llmexp_launcher.llmexp_launcher.LocalLauncher",
                                      "hydra_plugins.llmexp_launcher.llmexp_launcher.SlurmLauncher",
                                      "hydra._internal.core_plugins.basic_launcher.BasicLauncher")
-SWEEPER_TARGETS: tuple[str, ...] = ("hydra._internal.core_plugins.basic_sweeper.BasicSweeper",)
+SWEEPER_TARGETS: tuple[str, ...] = ("hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
+                                     "hydra_plugins.llmexp_sweeper.llmexp_sweeper.GridSweeper",
+                                     "hydra_plugins.llmexp_sweeper.llmexp_sweeper.SearchSweeper")
 LOGGING_CLASSES: tuple[str, ...] = ("logging.StreamHandler", "logging.FileHandler", "logging.NullHandler",
                                     "logging.handlers.RotatingFileHandler", "logging.handlers.TimedRotatingFileHandler",
                                     "logging.handlers.WatchedFileHandler", "logging.Formatter")

@@ -361,6 +361,7 @@ def _validate_groups(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet
            "samples need whole weights on one process, and ZeRO-3 partitions them; use deepspeed=zero2, or "
            "sample from model/ after the run")
     _validate_peft(cfg, errors)
+    _validate_sweep(cfg.sweep, errors)
 
 
 def _validate_mix(d: DictConfig, errors: list[str]) -> None:
@@ -403,6 +404,20 @@ def _validate_streaming(cfg: DictConfig, errors: list[str], bad: typing.Abstract
     _check(errors, t.on_anomaly != "rollback", "train.on_anomaly",
            "rollback is not supported with data.streaming=true (it skips ahead over data the stream would have to "
            "re-read from a checkpoint's window); use train.on_anomaly=skip or stop")
+
+
+def _validate_sweep(sw: DictConfig, errors: list[str]) -> None:
+    """The sweep's options: a pruner needs a search, pairing and lr scaling belong to the grid."""
+    _choice(errors, sw.name, "sweep.name", SWEEP_STRATEGIES)
+    _choice(errors, sw.pruner, "sweep.pruner", PRUNERS)
+    _choice(errors, sw.lr_scaling, "sweep.lr_scaling", LR_SCALINGS)
+    search = sw.name != "grid"
+    _check(errors, search or sw.pruner == "none", "sweep.pruner",
+           f"a pruner stops the trials of a search; use sweep=tpe (or random) with sweep.pruner={sw.pruner}, "
+           "or drop sweep.pruner")
+    _check(errors, not search or (not sw.zip and sw.lr_scaling == "none"), "sweep.zip",
+           f"sweep.zip and sweep.lr_scaling shape a grid; sweep={sw.name} samples each key itself (drop them, or "
+           "use sweep=grid)")
 
 
 def _validate_peft(cfg: DictConfig, errors: list[str]) -> None:

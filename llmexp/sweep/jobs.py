@@ -20,13 +20,15 @@ import sys
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from llmexp.paths import register_resolvers, write_json_atomic, write_text_atomic
 from llmexp.report.rundir import FINISHED, load_json
 
+T = TypeVar("T")
+
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from hydra.core.utils import JobReturn
 
@@ -78,6 +80,18 @@ def is_llmexp_config(config: Any) -> bool:
     return all(isinstance(config.get(key, None), DictConfig) for key in ("cluster", "train"))
 
 
+def exit_2_on_user_error(action: Callable[..., T], *args: Any) -> T:
+    """`action(*args)`, a user's mistake inside a launcher or sweeper (Hydra would print it as a traceback and
+    exit 1) printed as one line and exit 2, as the CLI prints its own."""
+    from llmexp.errors import EXIT_USER, UserError
+
+    try:
+        return action(*args)
+    except UserError as err:
+        print(f"llmexp: error: {err}", file=sys.stderr)
+        raise SystemExit(EXIT_USER) from None
+
+
 def compose_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int,
                  compose: bool = True) -> list[JobSpec]:
     """Every job's spec, its sweep directory pinned; its config composed now unless `compose=False`.
@@ -88,25 +102,40 @@ def compose_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
     leaves it to the node (`compose_job`); the job directory is then derived from the sweep config
     unless `hydra.sweep.subdir` names the overrides, which only a composition knows.
     """
-    from omegaconf import OmegaConf, open_dict
+    from omegaconf import open_dict
 
     global _launched
     _launched = True
     sweep_dir = Path(str(launcher.config.hydra.sweep.dir)).absolute()
     with open_dict(launcher.config):
         launcher.config.hydra.sweep.dir = str(sweep_dir)
-    raw_subdir = str(OmegaConf.to_container(launcher.config.hydra.sweep, resolve=False).get("subdir"))
-    compose = compose or "override" in raw_subdir
-    specs, sweep_probe = [], OmegaConf.create({"hydra": OmegaConf.to_container(launcher.config.hydra)})
+    compose = compose or subdir_names_overrides(launcher.config)
+    specs = []
     for offset, overrides in enumerate(job_overrides):
         num = initial_job_idx + offset
         cfg = compose_job(launcher, list(overrides), num) if compose else None
-        probe = cfg if cfg is not None else sweep_probe
+        specs.append(JobSpec(num=num, overrides=list(overrides), config=cfg,
+                             job_dir=job_dir_of(cfg if cfg is not None else launcher.config, num)))
+    return specs
+
+
+def subdir_names_overrides(config: Any) -> bool:
+    """`hydra.sweep.subdir` is built from a job's overrides (e.g. `${hydra.job.override_dirname}`)."""
+    from omegaconf import OmegaConf
+
+    return "override" in str(OmegaConf.to_container(config.hydra.sweep, resolve=False).get("subdir"))
+
+
+def job_dir_of(config: Any, num: int) -> Path:
+    """Job `num`'s run directory: `hydra.sweep.dir` / `hydra.sweep.subdir` evaluated for that job."""
+    from omegaconf import OmegaConf, open_dict
+
+    probe = config  # a job's composed config knows its number; the sweep's is given it on a copy
+    if OmegaConf.select(config, "hydra.job.num", default=None) != num:
+        probe = OmegaConf.create({"hydra": OmegaConf.to_container(config.hydra)})
         with open_dict(probe):
             probe.hydra.job.num = num
-        subdir = str(OmegaConf.select(probe, "hydra.sweep.subdir"))
-        specs.append(JobSpec(num=num, overrides=list(overrides), config=cfg, job_dir=sweep_dir / subdir))
-    return specs
+    return Path(str(config.hydra.sweep.dir)).absolute() / str(OmegaConf.select(probe, "hydra.sweep.subdir"))
 
 
 def compose_job(launcher: Any, overrides: list[str], num: int) -> Any:
@@ -201,6 +230,64 @@ def _task_error(code: int) -> str:
     return message or f"the task exited with code {code}"
 
 
+# ----------------------------------------------------------------------------- running a sweep again
+
+ENDED = (*FINISHED, "diverged", "pruned")
+"""Statuses of a job that a rerun of its sweep does not run again: it reached an end of its own. Any other
+(preempted, cancelled, killed, timeout, failed, or no summary) runs again and resumes from its checkpoint."""
+
+
+def ended_before(spec: JobSpec) -> JobOutcome | None:
+    """The outcome of a job that this sweep directory already holds, ended (`ENDED`), or None.
+
+    A job still running from an earlier launch of the sweep (whose launcher was killed) is waited for
+    first: the run directory's lock says so. A directory that holds a job with other overrides belongs
+    to another sweep, which is refused rather than mixed into this one's report.
+    """
+    from llmexp.errors import STATUS_EXIT, UserError
+    from llmexp.report.rundir import load_overrides
+
+    _wait_for_holder(spec.job_dir)
+    status = run_status(spec.job_dir)
+    verdict = (load_json(spec.job_dir / "job_status.json") or {}).get("status", status)
+    if status not in ENDED or verdict != status:
+        return None
+    recorded = load_overrides(spec.job_dir)
+    if recorded != spec.overrides:
+        raise UserError(f"{spec.job_dir} holds a job of another sweep ({' '.join(recorded)}), not this sweep's job "
+                        f"#{spec.num} ({' '.join(spec.overrides)}); rerun that sweep's command, or pick a new "
+                        "hydra.sweep.dir")
+    return JobOutcome(spec.num, status, STATUS_EXIT[status], None)
+
+
+def _wait_for_holder(job_dir: Path, poll_s: float = 2.0) -> None:
+    """Block while another process holds the run directory's lock (`paths.lock_run_dir`)."""
+    from filelock import FileLock, Timeout
+
+    from llmexp.paths import LOCK_NAME
+
+    lock_path = job_dir / LOCK_NAME
+    if not lock_path.exists():
+        return
+    lock = FileLock(str(lock_path))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info(f"  {job_dir} is still running from an earlier launch (pid {lock_path.read_text().strip()}); "
+                 "waiting for it to end")
+        lock.acquire(poll_interval=poll_s)
+    lock.release()
+
+
+def split_ended(specs: Sequence[JobSpec]) -> tuple[list[JobSpec], dict[int, JobOutcome]]:
+    """(the jobs to run, the outcomes of those that ended in an earlier launch of this sweep)."""
+    ended = {spec.num: outcome for spec in specs if (outcome := ended_before(spec)) is not None}
+    if ended:
+        log.info(f"{len(ended)} of {len(specs)} jobs already ended in {specs[0].job_dir.parent}; not run again: "
+                 f"{', '.join(f'#{n}' for n in sorted(ended))}")
+    return [spec for spec in specs if spec.num not in ended], ended
+
+
 # ----------------------------------------------------------------------------- recording
 
 
@@ -263,17 +350,19 @@ def swept(spec: JobSpec, specs: Sequence[JobSpec]) -> str:
     return " ".join(varying or spec.overrides)
 
 
-def finish_sweep(specs: Sequence[JobSpec], outcomes: Sequence[JobOutcome]) -> list[JobReturn]:
-    """Record every outcome, write the sweep report, print a summary; exit 1 if any job did not finish."""
+def finish_sweep(specs: Sequence[JobSpec], outcomes: Sequence[JobOutcome], within_search: bool = False
+                 ) -> list[JobReturn]:
+    """Record every outcome, write the sweep report, print a summary; exit 1 if any job did not finish,
+    unless the batch belongs to a search (`within_search`), which reads each trial's end itself."""
     for spec, outcome in zip(specs, outcomes, strict=True):
         record_outcome(spec, outcome)
     sweep_dir = specs[0].job_dir.parent
     write_report(sweep_dir)
     bad = [o for o in outcomes if o.status not in FINISHED]
-    for spec, outcome in zip(specs, outcomes, strict=True):
+    for spec, outcome in zip(specs, outcomes, strict=True) if not within_search else ():  # a search logs its own
         detail = f": {outcome.error}" if outcome.error and outcome.status not in FINISHED else ""
         log.info(f"  #{spec.num} {outcome.status:<13} {swept(spec, specs)}{detail}")
-    if bad:
+    if bad and not within_search:
         log.error(f"{len(bad)} of {len(outcomes)} jobs did not finish; see {sweep_dir}")
         raise SystemExit(1)
     return job_returns(specs, outcomes)

@@ -42,6 +42,7 @@ from llmexp.sweep.jobs import (
     finish_sweep,
     is_llmexp_config,
     run_task,
+    split_ended,
     swept,
 )
 
@@ -126,10 +127,13 @@ def launch_local(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
         _dump_job(work / f"{spec.num}.job.pkl", (spec, launcher.task_function, launcher.hydra_context, state, extras))
     where = f"GPUs {sorted(set(s for s in slots if s))}" if slots[0] is not None else "CPU"
     log.info(f"Launching {len(specs)} jobs locally, {len(slots)} at a time on {where}: {specs[0].job_dir.parent}")
-    outcomes = _run_queue(specs, slots, work)
+    to_run, outcomes = split_ended(specs) if extras else (specs, {})
+    outcomes.update(_run_queue(to_run, slots, work))
     returns = None if extras else [_job_return(s, outcomes[s.num], work) for s in specs]
     shutil.rmtree(work, ignore_errors=True)  # the pickles; llmexp's outcomes are recorded by finish_sweep
-    return finish_sweep(specs, [outcomes[s.num] for s in specs]) if returns is None else returns
+    if returns is not None:
+        return returns
+    return finish_sweep(specs, [outcomes[s.num] for s in specs], launcher.within_search)
 
 
 def _job_return(spec: JobSpec, outcome: JobOutcome, work: Path) -> JobReturn:

@@ -54,6 +54,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from llmexp.errors import UserError
 from llmexp.paths import register_resolvers, write_json_atomic
+from llmexp.report.rundir import load_json
 from llmexp.sweep.jobs import (
     JobOutcome,
     JobSpec,
@@ -66,6 +67,7 @@ from llmexp.sweep.jobs import (
     job_returns,
     record_outcome,
     run_task,
+    split_ended,
     swept,
 )
 
@@ -190,8 +192,11 @@ def launch_slurm(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
     if shutil.which("sbatch") is None:
         raise UserError("cluster=slurm needs SLURM's sbatch on PATH; run on a SLURM login node, or start a "
                         "one-machine cluster with `sudo bash launch/slurm-local.sh up`, or use cluster=local")
-    specs = compose_jobs(launcher, job_overrides, initial_job_idx, compose=False)
-    sweep_dir = specs[0].job_dir.parent
+    all_specs = compose_jobs(launcher, job_overrides, initial_job_idx, compose=False)
+    specs, ended = split_ended(all_specs) if extras else (all_specs, {})
+    sweep_dir = all_specs[0].job_dir.parent
+    if not specs:  # a rerun of a sweep whose jobs all ended: nothing to submit
+        return finish_sweep(all_specs, [ended[s.num] for s in all_specs], launcher.within_search)
     folder = Path(str(settings.get("submitit_folder") or sweep_dir / ".submitit" / "%j")).absolute()
     executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=int(settings.max_num_timeout))
     executor.update_parameters(**sbatch_parameters(settings, str(launcher.config.hydra.job.name)))
@@ -204,15 +209,16 @@ def launch_slurm(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
         log.info(f"Submitted {len(jobs)} jobs to SLURM as array {jobs[0].job_id.split('_')[0]}: {sweep_dir}")
         return other_app_returns(specs, jobs)
     ids = {s.num: j.job_id for s, j in zip(specs, jobs, strict=True)}
-    write_json_atomic(sweep_dir / "slurm_jobs.json", {"jobs": {str(k): v for k, v in ids.items()},
+    earlier = (load_json(sweep_dir / "slurm_jobs.json") or {}).get("jobs", {})  # a search submits batch by batch
+    write_json_atomic(sweep_dir / "slurm_jobs.json", {"jobs": {**earlier, **{str(k): v for k, v in ids.items()}},
                                                       "submitit_folder": str(folder)})
     log.info(f"Submitted {len(jobs)} jobs to SLURM as array {jobs[0].job_id.split('_')[0]}: {sweep_dir}")
     if not settings.get("wait", True):
         print(f"Submitted SLURM jobs {', '.join(ids.values())}\nSweep directory: {sweep_dir}\n"
               f"When they have ended: python -m llmexp.report {sweep_dir}", flush=True)
         return job_returns(specs, [JobOutcome(s.num, "submitted", None, None, ids[s.num]) for s in specs])
-    outcomes = wait_for_jobs(specs, jobs)
-    return finish_sweep(specs, outcomes)
+    outcomes = {s.num: o for s, o in zip(specs, wait_for_jobs(specs, jobs), strict=True)} | ended
+    return finish_sweep(all_specs, [outcomes[s.num] for s in all_specs], launcher.within_search)
 
 
 def other_app_returns(specs: Sequence[JobSpec], jobs: Sequence[submitit.Job]) -> list:

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from omegaconf import DictConfig
 
     from llmexp.metrics import MetricsLogger
+    from llmexp.train.pruning import TrialPruning
     from llmexp.train.runtime import Runtime
 
 
@@ -51,3 +52,5 @@ class Run:
     state: LoopState = field(default_factory=LoopState)
     train_data: Any = None
     """The train set: a checkpoint asks it for its `position` (a stream's window start)."""
+    pruning: TrialPruning | None = None
+    """In a search with a pruner: this job's trial, which each eval reports to (`llmexp.train.pruning`)."""

@@ -29,6 +29,7 @@ from llmexp.metrics import safe_exp
 from llmexp.train import samples
 from llmexp.train.anomaly import judge_step, report_findings
 from llmexp.train.finish import finish_run
+from llmexp.train.pruning import TrialPruning
 from llmexp.train.resume import load_resume_state, rollback, save_state_checkpoint
 from llmexp.train.runtime import Runtime, setup_runtime
 from llmexp.train.schedule import lr_at, warmup_steps_for
@@ -67,6 +68,7 @@ def _train(cfg: DictConfig) -> RunResult:
     warmup = warmup_steps_for(max_steps, cfg.train.warmup_ratio, cfg.train.warmup_steps)
     log = rt.logger(max_steps)
     run = Run(cfg, rt, model, optimizer, log, peak_lr=peak_lr, lr_source=lr_source, train_data=train_ds)
+    run.pruning = TrialPruning.for_job(cfg, rt.is_main)  # a search's trial reports its evals to the study
     run.state = state = load_resume_state(run) or LoopState()
     train_ds.restore(state.data_state)  # a stream continues at its checkpoint's window; the cached data is stateless
     state.num_examples = len(train_ds)  # 0 for a stream: its length is unknown
@@ -90,8 +92,9 @@ def _train(cfg: DictConfig) -> RunResult:
         while status == "completed" and state.step < max_steps:
             step = state.step
             due = step % cfg.train.eval_steps == 0 and state.last_eval_step != step
-            if due and evaluate_and_record(run, eval_ds, step):
-                status = "early_stopped"
+            if due and (stop := evaluate_and_record(run, eval_ds, step)):
+                # pruned: stopped as a preemption stops, with a checkpoint (a search may resume it by hand)
+                status = stop if stop == "early_stopped" or save_state_checkpoint(run) else "failed"
                 break
             if samples.due(cfg.train, step, max_steps):
                 samples.record(run, tokenizer, step)  # on a forked RNG: training is bitwise unchanged
@@ -135,7 +138,7 @@ def _train(cfg: DictConfig) -> RunResult:
                 break
         # Still inside the signal guard: a late SIGTERM only sets the flag, and the run finishes.
         if status in ("completed", "early_stopped") and state.last_eval_step != state.step:
-            evaluate_and_record(run, eval_ds, state.step)
+            evaluate_and_record(run, eval_ds, state.step, may_stop=False)
         if status in ("completed", "early_stopped") and cfg.train.sample_prompts:
             samples.record(run, tokenizer, state.step)
         summary = finish_run(run, tokenizer, status)
@@ -187,8 +190,9 @@ def evaluate(cfg: DictConfig, rt: Runtime, model: torch.nn.Module, eval_ds: data
     return loss_sum / max(count, 1.0)
 
 
-def evaluate_and_record(run: Run, eval_ds: data_lib.TokenDataset, step: int) -> bool:
-    """Eval, log it, track the best; True when early stopping says stop."""
+def evaluate_and_record(run: Run, eval_ds: data_lib.TokenDataset, step: int, may_stop: bool = True) -> str | None:
+    """Eval, log it, track the best; the status that ends the run at this eval (`early_stopped` by patience,
+    `pruned` by a search's pruner), or None."""
     cfg, state = run.cfg, run.state
     eval_loss = evaluate(cfg, run.rt, run.model, eval_ds)
     state.last_eval_step = step
@@ -196,9 +200,12 @@ def evaluate_and_record(run: Run, eval_ds: data_lib.TokenDataset, step: int) -> 
     report_findings(run.rt, state, run.log)
     if math.isfinite(eval_loss) and eval_loss < state.best_eval_loss:
         state.best_eval_loss, state.best_eval_step, state.evals_since_best = eval_loss, step, 0
-        return False
-    state.evals_since_best += 1
+    else:
+        state.evals_since_best += 1
+    if not may_stop:
+        return None
+    if run.rt.any_rank(run.pruning is not None and run.pruning.should_stop(step, eval_loss)):  # rank 0 asks
+        run.log.log({"event": "pruned", "step": step, "reason": run.pruning.reason(step) if run.pruning else ""})
+        return "pruned"
     patience = cfg.train.early_stopping_patience
-    return bool(patience) and state.evals_since_best >= patience
-
-
+    return "early_stopped" if patience and state.evals_since_best >= patience else None

@@ -1,0 +1,1 @@
+"""Hydra discovers llmexp's sweepers and their configs here; the work is done in `llmexp.sweep`."""

@@ -1,0 +1,142 @@
+"""llmexp's Hydra sweepers: `hydra/sweeper=llmexp_grid` (Hydra's grid, plus paired axes and lr scaling)
+and `hydra/sweeper=llmexp_search` (optuna: random or TPE, with pruning from live eval losses).
+
+As with the launchers beside it, Hydra imports this module on every start (also for `--help`), so it
+holds only the sweeper configs (dataclasses in Hydra's ConfigStore) and thin classes; the work is in
+`llmexp.sweep.space` (what the command line asks to explore) and `llmexp.sweep.search` (the study),
+imported when a sweep starts. llmexp's `sweep=` group selects these sweepers and maps its keys onto
+them (`sweep.n_trials=20` is `hydra.sweeper.n_trials=20`; `llmexp/conf/hydra/sweeper/sweep_*.yaml`).
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.types import Override
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig
+
+_HERE = "hydra_plugins.llmexp_sweeper.llmexp_sweeper"
+
+
+@dataclass
+class GridSweeperConf:
+    """`hydra/sweeper=llmexp_grid` (llmexp's `sweep=grid`, the default): every combination, as Hydra's basic
+    sweeper, except for the keys of `zip`, whose values pair up."""
+
+    _target_: str = f"{_HERE}.GridSweeper"
+    max_batch_size: int | None = None
+    """Jobs handed to the launcher at once (null: all)."""
+    params: dict[str, str] | None = None
+    """Swept keys given in the config instead of the command line, as Hydra's basic sweeper takes them."""
+    zip: list[str] = field(default_factory=list)
+    """Keys swept together: the i-th values of each make the i-th job."""
+    lr_scaling: str = "none"
+    """none, sqrt or linear: each job's lr times (batch_size / base_batch_size) to that power."""
+    base_batch_size: int | None = None
+    """The batch size the given lr is for (null: the smallest batch_size swept)."""
+
+
+@dataclass
+class SearchSweeperConf:
+    """`hydra/sweeper=llmexp_search` (llmexp's `sweep=random|tpe`): an optuna study over the swept keys."""
+
+    _target_: str = f"{_HERE}.SearchSweeper"
+    sampler: str = "tpe"
+    """random or tpe."""
+    n_trials: int = 12
+    """Trials in all, counting those of an earlier, interrupted launch of the same sweep."""
+    parallel: int = 1
+    """Trials at once (one batch of the launcher)."""
+    seed: int = 0
+    """The sampler's seed."""
+    pruner: str = "none"
+    """asha, hyperband, median or none. Each trial asks the pruner itself, with its own `sweep.pruner`: set
+    it through llmexp's `sweep.pruner`, which both read."""
+    params: dict[str, str] | None = None
+    """Search-space entries given in the config instead of the command line."""
+
+
+ConfigStore.instance().store(group="hydra/sweeper", name="llmexp_grid", node=GridSweeperConf,
+                             provider="llmexp_sweeper")
+ConfigStore.instance().store(group="hydra/sweeper", name="llmexp_search", node=SearchSweeperConf,
+                             provider="llmexp_sweeper")
+
+
+class GridSweeper(BasicSweeper):
+    """Hydra's BasicSweeper with its product replaced by `llmexp.sweep.space.grid_jobs` (zip, lr scaling)."""
+
+    def __init__(self, max_batch_size: int | None, params: dict[str, str] | None = None,
+                 zip: Sequence[str] = (), lr_scaling: str = "none", base_batch_size: int | None = None) -> None:
+        super().__init__(max_batch_size=max_batch_size, params=params)
+        self.zip_keys, self.lr_scaling, self.base_batch_size = list(zip), lr_scaling, base_batch_size
+
+    def split_arguments(self, overrides: list[Override], max_batch_size: int | None) -> list[list[list[str]]]:
+        """BasicSweeper.sweep calls this through `self`: the jobs, in batches of `max_batch_size`."""
+        from llmexp.config.space import grid_jobs, scale_lr
+        from llmexp.sweep.jobs import exit_2_on_user_error
+
+        jobs = exit_2_on_user_error(grid_jobs, overrides, self.zip_keys)
+        config_lr = self.config.lr if self.config is not None and "lr" in self.config else None
+        jobs = exit_2_on_user_error(scale_lr, jobs, self.lr_scaling, self.base_batch_size, config_lr)
+        size = max_batch_size or len(jobs)
+        return [jobs[i:i + size] for i in range(0, len(jobs), size)]
+
+
+class SearchSweeper(Sweeper):
+    """The optuna search: see `llmexp.sweep.search.run_search`."""
+
+    def __init__(self, **settings: Any) -> None:
+        self.params: dict[str, str] = dict(settings.pop("params") or {})
+        self.settings = settings
+        self.config: DictConfig | None = None
+        self.launcher: Any = None
+        self.hydra_context: HydraContext | None = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        from hydra.core.plugins import Plugins
+
+        self.config, self.hydra_context = config, hydra_context
+        self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context,
+                                                                task_function=task_function, config=config)
+
+    def sweep(self, arguments: list[str]) -> Any:
+        from llmexp.sweep.jobs import exit_2_on_user_error
+
+        return exit_2_on_user_error(self._sweep, arguments)
+
+    def _sweep(self, arguments: list[str]) -> Any:
+        from pathlib import Path
+
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        from omegaconf import OmegaConf
+
+        from llmexp.sweep.search import SearchSettings, run_search
+
+        assert self.config is not None and self.hydra_context is not None
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        overrides = parser.parse_overrides([*(f"{k}={v}" for k, v in self.params.items()), *arguments])
+        settings = SearchSettings(**self.settings)
+        self._prepare_launcher(settings)
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        return run_search(self, overrides, settings)
+
+    def _prepare_launcher(self, settings: Any) -> None:
+        """The search needs one of llmexp's launchers, waiting for each batch, `parallel` trials at once."""
+        from hydra_plugins.llmexp_launcher.llmexp_launcher import LocalLauncher, SlurmLauncher
+        from llmexp.errors import UserError
+
+        if not isinstance(self.launcher, LocalLauncher | SlurmLauncher):
+            raise UserError("a search (sweep=random or sweep=tpe) runs its trials through cluster=local or "
+                            f"cluster=slurm, not {type(self.launcher).__name__}")
+        if isinstance(self.launcher, SlurmLauncher) and not self.launcher.settings.wait:
+            raise UserError("cluster.wait=false: a search must watch its trials to prune them and to ask for "
+                            "the next ones; use cluster.wait=true (the default)")
+        self.launcher.within_search = True
+        if isinstance(self.launcher, LocalLauncher):  # CPU slots; with GPUs the launcher uses one per GPU
+            self.launcher.settings.max_parallel = max(int(self.launcher.settings.max_parallel), settings.parallel)

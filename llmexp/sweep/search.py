@@ -1,0 +1,240 @@
+"""`sweep=random|tpe`: an optuna search whose trials are sweep jobs, pruned from their live eval losses.
+
+    ask `sweep.parallel` trials -> launch them as one batch through the launcher (local or SLURM)
+        each trial, at each eval: trial.report(eval_loss, step) -> should_prune? -> checkpoint, `pruned`
+        (in the trial's own process: `llmexp.train.pruning`)
+    -> tell each trial how its run ended -> until `sweep.n_trials` trials have ended
+
+The study lives in the sweep directory (`llmexp.config.study.journal_storage`: optuna's JournalStorage,
+a file with a lock that works on a shared filesystem), trial N is job N (`SWEEP_DIR/N`), and a
+trial's result is read from its run directory, never held only in this process. So running the same
+command again with the same `hydra.sweep.dir` continues the search: ended trials are not run again,
+trials that were running are launched again and resume from their checkpoints (a job still running
+from the earlier sweeper is waited for), and a `kill -9` of the sweeper loses no result.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from llmexp.config.space import search_space, trial_overrides
+from llmexp.config.study import journal_storage, make_pruner
+from llmexp.errors import EXIT_USER, UserError
+from llmexp.paths import STUDY_NAME
+from llmexp.report.rundir import FINISHED, load_json
+from llmexp.sweep.jobs import job_dir_of, write_report
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import optuna
+    from hydra.core.utils import JobReturn
+
+log = logging.getLogger(__name__)
+
+INTERRUPTED = ("preempted", "cancelled", "submitted")
+"""Run statuses of a trial that did not end by itself: it stays RUNNING in the study and resumes on a rerun."""
+
+
+@dataclass
+class SearchSettings:
+    """The search sweeper's settings (`hydra.sweeper.*`, mapped from `sweep.*`)."""
+
+    sampler: str
+    n_trials: int
+    parallel: int
+    seed: int
+    pruner: str
+
+
+# ----------------------------------------------------------------------------- the study
+
+
+def make_sampler(name: str, seed: int, n_trials: int) -> optuna.samplers.BaseSampler:
+    """random or tpe. TPE starts from random points: a quarter of the budget (2 to 10), since optuna's
+    default of 10 would leave a 12-trial search almost random; `constant_liar` keeps parallel trials apart."""
+    import optuna
+
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=max(2, min(10, n_trials // 4)),
+                                      constant_liar=True)
+
+
+def open_study(sweep_dir: Path, space: dict[str, Any], fixed: Sequence[str], sampler: Any, pruner: Any) -> Any:
+    """The sweep directory's study, created or loaded; a directory holding another search is refused."""
+    import optuna
+    from optuna.distributions import distribution_to_json
+
+    study = optuna.create_study(storage=journal_storage(sweep_dir), study_name=STUDY_NAME, sampler=sampler,
+                                pruner=pruner, direction="minimize", load_if_exists=True)
+    settings = [o for o in fixed if o.split("=")[0].split(".")[0] in ("sweep", "hydra")]  # may change on a rerun
+    identity = {"space": {k: distribution_to_json(d) for k, d in space.items()},
+                "fixed": [o for o in fixed if o not in settings]}
+    stored = study.user_attrs.get("search")
+    if stored is None:
+        study.set_user_attr("search", identity)
+    elif stored != identity:
+        raise UserError(f"{sweep_dir} holds another search (space {stored['space']}, overrides {stored['fixed']}); "
+                        "rerun that command to continue it, or pick a new hydra.sweep.dir for this one")
+    return study
+
+
+# ----------------------------------------------------------------------------- how a trial ended
+
+
+@dataclass
+class TrialResult:
+    """What a trial's run directory says about how it ended."""
+
+    status: str
+    """completed, pruned, failed, or running (no end yet: interrupted, or still going)."""
+    value: float | None = None
+    step: int | None = None
+    reason: str | None = None
+    user_error: bool = False
+    """The trial exited 2: a mistake in the config or data, which every other trial would repeat."""
+
+
+def read_result(job_dir: Path) -> TrialResult:
+    """A trial's result from its run directory: summary.json, and job_status.json when the launcher wrote one.
+
+    A run whose doctor found an error (non_finite, divergence) or that diverged is `failed` with that
+    finding as its reason: a result about the region, not a crash."""
+    summary = load_json(job_dir / "summary.json") or {}
+    verdict = load_json(job_dir / "job_status.json") or {}
+    status = verdict.get("status") or summary.get("status")
+    if status is None or status in INTERRUPTED:
+        return TrialResult("running")
+    step = summary.get("step")
+    errors = [f for f in summary.get("findings", []) if f.get("severity") == "error"]
+    if errors or status == "diverged":
+        reason = f"{errors[0]['kind']}: {errors[0]['message']}" if errors else "the run diverged"
+        return TrialResult("failed", step=step, reason=reason)
+    if status == "pruned":
+        return TrialResult("pruned", step=step)
+    eval_loss = summary.get("eval_loss")
+    if status in FINISHED and isinstance(eval_loss, int | float) and math.isfinite(eval_loss):
+        return TrialResult("completed", value=float(eval_loss), step=step)
+    reason = verdict.get("error") or (f"ended {status} without a finite eval loss" if status in FINISHED
+                                      else f"ended {status}")
+    return TrialResult("crashed", step=step, reason=str(reason), user_error=verdict.get("exit_code") == EXIT_USER)
+
+
+def tell(study: Any, trial: optuna.Trial, result: TrialResult) -> None:
+    """Record an ended trial in the study.
+
+    optuna's samplers learn nothing from FAIL trials (TPE reads COMPLETE and PRUNED ones only), so a
+    trial that failed on a doctor's error is told as PRUNED at its last eval, which ranks it below
+    every completed trial: the sampler learns the region is bad. Its `status` attribute says `failed`
+    and its `reason` the finding; only a crash (a bug, a killed process) is optuna's FAIL.
+    """
+    from optuna.trial import TrialState
+
+    trial.set_user_attr("status", result.status)
+    if result.step is not None:
+        trial.set_user_attr("stopped_step" if result.status != "completed" else "step", result.step)
+    if result.reason:
+        trial.set_user_attr("reason", result.reason)
+    if result.status == "completed":
+        study.tell(trial, result.value)
+    elif result.status in ("pruned", "failed"):
+        study.tell(trial, state=TrialState.PRUNED)
+    else:
+        study.tell(trial, state=TrialState.FAIL)
+
+
+# ----------------------------------------------------------------------------- the search loop
+
+
+def run_search(sweeper: Any, overrides: Sequence[Any], settings: SearchSettings) -> list[Sequence[JobReturn]]:
+    """The search sweeper's `sweep`: resume the interrupted trials, then ask, launch and tell until done."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    config = sweeper.config
+    space, fixed = search_space(overrides)
+    sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
+    pruner = make_pruner(settings.pruner, int(config.train.eval_steps), int(config.train.max_steps))
+    sampler = make_sampler(settings.sampler, settings.seed, settings.n_trials)
+    study = open_study(sweep_dir, space, fixed, sampler, pruner)
+    if study.trials:  # a rerun: a sampler seeded as the first run's would propose that run's points again
+        study.sampler = make_sampler(settings.sampler, settings.seed + len(study.trials), settings.n_trials)
+    returns: list[Sequence[JobReturn]] = []
+    resumed = [optuna.trial.Trial(study, frozen._trial_id)  # the storage's id: optuna has no public lookup
+               for frozen in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))]
+    if resumed:
+        log.info(f"Resuming {len(resumed)} interrupted trials of {sweep_dir}: "
+                 f"{', '.join(str(t.number) for t in resumed)}")
+    for batch in _contiguous(resumed):
+        if not _run_batch(sweeper, study, batch, sweep_dir, returns):
+            return returns
+    while (ended := _ended(study)) < settings.n_trials:
+        batch = [study.ask(space) for _ in range(min(settings.parallel, settings.n_trials - ended))]
+        for trial in batch:
+            trial.set_user_attr("overrides", trial_overrides(trial.params, fixed))
+        if not _run_batch(sweeper, study, batch, sweep_dir, returns):
+            break
+    write_report(sweep_dir)
+    _log_best(study, sweep_dir)
+    return returns
+
+
+def _ended(study: Any) -> int:
+    from optuna.trial import TrialState
+
+    return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)))
+
+
+def _contiguous(trials: Sequence[optuna.Trial]) -> list[list[optuna.Trial]]:
+    """Runs of consecutive trial numbers: a launch numbers its jobs from one index on."""
+    runs: list[list[optuna.Trial]] = []
+    for trial in sorted(trials, key=lambda t: t.number):
+        if runs and runs[-1][-1].number + 1 == trial.number:
+            runs[-1].append(trial)
+        else:
+            runs.append([trial])
+    return runs
+
+
+def _run_batch(sweeper: Any, study: Any, batch: list[optuna.Trial], sweep_dir: Path,
+               returns: list[Sequence[JobReturn]]) -> bool:
+    """Launch one batch of trials (each prunes itself), tell how each ended; False if the sweep was interrupted."""
+    first = batch[0].number
+    jobs = [list(t.user_attrs["overrides"]) for t in batch]
+    sweeper.validate_batch_is_legal(jobs)
+    job_dirs = {t.number: job_dir_of(sweeper.config, t.number) for t in batch}
+    for trial in batch:
+        log.info(f"  trial {trial.number}: {' '.join(f'{k}={v}' for k, v in trial.params.items())}")
+    returns.append(sweeper.launcher.launch(jobs, initial_job_idx=first))  # each trial prunes itself
+    interrupted = False
+    for trial in batch:
+        result = read_result(job_dirs[trial.number])
+        if result.status == "running":
+            interrupted = True  # stays RUNNING: a rerun resumes it from its checkpoint
+            continue
+        tell(study, trial, result)
+        if result.user_error:
+            raise UserError(f"trial {trial.number} stopped on a mistake that every trial would repeat, so the search "
+                            f"stops: {result.reason}")
+        shown = f"{result.value:.4f}" if result.value is not None else result.reason or f"step {result.step}"
+        log.info(f"  trial {trial.number} {result.status}: {shown}")
+    if interrupted:
+        log.warning(f"the search was interrupted; run the same command with hydra.sweep.dir={sweep_dir} to "
+                    "continue it (interrupted trials resume from their checkpoints)")
+    return not interrupted
+
+
+def _log_best(study: Any, sweep_dir: Path) -> None:
+    try:
+        best = study.best_trial
+    except ValueError:
+        log.warning(f"no trial completed; see {sweep_dir / 'sweep_report.md'}")
+        return
+    log.info(f"Best trial {best.number}: eval_loss {best.value:.4f} with {json.dumps(best.params)}; "
+             f"report: {sweep_dir / 'sweep_report.md'}")

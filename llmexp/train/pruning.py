@@ -1,0 +1,56 @@
+"""In a search sweep's job: report each eval loss to the study and ask the pruner whether to stop.
+
+The trial asks at its own evals, in its own process, so that a pruned trial stops exactly at the eval
+that condemned it, and through the same path as a preemption (a checkpoint, then status `pruned`);
+the sweeper need not watch it, and a sweeper killed meanwhile loses none of its reports.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from llmexp.config.study import SEARCHES, load_study, make_pruner
+
+
+@dataclass
+class TrialPruning:
+    """The study and this job's trial in it; `None` (see `for_job`) outside a search with a pruner."""
+
+    study: Any
+    trial: Any
+
+    @classmethod
+    def for_job(cls, cfg: DictConfig, is_main: bool) -> TrialPruning | None:
+        """This job's trial when it is one of a search's (`sweep=random|tpe`, `sweep.pruner` not none) and this
+        is the first rank (the others follow its verdict); else None."""
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hydra = HydraConfig.get()
+        if not is_main or cfg.sweep.name not in SEARCHES or cfg.sweep.pruner == "none" \
+                or hydra.mode != RunMode.MULTIRUN:
+            return None
+        import optuna
+
+        pruner = make_pruner(cfg.sweep.pruner, cfg.train.eval_steps, cfg.train.max_steps)
+        study = load_study(Path(hydra.sweep.dir), pruner)
+        # optuna looks trials up by id; the storage's number-to-id call is public, the study's id is not
+        trial_id = study._storage.get_trial_id_from_study_id_trial_number(study._study_id, int(hydra.job.num))
+        return cls(study, optuna.trial.Trial(study, trial_id))
+
+    def should_stop(self, step: int, eval_loss: float) -> bool:
+        """Report the eval at `step` (step 0, the untrained model, says nothing: it is not reported) and
+        ask the pruner. A non-finite loss is left to the doctor and the anomaly policy."""
+        if step == 0 or not math.isfinite(eval_loss):
+            return False
+        if step not in self.trial.study.trials[self.trial.number].intermediate_values:  # resumed: reported already
+            self.trial.report(eval_loss, step)
+        return self.trial.should_prune()
+
+    def reason(self, step: int) -> str:
+        return f"pruned by the sweeper's {type(self.study.pruner).__name__} after the eval at step {step}"
