@@ -1,7 +1,7 @@
 """A search against a grid on the tiny model's lr landscape (issue #17): does `sweep=tpe sweep.pruner=asha`
 find the grid's best eval loss while training a fraction of the grid's steps?
 
-    python benchmarks/sweep_search.py            # the measurement: ~25 min on an idle 2-core CPU
+    python benchmarks/sweep_search.py            # the measurement: 16 min on a 2-core CPU (shared, load 3-5)
     python benchmarks/sweep_search.py --quick    # a smoke run (a 2-layer 64-wide model, 20 steps): ~2 min,
                                                  # prints the facts as JSON, writes no result file
 
@@ -26,7 +26,7 @@ Settings, and why:
 - `sweep.n_trials=12`, as many trials as grid points: the saving must come from pruning, not from a smaller
   budget of trials. ASHA promotes a trial past a rung only when it is in the best third there (the first few
   trials at a rung, with no rivals yet, go on), so about a third of the trials pass 20 steps and a ninth
-  reach 200: roughly 12 x 20 + 4 x 40 + 2 x 120 + 1-2 x 20 ~ 700 steps of the grid's 2,400 (~30%).
+  reach 200: roughly 12 x 20 + 4 x 40 + 2 x 120 + 1-2 x 20 ~ 700 steps of the grid's 2,400 (~30%; measured 22-30%).
 - `train.eval_batches=4` (the same 16 held-out sequences for every run), `train.save_steps=0`.
 - The grid and the seeds run `--concurrency` (2) at a time, each on cores/concurrency threads; a search's
   own trials run one after another (`sweep.parallel=1`), so its result does not depend on timing.
