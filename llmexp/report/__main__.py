@@ -2,8 +2,10 @@
 
     python -m llmexp.report RUN_DIR      # report.md + curves.png
     python -m llmexp.report SWEEP_DIR    # sweep_summary.json, sweep_report.md, sweep_curves.png
+                                         # (+ sweep_search.png for sweep=random|tpe); also mid-sweep
 
-Exit codes: 0 written, 1 a sweep with failed or unfinished jobs, 2 not a run or sweep directory.
+Exit codes: 0 written, 1 a sweep with failed or unfinished (running) jobs (a pruned trial counts as ended),
+2 not a run or sweep directory.
 """
 
 from __future__ import annotations

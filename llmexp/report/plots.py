@@ -264,3 +264,98 @@ def _clip_ylim(ax: Any) -> None:
     if len(ys) >= 4:
         lo, hi = ys[0], ys[int(0.95 * (len(ys) - 1))]
         ax.set_ylim(lo - 0.05 * (hi - lo or 1.0), hi + 0.15 * (hi - lo or 1.0))
+
+
+# ----- searches (sweep=random|tpe) ----------------------------------------------------------------
+
+_STATE_STYLE = {"complete": ("o", "#1f77b4"), "pruned": ("X", "#ff7f0e"), "running": ("o", "#7f7f7f"),
+                "fail": ("x", SEVERITY_COLOURS["error"])}
+
+
+def _history_panel(ax: Any, rows: list[dict]) -> None:
+    """Each trial's value (a pruned or running trial's latest eval loss, hollow) and the best so far."""
+    for state, (marker, colour) in _STATE_STYLE.items():
+        picked = [r for r in rows if r["state"] == state]
+        if state == "fail":  # no loss to place: marked along the bottom edge
+            if picked:
+                ax.plot([r["number"] for r in picked], [0.03] * len(picked), marker, color=colour, ms=8, mew=2,
+                        transform=ax.get_xaxis_transform(), label="failed")
+            continue
+        key = "value" if state == "complete" else "last_eval_loss"
+        pts = [(r["number"], r[key]) for r in picked if isinstance(r[key], int | float) and math.isfinite(r[key])]
+        if pts:
+            label = {"complete": "complete (final eval loss)", "pruned": "pruned (eval loss when stopped)",
+                     "running": "running (latest eval loss)"}[state]
+            ax.plot(*zip(*pts, strict=True), marker, ls="none", color=colour, ms=7, label=label,
+                    mfc=colour if state == "complete" else "none", mew=1.5)
+    best = [(r["number"], r["best_so_far"]) for r in rows if r["best_so_far"] is not None]
+    if best:
+        ax.step(*zip(*best, strict=True), where="post", color="#2ca02c", lw=2, label="best so far")
+    ax.set_xlabel("trial")
+    ax.set_title("optimisation history")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(fontsize=8, loc="best")
+
+
+def _trial_curves_panel(ax: Any, rows: list[dict]) -> None:
+    """Every trial's eval loss by step; a pruned trial's curve ends in a marker at the step it stopped."""
+    for r in rows:
+        if not r["curve"]:
+            continue
+        xs, ys = _finite_xy([s for s, _ in r["curve"]], [v for _, v in r["curve"]])
+        marker, colour = _STATE_STYLE.get(r["state"], ("o", "#7f7f7f"))
+        ax.plot(xs, ys, lw=1.0 if r["state"] == "complete" else 1.3, color=colour, alpha=0.6,
+                ls="--" if r["state"] == "running" else "-")
+        if r["state"] == "pruned" and ys:
+            stop = r["stopped_step"] if r["stopped_step"] is not None else xs[-1]
+            # The stop request follows the eval that decided it; the run goes on until its next step boundary.
+            ax.plot([xs[-1], stop], [ys[-1], ys[-1]], ":", color=colour, lw=1)
+            ax.plot([stop], [ys[-1]], marker, color=colour, ms=9)
+            ax.annotate(str(r["number"]), (stop, ys[-1]), xytext=(4, 3), textcoords="offset points", fontsize=7,
+                        color=colour)
+    ax.plot([], [], "-", color=_STATE_STYLE["complete"][1], label="complete")
+    ax.plot([], [], "-X", color=_STATE_STYLE["pruned"][1], label="pruned (X: the step it stopped at)")
+    ax.set_xlabel("step")
+    ax.set_title("eval loss of each trial")
+    ax.legend(fontsize=8, loc="upper right")
+    _clip_ylim(ax)
+
+
+def _landscape_panel(ax: Any, rows: list[dict], name: str, log: bool) -> None:
+    """Final eval loss against the first searched parameter (pruned trials at their last eval loss)."""
+    for state in ("complete", "pruned", "running"):
+        marker, colour = _STATE_STYLE[state]
+        key = "value" if state == "complete" else "last_eval_loss"
+        pts = [(float(r["params"][name]), r[key]) for r in rows if r["state"] == state
+               and isinstance(r["params"].get(name), int | float) and isinstance(r[key], int | float)]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker, ls="none", color=colour, ms=7, mew=1.5,
+                    mfc=colour if state == "complete" else "none")
+    if log:
+        ax.set_xscale("log")
+    ax.set_xlabel(name)
+    ax.set_title(f"eval loss by {name}")
+
+
+def plot_search(search: dict[str, Any], path: Path, title: str = "") -> None:
+    """sweep_search.png: the optimisation history (value per trial, best-so-far line), every trial's eval
+    curve with pruned ones ending in a marker at their stop step, and the loss against the first numeric
+    parameter searched."""
+    plt = _pyplot()
+    rows = search["trials"]
+    numeric = [k for k, v in search["space"].items() if not v.startswith("one of")]
+    fig, axes = plt.subplots(1, 3 if numeric else 2, figsize=(18 if numeric else 12, 4.8))
+    _history_panel(axes[0], rows)
+    _trial_curves_panel(axes[1], rows)
+    if numeric:
+        _landscape_panel(axes[2], rows, numeric[0], search["space"][numeric[0]].startswith("log"))
+    for ax in axes:
+        ax.grid(alpha=0.25)
+        ax.set_ylabel("eval loss")
+    counts = search["counts"]
+    fig.suptitle(f"{title}  ·  {search['sampler']} + {search['pruner']}: {counts['complete']} complete, "
+                 f"{counts['pruned']} pruned, {counts['fail']} failed, {counts['running']} running", fontsize=11)
+    fig.tight_layout()
+    _save(fig, path)

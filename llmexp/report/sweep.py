@@ -1,8 +1,10 @@
 """The sweep report: one table, one recommendation and one plot over a sweep's job directories.
 
     python -m llmexp.report SWEEP_DIR    # sweep_summary.json, sweep_report.md, sweep_curves.png
+                                         # (+ sweep_search.png for sweep=random|tpe)
 
-Reads each job directory with the loaders of `llmexp.report.rundir`, as the run report does.
+Reads each job directory with the loaders of `llmexp.report.rundir`, as the run report does, and a search's
+optuna study with `llmexp.report.search`. Works at any time, also in the middle of a sweep.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from llmexp.report.rundir import (
     load_records,
     run_findings,
 )
+from llmexp.report.search import PRUNED, load_study, search_markdown, search_summary
 
 
 def stability(records: list[dict]) -> dict[str, float | None]:
@@ -149,27 +152,38 @@ def sweep_report_markdown(summary: dict) -> str:
                      f"{'–' if rise is None else f'{rise:.0%}'} | {found} |")
     lines += ["", "*loss rose on*: the share of logged steps where the train loss went up (lower is steadier). "
               "Every job's full overrides are in sweep_summary.json.", "", "![sweep curves](sweep_curves.png)", ""]
+    if summary.get("search_error"):
+        lines += [f"**Search:** the optuna study {summary['search_error']}; the table above is read from the "
+                  "job directories alone.", ""]
+    if summary.get("search"):
+        lines += search_markdown(summary["search"])
     return "\n".join(lines)
 
 
 def write_sweep_report(sweep_dir: Path) -> dict[str, Any]:
-    """Write sweep_summary.json, sweep_report.md and sweep_curves.png; return the summary."""
-    from llmexp.report.plots import plot_sweep
+    """Write sweep_summary.json, sweep_report.md and sweep_curves.png (and, for a search, sweep_search.png);
+    return the summary."""
+    from llmexp.report.plots import plot_search, plot_sweep
 
     sweep_dir = Path(sweep_dir)
     jobs = [collect_job(d) for d in job_dirs(sweep_dir)]
+    study, search_error = load_study(sweep_dir)
+    search = search_summary(sweep_dir, study, jobs) if study is not None else None  # marks running jobs
     counts: dict[str, int] = {}
     for j in jobs:
         counts[j["status"]] = counts.get(j["status"], 0) + 1
     varying = varying_params(jobs)
     rec = recommend(jobs, varying)
     summary = {"sweep_dir": str(sweep_dir), "num_jobs": len(jobs), "status_counts": counts,
-               "all_finished": all(j["status"] in FINISHED for j in jobs), "varying": varying,
-               "recommendation": rec, "jobs": jobs}
+               # A pruned trial ended as the search intended: it does not make the sweep unfinished.
+               "all_finished": all(j["status"] in (*FINISHED, PRUNED) for j in jobs), "varying": varying,
+               "recommendation": rec, "jobs": jobs, "search": search, "search_error": search_error}
     curves = {j["job"]: load_records(Path(j["dir"])) for j in jobs}
     title = sweep_dir.resolve().name + (f"  ·  recommended: {rec['settings']}" if rec else "")
     plot_sweep(jobs, curves, varying, sweep_dir / "sweep_curves.png", title=title,
                recommended=rec["job"] if rec else None)
+    if search is not None:
+        plot_search(search, sweep_dir / "sweep_search.png", title=sweep_dir.resolve().name)
     write_text_atomic(sweep_dir / "sweep_summary.json", json.dumps(summary, indent=2, default=str) + "\n")
     write_text_atomic(sweep_dir / "sweep_report.md", sweep_report_markdown(summary))
     return summary

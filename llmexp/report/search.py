@@ -1,0 +1,198 @@
+"""The search part of a sweep report (`sweep=random|tpe`): what the optuna study holds, read from its journal.
+
+The sweeper keeps the study in `paths.study_journal(SWEEP_DIR)` (`config.study.load_study`); trial N is job
+`SWEEP_DIR/N`. Everything here is a pure function of that journal and the job directories, so the report can
+be written at any time, also while the sweeper is still appending to the journal (optuna's file backend
+reads only whole lines, and a torn last line is skipped until it is complete). A grid sweep has no study:
+`load_study` returns None and the sweep report stays as it was.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from llmexp.paths import study_journal
+from llmexp.report.rundir import fmt, load_config, load_json
+
+PRUNED = "pruned"
+"""A run's status (summary.json) when the sweeper pruned it: it stopped early, on purpose, with a checkpoint."""
+RUNNING = "running"
+"""A job's status in the report while its trial is RUNNING in the study and it has no summary.json yet."""
+
+
+def load_study(sweep_dir: Path) -> tuple[Any | None, str | None]:
+    """(the study, None), (None, None) for a sweep without one (a grid), or (None, why) when the journal
+    exists but cannot be read, which the report says in one line rather than failing."""
+    from llmexp.config.study import load_study as open_study
+
+    path = study_journal(sweep_dir)
+    if not path.is_file():
+        return None, None
+    try:
+        return open_study(sweep_dir), None
+    except (KeyError, ValueError, OSError) as err:  # no study in it yet, or a corrupt line mid-file
+        return None, f"{path} could not be read ({type(err).__name__}: {err})"
+
+
+def search_setup(sweep_dir: Path, jobs: list[dict]) -> dict[str, Any]:
+    """sweep.name, pruner, n_trials, seed, parallel and train.max_steps as the sweep was started with
+    (`multirun.yaml`, else the first job's `.hydra/config.yaml`)."""
+    import yaml
+
+    try:
+        config = yaml.safe_load((Path(sweep_dir) / "multirun.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        config = None
+    if not isinstance(config, dict) or not isinstance(config.get("sweep"), dict):
+        config = load_config(Path(jobs[0]["dir"])) if jobs else {}
+    sweep = config.get("sweep") if isinstance(config.get("sweep"), dict) else {}
+    train = config.get("train") if isinstance(config.get("train"), dict) else {}
+    return {"sampler": sweep.get("name"), "pruner": sweep.get("pruner"), "n_trials": sweep.get("n_trials"),
+            "seed": sweep.get("seed"), "parallel": sweep.get("parallel"), "max_steps": train.get("max_steps")}
+
+
+def _space(trials: list[Any]) -> dict[str, str]:
+    """Each searched parameter's distribution, in words: `log-uniform [1e-05, 0.1]`, `one of [2, 4]`."""
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    space: dict[str, str] = {}
+    for trial in trials:
+        for name, dist in trial.distributions.items():
+            if name in space:
+                continue
+            if isinstance(dist, FloatDistribution | IntDistribution):
+                kind = "log-uniform" if dist.log else "uniform"
+                kind += f" step {dist.step:g}" if dist.step not in (None, 1) else ""
+                space[name] = f"{kind} [{fmt(dist.low)}, {fmt(dist.high)}]" + (
+                    " (integers)" if isinstance(dist, IntDistribution) else "")
+            elif isinstance(dist, CategoricalDistribution):
+                space[name] = "one of [" + ", ".join(str(c) for c in dist.choices) + "]"
+    return space
+
+
+def _last_step(intermediate: dict[int, float]) -> int | None:
+    return max(intermediate) if intermediate else None
+
+
+def trial_rows(study: Any, jobs_by_name: dict[str, dict]) -> list[dict[str, Any]]:
+    """One row per trial, in trial order: params, state, value, best so far, steps trained, where a pruned
+    trial stopped and a failed one's reason, and its eval curve (the intermediate values pruning saw)."""
+    rows, best = [], math.inf
+    for trial in study.get_trials(deepcopy=False):
+        state = trial.state.name.lower()
+        if trial.user_attrs.get("status") == "failed":
+            # The sweeper tells a run that failed on a doctor's error as PRUNED (TPE learns nothing from FAIL):
+            # for the sampler a bad region, for the reader a failure.
+            state = "fail"
+        value = trial.value if state == "complete" else None
+        if value is not None and math.isfinite(value):
+            best = min(best, value)
+        job = jobs_by_name.get(str(trial.number), {})
+        curve = sorted((int(step), float(v)) for step, v in trial.intermediate_values.items())
+        stopped = trial.user_attrs.get("stopped_step")
+        if state == PRUNED and not isinstance(stopped, int):
+            stopped = job.get("step") if isinstance(job.get("step"), int) else _last_step(dict(curve))
+        steps = job.get("step") if isinstance(job.get("step"), int) else _last_step(dict(curve))
+        rows.append({"number": trial.number, "params": dict(trial.params), "state": state, "value": value,
+                     "best_so_far": best if math.isfinite(best) else None, "steps": steps or 0,
+                     "stopped_step": stopped if state == PRUNED else None,
+                     "last_eval_loss": curve[-1][1] if curve else job.get("eval_loss"),
+                     "reason": trial.user_attrs.get("reason"), "run_status": trial.user_attrs.get("status"),
+                     "curve": curve})
+    return rows
+
+
+def importances(study: Any, rows: list[dict]) -> tuple[dict[str, float] | None, str | None]:
+    """PED-ANOVA importances of the searched parameters (`optuna.importance`), or None and why not.
+
+    PED-ANOVA rather than optuna's default fANOVA: fANOVA needs scikit-learn, which llmexp does not install,
+    and PED-ANOVA (which asks what sets the best trials apart) is meant for a few dozen trials, a sweep's size."""
+    from optuna.importance import PedAnovaImportanceEvaluator, get_param_importances
+
+    complete = [r for r in rows if r["state"] == "complete"]
+    names = sorted({name for r in complete for name in r["params"]})
+    if len(complete) < 2:
+        return None, f"not computed: {len(complete)} complete trial(s); it takes at least 2"
+    if len(names) < 2:
+        return None, (f"not computed: one parameter searched (`{names[0] if names else '?'}`); importances "
+                      "compare two or more")
+    try:
+        found = get_param_importances(study, evaluator=PedAnovaImportanceEvaluator())
+    except (ValueError, RuntimeError) as err:  # e.g. every complete trial has the same value
+        return None, f"not computed: {err}"
+    return {name: round(float(v), 4) for name, v in found.items()}, None
+
+
+def search_summary(sweep_dir: Path, study: Any, jobs: list[dict]) -> dict[str, Any]:
+    """The `search` entry of sweep_summary.json: setup, counts, steps spent against the budget, the
+    trials' history and the parameter importances. Marks jobs whose trial still runs as running."""
+    by_name = {j["job"]: j for j in jobs}
+    rows = trial_rows(study, by_name)
+    for row in rows:
+        job = by_name.get(str(row["number"]))
+        # A live (or interrupted) trial's job has no summary.json yet: it is running, not failed.
+        if job is not None and row["state"] == RUNNING and load_json(Path(job["dir"]) / "summary.json") is None:
+            job["status"], job["error"] = RUNNING, None
+    setup = search_setup(sweep_dir, jobs)
+    counts = {s: sum(r["state"] == s for r in rows) for s in ("complete", PRUNED, "fail", RUNNING)}
+    spent = sum(r["steps"] for r in rows)
+    budget = setup["n_trials"] * setup["max_steps"] if isinstance(setup["n_trials"], int) and isinstance(
+        setup["max_steps"], int) else None
+    complete = [r for r in rows if r["state"] == "complete" and r["value"] is not None]
+    best = min(complete, key=lambda r: r["value"]) if complete else None
+    found, note = importances(study, rows)
+    return {**setup, "space": _space(study.get_trials(deepcopy=False)), "counts": counts, "steps_spent": spent,
+            "steps_budget": budget, "best_trial": best["number"] if best else None,
+            "best_value": best["value"] if best else None, "importances": found, "importances_note": note,
+            "trials": rows}
+
+
+def _params_text(params: dict[str, Any]) -> str:
+    return " ".join(f"{k}={fmt(v)}" for k, v in params.items()) or "–"
+
+
+def search_markdown(search: dict[str, Any]) -> list[str]:
+    """The report's search section: setup and counts, history, pruned trials, importances."""
+    counts, rows = search["counts"], search["trials"]
+    spent, budget = search["steps_spent"], search["steps_budget"]
+    share = f" = {spent / budget:.0%}" if budget else ""
+    lines = ["", f"## Search: {search['sampler']}, pruner {search['pruner']}", "",
+             f"**Trials:** {len(rows)} of sweep.n_trials={search['n_trials']} (seed {search['seed']}, "
+             f"{search['parallel']} at once): {counts['complete']} complete, {counts[PRUNED]} pruned, "
+             f"{counts['fail']} failed, {counts[RUNNING]} running · **training steps spent:** {spent:,} of "
+             + (f"{budget:,} (n_trials × train.max_steps {search['max_steps']}){share}" if budget else "–"), ""]
+    lines += ["**Search space:** " + ", ".join(f"`{k}` {v}" for k, v in search["space"].items()), ""]
+    if search["best_trial"] is not None:
+        best = next(r for r in rows if r["number"] == search["best_trial"])
+        lines += [f"**Best trial:** {best['number']}, eval loss {fmt(best['value'])}, "
+                  f"`{_params_text(best['params'])}`", ""]
+    names = list(search["space"])
+    lines += ["### Optimisation history", "", "| trial | " + " | ".join(names) + " | state | eval loss | "
+              "best so far | steps |", "|---" * (len(names) + 5) + "|"]
+    for r in rows:
+        reason = r["reason"] if not r["reason"] or len(r["reason"]) <= 80 else r["reason"][:77] + "..."
+        state = r["state"] + (f" at step {r['stopped_step']}" if r["state"] == PRUNED else "") + (
+            f" ({reason})" if reason and r["state"] == "fail" else "")
+        value = fmt(r["value"]) if r["value"] is not None else (
+            f"({fmt(r['last_eval_loss'])} last)" if r["last_eval_loss"] is not None else "–")
+        lines.append(f"| {r['number']} | " + " | ".join(fmt(r["params"].get(n)) for n in names)
+                     + f" | {state} | {value} | {fmt(r['best_so_far'])} | {r['steps']:,} |")
+    pruned = [r for r in rows if r["state"] == PRUNED]
+    if pruned:
+        lines += ["", "### Pruned trials", "", "| trial | settings | stopped at step | last eval loss |",
+                  "|---|---|---|---|"]
+        lines += [f"| {r['number']} | `{_params_text(r['params'])}` | {r['stopped_step']} | "
+                  f"{fmt(r['last_eval_loss'])} |" for r in pruned]
+    lines += ["", "### Parameter importances (PED-ANOVA, `optuna.importance`)", ""]
+    if search["importances"]:
+        lines += ["| parameter | importance |", "|---|---|"]
+        lines += [f"| `{k}` | {v:.2f} |" for k, v in search["importances"].items()]
+    else:
+        lines.append(search["importances_note"])
+    lines += ["", "*eval loss*: a complete trial's final eval loss (the objective); a pruned or running trial's "
+              "latest is shown in brackets. *steps*: training steps the trial ran. A failed trial's full reason is in "
+              "sweep_summary.json.", "",
+              "![search history](sweep_search.png)", ""]
+    return lines
