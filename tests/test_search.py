@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -161,21 +162,27 @@ def test_sweep_mistakes_exit_2_and_name_the_key(tmp_path: Path) -> None:
 RUN = [*TINY, "precision=fp32", "train.max_steps=12", "train.eval_steps=4", "train.save_steps=4",
        "train.warmup_steps=1"]
 ENV = {"OMP_NUM_THREADS": "1"}
+LONG = [o for o in RUN if not o.startswith("train.max_steps=")] + ["train.max_steps=100"]
+"""Long enough that a Ctrl-C after the first checkpoint finds the job still running, on any machine."""
 
 
-def _start(args: list[str], sweep_dir: Path, log_name: str) -> subprocess.Popen:
+def _start(args: list[str], sweep_dir: Path, log_name: str, run: list[str] = RUN) -> subprocess.Popen:
     with open(sweep_dir.parent / log_name, "w") as log:
-        return subprocess.Popen([sys.executable, "-m", "llmexp", "--multirun", *RUN, *args,
+        return subprocess.Popen([sys.executable, "-m", "llmexp", "--multirun", *run, *args,
                                  f"hydra.sweep.dir={sweep_dir}"], cwd=sweep_dir.parent, stdout=log,
                                 stderr=subprocess.STDOUT, env={**os.environ, **ENV})
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+def _wait_for(ready: Callable[[], bool], what: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        assert proc.poll() is None, f"the sweep ended before {path} appeared"
-        assert time.monotonic() < deadline, f"timed out waiting for {path}"
+    while not ready():
+        assert proc.poll() is None, f"the sweep ended before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.2)
+
+
+def _has_checkpoint(run_dir: Path) -> Callable[[], bool]:
+    return lambda: any((run_dir / "checkpoints").glob("step_*"))
 
 
 def _study(sweep_dir: Path) -> Any:
@@ -199,7 +206,7 @@ def test_search_prunes_and_survives_a_kill_9_of_the_sweeper(tmp_path: Path) -> N
     args = ["sweep=random", "sweep.seed=0", "sweep.n_trials=4", "sweep.pruner=median",
             "lr=tag(log,interval(1e-5,1e-1))"]
     first = _start(args, sweep, "first.log")
-    _wait_for(sweep / "1" / "checkpoints" / "step_4", first)  # trial 0 ended, trial 1 is half-way
+    _wait_for(_has_checkpoint(sweep / "1"), "trial 1's first checkpoint", first)  # trial 0 ended, 1 half-way
     first.send_signal(signal.SIGKILL)
     first.wait()
     second = run_cli(["--multirun", *RUN, *args, f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env=ENV)
@@ -227,19 +234,19 @@ def test_search_prunes_and_survives_a_kill_9_of_the_sweeper(tmp_path: Path) -> N
 def test_a_grid_run_again_skips_ended_jobs_and_resumes_interrupted_ones(tmp_path: Path) -> None:
     sweep = tmp_path / "grid"
     args = ["lr=1e-3,3e-3"]
-    first = _start(args, sweep, "first.log")
-    _wait_for(sweep / "1" / "checkpoints" / "step_4", first)
+    first = _start(args, sweep, "first.log", LONG)
+    _wait_for(_has_checkpoint(sweep / "1"), "job 1's first checkpoint", first)
     first.send_signal(signal.SIGINT)  # Ctrl-C: the launcher asks job 1 to checkpoint and stop
     assert first.wait(timeout=300) == 1
     assert json.loads((sweep / "1" / "summary.json").read_text())["status"] == "preempted"
 
-    again = run_cli(["--multirun", *RUN, *args, f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env=ENV)
+    again = run_cli(["--multirun", *LONG, *args, f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env=ENV)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "1 of 2 jobs already ended" in again.stdout + again.stderr
     assert len(read_metrics(sweep / "0", "start")) == 1  # not run again
     assert read_metrics(sweep / "1", "resume")  # resumed from its checkpoint
     assert json.loads((sweep / "1" / "summary.json").read_text())["status"] == "completed"
 
-    other = run_cli(["--multirun", *RUN, "lr=5e-3,3e-3", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env=ENV)
+    other = run_cli(["--multirun", *LONG, "lr=5e-3,3e-3", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env=ENV)
     assert other.returncode == 2
     assert f"{sweep / '0'} holds a job of another sweep" in other.stderr
