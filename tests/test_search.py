@@ -170,7 +170,12 @@ def _start(args: list[str], sweep_dir: Path, log_name: str, run: list[str] = RUN
     with open(sweep_dir.parent / log_name, "w") as log:
         return subprocess.Popen([sys.executable, "-m", "llmexp", "--multirun", *run, *args,
                                  f"hydra.sweep.dir={sweep_dir}"], cwd=sweep_dir.parent, stdout=log,
-                                stderr=subprocess.STDOUT, env={**os.environ, **ENV})
+                                stderr=subprocess.STDOUT, env={**os.environ, **ENV}, preexec_fn=_default_sigint)
+
+
+def _default_sigint() -> None:
+    """pytest-xdist's workers ignore SIGINT, and a child inherits that: give the sweep Ctrl-C's usual meaning."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _wait_for(ready: Callable[[], bool], what: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
