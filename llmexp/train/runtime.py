@@ -216,18 +216,18 @@ class Runtime:
         return bool(self.reduce_sum(torch.tensor([float(flag)], device=self.device)).item() > 0)
 
     def reduce_max(self, value: float) -> float:
-        if self.plan.world == 1:
-            return value
-        tensor = torch.tensor(value, device=self.device)
-        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-        return float(tensor.item())
+        return float(self._all_reduce(value, torch.distributed.ReduceOp.MAX))
 
     def reduce_min(self, value: int) -> int:
+        return int(self._all_reduce(value, torch.distributed.ReduceOp.MIN))
+
+    def _all_reduce(self, value: float, op: Any) -> float:
+        """One number reduced over the ranks with `op` (itself when there is one rank)."""
         if self.plan.world == 1:
             return value
         tensor = torch.tensor(value, device=self.device)
-        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN)
-        return int(tensor.item())
+        torch.distributed.all_reduce(tensor, op=op)
+        return tensor.item()
 
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(tensor, reduction="sum") if self.plan.world > 1 else tensor
