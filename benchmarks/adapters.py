@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmexp.report.rundir import load_records
+from llmexp.rundir.read import load_records
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
@@ -162,7 +162,7 @@ def run_arm(arm: str, base: Path, size: Size, warmup: int, steps: int, precision
 
 def frozen_bytes(base: Path, arm: str, precision: str) -> int:
     """Bytes of the frozen parameters of the model llmexp builds for `arm` (4-bit ones as packed)."""
-    from llmexp import build
+    from llmexp.model import build
 
     cfg = compose([f"model.name_or_path={base}", f"peft={PEFT[arm]}"])
     model = build.build_model(cfg, 0, precision)  # the vocabulary comes from the saved config

@@ -153,7 +153,7 @@ def accumulation_gradients() -> dict[str, float]:
     from common import llama_config
     from transformers import LlamaForCausalLM
 
-    from llmexp.loss import CausalLMLoss
+    from llmexp.model.loss import CausalLMLoss
 
     torch.manual_seed(0)
     lm = LlamaForCausalLM(llama_config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,

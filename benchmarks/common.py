@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmexp.report.rundir import load_records
+from llmexp.rundir.read import load_records
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -108,7 +108,7 @@ def compose(overrides: list[str]) -> Any:
     from hydra import initialize_config_dir
 
     from llmexp.config.schema import register_configs
-    from llmexp.paths import conf_dir, register_resolvers
+    from llmexp.config.tree import conf_dir, register_resolvers
 
     register_configs()
     register_resolvers()
@@ -136,7 +136,7 @@ def llama_config(**overrides: Any) -> Any:
 
 def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
     """6N + 12 L T d: the same accounting as llmexp's `metrics.flops_per_token` (PaLM's, no causal discount)."""
-    from llmexp.metrics import flops_per_token as llmexp_flops_per_token
+    from llmexp.monitor.throughput import flops_per_token as llmexp_flops_per_token
 
     return llmexp_flops_per_token(num_params, num_layers, hidden_size, seq_len)
 
@@ -145,7 +145,7 @@ def measure_ceiling_tflops(seconds: float = 1.0, device: str = "cpu") -> float:
     """bf16 matmul ceiling (what MFU divides by): llmexp's own measurement, best of 3 windows."""
     import torch
 
-    from llmexp.metrics import measure_ceiling
+    from llmexp.monitor.throughput import measure_ceiling
 
     return measure_ceiling(torch.device(device), torch.bfloat16, seconds=seconds / 3)[0]
 
@@ -158,7 +158,7 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 
 def publish(text: str, out: str, directory: Path = RESULTS) -> None:
     """Print a result table; unless `out` is '', also write it to <directory>/<out> (benchmarks/results/) atomically."""
-    from llmexp.paths import write_text_atomic
+    from llmexp.rundir.files import write_text_atomic
 
     print(text)
     if out:

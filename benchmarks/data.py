@@ -28,7 +28,7 @@ def compose(*overrides: str) -> Any:
     from hydra import initialize_config_dir
 
     from llmexp.config.schema import register_configs
-    from llmexp.paths import conf_dir, register_resolvers
+    from llmexp.config.tree import conf_dir, register_resolvers
 
     register_configs()
     register_resolvers()

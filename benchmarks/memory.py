@@ -3,7 +3,7 @@
     python benchmarks/memory.py [overrides ...]          # e.g. model.hidden_size=512 optimizer=lion
     python benchmarks/memory.py --json [overrides ...]   # one JSON line (what tests/test_estimate.py reads)
 
-It builds the model, loss head and optimizer exactly as the trainer does (`llmexp.build`), runs
+It builds the model, loss head and optimizer exactly as the trainer does (`llmexp.model.build`), runs
 three optimizer steps on random tokens of the configured shape, and reports the peak:
 on CUDA `max_memory_allocated` (the same number a run's summary.json `peak_mem_mb` holds), on CPU
 the peak RSS minus the RSS before the model was built (so that the Python/torch runtime, which a
@@ -22,7 +22,7 @@ def _warm_up(cfg: Any, device: Any, overrides: list[str]) -> None:
     """One step of a 1-layer, 64-wide model of the same kind with the same optimizer and precision."""
     import gc
 
-    from llmexp.estimate import compose
+    from llmexp.cli.estimate import compose
 
     small = compose([*overrides, "model.hidden_size=64", "model.num_hidden_layers=1", "model.intermediate_size=128",
                      "model.num_attention_heads=2", "model.num_key_value_heads=2", "model.vocab_size=512",
@@ -34,9 +34,9 @@ def _warm_up(cfg: Any, device: Any, overrides: list[str]) -> None:
 def _train(cfg: Any, device: Any, steps: int) -> None:
     import torch
 
-    from llmexp import build
-    from llmexp.estimate import resolved_precision
-    from llmexp.loss import CausalLMLoss
+    from llmexp.model import build
+    from llmexp.model.estimate import resolved_precision
+    from llmexp.model.loss import CausalLMLoss
 
     model = CausalLMLoss(build.build_model(cfg, cfg.model.vocab_size)).to(device)
     optimizer = build.build_optimizer(cfg, model, 1e-4, device.type)
@@ -55,8 +55,9 @@ def measure(overrides: list[str], steps: int = 3) -> dict[str, Any]:
     """Train `steps` steps of the config's shape; the measured peak and the estimate, in MiB."""
     import torch
 
-    from llmexp.estimate import compose, count_params_meta, estimate, resolved_precision, summary
-    from llmexp.metrics import peak_rss_mb, reset_peak_rss, rss_mb
+    from llmexp.cli.estimate import compose
+    from llmexp.model.estimate import count_params_meta, estimate, resolved_precision, summary
+    from llmexp.monitor.throughput import peak_rss_mb, reset_peak_rss, rss_mb
 
     cfg = compose(overrides)
     precision = resolved_precision(cfg.precision.name)

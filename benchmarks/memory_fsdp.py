@@ -4,7 +4,7 @@
         benchmarks/memory_fsdp.py [--json] [overrides ...]
 
 For full_shard and shard_grad_op in turn, each rank builds the model and loss head as the trainer does
-(`llmexp.build`), wraps each decoder layer and then the root in torch's `fully_shard` (shard_grad_op:
+(`llmexp.model.build`), wraps each decoder layer and then the root in torch's `fully_shard` (shard_grad_op:
 `reshard_after_forward=False`), and runs three optimizer steps on random tokens of the configured shape.
 It reports, per strategy, the largest over ranks of
   state_mb     the bytes of the local shards of parameters, gradients and optimizer state (exact), and
@@ -36,8 +36,8 @@ SMALL = ["model.hidden_size=64", "model.num_hidden_layers=1", "model.intermediat
 def _sharded(cfg: Any, strategy: str) -> tuple[Any, Any]:
     from torch.distributed.fsdp import fully_shard
 
-    from llmexp import build
-    from llmexp.loss import CausalLMLoss
+    from llmexp.model import build
+    from llmexp.model.loss import CausalLMLoss
 
     model = CausalLMLoss(build.build_model(cfg, cfg.model.vocab_size))
     keep_whole = strategy == "shard_grad_op"  # parameters stay gathered from forward to backward
@@ -67,8 +67,9 @@ def measure(overrides: list[str], strategy: str, world: int, steps: int = 3) -> 
     """One strategy on this rank: state bytes, peak RSS growth and the estimate, in MiB."""
     import torch
 
-    from llmexp.estimate import compose, count_params_meta, estimate, summary
-    from llmexp.metrics import peak_rss_mb, reset_peak_rss, rss_mb
+    from llmexp.cli.estimate import compose
+    from llmexp.model.estimate import count_params_meta, estimate, summary
+    from llmexp.monitor.throughput import peak_rss_mb, reset_peak_rss, rss_mb
 
     cfg = compose([*overrides, "precision=fp32", f"fsdp.name={strategy}"])
     torch.manual_seed(0)
@@ -93,7 +94,7 @@ def measure(overrides: list[str], strategy: str, world: int, steps: int = 3) -> 
 
 def _warm_up(overrides: list[str]) -> None:
     """One step of a 1-layer model under FSDP: kernels, FSDP's code paths and gloo's buffers load now."""
-    from llmexp.estimate import compose
+    from llmexp.cli.estimate import compose
 
     small = compose([*overrides, *SMALL, "precision=fp32"])
     model, optimizer = _sharded(small, "full_shard")

@@ -51,7 +51,7 @@ def worker_state(name: str, steps: int) -> dict[str, Any]:
     """Build the optimizer as llmexp does, time its step on random gradients, count its state bytes."""
     import torch
 
-    from llmexp import build
+    from llmexp.model import build
 
     cfg = compose(OPTIMIZERS[name])
     torch.manual_seed(0)

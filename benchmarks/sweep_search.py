@@ -89,7 +89,7 @@ def multirun(args: list[str], sweep_dir: Path, env: dict[str, str], timeout_s: f
 
 def grid_facts(summary: dict[str, Any]) -> dict[str, Any]:
     """The landscape: each point's lr, status, final eval loss and steps; the best finished point."""
-    from llmexp.report.rundir import FINISHED
+    from llmexp.rundir.read import FINISHED
 
     points = [{"lr": float(j["params"]["lr"]), "status": j["status"], "eval_loss": j["eval_loss"],
                "steps": j["step"] or 0} for j in summary["jobs"]]
@@ -165,7 +165,7 @@ def plot(grid: dict[str, Any], searches: list[dict[str, Any]], path: Path) -> No
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    from llmexp.paths import atomic_file
+    from llmexp.rundir.files import atomic_file
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
     ok = [p for p in grid["points"] if p["status"] in ("completed", "early_stopped")

@@ -1,86 +1,8 @@
-"""`python -m llmexp.doctor RUN_DIR`: diagnose any run directory after the fact.
+"""`python -m llmexp.doctor RUN_DIR`: an entry point; the command is `llmexp.report.doctor`."""
 
-Re-runs the health detectors on metrics.jsonl (the same ones the trainer runs live), prints
-each finding with the seed's advice, and rewrites report.md and curves.png.
-Exit codes: 0 healthy or warnings only, 1 error findings, 2 not a run directory.
-"""
-
-from __future__ import annotations
-
-import os
 import sys
-from collections.abc import Callable
-from pathlib import Path
-from typing import TextIO
 
-from llmexp.monitor import is_open
-from llmexp.report.run import write_run_report
-from llmexp.report.rundir import finding_state, is_run_dir, is_sweep_dir, load_json, load_records, run_findings
-
-EXIT_HEALTHY, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
-_COLOURS = {"error": "\033[31m", "warning": "\033[33m", "info": "\033[36m", "ok": "\033[32m"}
-_RESET, _BOLD = "\033[0m", "\033[1m"
-
-
-Paint = Callable[[str, str], str]
-
-
-def _painter(stream: TextIO) -> Paint:
-    """Colour text for a terminal; plain text for pipes, files and NO_COLOR."""
-    use = stream.isatty() and not os.environ.get("NO_COLOR")
-
-    def paint(text: str, style: str) -> str:
-        return f"{_COLOURS.get(style, _BOLD)}{text}{_RESET}" if use else text
-
-    return paint
-
-
-def format_findings(findings: list[dict], paint: Paint = lambda text, style: text) -> str:
-    """Findings as readable text: one block per finding, the advice indented under it."""
-    if not findings:
-        return paint("No findings: the run looks healthy.", "ok")
-    lines = []
-    for f in findings:
-        label = paint(f"{f['severity'].upper():<7}", f["severity"])
-        lines.append(f"{label} {f['kind']} at step {f['step']}{finding_state(f)}")
-        lines.append(f"        {f['message']}")
-        lines.append(f"        {paint('advice:', 'bold')} {f['advice']}")
-    return "\n".join(lines)
-
-
-def diagnose_run(run_dir: Path) -> tuple[int, str]:
-    """(exit code, text to print) for one run directory; rewrites its report."""
-    records = load_records(run_dir)
-    summary = load_json(run_dir / "summary.json") or {}
-    findings = run_findings(run_dir, records)
-    write_run_report(run_dir, findings)
-    paint = _painter(sys.stdout)
-    status = summary.get("status", "no summary.json (killed, or still running)")
-    steps = max((int(r["step"]) for r in records if r.get("event") == "train"), default=0)
-    header = f"{paint(str(run_dir), 'bold')}: status {status}, {steps} steps, {len(records)} metric records"
-    counts = {s: sum(f["severity"] == s and is_open(f) for f in findings) for s in ("error", "warning", "info")}
-    verdict = ", ".join(f"{n} {s}" for s, n in counts.items())
-    text = "\n".join([header, format_findings(findings, paint), f"{verdict}; wrote {run_dir / 'report.md'}"])
-    return (EXIT_ERRORS if counts["error"] else EXIT_HEALTHY), text
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1 or args[0] in ("-h", "--help"):
-        print(__doc__.strip(), file=sys.stderr)
-        return EXIT_USAGE
-    run_dir = Path(args[0])
-    if not run_dir.is_dir() or not is_run_dir(run_dir):
-        hint = (" It is a sweep directory: use `python -m llmexp.report " + str(run_dir) + "`, or give one job's "
-                "directory (e.g. " + str(run_dir / "0") + ").") if run_dir.is_dir() and is_sweep_dir(run_dir) else \
-            " Give the directory of one run (outputs/<date>/<time>-<pid>), which holds metrics.jsonl."
-        print(f"llmexp.doctor: error: {run_dir} is not a run directory (no metrics.jsonl, summary.json "
-              f"or .hydra/config.yaml).{hint}", file=sys.stderr)
-        return EXIT_USAGE
-    code, text = diagnose_run(run_dir)
-    print(text)
-    return code
-
+from llmexp.report.doctor import main
 
 if __name__ == "__main__":
     sys.exit(main())

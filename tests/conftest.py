@@ -50,7 +50,7 @@ def compose(overrides: list[str], run_dir: Path) -> Any:
     from omegaconf import open_dict
 
     from llmexp.config.schema import register_configs
-    from llmexp.paths import conf_dir, register_resolvers
+    from llmexp.config.tree import conf_dir, register_resolvers
 
     register_configs()
     register_resolvers()

@@ -40,7 +40,7 @@ def main() -> None:
     import hydra
 
     from llmexp.config.schema import register_configs
-    from llmexp.paths import conf_dir, register_resolvers
+    from llmexp.config.tree import conf_dir, register_resolvers
 
     register_configs()
     register_resolvers()

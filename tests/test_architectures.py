@@ -17,8 +17,8 @@ import pytest
 import torch
 import transformers as tf
 
-from llmexp import build
-from llmexp.loss import CausalLMLoss, fused_head_problem
+from llmexp.model import build
+from llmexp.model.loss import CausalLMLoss, fused_head_problem
 from tests.conftest import compose, read_metrics, run_cli
 
 VOCAB = 384
@@ -59,7 +59,7 @@ def save_tiny(name: str, directory: Path) -> Path:
 
 
 def load_through_llmexp(directory: Path, run_dir: Path) -> Any:
-    """The model as a run loads it: `model.name_or_path=<dir>` through `llmexp.build.build_model`."""
+    """The model as a run loads it: `model.name_or_path=<dir>` through `llmexp.model.build.build_model`."""
     cfg = compose([f"model.name_or_path={directory}", "train.weight_decay=0.0"], run_dir)
     return cfg, build.build_model(cfg, VOCAB)
 

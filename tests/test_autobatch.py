@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from llmexp.cli.estimate import compose as compose_checked
 from llmexp.config.derived import auto_batch_candidates, make_plan
 from llmexp.config.validation import ConfigError, validate
-from llmexp.estimate import compose as compose_checked
 from tests.conftest import TINY, compose, read_metrics
 
 
@@ -51,7 +51,7 @@ def test_auto_is_refused_with_deepspeed_and_plans_with_accumulation_from_the_glo
 
 
 def test_preflight_needs_a_global_batch_the_processes_divide(monkeypatch: pytest.MonkeyPatch) -> None:
-    from llmexp.config.preflight import _batch_errors
+    from llmexp.config.environment import _batch_errors
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     cfg = compose_checked(["batch_size=auto", "train.global_batch_size=30"])
@@ -60,7 +60,7 @@ def test_preflight_needs_a_global_batch_the_processes_divide(monkeypatch: pytest
 
 
 def test_estimate_cli_prints_the_upper_bound_for_auto(capsys: pytest.CaptureFixture[str]) -> None:
-    from llmexp.estimate import main
+    from llmexp.cli.estimate import main
 
     assert main(["batch_size=auto", "train.global_batch_size=64"]) == 0
     assert "batch_size=auto: up to 64 per device by this estimate" in capsys.readouterr().out
@@ -108,7 +108,7 @@ def test_auto_probes_logs_the_choice_and_a_resume_keeps_it_without_probing(tmp_p
 
 
 def test_the_upper_bound_is_the_largest_candidate_whose_estimate_fits_the_budget() -> None:
-    from llmexp.estimate import count_params_meta, estimate, largest_fitting
+    from llmexp.model.estimate import count_params_meta, estimate, largest_fitting
 
     cfg = compose_checked(["batch_size=auto", "precision=fp32"])
     facts = {"num_params": count_params_meta(cfg), "precision": "fp32", "world": 1}

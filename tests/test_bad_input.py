@@ -142,7 +142,7 @@ def test_a_command_line_typo_creates_no_run_directory(tmp_path: Path) -> None:
 
 _PROBE = """
 import sys
-from llmexp.__main__ import cli
+from llmexp.cli.main import cli
 sys.argv = ["llmexp", *sys.argv[1:]]
 try:
     cli()

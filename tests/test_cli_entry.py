@@ -32,7 +32,7 @@ def test_a_bad_invocation_exits_2_and_creates_no_directory(args: list[str], env:
 
 def _hold_lock(run_dir: Path) -> subprocess.Popen[str]:
     """A second, real process that holds `run_dir`'s lock (as a running `python -m llmexp` does) until killed."""
-    code = ("import sys, time\nfrom llmexp.paths import lock_run_dir\nlock_run_dir(sys.argv[1])\n"
+    code = ("import sys, time\nfrom llmexp.rundir.lock import lock_run_dir\nlock_run_dir(sys.argv[1])\n"
             "print('locked', flush=True)\ntime.sleep(600)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     holder = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], stdout=subprocess.PIPE, text=True, env=env)
@@ -92,7 +92,7 @@ def counted(self, *args, **kwargs):
     calls.append(1)
     return original(self, *args, **kwargs)
 ConfigLoaderImpl.load_configuration = counted
-from llmexp.__main__ import cli
+from llmexp.cli.main import cli
 sys.argv = ["llmexp", *sys.argv[1:]]
 code = 0
 try:
@@ -139,7 +139,7 @@ def test_a_forked_child_does_not_keep_a_killed_runs_lock(tmp_path: Path) -> None
     """A run's forked workers (tokenization) share its lock's file; after `kill -9` of the run the lock must be
     free at once, even while such a worker lives on (filelock 4 does not leave its descriptor to a fork)."""
     run_dir = tmp_path / "run"
-    code = ("import os, sys, time\nfrom llmexp.paths import lock_run_dir\nlock_run_dir(sys.argv[1])\n"
+    code = ("import os, sys, time\nfrom llmexp.rundir.lock import lock_run_dir\nlock_run_dir(sys.argv[1])\n"
             "if os.fork() == 0:\n    time.sleep(60)\n    os._exit(0)\nprint('locked', flush=True)\ntime.sleep(600)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     holder = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], stdout=subprocess.PIPE, text=True, env=env,

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
+from llmexp.config.tree import conf_dir
 from llmexp.config.validation import RANGES, ConfigError, number_keys, validate
-from llmexp.paths import conf_dir
 from tests.conftest import compose, run_cli
 
 GROUPS = ["model", "data", "precision", "optimizer", "scheduler", "cluster", "deepspeed", "logger", "peft",

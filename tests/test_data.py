@@ -33,7 +33,7 @@ def compose(cache: Path, *overrides: str) -> Any:
     from hydra import initialize_config_dir
 
     from llmexp.config.schema import register_configs
-    from llmexp.paths import conf_dir, register_resolvers
+    from llmexp.config.tree import conf_dir, register_resolvers
 
     register_configs()
     register_resolvers()
@@ -289,7 +289,7 @@ def test_trainer_loss_keeps_packed_examples_apart(tmp_path: Path, tok: Any) -> N
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from llmexp.loss import CausalLMLoss
+    from llmexp.model.loss import CausalLMLoss
 
     train = write_jsonl(tmp_path / "train.jsonl", PAIRS)
     packed = data.build_datasets(json_cfg(tmp_path / "cache", train, train, "data.packing=true"), tok)[0]

@@ -94,7 +94,7 @@ def test_bad_deepspeed_combinations_exit_2() -> None:
 
 
 def _cfg(*overrides: str):
-    from llmexp.estimate import compose
+    from llmexp.cli.estimate import compose
 
     return compose(list(overrides))
 
@@ -154,28 +154,28 @@ def test_relaunch_turns_accelerate_cpu_multiprocess_into_torchrun() -> None:
 
 
 def test_run_id_is_shared_by_the_ranks_of_one_launch(monkeypatch: pytest.MonkeyPatch) -> None:
-    from llmexp import paths
+    from llmexp.rundir import names
 
     monkeypatch.delenv("LLMEXP_RUN_ID", raising=False)
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
-    rank_id = paths.run_id()
+    rank_id = names.run_id()
     assert rank_id.endswith(f"-{os.getppid()}")  # the launcher's pid, the same for every local rank
-    assert paths.run_id() == rank_id
+    assert names.run_id() == rank_id
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # two nodes, one rank each: no common parent process
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "exp7")
-    assert paths.run_id() == "torchrun-exp7"  # torchrun --rdzv_id=exp7 on every node
+    assert names.run_id() == "torchrun-exp7"  # torchrun --rdzv_id=exp7 on every node
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
-    assert paths.run_id() == "slurm-4242"
+    assert names.run_id() == "slurm-4242"
 
 
 @pytest.mark.parametrize(("name", "processes"), [("1gpu", 1), ("8gpu", 8), ("deepspeed_zero2_offload", 8)])
 def test_launch_configs_load_with_accelerate(name: str, processes: int) -> None:
     from accelerate.commands.config.config_args import load_config_from_file
 
-    from llmexp.paths import conf_dir
+    from llmexp.config.tree import conf_dir
 
     config = load_config_from_file(str(conf_dir().parents[1] / "launch" / "accelerate" / f"{name}.yaml"))
     assert config.num_processes == processes and config.mixed_precision == "no"  # llmexp owns precision

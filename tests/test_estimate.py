@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from llmexp.estimate import compose, count_params_meta, estimate
+from llmexp.cli.estimate import compose
+from llmexp.model.estimate import count_params_meta, estimate
 
 LLAMA2_7B_PARAMS = 6_738_415_616  # meta-llama/Llama-2-7b-hf
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,7 +92,7 @@ def test_precision_resolves_as_the_trainer_resolves_it(no_bf16: str, requested: 
     """`auto` is bf16 only where bf16 is native (AVX512-BF16 here; LLMEXP_ASSUME_NO_BF16=1 hides it);
     an explicit bf16 stays bf16 (emulated where it must be), so the estimate matches the run."""
     from llmexp.config import derived
-    from llmexp.estimate import resolved_precision
+    from llmexp.model.estimate import resolved_precision
 
     monkeypatch.setenv("LLMEXP_ASSUME_NO_BF16", no_bf16)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
@@ -113,7 +114,7 @@ def test_precision_resolves_as_the_trainer_resolves_it(no_bf16: str, requested: 
 ])
 def test_fsdp_bytes_per_parameter(overrides: list[str], precision: str, per_param: tuple[float, float, float],
                                   shards: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    from llmexp.estimate import fsdp_units
+    from llmexp.model.estimate import fsdp_units
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     cfg = compose(["model=llama2-7b", *overrides])
@@ -129,7 +130,7 @@ def test_fsdp_bytes_per_parameter(overrides: list[str], precision: str, per_para
 
 
 def test_estimate_cli_prints_the_fsdp_term(capsys: pytest.CaptureFixture[str]) -> None:
-    from llmexp.estimate import main
+    from llmexp.cli.estimate import main
 
     assert main(["model=llama2-7b", "precision=bf16", "fsdp.name=full_shard", "world_size=8", "batch_size=1"]) == 0
     out = capsys.readouterr().out

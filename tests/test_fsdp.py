@@ -157,7 +157,7 @@ def test_metadata_unpickler_reads_dcp_and_refuses_code(tmp_path: Path) -> None:
 
 
 def _cfg(*overrides: str):
-    from llmexp.estimate import compose
+    from llmexp.cli.estimate import compose
 
     return compose(list(overrides))
 
@@ -186,7 +186,8 @@ def test_fsdp_with_deepspeed_exits_2() -> None:
 def test_zero_refuses_another_world_size_by_name() -> None:
     """The rule itself, on a stand-in runtime: a 2-process DeepSpeed run on CPU would build DeepSpeed's
     CPU ops (minutes) to reach the same check, which runs before anything is loaded."""
-    from llmexp.train.engine import DeepSpeedEngine, PlainEngine
+    from llmexp.train.engines.deepspeed import DeepSpeedEngine
+    from llmexp.train.engines.plain import PlainEngine
     from llmexp.train.resume import _check_world_size
 
     lines: list[str] = []
@@ -215,8 +216,8 @@ def test_checkpoint_kinds_do_not_mix(tmp_path: Path) -> None:
     """A DDP checkpoint under fsdp, or an FSDP one (dcp/) under fsdp=none, exits 2 naming the option,
     before anything is loaded (the engines on stand-in accelerators: nothing collective runs)."""
     from llmexp.config.derived import BatchPlan
-    from llmexp.train.engine import PlainEngine
-    from llmexp.train.fsdp import FsdpEngine
+    from llmexp.train.engines.fsdp import FsdpEngine
+    from llmexp.train.engines.plain import PlainEngine
 
     plain = PlainEngine(SimpleNamespace(), "fp32", 1.0, 1)
     with pytest.raises(UserError, match="saved with FSDP"):

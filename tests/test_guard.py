@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llmexp.loss import CausalLMLoss
+from llmexp.model.loss import CausalLMLoss
 from llmexp.train.train import train
 from tests.conftest import TINY, compose, read_metrics
 

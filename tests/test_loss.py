@@ -1,4 +1,4 @@
-"""llmexp.loss: the fused linear + cross-entropy head against autograd's path on a real tiny Llama."""
+"""llmexp.model.loss: the fused linear + cross-entropy head against autograd's path on a real tiny Llama."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import llmexp.loss as loss_lib
-from llmexp.loss import CausalLMLoss, LinearCrossEntropy
+import llmexp.model.loss as loss_lib
+from llmexp.model.loss import CausalLMLoss, LinearCrossEntropy
 
 
 def _tiny_lm() -> LlamaForCausalLM:

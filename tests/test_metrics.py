@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from llmexp.metrics import measure_ceiling
+from llmexp.monitor.throughput import measure_ceiling
 from tests.conftest import TINY, compose, read_metrics
 
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from llmexp.monitor import (
+from llmexp.monitor.detectors import (
     ERROR,
     Finding,
     MonitorSettings,

@@ -32,7 +32,7 @@ def _steps(make: type, params: list[torch.nn.Parameter], num_steps: int, seed: i
 
 @pytest.mark.parametrize("name", ["adamw8bit", "paged_adamw8bit"])
 def test_llmexp_builds_bitsandbytes_class_on_cpu(name: str, tmp_path: Path) -> None:
-    from llmexp.build import build_model, build_optimizer
+    from llmexp.model.build import build_model, build_optimizer
     from tests.conftest import TINY, compose
 
     cfg = compose([*TINY, f"optimizer={name}"], tmp_path / "run")

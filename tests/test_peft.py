@@ -13,11 +13,11 @@ import torch
 import transformers as tf
 from safetensors import safe_open
 
-from llmexp import build
 from llmexp.config.validation import ConfigError, validate
 from llmexp.errors import UserError
-from llmexp.estimate import adapter_facts, count_params_meta, estimate
-from llmexp.loss import CausalLMLoss
+from llmexp.model import build
+from llmexp.model.estimate import adapter_facts, count_params_meta, estimate
+from llmexp.model.loss import CausalLMLoss
 from llmexp.train.schedule import auto_adapter_lr, resolve_lr
 from tests.conftest import compose, read_metrics, run_cli
 
@@ -253,7 +253,7 @@ def test_estimate_knows_adapters_and_four_bit_weights(base_dir: Path, tmp_path: 
 def test_adapter_weights_round_trip_through_a_checkpoint_state(base_dir: Path, tmp_path: Path) -> None:
     """What resume loads: the trainable weights alone fit the model (load_state_dict, not strict) and
     restore it exactly; the engine writes nothing else."""
-    from llmexp.train.engine import PlainEngine
+    from llmexp.train.engines.plain import PlainEngine
 
     cfg = compose([f"model.name_or_path={base_dir}", "peft=lora"], tmp_path)
     lm = build.build_model(cfg, VOCAB)

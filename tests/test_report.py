@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmexp import doctor
+from llmexp.report import doctor
 from llmexp.report.__main__ import main as report_main
 from llmexp.report.run import write_run_report
 from llmexp.report.sweep import stability, varying_params, write_sweep_report
@@ -211,7 +211,7 @@ def test_report_and_doctor_keep_a_printed_finding_resolved_later(tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     """The console printed a perplexity finding at step 100 that the run later outgrew: report.md and the
     doctor list it as resolved (not dropped), and it counts towards neither health nor the exit code."""
-    from llmexp.monitor import MonitorSettings
+    from llmexp.monitor.detectors import MonitorSettings
     from tests.test_monitor import live
 
     records = live(history(num_steps=400, eval_loss=lambda s: 6.5 if s <= 100 else 3.0), MonitorSettings())

@@ -21,10 +21,10 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
-from llmexp.paths import STUDY_NAME, study_journal
 from llmexp.report.__main__ import main as report_main
 from llmexp.report.search import load_study
 from llmexp.report.sweep import write_sweep_report
+from llmexp.rundir.study import STUDY_NAME, study_journal
 from tests.test_monitor import history
 from tests.test_report import make_run, png_size, summary_of
 

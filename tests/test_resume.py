@@ -81,7 +81,7 @@ else:
             _real(*args, **kwargs)
             count_and_maybe_kill()
         setattr(checkpoint, name, wrapped)
-from llmexp.__main__ import cli
+from llmexp.cli.main import cli
 sys.argv = ["llmexp", *sys.argv[1:]]
 cli()
 """

@@ -48,7 +48,7 @@ def test_bad_sample_settings_name_the_key(overrides: dict, message: str) -> None
     from hydra import compose, initialize_config_dir
 
     from llmexp.config.schema import register_configs
-    from llmexp.paths import conf_dir
+    from llmexp.config.tree import conf_dir
 
     register_configs()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):

@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from llmexp.config.space import grid_jobs, probe_job, scale_lr, search_space
 from llmexp.errors import UserError
-from llmexp.paths import STUDY_NAME, study_journal
+from llmexp.rundir.study import STUDY_NAME, study_journal
 from llmexp.sweep.search import TrialResult, read_result, tell
+from llmexp.sweep.space import grid_jobs, probe_job, scale_lr, search_space
 from tests.conftest import TINY, read_metrics, run_cli
 
 

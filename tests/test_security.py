@@ -14,10 +14,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from omegaconf import DictConfig
 
-from llmexp import redact
 from llmexp.config import security
 from llmexp.errors import UserError
-from llmexp.paths import safe_name
+from llmexp.rundir import redact
+from llmexp.rundir.names import safe_name
 from tests.test_bad_input import run_llmexp
 
 # ---------------------------------------------------------------- secrets
@@ -151,17 +151,17 @@ def test_canary_secrets_never_reach_any_file_of_a_real_run(tmp_path: Path) -> No
 
 
 def _sinks_scrub_is_security_scrub() -> bool:
-    from llmexp import metrics as sinks
+    from llmexp.monitor import sinks
     return sinks.scrub is redact.scrub
 
 
 @pytest.mark.xfail(condition=not _sinks_scrub_is_security_scrub(), strict=True,
-                   reason="llmexp.metrics keeps its own scrub(), which misses env values; it should import security's")
+                   reason="llmexp.monitor.sinks keeps its own scrub(), which misses env values")
 def test_wandb_config_never_holds_an_env_secret_the_config_references(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """`+x.ref=${oc.env:MY_SERVICE_PASSWORD}` resolves to the secret in the config wandb receives; neither
     the key name nor the value's shape gives it away, only its being an env secret's value."""
-    from llmexp.metrics import WandbSink
+    from llmexp.monitor.sinks import WandbSink
 
     monkeypatch.setenv("MY_SERVICE_PASSWORD", "canary-env-password-31")
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -180,14 +180,14 @@ def test_wandb_config_never_holds_an_env_secret_the_config_references(tmp_path: 
 @pytest.mark.parametrize("target", ["builtins.open", "os.system", "subprocess.Popen", "hydra.utils.instantiate",
                                     "torch.optim.__builtins__", "torch.optim..AdamW", "${oc.env:X}", "torch", 42])
 def test_disallowed_targets(target: object) -> None:
-    from llmexp.build import ALLOWED_TARGETS
+    from llmexp.model.build import ALLOWED_TARGETS
 
     assert security.target_problem(target, ALLOWED_TARGETS)
 
 
 @pytest.mark.parametrize("target", ["torch.optim.AdamW", "bitsandbytes.optim.AdamW8bit", "torch.optim.SGD"])
 def test_allowed_targets(target: str) -> None:
-    from llmexp.build import ALLOWED_TARGETS
+    from llmexp.model.build import ALLOWED_TARGETS
 
     assert security.target_problem(target, ALLOWED_TARGETS) is None
 
@@ -204,7 +204,7 @@ def test_every_target_anywhere_is_scanned() -> None:
 def test_located_object_must_be_defined_under_the_allow_list() -> None:
     import torch
 
-    from llmexp.build import ALLOWED_TARGETS
+    from llmexp.model.build import ALLOWED_TARGETS
 
     security.check_located(torch.optim.AdamW, "torch.optim.AdamW", "optimizer._target_", ALLOWED_TARGETS,
                            base=torch.optim.Optimizer)
@@ -230,13 +230,13 @@ def test_target_from_a_yaml_file_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("target", "message"), [
     ("llmexp.sweep.local.subprocess.Popen", "resolves to 'subprocess.Popen'"),  # a detour through `import subprocess`
-    ("llmexp.paths.write_json_atomic", "resolves to 'llmexp.paths.write_json_atomic'"),
+    ("llmexp.rundir.files.write_json_atomic", "resolves to 'llmexp.rundir.files.write_json_atomic'"),
     ("builtins.exec", "is not one of the allowed classes here"),
 ])
 def test_hydra_side_targets_are_resolved_and_compared_by_identity(target: str, message: str) -> None:
     problems = dict(security.config_problems(_composed([f"+hydra.callbacks.x._target_={target}"])))
     assert message in problems["hydra.callbacks.x._target_"]
-    redact = "+hydra.callbacks.x._target_=llmexp.redact.RedactRunFiles"
+    redact = "+hydra.callbacks.x._target_=llmexp.rundir.redact.RedactRunFiles"
     assert security.config_problems(_composed([redact])) == []
 
 
@@ -247,7 +247,7 @@ def _composed(overrides: list[str], multirun: bool = False) -> DictConfig:
     from omegaconf import open_dict
 
     from llmexp.config.schema import register_configs
-    from llmexp.paths import conf_dir, register_resolvers
+    from llmexp.config.tree import conf_dir, register_resolvers
 
     register_configs()
     register_resolvers()
@@ -378,7 +378,7 @@ def test_route_attribute_walk_targets(target: str, tmp_path: Path) -> None:
 
 def test_route_attribute_walk_optimizer_target(tmp_path: Path) -> None:
     canary = tmp_path / "canary"
-    _refused(tmp_path, ["optimizer._target_=llmexp.build.importlib.import_module"],
+    _refused(tmp_path, ["optimizer._target_=llmexp.model.build.importlib.import_module"],
              ["command line: optimizer._target_", "not one of the allowed optimizer classes"], canary=canary)
 
 
@@ -525,7 +525,7 @@ def test_remote_code_is_off_by_default() -> None:
     ({"trust_remote_code": False, "name_or_path": "org/model", "revision": "main"}, True),
 ])
 def test_remote_code_needs_a_pinned_commit(fields: dict[str, object], ok: bool) -> None:
-    from llmexp.config.preflight import remote_code_errors
+    from llmexp.config.security import remote_code_errors
 
     assert (remote_code_errors(_model(**fields)) == []) is ok
 
@@ -533,7 +533,7 @@ def test_remote_code_needs_a_pinned_commit(fields: dict[str, object], ok: bool) 
 def test_run_dir_is_the_users_explicit_choice_but_ids_and_names_are_sanitized(monkeypatch: pytest.MonkeyPatch) -> None:
     """`hydra.run.dir` / `hydra.sweep.dir` name the output directory itself, so any path is accepted (as
     with `-o DIR`); values that become components below it are refused or made safe."""
-    from llmexp.paths import run_id
+    from llmexp.rundir.names import run_id
 
     assert security.config_problems(_composed(["hydra.run.dir=../../elsewhere", "hydra.sweep.dir=/abs/sweep"])) == []
     for key in ("hydra.job.name", "hydra.output_subdir"):

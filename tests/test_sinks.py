@@ -14,15 +14,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from llmexp.metrics import (
-    REDACTED,
-    TensorBoardSink,
-    WandbSink,
-    is_secret_key,
-    run_name_from_overrides,
-    scrub,
-    wandb_mode,
-)
+from llmexp.monitor.sinks import TensorBoardSink, WandbSink, run_name_from_overrides, wandb_mode
+from llmexp.rundir.redact import REDACTED, is_secret_key, scrub
 from tests.conftest import TINY
 
 CANARY = "CANARY-7f3a9-do-not-leak"

@@ -166,7 +166,7 @@ def test_a_tpe_asha_search_prunes_on_slurm_and_a_rerun_extends_it(tmp_path: Path
     command with sweep.n_trials=7 then runs one more trial, and none of the first six again."""
     from optuna.trial import TrialState
 
-    from llmexp.config.study import load_study
+    from llmexp.rundir.study import load_study
 
     search = ["sweep=tpe", "sweep.parallel=2", "sweep.pruner=asha", "lr=tag(log,interval(1e-5,1e-1))",
               "train.max_steps=12", "train.eval_steps=3", "train.save_steps=0", "precision=fp32"]

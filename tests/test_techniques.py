@@ -46,7 +46,7 @@ def test_accumulation_equals_the_big_batch_and_lr_follows_the_schedule(tmp_path:
 
 
 def test_fp16_overflow_skips_the_step_and_leaves_the_weights_unchanged(tmp_path: Path) -> None:
-    from llmexp.build import build_model
+    from llmexp.model.build import build_model
 
     run_dir = tmp_path / "fp16"
     cfg = compose([*TINY, "precision=fp16", "precision.init_scale=1e38", "train.max_steps=2",
@@ -77,7 +77,7 @@ def test_each_optimizer_lowers_the_loss(optimizer: str, lr: float, tmp_path: Pat
 
 def _state_bytes(optimizer_name: str, tmp_path: Path) -> tuple[int, set[torch.dtype]]:
     """Optimizer-state bytes after one step on the default tiny model (6.8M params)."""
-    from llmexp.build import build_model, build_optimizer
+    from llmexp.model.build import build_model, build_optimizer
 
     cfg = compose([f"optimizer={optimizer_name}", "train.weight_decay=0.01"], tmp_path / optimizer_name)
     model = build_model(cfg, 8192)

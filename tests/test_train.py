@@ -61,7 +61,7 @@ def test_saved_model_reloads_with_the_same_eval_loss(default_run: Path, tmp_path
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from llmexp.data import datasets as data
-    from llmexp.loss import CausalLMLoss
+    from llmexp.model.loss import CausalLMLoss
 
     cfg = compose(["train.eval_batches=4"], tmp_path)
     lm = AutoModelForCausalLM.from_pretrained(default_run / "model")

@@ -64,8 +64,8 @@ class GridSweeper(BasicSweeper):
 
     def split_arguments(self, overrides: list[Override], max_batch_size: int | None) -> list[list[list[str]]]:
         """BasicSweeper.sweep calls this through `self`: the jobs, in batches of `max_batch_size`."""
-        from llmexp.config.space import grid_jobs, scale_lr
         from llmexp.sweep.jobs import exit_2_on_user_error
+        from llmexp.sweep.space import grid_jobs, scale_lr
 
         jobs = exit_2_on_user_error(grid_jobs, overrides, self.zip_keys)
         config_lr = self.config.lr if self.config is not None and "lr" in self.config else None

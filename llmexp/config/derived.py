@@ -1,7 +1,7 @@
 """Values derived from the composed config and the machine, resolved once at set-up and handed on:
 the precision a run uses, the batch plan (micro-batch x accumulation x processes), the world size.
 
-The CLI's preflight, `python -m llmexp.estimate`, the DeepSpeed config and the trainer all ask
+The CLI's checks, `python -m llmexp.estimate`, the DeepSpeed config and the trainer all ask
 these functions, so they can never disagree. No torch at import (CUDA is asked only for a GPU run).
 """
 

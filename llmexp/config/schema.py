@@ -141,7 +141,7 @@ class PrecisionConfig:
 
 @dataclass
 class OptimizerConfig:
-    """The optimizer; `_target_` must be on the allow-list in `llmexp.build`."""
+    """The optimizer; `_target_` must be on the allow-list in `llmexp.config.security`."""
 
     _target_: str = "torch.optim.AdamW"
     """Optimizer class; only allow-listed classes are instantiated."""
@@ -244,7 +244,7 @@ class DeepSpeedConfig:
 @dataclass
 class FsdpConfig:
     """PyTorch FSDP2 (torch's `fully_shard`; Accelerate's plugin is off on CPU and one process, see
-    `llmexp.train.fsdp`): each decoder layer is one unit; its mixed precision follows `precision` and its
+    `llmexp.train.engines.fsdp`): each decoder layer is one unit; its mixed precision follows `precision` and its
     activation checkpointing `model.gradient_checkpointing`. Checkpoints go through DCP and reshard on load."""
 
     name: str = "none"

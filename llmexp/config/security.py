@@ -1,7 +1,7 @@
 """What llmexp does not trust in a config: `_target_` strings, logging configs, and names that become paths.
 
-* Secrets: `llmexp.redact` (hidden wherever llmexp writes).
-* The composed config. `check_config` (through `preflight.ConfigCheck`, on every config Hydra
+* Secrets: `llmexp.rundir.redact` (hidden wherever llmexp writes).
+* The composed config. `check_config` (through `llmexp.cli.hydra_loader.ConfigCheck`, on every config Hydra
   composes: the CLI's run, `--help`, `--cfg`, each sweep job) walks the whole tree, `hydra` node
   included, with interpolations resolved, before Hydra instantiates or creates anything: each
   `_target_` must be one of the objects allowed at its key (OPTIMIZER_TARGETS, CALLBACK_TARGETS,
@@ -9,7 +9,7 @@
   modules are imported to find out), logging configs use logging's own classes and write inside
   the run directory, `hydra.job.env_set` sets only ENV_SET_ALLOWED, and every path Hydra derives
   (`.hydra`, the job log, sweep subdirs, submitit's folder) stays inside the run or sweep directory.
-* Paths. Names that end up in paths go through `llmexp.paths.safe_name`.
+* Paths. Names that end up in paths go through `llmexp.rundir.names.safe_name`.
 
 Nothing here imports torch.
 """
@@ -39,9 +39,9 @@ OPTIMIZER_TARGETS: tuple[str, ...] = (
                                                 "PagedAdam8bit", "Lion", "Lion8bit", "PagedLion", "PagedLion8bit",
                                                 "SGD8bit", "RMSprop8bit", "Adagrad8bit")),
 )
-"""The only objects `optimizer._target_` may name (llmexp.build instantiates it, and checks the imported class
+"""The only objects `optimizer._target_` may name (llmexp.model.build instantiates it, and checks the imported class
 against these objects by identity)."""
-CALLBACK_TARGETS: tuple[str, ...] = ("llmexp.redact.RedactRunFiles",
+CALLBACK_TARGETS: tuple[str, ...] = ("llmexp.rundir.redact.RedactRunFiles",
                                      "hydra.experimental.callbacks.LogJobReturnCallback")
 LAUNCHER_TARGETS: tuple[str, ...] = ("hydra_plugins.llmexp_launcher.llmexp_launcher.LocalLauncher",
                                      "hydra_plugins.llmexp_launcher.llmexp_launcher.SlurmLauncher",
@@ -179,7 +179,7 @@ def _hydra_target_problem(key: str, value: object) -> str | None:
 
 def check_located(obj: Any, target: str, key: str, allowed: tuple[str, ...],
                   base: type | tuple[type, ...] | None = None) -> None:
-    """After import (llmexp.build): the object must be one of the objects allowed at `key`, compared by
+    """After import (llmexp.model.build): the object must be one of the objects allowed at `key`, compared by
     identity (so `torch.optim.X.os.system` style detours fail), and, with `base`, a subclass of it.
     `allowed` (prefixes) is kept for callers; the explicit lists above decide."""
     del allowed
@@ -427,3 +427,23 @@ def check_config(cfg: DictConfig, origin: Any = None) -> None:
     lines = [f"{origin(key) if origin else 'config'}: {key}: {problem}" for key, problem in problems]
     raise UserError("refused config (llmexp runs no code named in a config and writes only inside the run or "
                     "sweep directory; README, Security):\n  " + "\n  ".join(lines))
+
+
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def remote_code_errors(m: Any) -> list[str]:
+    """Remote code runs only when asked for, and then only at a pinned commit of a hub model.
+
+    Syntactic (no file system access): names starting with `/`, `.` or `~` are local directories,
+    the user's own files, which a revision cannot pin."""
+    if not m.trust_remote_code:
+        return []
+    name = str(m.name_or_path or "")
+    if not name:
+        return ["model.trust_remote_code=true: there is no model.name_or_path whose code could run; remove it"]
+    if name.startswith(("/", ".", "~")) or _COMMIT.fullmatch(str(m.revision or "")):
+        return []
+    return [f"model.revision={m.revision}: model.trust_remote_code=true runs code from the hub, so pin "
+            f"{name} to a full 40-character commit hash (a branch or tag can change under you), "
+            "e.g. from the model page's Files and versions > History"]

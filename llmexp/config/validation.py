@@ -3,7 +3,7 @@
 `validate(cfg)` runs after Hydra composed the config against `llmexp.config.schema`'s schemas and before
 anything loads; it reports every problem at once, each naming the key and the fix (exit 2). It is
 a pure function of the config, so a config validates on any machine; what depends on the machine
-is `llmexp.config.preflight.check_environment`'s. No torch here.
+is `llmexp.config.environment.check_environment`'s. No torch here.
 
 Every number in the schema has a rule in `RANGES`: floats must be finite (nothing reads inf or NaN
 as a setting; a key that does would be listed in `NON_FINITE_OK`), ints must fit the 64 bits that
@@ -219,7 +219,7 @@ def number_keys() -> dict[str, type]:
 def _deleted_node_errors(node: DictConfig, cls: Any = None, prefix: str = "") -> list[str]:
     """Keys of the schema that the config lacks: deleted with `~key` (or by a config file), and config
     groups with no option chosen (`~model` leaves `model` at ???)."""
-    from llmexp.config.preflight import group_options
+    from llmexp.config.keys import group_options
     from llmexp.config.schema import Config
 
     cls = Config if cls is None else cls
@@ -241,7 +241,7 @@ def _deleted_node_errors(node: DictConfig, cls: Any = None, prefix: str = "") ->
 
 def _default_option(group: str) -> str | None:
     """The option `llmexp/conf/config.yaml`'s defaults list picks for `group`."""
-    from llmexp.paths import conf_dir
+    from llmexp.config.tree import conf_dir
 
     defaults = OmegaConf.load(conf_dir() / "config.yaml").defaults
     return next((str(d[group]) for d in defaults if isinstance(d, DictConfig) and group in d), None)
@@ -305,7 +305,7 @@ def _kwargs_errors(data: Any, key: str) -> dict[str, str]:
 
 def validate(cfg: DictConfig | Config) -> None:
     """Check ranges and cross-field rules; raise one ConfigError that lists every problem."""
-    from llmexp.config.preflight import structure_errors
+    from llmexp.config.keys import structure_errors
 
     if not isinstance(cfg, DictConfig):
         cfg = OmegaConf.structured(cfg)
@@ -335,7 +335,7 @@ def validate(cfg: DictConfig | Config) -> None:
 
 def _validate_groups(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet[str]) -> None:
     """Option names and the rules between fields; a rule reads only keys whose own range holds."""
-    from llmexp.config.preflight import remote_code_errors
+    from llmexp.config.security import remote_code_errors
 
     m, d = cfg.model, cfg.data
     _choice(errors, cfg.precision.name, "precision.name", PRECISIONS)

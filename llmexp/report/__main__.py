@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 from llmexp.report.run import write_run_report
-from llmexp.report.rundir import is_run_dir, is_sweep_dir
 from llmexp.report.sweep import write_sweep_report
+from llmexp.rundir.read import is_run_dir, is_sweep_dir
 
 
 def main(argv: list[str] | None = None) -> int:

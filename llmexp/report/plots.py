@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from llmexp.paths import atomic_file
+from llmexp.rundir.files import atomic_file
 
 SEVERITY_COLOURS = {"error": "#d62728", "warning": "#ff7f0e", "info": "#7f7f7f"}
 GRAD_BAND = (0.5, 2.0)  # the seed's healthy grad-norm band

@@ -3,7 +3,7 @@ after the fact (`python -m llmexp.report RUN_DIR`, see `llmexp.report.__main__`)
 
 A run directory has `metrics.jsonl` / `summary.json` / `.hydra/`; a sweep directory has
 `multirun.yaml` or job subdirectories (`0/`, `1/`, ...). Reading a run directory lives in
-`llmexp.report.rundir`, plots in `llmexp.report.plots`, the sweep report in `llmexp.report.sweep`.
+`llmexp.rundir.read`, plots in `llmexp.report.plots`, the sweep report in `llmexp.report.sweep`.
 Exit codes: 0 written, 1 a sweep with failed or unfinished jobs, 2 not a run or sweep directory.
 """
 
@@ -13,19 +13,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-from llmexp.monitor import ERROR, Finding, is_open, worst_severity
-from llmexp.paths import write_text_atomic
-from llmexp.report.rundir import (
-    finding_state,
-    fmt,
-    fmt_rate,
-    last_value,
-    load_config,
-    load_json,
-    load_overrides,
-    load_records,
-    run_findings,
-)
+from llmexp.monitor.detectors import ERROR, Finding, is_open, worst_severity
+from llmexp.report.findings import finding_state, run_findings
+from llmexp.report.formats import fmt, fmt_rate
+from llmexp.rundir.files import write_text_atomic
+from llmexp.rundir.read import last_value, load_config, load_json, load_overrides, load_records
 
 # ----- the run report ----------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """The search part of a sweep report (`sweep=random|tpe`): what the optuna study holds, read from its journal.
 
-The sweeper keeps the study in `paths.study_journal(SWEEP_DIR)` (`config.study.load_study`); trial N is job
+The sweeper keeps the study in `rundir.study.study_journal(SWEEP_DIR)` (`rundir.study.load_study`); trial N is job
 `SWEEP_DIR/N`. Everything here is a pure function of that journal and the job directories, so the report can
 be written at any time, also while the sweeper is still appending to the journal (optuna's file backend
 reads only whole lines, and a torn last line is skipped until it is complete). A grid sweep has no study:
@@ -13,8 +13,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from llmexp.paths import study_journal
-from llmexp.report.rundir import fmt, load_config, load_json
+from llmexp.report.formats import fmt
+from llmexp.rundir.read import load_config, load_json
+from llmexp.rundir.study import study_journal
 
 PRUNED = "pruned"
 """A run's status (summary.json) when the sweeper pruned it: it stopped early, on purpose, with a checkpoint."""
@@ -25,7 +26,7 @@ RUNNING = "running"
 def load_study(sweep_dir: Path) -> tuple[Any | None, str | None]:
     """(the study, None), (None, None) for a sweep without one (a grid), or (None, why) when the journal
     exists but cannot be read, which the report says in one line rather than failing."""
-    from llmexp.config.study import load_study as open_study
+    from llmexp.rundir.study import load_study as open_study
 
     path = study_journal(sweep_dir)
     if not path.is_file():

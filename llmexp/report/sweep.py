@@ -3,7 +3,7 @@
     python -m llmexp.report SWEEP_DIR    # sweep_summary.json, sweep_report.md, sweep_curves.png
                                          # (+ sweep_search.png for sweep=random|tpe)
 
-Reads each job directory with the loaders of `llmexp.report.rundir`, as the run report does, and a search's
+Reads each job directory with the loaders of `llmexp.rundir.read`, as the run report does, and a search's
 optuna study with `llmexp.report.search`. Works at any time, also in the middle of a sweep.
 """
 
@@ -16,20 +16,12 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from llmexp.monitor import ERROR, worst_severity
-from llmexp.paths import write_text_atomic
-from llmexp.report.rundir import (
-    FINISHED,
-    fmt,
-    fmt_rate,
-    job_dirs,
-    last_value,
-    load_json,
-    load_overrides,
-    load_records,
-    run_findings,
-)
+from llmexp.monitor.detectors import ERROR, worst_severity
+from llmexp.report.findings import run_findings
+from llmexp.report.formats import fmt, fmt_rate
 from llmexp.report.search import PRUNED, load_study, search_markdown, search_summary
+from llmexp.rundir.files import write_text_atomic
+from llmexp.rundir.read import FINISHED, job_dirs, last_value, load_json, load_overrides, load_records
 
 
 def stability(records: list[dict]) -> dict[str, float | None]:

@@ -22,8 +22,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from llmexp.paths import register_resolvers, write_json_atomic, write_text_atomic
-from llmexp.report.rundir import FINISHED, load_json
+from llmexp.config.tree import register_resolvers
+from llmexp.rundir.files import write_json_atomic, write_text_atomic
+from llmexp.rundir.read import FINISHED, load_json
 
 T = TypeVar("T")
 
@@ -210,7 +211,7 @@ def _check_job(spec: JobSpec) -> JobOutcome | None:
     directory's lock, before Hydra writes anything there; a refusal is this job's user error."""
     from llmexp.config.security import check_config
     from llmexp.errors import UserError
-    from llmexp.paths import lock_run_dir
+    from llmexp.rundir.lock import lock_run_dir
     from llmexp.train.task import last_user_error, user_error_exit
 
     try:
@@ -245,8 +246,8 @@ def ended_before(spec: JobSpec) -> JobOutcome | None:
     to another sweep, which is refused rather than mixed into this one's report.
     """
     from llmexp.errors import STATUS_EXIT, UserError
-    from llmexp.redact import scrub_overrides
-    from llmexp.report.rundir import load_overrides
+    from llmexp.rundir.read import load_overrides
+    from llmexp.rundir.redact import scrub_overrides
 
     recorded = load_overrides(spec.job_dir)
     if not recorded:
@@ -267,7 +268,7 @@ def _wait_for_holder(job_dir: Path, poll_s: float = 2.0) -> None:
     """Block while another process holds the run directory's lock (`paths.lock_run_dir`)."""
     from filelock import FileLock, Timeout
 
-    from llmexp.paths import LOCK_NAME
+    from llmexp.rundir.lock import LOCK_NAME
 
     lock_path = job_dir / LOCK_NAME
     if not lock_path.exists():

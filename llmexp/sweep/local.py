@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmexp.errors import UserError
-from llmexp.paths import atomic_file, write_json_atomic
+from llmexp.rundir.files import atomic_file, write_json_atomic
 from llmexp.sweep.jobs import (
     JobOutcome,
     JobSpec,

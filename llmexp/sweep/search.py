@@ -5,7 +5,7 @@
         (in the trial's own process: `llmexp.train.pruning`)
     -> tell each trial how its run ended -> until `sweep.n_trials` trials have ended
 
-The study lives in the sweep directory (`llmexp.config.study.journal_storage`: optuna's JournalStorage,
+The study lives in the sweep directory (`llmexp.rundir.study.journal_storage`: optuna's JournalStorage,
 a file with a lock that works on a shared filesystem), trial N is job N (`SWEEP_DIR/N`), and a
 trial's result is read from its run directory, never held only in this process. So running the same
 command again with the same `hydra.sweep.dir` continues the search: ended trials are not run again,
@@ -23,12 +23,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmexp.config.schema import SearchSweepConfig
-from llmexp.config.space import search_space, trial_overrides
-from llmexp.config.study import journal_storage, make_pruner
 from llmexp.errors import EXIT_USER, UserError
-from llmexp.paths import STUDY_NAME
-from llmexp.report.rundir import FINISHED, load_json
+from llmexp.rundir.read import FINISHED, load_json
+from llmexp.rundir.study import STUDY_NAME, journal_storage, make_pruner
 from llmexp.sweep.jobs import job_dir_of, write_report
+from llmexp.sweep.space import search_space, trial_overrides
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

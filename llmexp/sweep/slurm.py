@@ -52,9 +52,10 @@ from typing import Any
 import submitit
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from llmexp.config.tree import register_resolvers
 from llmexp.errors import UserError
-from llmexp.paths import register_resolvers, write_json_atomic
-from llmexp.report.rundir import load_json
+from llmexp.rundir.files import write_json_atomic
+from llmexp.rundir.read import load_json
 from llmexp.sweep.jobs import (
     JobOutcome,
     JobSpec,

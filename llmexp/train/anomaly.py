@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from llmexp.monitor import MonitorSettings, diagnose, is_spike
+from llmexp.monitor.detectors import MonitorSettings, diagnose, is_spike
 
 if TYPE_CHECKING:
-    from llmexp.metrics import MetricsLogger
+    from llmexp.monitor.logger import MetricsLogger
     from llmexp.train.runtime import Runtime
     from llmexp.train.state import LoopState
 

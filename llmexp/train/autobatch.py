@@ -1,7 +1,7 @@
 """`batch_size=auto`: the largest micro-batch that fits in memory, found before the run's model is built.
 
     candidates (`config.derived.auto_batch_candidates`: halving, capped by the global batch per process
-      and the train set) -> upper bound: the largest whose estimate (`llmexp.estimate`) fits the budget
+      and the train set) -> upper bound: the largest whose estimate (`llmexp.model.estimate`) fits the budget
       (a share of CUDA's free memory, or of the available RAM split between this host's processes)
     -> probe, largest first: one real forward + backward + optimizer step of a throwaway model
       built as the run builds it, at that micro-batch
@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from omegaconf import DictConfig
 
-from llmexp import build
 from llmexp.config.derived import auto_batch_candidates, make_plan
 from llmexp.errors import UserError
-from llmexp.estimate import adapter_facts, count_params_meta, fsdp_units, largest_fitting, memory_budget
-from llmexp.metrics import peak_rss_mb, reset_peak_rss, rss_mb
+from llmexp.model import build
+from llmexp.model.estimate import adapter_facts, count_params_meta, fsdp_units, largest_fitting, memory_budget
+from llmexp.monitor.throughput import peak_rss_mb, reset_peak_rss, rss_mb
 
 if TYPE_CHECKING:
     from llmexp.train.runtime import Runtime
@@ -134,7 +134,7 @@ def _probe(cfg: DictConfig, rt: Runtime, vocab_size: int, micro: int, budget: fl
 def _step(cfg: DictConfig, rt: Runtime, vocab_size: int, micro: int) -> None:
     """One forward + backward + optimizer step on a model and optimizer built as the run builds them; they are
     freed on return. The run's own model is built afterwards (and seeded then): the probe changes nothing."""
-    from llmexp.loss import CausalLMLoss
+    from llmexp.model.loss import CausalLMLoss
 
     model = CausalLMLoss(build.build_model(cfg, vocab_size, rt.precision)).to(rt.device)
     optimizer = build.build_optimizer(cfg, model, 1e-6, rt.device.type)

@@ -13,7 +13,7 @@ never disagree with what the loop does:
   steps itself (`bf16.check_grad_overflow`), and in fp16 owns the dynamic loss scale (the
   loop's own GradScaler is off).
 
-The step and checkpoints under ZeRO: `llmexp.train.engine`.
+The step and checkpoints under ZeRO: `llmexp.train.engines.deepspeed`.
 """
 
 from __future__ import annotations

@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 from llmexp.checkpoint import store as ckpt
 from llmexp.errors import STATUS_EXIT
-from llmexp.metrics import MetricsLogger, peak_memory_mb
-from llmexp.monitor import reconcile
-from llmexp.paths import write_json_atomic
-from llmexp.redact import scrub
+from llmexp.monitor.detectors import reconcile
+from llmexp.monitor.logger import MetricsLogger
+from llmexp.monitor.throughput import peak_memory_mb
 from llmexp.report.run import write_run_report
-from llmexp.report.rundir import last_value
+from llmexp.rundir.files import write_json_atomic
+from llmexp.rundir.read import last_value
+from llmexp.rundir.redact import scrub
 from llmexp.train.resume import save_state_checkpoint
 from llmexp.train.state import Run
 

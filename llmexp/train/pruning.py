@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from llmexp.config.study import SEARCHES, load_study, make_pruner
+from llmexp.rundir.study import SEARCHES, load_study, make_pruner
 
 
 @dataclass

@@ -29,7 +29,7 @@ from llmexp.errors import UserError
 from llmexp.train.state import LoopState, Run
 
 if TYPE_CHECKING:
-    from llmexp.metrics import MetricsLogger
+    from llmexp.monitor.logger import MetricsLogger
     from llmexp.train.runtime import Runtime
 
 TRAINER_STATE = "trainer_state.json"
@@ -257,7 +257,7 @@ def _check_world_size(run: Run, saved: int | None) -> None:
     if saved is None or saved == rt.plan.world:
         return
     if not rt.engine.reshardable:
-        from llmexp.train.engine import zero_world_mismatch
+        from llmexp.train.engines.deepspeed import zero_world_mismatch
 
         raise zero_world_mismatch(saved, rt.plan.world)
     run.log.write(f"resuming a checkpoint saved by {saved} process(es) on {rt.plan.world}: the global batch is "

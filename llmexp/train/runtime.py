@@ -1,5 +1,5 @@
 """One process's set-up for a run: devices and processes (Accelerate), the resolved precision, the
-batch plan, the step engine (plain, DeepSpeed or FSDP: `llmexp.train.engine`, `llmexp.train.fsdp`), the
+batch plan, the step engine (plain, DeepSpeed or FSDP: `llmexp.train.engines`), the
 model and optimizer, and the facts and metric records that describe them (parameters, MFU, throughput).
 """
 
@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from omegaconf import DictConfig
 
-from llmexp import build
 from llmexp.config.derived import (
     BF16_EMULATION_ADVICE,
     bf16_emulation_warning,
@@ -24,17 +23,14 @@ from llmexp.config.derived import (
     resolve_precision,
     world_size_from_env,
 )
-from llmexp.metrics import (
-    MetricsLogger,
-    flops_per_token,
-    make_sinks,
-    measure_ceiling,
-    peak_memory_mb,
-    quiet_console,
-    safe_exp,
-)
-from llmexp.monitor import MonitorSettings, settings_from_config
-from llmexp.train.engine import DeepSpeedEngine, PlainEngine
+from llmexp.model import build
+from llmexp.monitor.console import quiet_console
+from llmexp.monitor.detectors import MonitorSettings, settings_from_config
+from llmexp.monitor.logger import MetricsLogger, safe_exp
+from llmexp.monitor.sinks import make_sinks
+from llmexp.monitor.throughput import flops_per_token, measure_ceiling, peak_memory_mb
+from llmexp.train.engines.deepspeed import DeepSpeedEngine
+from llmexp.train.engines.plain import PlainEngine
 
 if TYPE_CHECKING:
     from llmexp.train.state import LoopState
@@ -121,7 +117,7 @@ class Runtime:
         if cfg.deepspeed.stage > 0:
             return DeepSpeedEngine(self.accelerator, self.precision, self.plan, cfg.deepspeed.stage)
         if cfg.fsdp.name != "none":
-            from llmexp.train.fsdp import FsdpEngine
+            from llmexp.train.engines.fsdp import FsdpEngine
 
             return FsdpEngine(self.accelerator, self.precision, self.plan, cfg.fsdp.name, cfg.fsdp.cpu_offload)
         return PlainEngine(self.accelerator, self.precision, cfg.precision.init_scale, cfg.precision.growth_interval)
@@ -129,7 +125,7 @@ class Runtime:
     # ------------------------------------------------------------------ building
     def build(self, cfg: DictConfig, vocab_size: int) -> tuple[torch.nn.Module, Any, float, str]:
         """Model (wrapped with its loss), optimizer and peak lr, prepared for this device."""
-        from llmexp.loss import CausalLMLoss
+        from llmexp.model.loss import CausalLMLoss
         from llmexp.train.schedule import resolve_lr
 
         torch.manual_seed(cfg.seed)  # same init on every rank
@@ -173,7 +169,7 @@ class Runtime:
                 return None, (f"the matmul ceiling ({value:.3g} TFLOPS) was measured while other processes "
                               "shared the CPU cores, so it is too low and any MFU divided by it too high")
             known[key] = value
-            from llmexp.paths import write_json_atomic
+            from llmexp.rundir.files import write_json_atomic
 
             write_json_atomic(cache, known)
         return float(known[key]), None

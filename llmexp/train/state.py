@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     import torch
     from omegaconf import DictConfig
 
-    from llmexp.metrics import MetricsLogger
+    from llmexp.monitor.logger import MetricsLogger
     from llmexp.train.pruning import TrialPruning
     from llmexp.train.runtime import Runtime
 

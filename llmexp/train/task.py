@@ -9,10 +9,10 @@ import sys
 
 from omegaconf import DictConfig
 
-from llmexp.config.preflight import check_environment
+from llmexp.config.environment import check_environment
 from llmexp.config.validation import validate
 from llmexp.errors import EXIT_USER, STATUS_EXIT, UserError
-from llmexp.redact import scrub_text
+from llmexp.rundir.redact import scrub_text
 
 
 def run_guarded(cfg: DictConfig) -> int:

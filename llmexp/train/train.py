@@ -26,7 +26,7 @@ from llmexp.config.derived import parse_batch_size
 from llmexp.data import datasets as data_lib
 from llmexp.data import stream as stream_lib
 from llmexp.data.tokenizer import load_tokenizer
-from llmexp.metrics import safe_exp
+from llmexp.monitor.logger import safe_exp
 from llmexp.train import samples
 from llmexp.train.anomaly import judge_step, report_findings
 from llmexp.train.autobatch import choose_batch_size

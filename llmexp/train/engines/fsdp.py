@@ -39,7 +39,7 @@ from llmexp.checkpoint import dcp
 from llmexp.checkpoint.serialize import CorruptCheckpoint
 from llmexp.config.derived import BatchPlan
 from llmexp.errors import UserError
-from llmexp.train.engine import OptimizerWriter, PlainEngine
+from llmexp.train.engines.plain import OptimizerWriter, PlainEngine
 
 DCP_DIR = "dcp"
 """The directory inside `checkpoints/step_<N>/` that holds the DCP checkpoint."""

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llmexp.paths import write_text_atomic
+from llmexp.rundir.files import write_text_atomic
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig

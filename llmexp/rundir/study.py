@@ -2,7 +2,7 @@
 
 The sweeper (`llmexp.sweep.search`) asks and tells; each trial's trainer reports its evals and asks
 whether to stop (`llmexp.train.pruning`), in its own process, on whatever node it runs; the report
-reads it. All three open the same file (`llmexp.paths.study_journal`) and build the pruner from the
+reads it. All three open the same file (`study_journal`) and build the pruner from the
 same config keys, so a trial needs nothing from the sweeper but its config. optuna is imported in
 the functions only: `--help` never pays for it.
 """
@@ -12,10 +12,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from llmexp.paths import STUDY_NAME, study_journal
+STUDY_NAME = "llmexp"
+"""The optuna study's name inside `study_journal`."""
 
 SEARCHES = ("random", "tpe")
 """`sweep.name`s that are optuna searches (`grid` is Hydra's grid)."""
+
+
+def study_journal(sweep_dir: Path) -> Path:
+    """Where an optuna search keeps its study (`sweep=random|tpe`): an optuna JournalStorage file, study
+    name `STUDY_NAME`, safe on a shared filesystem. Trial number N is the sweep's job N (`SWEEP_DIR/N`)."""
+    return Path(sweep_dir) / "study.journal"  # not in .llmexp/, which the local launcher removes after each batch
 
 
 def journal_storage(sweep_dir: Path) -> Any:

@@ -2,17 +2,14 @@
 
 Pure functions of what a run (or sweep) directory holds: `metrics.jsonl`, `summary.json`,
 `.hydra/`, job subdirectories. `llmexp.report.run` (one run), `llmexp.report.sweep` (a sweep) and
-`llmexp.doctor` read through these, so a killed run, a finished one and a sweep job read alike.
+`llmexp.report.doctor` read through these, so a killed run, a finished one and a sweep job read alike.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
-
-from llmexp.monitor import DETECTOR_KINDS, reconcile, settings_from_config
 
 FINISHED = ("completed", "early_stopped")
 """Statuses of a run that ended as intended."""
@@ -64,7 +61,7 @@ def load_overrides(run_dir: Path) -> list[str]:
         data = yaml.safe_load((Path(run_dir) / ".hydra" / "overrides.yaml").read_text())
     except (OSError, yaml.YAMLError):
         data = (load_json(Path(run_dir) / "summary.json") or {}).get("overrides")
-    from llmexp.redact import scrub_overrides
+    from llmexp.rundir.redact import scrub_overrides
 
     return scrub_overrides([str(o) for o in data]) if isinstance(data, list) else []
 
@@ -86,51 +83,7 @@ def is_sweep_dir(path: Path) -> bool:
     return path.is_dir() and ((path / "multirun.yaml").is_file() or bool(job_dirs(path)))
 
 
-def run_findings(run_dir: Path, records: list[dict] | None = None) -> list[dict]:
-    """Findings of a run, as its summary.json holds them (`monitor.reconcile`): re-diagnosed from its
-    metrics with the detectors the trainer ran live, every finding it printed kept (open, resolved or
-    superseded), plus any of summary.json's of a kind the detectors do not produce."""
-    run_dir = Path(run_dir)
-    records = load_records(run_dir) if records is None else records
-    summary = load_json(run_dir / "summary.json") or {}
-    if not records:
-        return [f for f in summary.get("findings", []) if isinstance(f, dict)]
-    lr = summary.get("lr")
-    settings = settings_from_config(load_config(run_dir), lr=float(lr) if isinstance(lr, int | float) else None)
-    found = reconcile(records, settings)
-    known = {(f["kind"], f["step"], f["severity"]) for f in found}
-    # Keep what only the trainer could know (e.g. rollbacks given up): kinds the detectors never produce.
-    extra = [f for f in summary.get("findings", []) if isinstance(f, dict) and f.get("kind") not in DETECTOR_KINDS
-             and (f.get("kind"), f.get("step"), f.get("severity")) not in known]
-    return sorted(found + extra, key=lambda f: int(f.get("step", 0)))
-
-
-def finding_state(f: dict) -> str:
-    """` (resolved at step N)` / ` (superseded at step N)` for a finding that no longer holds, else ''."""
-    status = f.get("status", "open")
-    if status == "open":
-        return ""
-    at = f.get("resolved_at")
-    return f" ({status} at step {at})" if at is not None else f" ({status})"
-
-
 # ----- formatting values ----------------------------------------------------------------------
-
-def fmt(value: Any, digits: int = 4) -> str:
-    """A value for a report's table: `–` when unknown, learning rates as 3e-04 rather than 0.0003."""
-    if value is None:
-        return "–"
-    if isinstance(value, float) and math.isfinite(value) and 0 < abs(value) < 1e-2:
-        mantissa, exponent = f"{value:.{digits - 1}e}".split("e")  # learning rates: 3e-04, not 0.0003
-        return f"{mantissa.rstrip('0').rstrip('.')}e{exponent}"
-    if isinstance(value, float):
-        return f"{value:.{digits}g}" if math.isfinite(value) else str(value)
-    return str(value)
-
-
-def fmt_rate(value: Any) -> str:
-    """A throughput (tokens/s): whole numbers with thousands separators read at a glance."""
-    return f"{value:,.0f}" if isinstance(value, int | float) and math.isfinite(value) else fmt(value)
 
 
 def last_value(records: list[dict], event: str, key: str) -> Any:

@@ -1,0 +1,88 @@
+"""The command line, checked before Hydra composes: typos, unknown options, wrong types, secrets moved out of sight."""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import io
+from typing import Any
+
+from llmexp.config import security
+from llmexp.config.keys import _type_problem, group_options, unknown_key
+from llmexp.errors import UserError
+from llmexp.rundir import redact
+
+
+def _parse_overrides(args: list[str]) -> tuple[Any, list[Any]]:
+    """Hydra's own parse of the command line (its flags, then each override); anything it cannot parse is left
+    to Hydra. Returns (argparse namespace or None, parsed overrides)."""
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            namespace, _ = get_args_parser().parse_known_args(args)
+    except SystemExit:
+        return None, []
+    parser, parsed = OverridesParser.create(), []
+    for text in namespace.overrides or []:
+        with contextlib.suppress(Exception):  # Hydra reports grammar errors itself, with the position
+            parsed.extend(parser.parse_overrides([text]))
+    return namespace, parsed
+
+
+def _values(override: Any) -> list[Any]:
+    if override.is_sweep_override():
+        with contextlib.suppress(Exception):
+            return list(override.sweep_string_iterator())
+        return []
+    return [override.value()]
+
+
+def _override_errors(ov: Any, custom_tree: bool) -> list[str]:
+    """Problems of one parsed override (see `check_args`)."""
+    key, values = ov.key_or_group, _values(ov)
+    if ov.is_delete():
+        return []
+    if key == "_target_" or key.endswith("._target_") or key.startswith("hydra."):
+        return []  # judged on the composed config, after interpolation (`security.config_problems`)
+    if "/" in key or key.startswith("hydra.") or ov.package:
+        return []
+    options = group_options(key)
+    if options is not None and not (ov.is_add() or ov.is_force_add()):
+        return [e for e in (_option_error(key, v, options, custom_tree) for v in values if v is not None) if e]
+    problem = unknown_key(key)
+    if problem and (ov.is_add() or ov.is_force_add()):
+        problem += " (`+` adds keys to free-form dicts only, e.g. +optimizer.kwargs.foo=1)"
+    if problem is None and not ov.is_sweep_override():
+        problem = _type_problem(key, ov.value())
+    return [problem] if problem else []
+
+
+def _option_error(group: str, value: Any, options: list[str], custom_tree: bool) -> str:
+    """"" if `value` is fine, else the message."""
+    text = str(value)
+    if problem := security.path_problem(text):
+        return f"{group}={text}: {problem}; pick one of {', '.join(options)}"
+    if text in options or custom_tree:
+        return ""  # --config-dir or a search path may add options that llmexp/conf/ does not list
+    close = difflib.get_close_matches(text, options, n=1, cutoff=0.5)
+    hint = f"did you mean {group}={close[0]}? " if close else ""
+    return f"{group}={text}: no such option; {hint}the options are {', '.join(options)}"
+
+
+def check_args(args: list[str]) -> list[str]:
+    """Check the command line before Hydra composes; return it with secrets redacted.
+
+    Raises UserError that lists every problem found. A fast pass over argv for typos (no composition);
+    what it cannot judge (grammar errors, options added through --config-dir, `_target_`s, `hydra.*`,
+    anything a YAML file sets) is judged on the composed config (`ConfigCheck`) or by Hydra itself.
+    """
+    namespace, overrides = _parse_overrides(args)
+    custom_tree = namespace is None or any(getattr(namespace, flag) is not None
+                                           for flag in ("config_dir", "config_path", "config_name"))
+    custom_tree = custom_tree or any(ov.key_or_group.startswith("hydra.searchpath") for ov in overrides)
+    errors = [e for ov in overrides for e in _override_errors(ov, custom_tree) if e]
+    if errors:
+        raise UserError("invalid command line:\n  " + "\n  ".join(errors))
+    return redact.redact_overrides(list(args))

@@ -1,0 +1,97 @@
+"""`python -m llmexp.estimate [overrides]`: the memory a run needs, before you start it.
+
+Composes the config as `python -m llmexp OVERRIDES` would (validated, no run directory), builds the
+model on the meta device and prints `llmexp.model.estimate`'s accounting per device; with
+`batch_size=auto`, also where the micro-batch search would start on this machine.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from omegaconf import DictConfig
+
+from llmexp.config.derived import parse_batch_size
+from llmexp.model.estimate import (
+    MiB,
+    adapter_facts,
+    count_params_meta,
+    estimate,
+    format_estimate,
+    fsdp_units,
+    largest_fitting,
+    memory_budget,
+    resolved_precision,
+)
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """The config `python -m llmexp OVERRIDES` would train with (validated), without a run dir."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from llmexp.config.schema import register_configs
+    from llmexp.config.tree import conf_dir, register_resolvers
+    from llmexp.config.validation import validate
+
+    register_configs()
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = hydra_compose("config", overrides=overrides)
+    validate(cfg)
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the estimate; `world_size=N` (default: WORLD_SIZE or 1) sets the number of processes."""
+    from llmexp.config.derived import world_size_from_env
+    from llmexp.errors import EXIT_USER, UserError
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__.split("\n\n")[0] + "\n\nusage: python -m llmexp.estimate [world_size=N] [overrides ...]")
+        return 0
+    world = world_size_from_env()
+    for arg in [a for a in args if a.startswith("world_size=")]:
+        world = int(arg.split("=", 1)[1])
+        args.remove(arg)
+    try:
+        cfg = compose(args)
+    except UserError as err:
+        print(f"llmexp.estimate: error: {err}", file=sys.stderr)
+        return EXIT_USER
+    except Exception as err:  # Hydra's override and compose errors
+        print(f"llmexp.estimate: error: {err}", file=sys.stderr)
+        return EXIT_USER
+    precision = resolved_precision(cfg.precision.name)
+    facts = {"num_params": count_params_meta(cfg), "precision": precision, "world": world,
+             "adapters": adapter_facts(cfg), "units": fsdp_units(cfg) if cfg.fsdp.name != "none" else None}
+    auto_line, micro = "", None
+    if parse_batch_size(cfg.batch_size) is None:
+        micro, auto_line = _auto_upper_bound(cfg, world, facts)
+    est = estimate(cfg, micro_batch=micro, **facts)
+    label = (f"model={cfg.model.name} peft={cfg.peft.name} precision={precision} optimizer={cfg.optimizer.name} "
+             f"deepspeed={cfg.deepspeed.name} fsdp={cfg.fsdp.name}{' cpu_offload' if cfg.fsdp.cpu_offload else ''} "
+             f"world_size={world} batch_size={micro or cfg.batch_size} max_length={cfg.data.max_length}")
+    print(format_estimate(est, label=label) + auto_line)
+    return 0
+
+
+def _auto_upper_bound(cfg: DictConfig, world: int, facts: dict[str, Any]) -> tuple[int, str]:
+    """What batch_size=auto would start its probe at on this machine, and the line that says so."""
+    import torch
+
+    from llmexp.config.derived import auto_batch_candidates
+
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if device_type == "cpu" else 1
+    budget = memory_budget(device_type, processes)
+    upper = largest_fitting(cfg, auto_batch_candidates(cfg, world, 0), budget, on_cpu=device_type == "cpu", **facts)
+    return upper, (f"\nbatch_size=auto: up to {upper} per device by this estimate ({budget / MiB:,.0f} MiB to plan "
+                   f"with on this {device_type}); the run's probe step confirms it")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""Where llmexp's Hydra config tree lives, and the resolvers its YAML files use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmexp.rundir.names import run_id, safe_name
+
+
+def conf_dir() -> Path:
+    """The Hydra config tree, `llmexp/conf/`: package data, so a checkout, an editable install and a
+    wheel all hold it at the same place."""
+    here = Path(__file__).resolve().parents[1] / "conf"
+    if not (here / "config.yaml").is_file():
+        raise FileNotFoundError(f"llmexp's config tree is missing ({here}/config.yaml); reinstall llmexp")
+    return here
+
+
+def register_resolvers() -> None:
+    """Register `${llmexp_run_id:}` and `${llmexp_safe:...}` once."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("llmexp_run_id"):
+        OmegaConf.register_new_resolver("llmexp_run_id", run_id, use_cache=True)
+    if not OmegaConf.has_resolver("llmexp_safe"):
+        OmegaConf.register_new_resolver("llmexp_safe", safe_name)

@@ -1,0 +1,335 @@
+"""`python -m llmexp.estimate [overrides]`: the memory a run needs, before you start it.
+
+Per device, for the composed model, precision, optimizer, ZeRO stage and world size:
+
+    weights       fp32 master weights (4 B/param), plus autocast's 16-bit copies (2 B) in bf16/fp16;
+                  under DeepSpeed bf16/fp16 the module holds 16-bit weights (2 B) and the fp32
+                  master copy moves into the optimizer state
+    gradients     same dtype as the module's weights; ZeRO-2/3 keep 1/world of them
+    optimizer     adamw 8 B/param (two fp32 moments), adamw8bit/paged/lion8bit ~2 B (uint8 moments
+                  plus block-wise scales), lion 4 B, sgd 4 B with momentum (0 without); ZeRO 1-3
+                  keep 1/world; offload moves it (and the fp32 master) to CPU memory
+    activations   what backward keeps per token and layer (Llama block, saved tensors counted from
+                  autograd's graph), plus the loss head's fp32 logits chunk; 1 layer's worth and the
+                  layer inputs under gradient checkpointing; plus backward's working set (one
+                  layer's activation gradients)
+
+Under FSDP (`fsdp=full_shard / shard_grad_op / hybrid_shard`, FSDP2's `fully_shard` per decoder
+layer plus the root) each rank keeps 1/shards of the fp32 parameters, gradients and optimizer state
+(shards = world, or the processes of one node under hybrid_shard), and on top of that what is
+gathered while it runs (`gathered`), in the compute dtype (2 B under bf16/fp16, else 4 B): the
+root's parameters (embeddings, head, final norm: FSDP2 keeps the root gathered from forward to
+backward) and two layers' (the one running and the prefetched next), and as many unsharded
+gradients before their reduce-scatter; shard_grad_op keeps every layer gathered between forward and
+backward. `fsdp.cpu_offload=true` moves the sharded parameters, gradients and optimizer state to the
+host (`CPU (offloaded)`).
+
+With adapters (`peft=lora` / `qlora`) only the adapters have gradients and optimizer state (4 B
+each for the fp32 adapter weights, plus the optimizer's bytes). The frozen base is in the autocast
+dtype under lora (2 B/param in bf16/fp16, 4 B in fp32); under qlora every linear layer but the head
+is 4-bit NF4: 0.5 B/param plus 0.127 bits/param of constants with double quantisation (QLoRA paper,
+section 3), while embeddings, norms and the head stay fp32. LoRA's dropout keeps a copy of each
+adapted layer's input for backward.
+
+The parameter count comes from the model built on the meta device (no memory is allocated),
+so it is exact for `model=llama2-7b` too. The figures are the ZeRO paper's accounting
+(Rajbhandari et al. 2020) with our trainer's specifics; `benchmarks/memory.py` measures the
+real peak (`benchmarks/memory_fsdp.py` the per-rank peak under FSDP) and `tests/test_estimate.py`
+holds the estimate to both.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+from llmexp.config.derived import parse_batch_size
+
+MiB = 2**20
+NF4_BYTES_PER_PARAM = 0.5 + 0.127 / 8
+"""4-bit NF4 with double quantisation: half a byte plus 0.127 bits of constants per weight (QLoRA paper)."""
+STATE_BYTES_PER_PARAM = {"adamw": 8.0, "adamw8bit": 2.0, "paged_adamw8bit": 2.0, "lion": 4.0, "lion8bit": 1.0}
+"""Optimizer state per parameter; 8-bit states are one byte per moment (+ <1% block scales)."""
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per device (and CPU bytes under offload)."""
+
+    num_params: int
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    cpu_offloaded: float
+    trainable_params: int | None = None
+    """With adapters: the adapters' parameters (None: every parameter trains)."""
+    gathered: float = 0.0
+    """FSDP: full parameters and unsharded gradients of the units in flight, on top of the shards."""
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.gathered
+
+
+@dataclass(frozen=True)
+class FsdpUnits:
+    """The parameters FSDP gathers at once, read off the meta model: the root's and one decoder layer's."""
+
+    root: int
+    """Parameters outside the decoder layers (embeddings, head, final norm; tied weights once)."""
+    layer: int
+    """Parameters of one decoder layer."""
+    num_layers: int
+
+
+@dataclass(frozen=True)
+class AdapterFacts:
+    """What the memory of an adapter run depends on, read off the meta model."""
+
+    trainable: int
+    """LoRA parameters: r * (in + out) per adapted linear layer."""
+    quantized: int
+    """Weights stored in 4 bits under qlora: every linear layer but the output head."""
+    dropout_elems_per_token: int
+    """Elements of the adapted layers' inputs per token (all layers), which LoRA's dropout copies."""
+
+
+def meta_model(cfg: DictConfig) -> Any:
+    """The configured model built on the meta device: shapes without memory."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+    m = cfg.model
+    if m.name_or_path and _has_local_config(m.name_or_path):
+        config = AutoConfig.from_pretrained(m.name_or_path, trust_remote_code=m.trust_remote_code)
+    else:  # from the fields (model=llama2-7b lists the hub model's fields for exactly this)
+        config = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+                             num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
+                             num_key_value_heads=m.num_key_value_heads,
+                             max_position_embeddings=m.max_position_embeddings,
+                             tie_word_embeddings=m.tie_word_embeddings)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def count_params_meta(cfg: DictConfig) -> int:
+    """Parameters of the configured model, built on the meta device: nothing is allocated."""
+    model = meta_model(cfg)
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def adapter_facts(cfg: DictConfig) -> AdapterFacts | None:
+    """The adapters' size and the 4-bit share of the base for `peft=lora/qlora`; None for peft=none.
+    `target_modules` is matched as peft matches it: all-linear is every linear layer but the head,
+    a list matches module names or their last components."""
+    from torch import nn
+
+    pe = cfg.peft
+    if pe.name == "none":
+        return None
+    model = meta_model(cfg)
+    head = model.get_output_embeddings()
+    linears = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear) and mod is not head]
+    targets = list(pe.target_modules) if not isinstance(pe.target_modules, str) else None
+    adapted = [mod for name, mod in linears
+               if targets is None or any(name == t or name.endswith("." + t) for t in targets)]
+    trainable = sum(pe.r * (mod.in_features + mod.out_features) for mod in adapted)
+    quantized = sum(mod.weight.numel() for _, mod in linears) if pe.load_in_4bit else 0
+    dropout = sum(mod.in_features for mod in adapted) if pe.lora_dropout > 0 else 0
+    return AdapterFacts(trainable=trainable, quantized=quantized, dropout_elems_per_token=dropout)
+
+
+def fsdp_units(cfg: DictConfig) -> FsdpUnits:
+    """The sizes of the units `fully_shard` wraps: each decoder layer, and the root with what is left."""
+    model = meta_model(cfg)
+    layers = list(model.model.layers)
+    unique = {id(p): p for p in model.parameters()}
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    root = sum(p.numel() for key, p in unique.items() if key not in in_layers)
+    return FsdpUnits(root=root, layer=sum(p.numel() for p in layers[0].parameters()), num_layers=len(layers))
+
+
+def _has_local_config(path: str) -> bool:
+    from pathlib import Path
+
+    return (Path(path) / "config.json").is_file()
+
+
+def activation_bytes(cfg: DictConfig, precision: str, micro_batch: int) -> float:
+    """What autograd keeps for one micro-batch (per device).
+
+    Per token and Llama layer (elements): the block input and its RMSNorm output (2d), q and k after
+    RoPE, v (d + 2 kv_dim), the attention output and o_proj's input (2d), the second residual
+    input and norm output (2d), and in the SwiGLU MLP gate, silu(gate), up and their product (4i).
+    Matmul outputs are 16-bit under autocast, norms and residuals stay fp32.
+    """
+    from llmexp.model.loss import CHUNK_TOKENS
+
+    m, tokens = cfg.model, micro_batch * cfg.data.max_length
+    d, i, layers = m.hidden_size, m.intermediate_size, m.num_hidden_layers
+    kv_dim = d // m.num_attention_heads * m.num_key_value_heads
+    half = 2 if precision in ("bf16", "fp16") else 4
+    fp32_elems = 4 * d  # residual inputs and norm outputs
+    mm_elems = 3 * d + 2 * kv_dim + 4 * i  # q, k, v, attention out, o_proj in, the MLP's four
+    per_layer_token = 4 * fp32_elems + half * mm_elems
+    if m.gradient_checkpointing:  # keep each layer's input; recompute one layer at a time in backward
+        layer_bytes = tokens * (layers * 4 * d + per_layer_token)
+    else:
+        layer_bytes = tokens * layers * per_layer_token
+    head_tokens = min(tokens, CHUNK_TOKENS)
+    logits_bytes = 3 * head_tokens * m.vocab_size * 4  # fp32 logits, softmax and its gradient, one chunk
+    # Backward's working set on top of what is saved: one layer's activation gradients (MLP-sized).
+    working_bytes = tokens * (4 * i + 2 * d) * 4
+    return float(layer_bytes + tokens * 4 * 2 * d + logits_bytes + working_bytes)  # + final norm in/out
+
+
+def _state_bytes_per_param(opt: DictConfig) -> float:
+    return STATE_BYTES_PER_PARAM.get(opt.name, 4.0 if (opt.name == "sgd" and opt.momentum) else 0.0)
+
+
+def estimate(cfg: DictConfig, *, num_params: int, precision: str, world: int,
+             adapters: AdapterFacts | None = None, micro_batch: int | None = None,
+             units: FsdpUnits | None = None, shards: int | None = None) -> MemoryEstimate:
+    """The per-device memory of one configuration (see the module docstring for the accounting).
+
+    `micro_batch` replaces `batch_size` (which may be `auto`: 1 then); under FSDP `units` (default: read
+    off the meta model) and `shards` (default: world; hybrid_shard: LOCAL_WORLD_SIZE) may be given."""
+    micro = micro_batch or parse_batch_size(cfg.batch_size) or 1
+    if adapters is not None:
+        return _estimate_adapters(cfg, num_params, precision, adapters, micro)
+    if cfg.fsdp.name != "none":
+        return _estimate_fsdp(cfg, num_params, precision, micro, units or fsdp_units(cfg),
+                              shards or fsdp_shards(cfg.fsdp.name, world))
+    ds, opt = cfg.deepspeed, cfg.optimizer
+    zero = ds.stage if ds.stage > 0 else 0
+    half_module = zero > 0 and precision in ("bf16", "fp16")  # DeepSpeed keeps 16-bit module weights
+    weight_b = 2.0 if half_module else 4.0
+    state_b = _state_bytes_per_param(opt)
+    if half_module:
+        state_b += 4.0  # the fp32 master copy lives with the optimizer state
+    n = float(num_params)
+    weights = n * weight_b / (world if zero >= 3 else 1)
+    if not half_module and precision in ("bf16", "fp16"):
+        weights += n * 2.0  # autocast's 16-bit copies of the fp32 weights, kept for backward
+    gradients = n * weight_b / (world if zero >= 2 else 1)
+    optimizer = n * state_b / (world if zero >= 1 else 1)
+    cpu = 0.0
+    if ds.offload_optimizer != "none":
+        cpu, optimizer = optimizer + (n * 4.0 / world if zero >= 2 else 0.0), 0.0  # + the fp32 grad partition
+    if ds.offload_param != "none" and zero >= 3:
+        cpu, weights = cpu + weights, 0.0
+    return MemoryEstimate(num_params=num_params, weights=weights, gradients=gradients, optimizer=optimizer,
+                          activations=activation_bytes(cfg, precision, micro), cpu_offloaded=cpu)
+
+
+def fsdp_shards(strategy: str, world: int) -> int:
+    """Ranks one parameter is split over: all of them, or under hybrid_shard those of one node."""
+    if strategy == "hybrid_shard":
+        return max(1, min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    return max(1, world)
+
+
+def _estimate_fsdp(cfg: DictConfig, num_params: int, precision: str, micro: int, units: FsdpUnits,
+                   shards: int) -> MemoryEstimate:
+    """FSDP2: fp32 shards of parameters, gradients and optimizer state, plus the gathered units."""
+    n = float(num_params)
+    compute_b = 2.0 if precision in ("bf16", "fp16") else 4.0  # FSDP's param_dtype: the autocast dtype
+    weights, gradients = n * 4.0 / shards, n * 4.0 / shards
+    optimizer = n * _state_bytes_per_param(cfg.optimizer) / shards
+    in_flight = units.root + 2 * units.layer  # the root stays gathered; a layer runs while the next is prefetched
+    kept = num_params if cfg.fsdp.name == "shard_grad_op" else in_flight  # shard_grad_op: whole until backward
+    gathered = (kept + in_flight) * compute_b  # + unsharded grads awaiting their reduce-scatter
+    cpu = 0.0
+    if cfg.fsdp.cpu_offload:
+        cpu, weights, gradients, optimizer = weights + gradients + optimizer, 0.0, 0.0, 0.0
+    return MemoryEstimate(num_params=num_params, weights=weights, gradients=gradients, optimizer=optimizer,
+                          activations=activation_bytes(cfg, precision, micro), cpu_offloaded=cpu, gathered=gathered)
+
+
+def _estimate_adapters(cfg: DictConfig, num_params: int, precision: str, adapters: AdapterFacts,
+                       micro: int) -> MemoryEstimate:
+    """LoRA / QLoRA on one process (DeepSpeed is refused with adapters): frozen base, trained adapters."""
+    opt, n_a = cfg.optimizer, float(adapters.trainable)
+    state_b = _state_bytes_per_param(opt)
+    autocast = precision in ("bf16", "fp16")
+    full_precision = float(num_params - adapters.quantized)
+    # lora holds the frozen base in the autocast dtype; qlora keeps its embeddings, norms and head in fp32
+    base_b = 2.0 if autocast and not cfg.peft.load_in_4bit else 4.0
+    weights = full_precision * base_b + adapters.quantized * NF4_BYTES_PER_PARAM + n_a * 4.0
+    if autocast:  # 16-bit copies of the fp32 adapters that matmuls keep for backward
+        weights += n_a * 2.0
+    tokens = micro * cfg.data.max_length
+    dropout_copies = tokens * adapters.dropout_elems_per_token * (2 if autocast else 4)
+    activations = activation_bytes(cfg, precision, micro) + dropout_copies
+    return MemoryEstimate(num_params=num_params, weights=weights, gradients=n_a * 4.0, optimizer=n_a * state_b,
+                          activations=activations, cpu_offloaded=0.0, trainable_params=adapters.trainable)
+
+
+def resolved_precision(name: str) -> str:
+    """The precision a run would use on this machine (`config.derived.resolve_precision`: `auto` is bf16 where it
+    is native, else fp32; bf16 stays bf16, emulated or not)."""
+    if name != "auto":
+        return name
+    import torch
+
+    from llmexp.config.derived import resolve_precision
+
+    return resolve_precision(name, "cuda" if torch.cuda.is_available() else "cpu")
+
+
+def format_estimate(est: MemoryEstimate, *, label: str) -> str:
+    rows = [("weights", est.weights), ("gradients", est.gradients), ("optimizer state", est.optimizer),
+            *([("FSDP gathered", est.gathered)] if est.gathered else []),
+            ("activations", est.activations), ("total per device", est.total)]
+    lines = [label, f"  parameters        {est.num_params / 1e6:,.1f} M"]
+    if est.trainable_params is not None:
+        share = est.trainable_params / max(1, est.num_params)
+        lines.append(f"  trainable         {est.trainable_params / 1e6:,.2f} M ({share:.2%}: the adapters)")
+    lines += [f"  {name:<17} {value / MiB:>12,.1f} MiB" for name, value in rows]
+    if est.cpu_offloaded:
+        lines.append(f"  {'CPU (offloaded)':<17} {est.cpu_offloaded / MiB:>12,.1f} MiB")
+    return "\n".join(lines)
+
+
+CPU_RAM_SHARE = 0.8
+"""Of the RAM available now, what batch_size=auto may plan with on CPU: the OS, the page cache and other
+programs need the rest, and there is no out-of-memory exception to recover from (the kernel kills)."""
+CUDA_FREE_SHARE = 0.9
+"""Of the GPU's free memory, what the estimate may plan with: the allocator's fragmentation and the CUDA
+context are not in the accounting (the probe then finds out for sure)."""
+
+
+def memory_budget(device_type: str, processes_on_host: int) -> float:
+    """Bytes one process may plan with: a share of this GPU's free memory, or on CPU a share of the
+    available RAM split between the processes of this host (they share it)."""
+    if device_type == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info()[0] * CUDA_FREE_SHARE
+    import psutil
+
+    return psutil.virtual_memory().available * CPU_RAM_SHARE / max(1, processes_on_host)
+
+
+def largest_fitting(cfg: DictConfig, candidates: list[int], budget: float, **kwargs: Any) -> int:
+    """The largest candidate micro-batch whose estimate (device plus offloaded host memory when both are the
+    host's, i.e. on CPU) fits `budget`; the smallest candidate when none does (the probe decides then).
+    `kwargs` go to `estimate` (num_params, precision, world, adapters, units)."""
+    on_cpu = kwargs.pop("on_cpu", True)
+    for micro in sorted(candidates, reverse=True):
+        est = estimate(cfg, micro_batch=micro, **kwargs)
+        if est.total + (est.cpu_offloaded if on_cpu else 0.0) <= budget:
+            return micro
+    return min(candidates)
+
+
+def summary(est: MemoryEstimate) -> dict[str, Any]:
+    """The estimate as MiB figures (for benchmarks and reports)."""
+    return {"weights_mb": est.weights / MiB, "gradients_mb": est.gradients / MiB,
+            "optimizer_mb": est.optimizer / MiB, "activations_mb": est.activations / MiB,
+            "total_mb": est.total / MiB, "cpu_offloaded_mb": est.cpu_offloaded / MiB}
+

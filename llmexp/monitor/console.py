@@ -1,0 +1,139 @@
+"""The console: third-party lines kept out of it (they go to the job log, `llmexp.log`), the header, and
+one dense line per record."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+# One definition of what a secret is, shared with every other writer of run files.
+
+CONSOLE_LOGGER = "llmexp.console"
+"""The logger that copies every console line into the job log (`llmexp.log`), never to the console itself."""
+
+
+ETA_AFTER_STEPS = 3
+"""Steps timed (after the first, which warms up) before the console prints an ETA."""
+
+
+class _OwnOrWarning(logging.Filter):
+    """Console handlers pass llmexp's own records and anything of WARNING or above."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or record.name.split(".")[0] == "llmexp"
+
+
+def quiet_console() -> None:
+    """Keep third-party INFO lines (matplotlib's font cache, ...) out of the console; Hydra's job log
+    (`llmexp.log`, a file handler on the root logger) still gets them."""
+    for handler in logging.getLogger().handlers:
+        console = isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+        if console and not any(isinstance(f, _OwnOrWarning) for f in handler.filters):
+            handler.addFilter(_OwnOrWarning())
+
+
+def job_log(run_dir: Path) -> tuple[logging.Logger, logging.Handler | None]:
+    """(the logger that writes console lines to the job log, the handler this call opened or None).
+
+    The job log is Hydra's: the root logger's file handlers inside the run directory (`hydra.job_logging`,
+    by default `RUN_DIR/llmexp.log`). Without one (a run started in-process, or job logging turned off) llmexp
+    opens `RUN_DIR/llmexp.log` itself, with the same secret filter.
+    """
+    from llmexp.rundir.redact import install_log_filter
+
+    logger = logging.getLogger(CONSOLE_LOGGER)
+    logger.propagate = False  # never twice on the console
+    logger.setLevel(logging.INFO)
+    root = Path(run_dir).resolve()
+    files: list[logging.Handler] = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)
+                                    and Path(h.baseFilename).resolve().is_relative_to(root)]
+    own = None
+    if not files:
+        own = logging.FileHandler(run_dir / "llmexp.log", encoding="utf-8")
+        own.setFormatter(logging.Formatter("[%(asctime)s] %(message)s"))
+        files = [own]
+    logger.handlers = files
+    install_log_filter(logger)
+    return logger, own
+
+
+def format_duration(seconds: float) -> str:
+    """1h02m, 4m10s, 12s."""
+    s = round(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def _count(n: Any) -> str:
+    return f"{n:,}" if isinstance(n, int) else "?"
+
+
+def format_header(r: dict[str, Any]) -> str:
+    """The console's first lines, from the `start` record: where the run writes, what it trains on, how."""
+    params = r.get("num_params", 0) / 1e6
+    model = (f"{r.get('model')} from {r['model_path']} (fine-tuning)" if r.get("model_path")
+             else f"{r.get('model')} (from scratch)")
+    cache = "cache hit" if r.get("data_cache_hit") else "tokenised now, cached"
+    if r.get("data_streaming"):
+        cache = "streamed: tokenised as it trains, not cached"
+    eval_tokens = f", {_count(r.get('data_eval_tokens'))} eval tokens" if "data_eval_tokens" in r else ""
+    accum, world, micro = r.get("gradient_accumulation_steps"), r.get("world_size"), r.get("batch_size")
+    batch = r.get("global_batch_size")
+    tokens = batch * r["max_length"] if isinstance(batch, int) and isinstance(r.get("max_length"), int) else None
+    precision = f"{r.get('precision')} (precision={r.get('precision_requested')})"
+    if r.get("bf16_emulated"):
+        precision += " EMULATED on this hardware: slower than fp32; precision=auto is faster (see the warning below)"
+    lr = r.get("lr_chosen")
+    sources = {"auto": "lr=auto: by model size", "config": "lr= on the command line or in the config",
+               "auto-adapter": "lr=auto with adapters: the QLoRA paper's 2e-4 (1e-4 above ~20B)"}
+    source = sources.get(str(r.get("lr_source")), str(r.get("lr_source")))
+    resumed = f", resuming at step {r['step']}" if r.get("step") else ""
+    shares = r.get("data_mix_shares")
+    data = f"{r.get('data')} mix of {len(shares)} sources ({' / '.join(f'{s:.1%}' for s in shares)} of the " \
+        "examples)" if shares else r.get("data")
+    lines = [
+        f"run        {r.get('run_dir')}  (console log: llmexp.log)",
+        f"model      {model}, {params:,.2f}M parameters",
+        f"data       {data}: {_count(r.get('data_train_tokens'))} train tokens in "
+        f"{_count(r.get('data_train_examples'))} examples{eval_tokens} ({cache}, {r.get('data_prep_s', 0):.1f} s)",
+        f"steps      {r.get('max_steps')}{resumed}; global batch {batch} = {micro} per device x {world} process(es) "
+        f"x {accum} accumulation step(s)" + (f", {tokens:,} tokens/step" if tokens else ""),
+        *([_auto_batch_line(r["batch_size_auto"])] if isinstance(r.get("batch_size_auto"), dict) else []),
+        f"precision  {precision}",
+        f"optimizer  {r.get('optimizer')}, lr {lr:.2e} ({source}), {r.get('scheduler')} schedule"
+        if isinstance(lr, float) else f"optimizer  {r.get('optimizer')}, {r.get('scheduler')} schedule",
+    ]
+    return "\n".join(lines)
+
+
+def _auto_batch_line(a: dict[str, Any]) -> str:
+    """How batch_size=auto chose the micro-batch (the `start` record's `batch_size_auto`)."""
+    if a.get("source") == "checkpoint":
+        return f"batch      batch_size=auto: {a.get('chosen')}, as chosen before the checkpoint (not probed again)"
+    if a.get("note"):
+        return f"batch      batch_size=auto: {a.get('chosen')} per device ({a['note']})"
+    probed = ", ".join(f"{p.get('micro')} {'fits' if p.get('fits') else 'too large'} ({p.get('peak_mb', 0):,.0f} MiB)"
+                       for p in a.get("probed", []))
+    return (f"batch      batch_size=auto: {a.get('chosen')} per device (estimate allows up to {a.get('upper_bound')} "
+            f"of {a.get('budget_mb', 0):,.0f} MiB; probed {probed or 'on another rank'} "
+            f"in {a.get('search_s', 0):.1f} s)")
+
+
+def format_line(r: dict[str, Any]) -> str | None:
+    """The console text of a record: the header (start), the dense line of a train or eval record, a finding."""
+    if r.get("event") == "start" and "run_dir" in r:
+        return format_header(r)
+    if r.get("event") == "train":
+        extra = f" | scale {r['loss_scale']:.0f}" if "loss_scale" in r else ""
+        mfu = f"{r['mfu']:.1%}" if isinstance(r.get("mfu"), float) else "–"
+        return (f"step {r['step']:>6} | loss {r['loss']:.4f} | ppl {r['ppl']:9.2f} | lr {r['lr']:.2e} | "
+                f"grad {r['grad_norm']:.3f} | {r['tokens_per_sec']:,.0f} tok/s | mfu {mfu}{extra}")
+    if r.get("event") == "eval":
+        return f"eval {r['step']:>6} | eval_loss {r['eval_loss']:.4f} | eval_ppl {r['eval_ppl']:.2f}"
+    if r.get("event") == "finding":
+        return f"[{r['severity']}] step {r['step']}: {r['message']} -> {r['advice']}"
+    if r.get("event") == "sample":
+        return "\n".join(f"sample {r['step']:>4} | {s['prompt']!r} -> {s['completion']!r}" for s in r["samples"])
+    return None

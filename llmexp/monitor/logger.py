@@ -1,0 +1,141 @@
+"""The metrics logger: every record to `metrics.jsonl` (one JSON object per line, flushed, so a killed run
+keeps every line it logged), to the console and to the optional sinks. Only rank 0 logs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from llmexp.monitor.console import ETA_AFTER_STEPS, format_duration, format_line, job_log
+from llmexp.monitor.sinks import Sink
+
+# One definition of what a secret is, shared with every other writer of run files.
+from llmexp.rundir.files import atomic_file
+from llmexp.rundir.redact import scrub
+
+
+def safe_exp(x: float) -> float:
+    """exp(x) as a JSON-safe float (inf instead of OverflowError)."""
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
+
+
+def _json_value(value: Any) -> Any:
+    """JSON cannot hold NaN/inf; write them as strings so a NaN loss stays visible."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class MetricsLogger:
+    """Fans each record out to metrics.jsonl, the console and the optional sinks (rank 0 only)."""
+
+    def __init__(self, run_dir: Path, max_steps: int, enabled: bool, sinks: list[Sink] | None = None,
+                 start_step: int = 0) -> None:
+        from llmexp.rundir.redact import secret_env_values
+
+        self.enabled = enabled
+        self.sinks = sinks or []
+        self._secrets = secret_env_values()  # no record (nor the history a checkpoint keeps) may hold one
+        self.history: list[dict[str, Any]] = []
+        self._file = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if enabled else None  # noqa: SIM115
+        self._bar = None
+        self.max_steps = max_steps
+        self._step_times: list[tuple[float, int]] = []  # (time, steps done) at each advance, for the ETA
+        self._steps_done = start_step
+        self._eta_said = False
+        self._job_log: logging.Logger | None = None
+        self._own_handler: logging.Handler | None = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self._job_log, self._own_handler = job_log(run_dir)
+            self._bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                             file=sys.stderr, disable=None if os.environ.get("LLMEXP_NO_BAR") != "1" else True)
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Append a record (it must carry `event` and `step`)."""
+
+        record = scrub(record, self._secrets)
+        self.history.append(record)
+        if not self.enabled:
+            return
+        assert self._file is not None
+        self._file.write(json.dumps({k: _json_value(v) for k, v in record.items()}) + "\n")
+        self._file.flush()
+        for sink in self.sinks:
+            sink.log(record)
+        line = format_line(record)
+        if line:
+            eta = self.eta_s() if record["event"] == "train" else None
+            self.write(line + (f" | eta {format_duration(eta)}" if eta is not None else ""))
+
+    def reset_history(self, records: list[dict[str, Any]]) -> None:
+        """On resume: metrics.jsonl becomes exactly the checkpoint's history (later lines were lost work)."""
+        self.history = list(records)
+        if not self.enabled:
+            return
+        assert self._file is not None
+        self._file.close()
+        path = Path(self._file.name)
+        with atomic_file(path) as f:
+            f.writelines(json.dumps({k: _json_value(v) for k, v in r.items()}) + "\n" for r in records)
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115
+        self._steps_done = max((int(r.get("step", 0)) for r in records), default=0)
+        self._step_times = []
+        if self._bar is not None and records:
+            self._bar.n = self._steps_done
+            self._bar.refresh()
+
+    def write(self, text: str) -> None:
+        """Print above the progress bar, and copy the line to the job log (`llmexp.log`)."""
+        if not self.enabled:
+            return
+        if self._bar is not None and not self._bar.disable:
+            self._bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+        if self._job_log is not None:
+            self._job_log.info(text)
+
+    def advance(self, steps: int = 1) -> None:
+        """One more optimizer step done; after a few timed steps the console gets one ETA line."""
+        if self._bar is not None:
+            self._bar.update(steps)
+        self._steps_done += steps
+        self._step_times.append((time.perf_counter(), self._steps_done))
+        if not self._eta_said and (eta := self.eta_s()) is not None:
+            self._eta_said = True
+            first_t, first_n = self._step_times[0]
+            per_step = (self._step_times[-1][0] - first_t) / (self._steps_done - first_n)
+            self.write(f"eta {format_duration(eta)} for the {self.max_steps - self._steps_done} remaining steps "
+                       f"({per_step:.3g} s/step so far, evals and checkpoints included)")
+
+    def eta_s(self) -> float | None:
+        """Seconds left at the pace since the first step (the first one warms up); None until
+        `ETA_AFTER_STEPS` steps are timed."""
+        if len(self._step_times) <= ETA_AFTER_STEPS:
+            return None
+        first_t, first_n = self._step_times[0]
+        last_t, last_n = self._step_times[-1]
+        return (last_t - first_t) / (last_n - first_n) * max(0, self.max_steps - last_n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        for sink in self.sinks:
+            sink.close()
+        if self._file is not None:
+            self._file.close()
+        if self._own_handler is not None and self._job_log is not None:
+            self._job_log.removeHandler(self._own_handler)
+            self._own_handler.close()
+            self._own_handler = None

@@ -1,0 +1,87 @@
+"""Throughput, MFU and memory: FLOPs per token, the matmul ceiling MFU divides by, peak memory and RSS."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import torch
+
+# One definition of what a secret is, shared with every other writer of run files.
+
+
+def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the weights plus the attention scores and values.
+
+    Attention adds 2 (QK^T and AV) x 2 (mul+add) x 3 (fwd+bwd) x layers x seq x hidden = 12 L T d
+    (the PaLM paper's accounting, no causal discount).
+    """
+    return 6.0 * num_params + 12.0 * num_layers * seq_len * hidden_size
+
+
+def measure_peak_tflops(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -> float:
+    """A matmul ceiling for MFU, measured here: large square matmuls in the training dtype."""
+    n = 8192 if device.type == "cuda" else 1024  # a GPU needs ~1 TFLOP per matmul to hide launch overhead
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the warm-up (and cuBLAS set-up) stays out of the window
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 2.0 * n**3 * count / (time.perf_counter() - start) / 1e12
+
+
+def measure_ceiling(device: torch.device, dtype: torch.dtype, windows: int = 3,
+                    seconds: float = 0.1) -> tuple[float, bool]:
+    """(the best of `windows` matmul ceilings, whether this process had its cores to itself).
+
+    On CPU, cores shared with other processes show as CPU time below threads x wall time while the
+    matmuls run (~0.97 alone here, ~0.5-0.6 beside one or two busy processes). The load average
+    cannot tell: it lags by a minute. A ceiling measured on shared cores is too low, and every MFU
+    divided by it too high, so it must not be kept.
+    """
+    wall, cpu = time.perf_counter(), time.process_time()
+    best = max(measure_peak_tflops(device, dtype, seconds) for _ in range(windows))
+    if device.type != "cpu":
+        return best, True
+    share = (time.process_time() - cpu) / (torch.get_num_threads() * (time.perf_counter() - wall))
+    return best, share >= 0.85
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory: max allocated on CUDA, peak RSS of this process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def reset_peak_rss() -> None:
+    """Make the peak RSS this process's current RSS (Linux >= 4.0: `/proc/self/clear_refs`), so that the next
+    `peak_rss_mb` is the peak of what ran since: an earlier, higher one (imports, memory the allocator has since
+    returned) would otherwise count."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # not Linux: peak_rss_mb is then the whole process's peak (an overestimate at worst)
+
+
+def peak_rss_mb() -> float:
+    """The peak RSS since `reset_peak_rss` (Linux: VmHWM), else the whole process's."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024  # kB
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def rss_mb() -> float:
+    """This process's resident memory now."""
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20

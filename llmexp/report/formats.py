@@ -1,0 +1,23 @@
+"""The value formats every report shares."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def fmt(value: Any, digits: int = 4) -> str:
+    """A value for a report's table: `–` when unknown, learning rates as 3e-04 rather than 0.0003."""
+    if value is None:
+        return "–"
+    if isinstance(value, float) and math.isfinite(value) and 0 < abs(value) < 1e-2:
+        mantissa, exponent = f"{value:.{digits - 1}e}".split("e")  # learning rates: 3e-04, not 0.0003
+        return f"{mantissa.rstrip('0').rstrip('.')}e{exponent}"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}" if math.isfinite(value) else str(value)
+    return str(value)
+
+
+def fmt_rate(value: Any) -> str:
+    """A throughput (tokens/s): whole numbers with thousands separators read at a glance."""
+    return f"{value:,.0f}" if isinstance(value, int | float) and math.isfinite(value) else fmt(value)

@@ -1,0 +1,43 @@
+"""Names on disk: safe path components, and the run id every rank of one launch agrees on."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import re
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._=,+-]+")
+
+
+def safe_name(text: str, max_len: int = 120) -> str:
+    """A single path component: no separators, no `..`, no NUL, never empty."""
+    cleaned = _UNSAFE.sub("_", text.replace("\x00", "")).strip("._") or "run"
+    return cleaned[:max_len]
+
+
+def _start_time(pid: int) -> dt.datetime:
+    """A process's start time; the launcher parent's is the same for every local rank."""
+    import psutil
+
+    return dt.datetime.fromtimestamp(psutil.Process(pid).create_time())
+
+
+def run_id() -> str:
+    """A run directory name that every rank of one launch agrees on.
+
+    `${now:}` would be resolved separately on each rank (and may straddle a second), so
+    distributed ranks derive the id from their common parent (torchrun / accelerate launch),
+    the SLURM job, or (several nodes) torchrun's `--rdzv_id`; a plain run uses the current time
+    and its own pid. Several nodes without SLURM or an rdzv id: set LLMEXP_RUN_ID or hydra.run.dir.
+    """
+    if os.environ.get("LLMEXP_RUN_ID"):
+        return safe_name(os.environ["LLMEXP_RUN_ID"])
+    if os.environ.get("SLURM_JOB_ID") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return f"slurm-{safe_name(os.environ['SLURM_JOB_ID'])}"
+    rdzv_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    multi_node = int(os.environ.get("WORLD_SIZE", "1")) > int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if multi_node and rdzv_id not in ("", "none"):  # torchrun --rdzv_id: the one name all nodes share
+        return f"torchrun-{safe_name(rdzv_id)}"
+    pid = os.getppid() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else os.getpid()
+    stamp = _start_time(pid) if pid != os.getpid() else dt.datetime.now()
+    return f"{stamp:%Y-%m-%d}/{stamp:%H-%M-%S}-{pid}"

@@ -1,0 +1,159 @@
+"""The DeepSpeed ZeRO engine, prepared by Accelerate (its config: `llmexp.train.distributed`).
+
+ZeRO owns accumulation boundaries, clipping, fp16 loss scaling and the step itself. DeepSpeed computes
+the gradient norm only inside its own step, so the engine's `unscale_and_clip` runs that step (clip,
+step, or skip when the norm is non-finite) and the anomaly policy judges afterwards (`steps_in_clip`).
+
+Checkpoints never unpickle: DeepSpeed's own `save_checkpoint`/`load_checkpoint` would read back with
+an unrestricted `torch.load`. Each rank's optimizer shard (fp32 master partition, moments, loss scale)
+is converted to tensors and plain data and saved as `zero_rank<R>.pt` through `checkpoint.serialize`,
+which loads back with `weights_only=True`; ZeRO's own `load_state_dict` then restores it. Resuming a
+ZeRO checkpoint needs the same number of processes.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import os
+import shutil
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmexp.checkpoint import serialize
+from llmexp.config.derived import BatchPlan
+from llmexp.errors import UserError
+from llmexp.train.engines.plain import OptimizerWriter, PlainEngine, inner_optimizer, zero_mismatch
+
+
+def zero_world_mismatch(saved: int, now: int) -> UserError:
+    return UserError(f"this DeepSpeed ZeRO checkpoint was saved by {saved} processes and cannot be resumed on {now}: "
+                     "ZeRO partitions are per rank and DeepSpeed cannot repartition them (DeepSpeed #2898). Resume "
+                     f"on {saved} processes, or start afresh with train.resume=never; for runs whose allocation may "
+                     "change, train with fsdp=full_shard (deepspeed=none), whose DCP checkpoints reshard on load")
+
+
+class DeepSpeedEngine(PlainEngine):
+    """A DeepSpeed ZeRO engine, prepared by Accelerate (its config: `llmexp.train.distributed`)."""
+
+    steps_in_clip = True
+    reshardable = False  # ZeRO's partitions are per rank; DeepSpeed cannot repartition them (DeepSpeed #2898)
+
+    def __init__(self, accelerator: Any, precision: str, plan: BatchPlan, stage: int) -> None:
+        self.accelerator = accelerator
+        self.scaler = None  # the engine owns fp16 loss scaling
+        self.precision = precision
+        self.plan = plan
+        self.stage = stage
+        self.params_partitioned = stage >= 3
+        self.micro_steps_done = 0  # backward calls since the last step; the last is the accumulation boundary
+
+    @property
+    def _ds(self) -> Any:
+        return self.accelerator.deepspeed_engine_wrapped.engine
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """The loop's loss is already normalised by the global batch's target tokens, so the engine must
+        not divide by the accumulation steps again; ZeRO reduces the gradients at the boundary."""
+        self.micro_steps_done += 1
+        self._ds.set_gradient_accumulation_boundary(self.micro_steps_done == self.plan.accum)
+        self._ds.backward(loss, scale_wrt_gas=False)
+
+    def unscale_and_clip(self, model: torch.nn.Module, optimizer: Any, max_norm: float) -> torch.Tensor:
+        """The engine's step: norm, clip to `train.max_grad_norm` (its `gradient_clipping`), step and zero
+        the grads, or skip when the norm is non-finite. Returns the pre-clip norm, inf on a skipped step."""
+        if self.micro_steps_done != self.plan.accum:
+            raise RuntimeError(f"a step after {self.micro_steps_done} micro-batches, expected {self.plan.accum}")
+        self.micro_steps_done = 0
+        self._ds.step()
+        norm = self._ds.get_global_grad_norm()
+        skipped = bool(getattr(self._ds.optimizer, "overflow", False)) or not self._ds.was_step_applied()
+        return torch.tensor(math.inf if skipped or norm is None else float(norm))
+
+    def loss_scale(self) -> float | None:
+        return float(self._ds.optimizer.loss_scale) if self.precision == "fp16" else None
+
+    # ------------------------------------------------------------------ checkpoints
+    def lm(self, model: torch.nn.Module) -> torch.nn.Module:
+        return self.accelerator.unwrap_model(model).lm
+
+    def full_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """ZeRO-3: the LM's weights gathered layer by layer (rank 0 gets the tensors)."""
+        if self.stage < 3:
+            return None
+        state = self.accelerator.get_state_dict(model)  # Accelerate: _zero3_consolidated_16bit_state_dict
+        return {k.removeprefix("lm."): v for k, v in state.items()} if self.accelerator.is_main_process else {}
+
+    def optimizer_writer(self, optimizer: Any, run_dir: Path, step: int) -> OptimizerWriter:
+        """Every rank writes its shard to a staging dir beside the checkpoints (collective); rank 0 then
+        moves them into the checkpoint it publishes (same filesystem: renames)."""
+        rank = self.accelerator.process_index
+        staging = run_dir / ".zero_shards" / f"step_{step}"
+        staging.mkdir(parents=True, exist_ok=True)
+        final = staging / f"zero_rank{rank}.pt"
+        tmp = final.with_name(final.name + ".tmp")
+        serialize.save_state(tmp, _zero_shard_state(optimizer, self.plan.world))
+        os.replace(tmp, final)
+        self.accelerator.wait_for_everyone()
+
+        def move_shards(checkpoint_tmp: Path) -> None:
+            for shard in sorted(staging.glob("zero_rank*.pt")):
+                os.replace(shard, checkpoint_tmp / shard.name)
+            shutil.rmtree(staging, ignore_errors=True)
+
+        return move_shards
+
+    def load_weights(self, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+        """ZeRO-3 gathers the partitioned parameters to fill them, and re-partitions from rank 0's values."""
+        gathered: AbstractContextManager[Any] = nullcontext()
+        if self.stage >= 3:
+            import deepspeed
+
+            gathered = deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0)
+        with gathered:
+            self.lm(model).load_state_dict(weights)
+
+    def load_optimizer(self, optimizer: Any, payload: dict[str, Any]) -> None:
+        """Restore this rank's shard into the ZeRO optimizer (fp32 master weights included)."""
+        from deepspeed.checkpoint.constants import LOSS_SCALER
+
+        shard = payload["zero"]
+        if shard is None:
+            raise zero_mismatch(saved_with_zero=False)
+        if shard["world_size"] != self.plan.world:
+            raise zero_world_mismatch(shard["world_size"], self.plan.world)
+        zero = inner_optimizer(optimizer)
+        state = dict(shard["zero"])
+        scaler = zero.loss_scaler
+        for key, value in shard["loss_scaler"].items():
+            setattr(scaler, key, value)
+        state[LOSS_SCALER] = scaler
+        rank = self.accelerator.process_index
+        states = [state if r == rank else {} for r in range(self.plan.world)]
+        zero.load_state_dict(states, load_optimizer_states=True, load_from_fp32_weights=True)
+
+
+def _plain(obj: Any) -> Any:
+    """A ZeRO state dict as tensors and plain containers (what weights_only=True loads)."""
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, dict):
+        return {_plain(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_plain(v) for v in obj)
+    return obj
+
+
+def _zero_shard_state(optimizer: Any, world: int) -> dict[str, Any]:
+    """This rank's ZeRO optimizer shard (fp32 master partition, base optimizer state, loss scale)."""
+    from deepspeed.checkpoint.constants import LOSS_SCALER, PARAM_SLICE_MAPPINGS, UNIVERSAL_CHECKPOINT_INFO
+
+    state = inner_optimizer(optimizer).state_dict()
+    scaler = state.pop(LOSS_SCALER, None)
+    state.pop(PARAM_SLICE_MAPPINGS, None)  # name -> fragment addresses: only for DeepSpeed's universal format
+    state.pop(UNIVERSAL_CHECKPOINT_INFO, None)
+    fields = {k: v for k, v in vars(scaler).items() if type(v) in (int, float, bool)} if scaler is not None else {}
+    return {"zero": _plain(state), "loss_scaler": fields, "world_size": world}
