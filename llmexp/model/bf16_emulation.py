@@ -1,0 +1,368 @@
+"""bf16 numerics at fp32 speed on CPUs without native bf16 (no AVX512-BF16 or AMX: AMD Zen 2/3, most Intel desktops).
+
+Why: there torch has no fast bf16 gemm. oneDNN refuses bf16 below AVX512 (`ideep::has_bf16_type_support`), so
+every bf16 matmul, linear and attention falls back to ATen's reference gemm (`cpublas::gemm` -> `gemm_stub`):
+~1-2 GFLOP/s against ~30 in fp32, and a bf16 autocast step runs ~10-30x slower than fp32.
+
+What: `Bf16Emulation` is a `TorchDispatchMode` used *inside* the usual `torch.autocast("cpu", torch.bfloat16)`.
+Autocast still decides every dtype (which ops run in bf16, which in fp32, the bf16 weight copies, the bf16
+activations and gradients autograd saves and passes back). The mode only swaps the kernel of each bf16 gemm-type
+aten op: its bf16 operands are widened to fp32 (exact), the fp32 kernel runs (MKL sgemm: fast), and the result
+is rounded to bf16 (round-to-nearest-even), which is what a bf16 gemm does: exact products of bf16 inputs,
+accumulated in fp32, rounded once. Only the accumulation order differs from a native bf16 kernel.
+
+Why a dispatch mode (below autograd) rather than a function mode (above it): it sees the aten ops of backward
+too (autograd's mm for the weight and input gradients, the attention backward), and the ops that run in Python
+during backward (gradient-checkpoint recomputation, bitsandbytes' 4-bit backward), provided backward runs inside
+the context. A function mode is disabled while it handles a call, so it sees neither `loss.backward()`'s ops nor
+anything nested in a function it passes on.
+
+Use: `with torch.autocast("cpu", torch.bfloat16), Bf16Emulation(): loss = model(**batch); loss.backward()`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+aten = torch.ops.aten
+
+EMULATION_ENV = "LLMEXP_BF16_EMULATION"
+"""`1` forces the emulation on (e.g. to test it on a CPU with native bf16), `0` off; unset: `use_bf16_emulation`."""
+
+_GEMMS = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "_addmm_activation")
+"""aten ops whose bf16 CPU kernel is a gemm (`linear` and `matmul` decompose into these before the mode sees them)."""
+_INPLACE_GEMMS = ("addmm_", "baddbmm_", "addbmm_", "addmv_")
+_ATTENTION_FWD = aten._scaled_dot_product_flash_attention_for_cpu
+"""SDPA's CPU kernel: its bf16 form runs both of its matmuls on the same slow gemm. Returns (out, logsumexp)."""
+_ATTENTION_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def round_to_bf16(t: torch.Tensor) -> torch.Tensor:
+    """`t` rounded to the nearest bf16 value (ties to even), in its own dtype."""
+    return t.to(torch.bfloat16).to(t.dtype)
+
+
+def _is_bf16(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16
+
+
+def _widen(x: Any) -> Any:
+    """bf16 tensors to fp32: exact, so the fp32 kernel sees the very values the bf16 kernel would."""
+    return x.float() if _is_bf16(x) else x
+
+
+def _narrow(x: Any) -> Any:
+    return x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else x
+
+
+def _emulable(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """True when the op would run a bf16 kernel: some operand is bf16 and none is fp16/fp64 (left to torch).
+    fp32 operands beside bf16 ones are allowed: the attention backward takes an fp32 logsumexp."""
+    tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    return any(t.dtype == torch.bfloat16 for t in tensors) and all(
+        t.dtype in (torch.bfloat16, torch.float32) for t in tensors)
+
+
+Widen = Callable[[Any], Any]
+
+
+def _gemm(func: Any, args: Sequence[Any], kwargs: dict[str, Any], widen: Widen = _widen) -> Any:
+    """A gemm on bf16 operands: fp32 kernel on their exact fp32 values, result rounded to bf16 once."""
+    kwargs = dict(kwargs)
+    out = kwargs.pop("out", None)
+    functional = func.overloadpacket.default if out is not None else func
+    result = _narrow(functional(*tree_map(widen, tuple(args)), **tree_map(widen, kwargs)))
+    if out is None:
+        return result
+    return out.copy_(result)
+
+
+def _inplace_gemm(func: Any, args: Sequence[Any], kwargs: dict[str, Any], widen: Widen = _widen) -> Any:
+    """`addmm_(self, ...)` and friends: the functional gemm, copied into `self` (which is bf16)."""
+    functional = getattr(aten, func.overloadpacket.__name__.rstrip("_")).default
+    return args[0].copy_(_gemm(functional, args, kwargs, widen))
+
+
+class _WideCache:
+    """The last few bf16 -> fp32 copies, so that a shared operand is widened once: dY in a linear's two backward
+    gemms (dX = dY @ W, dW = dY^T @ X), the softmax gradient in the fused head's two (measured on the tiny model:
+    a third of the elements widened in a step). An entry holds its bf16 source, so no other tensor can take that
+    memory while it is cached, and the version counter in the key catches in-place changes."""
+
+    ENTRIES = 4
+    MAX_BYTES = 1 << 29
+    """Bounds what the cache keeps alive beyond a gemm: 4 copies, 512 MiB in all."""
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+
+    def widen(self, x: Any) -> Any:
+        if not _is_bf16(x):
+            return x
+        if x.is_inference() or x.dim() > 4:  # inference tensors have no version counter
+            return x.float()
+        key = _storage_key(x, x.shape, x.stride())
+        if (hit := self._entries.get(key)) is not None:
+            self._entries.move_to_end(key)
+            return hit[1]
+        if x.dim() == 2 and (hit := self._entries.get(_storage_key(x, x.shape[::-1], x.stride()[::-1]))) is not None:
+            return hit[1].t()  # the widened transpose, transposed back: the same values in the same memory layout
+        wide = x.float()
+        self._entries[key] = (x, wide)
+        while len(self._entries) > self.ENTRIES or sum(w.nbytes for _, w in self._entries.values()) > self.MAX_BYTES:
+            self._entries.popitem(last=False)
+        return wide
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def _storage_key(x: torch.Tensor, shape: Sequence[int], stride: Sequence[int]) -> tuple[Any, ...]:
+    return (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(shape), tuple(stride), x._version)
+
+
+ATTENTION_CHUNK_VALUES = 1 << 22
+"""Attention scores materialised at once (fp32): 16 MB, however long the sequence."""
+
+
+@dataclass(frozen=True)
+class _Attention:
+    """One bf16 attention call's operands in fp32 (exact) and its settings, as the CPU flash kernel takes them."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor | None
+    is_causal: bool
+    scale: float
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, mask: torch.Tensor | None,
+           scale: float | None) -> _Attention:
+        groups = q.shape[1] // k.shape[1]  # grouped-query attention: the kernel shares each kv head over `groups`
+        k, v = (t.float().repeat_interleave(groups, dim=1) if groups > 1 else t.float() for t in (k, v))
+        return cls(q.float(), k, v, None if mask is None else mask.float(), is_causal,
+                   scale if scale is not None else q.shape[-1] ** -0.5)
+
+    def rows(self) -> int:
+        b, h, _, _ = self.q.shape
+        return max(1, ATTENTION_CHUNK_VALUES // max(1, b * h * self.k.shape[2]))
+
+    def scores(self, start: int, stop: int) -> tuple[torch.Tensor, int]:
+        """Scaled, masked scores of query rows [start, stop) and the keys they may see (causal: up to stop)."""
+        keys = min(self.k.shape[2], stop) if self.is_causal else self.k.shape[2]
+        s = (self.q[:, :, start:stop] @ self.k[:, :, :keys].transpose(-1, -2)) * self.scale
+        if self.mask is not None:
+            mask = self.mask if self.mask.shape[-2] == 1 else self.mask[..., start:stop, :]
+            s = s + mask[..., :keys]
+        if self.is_causal:  # top-left aligned, as SDPA's is_causal: key j is seen by query i when j <= i
+            i = torch.arange(start, stop)[:, None]
+            s = s.masked_fill(torch.arange(keys)[None, :] > i, float("-inf"))
+        return s, keys
+
+
+def _arg(args: Sequence[Any], kwargs: dict[str, Any], index: int, name: str, default: Any) -> Any:
+    """An aten argument that may come positionally, by name or not at all (its default)."""
+    return args[index] if len(args) > index else kwargs.get(name, default)
+
+
+def _attention_fwd(func: Any, args: Sequence[Any], kwargs: dict[str, Any], widen: Widen = _widen) -> Any:
+    """The bf16 CPU flash kernel, emulated: scores = q @ k^T in fp32 from bf16 q, k; softmax numerator exp(s - max)
+    in fp32, summed in fp32, and rounded to bf16 before P @ V (as the bf16 kernel and a GPU's flash attention
+    do); output rounded to bf16, logsumexp in fp32. Query rows in chunks so the scores stay small."""
+    q, k, v = args[:3]
+    dropout_p, is_causal = _arg(args, kwargs, 3, "dropout_p", 0.0), _arg(args, kwargs, 4, "is_causal", False)
+    if dropout_p:  # the flash kernel has no dropout: never reached through SDPA, left to torch
+        return func(*args, **kwargs)
+    att = _Attention.of(q, k, v, is_causal, kwargs.get("attn_mask"), kwargs.get("scale"))
+    b, h, n, _ = q.shape
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    lse = torch.empty(b, n, h).permute(0, 2, 1)  # the kernel's layout: (batch, query, head) in memory
+    for start in range(0, n, att.rows()):
+        stop = min(n, start + att.rows())
+        s, keys = att.scores(start, stop)
+        # A fully masked row: max -inf -> 0 and sum 0 -> 1, as in the kernel, so its output is 0 and its lse 0.
+        peak = s.amax(-1, keepdim=True).nan_to_num(0.0, posinf=0.0, neginf=0.0)
+        numerator = torch.exp(s - peak)
+        total = numerator.sum(-1, keepdim=True)
+        total = total.masked_fill(total == 0, 1.0)
+        out[:, :, start:stop] = (round_to_bf16(numerator) @ att.v[:, :, :keys]) * total.reciprocal()
+        lse[:, :, start:stop] = (peak + total.log()).squeeze(-1)
+    return out, lse
+
+
+def _attention_bwd(func: Any, args: Sequence[Any], kwargs: dict[str, Any], widen: Widen = _widen) -> Any:
+    """The bf16 CPU flash backward, emulated: probabilities recomputed in fp32 from the logsumexp, P and dS rounded
+    to bf16 before their matmuls (as the bf16 kernel does), every matmul accumulated in fp32, grads rounded once."""
+    grad_out, q, k, v, out, lse = args[:6]
+    dropout_p, is_causal = _arg(args, kwargs, 6, "dropout_p", 0.0), _arg(args, kwargs, 7, "is_causal", False)
+    if dropout_p:
+        return func(*args, **kwargs)
+    att = _Attention.of(q, k, v, is_causal, kwargs.get("attn_mask"), kwargs.get("scale"))
+    d_out, o, lse = grad_out.float(), out.float(), lse.float()
+    d_q, d_k, d_v = torch.zeros_like(att.q), torch.zeros_like(att.k), torch.zeros_like(att.v)
+    for start in range(0, q.shape[2], att.rows()):
+        stop = min(q.shape[2], start + att.rows())
+        s, keys = att.scores(start, stop)
+        p = torch.exp(s - lse[:, :, start:stop, None])
+        d_o = d_out[:, :, start:stop]
+        d_v[:, :, :keys] += round_to_bf16(p).transpose(-1, -2) @ d_o
+        d_p = d_o @ att.v[:, :, :keys].transpose(-1, -2)
+        d_s = round_to_bf16(p * (d_p - (d_o * o[:, :, start:stop]).sum(-1, keepdim=True)))
+        d_q[:, :, start:stop] = (d_s @ att.k[:, :, :keys]) * att.scale
+        d_k[:, :, :keys] += (d_s.transpose(-1, -2) @ att.q[:, :, start:stop]) * att.scale
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # each shared kv head gets the sum over its query heads
+        d_k, d_v = (t.unflatten(1, (k.shape[1], groups)).sum(2) for t in (d_k, d_v))
+    return d_q.to(torch.bfloat16), d_k.to(torch.bfloat16), d_v.to(torch.bfloat16)
+
+
+Handler = Callable[[Any, Sequence[Any], dict[str, Any], Widen], Any]
+
+
+def _handlers() -> dict[Any, Handler]:
+    table: dict[Any, Handler] = {
+        getattr(aten, name): _gemm for name in _GEMMS if hasattr(aten, name)}
+    table.update({getattr(aten, name): _inplace_gemm for name in _INPLACE_GEMMS if hasattr(aten, name)})
+    table[_ATTENTION_FWD] = _attention_fwd
+    table[_ATTENTION_BWD] = _attention_bwd
+    return table
+
+
+_HANDLERS = _handlers()
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+
+class Bf16Emulation(TorchDispatchMode):
+    """Within it, every bf16 gemm-type aten op on CPU runs as fp32 gemm on its (exact) bf16 operands, rounded to
+    bf16: bf16 numerics at about fp32's speed. Use it inside bf16 autocast, around forward *and* backward.
+
+    `calls` counts the ops it replaced (0 after a step means it covered nothing: worth a warning)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self._wide = _WideCache()
+
+    def __exit__(self, *exc: Any) -> Any:
+        self._wide.clear()  # nothing outlives the context
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if _is_composite(func):  # under inference_mode composite ops (matmul, linear, SDPA) arrive whole:
+            with self:  # decomposed here, their gemms come back through this mode
+                result = func.decompose(*args, **kwargs)
+            if result is not NotImplemented:
+                return result
+        handler = _HANDLERS.get(func.overloadpacket)
+        if handler is None or not _emulable(args, kwargs) or not _on_cpu(args):
+            if getattr(func, "_defined_in_python", False) and _emulable(args, kwargs) and _on_cpu(args):
+                # A custom op defined in Python, on bf16 (bitsandbytes' 4-bit gemm: dequantize, then F.linear): its
+                # CPU kernel runs with this mode on, so the gemms inside it come back here. (Ops defined in C++,
+                # c10d's collectives among them, are left alone.)
+                with self:
+                    return func.redispatch(_CPU_KEYS, *args, **kwargs)
+            return func(*args, **kwargs)
+        self.calls += 1
+        return handler(func, args, kwargs, self._wide.widen)
+
+
+@cache
+def _is_composite(func: Any) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+
+
+def _on_cpu(args: Sequence[Any]) -> bool:
+    return all(a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor))
+
+
+# ---------------------------------------------------------------------------------------------------- the probe
+@dataclass(frozen=True)
+class Bf16Probe:
+    """Matmul time of torch's own bf16 and of the emulation, each over fp32's, measured on this CPU."""
+
+    native_slowdown: float
+    """torch's bf16 matmul over fp32's: ~0.1 with AVX512-BF16, ~10-30 on an AVX2-only CPU."""
+    emulated_slowdown: float
+    """the emulation (widen, fp32 matmul, round) over fp32's: ~1.1-1.5."""
+    seconds: float
+    """what the probe took."""
+
+
+def _time_once(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def probe_bf16_slowdown(size: int = 256, budget_s: float = 0.25) -> Bf16Probe:
+    """Time a size x size matmul in fp32, in torch's bf16 and emulated, alternating, within about `budget_s`.
+
+    Robust to busy cores: each arm keeps its best (shortest) call over the rounds, and the rounds alternate the
+    arms, so a burst of other work slows one call, not one arm. 256 is large enough for MKL's sgemm to be
+    efficient and small enough that the slow bf16 gemm (~1 GFLOP/s) takes ~30 ms a call.
+    """
+    start = time.perf_counter()
+    g = torch.Generator().manual_seed(0)
+    a32, b32 = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
+    a16, b16 = a32.bfloat16(), b32.bfloat16()
+    mode = Bf16Emulation()
+
+    def emulated() -> torch.Tensor:
+        with mode:
+            return a16 @ b16
+
+    arms: dict[str, Callable[[], Any]] = {"fp32": lambda: a32 @ b32, "bf16": lambda: a16 @ b16, "emulated": emulated}
+    best = {name: float("inf") for name in arms}
+    with torch.inference_mode():
+        for fn in arms.values():
+            fn()  # warm-up: first-call allocations and oneDNN/MKL set-up
+        while True:
+            for name, fn in arms.items():
+                best[name] = min(best[name], _time_once(fn))
+            if time.perf_counter() - start > budget_s:
+                break
+    fp32 = max(best["fp32"], 1e-9)
+    return Bf16Probe(best["bf16"] / fp32, best["emulated"] / fp32, time.perf_counter() - start)
+
+
+# ---------------------------------------------------------------------------------------------------- the decision
+def use_bf16_emulation(precision: str, device_type: str, bf16_support: str, probe: Bf16Probe | None = None) -> bool:
+    """Whether a run should emulate bf16: `precision` resolved (bf16/fp16/fp32), `bf16_support` as
+    `llmexp.config.derived.bf16_support` says (`native`, `emulated`, `none`).
+
+    Only for bf16 on a CPU where bf16 is not native; with a probe, only where the emulation is faster than torch's
+    bf16 (a CPU with AVX512 but no AVX512-BF16 runs oneDNN's own emulation, which may be close to it).
+    `LLMEXP_BF16_EMULATION=1` forces it for a bf16 CPU run, `=0` turns it off.
+    """
+    if precision != "bf16" or device_type != "cpu":
+        return False
+    forced = os.environ.get(EMULATION_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
+    if bf16_support != "emulated":
+        return False
+    return probe is None or probe.emulated_slowdown < probe.native_slowdown
+
+
+def emulation_message(probe: Bf16Probe, emulating: bool) -> str:
+    """The start-up line of a bf16 run on a CPU without native bf16, with the measured factors."""
+    native = f"torch's bf16 matmul measured {probe.native_slowdown:.1f}x fp32's time on this CPU"
+    if emulating:
+        return (f"precision=bf16 on a CPU without native bf16 (AVX512-BF16 or AMX): {native}, so llmexp emulates bf16 "
+                f"(bf16-rounded operands and results, fp32 accumulation) at {probe.emulated_slowdown:.1f}x fp32's "
+                "matmul time; steps cost about that much more than fp32's")
+    return (f"precision=bf16 on a CPU without native bf16 (AVX512-BF16 or AMX): {native}; steps cost up to that "
+            "much more than fp32's")
