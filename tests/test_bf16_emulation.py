@@ -206,6 +206,19 @@ def test_grouped_query_attention_shares_each_kv_head() -> None:
         assert _distance(g, r) < 1e-2
 
 
+def test_attention_in_chunks_of_queries_is_the_same_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Long sequences are emulated a chunk of query rows at a time (bounded memory): the same result as at once."""
+    import llmexp.model.bf16_emulation as emulation
+
+    inputs = _attention_inputs(kv_heads=2)
+    whole = _attend(inputs, torch.bfloat16, emulate=True)
+    monkeypatch.setattr(emulation, "ATTENTION_CHUNK_VALUES", 2 * 4 * 24 * 5)  # 5 query rows a chunk
+    chunked = _attend(inputs, torch.bfloat16, emulate=True)
+    assert torch.equal(chunked[0], whole[0]) and torch.equal(chunked[1], whole[1])  # output, dQ: row by row
+    for w, c in zip(whole[2:], chunked[2:], strict=True):  # dK, dV: summed over the chunks in fp32
+        assert _distance(c, w) < 1e-3
+
+
 # ------------------------------------------------------------------------------------------------ numerics in training
 def test_losses_and_gradients_track_torch_bf16_autocast() -> None:
     """20 AdamW steps: the emulated curve stays within 1.5e-3 of torch's bf16 autocast (measured: 4e-4 at most),

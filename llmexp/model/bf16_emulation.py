@@ -137,7 +137,8 @@ ATTENTION_CHUNK_VALUES = 1 << 22
 
 @dataclass(frozen=True)
 class _Attention:
-    """One bf16 attention call's operands in fp32 (exact) and its settings, as the CPU flash kernel takes them."""
+    """One bf16 attention call as the CPU flash kernel takes it: q, k, v widened to fp32 (exact) as (batch * heads,
+    sequence, head size) for bmm, the mask made additive, the scale resolved."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -145,30 +146,49 @@ class _Attention:
     mask: torch.Tensor | None
     is_causal: bool
     scale: float
+    heads: tuple[int, int]
+    """(batch, heads) of q."""
 
     @classmethod
     def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, mask: torch.Tensor | None,
            scale: float | None) -> _Attention:
-        groups = q.shape[1] // k.shape[1]  # grouped-query attention: the kernel shares each kv head over `groups`
-        k, v = (t.float().repeat_interleave(groups, dim=1) if groups > 1 else t.float() for t in (k, v))
-        return cls(q.float(), k, v, None if mask is None else mask.float(), is_causal,
-                   scale if scale is not None else q.shape[-1] ** -0.5)
+        b, h, n, d = q.shape
+        groups = h // k.shape[1]  # grouped-query attention: the kernel shares each kv head over `groups` query heads
+        k, v = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (k, v))
+        if mask is not None:  # bool (True: attend) -> additive, as SDPA hands the kernel; broadcast to (b, h, n, m)
+            mask = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else mask
+            mask = mask.float().expand(b, h, n, k.shape[2]).reshape(b * h, n, k.shape[2])
+        flat = [_flat_fp32(t) for t in (q, k, v)]
+        return cls(*flat, mask, is_causal, scale if scale is not None else d ** -0.5, (b, h))
 
     def rows(self) -> int:
-        b, h, _, _ = self.q.shape
-        return max(1, ATTENTION_CHUNK_VALUES // max(1, b * h * self.k.shape[2]))
+        return max(1, ATTENTION_CHUNK_VALUES // max(1, self.q.shape[0] * self.k.shape[1]))
 
     def scores(self, start: int, stop: int) -> tuple[torch.Tensor, int]:
-        """Scaled, masked scores of query rows [start, stop) and the keys they may see (causal: up to stop)."""
-        keys = min(self.k.shape[2], stop) if self.is_causal else self.k.shape[2]
-        s = (self.q[:, :, start:stop] @ self.k[:, :, :keys].transpose(-1, -2)) * self.scale
-        if self.mask is not None:
-            mask = self.mask if self.mask.shape[-2] == 1 else self.mask[..., start:stop, :]
-            s = s + mask[..., :keys]
+        """scale * q @ k^T + mask for query rows [start, stop) and the keys they may see (causal: up to stop), in
+        one baddbmm: the kernel's values (fp32 products of bf16 q, k; scale applied to the sum; mask added)."""
+        keys = min(self.k.shape[1], stop) if self.is_causal else self.k.shape[1]
+        q, k_t = self.q[:, start:stop], self.k[:, :keys].transpose(1, 2)
+        additive = self.mask[:, start:stop, :keys] if self.mask is not None else None
         if self.is_causal:  # top-left aligned, as SDPA's is_causal: key j is seen by query i when j <= i
-            i = torch.arange(start, stop)[:, None]
-            s = s.masked_fill(torch.arange(keys)[None, :] > i, float("-inf"))
-        return s, keys
+            future = torch.ones(stop - start, keys, dtype=torch.bool).triu_(start + 1)
+            causal = torch.zeros(stop - start, keys).masked_fill_(future, float("-inf"))
+            additive = causal if additive is None else additive + causal
+        if additive is None:
+            return torch.bmm(q, k_t).mul_(self.scale), keys
+        return torch.baddbmm(additive, q, k_t, alpha=self.scale), keys
+
+    def unflat(self, t: torch.Tensor) -> torch.Tensor:
+        return t.unflatten(0, self.heads)
+
+
+def _flat_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32, memory_format=torch.contiguous_format).flatten(0, 1)
+
+
+def _round_(t: torch.Tensor) -> torch.Tensor:
+    """`t` rounded to bf16 values in place (its memory reused: these are the largest tensors of the step)."""
+    return t.copy_(t.to(torch.bfloat16))
 
 
 def _arg(args: Sequence[Any], kwargs: dict[str, Any], index: int, name: str, default: Any) -> Any:
@@ -177,50 +197,55 @@ def _arg(args: Sequence[Any], kwargs: dict[str, Any], index: int, name: str, def
 
 
 def _attention_fwd(func: Any, args: Sequence[Any], kwargs: dict[str, Any], widen: Widen = _widen) -> Any:
-    """The bf16 CPU flash kernel, emulated: scores = q @ k^T in fp32 from bf16 q, k; softmax numerator exp(s - max)
-    in fp32, summed in fp32, and rounded to bf16 before P @ V (as the bf16 kernel and a GPU's flash attention
-    do); output rounded to bf16, logsumexp in fp32. Query rows in chunks so the scores stay small."""
+    """The bf16 CPU flash kernel, emulated: scores from bf16 q, k with fp32 accumulation; softmax numerator
+    exp(s - max) in fp32, summed in fp32 and rounded to bf16 before P @ V (as the bf16 kernel and a GPU's flash
+    attention do); output rounded to bf16, logsumexp in fp32. Query rows in chunks so the scores stay small."""
     q, k, v = args[:3]
     dropout_p, is_causal = _arg(args, kwargs, 3, "dropout_p", 0.0), _arg(args, kwargs, 4, "is_causal", False)
     if dropout_p:  # the flash kernel has no dropout: never reached through SDPA, left to torch
         return func(*args, **kwargs)
     att = _Attention.of(q, k, v, is_causal, kwargs.get("attn_mask"), kwargs.get("scale"))
-    b, h, n, _ = q.shape
-    out = torch.empty(q.shape, dtype=torch.bfloat16)
-    lse = torch.empty(b, n, h).permute(0, 2, 1)  # the kernel's layout: (batch, query, head) in memory
+    n = q.shape[2]
+    out = torch.empty(att.q.shape)
+    lse = torch.empty(att.q.shape[:2])
     for start in range(0, n, att.rows()):
         stop = min(n, start + att.rows())
         s, keys = att.scores(start, stop)
         # A fully masked row: max -inf -> 0 and sum 0 -> 1, as in the kernel, so its output is 0 and its lse 0.
-        peak = s.amax(-1, keepdim=True).nan_to_num(0.0, posinf=0.0, neginf=0.0)
-        numerator = torch.exp(s - peak)
+        peak = s.amax(-1, keepdim=True).nan_to_num_(0.0, posinf=0.0, neginf=0.0)
+        numerator = s.sub_(peak).exp_()
         total = numerator.sum(-1, keepdim=True)
-        total = total.masked_fill(total == 0, 1.0)
-        out[:, :, start:stop] = (round_to_bf16(numerator) @ att.v[:, :, :keys]) * total.reciprocal()
-        lse[:, :, start:stop] = (peak + total.log()).squeeze(-1)
-    return out, lse
+        total.masked_fill_(total == 0, 1.0)
+        torch.bmm(_round_(numerator), att.v[:, :keys], out=out[:, start:stop])
+        out[:, start:stop].mul_(total.reciprocal())
+        lse[:, start:stop] = (peak + total.log()).squeeze(-1)
+    lse_kernel_layout = torch.empty(q.shape[0], n, q.shape[1]).permute(0, 2, 1)  # (batch, query, head) in memory
+    return att.unflat(out).to(torch.bfloat16), lse_kernel_layout.copy_(att.unflat(lse))
 
 
 def _attention_bwd(func: Any, args: Sequence[Any], kwargs: dict[str, Any], widen: Widen = _widen) -> Any:
     """The bf16 CPU flash backward, emulated: probabilities recomputed in fp32 from the logsumexp, P and dS rounded
-    to bf16 before their matmuls (as the bf16 kernel does), every matmul accumulated in fp32, grads rounded once."""
+    to bf16 before their matmuls (as the bf16 kernel does), every matmul accumulated in fp32, grads rounded once
+    (the kernel rounds its dK, dV accumulators to bf16 after each block of 32-256 queries; a GPU does not)."""
     grad_out, q, k, v, out, lse = args[:6]
     dropout_p, is_causal = _arg(args, kwargs, 6, "dropout_p", 0.0), _arg(args, kwargs, 7, "is_causal", False)
     if dropout_p:
         return func(*args, **kwargs)
     att = _Attention.of(q, k, v, is_causal, kwargs.get("attn_mask"), kwargs.get("scale"))
-    d_out, o, lse = grad_out.float(), out.float(), lse.float()
-    d_q, d_k, d_v = torch.zeros_like(att.q), torch.zeros_like(att.k), torch.zeros_like(att.v)
+    d_out, o, lse = _flat_fp32(grad_out), _flat_fp32(out), lse.float().flatten(0, 1)
+    delta = (d_out * o).sum(-1, keepdim=True)  # rowsum(dO * O), as the kernel's dsum
+    d_q, d_k, d_v = torch.empty_like(att.q), torch.zeros_like(att.k), torch.zeros_like(att.v)
     for start in range(0, q.shape[2], att.rows()):
         stop = min(q.shape[2], start + att.rows())
         s, keys = att.scores(start, stop)
-        p = torch.exp(s - lse[:, :, start:stop, None])
-        d_o = d_out[:, :, start:stop]
-        d_v[:, :, :keys] += round_to_bf16(p).transpose(-1, -2) @ d_o
-        d_p = d_o @ att.v[:, :, :keys].transpose(-1, -2)
-        d_s = round_to_bf16(p * (d_p - (d_o * o[:, :, start:stop]).sum(-1, keepdim=True)))
-        d_q[:, :, start:stop] = (d_s @ att.k[:, :, :keys]) * att.scale
-        d_k[:, :, :keys] += (d_s.transpose(-1, -2) @ att.q[:, :, start:stop]) * att.scale
+        p = s.sub_(lse[:, start:stop, None]).exp_()
+        d_o = d_out[:, start:stop]
+        d_v[:, :keys].baddbmm_(_round_(p.clone()).transpose(1, 2), d_o)
+        d_p = torch.bmm(d_o, att.v[:, :keys].transpose(1, 2))
+        d_s = _round_(p.mul_(d_p.sub_(delta[:, start:stop])))
+        torch.bmm(d_s, att.k[:, :keys], out=d_q[:, start:stop]).mul_(att.scale)
+        d_k[:, :keys].baddbmm_(d_s.transpose(1, 2), att.q[:, start:stop], alpha=att.scale)
+    d_q, d_k, d_v = (att.unflat(t) for t in (d_q, d_k, d_v))
     groups = q.shape[1] // k.shape[1]
     if groups > 1:  # each shared kv head gets the sum over its query heads
         d_k, d_v = (t.unflatten(1, (k.shape[1], groups)).sum(2) for t in (d_k, d_v))
@@ -308,34 +333,46 @@ def _time_once(fn: Callable[[], Any]) -> float:
 
 
 def probe_bf16_slowdown(size: int = 256, budget_s: float = 0.25) -> Bf16Probe:
-    """Time a size x size matmul in fp32, in torch's bf16 and emulated, alternating, within about `budget_s`.
+    """Time a size x size matmul in fp32, in torch's bf16 and emulated, alternating, for about `budget_s`, on one
+    thread: the factors per core.
 
-    Robust to busy cores: each arm keeps its best (shortest) call over the rounds, and the rounds alternate the
-    arms, so a burst of other work slows one call, not one arm. 256 is large enough for MKL's sgemm to be
-    efficient and small enough that the slow bf16 gemm (~1 GFLOP/s) takes ~30 ms a call.
+    Robust to busy cores: one thread (a multi-threaded gemm on oversubscribed cores waits at every barrier, in
+    every window: measured here at load 5 on 2 cores, it read torch's bf16 as 1.3x fp32's where it is 50x), each
+    arm keeps its best (shortest) call, and the rounds alternate the arms, so a burst of other work slows one
+    call, not one arm. 256 is large enough for MKL's sgemm to be efficient and small enough that the slow bf16
+    gemm (~2 GFLOP/s) takes ~20 ms a call. The emulated arm is what `Bf16Emulation` runs for a gemm (widen, fp32
+    gemm, round) without entering the mode, whose first entry imports torch._dynamo (~1 s).
+
+    torch's fallback bf16 gemm runs on one thread whatever `torch.get_num_threads()` says (measured: the same
+    wall time with 1 and 2), so with T threads a run's bf16 matmuls are up to T times slower still than this.
     """
     start = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        best = _best_calls(size, budget_s, start)
+    finally:
+        torch.set_num_threads(threads)
+    fp32 = max(best["fp32"], 1e-9)
+    return Bf16Probe(best["bf16"] / fp32, best["emulated"] / fp32, time.perf_counter() - start)
+
+
+def _best_calls(size: int, budget_s: float, start: float) -> dict[str, float]:
+    """The shortest call of each arm over alternating rounds, until `budget_s` after `start`."""
     g = torch.Generator().manual_seed(0)
     a32, b32 = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
     a16, b16 = a32.bfloat16(), b32.bfloat16()
-    mode = Bf16Emulation()
-
-    def emulated() -> torch.Tensor:
-        with mode:
-            return a16 @ b16
-
-    arms: dict[str, Callable[[], Any]] = {"fp32": lambda: a32 @ b32, "bf16": lambda: a16 @ b16, "emulated": emulated}
+    arms: dict[str, Callable[[], Any]] = {"fp32": lambda: a32 @ b32, "bf16": lambda: a16 @ b16,
+                                          "emulated": lambda: (a16.float() @ b16.float()).bfloat16()}
     best = {name: float("inf") for name in arms}
     with torch.inference_mode():
         for fn in arms.values():
-            fn()  # warm-up: first-call allocations and oneDNN/MKL set-up
+            fn()  # warm-up: first-call allocations, MKL and oneDNN set-up
         while True:
             for name, fn in arms.items():
                 best[name] = min(best[name], _time_once(fn))
             if time.perf_counter() - start > budget_s:
-                break
-    fp32 = max(best["fp32"], 1e-9)
-    return Bf16Probe(best["bf16"] / fp32, best["emulated"] / fp32, time.perf_counter() - start)
+                return best
 
 
 # ---------------------------------------------------------------------------------------------------- the decision
