@@ -326,22 +326,24 @@ class Bf16Probe:
     """what the probe took."""
 
 
-def _time_once(fn: Callable[[], Any]) -> float:
-    start = time.perf_counter()
+def _cpu_seconds(fn: Callable[[], Any]) -> float:
+    """This thread's CPU time for one call: on one thread the work itself, however long other processes hold the
+    core (wall time is not: at load 10 on 2 cores, a 20 ms call is nearly always preempted)."""
+    start = time.thread_time()
     fn()
-    return time.perf_counter() - start
+    return time.thread_time() - start
 
 
 def probe_bf16_slowdown(size: int = 256, budget_s: float = 0.25) -> Bf16Probe:
     """Time a size x size matmul in fp32, in torch's bf16 and emulated, alternating, for about `budget_s`, on one
     thread: the factors per core.
 
-    Robust to busy cores: one thread (a multi-threaded gemm on oversubscribed cores waits at every barrier, in
-    every window: measured here at load 5 on 2 cores, it read torch's bf16 as 1.3x fp32's where it is 50x), each
-    arm keeps its best (shortest) call, and the rounds alternate the arms, so a burst of other work slows one
-    call, not one arm. 256 is large enough for MKL's sgemm to be efficient and small enough that the slow bf16
-    gemm (~2 GFLOP/s) takes ~20 ms a call. The emulated arm is what `Bf16Emulation` runs for a gemm (widen, fp32
-    gemm, round) without entering the mode, whose first entry imports torch._dynamo (~1 s).
+    Robust to busy cores: one thread, timed in its own CPU seconds (a multi-threaded gemm on oversubscribed cores
+    waits at every barrier: at load 5 on 2 cores, 2 threads read torch's bf16 as 1.3x fp32's where it is ~50x;
+    wall time on one thread read 88-131x at load 10, as the slow calls were preempted), each arm keeps its best
+    call, and the rounds alternate the arms. 256 is large enough for MKL's sgemm to be efficient and small enough
+    that the slow bf16 gemm (~2 GFLOP/s) takes ~20 ms a call. The emulated arm is what `Bf16Emulation` runs for a
+    gemm (widen, fp32 gemm, round) without entering the mode, whose first entry imports torch._dynamo (~1 s).
 
     torch's fallback bf16 gemm runs on one thread whatever `torch.get_num_threads()` says (measured: the same
     wall time with 1 and 2), so with T threads a run's bf16 matmuls are up to T times slower still than this.
@@ -370,7 +372,7 @@ def _best_calls(size: int, budget_s: float, start: float) -> dict[str, float]:
             fn()  # warm-up: first-call allocations, MKL and oneDNN set-up
         while True:
             for name, fn in arms.items():
-                best[name] = min(best[name], _time_once(fn))
+                best[name] = min(best[name], _cpu_seconds(fn))
             if time.perf_counter() - start > budget_s:
                 return best
 
