@@ -1,7 +1,9 @@
 """llmexp.model.bf16_emulation: bf16 autocast numerics with fp32 gemms, on a real (small) Llama and its fused head.
 
-This CPU may have native bf16 (AVX512-BF16): then torch's own bf16 autocast is the reference the emulation is held
-to. The bounds below were measured here (see NOTES / benchmarks/results/bf16_cpu.md) and carry a margin of 3-4x.
+Where this CPU has native bf16 (AVX512-BF16), torch's own bf16 autocast is the reference the emulation is held to;
+on an AVX2-only CPU the reference is torch's fallback bf16 gemm (these tests pass under the AVX2 reproduction of
+benchmarks/bf16_cpu.py too). Each bound says what was measured on this machine. The smallest Llama that has every
+part (2 layers, GQA-free sdpa attention, the fused head) keeps torch's slow bf16 arms cheap on such a CPU.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def _model(**overrides: Any) -> CausalLMLoss:
 
 
 def _batches(steps: int) -> torch.Tensor:
-    """Tokens from a skewed distribution (64 of 512 ids), so 20 steps of AdamW visibly lower the loss."""
+    """Tokens from a skewed distribution (64 of 512 ids), so 12 steps of AdamW visibly lower the loss."""
     return torch.randint(0, 64, (steps, 4, 64), generator=torch.Generator().manual_seed(1))
 
 
@@ -83,7 +85,7 @@ def _step(model: torch.nn.Module, ids: torch.Tensor, arm: str) -> float:
     return loss.item()
 
 
-def _curve(arm: str, steps: int = 20) -> list[float]:
+def _curve(arm: str, steps: int) -> list[float]:
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
@@ -221,18 +223,22 @@ def test_attention_in_chunks_of_queries_is_the_same_attention(monkeypatch: pytes
 
 # ------------------------------------------------------------------------------------------------ numerics in training
 def test_losses_and_gradients_track_torch_bf16_autocast() -> None:
-    """20 AdamW steps: the emulated curve stays within 1.5e-3 of torch's bf16 autocast (measured: 4e-4 at most),
-    and the first step's gradients are closer to bf16 autocast's than fp32's are (measured: 0.6x)."""
-    bf16, emulated = _curve("bf16"), _curve("emul")
-    assert bf16[-1] < bf16[0] - 1.0  # the curve is real: it learns
-    assert max(abs(a - b) for a, b in zip(emulated, bf16, strict=True)) < 1.5e-3
+    """12 AdamW steps: the emulated curve stays near torch's bf16 autocast (measured: 3.3e-4 at most, 1.4e-4 on
+    average, against fp32's 8.4e-4 and 3.1e-4), and the first step's gradients are closer to bf16 autocast's than
+    fp32's are (measured: 0.64x). Exact agreement is not to be had: two bf16 kernels that differ only in their
+    accumulation order drift apart as far (torch's own bf16 on an AVX2-only CPU's kernel: 0.58x fp32's)."""
+    curves = {arm: _curve(arm, steps=12) for arm in ("fp32", "bf16", "emul")}
+    assert curves["bf16"][-1] < curves["bf16"][0] - 1.0  # the curve is real: it learns
+    gaps = {arm: [abs(a - b) for a, b in zip(curves[arm], curves["bf16"], strict=True)] for arm in ("fp32", "emul")}
+    assert max(gaps["emul"]) < 1.5e-3
+    assert sum(gaps["emul"]) < 0.8 * sum(gaps["fp32"]), gaps
     grads = {}
     ids = _batches(1)[0]
     for arm in ("fp32", "bf16", "emul"):
         model = _model()
         _step(model, ids, arm)
         grads[arm] = _grads(model)
-    distance = {arm: ((grads[arm] - grads["bf16"]).norm() / grads["bf16"].norm()).item() for arm in ("fp32", "emul")}
+    distance = {arm: _distance(grads[arm], grads["bf16"]) for arm in ("fp32", "emul")}
     assert distance["emul"] < 0.85 * distance["fp32"], distance
 
 
@@ -283,7 +289,7 @@ def test_probe_measures_positive_factors() -> None:
     probe = probe_bf16_slowdown(size=128, budget_s=0.05)
     assert 0 < probe.native_slowdown < 1e3 and 0 < probe.emulated_slowdown < 1e3
     assert probe.seconds > 0
-    assert "x fp32" in emulation_message(probe, emulating=True)
+    assert "x fp32's" in emulation_message(probe, emulating=True)
 
 
 @pytest.mark.parametrize(("precision", "device", "support", "probe", "env", "expected"), [
