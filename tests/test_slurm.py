@@ -195,10 +195,12 @@ def assert_requeue_protocol(sweep: Path, max_num_timeout: int) -> None:
     assert len(ours) == len(theirs) == attempts - 1, err[-3000:]
     assert all(a < b for a, b in zip(ours, theirs, strict=True)), err[-3000:]
     assert all(b < a for a, b in zip(ours[1:], theirs, strict=False)), err[-3000:]  # one attempt after another
-    # 2: slurmctld saw one job requeued, not new jobs
-    accounting = subprocess.run(["sacct", "-n", "-X", "-D", "-j", job_id, "-o", "State"], capture_output=True,
-                                text=True, timeout=60, check=True).stdout.split()
-    assert accounting == ["REQUEUED"] * (attempts - 1) + ["COMPLETED"], accounting
+    # 2: slurmctld saw one job requeued, not new jobs (its accounting may lag the job's end by seconds)
+    def accounting() -> list[str]:
+        return subprocess.run(["sacct", "-n", "-X", "-D", "-j", job_id, "-o", "State"], capture_output=True,
+                              text=True, timeout=60, check=True).stdout.split()
+    wait_for(lambda: accounting()[-1:] == ["COMPLETED"], "the accounting of the job's end", timeout_s=120)
+    assert accounting() == ["REQUEUED"] * (attempts - 1) + ["COMPLETED"], accounting()
     # 3: the submission is the checkpoint's, and each attempt resumed from the one before
     delayed = submitit.helpers.DelayedSubmission.load(folder / f"{job_id}_submitted.pkl")
     assert isinstance(delayed.function, SlurmJob) and delayed.function.spec.config.train.resume == "auto"
