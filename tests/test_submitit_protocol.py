@@ -76,7 +76,7 @@ def test_the_requeues_own_sigterm_does_not_fail_the_requeue(
         tmp_path: Path, fast_forward_clock: Callable[..., None],  # noqa: F811
         monkeypatch: pytest.MonkeyPatch) -> None:
     """`scontrol requeue`, which submitit runs from inside the job, makes slurmctld SIGTERM every process of
-    the job, that scontrol too. Seen on the local cluster (1 requeue in 7): scontrol died of it before
+    the job, that scontrol too. Seen on the local cluster (1 of 8 requeues here): scontrol died of it before
     exiting 0, submitit took the done requeue for a failure, and the attempt recorded `preempted` (the
     sweep exited 1) while the job ran again and completed. Here submitit's real requeue runs a fake
     scontrol that gets its SIGTERM before it exits, as the real one can."""
