@@ -19,7 +19,7 @@ from llmexp.errors import UserError
 def check_environment(cfg: Any) -> None:
     """After `validate`, before anything loads: what depends on this machine and launch (bf16 support,
     the world size, files that must exist). Raises one UserError listing every problem."""
-    errors = [*_batch_errors(cfg), *_file_errors(cfg)]
+    errors = [*_batch_errors(cfg), *_file_errors(cfg), *_tracking_errors(cfg)]
     if errors:
         raise UserError("cannot run this config here:\n  " + "\n  ".join(errors))
 
@@ -79,3 +79,23 @@ def _matches(spec: str, allow_dir_or_glob: bool) -> bool:
     if not allow_dir_or_glob:
         return False
     return path.is_dir() or any(Path(p).is_file() for p in glob.iglob(os.path.expanduser(spec), recursive=True))
+
+
+def _tracking_errors(cfg: Any) -> list[str]:
+    """`logger=mlflow` needs the mlflow package, and a SQLite store's directory must exist (its file is created)."""
+    import importlib.util
+
+    lg = cfg.logger
+    if lg.name != "mlflow":
+        return []
+    errors = []
+    if importlib.util.find_spec("mlflow") is None:
+        errors.append("logger=mlflow needs the mlflow package: pip install 'llmexp[mlflow]' (or pip install mlflow), "
+                      "or pick another logger")
+    uri = lg.tracking_uri
+    if isinstance(uri, str) and uri.startswith("sqlite:///"):
+        folder = Path(uri.removeprefix("sqlite:///")).absolute().parent
+        if not folder.is_dir():
+            errors.append(f"logger.tracking_uri={uri}: no such directory {folder}; create it, or leave "
+                          "logger.tracking_uri null for a store in the run directory")
+    return errors
