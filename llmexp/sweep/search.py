@@ -28,6 +28,7 @@ from llmexp.rundir.read import FINISHED, load_json
 from llmexp.rundir.study import STUDY_NAME, journal_storage, make_pruner
 from llmexp.sweep.jobs import job_dir_of, write_report
 from llmexp.sweep.space import search_space, trial_overrides
+from llmexp.sweep.tracking import close_parent
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -179,6 +180,7 @@ def run_search(sweeper: Any, overrides: Sequence[Any], settings: SearchSettings)
         if not _run_batch(sweeper, study, batch, sweep_dir, returns):
             break
     write_report(sweep_dir)
+    close_parent(sweep_dir, ok=_ended(study) >= search.n_trials)  # logger=mlflow: the sweep's parent run
     _log_best(study, sweep_dir)
     return returns
 
