@@ -61,8 +61,8 @@ class Row:
 
 
 def scheduler_states(job_ids: list[str], timeout_s: float = SCHEDULER_TIMEOUT_S) -> dict[str, str]:
-    """SLURM job id -> its state: squeue for queued and running jobs, sacct for the others; `?` for an id
-    neither answered in time; {} without SLURM."""
+    """SLURM job id -> its state: squeue for queued and running jobs, sacct for the ended ones; `?` when a
+    command did not answer in time, '' when neither knows the id; {} without SLURM."""
     if not job_ids or shutil.which("squeue") is None:
         return {}
     import getpass
@@ -83,8 +83,10 @@ def scheduler_states(job_ids: list[str], timeout_s: float = SCHEDULER_TIMEOUT_S)
             job_id, _, state = line.strip().partition("|")
             if state:
                 found[i][job_id] = state.split()[0]  # `CANCELLED by 0` -> CANCELLED
-    live, ended = found
-    return {j: live.get(j) or ended.get(j) or "?" for j in job_ids}
+    live, ended = found  # sacct's RUNNING can lag behind a job that squeue no longer lists: only its final states
+    ended = {j: state for j, state in ended.items() if state not in ("RUNNING", "PENDING", *QUEUED_STATES)}
+    answered = all(proc.returncode is not None and proc.returncode >= 0 for proc in procs)
+    return {j: live.get(j) or ended.get(j) or ("" if answered else "?") for j in job_ids}
 
 
 # ----------------------------------------------------------------------------- one job
@@ -110,9 +112,22 @@ def _eta_s(records: list[dict], step: int | None, max_steps: int | None, run_dir
     return max(0.0, per_step * (max_steps - step) - since)
 
 
+def _ended(run_dir: Path, summary: dict | None) -> bool:
+    """The run says it ended (a summary with a final status, written after its last record), though its process
+    or SLURM job may still be finishing; a later attempt (a rerun, a requeue) rewrites metrics.jsonl after it."""
+    if summary is None or summary.get("status") in (None, "preempted"):
+        return False
+    try:
+        return (run_dir / "summary.json").stat().st_mtime >= (run_dir / "metrics.jsonl").stat().st_mtime
+    except OSError:
+        return True
+
+
 def _status(run_dir: Path, summary: dict | None, verdict: dict, records: list[dict], state: str | None) -> str:
     """What the job is doing now, or how it ended (see the module docstring)."""
-    if state in ("RUNNING", "COMPLETING") or (state is None and lock_holder(run_dir) is not None):
+    unknown = state in (None, "", "?")  # not on SLURM, or the scheduler said nothing: the lock tells
+    if not _ended(run_dir, summary) and (state in ("RUNNING", "COMPLETING")
+                                         or (unknown and lock_holder(run_dir) is not None)):
         return "running"
     if state in QUEUED_STATES:
         return "requeued" if records else "queued"
@@ -160,13 +175,13 @@ def _varying(overrides: dict[str, list[str]]) -> dict[str, str]:
     return {job: " ".join(f"{k}={d[k]}" for k in keys if k in d) for job, d in keyed.items()}
 
 
-def rows(path: Path) -> list[Row]:
+def rows(path: Path, scheduler_timeout_s: float = SCHEDULER_TIMEOUT_S) -> list[Row]:
     """The table's lines for a run directory or a sweep directory."""
     path = Path(path)
     dirs = job_dirs(path) if is_sweep_dir(path) and not (path / "metrics.jsonl").exists() else [path]
     slurm = {str(k): str(v) for k, v in ((load_json(path / "slurm_jobs.json") or {}).get("jobs") or {}).items()}
     verdict_ids = [str(j) for d in dirs if (j := (load_json(d / "job_status.json") or {}).get("job_id"))]
-    states = scheduler_states(sorted(set(slurm.values()) | set(verdict_ids)))
+    states = scheduler_states(sorted(set(slurm.values()) | set(verdict_ids)), scheduler_timeout_s)
     shown = _varying({d.name: load_overrides(d) for d in dirs})
     return [job_row(d, shown[d.name], slurm.get(d.name), states) for d in dirs]
 
@@ -213,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("dir", type=Path, help="a run directory or a sweep directory")
     parser.add_argument("--watch", nargs="?", const=2.0, type=float, metavar="SECONDS",
                         help="redraw the table in place every SECONDS (default 2) until Ctrl-C")
+    parser.add_argument("--scheduler-timeout", type=float, default=SCHEDULER_TIMEOUT_S, metavar="SECONDS",
+                        help=f"how long squeue and sacct may take (default {SCHEDULER_TIMEOUT_S:g}); past it: ?")
     args = parser.parse_args(argv)
     if not (is_run_dir(args.dir) or is_sweep_dir(args.dir)):
         print(f"llmexp.status: error: {args.dir} is neither a run directory (metrics.jsonl, summary.json, .hydra/) "
@@ -220,12 +237,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     width = shutil.get_terminal_size((160, 24)).columns
     if args.watch is None:
-        print(render(args.dir, rows(args.dir), width))
+        print(render(args.dir, rows(args.dir, args.scheduler_timeout), width))
         return 0
     tty, first = sys.stdout.isatty(), True
     try:
         while True:
-            frame = (f"{render(args.dir, rows(args.dir), width)}\n"
+            frame = (f"{render(args.dir, rows(args.dir, args.scheduler_timeout), width)}\n"
                      f"(every {args.watch:g} s, {time.strftime('%H:%M:%S')}; Ctrl-C stops)")
             if tty:  # in place: home (the first time, clear the screen), each line cleared to its end, then below
                 frame = ("\x1b[2J" if first else "") + "\x1b[H" + frame.replace("\n", "\x1b[K\n") + "\x1b[K\n\x1b[J"
