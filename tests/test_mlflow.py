@@ -188,6 +188,12 @@ def test_an_unreachable_server_warns_once_and_a_resume_fills_the_local_run(tmp_p
     assert _steps(client, first.run_id, "train/loss") == [1, 2, 3, 4, 5, 6]
     assert client.get_run(first.run_id).info.status == "FINISHED"
     assert client.get_run(first.run_id).data.params["hub.api_key"] == REDACTED
+    (tmp_path / "mlflow_run.json").unlink()  # a run that logged elsewhere (or not to MLflow) resumes here
+    third = MlflowSink(tmp_path, cfg, lg, "lr=1e-3")
+    third.reset(history)
+    third.close()
+    assert not third.continued and third.run_id != first.run_id
+    assert _steps(client, third.run_id, "train/loss") == [1, 2, 3, 4, 5]  # the new run gets the whole history
 
 
 def test_flat_params_are_dotted_json_and_bounded() -> None:
@@ -200,8 +206,12 @@ def test_flat_params_are_dotted_json_and_bounded() -> None:
 @pytest.mark.parametrize(("uri", "expected"), [
     ("ftp://host/runs", "logger.tracking_uri=ftp://host/runs: ftp:// is not one of http, https, sqlite, databricks"),
     ("sqlite:////no/such/dir/mlflow.db", "logger.tracking_uri=sqlite:////no/such/dir/mlflow.db: no such directory"),
+    ("sqlite:///{tmp}", "is not a file"),
+    ("sqlite:///{tmp}/notes.txt", "notes.txt is not a SQLite database"),
 ])
 def test_a_bad_tracking_uri_exits_2_before_anything_is_written(tmp_path: Path, uri: str, expected: str) -> None:
+    (tmp_path / "notes.txt").write_text("not a database\n")
+    uri = uri.format(tmp=tmp_path)
     proc = run_cli([*TINY, "logger=mlflow", f"logger.tracking_uri={uri}", f"hydra.run.dir={tmp_path / 'run'}"],
                    timeout_s=120)
     assert proc.returncode == 2, proc.stderr[-3000:]

@@ -94,8 +94,27 @@ def _tracking_errors(cfg: Any) -> list[str]:
                       "or pick another logger")
     uri = lg.tracking_uri
     if isinstance(uri, str) and uri.startswith("sqlite:///"):
-        folder = Path(uri.removeprefix("sqlite:///")).absolute().parent
-        if not folder.is_dir():
-            errors.append(f"logger.tracking_uri={uri}: no such directory {folder}; create it, or leave "
-                          "logger.tracking_uri null for a store in the run directory")
+        errors.extend(_sqlite_errors(uri, Path(uri.removeprefix("sqlite:///")).absolute()))
     return errors
+
+
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def _sqlite_errors(uri: str, db: Path) -> list[str]:
+    """A SQLite store's file: in a directory that exists, and a SQLite database if it is there already."""
+    fix = "point logger.tracking_uri at a .db file, or leave it null for a store in the run directory"
+    if not db.parent.is_dir():
+        return [f"logger.tracking_uri={uri}: no such directory {db.parent}; create it, or {fix}"]
+    if not db.exists():
+        return []  # MLflow creates it
+    if not db.is_file():
+        return [f"logger.tracking_uri={uri}: {db} is not a file; {fix}"]
+    try:
+        with open(db, "rb") as f:
+            head = f.read(len(SQLITE_HEADER))
+    except OSError as err:
+        return [f"logger.tracking_uri={uri}: cannot read {db} ({err.strerror}); {fix}"]
+    if head and head != SQLITE_HEADER:
+        return [f"logger.tracking_uri={uri}: {db} is not a SQLite database; {fix}"]
+    return []

@@ -304,18 +304,20 @@ class MlflowSink:
 
     # ------------------------------------------------------------------ the Sink protocol
     def reset(self, records: list[dict[str, Any]]) -> None:
-        """The run (re)starts from `records` (a checkpoint's history, or none): note what the MLflow run already
-        holds, so no step is sent twice, and send what it lacks of that history."""
-        if self.sender is None or not self.continued:
+        """The run (re)starts from `records` (a checkpoint's history, or none): note what a continued MLflow run
+        already holds, so no step is sent twice, and send what it lacks of that history (all of it to a new
+        MLflow run, e.g. a run resumed with logger=mlflow that started without it)."""
+        if self.sender is None:
             return
-        client = self.store.client
-        try:
-            with _quiet():
-                keys = client.get_run(self.run_id).data.metrics
-                self._have = {key: {m.step for m in client.get_metric_history(self.run_id, key)} for key in keys}
-        except Exception as err:
-            _log.warning(f"mlflow: could not read the run's metric history ({type(err).__name__}); steps sent before "
-                         "the resume may appear twice")
+        if self.continued:
+            client = self.store.client
+            try:
+                with _quiet():
+                    keys = client.get_run(self.run_id).data.metrics
+                    self._have = {key: {m.step for m in client.get_metric_history(self.run_id, key)} for key in keys}
+            except Exception as err:
+                _log.warning(f"mlflow: could not read the run's metric history ({type(err).__name__}); steps sent "
+                             "before the resume may appear twice")
         for record in records:
             self.log(record)
 
