@@ -34,7 +34,8 @@ def test_design_groups_have_their_options() -> None:
                           ("scheduler", "linear"), ("scheduler", "constant"), ("scheduler", "wsd"),
                           ("cluster", "local"), ("deepspeed", "none"), ("deepspeed", "zero2"),
                           ("deepspeed", "zero2_offload"), ("deepspeed", "zero3"), ("logger", "jsonl"),
-                          ("logger", "wandb"), ("logger", "tensorboard"), ("experiment", "seed_llama2_7b")]:
+                          ("logger", "wandb"), ("logger", "tensorboard"), ("logger", "mlflow"),
+                          ("experiment", "seed_llama2_7b")]:
         assert (group, option) in have, f"llmexp/conf/{group}/{option}.yaml is missing"
 
 
@@ -156,6 +157,16 @@ def test_every_number_has_a_lower_bound(default_cfg: Any, key: str) -> None:
     (["~train"], "train: is required but was deleted (by ~train"),
     (["~seed"], "seed: is required but was deleted (by ~seed"),
     (["~model"], "model: no model is chosen (removed by ~model?); pick one, e.g. model=tiny (the options are"),
+    (["logger.tracking_uri=ftp://host/x"], "logger.tracking_uri=ftp://host/x: ftp:// is not one of http, https"),
+    (["logger.tracking_uri=file:///tmp/mlruns"], "MLflow 3 refuses file stores (maintenance mode); use sqlite:///"),
+    (["logger.tracking_uri=mlruns"], "MLflow 3 refuses file stores"),
+    (["logger.tracking_uri=http://me:pw@host:5000"], "logger.tracking_uri: holds credentials (user:password@)"),
+    (["logger.tracking_uri=http://host:99999"], "logger.tracking_uri=http://host:99999: not a URI (Port out of range"),
+    (["logger.tracking_uri=sqlite:///:memory:"], "a SQLite store is sqlite:/// followed by a file path"),
+    (["logger.tracking_uri=''"], "logger.tracking_uri: must be a URI without spaces"),
+    (["logger.experiment=''"], "logger.experiment: must be a non-empty name of at most 256 printable characters"),
+    (["logger.experiment=" + "x" * 257], "logger.experiment: must be a non-empty name of at most 256"),
+    (["logger.init_timeout_s=0"], "logger.init_timeout_s: must be > 0, got 0"),
 ])
 def test_bad_values_name_the_key(overrides: list[str], expected: str, tmp_path: Path) -> None:
     text = _errors(compose(overrides, tmp_path))

@@ -11,7 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-ENTRY_POINTS = ("llmexp.__main__", "llmexp.doctor", "llmexp.estimate")
+ENTRY_POINTS = ("llmexp.__main__", "llmexp.doctor", "llmexp.estimate", "llmexp.status")
 """`python -m llmexp[.X]` needs a module at llmexp/X.py: each is three lines handing over to its command in `cli/`
 (or `report/`), so it belongs to the cli layer."""
 

@@ -142,6 +142,34 @@ def test_tensorboard_events_are_readable(tmp_path: Path) -> None:
     assert [e.value for e in acc.Scalars("eval/eval_loss")] == [9.0, 6.5]
 
 
+def test_tensorboard_hparams_session_is_readable_and_replaced_on_resume(tmp_path: Path) -> None:
+    """The HParams view's data, read back with tensorboard's own reader: the hyper-parameters given, those of
+    the start record (resolved lr, batch, precision, optimizer), the final metrics; a resumed run's close
+    replaces the earlier attempt's session rather than adding a second."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata
+
+    start = {"event": "start", "step": 0, "lr_chosen": 3e-4, "batch_size": 8, "precision": "bf16",
+             "optimizer": "lion"}
+    for attempt, (status, loss) in enumerate([("preempted", 7.5), ("completed", 6.25)]):
+        sink = TensorBoardSink(tmp_path, {"lr": "auto", "model.hidden_size": 64, "train.warmup_ratio": 0.1})
+        for record in [start, *records()]:
+            sink.log(record)
+        (tmp_path / "summary.json").write_text(json.dumps({"status": status, "step": 5 + attempt, "eval_loss": loss,
+                                                           "train_loss": 6.5, "eval_ppl": None}))
+        sink.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard" / "hparams"))
+    acc.Reload()
+    content = acc.PluginTagToContent(metadata.PLUGIN_NAME)
+    assert metadata.EXPERIMENT_TAG in content
+    info = metadata.parse_session_start_info_plugin_data(content[metadata.SESSION_START_INFO_TAG])
+    values = {k: v.string_value or v.number_value for k, v in info.hparams.items()}
+    assert values == {"lr": 3e-4, "model.hidden_size": 64, "train.warmup_ratio": 0.1, "batch_size": 8,
+                      "precision": "bf16", "optimizer": "lion", "status": "completed"}
+    assert [(e.step, e.value) for e in acc.Scalars("hparam/eval_loss")] == [(6, 6.25)]  # one session: the last
+    assert set(acc.Tags()["scalars"]) == {"hparam/eval_loss", "hparam/train_loss"}  # eval_ppl: none to show
+
+
 def _closed_port() -> int:
     """A loopback port nothing listens on: connections to it are refused at once, like a server that is down."""
     with socket.socket() as s:

@@ -77,6 +77,17 @@ def events(run_dir: Path, name: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["event"] == name]
 
 
+def status_table(sweep: Path) -> dict[str, list[str]]:
+    """`python -m llmexp.status SWEEP`'s rows by job: overrides, status, step, loss, eval, best, eta, SLURM id
+    and state (squeue and sacct may take longer than the default 0.7 s while the node is loaded)."""
+    proc = subprocess.run([sys.executable, "-m", "llmexp.status", str(sweep), "--scheduler-timeout", "10"],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, **ENV})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[1].split() == ["job", "overrides", "status", "step", "loss", "eval", "best", "eta", "slurm"], lines
+    return {line.split()[0]: line.split()[1:] for line in lines[2:]}
+
+
 def test_lr_sweep_completes_as_one_job_array(tmp_path: Path) -> None:
     marks = tmp_path / "setup_ran"
     setup = f"cluster.setup=['mkdir -p {marks}', 'touch {marks}/$SLURM_ARRAY_TASK_ID']"
@@ -114,9 +125,18 @@ def test_a_raising_and_a_cancelled_job_are_recorded_and_the_others_complete(tmp_
     wait_for(lambda: (sweep / "slurm_jobs.json").exists() or proc.poll() is not None, "submission", 120)
     victim = json.loads((sweep / "slurm_jobs.json").read_text())["jobs"]["2"]
     metrics = sweep / "2" / "metrics.jsonl"
-    wait_for(lambda: metrics.exists() and '"train"' in metrics.read_text(), "job 2 to train")
+    wait_for(lambda: metrics.exists() and metrics.read_text().count('"train"') >= 3, "job 2 to train")
+    running = status_table(sweep)  # llmexp.status while the sweep runs: the files and squeue/sacct
+    assert sorted(running) == ["0", "1", "2"]
+    assert running["2"][0].startswith("optimizer.eps=") and running["2"][1] == "running", running
+    assert running["2"][2].endswith("/300") and running["2"][6] != "–" and running["2"][7:] == [victim, "RUNNING"]
     subprocess.run(["scancel", victim], check=True)
     assert proc.wait(timeout=300) == 1, log.read_text()[-3000:]  # a failed job, not a user's mistake (2)
+    ended = status_table(sweep)  # each job's own word, even while SLURM still tidies up after it
+    assert [ended[j][1] for j in ("0", "1", "2")] == ["completed", "failed", "cancelled"], ended
+    assert ended["0"][2] == "300/300"
+    wait_for(lambda: [row[8] for row in status_table(sweep).values()] == ["COMPLETED", "COMPLETED", "CANCELLED"],
+             "sacct's final states in the status", 120)
     jobs = json.loads((sweep / "sweep_summary.json").read_text())["jobs"]
     assert [j["status"] for j in jobs[:2]] == ["completed", "failed"]
     assert "optimizer.eps" in jobs[1]["error"]  # the job's own message, from job_status.json

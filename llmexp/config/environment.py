@@ -19,7 +19,7 @@ from llmexp.errors import UserError
 def check_environment(cfg: Any) -> None:
     """After `validate`, before anything loads: what depends on this machine and launch (bf16 support,
     the world size, files that must exist). Raises one UserError listing every problem."""
-    errors = [*_batch_errors(cfg), *_file_errors(cfg)]
+    errors = [*_batch_errors(cfg), *_file_errors(cfg), *_tracking_errors(cfg)]
     if errors:
         raise UserError("cannot run this config here:\n  " + "\n  ".join(errors))
 
@@ -79,3 +79,42 @@ def _matches(spec: str, allow_dir_or_glob: bool) -> bool:
     if not allow_dir_or_glob:
         return False
     return path.is_dir() or any(Path(p).is_file() for p in glob.iglob(os.path.expanduser(spec), recursive=True))
+
+
+def _tracking_errors(cfg: Any) -> list[str]:
+    """`logger=mlflow` needs the mlflow package, and a SQLite store's directory must exist (its file is created)."""
+    import importlib.util
+
+    lg = cfg.logger
+    if lg.name != "mlflow":
+        return []
+    errors = []
+    if importlib.util.find_spec("mlflow") is None:
+        errors.append("logger=mlflow needs the mlflow package: pip install 'llmexp[mlflow]' (or pip install mlflow), "
+                      "or pick another logger")
+    uri = lg.tracking_uri
+    if isinstance(uri, str) and uri.startswith("sqlite:///"):
+        errors.extend(_sqlite_errors(uri, Path(uri.removeprefix("sqlite:///")).absolute()))
+    return errors
+
+
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def _sqlite_errors(uri: str, db: Path) -> list[str]:
+    """A SQLite store's file: in a directory that exists, and a SQLite database if it is there already."""
+    fix = "point logger.tracking_uri at a .db file, or leave it null for a store in the run directory"
+    if not db.parent.is_dir():
+        return [f"logger.tracking_uri={uri}: no such directory {db.parent}; create it, or {fix}"]
+    if not db.exists():
+        return []  # MLflow creates it
+    if not db.is_file():
+        return [f"logger.tracking_uri={uri}: {db} is not a file; {fix}"]
+    try:
+        with open(db, "rb") as f:
+            head = f.read(len(SQLITE_HEADER))
+    except OSError as err:
+        return [f"logger.tracking_uri={uri}: cannot read {db} ({err.strerror}); {fix}"]
+    if head and head != SQLITE_HEADER:
+        return [f"logger.tracking_uri={uri}: {db} is not a SQLite database; {fix}"]
+    return []

@@ -294,7 +294,7 @@ class LoggerConfig:
     """Metric sinks besides `metrics.jsonl` and the console, which are always on."""
 
     name: str = "jsonl"
-    """jsonl, wandb or tensorboard."""
+    """jsonl, wandb, tensorboard or mlflow."""
     project: str = "llmexp"
     """wandb: project."""
     entity: str | None = None
@@ -302,9 +302,19 @@ class LoggerConfig:
     mode: str = "auto"
     """wandb: online, offline, or auto (offline without WANDB_API_KEY)."""
     init_timeout_s: float = 10.0
-    """wandb: seconds an online start may take to reach the server; past it the run logs offline (a warning)."""
+    """wandb, mlflow: seconds a start may take to reach the server; past it the run logs locally instead (wandb
+    offline, mlflow to the local store; one warning)."""
     tags: list[str] = field(default_factory=list)
     """wandb: tags."""
+    tracking_uri: str | None = None
+    """mlflow: the tracking server (http://host:5000, https://..., databricks) or a SQLite store
+    (sqlite:///path/mlflow.db); null: a SQLite store in the run directory, or the sweep directory for a sweep's
+    jobs, which needs no server. Credentials go in MLFLOW_TRACKING_TOKEN or MLFLOW_TRACKING_USERNAME/PASSWORD,
+    never in the URI."""
+    experiment: str = "llmexp"
+    """mlflow: the experiment the run (or the sweep's parent run) is logged to; created when missing."""
+    log_model: bool = False
+    """mlflow: also upload the final `model/` directory as the run's `model` artifact (may be large)."""
 
 
 @dataclass

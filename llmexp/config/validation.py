@@ -34,7 +34,7 @@ OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "lion", "lion8bit", "sgd"
 SCHEDULERS = ("cosine", "linear", "constant", "wsd")
 ANOMALY_POLICIES = ("stop", "skip", "rollback")
 DATA_KINDS = ("stdlib", "stdlib_sft", "json", "text", "hf")
-LOGGERS = ("jsonl", "wandb", "tensorboard")
+LOGGERS = ("jsonl", "wandb", "tensorboard", "mlflow")
 PEFT_METHODS = ("none", "lora", "qlora")
 FSDP_STRATEGIES = ("none", "full_shard", "shard_grad_op", "hybrid_shard")
 SWEEP_STRATEGIES = ("grid", "random", "tpe")
@@ -342,7 +342,7 @@ def _validate_groups(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet
     _choice(errors, cfg.optimizer.name, "optimizer.name", OPTIMIZERS)
     _choice(errors, cfg.scheduler.name, "scheduler.name", SCHEDULERS)
     _choice(errors, d.name, "data.name", DATA_KINDS)
-    _choice(errors, cfg.logger.name, "logger.name", LOGGERS)
+    _validate_logger(cfg.logger, errors)
     _check(errors, not d.finetune_only or bool(m.name_or_path), "model.name_or_path",
            f"data={d.name} fine-tunes an earlier model; set model.name_or_path=outputs/<date>/<time>/model")
     _check(errors, d.name not in ("json", "text") or bool(d.train_file), "data.train_file",
@@ -376,6 +376,71 @@ def _validate_groups(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet
     _validate_peft(cfg, errors)
     _validate_sweep(cfg.sweep, errors)
     _validate_fsdp(cfg, errors)
+
+
+TRACKING_SCHEMES = ("http", "https", "sqlite", "databricks")
+"""What `logger.tracking_uri` may name: an MLflow server, a SQLite store, or Databricks."""
+MAX_URI_LEN = 2048
+MAX_EXPERIMENT_LEN = 256
+"""MLflow's SQL stores keep an experiment name in a VARCHAR(256)."""
+
+
+def tracking_uri_problem(uri: Any) -> str | None:
+    """Why `logger.tracking_uri` cannot work (the message names the fix), or None; null is the local store."""
+    from urllib.parse import urlsplit
+
+    if uri is None:
+        return None
+    if not isinstance(uri, str) or not uri.strip() or len(uri) > MAX_URI_LEN or not uri.isprintable() or " " in uri:
+        shown = uri if not isinstance(uri, str) or len(uri) <= 80 else uri[:77] + "..."
+        return (f"logger.tracking_uri: must be a URI without spaces of at most {MAX_URI_LEN} characters, got "
+                f"{shown!r}; {_URI_EXAMPLE}")
+    try:
+        parts = urlsplit(uri)
+        _ = parts.port  # raises on a port that is not a number in 0..65535
+    except ValueError as err:
+        return f"logger.tracking_uri={uri}: not a URI ({err}); {_URI_EXAMPLE}"
+    if parts.username is not None or parts.password is not None:  # before any message repeats the URI
+        return ("logger.tracking_uri: holds credentials (user:password@), which would reach logs and run files; put "
+                "them in MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN and drop them "
+                "from the URI")
+    if uri == "databricks":  # the workspace of the default Databricks profile
+        return None
+    return _scheme_problem(uri, parts.scheme.lower(), parts.hostname, parts.path)
+
+
+_URI_EXAMPLE = "e.g. logger.tracking_uri=http://127.0.0.1:5000, or leave it null for a store in the run directory"
+
+
+def _scheme_problem(uri: str, scheme: str, host: str | None, path: str) -> str | None:
+    """What each kind of tracking URI needs: a known scheme, a host for a server, a file for SQLite."""
+    if scheme == "file" or not scheme:
+        return (f"logger.tracking_uri={uri}: MLflow 3 refuses file stores (maintenance mode); use "
+                f"sqlite:///{path or '/path/to'}/mlflow.db, or a server: {_URI_EXAMPLE}")
+    if scheme not in TRACKING_SCHEMES:
+        return (f"logger.tracking_uri={uri}: {scheme}:// is not one of {', '.join(TRACKING_SCHEMES)}; to keep "
+                "runs in a database, run an MLflow server on it (mlflow server --backend-store-uri ...) and point "
+                f"at the server: {_URI_EXAMPLE}")
+    if scheme in ("http", "https") and not host:
+        return f"logger.tracking_uri={uri}: names no host; {_URI_EXAMPLE}"
+    if scheme == "sqlite" and (not uri.startswith("sqlite:///") or uri in ("sqlite:///", "sqlite:///:memory:")):
+        return (f"logger.tracking_uri={uri}: a SQLite store is sqlite:/// followed by a file path, e.g. "
+                "sqlite:////abs/path/mlflow.db (nothing in memory survives the run)")
+    return None
+
+
+def _validate_logger(lg: DictConfig, errors: list[str]) -> None:
+    """The logger's option and the MLflow keys (every one has a rule, whatever logger is picked)."""
+    _choice(errors, lg.name, "logger.name", LOGGERS)
+    if (problem := tracking_uri_problem(lg.tracking_uri)) is not None:
+        errors.append(problem)
+    name = lg.experiment
+    _check(errors, isinstance(name, str) and bool(name.strip()) and len(name) <= MAX_EXPERIMENT_LEN
+           and name.isprintable(), "logger.experiment",
+           f"must be a non-empty name of at most {MAX_EXPERIMENT_LEN} printable characters, got {name!r}; "
+           "e.g. logger.experiment=llmexp")
+    _check(errors, isinstance(lg.log_model, bool), "logger.log_model",
+           f"must be true or false, got {lg.log_model!r}")
 
 
 def _validate_fsdp(cfg: DictConfig, errors: list[str]) -> None:

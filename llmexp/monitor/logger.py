@@ -83,6 +83,8 @@ class MetricsLogger:
         self.history = list(records)
         if not self.enabled:
             return
+        for sink in self.sinks:  # mlflow continues the run: it must not get those steps twice
+            sink.reset(self.history)
         assert self._file is not None
         self._file.close()
         path = Path(self._file.name)

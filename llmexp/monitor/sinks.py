@@ -1,63 +1,83 @@
-"""Optional sinks for the metric records: wandb (offline files unless an API key is set) and tensorboard."""
+"""Optional sinks for the metric records: wandb (offline files unless an API key is set), tensorboard (with the
+HParams view's data), mlflow (`llmexp.monitor.mlflow_sink`)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Protocol
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-# One definition of what a secret is, shared with every other writer of run files.
-from llmexp.rundir.redact import scrub, scrub_overrides, scrub_text
+from llmexp.monitor.records import numbers, run_name_from_overrides
+from llmexp.rundir.read import load_json, swept_keys
+from llmexp.rundir.redact import scrub, scrub_text  # one definition of a secret, shared by every writer
 
 _log = logging.getLogger(__name__)
 
 
 class Sink(Protocol):
     def log(self, record: dict[str, Any]) -> None: ...
+    def reset(self, records: list[dict[str, Any]]) -> None:
+        """The run (re)starts from these records: a checkpoint's history on resume, none otherwise."""
     def close(self) -> None: ...
 
 
 def make_sinks(cfg: DictConfig, run_dir: Path) -> list[Sink]:
-    """The optional sink the `logger` group picks (wandb or tensorboard); jsonl is always on."""
+    """The optional sink the `logger` group picks (wandb, tensorboard or mlflow); jsonl is always on."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from llmexp.config.schema import to_container
+
+    if cfg.logger.name not in ("wandb", "tensorboard", "mlflow"):
+        return []
+    hydra = HydraConfig.get()
+    run_name = hydra.job.override_dirname or "default"
+    sweep_dir = Path(str(hydra.sweep.dir)) if hydra.mode == RunMode.MULTIRUN else None
     if cfg.logger.name == "wandb":
-        from hydra.core.hydra_config import HydraConfig
-
-        from llmexp.config.schema import to_container
-
-        run_name = HydraConfig.get().job.override_dirname or "default"
         return [WandbSink(run_dir, to_container(cfg), run_name, cfg.logger)]
     if cfg.logger.name == "tensorboard":
-        return [TensorBoardSink(run_dir)]
-    return []
+        keys = swept_keys(sweep_dir) if sweep_dir is not None else [o.partition("=")[0] for o in hydra.overrides.task]
+        return [TensorBoardSink(run_dir, hparams_of(cfg, keys))]
+    from llmexp.monitor.mlflow_sink import MlflowSink
+
+    if sweep_dir is not None:  # a job's name: what its sweep varies (`lr=0.001`), as its parent run lists them
+        swept = set(swept_keys(sweep_dir))
+        run_name = ",".join(o for o in hydra.overrides.task if o.partition("=")[0].lstrip("+~") in swept) or run_name
+    fresh = cfg.train.resume == "never"  # a new MLflow run, as metrics.jsonl starts over
+    return [MlflowSink(run_dir, to_container(cfg), cfg.logger, run_name, sweep_dir, new_run=fresh)]
+
+
+HPARAM_FACTS = {"lr": "lr_chosen", "batch_size": "batch_size", "precision": "precision", "optimizer": "optimizer"}
+"""The hyper-parameters every run shows in TensorBoard's HParams view -> the `start` record field holding the
+value it ran with (lr=auto resolved, the micro-batch batch_size=auto chose, the precision auto picked)."""
+HPARAM_METRICS = ("eval_loss", "eval_ppl", "train_loss", "best_eval_loss", "tokens_per_sec")
+"""summary.json's final metrics, shown as `hparam/<name>` columns."""
+
+
+def hparams_of(cfg: DictConfig, keys: list[str]) -> dict[str, Any]:
+    """`keys` (a sweep's swept keys, or a single run's overrides) with the values this run has: a group's
+    option name (`optimizer=lion` -> lion), lists as JSON; secrets redacted."""
+    out: dict[str, Any] = {}
+    for key in (k.lstrip("+~") for k in keys):
+        if key.startswith("hydra.") or key in out:
+            continue
+        value = OmegaConf.select(cfg, key, default=None)
+        if isinstance(value, DictConfig) and "name" in value:
+            value = value.name
+        elif OmegaConf.is_config(value):
+            value = json.dumps(OmegaConf.to_container(value, resolve=True))
+        out[key] = value if isinstance(value, bool | int | float | str) else json.dumps(value)
+    return scrub(out)
 
 
 DEFAULT_INIT_TIMEOUT_S = 10.0
 """The default of `logger.init_timeout_s`, for sink configs made without the schema."""
-
-
-def run_name_from_overrides(overrides: list[str] | str, max_len: int = 128) -> str:
-    """A readable run name from the overrides (`lr=1e-3,batch_size=4`), secrets removed; `default` if none."""
-    items = overrides.split(",") if isinstance(overrides, str) else list(overrides)
-    items = [o for o in scrub_overrides([o for o in items if o]) if not o.lstrip("+~").startswith("hydra.")]
-    name = ",".join(items) or "default"
-    return name if len(name) <= max_len else name[:max_len - 3] + "..."
-
-
-def _numbers(record: dict[str, Any]) -> dict[str, float]:
-    """The numeric fields of a train or eval record, under `train/` or `eval/`; NaN/inf kept as floats."""
-    event = record.get("event")
-    if event not in ("train", "eval"):
-        return {}
-    out = {}
-    for key, value in record.items():
-        if key in ("event", "step") or isinstance(value, bool) or not isinstance(value, int | float):
-            continue
-        out[f"{event}/{key}"] = float(value)
-    return out
 
 
 def wandb_mode(configured: str) -> str:
@@ -118,9 +138,12 @@ class WandbSink:
             self.run.log({"trainer/step": int(record["step"]),
                           "samples": wandb.Table(columns=["step", "prompt", "completion"], data=rows)})
             return
-        data = _numbers(record)
+        data = numbers(record)
         if data:
             self.run.log({"trainer/step": int(record["step"]), **data})
+
+    def reset(self, records: list[dict[str, Any]]) -> None:
+        """Nothing to do: wandb plots against trainer/step, where a step logged twice shows its latest value."""
 
     def close(self) -> None:
         if self.run is not None:
@@ -132,24 +155,46 @@ class WandbSink:
 
 
 class TensorBoardSink:
-    """TensorBoard event files under `run_dir/tensorboard`: train/* and eval/* scalars by step."""
+    """TensorBoard event files under `run_dir/tensorboard`: train/* and eval/* scalars by step, findings as text,
+    and at the end the HParams view's data (`hparams`: its hyper-parameters and summary.json's final metrics,
+    in `tensorboard/hparams/`), so `tensorboard --logdir SWEEP_DIR` compares a sweep's jobs side by side."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, hparams: dict[str, Any] | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.log_dir = Path(run_dir) / "tensorboard"
+        self.run_dir = Path(run_dir)
+        self.log_dir = self.run_dir / "tensorboard"
         self.writer: Any = SummaryWriter(log_dir=str(self.log_dir))
+        self.hparams = hparams
 
     def log(self, record: dict[str, Any]) -> None:
         step = int(record.get("step", 0))
-        for tag, value in _numbers(record).items():
+        if record.get("event") == "start" and self.hparams is not None:
+            self.hparams.update({k: record[f] for k, f in HPARAM_FACTS.items() if record.get(f) is not None})
+        for tag, value in numbers(record).items():
             if math.isfinite(value) or tag.endswith(("loss", "grad_norm")):  # a NaN loss is worth seeing
                 self.writer.add_scalar(tag, value, global_step=step)
         if record.get("event") == "finding":
             self.writer.add_text("findings", f"**{record.get('severity')}** {record.get('kind')}: "
                                              f"{record.get('message')} — {record.get('advice')}", global_step=step)
 
+    def reset(self, records: list[dict[str, Any]]) -> None:
+        """Nothing to do: TensorBoard shows the latest value at a step logged twice."""
+
     def close(self) -> None:
         if self.writer is not None:
+            if self.hparams is not None:
+                self._write_hparams()
             self.writer.close()
             self.writer = None
+
+    def _write_hparams(self) -> None:
+        """One HParams session per run; a resumed run's replaces the one its earlier attempt wrote."""
+        summary = load_json(self.run_dir / "summary.json") or {}
+        metrics = {f"hparam/{k}": float(v) for k in HPARAM_METRICS
+                   if isinstance(v := summary.get(k), int | float) and math.isfinite(v)}
+        if not metrics:  # no summary (a crash): nothing to compare
+            return
+        shutil.rmtree(self.log_dir / "hparams", ignore_errors=True)
+        hparams = {**self.hparams, "status": str(summary.get("status"))}
+        self.writer.add_hparams(hparams, metrics, run_name="hparams", global_step=int(summary.get("step") or 0))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import math
 import statistics
 from pathlib import Path
@@ -22,6 +23,8 @@ from llmexp.report.formats import fmt, fmt_rate
 from llmexp.report.search import PRUNED, load_study, search_markdown, search_summary
 from llmexp.rundir.files import write_text_atomic
 from llmexp.rundir.read import FINISHED, job_dirs, last_value, load_json, load_overrides, load_records
+
+log = logging.getLogger(__name__)
 
 
 def stability(records: list[dict]) -> dict[str, float | None]:
@@ -178,4 +181,17 @@ def write_sweep_report(sweep_dir: Path) -> dict[str, Any]:
         plot_search(search, sweep_dir / "sweep_search.png", title=sweep_dir.resolve().name)
     write_text_atomic(sweep_dir / "sweep_summary.json", json.dumps(summary, indent=2, default=str) + "\n")
     write_text_atomic(sweep_dir / "sweep_report.md", sweep_report_markdown(summary))
+    _upload(sweep_dir)
     return summary
+
+
+def _upload(sweep_dir: Path) -> None:
+    """The report as artifacts of the sweep's MLflow parent run, if it has one; the files stand without it."""
+    from llmexp.monitor.mlflow_sink import log_sweep_report
+    from llmexp.rundir.redact import scrub_text
+
+    try:
+        log_sweep_report(sweep_dir)
+    except Exception as err:  # no mlflow installed, server down: the report on disk is what counts
+        log.warning(f"mlflow: the sweep report was not uploaded to the parent run ({type(err).__name__}: "
+                    f"{scrub_text(str(err))[:300]})")

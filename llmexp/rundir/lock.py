@@ -41,3 +41,32 @@ def lock_run_dir(run_dir: Path) -> None:
                         "choose another directory with hydra.run.dir=...") from None
     path.write_text(f"{os.getpid()}\n")
     _held_locks.append(lock)
+
+
+def lock_holder(run_dir: Path) -> int | None:
+    """The pid of the process holding `run_dir`'s lock now, or None; read-only, never taking the lock (a run
+    starting at that moment must not find it held by a reader).
+
+    Linux lists every flock in /proc/locks by device and inode; elsewhere, the pid in the lock file counts if
+    that process is alive. A run on another host (a SLURM node) is not seen: ask the scheduler."""
+    path = Path(run_dir) / LOCK_NAME
+    try:
+        st = path.stat()
+        pid = int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    try:
+        with open("/proc/locks") as f:
+            locks = f.read()
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            return pid
+        return pid
+    node = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    holders = [int(fields[4]) for fields in (line.split() for line in locks.splitlines())
+               if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == node]
+    return (pid if pid in holders else holders[0]) if holders else None

@@ -89,3 +89,19 @@ def is_sweep_dir(path: Path) -> bool:
 def last_value(records: list[dict], event: str, key: str) -> Any:
     """The newest `key` among `event` records: what a run without summary.json (killed) last logged."""
     return next((r[key] for r in reversed(records) if r.get("event") == event and key in r), None)
+
+
+def swept_keys(sweep_dir: Path) -> list[str]:
+    """The keys a sweep varies (`lr=1e-4,3e-4`, `lr=tag(log,interval(...))`, `optimizer=adamw,lion`), in the
+    order given, read from the command its `multirun.yaml` recorded with Hydra's own override parser."""
+    import yaml
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        data = yaml.safe_load((Path(sweep_dir) / "multirun.yaml").read_text())
+        task = data["hydra"]["overrides"]["task"]
+        overrides = OverridesParser.create().parse_overrides([str(o) for o in task])
+    except (OSError, yaml.YAMLError, KeyError, TypeError, HydraException):
+        return []
+    return [o.get_key_element().lstrip("+~") for o in overrides if o.is_sweep_override()]

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from llmexp.config.tree import register_resolvers
 from llmexp.rundir.files import write_json_atomic, write_text_atomic
 from llmexp.rundir.read import FINISHED, load_json
+from llmexp.sweep.tracking import close_parent, open_parent
 
 T = TypeVar("T")
 
@@ -111,6 +112,7 @@ def compose_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
     with open_dict(launcher.config):
         launcher.config.hydra.sweep.dir = str(sweep_dir)
     compose = compose or subdir_names_overrides(launcher.config)
+    open_parent(launcher.config, sweep_dir)  # logger=mlflow: the jobs' runs nest under it
     specs = []
     for offset, overrides in enumerate(job_overrides):
         num = initial_job_idx + offset
@@ -363,6 +365,8 @@ def finish_sweep(specs: Sequence[JobSpec], outcomes: Sequence[JobOutcome], withi
     sweep_dir = specs[0].job_dir.parent
     write_report(sweep_dir)
     bad = [o for o in outcomes if o.status not in FINISHED]
+    if not within_search:  # a search ends its parent run itself
+        close_parent(sweep_dir, ok=not bad)
     for spec, outcome in zip(specs, outcomes, strict=True) if not within_search else ():  # a search logs its own
         detail = f": {outcome.error}" if outcome.error and outcome.status not in FINISHED else ""
         log.info(f"  #{spec.num} {outcome.status:<13} {swept(spec, specs)}{detail}")

@@ -41,6 +41,7 @@ from llmexp.sweep.jobs import (
     failed_return,
     finish_sweep,
     is_llmexp_config,
+    record_outcome,
     run_task,
     split_ended,
     swept,
@@ -128,6 +129,8 @@ def launch_local(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
     where = f"GPUs {sorted(set(s for s in slots if s))}" if slots[0] is not None else "CPU"
     log.info(f"Launching {len(specs)} jobs locally, {len(slots)} at a time on {where}: {specs[0].job_dir.parent}")
     to_run, outcomes = split_ended(specs) if extras else (specs, {})
+    for spec in to_run if extras else ():  # `llmexp.status` shows the jobs that wait for a slot
+        record_outcome(spec, JobOutcome(spec.num, "queued", None, "waiting for a free slot"))
     outcomes.update(_run_queue(to_run, slots, work))
     returns = None if extras else [_job_return(s, outcomes[s.num], work) for s in specs]
     shutil.rmtree(work, ignore_errors=True)  # the pickles; llmexp's outcomes are recorded by finish_sweep
@@ -181,6 +184,7 @@ def _run_queue(specs: Sequence[JobSpec], slots: list[str | None], work: Path) ->
 
 def _start(spec: JobSpec, slot: str | None, num_slots: int, work: Path, label: str) -> _Running:
     spec.job_dir.mkdir(parents=True, exist_ok=True)
+    (spec.job_dir / "job_status.json").unlink(missing_ok=True)  # `queued` (or an earlier launch's verdict) no more
     outcome_path = work / f"{spec.num}.outcome.json"
     outcome_path.unlink(missing_ok=True)
     with open(spec.job_dir / "job.log", "ab") as job_log:

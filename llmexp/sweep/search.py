@@ -34,6 +34,7 @@ from llmexp.rundir.read import FINISHED, load_json
 from llmexp.rundir.study import STUDY_NAME, journal_storage, make_pruner
 from llmexp.sweep.jobs import is_llmexp_config, job_dir_of, write_report
 from llmexp.sweep.space import finite_grid, search_space, trial_overrides
+from llmexp.sweep.tracking import close_parent
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -214,6 +215,7 @@ def run_search(sweeper: Any, overrides: Sequence[Any], settings: SearchSettings)
             break
     if llmexp_app:
         write_report(sweep_dir)
+        close_parent(sweep_dir, ok=_ended(study) >= n_trials)  # logger=mlflow: the sweep's parent run
     _log_best(study, sweep_dir, llmexp_app)
     return returns
 

@@ -1,0 +1,387 @@
+"""`logger=mlflow`: each run is an MLflow run, a sweep's jobs nested runs of one parent run.
+
+What a run sends: its config flattened into params (secrets redacted, as for wandb), every train and eval
+record as metrics at its step, the findings as tags (`finding.<kind>`), and at the end `summary.json`,
+`report.md`, `curves.png` (and `model/` with `logger.log_model=true`) as artifacts, with the MLflow status
+the run ended with. The run's id is kept in the run directory (`mlflow_run.json`), so a resumed or requeued
+run continues the same MLflow run; the steps MLflow already has are not sent again, and those of the
+checkpoint's history it lacks (sent by nobody before a `kill -9`) are sent on resume, so the metric history
+holds every step once.
+
+Without `logger.tracking_uri` the store is a SQLite file in the run directory (a sweep's: the sweep
+directory), so it works with no server. A server that cannot be reached within `logger.init_timeout_s` gives
+one warning and the run logs to that local store instead; a server lost mid-run gives one warning, and the
+run goes on (its metrics are in `metrics.jsonl` whatever MLflow does). Metrics go out from a thread of
+their own, so a slow server never stalls a step. mlflow is imported only when this sink is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmexp.monitor.records import numbers, run_name_from_overrides
+from llmexp.rundir.read import load_json
+from llmexp.rundir.redact import scrub, scrub_text
+from llmexp.rundir.tracking import (
+    LOCAL_ARTIFACTS,
+    local_db_dir,
+    local_tracking_uri,
+    read_mlflow_run,
+    write_mlflow_run,
+)
+
+_log = logging.getLogger(__name__)
+
+FLUSH_S = 2.0
+"""Seconds between two sends of the metrics logged meanwhile (an eval record is sent at once)."""
+RETRY_S = 30.0
+"""After a failed send, seconds before the next try (the records wait, up to `MAX_PENDING`)."""
+MAX_PENDING = 200_000
+"""Metrics kept for a server that is down; older ones are dropped (metrics.jsonl has them all)."""
+MAX_PARAM_LEN = 6000
+"""MLflow's limit on a param value; a longer value (a long prompt list) is cut, with `...`."""
+MAX_TAG_LEN = 5000
+BATCH_METRICS, BATCH_PARAMS = 1000, 100
+"""MLflow's limits per `log_batch` call."""
+
+STATUS_OF = {"completed": "FINISHED", "early_stopped": "FINISHED", "pruned": "FINISHED", "preempted": "KILLED",
+             "diverged": "FAILED", "failed": "FAILED"}
+"""llmexp's run status -> MLflow's run status (a preempted run is KILLED until its resume sets it RUNNING)."""
+ARTIFACTS = ("summary.json", "report.md", "curves.png")
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                 "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+"""MLflow's HTTP settings for the run's process, unless the environment sets them."""
+
+
+@dataclass
+class Store:
+    """An MLflow store that answered, and the experiment in it."""
+
+    client: Any
+    uri: str
+    experiment_id: str
+
+
+def client_for(uri: str) -> Any:
+    """An MlflowClient for `uri`, with this module's HTTP settings unless the environment has its own."""
+    from mlflow import MlflowClient
+
+    for name, default in HTTP_DEFAULTS.items():  # mlflow's own (7 retries, 120 s) would stall a closing run
+        os.environ.setdefault(name, default)
+    return MlflowClient(tracking_uri=uri)
+
+
+@contextlib.contextmanager
+def _http_limits(timeout_s: float, retries: int) -> Iterator[None]:
+    """MLflow's HTTP timeout and retries for the calls inside (read by mlflow at each request)."""
+    names = {"MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, math.ceil(timeout_s))),
+             "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(retries)}
+    saved = {k: os.environ.get(k) for k in names}
+    os.environ.update(names)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """mlflow's store emits SQLAlchemy deprecation warnings on stderr: not the user's business."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _open(uri: str, experiment: str, timeout_s: float) -> Store:
+    """The store at `uri` and the id of `experiment` in it (created when missing); raises when unreachable."""
+    from mlflow.exceptions import MlflowException
+
+    db_dir = local_db_dir(uri)
+    lock: Any = contextlib.nullcontext()
+    if db_dir is not None:  # parallel jobs may create one SQLite store at once: its schema is made once
+        from filelock import FileLock
+
+        db_dir.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(db_dir / ".mlflow.db.lock"))
+    with lock, _quiet(), _http_limits(timeout_s, retries=0):
+        client = client_for(uri)
+        found = client.get_experiment_by_name(experiment)
+        if found is None:
+            location = str(db_dir / LOCAL_ARTIFACTS) if db_dir is not None else None
+            try:
+                return Store(client, uri, client.create_experiment(experiment, artifact_location=location))
+            except MlflowException:  # another job created it first
+                found = client.get_experiment_by_name(experiment)
+                if found is None:
+                    raise
+        if found.lifecycle_stage == "deleted":
+            client.restore_experiment(found.experiment_id)
+            _log.warning(f"mlflow: the experiment {experiment!r} had been deleted; restored it to log to it")
+        return Store(client, uri, found.experiment_id)
+
+
+def connect(uri: str | None, experiment: str, local_dir: Path, timeout_s: float) -> Store:
+    """The configured store, or `local_dir`'s SQLite store when it is None or cannot be reached (one warning)."""
+    local = local_tracking_uri(local_dir)
+    if uri is None or uri == local:
+        return _open(local, experiment, timeout_s)
+    try:
+        return _open(uri, experiment, timeout_s)
+    except Exception as err:  # refused, unreachable, credentials rejected: the run logs locally instead
+        reason = scrub_text(str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)[:300]
+        _log.warning(f"mlflow could not reach {uri} within logger.init_timeout_s={timeout_s:g} ({reason}); logging "
+                     f"to {local} instead. See it with `mlflow ui --backend-store-uri {local}`")
+        return _open(local, experiment, timeout_s)
+
+
+def flat_params(container: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """A nested config as MLflow params: dotted keys, lists and empty dicts as JSON, each value at most
+    `MAX_PARAM_LEN` characters."""
+    out: dict[str, str] = {}
+    for key, value in container.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.update(flat_params(value, name + "."))
+            continue
+        text = value if isinstance(value, str) else json.dumps(value, default=str)
+        out[name] = text if len(text) <= MAX_PARAM_LEN else text[:MAX_PARAM_LEN - 3] + "..."
+    return out
+
+
+def _tag(text: str) -> str:
+    return text if len(text) <= MAX_TAG_LEN else text[:MAX_TAG_LEN - 3] + "..."
+
+
+def finding_tags(findings: list[Mapping[str, Any]]) -> dict[str, str]:
+    """`finding.<kind>`: severity, step, message and advice (and, from summary.json, open or resolved)."""
+    tags = {}
+    for f in findings:
+        status = f" [{f['status']}]" if f.get("status") else ""
+        tags[f"finding.{f.get('kind')}"] = _tag(f"{f.get('severity')} at step {f.get('step')}: {f.get('message')} -> "
+                                                f"{f.get('advice')}{status}")
+    return tags
+
+
+class _Sender(threading.Thread):
+    """Sends the queued metrics and tags of one run; after a failure it warns once and waits `RETRY_S`."""
+
+    def __init__(self, client: Any, run_id: str) -> None:
+        super().__init__(name="llmexp-mlflow", daemon=True)
+        self.client, self.run_id = client, run_id
+        self.lock = threading.Lock()
+        self.metrics: list[Any] = []
+        self.tags: dict[str, str] = {}
+        self.wake, self.stopping = threading.Event(), threading.Event()
+        self.failing: str | None = None
+        """Why the last send failed; None while sends succeed."""
+        self.dropped = 0
+
+    def add(self, metrics: list[Any], tags: Mapping[str, str] | None = None, now: bool = False) -> None:
+        with self.lock:
+            self.metrics.extend(metrics)
+            if len(self.metrics) > MAX_PENDING:
+                self.dropped += len(self.metrics) - MAX_PENDING
+                del self.metrics[:len(self.metrics) - MAX_PENDING]
+            self.tags.update(tags or {})
+        if now:
+            self.wake.set()
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            self.wake.wait(FLUSH_S if self.failing is None else RETRY_S)
+            self.wake.clear()
+            if not self.stopping.is_set():
+                self.send()
+        self.send()  # what the last records left
+
+    def send(self) -> None:
+        """Everything queued, in `log_batch` calls of MLflow's sizes; what a failure leaves unsent waits."""
+        from mlflow.entities import RunTag
+
+        with self.lock:
+            metrics, tags = self.metrics, list(self.tags.items())
+            self.metrics, self.tags = [], {}
+        sent_m = sent_t = 0
+        try:
+            with _quiet():
+                while sent_m < len(metrics) or sent_t < len(tags):
+                    chunk = metrics[sent_m:sent_m + BATCH_METRICS]
+                    tag_chunk = [RunTag(k, v) for k, v in tags[sent_t:sent_t + BATCH_PARAMS]]
+                    self.client.log_batch(self.run_id, metrics=chunk, tags=tag_chunk)
+                    sent_m, sent_t = sent_m + len(chunk), sent_t + len(tag_chunk)
+        except Exception as err:  # the server went away: keep what was not sent, say so once
+            with self.lock:
+                self.metrics[:0] = metrics[sent_m:]
+                self.tags = {**dict(tags[sent_t:]), **self.tags}
+            if self.failing is None:
+                self.failing = scrub_text(str(err).strip().splitlines()[0] if str(err).strip() else repr(err))[:300]
+                _log.warning(f"mlflow: sending metrics failed ({self.failing}); the run goes on (metrics.jsonl has "
+                             f"every record) and retries every {RETRY_S:g} s")
+            return
+        self.failing = None
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.wake.set()
+        self.join()
+
+
+class MlflowSink:
+    """One llmexp run as one MLflow run: params, metrics by step, findings as tags, artifacts at the end."""
+
+    def __init__(self, run_dir: Path, cfg_container: dict, logger_cfg: Any, run_name: str,
+                 sweep_dir: Path | None = None, new_run: bool = False) -> None:
+        self.run_dir = Path(run_dir)
+        self.log_model = bool(logger_cfg.log_model)
+        self.sender: _Sender | None = None
+        self._have: dict[str, set[int]] = {}
+        """Steps each metric already had in MLflow when this process started (a resumed run's)."""
+        self.continued = False
+        try:
+            self._start(cfg_container, logger_cfg, run_name, sweep_dir, new_run)
+        except Exception as err:  # even the local store failed: the run goes on without MLflow
+            reason = scrub_text(str(err).strip().splitlines()[0] if str(err).strip() else repr(err))[:300]
+            _log.warning(f"mlflow: could not start a run ({type(err).__name__}: {reason}); this run logs to "
+                         "metrics.jsonl only")
+            self.sender = None
+
+    def _start(self, cfg_container: dict, lg: Any, run_name: str, sweep_dir: Path | None, new_run: bool) -> None:
+        store = connect(lg.tracking_uri, str(lg.experiment), sweep_dir or self.run_dir, float(lg.init_timeout_s))
+        self.store, client = store, store.client
+        known = None if new_run else read_mlflow_run(self.run_dir)
+        run = None
+        if known is not None and known["tracking_uri"] == store.uri:
+            with contextlib.suppress(Exception), _quiet():  # gone from the store (deleted, another database)
+                run = client.get_run(known["run_id"])
+            if run is not None and run.info.lifecycle_stage == "deleted":
+                run = None
+        if run is not None:
+            self.continued = True
+            with _quiet():
+                client.update_run(run.info.run_id, status="RUNNING")
+        else:
+            tags = {"llmexp.run_dir": str(self.run_dir.absolute())}
+            parent = read_mlflow_run(sweep_dir) if sweep_dir is not None else None
+            if parent is not None and parent["tracking_uri"] == store.uri:
+                tags["mlflow.parentRunId"] = parent["run_id"]
+            with _quiet():
+                run = client.create_run(store.experiment_id, run_name=run_name_from_overrides(run_name), tags=tags)
+            write_mlflow_run(self.run_dir, store.uri, store.experiment_id, run.info.run_id)
+        self.run_id = run.info.run_id
+        self._log_params(client, flat_params(scrub(cfg_container)), dict(run.data.params))
+        self.sender = _Sender(client, self.run_id)
+        self.sender.start()
+
+    def _log_params(self, client: Any, params: dict[str, str], existing: dict[str, str]) -> None:
+        """The params the run lacks (MLflow refuses to change one: a resume with another value keeps the first,
+        and a tag names the keys that differ)."""
+        from mlflow.entities import Param, RunTag
+
+        new = [Param(k, v) for k, v in params.items() if k not in existing]
+        changed = sorted(k for k, v in params.items() if k in existing and existing[k] != v)
+        tags = [RunTag("llmexp.params_changed_on_resume", _tag(", ".join(changed)))] if changed else []
+        with _quiet():
+            for i in range(0, len(new), BATCH_PARAMS):
+                client.log_batch(self.run_id, params=new[i:i + BATCH_PARAMS], tags=tags if i == 0 else [])
+            if tags and not new:
+                client.log_batch(self.run_id, tags=tags)
+
+    # ------------------------------------------------------------------ the Sink protocol
+    def reset(self, records: list[dict[str, Any]]) -> None:
+        """The run (re)starts from `records` (a checkpoint's history, or none): note what a continued MLflow run
+        already holds, so no step is sent twice, and send what it lacks of that history (all of it to a new
+        MLflow run, e.g. a run resumed with logger=mlflow that started without it)."""
+        if self.sender is None:
+            return
+        if self.continued:
+            client = self.store.client
+            try:
+                with _quiet():
+                    keys = client.get_run(self.run_id).data.metrics
+                    self._have = {key: {m.step for m in client.get_metric_history(self.run_id, key)} for key in keys}
+            except Exception as err:
+                _log.warning(f"mlflow: could not read the run's metric history ({type(err).__name__}); steps sent "
+                             "before the resume may appear twice")
+        for record in records:
+            self.log(record)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if self.sender is None:
+            return
+        from mlflow.entities import Metric
+
+        event, step = record.get("event"), int(record.get("step", 0))
+        if event == "finding":
+            self.sender.add([], finding_tags([record]))
+            return
+        if event == "start":
+            facts = {k: record.get(k) for k in ("lr_chosen", "lr_source", "num_params", "precision",
+                                                "global_batch_size", "batch_size")}
+            self.sender.add([], {f"llmexp.{k}": str(v) for k, v in facts.items() if v is not None})
+            return
+        now_ms = int(time.time() * 1000)
+        metrics = [Metric(key, value, now_ms, step) for key, value in numbers(record).items()
+                   if step not in self._have.get(key, ())]
+        if metrics:
+            self.sender.add(metrics, now=event == "eval")
+
+    def close(self) -> None:
+        if self.sender is None:
+            return
+        sender, self.sender = self.sender, None
+        summary = load_json(self.run_dir / "summary.json") or {}
+        status = str(summary.get("status") or "failed")
+        sender.add([], {"llmexp.status": status, **finding_tags(summary.get("findings") or [])})
+        sender.stop()
+        if sender.failing is not None:
+            _log.warning(f"mlflow: the run's last records, artifacts and status were not sent ({sender.failing}); "
+                         f"metrics.jsonl and {self.run_dir} have them")
+            return
+        if sender.dropped:
+            _log.warning(f"mlflow: {sender.dropped} metrics were dropped while the server was unreachable")
+        try:
+            self._finish(status)
+        except Exception as err:  # a failed upload must not fail a finished run
+            _log.warning(f"mlflow: uploading the artifacts failed ({type(err).__name__}: "
+                         f"{scrub_text(str(err))[:300]})")
+
+    def _finish(self, status: str) -> None:
+        client = self.store.client
+        with _quiet():
+            for name in ARTIFACTS:
+                if (self.run_dir / name).is_file():
+                    client.log_artifact(self.run_id, str(self.run_dir / name))
+            if self.log_model and (self.run_dir / "model").is_dir():
+                client.log_artifacts(self.run_id, str(self.run_dir / "model"), artifact_path="model")
+            client.set_terminated(self.run_id, status=STATUS_OF.get(status, "FAILED"))
+
+
+SWEEP_ARTIFACTS = ("sweep_summary.json", "sweep_report.md", "sweep_curves.png", "sweep_search.png")
+
+
+def log_sweep_report(sweep_dir: Path) -> None:
+    """Upload a sweep's report to its parent run, when the sweep directory records one (`logger=mlflow`)."""
+    known = read_mlflow_run(sweep_dir)
+    if known is None:
+        return
+    client = client_for(known["tracking_uri"])
+    with _quiet():
+        for name in SWEEP_ARTIFACTS:
+            if (Path(sweep_dir) / name).is_file():
+                client.log_artifact(known["run_id"], str(Path(sweep_dir) / name))

@@ -1,0 +1,29 @@
+"""What every sink takes from a record: its numbers under `train/` or `eval/`, and a run's name."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from llmexp.rundir.redact import scrub_overrides
+
+
+def run_name_from_overrides(overrides: list[str] | str, max_len: int = 128) -> str:
+    """A readable run name from the overrides (`lr=1e-3,batch_size=4`), secrets removed; `default` if none."""
+    items = overrides.split(",") if isinstance(overrides, str) else list(overrides)
+    items = [o for o in scrub_overrides([o for o in items if o]) if not o.lstrip("+~").startswith("hydra.")]
+    name = ",".join(items) or "default"
+    return name if len(name) <= max_len else name[:max_len - 3] + "..."
+
+
+def numbers(record: Mapping[str, Any]) -> dict[str, float]:
+    """The numeric fields of a train or eval record, under `train/` or `eval/`; NaN/inf kept as floats."""
+    event = record.get("event")
+    if event not in ("train", "eval"):
+        return {}
+    out = {}
+    for key, value in record.items():
+        if key in ("event", "step") or isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        out[f"{event}/{key}"] = float(value)
+    return out

@@ -1,0 +1,254 @@
+"""`python -m llmexp.status DIR [--watch [SECONDS]]`: where a run, or every job of a sweep, stands.
+
+One table, local or SLURM, running or ended: job, the overrides that differ between jobs, status, step of
+max_steps, the last train loss, the last eval loss, the best eval loss so far, the ETA, and on SLURM the job
+id and its state (`squeue`, then `sacct`). It reads only files (the run directories, through
+`llmexp.rundir.read`) and asks the scheduler: no torch, no Hydra, an answer in well under a second.
+`--watch` redraws the table in place every SECONDS (2) until Ctrl-C.
+
+A job's status: `running` while a process holds its run directory's lock (or SLURM runs it), `queued` before
+it starts (`requeued` when SLURM queued it again after a checkpoint), then what the run wrote to
+summary.json (`completed`, `early_stopped`, `pruned`, `diverged`, `failed`, `preempted`) or, when the
+launcher knows more, its verdict (`cancelled`, `timeout`, `killed`); `killed` also for a run directory whose
+process is gone without a summary.
+
+Exit codes: 0 the table was shown, 2 DIR is neither a run nor a sweep directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmexp.rundir.lock import lock_holder
+from llmexp.rundir.read import is_run_dir, is_sweep_dir, job_dirs, load_json, load_overrides, load_records
+
+SCHEDULER_TIMEOUT_S = 0.7
+"""What the scheduler may take to answer (squeue and sacct run side by side); past it the column says `?`."""
+WAITING = ("submitted", "queued")
+"""Launcher records of a job that has not started (SLURM's `submitted`, the local launcher's `queued`)."""
+QUEUED_STATES = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "SUSPENDED")
+SACCT_STATUS = {"CANCELLED": "cancelled", "TIMEOUT": "timeout", "DEADLINE": "timeout", "OUT_OF_MEMORY": "failed",
+                "NODE_FAIL": "failed", "BOOT_FAIL": "failed", "FAILED": "failed", "PREEMPTED": "preempted"}
+"""SLURM's final states for a job that left no verdict of its own."""
+
+
+@dataclass
+class Row:
+    """One line of the table."""
+
+    job: str
+    overrides: str
+    status: str
+    step: int | None
+    max_steps: int | None
+    loss: float | None
+    eval_loss: float | None
+    best_eval: float | None
+    eta_s: float | None
+    slurm_id: str | None
+    slurm_state: str | None
+
+
+# ----------------------------------------------------------------------------- the scheduler
+
+
+def scheduler_states(job_ids: list[str], timeout_s: float = SCHEDULER_TIMEOUT_S) -> dict[str, str]:
+    """SLURM job id -> its state: squeue for queued and running jobs, sacct for the ended ones; `?` when a
+    command did not answer in time, '' when neither knows the id; {} without SLURM."""
+    if not job_ids or shutil.which("squeue") is None:
+        return {}
+    import getpass
+
+    commands = [["squeue", "-h", "-r", "-u", getpass.getuser(), "-o", "%i|%T"]]
+    if shutil.which("sacct") is not None:
+        commands.append(["sacct", "-n", "-P", "-X", "-S", "1970-01-01", "-o", "JobID,State", "-j", ",".join(job_ids)])
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for c in commands]
+    deadline, found = time.monotonic() + timeout_s, [{}, {}]
+    for i, proc in enumerate(procs):
+        try:
+            out, _ = proc.communicate(timeout=max(0.01, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            continue
+        for line in out.splitlines():
+            job_id, _, state = line.strip().partition("|")
+            if state:
+                found[i][job_id] = state.split()[0]  # `CANCELLED by 0` -> CANCELLED
+    live, ended = found  # sacct's RUNNING can lag behind a job that squeue no longer lists: only its final states
+    ended = {j: state for j, state in ended.items() if state not in ("RUNNING", "PENDING", *QUEUED_STATES)}
+    answered = all(proc.returncode is not None and proc.returncode >= 0 for proc in procs)
+    return {j: live.get(j) or ended.get(j) or ("" if answered else "?") for j in job_ids}
+
+
+# ----------------------------------------------------------------------------- one job
+
+
+def _finite(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) \
+        else None
+
+
+def _eta_s(records: list[dict], step: int | None, max_steps: int | None, run_dir: Path) -> float | None:
+    """Seconds left at the pace of the current attempt's last train records, less the time since the last one."""
+    starts = [i for i, r in enumerate(records) if r.get("event") in ("start", "resume")]
+    timed = [r for r in records[starts[-1] if starts else 0:]
+             if r.get("event") == "train" and isinstance(r.get("time_s"), int | float)][-20:]
+    if step is None or not max_steps or max_steps <= step or len(timed) < 2 or timed[-1]["step"] <= timed[0]["step"]:
+        return None
+    per_step = (timed[-1]["time_s"] - timed[0]["time_s"]) / (timed[-1]["step"] - timed[0]["step"])
+    try:
+        since = time.time() - (run_dir / "metrics.jsonl").stat().st_mtime
+    except OSError:
+        since = 0.0
+    return max(0.0, per_step * (max_steps - step) - since)
+
+
+def _ended(run_dir: Path, summary: dict | None) -> bool:
+    """The run says it ended (a summary with a final status, written after its last record), though its process
+    or SLURM job may still be finishing; a later attempt (a rerun, a requeue) rewrites metrics.jsonl after it."""
+    if summary is None or summary.get("status") in (None, "preempted"):
+        return False
+    try:
+        return (run_dir / "summary.json").stat().st_mtime >= (run_dir / "metrics.jsonl").stat().st_mtime
+    except OSError:
+        return True
+
+
+def _status(run_dir: Path, summary: dict | None, verdict: dict, records: list[dict], state: str | None) -> str:
+    """What the job is doing now, or how it ended (see the module docstring)."""
+    unknown = state in (None, "", "?")  # not on SLURM, or the scheduler said nothing: the lock tells
+    if not _ended(run_dir, summary) and (state in ("RUNNING", "COMPLETING")
+                                         or (unknown and lock_holder(run_dir) is not None)):
+        return "running"
+    if state in QUEUED_STATES:
+        return "requeued" if records else "queued"
+    ended = verdict.get("status")
+    if ended and ended not in WAITING:
+        return str(ended)
+    if summary is not None and summary.get("status"):
+        return str(summary["status"])
+    if state and state != "?" and (final := SACCT_STATUS.get(state)):
+        return final
+    if ended in WAITING:
+        return "queued"
+    return "killed" if records else "queued"
+
+
+def job_row(run_dir: Path, shown: str, slurm_id: str | None, states: dict[str, str]) -> Row:
+    """A run directory's line: its files, and the scheduler's word on its SLURM job."""
+    records, summary = load_records(run_dir), load_json(run_dir / "summary.json")
+    verdict = load_json(run_dir / "job_status.json") or {}
+    slurm_id = slurm_id or verdict.get("job_id")
+    state = states.get(slurm_id) if slurm_id else None
+    status = _status(run_dir, summary, verdict, records, state)
+    trains = [r for r in records if r.get("event") == "train"]
+    evals = [v for r in records if r.get("event") == "eval" and (v := _finite(r.get("eval_loss"))) is not None]
+    start = next((r for r in reversed(records) if r.get("event") == "start"), {})
+    step = trains[-1]["step"] if trains else (summary or {}).get("step")
+    max_steps = start.get("max_steps")
+    return Row(job=run_dir.name, overrides=shown, status=status, step=step, max_steps=max_steps,
+               loss=_finite(trains[-1].get("loss")) if trains else None, eval_loss=evals[-1] if evals else None,
+               best_eval=min(evals) if evals else None,
+               eta_s=_eta_s(records, step, max_steps, run_dir) if status == "running" else None,
+               slurm_id=slurm_id, slurm_state=state)
+
+
+# ----------------------------------------------------------------------------- a run or a sweep
+
+
+def _varying(overrides: dict[str, list[str]]) -> dict[str, str]:
+    """Each job's overrides that differ between jobs (all of them for a single run)."""
+    if len(overrides) < 2:
+        return {job: " ".join(o) for job, o in overrides.items()}
+    keyed = {job: dict(o.partition("=")[::2] for o in items) for job, items in overrides.items()}
+    keys = [k for k in dict.fromkeys(k for d in keyed.values() for k in d)
+            if len({d.get(k) for d in keyed.values()}) > 1]
+    return {job: " ".join(f"{k}={d[k]}" for k in keys if k in d) for job, d in keyed.items()}
+
+
+def rows(path: Path, scheduler_timeout_s: float = SCHEDULER_TIMEOUT_S) -> list[Row]:
+    """The table's lines for a run directory or a sweep directory."""
+    path = Path(path)
+    dirs = job_dirs(path) if is_sweep_dir(path) and not (path / "metrics.jsonl").exists() else [path]
+    slurm = {str(k): str(v) for k, v in ((load_json(path / "slurm_jobs.json") or {}).get("jobs") or {}).items()}
+    verdict_ids = [str(j) for d in dirs if (j := (load_json(d / "job_status.json") or {}).get("job_id"))]
+    states = scheduler_states(sorted(set(slurm.values()) | set(verdict_ids)), scheduler_timeout_s)
+    shown = _varying({d.name: load_overrides(d) for d in dirs})
+    return [job_row(d, shown[d.name], slurm.get(d.name), states) for d in dirs]
+
+
+def _fmt(value: float | None) -> str:
+    return "–" if value is None else f"{value:.4g}"
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "–"
+    seconds = round(seconds)
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else \
+        f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def render(path: Path, table: list[Row], width: int = 160) -> str:
+    """The table as text: a heading with the counts per status, then one line per job."""
+    counts: dict[str, int] = {}
+    for r in table:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    slurm = any(r.slurm_id for r in table)
+    head = ["job", "overrides", "status", "step", "loss", "eval", "best", "eta"] + (["slurm"] if slurm else [])
+    cells = [[r.job, r.overrides or "–", r.status,
+              f"{r.step if r.step is not None else '–'}/{r.max_steps if r.max_steps is not None else '–'}",
+              _fmt(r.loss), _fmt(r.eval_loss), _fmt(r.best_eval), _duration(r.eta_s)]
+             + ([f"{r.slurm_id or '–'} {r.slurm_state or ''}".strip()] if slurm else []) for r in table]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(head)]
+    spare = width - sum(widths) - 2 * (len(widths) - 1)
+    if spare < 0 and widths[1] > 12:  # the overrides column gives way on a narrow terminal
+        widths[1] = max(12, widths[1] + spare)
+    tally = ", ".join(f"{n} {s}" for s, n in counts.items())
+    lines = [f"{path}: {len(table)} {'job' if len(table) == 1 else 'jobs'}" + (f" ({tally})" if tally else ""),
+             "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
+    for c in cells:
+        c[1] = c[1] if len(c[1]) <= widths[1] else c[1][:widths[1] - 1] + "…"
+        lines.append("  ".join(v.ljust(w) for v, w in zip(c, widths, strict=True)).rstrip())
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m llmexp.status",
+                                     description="Where a run, or every job of a sweep, stands.")
+    parser.add_argument("dir", type=Path, help="a run directory or a sweep directory")
+    parser.add_argument("--watch", nargs="?", const=2.0, type=float, metavar="SECONDS",
+                        help="redraw the table in place every SECONDS (default 2) until Ctrl-C")
+    parser.add_argument("--scheduler-timeout", type=float, default=SCHEDULER_TIMEOUT_S, metavar="SECONDS",
+                        help=f"how long squeue and sacct may take (default {SCHEDULER_TIMEOUT_S:g}); past it: ?")
+    args = parser.parse_args(argv)
+    if not (is_run_dir(args.dir) or is_sweep_dir(args.dir)):
+        print(f"llmexp.status: error: {args.dir} is neither a run directory (metrics.jsonl, summary.json, .hydra/) "
+              "nor a sweep directory (multirun.yaml, job subdirectories)", file=sys.stderr)
+        return 2
+    width = shutil.get_terminal_size((160, 24)).columns
+    if args.watch is None:
+        print(render(args.dir, rows(args.dir, args.scheduler_timeout), width))
+        return 0
+    tty, first = sys.stdout.isatty(), True
+    try:
+        while True:
+            frame = (f"{render(args.dir, rows(args.dir, args.scheduler_timeout), width)}\n"
+                     f"(every {args.watch:g} s, {time.strftime('%H:%M:%S')}; Ctrl-C stops)")
+            if tty:  # in place: home (the first time, clear the screen), each line cleared to its end, then below
+                frame = ("\x1b[2J" if first else "") + "\x1b[H" + frame.replace("\n", "\x1b[K\n") + "\x1b[K\n\x1b[J"
+            sys.stdout.write(frame if tty else frame + "\n\n")
+            sys.stdout.flush()
+            first = False
+            time.sleep(max(0.1, args.watch))
+    except KeyboardInterrupt:
+        return 0

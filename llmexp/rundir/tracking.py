@@ -1,0 +1,45 @@
+"""Where a run's or a sweep's MLflow run lives, as a file in its directory, so that a resumed or requeued run
+continues the same MLflow run and a sweep's jobs find their parent.
+
+`mlflow_run.json` holds `tracking_uri`, `experiment_id` and `run_id`; the trainer's sink writes one per run
+directory, the sweep layer one per sweep directory (the parent run). Without `logger.tracking_uri` both use a
+SQLite store beside them (`mlflow.db`, artifacts in `mlartifacts/`), so MLflow works with no server. Plain
+files and strings only: no mlflow import here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from llmexp.rundir.files import write_json_atomic
+from llmexp.rundir.read import load_json
+
+MLFLOW_RUN_FILE = "mlflow_run.json"
+LOCAL_DB = "mlflow.db"
+LOCAL_ARTIFACTS = "mlartifacts"
+
+
+def local_tracking_uri(directory: Path) -> str:
+    """The SQLite store inside a run or sweep directory (absolute, so any working directory reads it)."""
+    return f"sqlite:///{Path(directory).absolute() / LOCAL_DB}"
+
+
+def local_db_dir(tracking_uri: str) -> Path | None:
+    """The directory of a local SQLite store's file (where its artifacts go too); None for a server."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    return Path(tracking_uri.removeprefix("sqlite:///")).absolute().parent
+
+
+def read_mlflow_run(directory: Path) -> dict[str, str] | None:
+    """The MLflow run recorded in `directory` ({tracking_uri, experiment_id, run_id}), or None."""
+    data = load_json(Path(directory) / MLFLOW_RUN_FILE)
+    if not data or not all(isinstance(data.get(k), str) and data[k] for k in ("tracking_uri", "run_id")):
+        return None
+    return {k: str(data.get(k) or "") for k in ("tracking_uri", "experiment_id", "run_id")}
+
+
+def write_mlflow_run(directory: Path, tracking_uri: str, experiment_id: str, run_id: str, **extra: Any) -> None:
+    write_json_atomic(Path(directory) / MLFLOW_RUN_FILE, {"tracking_uri": tracking_uri, "experiment_id": experiment_id,
+                                                         "run_id": run_id, **extra})

@@ -1,0 +1,68 @@
+"""A sweep's parent MLflow run (`logger=mlflow`): opened by the launcher before the first job runs, its id kept
+in the sweep directory (`mlflow_run.json`), where each job's run finds it and nests under it; ended with the
+sweep. A rerun of the sweep, or a search's next batch, continues the same parent. The sweep report uploads
+itself to it (`llmexp.report.sweep`).
+
+MLflow trouble never stops a sweep: an unreachable server gives the sweep directory's local store (as for a
+run), anything else a warning and jobs that are not nested. mlflow is imported only for `logger=mlflow`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from llmexp.rundir.redact import scrub_overrides, scrub_text
+from llmexp.rundir.tracking import read_mlflow_run, write_mlflow_run
+
+log = logging.getLogger(__name__)
+
+
+def _uses_mlflow(config: Any) -> bool:
+    """llmexp's config (another Hydra app's has no `logger` node) with `logger=mlflow`."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(config, "logger.name", default=None) == "mlflow" and "train" in config
+
+
+def open_parent(config: Any, sweep_dir: Path) -> None:
+    """The parent run of the sweep in `sweep_dir`: continued if the directory records one, else created."""
+    if not _uses_mlflow(config):
+        return
+    try:
+        _open(config, Path(sweep_dir))
+    except Exception as err:  # the sweep goes on; its jobs' runs are then not nested
+        log.warning(f"mlflow: no parent run for the sweep ({type(err).__name__}: {scrub_text(str(err))[:300]}); "
+                    "its jobs log runs that are not nested")
+
+
+def _open(config: Any, sweep_dir: Path) -> None:
+    from llmexp.monitor.mlflow_sink import connect
+
+    lg = config.logger
+    store = connect(lg.tracking_uri, str(lg.experiment), sweep_dir, float(lg.init_timeout_s))
+    known = read_mlflow_run(sweep_dir)
+    if known is not None and known["tracking_uri"] == store.uri:
+        store.client.update_run(known["run_id"], status="RUNNING")
+        return
+    overrides = " ".join(scrub_overrides([str(o) for o in config.hydra.overrides.task]))
+    run = store.client.create_run(store.experiment_id, run_name=sweep_dir.name,
+                                  tags={"llmexp.sweep_dir": str(sweep_dir), "llmexp.overrides": overrides[:5000]})
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    write_mlflow_run(sweep_dir, store.uri, store.experiment_id, run.info.run_id)
+    log.info(f"MLflow parent run {run.info.run_id} in {store.uri}")
+
+
+def close_parent(sweep_dir: Path, ok: bool) -> None:
+    """End the sweep's parent run, if `open_parent` made one: FINISHED when every job finished, else FAILED."""
+    known = read_mlflow_run(sweep_dir)
+    if known is None:
+        return
+    try:
+        from llmexp.monitor.mlflow_sink import client_for
+
+        client_for(known["tracking_uri"]).set_terminated(known["run_id"], status="FINISHED" if ok else "FAILED")
+    except Exception as err:
+        log.warning(f"mlflow: could not end the sweep's parent run ({type(err).__name__}: "
+                    f"{scrub_text(str(err))[:300]})")
