@@ -69,6 +69,24 @@ class BatchPlan:
         return max(1, math.ceil(self.epochs * num_examples / self.global_batch))
 
 
+def global_batch_problem(global_batch: int | None, micro: int, world: int, auto: bool = False) -> str | None:
+    """The rule of `train.global_batch_size`, and its one message: it must split into micro-batch x processes x
+    accumulation steps. With batch_size=auto (`auto`) the micro-batch is yet to be chosen among its divisors,
+    so the processes alone must divide it. None when it does (or is unset); the CLI's machine checks
+    (`config.environment`) and the batch plan both ask here."""
+    if global_batch is None:
+        return None
+    per_step = world if auto else micro * world
+    if global_batch % per_step == 0:
+        return None
+    nearest = per_step * max(1, round(global_batch / per_step))
+    if auto:
+        return (f"train.global_batch_size={global_batch} is not a multiple of the {world} processes, so no "
+                f"micro-batch for batch_size=auto divides it; pick a multiple of {world} (e.g. {nearest})")
+    return (f"train.global_batch_size={global_batch} is not a multiple of batch_size x processes = "
+            f"{micro} x {world} = {per_step}; pick a multiple of {per_step} (e.g. {nearest})")
+
+
 def make_plan(cfg: DictConfig, world: int, micro: int | None = None) -> BatchPlan:
     """Derive accumulation from `train.global_batch_size` when it is set. `micro` is the micro-batch
     `batch_size=auto` chose (`llmexp.train.autobatch`); without one, batch_size=auto plans with 1 until it has."""
@@ -76,11 +94,9 @@ def make_plan(cfg: DictConfig, world: int, micro: int | None = None) -> BatchPla
     micro = micro or parse_batch_size(cfg.batch_size) or 1
     accum = t.gradient_accumulation_steps
     if t.global_batch_size is not None:
-        per_step = micro * world
-        if t.global_batch_size % per_step:
-            raise UserError(f"train.global_batch_size={t.global_batch_size} is not a multiple of batch_size x "
-                            f"processes = {micro} x {world} = {per_step}; pick a multiple of {per_step}")
-        accum = t.global_batch_size // per_step
+        if problem := global_batch_problem(t.global_batch_size, micro, world):
+            raise UserError(problem)
+        accum = t.global_batch_size // (micro * world)
     return BatchPlan(micro=micro, accum=accum, world=world, fixed_steps=t.max_steps, epochs=t.num_train_epochs)
 
 
