@@ -4,17 +4,15 @@ with summary.json still written if there is room for it."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llmexp.checkpoint import store as ckpt
 from llmexp.errors import STATUS_EXIT
 from llmexp.monitor.detectors import reconcile
 from llmexp.monitor.logger import MetricsLogger
 from llmexp.monitor.throughput import peak_memory_mb
 from llmexp.report.run import write_run_report
-from llmexp.rundir.files import write_json_atomic
+from llmexp.rundir.files import DiskFull, staged_dir, write_json_atomic
 from llmexp.rundir.read import last_value
 from llmexp.rundir.redact import scrub
 from llmexp.train.resume import save_state_checkpoint
@@ -28,11 +26,8 @@ if TYPE_CHECKING:
 
 def save_final_model(rt: Runtime, model: torch.nn.Module, tokenizer: Any,
                      weights: dict[str, torch.Tensor] | None = None) -> None:
-    """`model/`: save_pretrained of the model and tokenizer, published by one atomic swap."""
-    final = rt.run_dir / "model"
-    tmp = rt.run_dir / ".model.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    """`model/`: save_pretrained of the model and tokenizer, published by one atomic swap (a full disk: DiskFull)."""
+    with staged_dir(rt.run_dir / "model", staging=rt.run_dir / ".model.tmp") as tmp:  # model/ never half-written
         lm = rt.engine.lm(model)
         if rt.cfg.peft.name != "none":  # adapter_config.json + adapter_model.safetensors (PeftModel.from_pretrained)
             lm.save_pretrained(tmp, safe_serialization=True)
@@ -41,13 +36,6 @@ def save_final_model(rt: Runtime, model: torch.nn.Module, tokenizer: Any,
         else:  # weights: the ZeRO-3 gathered ones, else None (the model's own)
             lm.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
         tokenizer.save_pretrained(tmp)
-        ckpt.publish_dir(tmp, final)  # fsyncs, then swaps atomically: model/ is never missing or half-written
-    except Exception as err:
-        full = ckpt.disk_full_error(err, final)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if full is not None:
-            raise full from None
-        raise
 
 
 def save_merged(rt: Runtime, lm: Any, model_dir: Path, tokenizer: Any) -> None:
@@ -102,11 +90,11 @@ def _save_final(run: Run, tokenizer: Any, status: str) -> str:
         return "failed"
     rt = run.rt
     weights = rt.engine.final_weights(run.model)  # ZeRO-3 and FSDP: collective, so every rank gathers; else None
-    full: ckpt.DiskFull | None = None
+    full: DiskFull | None = None
     if rt.is_main:
         try:
             save_final_model(rt, run.model, tokenizer, weights)
-        except ckpt.DiskFull as err:
+        except DiskFull as err:
             full = err
             run.log.write(f"error: {err}; model/ was not written (status failed). The final checkpoint "
                           f"step_{run.state.step} is complete: free some space and run the same command to export it.")

@@ -26,6 +26,7 @@ import torch
 from llmexp.checkpoint import serialize
 from llmexp.config.derived import BatchPlan
 from llmexp.errors import UserError
+from llmexp.rundir.files import stage_dir
 from llmexp.train.engines.plain import OptimizerWriter, PlainEngine, inner_optimizer, zero_mismatch
 
 
@@ -90,19 +91,18 @@ class DeepSpeedEngine(PlainEngine):
     def optimizer_writer(self, optimizer: Any, run_dir: Path, step: int) -> OptimizerWriter:
         """Every rank writes its shard to a staging dir beside the checkpoints (collective); rank 0 then
         moves them into the checkpoint it publishes (same filesystem: renames)."""
-        rank = self.accelerator.process_index
         staging = run_dir / ".zero_shards" / f"step_{step}"
-        staging.mkdir(parents=True, exist_ok=True)
-        final = staging / f"zero_rank{rank}.pt"
-        tmp = final.with_name(final.name + ".tmp")
-        serialize.save_state(tmp, _zero_shard_state(optimizer, self.plan.world))
-        os.replace(tmp, final)
+        if self.accelerator.is_main_process:
+            stage_dir(staging)  # (a crashed save's leftover goes)
+        self.accelerator.wait_for_everyone()
+        serialize.save_state(staging / f"zero_rank{self.accelerator.process_index}.pt",
+                             _zero_shard_state(optimizer, self.plan.world))
         self.accelerator.wait_for_everyone()
 
-        def move_shards(checkpoint_tmp: Path) -> None:
+        def move_shards(checkpoint_tmp: Path) -> None:  # the checkpoint's staged dir fsyncs and publishes them
             for shard in sorted(staging.glob("zero_rank*.pt")):
                 os.replace(shard, checkpoint_tmp / shard.name)
-            shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(staging.parent, ignore_errors=True)
 
         return move_shards
 

@@ -39,6 +39,7 @@ from llmexp.checkpoint import dcp
 from llmexp.checkpoint.serialize import CorruptCheckpoint
 from llmexp.config.derived import BatchPlan
 from llmexp.errors import UserError
+from llmexp.rundir.files import publish_dir, stage_dir
 from llmexp.train.engines.plain import OptimizerWriter, PlainEngine
 
 DCP_DIR = "dcp"
@@ -156,16 +157,16 @@ class FsdpEngine(PlainEngine):
 
     def optimizer_writer(self, optimizer: Any, run_dir: Path, step: int) -> OptimizerWriter:
         """Every rank writes its shard with dcp.save into a staging dir beside the checkpoints
-        (collective, same filesystem); rank 0 then moves it into the checkpoint it publishes."""
+        (collective, same filesystem); rank 0 then publishes it as the checkpoint's `dcp/`."""
         staging = run_dir / ".fsdp_dcp" / f"step_{step}"
         if self.accelerator.is_main_process:
-            shutil.rmtree(staging, ignore_errors=True)  # a crashed save's leftover
+            stage_dir(staging)  # (a crashed save's leftover goes)
         self.accelerator.wait_for_everyone()
         dcp.save(self._state(optimizer), staging)
         self.accelerator.wait_for_everyone()
 
         def move(checkpoint_tmp: Path) -> None:
-            os.replace(staging, checkpoint_tmp / DCP_DIR)
+            publish_dir(staging, checkpoint_tmp / DCP_DIR)
             shutil.rmtree(staging.parent, ignore_errors=True)
 
         return move
