@@ -24,7 +24,6 @@ from hypothesis import strategies as st
 
 from llmexp.checkpoint import serialize
 from llmexp.checkpoint import store as ck
-from llmexp.rundir import files as rundir_files
 from llmexp.checkpoint.serialize import (
     CorruptCheckpoint,
     UnsafeState,
@@ -44,6 +43,7 @@ from llmexp.checkpoint.store import (
     verify_checkpoint,
 )
 from llmexp.errors import UserError
+from llmexp.rundir import files as rundir_files
 from llmexp.train.preemption import PreemptionSignal
 
 FILES = ("model.safetensors", "optimizer.pt", "sub/rng_rank0.pt", "meta.json")

@@ -58,13 +58,13 @@ def test_mfu_is_never_above_one_hundred_percent(tmp_path: Path) -> None:
 
 def test_a_ceiling_measured_on_shared_cores_gives_no_mfu(tmp_path: Path) -> None:
     """With the cores busy and no ceiling cached, the run gets no ceiling (so no MFU) and the reason."""
+    from llmexp.monitor.throughput import Mfu
     from llmexp.train.runtime import Runtime
 
     cfg = compose([*TINY, f"data.cache_dir={tmp_path / 'cache'}"], tmp_path / "run")
     rt = Runtime(cfg, tmp_path / "run")
     with _busy_cores():
-        peak, note = rt._measure_peak()
+        peak, note = rt.measure_peak()
     assert peak is None and note is not None and "shared the CPU cores" in note
     assert not (tmp_path / "cache" / "peak_tflops.json").exists()  # nothing kept for later runs either
-    rt.peak_tflops = peak
-    assert rt.mfu(1e9) is None
+    assert Mfu(flops_per_token=1e6, peak_tflops=peak, world=1)(1e9) is None

@@ -61,7 +61,7 @@ def count_and_maybe_kill():
         for sig in signals:
             signal.raise_signal(sig)
 if kind == "backward":
-    from llmexp.train import engine
+    from llmexp.train.engines import plain as engine
     real_backward = engine.PlainEngine.backward
     def backward(self, loss):
         count_and_maybe_kill()

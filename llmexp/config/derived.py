@@ -198,3 +198,29 @@ def bf16_emulation_warning(precision: str, device_type: str) -> str | None:
 
 BF16_EMULATION_ADVICE = ("Use precision=auto (fp32 on this hardware) for the faster run; keep bf16 only to "
                          "match bf16 numerics.")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The precision a run computes in on this device, resolved once at set-up (`precision_on`)."""
+
+    requested: str
+    """`precision.name`: bf16, fp16, fp32 or auto."""
+    name: str
+    """What the run computes in: bf16, fp16 or fp32 (`resolve_precision`)."""
+    bf16: str
+    """This device's bf16: native, emulated or none (`bf16_support`)."""
+    warning: str | None
+    """Why bf16 will be slow here, when the run computes in emulated bf16 (`bf16_emulation_warning`)."""
+
+    @property
+    def emulated(self) -> bool:
+        """The run computes in bf16 on hardware that does not have it natively."""
+        return self.name == "bf16" and self.bf16 == "emulated"
+
+
+def precision_on(requested: str, device_type: str) -> Precision:
+    """`precision.name` resolved for this device, with the bf16 facts that go with it."""
+    name = resolve_precision(requested, device_type)
+    return Precision(requested=requested, name=name, bf16=bf16_support(device_type),
+                     warning=bf16_emulation_warning(name, device_type))
