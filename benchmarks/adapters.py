@@ -3,7 +3,7 @@ frozen-weight bytes, optimizer-state bytes, peak memory and tokens/s.
 
     python benchmarks/adapters.py                  # ~32M-parameter Llama on this CPU: a few minutes
     python benchmarks/adapters.py --quick          # a 2.2M-parameter Llama, 3 steps: ~1 minute (tests run it)
-    bash benchmarks/gpu_finetune.sh            # ~1B parameters, lora and qlora, 50 steps each, on a GPU
+    python benchmarks/adapters.py --size 1b    # ~1B parameters, on a GPU (step 4 of benchmarks/gpu/run.sh)
 
 A Llama-architecture model is built from its config class (random weights: speed and memory do not
 depend on the values) and written with save_pretrained, with a byte-level BPE tokenizer of the same
@@ -22,6 +22,9 @@ has, tokenised beforehand so no arm pays for it. Read from each run:
 - tokens/s: the train records after the warm-up steps (common.llmexp_tokens_per_sec).
 
 Ratios are to full fine-tuning measured in the same invocation (in the same round with --rounds > 1).
+An arm that fails is reported and left out of the table; the others still run (exit 1 at the end).
+`--keep-base DIR` writes the base model there and keeps it, so that the runs can be repeated or
+estimated (`python -m llmexp.estimate` with the `overrides` that `--json` prints for each arm).
 """
 
 from __future__ import annotations
@@ -231,6 +234,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", default="peft.md", help="file name under --out-dir ('' writes nothing)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
+    parser.add_argument("--keep-base", type=Path, default=None, help="write the base model here and keep it")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--base", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -247,8 +251,9 @@ def main() -> None:
         return
     env = {"HF_HUB_OFFLINE": "1", **({"CUDA_VISIBLE_DEVICES": ""} if args.cpu else {})}
     rates, paired = {a: Series() for a in arms}, {a: Series() for a in arms}
+    failed: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
-        base = Path(tmp) / "base"
+        base = args.keep_base.resolve() if args.keep_base else Path(tmp) / "base"
         prep = run_process([PY, __file__, "--worker", "prepare", "--base", str(base), "--size", args.size,
                             "--arms", ",".join(arms), "--precision", args.precision], env=env)
         if prep.returncode != 0 or not prep.data:
@@ -256,10 +261,11 @@ def main() -> None:
         results = {arm: {"frozen_bytes": prep.data["frozen_bytes"][arm]} for arm in arms}
         for r in range(args.rounds):
             round_rates = {}
-            for arm in rotated(arms, r):
+            for arm in [a for a in rotated(arms, r) if a not in failed]:
                 figures = run_arm(arm, base, size, args.warmup, args.steps, args.precision, env)
-                if not figures:
-                    sys.exit(f"{arm}: the run failed; no table")
+                if not figures:  # the others still run: one broken arm must not hide the rest
+                    failed.append(arm)
+                    continue
                 results[arm].update(figures)
                 round_rates[arm] = figures["tokens_per_sec"]
                 rates[arm].values.append(figures["tokens_per_sec"])
@@ -269,20 +275,24 @@ def main() -> None:
                 if round_rates.get("full"):
                     paired[arm].values.append(rate / round_rates["full"])
     total = prep.data["total"]
+    done = {arm: r for arm, r in results.items() if arm not in failed}
     header = (f"Measured {utc_now()} on {prep.data['device']}; {versions()}. A random-init Llama of "
               f"{total:,} parameters ({json.dumps(size.model)}), micro-batch {size.batch_size} x {size.seq_len} "
               f"tokens of the stdlib data, precision={args.precision}, AdamW; {args.rounds} round(s) of "
               f"{args.warmup} warm-up + {args.steps} timed steps per arm, each arm a fresh `python -m llmexp`. "
               f"Load average at the end: {load_average()}. Ratios to full fine-tuning in parentheses.")
-    if any(r.get("bf16_emulated") for r in results.values()):
+    if any(r.get("bf16_emulated") for r in done.values()):
         header += (" This CPU has no native bf16 (AVX512-BF16 or AMX): torch emulates it, so these tokens/s are"
                    " far below what the same CPU does in fp32; the parameter and byte columns do not depend on it.")
-    text = f"{header}\n\n{render(results, rates, paired)}"
     if args.json:
-        print(json.dumps({"total_params": total, "arms": results}))
-    if args.out:
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-    publish(text, args.out, args.out_dir)
+        overrides = {arm: arm_overrides(arm, base, size, args.warmup + args.steps, args.precision) for arm in arms}
+        print(json.dumps({"total_params": total, "arms": done, "failed": failed, "overrides": overrides}))
+    if done:
+        if args.out:
+            args.out_dir.mkdir(parents=True, exist_ok=True)
+        publish(f"{header}\n\n{render(done, rates, paired)}", args.out, args.out_dir)
+    if failed:
+        sys.exit(f"{', '.join(failed)}: the run failed" + ("" if done else "; no table"))
 
 
 if __name__ == "__main__":

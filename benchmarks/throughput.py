@@ -13,13 +13,17 @@ first `--warmup` steps of every arm are not timed. Ratios to (a) are paired with
     python benchmarks/throughput.py                       # 3 rounds x (10 warm-up + 30 timed steps)
     python benchmarks/throughput.py --rounds 5 --steps 60
     python benchmarks/throughput.py --arms raw,llmexp --rounds 1 --steps 5 --warmup 5   # a smoke run
-    python benchmarks/throughput.py --model 1b --rounds 2 --warmup 5 --steps 20 --out throughput_gpu.md  # a GPU
+    python benchmarks/throughput.py --model 1b --seq-len 2048 --rounds 2 --out throughput_gpu.md  # a GPU
 
 Every arm runs on CUDA when torch sees a GPU (the ceiling is then a bf16 matmul on it), else on the CPU.
 `--model 1b` is a ~1.0B-parameter Llama (hidden 2048, 16 layers, 32 heads, 8 KV heads, MLP 8192; the
-tiny model's 8192-word vocabulary and 256-token positions), for GPUs: benchmarks/gpu.sh runs it.
+tiny model's 8192-word vocabulary), for GPUs: step 2 of benchmarks/gpu/run.sh runs it at `--seq-len 2048`.
+`--model micro` is the test suite's 2-layer, 64-wide model (vocabulary 512), for checking the path.
+Positions: max(256, --seq-len) for every arm alike.
 
-Writes the table to benchmarks/results/throughput.md as well.
+Writes the table to benchmarks/results/throughput.md as well; `--json FILE` also writes the figures so far
+after every arm (so a run cut short keeps what it measured), with the peak GPU memory of each arm
+(torch.cuda.max_memory_allocated; llmexp's summary.json `peak_mem_mb`) when it ran on CUDA.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +63,24 @@ LABELS = {"raw": "(a) hand-written loop", "llmexp": "(b) llmexp", "hf": "(c) HF 
 MICRO_BATCH, SEQ_LEN, LR = 8, 256, 3e-4
 MODELS: dict[str, dict[str, int]] = {
     "tiny": {},  # llmexp/conf/model/tiny.yaml as it is
+    "micro": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+              "intermediate_size": 128, "vocab_size": 512},  # tests/conftest.py's TINY: the path, not figures
     "1b": {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
            "intermediate_size": 8192},
 }
 """Fields changed from the tiny model's, for every arm alike (llmexp gets them as model.* overrides)."""
+
+
+def model_fields(model_name: str) -> dict[str, int]:
+    """MODELS[model_name] with positions for the sequence length (the tiny model's 256 at least)."""
+    return {**MODELS[model_name], "max_position_embeddings": max(256, SEQ_LEN)}
+
+
+def peak_cuda_mb() -> float | None:
+    """torch.cuda.max_memory_allocated in MiB (what llmexp's summary.json `peak_mem_mb` holds on CUDA)."""
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
 
 
 def device_type() -> str:
@@ -95,9 +114,10 @@ def worker_raw(warmup: int, steps: int, model_name: str) -> dict[str, Any]:
     from transformers import LlamaForCausalLM, get_cosine_schedule_with_warmup
 
     torch.manual_seed(0)
-    config = llama_config(**MODELS[model_name])
+    config = llama_config(**model_fields(model_name))
     device = device_type()
-    model = LlamaForCausalLM(config).to(device)
+    with torch.device(device):  # initialised where it trains: a 1B init on the CPU takes seconds, untimed but spent
+        model = LlamaForCausalLM(config)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     scheduler = get_cosine_schedule_with_warmup(optimizer, max(1, (warmup + steps) // 20), warmup + steps)
@@ -119,7 +139,7 @@ def worker_raw(warmup: int, steps: int, model_name: str) -> dict[str, Any]:
     num_params = sum(p.numel() for p in model.parameters())
     return {"tokens_per_sec": tokens / (stamps[-1] - stamps[warmup - 1]), "num_params": num_params,
             "embed_params": model.get_input_embeddings().weight.numel(), "num_layers": config.num_hidden_layers,
-            "hidden_size": config.hidden_size}
+            "hidden_size": config.hidden_size, "peak_mem_mb": peak_cuda_mb()}
 
 
 def worker_hf(warmup: int, steps: int, model_name: str) -> dict[str, Any]:
@@ -128,8 +148,9 @@ def worker_hf(warmup: int, steps: int, model_name: str) -> dict[str, Any]:
     from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     torch.manual_seed(0)
-    config = llama_config(**MODELS[model_name])
-    model = LlamaForCausalLM(config)
+    config = llama_config(**model_fields(model_name))
+    with torch.device(device_type()):  # as in worker_raw; the Trainer finds it on its device already
+        model = LlamaForCausalLM(config)
     data = random_batches(warmup + steps, config.vocab_size).reshape(-1, SEQ_LEN)
     dataset = [{"input_ids": row, "labels": row} for row in data]
     stamps: list[float] = []
@@ -147,7 +168,7 @@ def worker_hf(warmup: int, steps: int, model_name: str) -> dict[str, Any]:
             disable_tqdm=True, seed=0)
         Trainer(model=model, args=args, train_dataset=dataset, callbacks=[Stamp()]).train()
     tokens = steps * MICRO_BATCH * SEQ_LEN
-    return {"tokens_per_sec": tokens / (stamps[-1] - stamps[warmup - 1])}
+    return {"tokens_per_sec": tokens / (stamps[-1] - stamps[warmup - 1]), "peak_mem_mb": peak_cuda_mb()}
 
 
 def worker_ceiling() -> dict[str, Any]:
@@ -157,9 +178,11 @@ def worker_ceiling() -> dict[str, Any]:
 # ---------------------------------------------------------------- the parent: rounds and the table
 
 
-def llmexp_overrides(warmup: int, steps: int, compile_model: bool, model_name: str = "tiny") -> list[str]:
+def llmexp_overrides(warmup: int, steps: int, compile_model: bool, model_name: str = "tiny",
+                     max_examples: int | None = None) -> list[str]:
     total = warmup + steps
-    return ["model=tiny", *(f"model.{k}={v}" for k, v in MODELS[model_name].items()), "data=stdlib",
+    limit = [f"data.max_examples={max_examples}"] if max_examples else []
+    return ["model=tiny", *(f"model.{k}={v}" for k, v in model_fields(model_name).items()), "data=stdlib", *limit,
             "precision=bf16", "optimizer=adamw", f"batch_size={MICRO_BATCH}",
             f"data.max_length={SEQ_LEN}", f"lr={LR}", f"train.max_steps={total}",
             f"train.warmup_steps={max(1, total // 20)}", f"train.logging_steps={math.gcd(warmup, steps)}",
@@ -167,35 +190,47 @@ def llmexp_overrides(warmup: int, steps: int, compile_model: bool, model_name: s
             "train.peak_tflops=1", f"train.compile={str(compile_model).lower()}"]
 
 
-def run_arm(arm: str, warmup: int, steps: int, threads: int = 0, model_name: str = "tiny") -> ArmResult:
+def run_arm(arm: str, warmup: int, steps: int, threads: int = 0, model_name: str = "tiny",
+            max_examples: int | None = None) -> ArmResult:
     env = {"OMP_NUM_THREADS": str(threads)} if threads else None
     if arm in ("raw", "hf", "ceiling"):
         return run_process([PY, __file__, "--worker", arm, "--warmup", str(warmup), "--steps", str(steps),
-                            "--model", model_name], env=env)
+                            "--model", model_name, "--seq-len", str(SEQ_LEN), "--micro-batch", str(MICRO_BATCH)],
+                           env=env)
+    overrides = llmexp_overrides(warmup, steps, arm == "compile", model_name, max_examples)
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
-        result = run_process([PY, "-m", "llmexp", *llmexp_overrides(warmup, steps, arm == "compile", model_name),
-                              f"hydra.run.dir={run_dir}"], env=env)
+        result = run_process([PY, "-m", "llmexp", *overrides, f"hydra.run.dir={run_dir}"], env=env)
         summary_path = run_dir / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
         result.data = {"tokens_per_sec": llmexp_tokens_per_sec(run_dir, warmup),
                        "num_params": summary.get("num_params"), "compile_time_s": summary.get("compile_time_s"),
-                       "steps_logged": sum(r.get("event") == "train" for r in load_records(run_dir))}
+                       "steps_logged": sum(r.get("event") == "train" for r in load_records(run_dir)),
+                       "peak_mem_mb": summary.get("peak_mem_mb") if device_type() == "cuda" else None}
     return result
 
 
 def run_rounds(arms: list[str], rounds: int, warmup: int, steps: int, threads: int = 0,
-               model_name: str = "tiny") -> dict[str, Any]:
+               model_name: str = "tiny", max_examples: int | None = None,
+               after_arm: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every arm once per round, rotated; `after_arm` sees the results so far after each arm."""
     rates = {arm: Series() for arm in arms}
     ratios = {arm: Series() for arm in arms}
     rss = {arm: Series() for arm in arms}
+    gpu_mem: dict[str, Series] = {arm: Series() for arm in arms}
     compile_s, ceilings, model_info, loads, per_round = Series(), Series(), {}, [], []
+    failures: list[str] = []
+    results = {"rates": rates, "ratios": ratios, "rss": rss, "gpu_mem": gpu_mem, "compile_s": compile_s,
+               "ceilings": ceilings, "model": model_info, "loads": loads, "per_round": per_round,
+               "failures": failures}
     for r in range(rounds):
         round_rates: dict[str, float] = {}
+        per_round.append(round_rates)
         for arm in [*rotated(arms, r), "ceiling"]:
-            res = run_arm(arm, warmup, steps, threads, model_name)
+            res = run_arm(arm, warmup, steps, threads, model_name, max_examples)
             if res.returncode != 0 or not res.data:
                 print(f"round {r + 1}: {arm} failed (exit {res.returncode}):\n{res.tail}", file=sys.stderr)
+                failures.append(f"round {r + 1}: {arm} (exit {res.returncode})")
                 continue
             if arm == "ceiling":
                 ceilings.values.append(res.data["ceiling_tflops"])
@@ -204,19 +239,23 @@ def run_rounds(arms: list[str], rounds: int, warmup: int, steps: int, threads: i
             round_rates[arm] = rate
             rates[arm].values.append(rate)
             rss[arm].values.append(res.peak_rss_mb)
+            if res.data.get("peak_mem_mb") is not None:
+                gpu_mem[arm].values.append(float(res.data["peak_mem_mb"]))
             if arm == "raw":
-                model_info = res.data
+                model_info.update(res.data)
             if arm == "compile" and res.data.get("compile_time_s"):
                 compile_s.values.append(float(res.data["compile_time_s"]))
             print(f"round {r + 1}: {arm:8s} {rate:9,.0f} tok/s  peak RSS {res.peak_rss_mb:6,.0f} MB  "
                   f"wall {res.wall_s:5.1f} s", file=sys.stderr, flush=True)
+            if after_arm is not None:
+                after_arm(results)
         if "raw" in round_rates:
             for arm, rate in round_rates.items():
                 ratios[arm].values.append(rate / round_rates["raw"])
-        per_round.append(round_rates)
         loads.append(load_average())
-    return {"rates": rates, "ratios": ratios, "rss": rss, "compile_s": compile_s, "ceilings": ceilings,
-            "model": model_info, "loads": loads, "per_round": per_round}
+        if after_arm is not None:
+            after_arm(results)
+    return results
 
 
 def mfu_columns(rate: float, model: dict[str, Any], ceiling_tflops: float) -> tuple[str, str]:
@@ -227,6 +266,33 @@ def mfu_columns(rate: float, model: dict[str, Any], ceiling_tflops: float) -> tu
     no_emb = flops_per_token(n - emb, model["num_layers"], model["hidden_size"], SEQ_LEN)
     peak = ceiling_tflops * 1e12
     return f"{rate * full / peak:.1%}", f"{rate * no_emb / peak:.1%}"
+
+
+def mfu_value(rate: float, model: dict[str, Any], ceiling_tflops: float) -> float | None:
+    """MFU as a number (6N + attention FLOPs per token over the measured ceiling), None without both."""
+    if not model or not ceiling_tflops or not math.isfinite(ceiling_tflops) or not math.isfinite(rate):
+        return None
+    full = flops_per_token(model["num_params"], model["num_layers"], model["hidden_size"], SEQ_LEN)
+    return rate * full / (ceiling_tflops * 1e12)
+
+
+def figures(results: dict[str, Any], arms: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """The figures so far as plain JSON: per arm the rates of each round, the paired ratios to (a), MFU."""
+    ceiling = results["ceilings"].median()
+    out: dict[str, Any] = {
+        "model": args.model, "seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH, "warmup": args.warmup,
+        "steps": args.steps, "rounds": args.rounds, "device": device_type(),
+        "num_params": results["model"].get("num_params"), "ceiling_tflops": results["ceilings"].values,
+        "compile_s": results["compile_s"].values, "per_round": results["per_round"],
+        "failures": results["failures"], "arms": {}}
+    for arm in arms:
+        rate = results["rates"][arm].median()
+        out["arms"][arm] = {
+            "label": LABELS[arm], "tokens_per_sec": results["rates"][arm].values,
+            "ratio_to_raw": results["ratios"][arm].values, "peak_rss_mb": results["rss"][arm].values,
+            "peak_gpu_mem_mb": results["gpu_mem"][arm].values,
+            "mfu": mfu_value(rate, results["model"], ceiling) if results["rates"][arm].values else None}
+    return out
 
 
 def render(results: dict[str, Any], arms: list[str], args: argparse.Namespace) -> str:
@@ -257,6 +323,7 @@ def render(results: dict[str, Any], arms: list[str], args: argparse.Namespace) -
 
 
 def main() -> None:
+    global SEQ_LEN, MICRO_BATCH  # the run's shape: every function here (and every worker) reads them
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps at the start of every arm")
@@ -264,9 +331,15 @@ def main() -> None:
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny", help="tiny, or ~1B for GPUs")
     parser.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS for every arm (0: torch's default)")
+    parser.add_argument("--seq-len", type=int, default=SEQ_LEN, help="tokens per example, every arm")
+    parser.add_argument("--micro-batch", type=int, default=MICRO_BATCH, help="examples per step, every arm")
+    parser.add_argument("--max-examples", type=int, default=None,
+                        help="llmexp's data.max_examples: fewer stdlib files to tokenise (a smoke run)")
     parser.add_argument("--out", default="throughput.md", help="file name under benchmarks/results/ ('' skips)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here, after every arm")
     parser.add_argument("--worker", choices=["raw", "hf", "ceiling"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    SEQ_LEN, MICRO_BATCH = args.seq_len, args.micro_batch
     if args.worker:
         workers = {"raw": lambda: worker_raw(args.warmup, args.steps, args.model),
                    "hf": lambda: worker_hf(args.warmup, args.steps, args.model), "ceiling": worker_ceiling}
@@ -277,8 +350,15 @@ def main() -> None:
     unknown = set(arms) - set(ARMS)
     if unknown:
         parser.error(f"unknown arms {sorted(unknown)}; pick from {', '.join(ARMS)}")
-    text = render(run_rounds(arms, args.rounds, args.warmup, args.steps, args.threads, args.model), arms, args)
-    publish(text, args.out)
+    def write_json(results: dict[str, Any]) -> None:
+        if args.json is not None:
+            tmp = args.json.with_suffix(".tmp")
+            tmp.write_text(json.dumps(figures(results, arms, args), indent=1))
+            tmp.replace(args.json)  # a reader never sees half a file
+
+    results = run_rounds(arms, args.rounds, args.warmup, args.steps, args.threads, args.model, args.max_examples,
+                         write_json)
+    publish(render(results, arms, args), args.out)
 
 
 if __name__ == "__main__":

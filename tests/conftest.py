@@ -25,10 +25,25 @@ TINY = [
 ]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist every worker's runs get one intra-op thread: two workers whose training processes
+    each spin two OpenMP threads oversubscribe a 2-core machine, and OpenMP's spin-waiting then burns the
+    cores (a test run through the CLI was measured ~20% slower even on an overloaded machine). Tests that
+    need their own thread count set it in the environment they pass."""
+    del config
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _session_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """One llmexp cache per test session (unless LLMEXP_CACHE is already set, e.g. by CI)."""
-    os.environ.setdefault("LLMEXP_CACHE", str(tmp_path_factory.mktemp("llmexp-cache")))
+    """One llmexp cache for the whole test session, shared by the xdist workers (unless LLMEXP_CACHE is
+    already set, e.g. by CI): the stdlib tokenizer, token arrays, the matmul ceiling and the compile cache are
+    built once, not once per worker. The cache's entries appear atomically under a file lock, so workers
+    building the same entry at once build it once."""
+    root = tmp_path_factory.getbasetemp()
+    shared = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # basetemp/popen-gwN under xdist
+    os.environ.setdefault("LLMEXP_CACHE", str(shared / "llmexp-cache"))
     os.environ["LLMEXP_NO_BAR"] = "1"
     os.environ.setdefault("WANDB_MODE", "offline")
 

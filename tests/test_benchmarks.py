@@ -39,16 +39,6 @@ def test_peft_benchmark_quick_states_what_adapters_save() -> None:
     assert "| `peft=qlora` |" in result.stdout
 
 
-@pytest.mark.slow  # three fresh processes: 41 s on a loaded 2-core CPU
-def test_gpu_finetune_script_runs_end_to_end_on_a_cpu(tmp_path: Path) -> None:
-    result = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_finetune.sh"), "--tiny", "--cpu", str(tmp_path)],
-                            capture_output=True, text=True, env=ENV, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    table = (tmp_path / "peft_gpu.md").read_text()
-    assert "| `peft=lora` |" in table and "| `peft=qlora` |" in table and "peft=none" not in table
-    assert "precision=bf16" in table and "1 warm-up + 2 timed steps" in table and "nvidia-smi" in table
-
-
 @pytest.mark.slow  # ~30 s: three fresh processes import datasets/transformers, and a BPE is trained
 def test_data_hf_quick_both_sides_produce_the_same_tokens() -> None:
     """benchmarks/data_hf.py --quick: llmexp's data=hf packs exactly the tokens datasets.map's run_clm

@@ -201,17 +201,6 @@ def test_zero_refuses_another_world_size_by_name() -> None:
     assert "saved by 4 process(es) on 2" in lines[0]
 
 
-@pytest.mark.slow  # one tiny 3-step process: the GPU script's path, not its figures
-def test_gpu_fsdp_script_tiny_cpu_path(tmp_path: Path) -> None:
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(["bash", str(root / "benchmarks" / "gpu_fsdp.sh"), "--tiny", "--cpu", str(tmp_path)],
-                            capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    table = (tmp_path / "fsdp_gpu.md").read_text()
-    assert "| fsdp | full_shard |" in table and "| tokens/s |" in table and "| peak memory |" in table
-
-
 def test_checkpoint_kinds_do_not_mix(tmp_path: Path) -> None:
     """A DDP checkpoint under fsdp, or an FSDP one (dcp/) under fsdp=none, exits 2 naming the option,
     before anything is loaded (the engines on stand-in accelerators: nothing collective runs)."""

@@ -1,16 +1,17 @@
-"""The README's headline commands, typed exactly as a new user types them, in a fresh working directory.
+"""The README's headline commands, typed as a new user types them, in a fresh working directory.
 
     python -m llmexp optimizer=adamw8bit precision=bf16
     python -m llmexp --multirun lr=1e-5,3e-5,5e-5 batch_size=2,4
     python -m llmexp --multirun cluster=slurm lr=1e-5,3e-5,5e-5
 
-The first runs on a CPU without native bf16 (simulated with LLMEXP_ASSUME_NO_BF16=1 where the CPU has
-AVX512-BF16): the case that once exited 2. Where the CPU really lacks bf16, torch emulates it and the
-whole default run takes 3-4x fp32's time (5+ min on two idle cores), so every headline command runs
-with the same arguments plus only `train.max_steps=` (benchmarks/first_run.py times the whole default
-run). The bf16 run takes 10 steps, enough for one train line (train.logging_steps=10): every further
-step is the same 8-bit Adam step in emulated bf16, at 3-4x fp32's cost. The SLURM sweep also gets
-test_slurm.py's markers and environment (one thread per job, the repository on PYTHONPATH for Hydra's
+Each runs with the same arguments plus only size overrides: `train.max_steps=` and the tests' tiny model
+and data (`SMALL`). What these tests check is the path (the optimizer class, the precision and its warning,
+every job of the grid on each launcher), which the model's size does not change; the default model costs
+minutes here for nothing (on a CPU without AVX512, bf16 at the default size took 578 s for 10 steps).
+`benchmarks/first_run.py` times the whole default run, and the GPU kit (`benchmarks/gpu/run.sh`) runs the
+commands exactly as written. The first runs on a CPU without native bf16 (simulated with
+LLMEXP_ASSUME_NO_BF16=1 where the CPU has AVX512-BF16): the case that once exited 2. The SLURM sweep also
+gets test_slurm.py's markers and environment (one thread per job, the repository on PYTHONPATH for Hydra's
 plugin scan).
 """
 
@@ -23,9 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import TINY, run_cli
 
 NO_BF16 = {"LLMEXP_ASSUME_NO_BF16": "1", "CUDA_VISIBLE_DEVICES": ""}
+SMALL = [o for o in TINY if not o.startswith(("batch_size=", "train.logging_steps="))]
+"""The tiny test model and data; the headline's own batch sizes and logging stay as the user gets them."""
 
 
 def only(pattern: str, root: Path) -> Path:
@@ -37,8 +40,8 @@ def only(pattern: str, root: Path) -> Path:
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_adamw8bit_bf16_headline_runs_on_a_cpu_without_native_bf16(tmp_path: Path) -> None:
-    proc = run_cli(["optimizer=adamw8bit", "precision=bf16", "train.max_steps=10"], cwd=tmp_path, env=NO_BF16,
-                   timeout_s=2300)
+    proc = run_cli(["optimizer=adamw8bit", "precision=bf16", "train.max_steps=10", *SMALL], cwd=tmp_path,
+                   env=NO_BF16, timeout_s=2300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     run_dir = only("outputs/*/*", tmp_path)
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -52,8 +55,8 @@ def test_adamw8bit_bf16_headline_runs_on_a_cpu_without_native_bf16(tmp_path: Pat
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_local_sweep_headline_runs_every_job(tmp_path: Path) -> None:
-    proc = run_cli(["--multirun", "lr=1e-5,3e-5,5e-5", "batch_size=2,4", "train.max_steps=3"], cwd=tmp_path,
-                   timeout_s=2300)
+    proc = run_cli(["--multirun", "lr=1e-5,3e-5,5e-5", "batch_size=2,4", "train.max_steps=3", *SMALL],
+                   cwd=tmp_path, timeout_s=2300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     sweep = json.loads((only("multirun/*/*", tmp_path) / "sweep_summary.json").read_text())
     assert [j["status"] for j in sweep["jobs"]] == ["completed"] * 6
@@ -69,8 +72,8 @@ def test_slurm_sweep_headline_runs_every_job(tmp_path: Path) -> None:
 
     if shutil.which("sinfo") is None or subprocess.run(["sinfo", "-h"], capture_output=True, timeout=30).returncode:
         pytest.skip("no SLURM cluster: run `sudo bash launch/slurm-local.sh up` (make test does)")
-    proc = run_cli(["--multirun", "cluster=slurm", "lr=1e-5,3e-5,5e-5", "train.max_steps=3"], cwd=tmp_path,
-                   env=ENV, timeout_s=2300)
+    proc = run_cli(["--multirun", "cluster=slurm", "lr=1e-5,3e-5,5e-5", "train.max_steps=3", *SMALL],
+                   cwd=tmp_path, env=ENV, timeout_s=2300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     sweep = json.loads((only("multirun/*/*", tmp_path) / "sweep_summary.json").read_text())
     assert [j["status"] for j in sweep["jobs"]] == ["completed"] * 3

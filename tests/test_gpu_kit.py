@@ -1,0 +1,144 @@
+"""The GPU check (benchmarks/gpu/): its wheel trimming and size check on a wheel built here, its plan, and
+`run.sh --cpu --tiny`, the same path as on a GPU with a tiny model, so that the kit cannot rot before a GPU
+machine is lent. No timing asserts: a step's figures on a CPU are not the point, that it ran and reported is."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+KIT = ROOT / "benchmarks" / "gpu"
+sys.path.insert(0, str(KIT))
+import wheels  # noqa: E402  (benchmarks/gpu/wheels.py: standard library only)
+
+
+def fake_bitsandbytes(folder: Path) -> Path:
+    """A wheel laid out as bitsandbytes' is: one native library per backend, a RECORD hashing each file."""
+    files = {"bitsandbytes/__init__.py": b"__version__ = '0.50.2'\n",
+             "bitsandbytes-0.50.2.dist-info/METADATA": b"Metadata-Version: 2.1\nName: bitsandbytes\nVersion: 0.50.2\n",
+             "bitsandbytes-0.50.2.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: false\n"
+                                                    b"Tag: py3-none-manylinux_2_24_x86_64\n"}
+    for backend in ("cpu", "cuda118", "cuda128", "cuda130", "cuda132", "rocm64", "xpu2025"):
+        files[f"bitsandbytes/libbitsandbytes_{backend}.so"] = backend.encode() * 1000
+    record = [f"{name},{wheels.record_hash(data)},{len(data)}" for name, data in files.items()]
+    files["bitsandbytes-0.50.2.dist-info/RECORD"] = ("\n".join([*record, "bitsandbytes-0.50.2.dist-info/RECORD,,"])
+                                                     + "\n").encode()
+    path = folder / "bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl"
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+    return path
+
+
+def test_trim_keeps_the_cuda_13_library_and_a_record_pip_accepts(tmp_path: Path) -> None:
+    wheel = fake_bitsandbytes(tmp_path)
+    assert wheels.main(["trim", str(wheel), "--keep", "cuda130"]) == 0
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        libs = sorted(n for n in names if n.endswith(".so"))
+        assert libs == ["bitsandbytes/libbitsandbytes_cpu.so", "bitsandbytes/libbitsandbytes_cuda130.so"]
+        rows = [line.split(",") for line in z.read("bitsandbytes-0.50.2.dist-info/RECORD").decode().splitlines()]
+        listed = {row[0] for row in rows}
+        assert listed == names  # every file listed, nothing listed that is gone
+        for name, digest, size in rows:
+            if name.endswith("RECORD"):
+                assert digest == size == ""
+                continue
+            data = z.read(name)
+            expected = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            assert digest == f"sha256={expected}" and int(size) == len(data), name
+    assert wheels.trim_wheel(wheel, {"cpu", "cuda130"}) == []  # trimming again changes nothing
+    target = tmp_path / "site"  # the GPU machine's own command: no index, no dependencies, into a folder
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                             "--no-cache-dir", "--target", str(target), str(wheel)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in (target / "bitsandbytes").glob("*.so")) == [
+        "libbitsandbytes_cpu.so", "libbitsandbytes_cuda130.so"]
+
+
+def test_size_check_lists_the_wheels_and_fails_over_the_limit_or_on_two_versions(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "hydra_core-1.3.8-py3-none-any.whl").write_bytes(b"x" * 300_000)
+    (tmp_path / "omegaconf-2.3.1-py3-none-any.whl").write_bytes(b"x" * 100_000)
+    assert wheels.main(["check", str(tmp_path), "--limit-mib", "1"]) == 0
+    listing = capsys.readouterr().out
+    assert "hydra_core-1.3.8-py3-none-any.whl" in listing and "0.38 MiB  total, 2 wheels" in listing
+    assert wheels.main(["check", str(tmp_path), "--limit-mib", "0.3"]) == 1
+    assert "over the 0.3 MiB limit" in capsys.readouterr().err
+    (tmp_path / "omegaconf-2.3.0-py3-none-any.whl").write_bytes(b"x")
+    assert wheels.main(["check", str(tmp_path), "--limit-mib", "1"]) == 1
+    assert "two versions of omegaconf" in capsys.readouterr().err
+
+
+def plan(*args: str) -> tuple[list[str], int]:
+    out = subprocess.run(["bash", str(KIT / "run.sh"), "--plan", *args], capture_output=True, text=True, check=True)
+    lines = out.stdout.splitlines()
+    steps = lines[0].split(";")[0].removeprefix("steps: ").split()
+    total = int(next(line for line in lines if line.strip().startswith("total")).split()[1])
+    return steps, total
+
+
+def test_the_plan_fits_nine_minutes_and_quick_runs_steps_1_2_and_4() -> None:
+    steps, total = plan()
+    assert steps == [str(i) for i in range(1, 9)] and total <= 540  # the budgets, the install included
+    steps, total = plan("--quick")
+    assert steps == ["1", "2", "4"] and total <= 540
+    assert plan("--steps", "5,7")[0] == ["5", "7"]
+
+
+def kit(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "KIT_WORK": str(out / "work"), "PYTHON": sys.executable,
+                **(env or {})}
+    return subprocess.run(["bash", str(KIT / "run.sh"), str(out / "out"), "--cpu", "--tiny", *args],
+                          capture_output=True, text=True, env=full_env, timeout=1800)
+
+
+@pytest.mark.slow  # every step for real: ~26 fresh processes, ~150 s of CPU time (5-10 min on a loaded 2-core CPU)
+def test_tiny_cpu_run_records_every_step_ok(tmp_path: Path) -> None:
+    result = kit(tmp_path)
+    assert result.returncode == 0, result.stdout[-5000:]
+    report = json.loads((tmp_path / "out" / "gpu.json").read_text())
+    steps = report["steps"]
+    assert {k: s["status"] for k, s in steps.items()} == {k: "ok" for k in ["install", *map(str, range(1, 9))]}
+    # rewritten after every step: each start and record is an event of the file written then
+    events = [(e["event"], e["step"]) for e in report["events"]]
+    assert events == [("init", None), ("record", "install"),
+                      *[(e, str(i)) for i in range(1, 9) for e in ("start", "record")], ("finish", None)]
+    md = (tmp_path / "out" / "gpu.md").read_text()
+    assert all(f"## {i}. " in md for i in range(1, 9)) and "| 8 | kill -9 and resume | ok |" in md
+    assert (tmp_path / "out" / "kit.log").exists()
+    f = {k: s["figures"] for k, s in steps.items()}
+    assert f["1"]["adamw8bit"]["status"] == "completed" and f["1"]["adamw8bit"]["optimizer"] == "adamw8bit"
+    assert [j["status"] for j in f["1"]["multirun"]["jobs"]] == ["completed", "completed"]
+    assert all(f["2"]["arms"][a]["tokens_per_sec"][0] > 0 for a in ("raw", "llmexp"))
+    assert f["3"]["first_loss_diff"] < 1e-4  # both loss paths compute the same loss (fp32)
+    assert set(f["4"]["arms"]) == {"full", "lora", "qlora"} and not f["4"]["failed"]
+    assert f["4"]["arms"]["lora"]["trainable"] < 0.15 * f["4"]["arms"]["full"]["trainable"]
+    assert all(f["6"][a]["estimate_mb"] > 0 and f["6"][a]["measured_mb"] > 0 for a in ("full", "lora", "qlora"))
+    assert f["5"]["full_shard"]["fsdp"] == "full_shard" and f["5"]["full_shard"]["status"] == "completed"
+    assert f["7"]["auto"]["status"] == "completed" and f["7"]["auto"]["chosen"] >= 1
+    assert f["8"]["kill_landed"] and f["8"]["resumed_from"] == 4
+    assert f["8"]["verdict"].startswith("bitwise")  # fp32 on a CPU: the resumed run is the uninterrupted one
+
+
+@pytest.mark.slow  # one tiny `python -m llmexp batch_size=auto`
+def test_a_failing_step_is_recorded_and_the_run_goes_on(tmp_path: Path) -> None:
+    result = kit(tmp_path, "--steps", "6,7", env={"KIT_FAIL_STEP": "6"})
+    assert result.returncode == 1, result.stdout[-3000:]
+    report = json.loads((tmp_path / "out" / "gpu.json").read_text())
+    steps = report["steps"]
+    assert set(steps) == {"install", "6", "7"}
+    assert steps["6"]["status"] == "failed" and "injected failure (KIT_FAIL_STEP=6)" in steps["6"]["error"]
+    assert steps["7"]["status"] == "ok" and steps["7"]["figures"]["auto"]["status"] == "completed"
+    assert [(e["event"], e["step"]) for e in report["events"]][-3:] == [("start", "7"), ("record", "7"),
+                                                                         ("finish", None)]
+    assert "injected failure" in (tmp_path / "out" / "gpu.md").read_text()
