@@ -58,7 +58,7 @@ def step_times(arm: str, warmup: int, steps: int) -> tuple[list[float], list[flo
     from common import llama_config
     from transformers import LlamaForCausalLM
 
-    from llmexp.loss import CausalLMLoss
+    from llmexp.model.loss import CausalLMLoss
 
     torch.manual_seed(0)
     model = CausalLMLoss(LlamaForCausalLM(llama_config()))

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from llmexp.loss import CausalLMLoss
 from llmexp.model.bf16_emulation import (
     EMULATION_ENV,
     Bf16Emulation,
@@ -29,6 +28,7 @@ from llmexp.model.bf16_emulation import (
     round_to_bf16,
     use_bf16_emulation,
 )
+from llmexp.model.loss import CausalLMLoss
 
 aten = torch.ops.aten
 SLOW_BF16_OPS = (aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_dot_product_flash_attention_for_cpu,

@@ -6,6 +6,15 @@ slurmctld, `hydra/launcher=llmexp_slurm`. Hydra's apps here are not llmexp's: no
 
 The SLURM classes run ~30 one-job arrays; small time limits and a short submitit poll keep them to a
 few minutes on two cores.
+
+llmexp's sweepers pass the sweeper suites, as Hydra's own sweeper plugins do: `LauncherTestSuite` (with a
+sweeper given, it checks the sweeper's jobs: their overrides, in order, configs and directories) and
+`BatchedSweeperTestSuite` (6 jobs in 3 batches of 2, each in its own directory), for
+`hydra/sweeper=llmexp_grid` on Hydra's basic launcher (the sweeper plugins' convention: in-process, cheap)
+and `hydra/sweeper=llmexp_search` on `llmexp_local` (a search runs its trials through llmexp's launchers),
+whose trials then return the task's value. The suites' spaces are lists, which a search runs as a grid,
+each point once, in order. One documented difference: a search with nothing to search is refused (exit 2)
+where Hydra's sweepers run one job; the three suite tests that sweep nothing assert that instead.
 """
 
 from __future__ import annotations
@@ -15,15 +24,18 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from hydra.core.plugins import Plugins
 from hydra.plugins.launcher import Launcher
-from hydra.test_utils.launcher_common_tests import IntegrationTestSuite, LauncherTestSuite
+from hydra.plugins.sweeper import Sweeper
+from hydra.test_utils.launcher_common_tests import BatchedSweeperTestSuite, IntegrationTestSuite, LauncherTestSuite
+from hydra.test_utils.test_utils import TSweepRunner
 
 from hydra_plugins.llmexp_launcher import llmexp_launcher
+from hydra_plugins.llmexp_sweeper import llmexp_sweeper
 
 REPO = Path(__file__).resolve().parents[1]
 QUIET = ["hydra/hydra_logging=disabled", "hydra/job_logging=disabled"]
@@ -95,6 +107,70 @@ class TestSlurmLauncher(LauncherTestSuite):
 @pytest.mark.parametrize(("task_launcher_cfg", "extra_flags"),
                          [({}, ["-m", "hydra/launcher=llmexp_slurm", *SLURM, *QUIET])])
 class TestSlurmLauncherIntegration(IntegrationTestSuite):
+    pass
+
+
+# ----------------------------------------------------------------------------- the sweepers
+
+
+@pytest.mark.parametrize("cls", [llmexp_sweeper.GridSweeper, llmexp_sweeper.SearchSweeper])
+def test_sweeper_discovery(cls: type[Sweeper]) -> None:
+    """Hydra's plugin scan finds both sweepers."""
+    assert cls.__name__ in [x.__name__ for x in Plugins.instance().discover(Sweeper)]
+
+
+@pytest.mark.parametrize(("launcher_name", "overrides"), [("basic", ["hydra/sweeper=llmexp_grid"])])
+class TestGridSweeper(LauncherTestSuite):
+    pass
+
+
+@pytest.mark.parametrize(("launcher_name", "overrides"),
+                         [("basic", ["hydra/sweeper=llmexp_grid", "hydra.sweeper.max_batch_size=2"])])
+class TestGridSweeperWithBatching(BatchedSweeperTestSuite):
+    pass
+
+
+SEARCH = ["hydra/sweeper=llmexp_search", "hydra.sweeper.sampler=random", "hydra.sweeper.parallel=2"]
+"""`parallel` is the search's batch: the suite's 2-job sweeps in one launch, as a grid launches them, and
+BatchedSweeperTestSuite's 6 points in 3 launches of 2."""
+
+
+def refused_as_an_empty_search(test: Callable[[], None], capfd: pytest.CaptureFixture[str]) -> None:
+    """A suite test whose sweep sweeps nothing: the search exits 2 with its one line, before any trial runs."""
+    with pytest.raises(SystemExit) as stop:
+        test()
+    assert stop.value.code == 2
+    err = capfd.readouterr().err
+    assert "llmexp: error: a search (sweep=random or sweep=tpe) needs at least one swept key" in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("launcher_name", "overrides"), [("llmexp_local", SEARCH)])
+class TestSearchSweeper(LauncherTestSuite):
+    """Hydra's suite on llmexp_search; the three tests that sweep nothing expect the refusal instead."""
+
+    def test_sweep_1_job(self, hydra_sweep_runner: TSweepRunner, launcher_name: str, overrides: list[str],
+                         tmpdir: Path, capfd: pytest.CaptureFixture[str]) -> None:
+        refused_as_an_empty_search(
+            lambda: super(TestSearchSweeper, self).test_sweep_1_job(hydra_sweep_runner, launcher_name, overrides,
+                                                                    tmpdir), capfd)
+
+    def test_sweep_1_job_strict(self, hydra_sweep_runner: TSweepRunner, launcher_name: str, overrides: list[str],
+                                tmpdir: Path, capfd: pytest.CaptureFixture[str]) -> None:
+        refused_as_an_empty_search(
+            lambda: super(TestSearchSweeper, self).test_sweep_1_job_strict(hydra_sweep_runner, launcher_name,
+                                                                           overrides, tmpdir), capfd)
+
+    def test_sweep_with_custom_resolver(self, hydra_sweep_runner: TSweepRunner, launcher_name: str,
+                                        overrides: list[str], tmpdir: Path,
+                                        capfd: pytest.CaptureFixture[str]) -> None:
+        refused_as_an_empty_search(
+            lambda: super(TestSearchSweeper, self).test_sweep_with_custom_resolver(
+                hydra_sweep_runner, launcher_name, overrides, tmpdir), capfd)
+
+
+@pytest.mark.parametrize(("launcher_name", "overrides"), [("llmexp_local", SEARCH)])
+class TestSearchSweeperWithBatching(BatchedSweeperTestSuite):
     pass
 
 

@@ -24,8 +24,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from llmexp.errors import UserError
 from llmexp.rundir.study import STUDY_NAME, study_journal
-from llmexp.sweep.search import TrialResult, read_result, tell
-from llmexp.sweep.space import grid_jobs, probe_job, scale_lr, search_space
+from llmexp.sweep.search import TrialResult, read_result, returned_result, tell
+from llmexp.sweep.space import finite_grid, grid_jobs, probe_job, scale_lr, search_space, trial_overrides
 from tests.conftest import TINY, read_metrics, run_cli
 
 
@@ -93,6 +93,34 @@ def test_search_space_reads_hydra_optuna_syntax() -> None:
         search_space(parse("seed=3"))
     with pytest.raises(UserError, match="start > 0"):
         search_space(parse("lr=tag(log,interval(0.0,1.0))"))
+
+
+def test_a_categorical_space_is_a_grid_and_a_trial_keeps_the_command_lines_order() -> None:
+    """What Hydra's sweeper suites need of a search (tests/test_hydra_conformance.py), as pure functions."""
+    overrides = parse("batch_size=choice(4,8)", "seed=3", "model.r=range(1,3)")
+    space, _ = search_space(overrides)
+    assert finite_grid(space, 4) == [{"batch_size": 4, "model.r": 1}, {"batch_size": 4, "model.r": 2},
+                                     {"batch_size": 8, "model.r": 1}, {"batch_size": 8, "model.r": 2}]
+    assert finite_grid(space, 3) is None  # more points than trials: the sampler picks
+    assert finite_grid(search_space(parse("batch_size=4,8", "lr=interval(1e-4,1e-3)"))[0], 100) is None
+    huge, _ = search_space(parse(*(f"+k{i}=range(0,100)" for i in range(10))))
+    assert finite_grid(huge, 12) is None  # 1e20 points, counted and not listed
+    assert trial_overrides({"batch_size": 8, "model.r": 1}, overrides) == ["batch_size=8", "seed=3", "model.r=1"]
+
+
+def test_another_apps_trial_is_worth_what_its_task_returns() -> None:
+    from hydra.core.utils import JobReturn, JobStatus
+
+    def ret(value: Any, status: JobStatus = JobStatus.COMPLETED) -> JobReturn:
+        job = JobReturn(status=status)
+        job.return_value = value
+        return job
+
+    assert returned_result(ret(3)) == TrialResult("completed", value=3.0)
+    for value in (float("nan"), None, "0.5", True):
+        assert returned_result(ret(value)).status == "crashed", value
+    assert returned_result(ret(ValueError("bad x"), JobStatus.FAILED)) == TrialResult("crashed",
+                                                                                     reason="ValueError: bad x")
 
 
 # ----------------------------------------------------------------------------- how a trial ended

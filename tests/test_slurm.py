@@ -2,7 +2,8 @@
 
 Covers: a 3-job lr sweep as one job array; a sweep where one job raises and one is scancel'd
 (every job still gets an entry, the command exits non-zero); a job that reaches its time limit,
-checkpoints on SIGUSR2, is requeued and ends with the same loss curve as an uninterrupted run.
+checkpoints on SIGUSR2, is requeued and ends with the same loss curve as an uninterrupted run, step by
+step the points of submitit's requeue protocol (its own `test_requeuing_checkpointable`, in the wheel).
 Jobs run with OMP_NUM_THREADS=1 so that two share the two cores without fighting and the
 reference run computes with the same thread count as the SLURM job.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,7 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import submitit
 
+from llmexp.sweep.slurm import SlurmJob
 from tests.conftest import TINY
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -138,7 +142,9 @@ def test_timeout_checkpoints_requeues_and_resumes_exactly(tmp_path: Path) -> Non
     # SLURM sends SIGUSR2 30 s before the 2-minute limit, checking every 30 s: 60-90 s into an attempt,
     # which leaves ~45-80 s of training after start-up. The run is sized from this machine's measured
     # speed to need ~120 s of training, so the first attempt is always cut, whatever the machine's
-    # speed or load; cluster.max_num_timeout=4 leaves room for a third attempt.
+    # speed or load. The job trains beside the reference run, so on cores shared with other work it can
+    # run at half the measured speed: 4 attempts were seen on this 2-core machine, and
+    # cluster.max_num_timeout=6 leaves room for 7 (tests/test_submitit_protocol.py checks running out).
     num_steps = int(min(20000, max(600, 120 * steps_per_second(tmp_path))))
     args = ["lr=3e-3", f"train.max_steps={num_steps}", "train.logging_steps=1", *QUICK]
     ref_dir = tmp_path / "reference"
@@ -147,17 +153,69 @@ def test_timeout_checkpoints_requeues_and_resumes_exactly(tmp_path: Path) -> Non
                                      cwd=tmp_path, env={**os.environ, **ENV}, stdout=ref_log,
                                      stderr=subprocess.STDOUT)
         proc, sweep, log = start_sweep(tmp_path, "timeout", [*args, "cluster.timeout_min=2",
-                                                             "cluster.signal_delay_s=30", "cluster.max_num_timeout=4"])
+                                                             "cluster.signal_delay_s=30", "cluster.max_num_timeout=6"])
         assert proc.wait(timeout=900) == 0, log.read_text()[-3000:]
         assert reference.wait(timeout=300) == 0
-    job = sweep / "0"
-    assert json.loads((job / "summary.json").read_text())["status"] == "completed"
-    assert [e["step"] for e in events(job, "resume")], "the job was never requeued and resumed"
-    submitit_logs = "".join(p.read_text() for p in (sweep / ".submitit").rglob("*_log.*"))
-    assert "Requeued job" in submitit_logs
-    resumed, uninterrupted = train_losses(job), train_losses(ref_dir)
+    assert_requeue_protocol(sweep, max_num_timeout=6)
+    resumed, uninterrupted = train_losses(sweep / "0"), train_losses(ref_dir)
     assert sorted(resumed) == list(range(1, num_steps + 1))
     assert resumed == uninterrupted  # bitwise: the same floats at every step
+
+
+LLMEXP_CAUGHT = "llmexp: SIGUSR2: saving a checkpoint at the next step boundary, then stopping"
+SUBMITIT_CAUGHT = re.compile(r"Caught signal SIGUSR2 on .*: this job is timed-out\.")
+REQUEUED = re.compile(r"Requeued job (\S+) \((\d+) remaining timeouts\)")
+
+
+def assert_requeue_protocol(sweep: Path, max_num_timeout: int) -> None:
+    """The timed-out job 0 of `sweep` went through submitit's requeue protocol, llmexp's handler beside submitit's:
+
+    1. at each SIGUSR2, llmexp's PreemptionSignal caught it first (its line in the job's stderr) and the
+       trainer checkpointed; only then did submitit's handler see it, called by llmexp's SlurmJob, and count
+       a timeout (submitit counts any signal in a 2-minute job as one);
+    2. submitit called SlurmJob.checkpoint() and requeued the same SLURM job (`scontrol requeue`: one job
+       id, which slurmctld's accounting shows REQUEUED once per attempt), its countdown one lower each time;
+    3. its pickled submission is now SlurmJob.checkpoint()'s: the same job, with `train.resume=auto` and the
+       countdown left, and each attempt after the first resumed from the checkpoint the one before wrote;
+    4. the last attempt ended the job with one result, `completed`.
+    """
+    job, ids = sweep / "0", json.loads((sweep / "slurm_jobs.json").read_text())["jobs"]
+    job_id = ids["0"]
+    folder = sweep / ".submitit" / job_id
+    assert [p.name for p in (sweep / ".submitit").iterdir() if p.is_dir()] == [job_id]  # requeued, not resubmitted
+    err = (folder / f"{job_id}_0_log.err").read_text()  # SLURM appends each attempt's output
+    out = (folder / f"{job_id}_0_log.out").read_text()
+    requeues = REQUEUED.findall(out)
+    attempts = len(requeues) + 1
+    assert requeues, "the job was never requeued"
+    assert requeues == [(job_id, str(max_num_timeout - n)) for n in range(1, attempts)], requeues
+    # 1: in each interrupted attempt, llmexp's handler first, then submitit's
+    ours = [m.start() for m in re.finditer(re.escape(LLMEXP_CAUGHT), err)]
+    theirs = [m.start() for m in SUBMITIT_CAUGHT.finditer(err)]
+    assert len(ours) == len(theirs) == attempts - 1, err[-3000:]
+    assert all(a < b for a, b in zip(ours, theirs, strict=True)), err[-3000:]
+    assert all(b < a for a, b in zip(ours[1:], theirs, strict=False)), err[-3000:]  # one attempt after another
+    # 2: slurmctld saw one job requeued, not new jobs (its accounting may lag the job's end by seconds)
+    def accounting() -> list[str]:
+        return subprocess.run(["sacct", "-n", "-X", "-D", "-j", job_id, "-o", "State"], capture_output=True,
+                              text=True, timeout=60, check=True).stdout.split()
+    wait_for(lambda: accounting()[-1:] == ["COMPLETED"], "the accounting of the job's end", timeout_s=120)
+    assert accounting() == ["REQUEUED"] * (attempts - 1) + ["COMPLETED"], accounting()
+    # 3: the submission is the checkpoint's, and each attempt resumed from the one before
+    delayed = submitit.helpers.DelayedSubmission.load(folder / f"{job_id}_submitted.pkl")
+    assert isinstance(delayed.function, SlurmJob) and delayed.function.spec.config.train.resume == "auto"
+    assert delayed._timeout_countdown == max_num_timeout - (attempts - 1)
+    resumes = events(job, "resume")
+    assert len(resumes) == attempts - 1, resumes
+    for resume in resumes:  # train.save_steps=0: the only checkpoints are those the signals made
+        assert Path(resume["checkpoint"]).parent == job / "checkpoints"  # its own run directory's
+        assert Path(resume["checkpoint"]).name == f"step_{resume['step']}" and resume["step"] > 0
+    assert [r["step"] for r in resumes] == sorted({r["step"] for r in resumes})  # each attempt got further
+    # 4: one result, written by the last attempt
+    assert [p.name for p in folder.glob("*_result.pkl")] == [f"{job_id}_0_result.pkl"]
+    outcome, result = submitit.core.utils.pickle_load(folder / f"{job_id}_0_result.pkl")
+    assert outcome == "success" and result["status"] == "completed", (outcome, result)
+    assert json.loads((job / "summary.json").read_text())["status"] == "completed"
 
 
 def test_a_tpe_asha_search_prunes_on_slurm_and_a_rerun_extends_it(tmp_path: Path) -> None:

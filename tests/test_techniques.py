@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,12 +24,22 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "model" / "model.safetensors"))
 
 
-def test_accumulation_equals_the_big_batch_and_lr_follows_the_schedule(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def accumulation(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], Path]:
+    """The accumulation tests' settings (SFT records of very different lengths, unpacked, so micro-batches hold
+    very different target-token counts) and their shared reference run: 8 examples a step, no accumulation."""
+    tmp_path = tmp_path_factory.mktemp("accumulation")
     data = sft_file(tmp_path / "sft.jsonl")
     common = ["data=json", f"data.train_file={data}", "data.packing=false", "precision=fp32", "train.max_steps=8",
               "train.eval_steps=4", "train.save_steps=0", "lr=3e-3", "train.warmup_steps=3", "seed=1"]
-    big, small = tmp_path / "big", tmp_path / "small"
-    _train([*common, "batch_size=8", "train.gradient_accumulation_steps=1"], big)
+    _train([*common, "batch_size=8", "train.gradient_accumulation_steps=1"], tmp_path / "big")
+    return common, tmp_path / "big"
+
+
+def test_accumulation_equals_the_big_batch_and_lr_follows_the_schedule(
+        accumulation: tuple[list[str], Path], tmp_path: Path) -> None:
+    common, big = accumulation
+    small = tmp_path / "small"
     summary = _train([*common, "batch_size=2", "train.global_batch_size=8"], small)
     assert summary["gradient_accumulation_steps"] == 4 and summary["global_batch_size"] == 8
     losses_big = [r["loss"] for r in read_metrics(big, "train")]
@@ -43,6 +54,66 @@ def test_accumulation_equals_the_big_batch_and_lr_follows_the_schedule(tmp_path:
         expected = lr_at(record["step"] - 1, name="cosine", peak_lr=3e-3, max_steps=8, warmup_steps=3,
                          min_lr_ratio=0.1)
         assert record["lr"] == pytest.approx(expected, rel=1e-12)
+
+
+ALIGNED = 1e-5
+"""transformers' alignment check allows 0.01 between the runs' losses; llmexp's fp32 losses differ by float
+reassociation only (4.8e-7 measured here), and the broken normalisation below moves them by 2e-4 to 8e-3,
+which 0.01 would let through."""
+
+
+def test_gradient_accumulation_loss_alignment_and_a_broken_normalisation_is_caught(
+        accumulation: tuple[list[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' `test_gradient_accumulation_loss_alignment_with_model_loss` through llmexp: the train
+    losses of 8 x 1 (batch x accumulation) and 4 x 2 agree, and the same check fails for a trainer that takes
+    the mean of its micro-batches' mean losses (transformers' bug #34191), monkeypatched here only: each
+    micro-batch's loss divided by its own target tokens, and the sum by the number of micro-batches instead of
+    the global batch's target tokens; as transformers checks, that broken run still looks like training."""
+    import llmexp.train.train as train_module
+    from llmexp.model.loss import IGNORE_INDEX, CausalLMLoss
+
+    common, big = accumulation
+    base = [r["loss"] for r in read_metrics(big, "train")]
+
+    def losses(name: str) -> list[float]:
+        _train([*common, "batch_size=4", "train.gradient_accumulation_steps=2"], tmp_path / name)
+        return [r["loss"] for r in read_metrics(tmp_path / name, "train")]
+
+    def gap(other: list[float]) -> float:
+        assert len(other) == len(base) == 8
+        return max(abs(a - b) for a, b in zip(base, other, strict=True))
+
+    accumulated = losses("accumulated")
+    real_forward, real_forward_backward = CausalLMLoss.forward, train_module.forward_backward
+
+    def micro_batch_mean(self: CausalLMLoss, input_ids: torch.Tensor, labels: torch.Tensor, **kw: Any) -> torch.Tensor:
+        total = real_forward(self, input_ids, labels, **kw)
+        if not torch.is_grad_enabled():  # evaluation keeps its per-token mean: only training is broken
+            return total
+        return total / (labels[:, 1:] != IGNORE_INDEX).sum().clamp(min=1)
+
+    class MicroBatchCount:
+        """The training set, except that a global batch counts one "target" per micro-batch."""
+
+        def __init__(self, data: Any, micro_batches: int) -> None:
+            self.data, self.micro_batches = data, micro_batches
+
+        def num_targets(self, indices: Any) -> int:
+            return self.micro_batches
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.data, name)
+
+    def mean_of_means(rt: Any, model: Any, train_ds: Any, state: Any) -> Any:
+        return real_forward_backward(rt, model, MicroBatchCount(train_ds, rt.plan.accum), state)
+
+    monkeypatch.setattr(CausalLMLoss, "forward", micro_batch_mean)
+    monkeypatch.setattr(train_module, "forward_backward", mean_of_means)
+    broken = losses("broken")
+
+    assert gap(accumulated) <= ALIGNED, (base, accumulated)
+    assert gap(broken) > ALIGNED, (base, broken)  # the check catches it...
+    assert abs(sum(broken) - sum(base)) / sum(base) < 0.01, (base, broken)  # ...where the curve looks fine
 
 
 def test_fp16_overflow_skips_the_step_and_leaves_the_weights_unchanged(tmp_path: Path) -> None:

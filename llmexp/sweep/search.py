@@ -11,6 +11,12 @@ trial's result is read from its run directory, never held only in this process. 
 command again with the same `hydra.sweep.dir` continues the search: ended trials are not run again,
 trials that were running are launched again and resume from their checkpoints (a job still running
 from the earlier sweeper is waited for), and a `kill -9` of the sweeper loses no result.
+
+A space of categorical keys only with no more points than `sweep.n_trials` is its grid: each point runs
+once, in the grid's order (a sampler would draw points again, and llmexp's runs are deterministic, so a
+repeat is the same run again). Hydra's sweeper suites (tests/test_hydra_conformance.py) hold the search to
+that, on Hydra's own apps: for an app other than llmexp (`is_llmexp_config`), a trial's result is its
+task's return value, as Hydra's Optuna sweeper reads it, nothing prunes, and no llmexp report is written.
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ from llmexp.config.schema import SearchSweepConfig
 from llmexp.errors import EXIT_USER, UserError
 from llmexp.rundir.read import FINISHED, load_json
 from llmexp.rundir.study import STUDY_NAME, journal_storage, make_pruner
-from llmexp.sweep.jobs import job_dir_of, write_report
-from llmexp.sweep.space import search_space, trial_overrides
+from llmexp.sweep.jobs import is_llmexp_config, job_dir_of, write_report
+from llmexp.sweep.space import finite_grid, search_space, trial_overrides
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -124,6 +130,19 @@ def read_result(job_dir: Path) -> TrialResult:
     return TrialResult("crashed", step=step, reason=str(reason), user_error=verdict.get("exit_code") == EXIT_USER)
 
 
+def returned_result(ret: JobReturn) -> TrialResult:
+    """Another app's trial: its task's return value is the value to minimize, as Hydra's Optuna sweeper reads it."""
+    from hydra.core.utils import JobStatus
+
+    if ret.status != JobStatus.COMPLETED:
+        error = ret._return_value  # the exception; the public `return_value` would raise it
+        return TrialResult("crashed", reason=f"{type(error).__name__}: {error}")
+    value = ret.return_value
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return TrialResult("crashed", reason=f"the task returned {value!r}, not a finite number to minimize")
+    return TrialResult("completed", value=float(value))
+
+
 def tell(study: Any, trial: optuna.Trial, result: TrialResult) -> None:
     """Record an ended trial in the study.
 
@@ -158,9 +177,24 @@ def run_search(sweeper: Any, overrides: Sequence[Any], settings: SearchSettings)
     config, search = sweeper.config, settings.search
     space, fixed = search_space(overrides)
     sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
-    pruner = make_pruner(search.pruner, int(config.train.eval_steps), int(config.train.max_steps))
+    llmexp_app = is_llmexp_config(config)
+    if llmexp_app:
+        pruner = make_pruner(search.pruner, int(config.train.eval_steps), int(config.train.max_steps))
+    elif search.pruner != "none":
+        raise UserError(f"hydra.sweeper.pruner={search.pruner}: trials report their evals from llmexp's trainer, "
+                        "which this app does not run; use hydra.sweeper.pruner=none")
+    else:
+        pruner = optuna.pruners.NopPruner()
     sampler = make_sampler(settings.sampler, search.seed, search.n_trials)
     study = open_study(sweep_dir, space, fixed, sampler, pruner)
+    n_trials, grid = search.n_trials, finite_grid(space, search.n_trials)
+    if grid is not None:
+        log.info(f"The search space has {len(grid)} points, no more than the {n_trials} trials asked for: "
+                 "each runs once, in the grid's order")
+        n_trials = len(grid)
+        if not study.trials:  # a rerun finds them queued (WAITING) or run in the study
+            for params in grid:
+                study.enqueue_trial(params)
     if study.trials:  # a rerun: a sampler seeded as the first run's would propose that run's points again
         study.sampler = make_sampler(settings.sampler, search.seed + len(study.trials), search.n_trials)
     returns: list[Sequence[JobReturn]] = []
@@ -170,16 +204,17 @@ def run_search(sweeper: Any, overrides: Sequence[Any], settings: SearchSettings)
         log.info(f"Resuming {len(resumed)} interrupted trials of {sweep_dir}: "
                  f"{', '.join(str(t.number) for t in resumed)}")
     for batch in _contiguous(resumed):
-        if not _run_batch(sweeper, study, batch, sweep_dir, returns):
+        if not _run_batch(sweeper, study, batch, sweep_dir, returns, llmexp_app):
             return returns
-    while (ended := _ended(study)) < search.n_trials:
-        batch = [study.ask(space) for _ in range(min(search.parallel, search.n_trials - ended))]
+    while (ended := _ended(study)) < n_trials:
+        batch = [study.ask(space) for _ in range(min(search.parallel, n_trials - ended))]
         for trial in batch:
-            trial.set_user_attr("overrides", trial_overrides(trial.params, fixed))
-        if not _run_batch(sweeper, study, batch, sweep_dir, returns):
+            trial.set_user_attr("overrides", trial_overrides(trial.params, overrides))
+        if not _run_batch(sweeper, study, batch, sweep_dir, returns, llmexp_app):
             break
-    write_report(sweep_dir)
-    _log_best(study, sweep_dir)
+    if llmexp_app:
+        write_report(sweep_dir)
+    _log_best(study, sweep_dir, llmexp_app)
     return returns
 
 
@@ -201,7 +236,7 @@ def _contiguous(trials: Sequence[optuna.Trial]) -> list[list[optuna.Trial]]:
 
 
 def _run_batch(sweeper: Any, study: Any, batch: list[optuna.Trial], sweep_dir: Path,
-               returns: list[Sequence[JobReturn]]) -> bool:
+               returns: list[Sequence[JobReturn]], llmexp_app: bool = True) -> bool:
     """Launch one batch of trials (each prunes itself), tell how each ended; False if the sweep was interrupted."""
     first = batch[0].number
     jobs = [list(t.user_attrs["overrides"]) for t in batch]
@@ -211,8 +246,8 @@ def _run_batch(sweeper: Any, study: Any, batch: list[optuna.Trial], sweep_dir: P
         log.info(f"  trial {trial.number}: {' '.join(f'{k}={v}' for k, v in trial.params.items())}")
     returns.append(sweeper.launcher.launch(jobs, initial_job_idx=first))  # each trial prunes itself
     interrupted = False
-    for trial in batch:
-        result = read_result(job_dirs[trial.number])
+    for i, trial in enumerate(batch):
+        result = read_result(job_dirs[trial.number]) if llmexp_app else returned_result(returns[-1][i])
         if result.status == "running":
             interrupted = True  # stays RUNNING: a rerun resumes it from its checkpoint
             continue
@@ -228,11 +263,11 @@ def _run_batch(sweeper: Any, study: Any, batch: list[optuna.Trial], sweep_dir: P
     return not interrupted
 
 
-def _log_best(study: Any, sweep_dir: Path) -> None:
+def _log_best(study: Any, sweep_dir: Path, llmexp_app: bool = True) -> None:
+    where, value = (sweep_dir / "sweep_report.md", "eval_loss") if llmexp_app else (sweep_dir, "returned")
     try:
         best = study.best_trial
     except ValueError:
-        log.warning(f"no trial completed; see {sweep_dir / 'sweep_report.md'}")
+        log.warning(f"no trial completed; see {where}")
         return
-    log.info(f"Best trial {best.number}: eval_loss {best.value:.4f} with {json.dumps(best.params)}; "
-             f"report: {sweep_dir / 'sweep_report.md'}")
+    log.info(f"Best trial {best.number}: {value} {best.value:.4f} with {json.dumps(best.params)}; see {where}")

@@ -26,7 +26,8 @@ Timeout and preemption, and who handles which signal:
 3. `SlurmJob` then asks SLURM about the job. Still RUNNING means the signal was a warning (time
    limit or USR2 preemption): it calls submitit's SIGUSR2 handler itself, which calls
    `SlurmJob.checkpoint()` (the same job, with `train.resume=auto`), counts the timeout against
-   `cluster.max_num_timeout`, runs `scontrol requeue` and exits. The requeued job starts in the
+   `cluster.max_num_timeout`, runs `scontrol requeue` (with SIGTERM ignored: the requeue SIGTERMs
+   the whole job, scontrol too) and exits. The requeued job starts in the
    same run directory and resumes from the checkpoint just written. Not RUNNING (cancelled,
    timed out, preempted with PreemptMode=REQUEUE, which requeues by itself) means SLURM decided:
    the job just returns, so a `scancel` is never undone.
@@ -44,6 +45,7 @@ import logging
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -173,12 +175,22 @@ def _requeue_or_stop(outcome: JobOutcome, requeue_handler: Any) -> JobOutcome:
             outcome.status = "cancelled"
         return outcome
     log.warning(f"job {outcome.job_id}: checkpoint saved after a signal; requeueing it")
+    # The requeue makes slurmctld SIGTERM every process of this job, submitit's `scontrol requeue` too,
+    # which can die of it before it exits 0: submitit then takes the done requeue for a failure and this
+    # attempt would record `preempted` while the job runs again. An ignored signal stays ignored across
+    # exec (a Python handler such as submitit's is reset), so scontrol is started with SIGTERM ignored;
+    # this process ignores it meanwhile, as submitit's own handler does. Only the main thread may.
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if main else None
     try:
         requeue_handler(signal.SIGUSR2, None)  # submitit: checkpoint() -> scontrol requeue -> exit
     except submitit.core.utils.UncompletedJobError as err:  # no requeues left (cluster.max_num_timeout)
         return JobOutcome(outcome.num, "timeout", outcome.exit_code, str(err), outcome.job_id)
     except subprocess.CalledProcessError as err:
         return JobOutcome(outcome.num, "preempted", outcome.exit_code, f"requeue failed: {err}", outcome.job_id)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     return outcome  # not reached when the requeue succeeded: submitit exits the process
 
 

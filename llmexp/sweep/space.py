@@ -14,6 +14,7 @@ The search syntax is that of Hydra's Optuna sweeper: `choice(...)` and `a,b,c` a
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -150,6 +151,24 @@ def probe_job(overrides: Sequence[Override]) -> list[str]:
     return job
 
 
-def trial_overrides(params: dict[str, Any], fixed: Sequence[str]) -> list[str]:
-    """A trial's overrides: the fixed ones, then its sampled values."""
-    return [*fixed, *(f"{key}={value}" for key, value in params.items())]
+def trial_overrides(params: dict[str, Any], overrides: Sequence[Override]) -> list[str]:
+    """A trial's overrides: the command line's, in its order (Hydra applies them in that order, and a job's
+    `.hydra/overrides.yaml` shows them so, as the grid's jobs do), each swept key at its sampled value."""
+    job = []
+    for override in overrides:
+        key = override.get_key_element()
+        job.append(f"{key}={params[key]}" if override.is_sweep_override() else
+                   f"{key}={override.get_value_element_as_str()}")
+    return job
+
+
+def finite_grid(space: dict[str, BaseDistribution], limit: int) -> list[dict[str, Any]] | None:
+    """Every point of a space of categorical keys only (choices, lists, ranges), in the grid's order (the
+    first key varies slowest, as Hydra's basic sweeper orders its jobs); None if any key is an interval
+    or there are more than `limit` points (counted first: a space of many keys can have billions)."""
+    from optuna.distributions import CategoricalDistribution
+
+    axes = [d.choices for d in space.values() if isinstance(d, CategoricalDistribution)]
+    if len(axes) < len(space) or math.prod(len(choices) for choices in axes) > limit:
+        return None
+    return [dict(zip(space, point, strict=True)) for point in itertools.product(*axes)]
