@@ -142,16 +142,6 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-BF16_EMULATED_SLOWDOWN = "about 3-4x"
-"""Expected step-time cost of emulated bf16 against fp32 on a CPU without native bf16.
-
-Estimated, not measured on such a CPU: on this machine (Xeon with AVX512-BF16) torch's bf16 path
-without oneDNN (`torch.backends.mkldnn.enabled=False`, `ATEN_CPU_CAPABILITY=avx2`: what torch uses
-on CPUs without AVX512, e.g. AMD Zen 3) ran a default-model training step 3.6x slower than fp32,
-its 1024x1024 bf16 matmul ~40x slower. CPUs with AVX512 but no AVX512-BF16 emulate in oneDNN,
-which costs less. `LLMEXP_ASSUME_NO_BF16=1` only changes llmexp's decisions, not torch's kernels."""
-
-
 def bf16_support(device_type: str) -> str:
     """`native` (fast bf16 matmuls), `emulated` (torch runs bf16 in software or converts, slowly) or `none`.
 
@@ -189,9 +179,8 @@ def bf16_emulation_warning(precision: str, device_type: str) -> str | None:
     """The warning for a bf16 run on hardware that emulates it (None when bf16 is native or unused)."""
     if precision != "bf16" or bf16_support(device_type) != "emulated":
         return None
-    if device_type == "cpu":
-        return (f"precision=bf16 on a CPU without native bf16 (AVX512-BF16 or AMX): torch emulates it, so training "
-                f"is expected to be {BF16_EMULATED_SLOWDOWN} slower than fp32 (estimated, see the README)")
+    if device_type == "cpu":  # set-up measures the slowdown and says it (`model.bf16_emulation.settle_on_cpu`)
+        return "precision=bf16 on a CPU without native bf16 (AVX512-BF16 or AMX)"
     return ("precision=bf16 on a GPU without native bf16 (before Ampere): torch emulates it, so training is "
             "expected to be slower than fp32")
 
@@ -211,7 +200,12 @@ class Precision:
     bf16: str
     """This device's bf16: native, emulated or none (`bf16_support`)."""
     warning: str | None
-    """Why bf16 will be slow here, when the run computes in emulated bf16 (`bf16_emulation_warning`)."""
+    """Why bf16 will be slow here, when the run computes in emulated bf16 (`bf16_emulation_warning`; on a CPU
+    with the factors measured at set-up)."""
+    emulate_bf16: bool = False
+    """llmexp emulates bf16 on fp32 kernels (a CPU whose own bf16 matmuls are slower: `model.bf16_emulation`)."""
+    bf16_slowdown: float | None = None
+    """The bf16 path's matmul time over fp32's, measured on this CPU at set-up (None where not measured)."""
 
     @property
     def emulated(self) -> bool:

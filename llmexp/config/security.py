@@ -59,7 +59,7 @@ ENV_SET_ALLOWED: tuple[str, ...] = (
     "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TOKENIZERS_PARALLELISM", "CUDA_VISIBLE_DEVICES",
     "CUDA_LAUNCH_BLOCKING", "NCCL_DEBUG", "TORCH_DISTRIBUTED_DEBUG", "PYTHONHASHSEED", "WANDB_MODE", "WANDB_PROJECT",
     "WANDB_ENTITY", "WANDB_RUN_GROUP", "WANDB_TAGS", "WANDB_NOTES", "WANDB_SILENT", "HF_HUB_OFFLINE",
-    "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "LLMEXP_ASSUME_NO_BF16", "LLMEXP_NO_BAR")
+    "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "LLMEXP_ASSUME_NO_BF16", "LLMEXP_BF16_EMULATION", "LLMEXP_NO_BAR")
 """Variables `hydra.job.env_set` may set. Not PATH, CC, CXX, LD_PRELOAD, PYTHONPATH, TORCH_EXTENSIONS_DIR or
 anything else a build step or the interpreter executes or loads code from: an allow-list, not a block-list."""
 HYDRA_ALLOWED_TARGETS: tuple[str, ...] = ("hydra._internal.core_plugins.", "hydra_plugins.", "llmexp.")

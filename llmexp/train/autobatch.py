@@ -137,7 +137,8 @@ def _step(cfg: DictConfig, rt: Runtime, vocab_size: int, micro: int) -> None:
     optimizer = build.build_optimizer(cfg, model, 1e-6, rt.device.type)
     ids = torch.randint(0, vocab_size, (micro, cfg.data.max_length), device=rt.device,
                         generator=torch.Generator(rt.device).manual_seed(0))
-    with rt.autocast():
-        loss = model(input_ids=ids, labels=ids)
-    (loss / ids.numel()).backward()
+    with rt.emulation():
+        with rt.autocast():
+            loss = model(input_ids=ids, labels=ids)
+        (loss / ids.numel()).backward()
     optimizer.step()

@@ -50,7 +50,12 @@ class Runtime:
         # One compile cache for every run and sweep job: torch.compile pays for itself after ~40 steps, not ~400.
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cfg.data.cache_dir) / "torchinductor"))
         device_type = "cuda" if torch.cuda.is_available() else "cpu"  # Accelerate's choice (accelerator_kwargs)
-        self.precision = precision_on(cfg.precision.name, device_type)
+        precision = precision_on(cfg.precision.name, device_type)
+        if device_type == "cpu":  # bf16 without native support: measured, and emulated where that is faster
+            from llmexp.model.bf16_emulation import settle_on_cpu
+
+            precision = settle_on_cpu(precision)
+        self.precision = precision
         """Resolved once, here: the loop, the engines and the DeepSpeed config all take this one."""
         self.world = world_size()
         # DeepSpeed's config fixes the batch plan inside Accelerate (batch_size=auto is refused there).
@@ -69,7 +74,9 @@ class Runtime:
     def measure_peak(self) -> tuple[float | None, str | None]:
         """(a matmul ceiling in the training dtype, None) cached per device so later runs start fast; or
         (None, why) when it was measured on shared cores: a guessed ceiling would make every MFU a guess."""
-        dtype = build.autocast_dtype(self.precision.name) or torch.float32
+        # Emulated bf16 runs its matmuls in fp32: the bf16 ceiling of such a CPU (~0.001 TFLOPS) would measure
+        # the path it does not take.
+        dtype = (None if self.precision.emulate_bf16 else build.autocast_dtype(self.precision.name)) or torch.float32
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         key = f"v2|{name}|{dtype}|{torch.get_num_threads()}"  # v2: v1 entries could come from a busy machine
         cache = Path(self.cfg.data.cache_dir) / "peak_tflops.json"
@@ -94,9 +101,19 @@ class Runtime:
 
     # ------------------------------------------------------------------ what the loop asks of the process
     def autocast(self) -> AbstractContextManager[Any]:
-        """The compute precision around every forward and backward: the one place that opens it."""
+        """The compute precision around every forward: the one place that opens it."""
         dtype = build.autocast_dtype(self.precision.name)
         return torch.autocast(self.device.type, dtype=dtype) if dtype is not None else nullcontext()
+
+    def emulation(self) -> AbstractContextManager[Any]:
+        """bf16 emulated on fp32 kernels where this CPU's own bf16 matmuls are slower (`precision.emulate_bf16`),
+        around forward *and* backward: the backward's matmuls are bf16 too, and gradient checkpointing recomputes
+        the forward inside backward. A no-op elsewhere."""
+        if not self.precision.emulate_bf16:
+            return nullcontext()
+        from llmexp.model.bf16_emulation import Bf16Emulation
+
+        return Bf16Emulation()
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when it is true on any (one tiny all-reduce; free on one process)."""
@@ -214,7 +231,7 @@ def _build(cfg: DictConfig, rt: Runtime, engine: Engine, vocab_size: int) -> tup
     model = engine.shard(CausalLMLoss(lm))  # FSDP: before the optimizer sees the parameters
     optimizer = build.build_optimizer(cfg, model, lr, rt.device.type)
     model, optimizer = engine.prepare(model, optimizer)
-    if cfg.train.compile:
+    if cfg.train.compile and not rt.precision.emulate_bf16:  # dynamo traces nothing under a dispatch mode
         model = torch.compile(model)
     return model, optimizer, built
 
@@ -233,7 +250,11 @@ def start_facts(cfg: DictConfig, rt: Runtime, desc: RunDescription) -> dict[str,
     if desc.auto_batch:
         facts["batch_size_auto"] = desc.auto_batch.record()
     if desc.precision.warning:
-        facts.update(bf16_emulated=desc.precision.warning, bf16_advice=BF16_EMULATION_ADVICE)
+        compile_note = ("; train.compile=true is not applied: torch.compile traces nothing under the emulation"
+                        if cfg.train.compile and desc.precision.emulate_bf16 else "")
+        facts.update(bf16_emulated=desc.precision.warning + compile_note, bf16_advice=BF16_EMULATION_ADVICE)
+    if desc.precision.bf16_slowdown is not None:
+        facts.update(bf16_emulation=desc.precision.emulate_bf16, bf16_slowdown=desc.precision.bf16_slowdown)
     if desc.mfu_note:
         facts["mfu_note"] = desc.mfu_note
     return facts

@@ -34,7 +34,7 @@ def generate(run: Run, tokenizer: Any) -> list[dict[str, str]]:
     devices = [rt.device.index or 0] if rt.device.type == "cuda" else []
     samples = []
     try:
-        with torch.random.fork_rng(devices=devices), rt.autocast():
+        with torch.random.fork_rng(devices=devices), rt.emulation(), rt.autocast():
             torch.manual_seed(train.sample_seed)
             for prompt in train.sample_prompts:
                 samples.append({"prompt": prompt, "completion": _continue(lm, tokenizer, prompt, train, rt.device)})

@@ -164,9 +164,10 @@ def forward_backward(run: Run, train_ds: data_lib.TokenDataset | stream_lib.Stre
         n_tokens += batch["input_ids"].numel()
         # DDP averages gradients over ranks, so scale by world / n_targets to get the global mean.
         sync = nullcontext() if micro == plan.accum - 1 else engine.no_sync(model)
-        with sync, rt.autocast():
-            micro_sum = model(**batch)
-        engine.backward(micro_sum * (plan.world / n_targets))
+        with rt.emulation():  # emulated bf16 (CPUs without it): backward's matmuls are bf16 too
+            with sync, rt.autocast():
+                micro_sum = model(**batch)
+            engine.backward(micro_sum * (plan.world / n_targets))
         loss_sum += micro_sum.detach()
     return loss_sum, n_targets, n_tokens * plan.world
 
@@ -188,7 +189,7 @@ def evaluate(run: Run, eval_ds: data_lib.TokenDataset) -> float:
         start = starts[i] if i < len(starts) else 0
         idx = torch.arange(start, min(start + plan.micro, total_examples)).numpy()
         batch = {k: v.to(rt.device) for k, v in eval_ds.get_batch(idx).items()}
-        with rt.autocast():
+        with rt.emulation(), rt.autocast():
             loss_sum = model(**batch).float()
         if i < len(starts):
             sums[0] += loss_sum
