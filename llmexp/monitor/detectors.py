@@ -417,9 +417,9 @@ def _mfu_plausibility(records: list[dict]) -> list[Finding]:
     return [Finding("mfu_implausible", step, WARNING,
                     f"MFU {value:.0%} at step {step} is implausible on a CPU (a training step reaches well under "
                     f"{CPU_MFU_PLAUSIBLE:.0%} of a large matmul's rate); {len(high)} logged step(s) above it",
-                    "Do not compare this MFU across runs: its matmul ceiling was probably measured on busy cores. "
-                    "Delete peak_tflops.json in the cache directory (data.cache_dir) and run once on an idle "
-                    "machine, or set train.peak_tflops.")]
+                    "Do not compare this MFU across runs: the run measured its matmul ceiling again and it still "
+                    "reads too low (busy cores). Run once on an idle machine (the higher ceiling is kept), or set "
+                    "train.peak_tflops.")]
 
 
 def run_detectors(records: list[dict], settings: MonitorSettings) -> list[Finding]:

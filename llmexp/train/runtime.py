@@ -72,28 +72,51 @@ class Runtime:
         self.rank, self.is_main = self.accelerator.process_index, self.accelerator.is_main_process
 
     def measure_peak(self) -> tuple[float | None, str | None]:
-        """(a matmul ceiling in the training dtype, None) cached per device so later runs start fast; or
+        """(a matmul ceiling in the training dtype, None), cached per device so later runs start fast; or
         (None, why) when it was measured on shared cores: a guessed ceiling would make every MFU a guess."""
+        known = self._ceilings()
+        if self.ceiling_key() in known:
+            return float(known[self.ceiling_key()]), None
+        value, cores_were_ours = measure_ceiling(self.device, self._ceiling_dtype())
+        if not cores_were_ours:  # too low to use or keep: measured again next run
+            return None, (f"the matmul ceiling ({value:.3g} TFLOPS) was measured while other processes "
+                          "shared the CPU cores, so it is too low and any MFU divided by it too high")
+        self._keep_ceiling(value)
+        return value, None
+
+    def remeasure_peak(self) -> float | None:
+        """The ceiling measured now, when an MFU came out implausibly high (`monitor.throughput.Mfu`): the cached
+        one was probably measured on busy cores (nothing told). A higher one replaces it in the cache; None when
+        the cores are shared now too."""
+        value, cores_were_ours = measure_ceiling(self.device, self._ceiling_dtype())
+        if not cores_were_ours:
+            return None
+        self._keep_ceiling(value)
+        return value
+
+    def _ceiling_dtype(self) -> torch.dtype:
         # Emulated bf16 runs its matmuls in fp32: the bf16 ceiling of such a CPU (~0.001 TFLOPS) would measure
         # the path it does not take.
-        dtype = (None if self.precision.emulate_bf16 else build.autocast_dtype(self.precision.name)) or torch.float32
-        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        key = f"v2|{name}|{dtype}|{torch.get_num_threads()}"  # v2: v1 entries could come from a busy machine
-        cache = Path(self.cfg.data.cache_dir) / "peak_tflops.json"
-        try:
-            known = json.loads(cache.read_text())
-        except (OSError, ValueError):
-            known = {}
-        if key not in known:
-            value, cores_were_ours = measure_ceiling(self.device, dtype)
-            if not cores_were_ours:  # too low to use or keep: measured again next run
-                return None, (f"the matmul ceiling ({value:.3g} TFLOPS) was measured while other processes "
-                              "shared the CPU cores, so it is too low and any MFU divided by it too high")
-            known[key] = value
-            from llmexp.rundir.files import write_json_atomic
+        return (None if self.precision.emulate_bf16 else build.autocast_dtype(self.precision.name)) or torch.float32
 
-            write_json_atomic(cache, known)
-        return float(known[key]), None
+    def ceiling_key(self) -> str:
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        return f"v2|{name}|{self._ceiling_dtype()}|{torch.get_num_threads()}"  # v2: v1's could come from busy cores
+
+    def _ceilings(self) -> dict[str, Any]:
+        try:
+            return json.loads((Path(self.cfg.data.cache_dir) / "peak_tflops.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _keep_ceiling(self, value: float) -> None:
+        """The highest ceiling measured on idle cores is the one kept: busy cores only ever lower it."""
+        from llmexp.rundir.files import write_json_atomic
+
+        known = self._ceilings()
+        key = self.ceiling_key()
+        known[key] = max(value, float(known.get(key, 0.0)))
+        write_json_atomic(Path(self.cfg.data.cache_dir) / "peak_tflops.json", known)
 
     def logger(self, max_steps: int) -> MetricsLogger:
         sinks = make_sinks(self.cfg, self.run_dir) if self.is_main else []

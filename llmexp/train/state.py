@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from llmexp.monitor.detectors import CPU_MFU_PLAUSIBLE
 from llmexp.monitor.throughput import Mfu, ThroughputWindow
 
 if TYPE_CHECKING:
@@ -108,4 +109,8 @@ class Run:
     """MFU of each train record and of the summary, with its switch-off (`monitor.throughput.Mfu`)."""
 
     def __post_init__(self) -> None:
-        self.mfu = Mfu(self.desc.flops_per_token, self.desc.peak_tflops, self.desc.plan.world)
+        # On a CPU an MFU above CPU_MFU_PLAUSIBLE means a ceiling measured on busy cores: measured again, once.
+        on_cpu = self.rt.device.type == "cpu"
+        self.mfu = Mfu(self.desc.flops_per_token, self.desc.peak_tflops, self.desc.plan.world,
+                       plausible=CPU_MFU_PLAUSIBLE if on_cpu else 1.0,
+                       remeasure=None if self.cfg.train.peak_tflops else self.rt.remeasure_peak)
