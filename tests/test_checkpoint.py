@@ -43,6 +43,7 @@ from llmexp.checkpoint.store import (
     verify_checkpoint,
 )
 from llmexp.errors import UserError
+from llmexp.rundir import files as rundir_files
 from llmexp.train.preemption import PreemptionSignal
 
 FILES = ("model.safetensors", "optimizer.pt", "sub/rng_rank0.pt", "meta.json")
@@ -138,7 +139,7 @@ def test_crash_at_each_fsync_or_rename_keeps_a_good_checkpoint(tmp_path: Path, m
     """Fail the k-th os.fsync / os.replace of a save (keep=1, so rotation deletes too), for every
     k. Either the previous checkpoint is intact and chosen, or the new one was fully published
     (and only then was the old one rotated away) and is chosen."""
-    monkeypatch.setattr(ck, "_exchange", lambda a, b: False)  # exercise the portable two-rename path
+    monkeypatch.setattr(rundir_files, "_exchange", lambda a, b: False)  # exercise the portable two-rename path
     new_step = 10 if replacing else 20
     probe = tmp_path / "probe"
     save_checkpoint(probe, 10, _writer(10), keep=1)
@@ -467,22 +468,22 @@ def test_rotation_property(tmp_path_factory: pytest.TempPathFactory, keep: int, 
 def test_publish_dir_replaces_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                   exchange: bool) -> None:
     if not exchange:
-        monkeypatch.setattr(ck, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(rundir_files, "_exchange", lambda a, b: False)
     final = tmp_path / "model"
     for version in ("v1", "v2"):
         tmp = tmp_path / f".model.{version}"
         tmp.mkdir()
         (tmp / "weights").write_text(version)
-        ck.publish_dir(tmp, final)
+        rundir_files.publish_dir(tmp, final)
         assert (final / "weights").read_text() == version and not tmp.exists()
     tmp = tmp_path / ".model.v3"
     tmp.mkdir()
     (tmp / "weights").write_text("v3")
     with monkeypatch.context() as m:
         _fail_at(m, "replace", 0 if exchange else 1)  # renameat2 needs no os.replace: fail the fallback
-        m.setattr(ck, "_exchange", lambda a, b: False)
+        m.setattr(rundir_files, "_exchange", lambda a, b: False)
         with pytest.raises(OSError, match="injected"):
-            ck.publish_dir(tmp, final)
+            rundir_files.publish_dir(tmp, final)
     assert (final / "weights").read_text() == "v2"
     assert sorted(p.name for p in tmp_path.iterdir()) == [".model.v3", "model"]
 
@@ -504,7 +505,7 @@ def test_symlinked_step_dir_is_moved_aside_never_followed(tmp_path: Path, monkey
     the link aside and writes a real step_4; the link's target is untouched. (Before: the swapped-
     out link went to shutil.rmtree, which raised "Cannot call rmtree on a symbolic link".)"""
     if not exchange:
-        monkeypatch.setattr(ck, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(rundir_files, "_exchange", lambda a, b: False)
     root = tmp_path / "checkpoints"
     save_checkpoint(root, 2, _writer(2), keep=3)
     target, outside = _outside_checkpoint(tmp_path, 4)

@@ -191,12 +191,12 @@ def test_zero_refuses_another_world_size_by_name() -> None:
     from llmexp.train.resume import _check_world_size
 
     lines: list[str] = []
-    run = SimpleNamespace(rt=SimpleNamespace(engine=DeepSpeedEngine, plan=SimpleNamespace(world=2, global_batch=8)),
+    run = SimpleNamespace(engine=DeepSpeedEngine, desc=SimpleNamespace(plan=SimpleNamespace(world=2, global_batch=8)),
                           log=SimpleNamespace(write=lines.append))
     _check_world_size(run, 2)  # the same number: fine
     with pytest.raises(UserError, match=r"saved by 4 processes and cannot be resumed on 2.*DeepSpeed #2898.*fsdp"):
         _check_world_size(run, 4)
-    run.rt.engine = PlainEngine
+    run.engine = PlainEngine
     _check_world_size(run, 4)  # DDP: replicated state, resumes on any number
     assert "saved by 4 process(es) on 2" in lines[0]
 

@@ -24,9 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, run_cli
+from tests.conftest import TINY, read_metrics, run_cli
 
-NO_BF16 = {"LLMEXP_ASSUME_NO_BF16": "1", "CUDA_VISIBLE_DEVICES": ""}
+NO_BF16 = {"LLMEXP_ASSUME_NO_BF16": "1", "LLMEXP_BF16_EMULATION": "1", "CUDA_VISIBLE_DEVICES": ""}
+"""A CPU without native bf16, on which llmexp emulates bf16 (forced: on a CPU with AVX512-BF16 the start-up probe
+finds torch's own bf16 faster and would not emulate)."""
 SMALL = [o for o in TINY if not o.startswith(("batch_size=", "train.logging_steps="))]
 """The tiny test model and data; the headline's own batch sizes and logging stay as the user gets them."""
 
@@ -49,6 +51,9 @@ def test_adamw8bit_bf16_headline_runs_on_a_cpu_without_native_bf16(tmp_path: Pat
     (finding,) = [f for f in summary["findings"] if f["kind"] == "bf16_emulated"]
     assert finding["severity"] == "warning" and "precision=auto" in finding["advice"]
     assert "precision=bf16 on a CPU without native bf16" in proc.stderr  # printed, not only recorded
+    assert "so llmexp emulates bf16" in finding["message"] and "emulated by llmexp on fp32 matmuls" in proc.stderr
+    (start,) = [r for r in read_metrics(run_dir, "start")]
+    assert start["bf16_emulation"] is True and start["bf16_slowdown"] > 0
     assert "`bf16_emulated`" in (run_dir / "report.md").read_text()
 
 

@@ -58,13 +58,53 @@ def test_mfu_is_never_above_one_hundred_percent(tmp_path: Path) -> None:
 
 def test_a_ceiling_measured_on_shared_cores_gives_no_mfu(tmp_path: Path) -> None:
     """With the cores busy and no ceiling cached, the run gets no ceiling (so no MFU) and the reason."""
+    from llmexp.monitor.throughput import Mfu
     from llmexp.train.runtime import Runtime
 
     cfg = compose([*TINY, f"data.cache_dir={tmp_path / 'cache'}"], tmp_path / "run")
     rt = Runtime(cfg, tmp_path / "run")
     with _busy_cores():
-        peak, note = rt._measure_peak()
+        peak, note = rt.measure_peak()
     assert peak is None and note is not None and "shared the CPU cores" in note
     assert not (tmp_path / "cache" / "peak_tflops.json").exists()  # nothing kept for later runs either
-    rt.peak_tflops = peak
-    assert rt.mfu(1e9) is None
+    assert Mfu(flops_per_token=1e6, peak_tflops=peak, world=1)(1e9) is None
+
+
+def test_an_implausible_mfu_measures_the_ceiling_again_once() -> None:
+    """MFU above the plausible bound means a ceiling measured on busy cores: measured again, once, and the value
+    recomputed; when measuring again cannot help (busy cores again), a value above 100% still ends MFU."""
+    from llmexp.monitor.throughput import Mfu
+
+    calls: list[int] = []
+    mfu = Mfu(flops_per_token=1e9, peak_tflops=0.1, world=1, plausible=0.85,
+              remeasure=lambda: calls.append(1) or 0.2)
+    assert mfu(90.0) == 0.45 and calls == [1]  # 0.9 at the cached ceiling: implausible, so measured again
+    assert mfu(180.0) == 0.9 and calls == [1]  # once a run: the detectors judge what stands
+    stuck = Mfu(flops_per_token=1e9, peak_tflops=0.1, world=1, plausible=0.85, remeasure=lambda: None)
+    assert stuck(200.0) is None and "measuring it again did not help" in (stuck.note or "")
+    assert Mfu(flops_per_token=1e9, peak_tflops=0.1, world=1, plausible=0.85)(90.0) == 0.9  # nothing to ask
+
+
+def test_a_ceiling_cached_from_busy_cores_is_measured_again_and_raised(tmp_path: Path) -> None:
+    """The first-run false alarm: a cached ceiling far too low (as busy cores measure it) made every MFU
+    implausible and nothing measured it again. Now the run measures it again and keeps the higher one; only if
+    its cores are busy now too does MFU go unreported (an info finding), never an implausible MFU."""
+    import json
+
+    from llmexp.train.runtime import Runtime
+    from llmexp.train.train import train
+
+    cache = tmp_path / "cache"
+    cfg = compose([*TINY, f"data.cache_dir={cache}", "precision=fp32", "train.max_steps=2", "train.eval_steps=100",
+                   "train.save_steps=0"], tmp_path / "run")
+    key = Runtime(cfg, tmp_path / "run").ceiling_key()
+    cache.mkdir()
+    (cache / "peak_tflops.json").write_text(json.dumps({key: 1e-9}))
+    result = train(cfg)
+    kinds = {f["kind"] for f in result.summary["findings"]}
+    kept = json.loads((cache / "peak_tflops.json").read_text())[key]
+    assert "mfu_implausible" not in kinds
+    if kept > 1e-9:  # measured again on idle cores: MFU reported against the new ceiling
+        assert "mfu_unavailable" not in kinds and result.summary["mfu"] is not None
+    else:  # busy cores now too: no MFU, and the reason
+        assert "mfu_unavailable" in kinds and result.summary["mfu"] is None

@@ -104,8 +104,8 @@ def test_gradient_accumulation_loss_alignment_and_a_broken_normalisation_is_caug
         def __getattr__(self, name: str) -> Any:
             return getattr(self.data, name)
 
-    def mean_of_means(rt: Any, model: Any, train_ds: Any, state: Any) -> Any:
-        return real_forward_backward(rt, model, MicroBatchCount(train_ds, rt.plan.accum), state)
+    def mean_of_means(run: Any, train_ds: Any) -> Any:
+        return real_forward_backward(run, MicroBatchCount(train_ds, run.desc.plan.accum))
 
     monkeypatch.setattr(CausalLMLoss, "forward", micro_batch_mean)
     monkeypatch.setattr(train_module, "forward_backward", mean_of_means)
@@ -200,13 +200,16 @@ def test_compile_trains_and_reports_compile_time_apart(tmp_path: Path) -> None:
 
 def test_bf16_runs_emulated_on_a_cpu_without_native_bf16_and_says_so(tmp_path: Path) -> None:
     """`precision=bf16` where bf16 is emulated (LLMEXP_ASSUME_NO_BF16=1 simulates such a CPU: this one has
-    AVX512-BF16) trains in bf16 autocast, warns on the console and keeps the warning as a finding."""
+    AVX512-BF16) trains in bf16 autocast, measures torch's bf16 against fp32 at start-up, takes llmexp's emulation
+    where it is faster, warns on the console with the measured factor and keeps the warning as a finding."""
     run_dir = tmp_path / "bf16"
     proc = run_cli([*TINY, "precision=bf16", "train.max_steps=3", "train.eval_steps=100", "train.save_steps=0",
                     f"hydra.run.dir={run_dir}"], env={"LLMEXP_ASSUME_NO_BF16": "1", "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[warning] step 0: precision=bf16 on a CPU without native bf16" in proc.stderr
-    assert "precision=auto" in proc.stderr and "3-4x slower" in proc.stderr
+    assert "precision=auto" in proc.stderr and "torch's bf16 matmuls measured" in proc.stderr
+    (start,) = read_metrics(run_dir, "start")
+    assert start["bf16_slowdown"] > 0 and ("so llmexp emulates bf16" in proc.stderr) == start["bf16_emulation"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["precision"] == "bf16"
     (finding,) = [f for f in summary["findings"] if f["kind"] == "bf16_emulated"]

@@ -22,7 +22,6 @@ No torch at import time: this module sits beside the config path.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -35,6 +34,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from llmexp.checkpoint.serialize import CorruptCheckpoint
+from llmexp.rundir.files import DiskFull as DiskFull  # what a full disk during a save raises (re-exported)
+from llmexp.rundir.files import fsync_path, replace_dir, staged_dir
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -47,67 +48,11 @@ DISPLACED_DIR = re.compile(r"^step_(\d+)\.displaced-\d+$")
 TMP_DIR = re.compile(r"^\.tmp-(?P<tag>(?:old-|del-)?step_\d+)-(?P<host>.+)-(?P<pid>\d+)$")
 # A leftover from another host cannot be probed for liveness; no save takes this long.
 FOREIGN_TMP_STALE_S = 6 * 3600.0
-# A write that fails with less than this left on its filesystem failed for lack of space.
-FULL_DISK_FREE_BYTES = 1 << 20
 
 T = TypeVar("T")
 
 
-class DiskFull(RuntimeError):
-    """A save ran out of space. The message names the path and the free bytes; the partial
-    write was removed and the older checkpoints are untouched."""
-
-
-def disk_full_error(err: BaseException, path: Path) -> DiskFull | None:
-    """A DiskFull naming `path` if `err` (raised while writing under `path`) means the disk is full.
-
-    ENOSPC/EDQUOT say so directly; torch's zip writer turns them into a RuntimeError
-    ("unexpected pos", "file write failed"), so a failed write on a filesystem with almost no
-    space left (under FULL_DISK_FREE_BYTES) counts too. Call it before removing the partial
-    write, whose bytes are what filled the disk.
-    """
-    full = isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
-    free_bytes = _free_bytes(path)
-    if not full and not (free_bytes is not None and free_bytes < FULL_DISK_FREE_BYTES):
-        return None
-    free = f"{free_bytes / 2**20:.1f} MiB free" if free_bytes is not None else "free space unknown"
-    return DiskFull(f"no space left on device while writing {path} ({free}; {type(err).__name__}: "
-                    f"{(str(err).strip().splitlines() or [''])[0][:200]})")
-
-
-def _free_bytes(path: Path) -> int | None:
-    for candidate in (Path(path), *Path(path).parents):
-        try:
-            return shutil.disk_usage(candidate).free
-        except OSError:
-            continue
-    return None
-
-
 # ----------------------------------------------------------------------------- file system
-
-
-def _fsync_path(path: Path) -> None:
-    """fsync a file or directory. Directories on some network filesystems refuse: that is fine."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as err:
-        if not (path.is_dir() and err.errno in (errno.EINVAL, errno.ENOTSUP, errno.EBADF)):
-            raise
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    """fsync every file, then every directory bottom-up, so the whole tree is on disk."""
-    dirs: list[Path] = []
-    for dirpath, _, filenames in os.walk(root):
-        dirs.append(Path(dirpath))
-        for name in filenames:
-            _fsync_path(Path(dirpath) / name)
-    for directory in reversed(dirs):
-        _fsync_path(directory)
 
 
 def _sha256(path: Path) -> str:
@@ -155,32 +100,12 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths with Linux renameat2(RENAME_EXCHANGE); False where unsupported."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
-
-
 def _remove_tree(path: Path, step: int) -> None:
     """Delete a directory by first renaming it to our own tmp name, so that a crash half-way
     leaves a dead process's tmp dir (cleaned later) rather than a damaged `step_<N>`."""
     trash = _tmp_dir(path.parent, f"del-step_{step}")
     os.replace(path, trash)
     shutil.rmtree(trash)
-
-
-def _displace(path: Path) -> Path:
-    """Move `path` (a dir or a link, never followed) aside as `<name>.displaced-<ns>`."""
-    aside = path.with_name(f"{path.name}.displaced-{time.time_ns()}")
-    os.replace(path, aside)
-    return aside
 
 
 # ----------------------------------------------------------------------------- manifest
@@ -288,63 +213,18 @@ def save_checkpoint(root: Path, step: int, write: Callable[[Path], None], *, kee
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step}"
-    tmp = _tmp_dir(root, final.name)
-    if tmp.exists():  # our own leftover from an earlier failed attempt in this process
-        shutil.rmtree(tmp)
-    try:
-        tmp.mkdir()
+    with staged_dir(final, staging=_tmp_dir(root, final.name), replace=_publish) as tmp:
         write(tmp)
         _write_manifest(tmp, step, extra)
-        _fsync_tree(tmp)
-        _publish(tmp, final)
-        _fsync_path(root)
-    except BaseException as err:
-        full = disk_full_error(err, final) if isinstance(err, Exception) else None
-        shutil.rmtree(tmp, ignore_errors=True)
-        if full is not None:
-            raise full from None
-        raise
     rotate(root, keep, best_step, protect=final)
     return final
 
 
-def fsync_tree(root: Path) -> None:
-    """fsync every file and directory under `root` (before renaming it into place)."""
-    _fsync_tree(Path(root))
-
-
-def publish_dir(tmp: Path, final: Path) -> None:
-    """Make a finished directory visible under its final name in one step (e.g. `model/`):
-    fsync it, rename it over `final` (an existing `final` is swapped out, then deleted), fsync
-    the parent. Readers see the old or the new directory, never a mix or nothing."""
-    tmp, final = Path(tmp), Path(final)
-    _fsync_tree(tmp)
-    _publish(tmp, final, keep_foreign=False)
-    _fsync_path(final.parent)
-
-
-def _publish(tmp: Path, final: Path, *, keep_foreign: bool = True) -> None:
-    """Rename the finished tmp dir to its final name. An existing dir of that name is swapped
-    out atomically where the kernel can (renameat2), else moved aside first; then deleted.
-    A symbolic link of that name is moved aside, never followed nor deleted through. With
-    `keep_foreign`, a `step_<N>` without a valid manifest (not written here) is moved aside
-    too, not deleted."""
-    if final.is_symlink() or (keep_foreign and final.exists() and not _is_complete(final)):
-        _displace(final)
-    if not final.exists():
-        os.replace(tmp, final)
-        return
-    if _exchange(tmp, final):  # now `tmp` holds the old copy
-        shutil.rmtree(tmp)
-        return
-    old = final.with_name(f".tmp-old-{final.name}-{_host()}-{os.getpid()}")
-    os.replace(final, old)
-    try:
-        os.replace(tmp, final)
-    except BaseException:
-        os.replace(old, final)  # put the old copy back (a hard kill here is undone by rotate)
-        raise
-    shutil.rmtree(old)
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename a finished checkpoint's tmp dir to `step_<N>` (`rundir.files.replace_dir`). An existing `step_<N>`
+    without a valid manifest (not written here) or a link is moved aside, not deleted; a replaced old copy waits
+    as our own `.tmp-old-step_<N>-...` dir, which `rotate` puts back if a crash cuts the replace in two."""
+    replace_dir(tmp, final, aside=_tmp_dir(final.parent, f"old-{final.name}"), keep=lambda p: not _is_complete(p))
 
 
 def rotate(root: Path, keep: int, best_step: int | None, *, protect: Path | None = None) -> list[Path]:
@@ -376,7 +256,7 @@ def rotate(root: Path, keep: int, best_step: int | None, *, protect: Path | None
                 _remove_tree(path, step)
                 deleted.append(path)
     if deleted:
-        _fsync_path(root)
+        fsync_path(root)
     return deleted
 
 

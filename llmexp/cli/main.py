@@ -33,12 +33,9 @@ def task(cfg: DictConfig) -> int:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from llmexp.train.preemption import PreemptionSignal
+    from llmexp.train.task import run_guarded  # (light: the trainer is imported inside its preemption guard)
 
-    with PreemptionSignal():  # from here on SIGTERM/Ctrl-C stop the run at its first step boundary, importing included
-        from llmexp.train.task import run_guarded
-
-        code = run_guarded(cfg)
+    code = run_guarded(cfg)
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         return code
     sys.exit(code)

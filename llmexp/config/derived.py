@@ -69,6 +69,24 @@ class BatchPlan:
         return max(1, math.ceil(self.epochs * num_examples / self.global_batch))
 
 
+def global_batch_problem(global_batch: int | None, micro: int, world: int, auto: bool = False) -> str | None:
+    """The rule of `train.global_batch_size`, and its one message: it must split into micro-batch x processes x
+    accumulation steps. With batch_size=auto (`auto`) the micro-batch is yet to be chosen among its divisors,
+    so the processes alone must divide it. None when it does (or is unset); the CLI's machine checks
+    (`config.environment`) and the batch plan both ask here."""
+    if global_batch is None:
+        return None
+    per_step = world if auto else micro * world
+    if global_batch % per_step == 0:
+        return None
+    nearest = per_step * max(1, round(global_batch / per_step))
+    if auto:
+        return (f"train.global_batch_size={global_batch} is not a multiple of the {world} processes, so no "
+                f"micro-batch for batch_size=auto divides it; pick a multiple of {world} (e.g. {nearest})")
+    return (f"train.global_batch_size={global_batch} is not a multiple of batch_size x processes = "
+            f"{micro} x {world} = {per_step}; pick a multiple of {per_step} (e.g. {nearest})")
+
+
 def make_plan(cfg: DictConfig, world: int, micro: int | None = None) -> BatchPlan:
     """Derive accumulation from `train.global_batch_size` when it is set. `micro` is the micro-batch
     `batch_size=auto` chose (`llmexp.train.autobatch`); without one, batch_size=auto plans with 1 until it has."""
@@ -76,11 +94,9 @@ def make_plan(cfg: DictConfig, world: int, micro: int | None = None) -> BatchPla
     micro = micro or parse_batch_size(cfg.batch_size) or 1
     accum = t.gradient_accumulation_steps
     if t.global_batch_size is not None:
-        per_step = micro * world
-        if t.global_batch_size % per_step:
-            raise UserError(f"train.global_batch_size={t.global_batch_size} is not a multiple of batch_size x "
-                            f"processes = {micro} x {world} = {per_step}; pick a multiple of {per_step}")
-        accum = t.global_batch_size // per_step
+        if problem := global_batch_problem(t.global_batch_size, micro, world):
+            raise UserError(problem)
+        accum = t.global_batch_size // (micro * world)
     return BatchPlan(micro=micro, accum=accum, world=world, fixed_steps=t.max_steps, epochs=t.num_train_epochs)
 
 
@@ -126,16 +142,6 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-BF16_EMULATED_SLOWDOWN = "about 3-4x"
-"""Expected step-time cost of emulated bf16 against fp32 on a CPU without native bf16.
-
-Estimated, not measured on such a CPU: on this machine (Xeon with AVX512-BF16) torch's bf16 path
-without oneDNN (`torch.backends.mkldnn.enabled=False`, `ATEN_CPU_CAPABILITY=avx2`: what torch uses
-on CPUs without AVX512, e.g. AMD Zen 3) ran a default-model training step 3.6x slower than fp32,
-its 1024x1024 bf16 matmul ~40x slower. CPUs with AVX512 but no AVX512-BF16 emulate in oneDNN,
-which costs less. `LLMEXP_ASSUME_NO_BF16=1` only changes llmexp's decisions, not torch's kernels."""
-
-
 def bf16_support(device_type: str) -> str:
     """`native` (fast bf16 matmuls), `emulated` (torch runs bf16 in software or converts, slowly) or `none`.
 
@@ -173,12 +179,42 @@ def bf16_emulation_warning(precision: str, device_type: str) -> str | None:
     """The warning for a bf16 run on hardware that emulates it (None when bf16 is native or unused)."""
     if precision != "bf16" or bf16_support(device_type) != "emulated":
         return None
-    if device_type == "cpu":
-        return (f"precision=bf16 on a CPU without native bf16 (AVX512-BF16 or AMX): torch emulates it, so training "
-                f"is expected to be {BF16_EMULATED_SLOWDOWN} slower than fp32 (estimated, see the README)")
+    if device_type == "cpu":  # set-up measures the slowdown and says it (`model.bf16_emulation.settle_on_cpu`)
+        return "precision=bf16 on a CPU without native bf16 (AVX512-BF16 or AMX)"
     return ("precision=bf16 on a GPU without native bf16 (before Ampere): torch emulates it, so training is "
             "expected to be slower than fp32")
 
 
 BF16_EMULATION_ADVICE = ("Use precision=auto (fp32 on this hardware) for the faster run; keep bf16 only to "
                          "match bf16 numerics.")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The precision a run computes in on this device, resolved once at set-up (`precision_on`)."""
+
+    requested: str
+    """`precision.name`: bf16, fp16, fp32 or auto."""
+    name: str
+    """What the run computes in: bf16, fp16 or fp32 (`resolve_precision`)."""
+    bf16: str
+    """This device's bf16: native, emulated or none (`bf16_support`)."""
+    warning: str | None
+    """Why bf16 will be slow here, when the run computes in emulated bf16 (`bf16_emulation_warning`; on a CPU
+    with the factors measured at set-up)."""
+    emulate_bf16: bool = False
+    """llmexp emulates bf16 on fp32 kernels (a CPU whose own bf16 matmuls are slower: `model.bf16_emulation`)."""
+    bf16_slowdown: float | None = None
+    """The bf16 path's matmul time over fp32's, measured on this CPU at set-up (None where not measured)."""
+
+    @property
+    def emulated(self) -> bool:
+        """The run computes in bf16 on hardware that does not have it natively."""
+        return self.name == "bf16" and self.bf16 == "emulated"
+
+
+def precision_on(requested: str, device_type: str) -> Precision:
+    """`precision.name` resolved for this device, with the bf16 facts that go with it."""
+    name = resolve_precision(requested, device_type)
+    return Precision(requested=requested, name=name, bf16=bf16_support(device_type),
+                     warning=bf16_emulation_warning(name, device_type))

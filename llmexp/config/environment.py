@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from llmexp.config.derived import parse_batch_size, world_size_from_env
+from llmexp.config.derived import global_batch_problem, parse_batch_size, world_size_from_env
 from llmexp.errors import UserError
 
 
@@ -32,26 +32,20 @@ def gpu_visible() -> bool:
 
 
 def _batch_errors(cfg: Any) -> list[str]:
-    """`train.global_batch_size` must split into batch_size x processes x accumulation steps
-    (with batch_size=auto the probe picks a divisor, so the processes alone must divide it)."""
+    """`train.global_batch_size` against this launch's processes (`derived.global_batch_problem`)."""
     global_batch = cfg.train.global_batch_size
     try:
-        micro = parse_batch_size(cfg.batch_size) or 1
+        micro = parse_batch_size(cfg.batch_size)
     except ValueError:
         return []  # validation names the bad value
     try:
         world = max(1, world_size_from_env())
     except ValueError:
         world = 1
-    if global_batch is None or global_batch <= 0 or micro <= 0 or global_batch % (micro * world) == 0:
-        return []
-    per_step = micro * world
-    nearest = per_step * max(1, round(global_batch / per_step))
-    if parse_batch_size(cfg.batch_size) is None:
-        return [f"train.global_batch_size={global_batch} is not a multiple of the {world} processes, so no "
-                f"micro-batch for batch_size=auto divides it; pick a multiple of {world} (e.g. {nearest})"]
-    return [f"train.global_batch_size={global_batch} is not a multiple of batch_size x processes = "
-            f"{micro} x {world} = {per_step}; pick a multiple of {per_step} (e.g. {nearest})"]
+    if global_batch is None or global_batch <= 0:
+        return []  # validation names the bad value
+    problem = global_batch_problem(global_batch, micro or 1, world, auto=micro is None)
+    return [problem] if problem else []
 
 
 def _file_errors(cfg: Any) -> list[str]:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import types
 import typing
+from collections.abc import Iterator
 from typing import Any
 
 from llmexp.config import security
@@ -20,22 +22,40 @@ def _unwrap(tp: Any) -> Any:
     return tp
 
 
-def _fields(cls: Any) -> dict[str, Any] | None:
-    """A schema node's fields and their types, or None below a free-form node (dict, list, Any)."""
+def node_fields(cls: Any) -> dict[str, Any] | None:
+    """A schema node's fields and their types (`| None` removed), or None below a free-form node (dict, list,
+    Any). The one reading of the schema's dataclasses: every walk below, and `validation`'s, goes through it."""
     return {k: _unwrap(v) for k, v in typing.get_type_hints(cls).items()} if dataclasses.is_dataclass(cls) else None
 
 
-def all_keys(cls: Any = None, prefix: str = "") -> list[str]:
-    """Every dotted key of the schema (`train.max_steps`, ...)."""
+def _walk(cls: Any = None, prefix: str = "") -> Iterator[tuple[str, Any, dataclasses.Field[Any]]]:
+    """Every field of the schema, nodes before their fields: (dotted key, type, the dataclass field)."""
     from llmexp.config.schema import Config
 
-    fields = _fields(Config if cls is None else cls) or {}
-    keys = []
-    for name, tp in fields.items():
-        keys.append(prefix + name)
+    cls = Config if cls is None else cls
+    types_ = node_fields(cls) or {}
+    for field in dataclasses.fields(cls):
+        key, tp = prefix + field.name, types_[field.name]
+        yield key, tp, field
         if dataclasses.is_dataclass(tp):
-            keys.extend(all_keys(tp, f"{prefix}{name}."))
-    return keys
+            yield from _walk(tp, f"{key}.")
+
+
+@functools.cache
+def _schema() -> dict[str, tuple[Any, dataclasses.Field[Any]]]:
+    """The walk, once per process: dotted key -> (type, dataclass field)."""
+    return {key: (tp, field) for key, tp, field in _walk()}
+
+
+def all_keys() -> list[str]:
+    """Every dotted key of the schema (`train`, `train.max_steps`, ...)."""
+    return list(_schema())
+
+
+def schema_fields() -> dict[str, tuple[Any, Any]]:
+    """Every leaf of the schema: dotted key -> (type, default or None)."""
+    return {key: (tp, None if field.default is dataclasses.MISSING else field.default)
+            for key, (tp, field) in _schema().items() if not dataclasses.is_dataclass(tp)}
 
 
 def unknown_key(key: str) -> str | None:
@@ -45,7 +65,7 @@ def unknown_key(key: str) -> str | None:
     node: Any = Config
     parts = key.split(".")
     for i, part in enumerate(parts):
-        fields = _fields(node)
+        fields = node_fields(node)
         if fields is None:
             return None
         if part not in fields:
@@ -55,19 +75,12 @@ def unknown_key(key: str) -> str | None:
 
 
 def _leaf(key: str) -> tuple[Any, Any] | None:
-    """(type, default) of a schema leaf (`train.max_steps` -> (int, 300)); None for nodes and unknown keys."""
-    from llmexp.config.schema import Config
-
-    *parents, name = key.split(".")
-    node: Any = Config
-    for part in parents:
-        node = (_fields(node) or {}).get(part)
-    if not dataclasses.is_dataclass(node):
+    """(type, default) of a schema leaf (`train.max_steps` -> (int, 300)); None for nodes, unknown keys and
+    fields without a plain default."""
+    found = _schema().get(key)
+    if found is None or dataclasses.is_dataclass(found[0]) or found[1].default is dataclasses.MISSING:
         return None
-    field = {f.name: f for f in dataclasses.fields(node)}.get(name)
-    if field is None or field.default is dataclasses.MISSING:
-        return None
-    return (_fields(node) or {})[name], field.default
+    return found[0], found[1].default
 
 
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false"}

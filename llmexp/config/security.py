@@ -59,7 +59,7 @@ ENV_SET_ALLOWED: tuple[str, ...] = (
     "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TOKENIZERS_PARALLELISM", "CUDA_VISIBLE_DEVICES",
     "CUDA_LAUNCH_BLOCKING", "NCCL_DEBUG", "TORCH_DISTRIBUTED_DEBUG", "PYTHONHASHSEED", "WANDB_MODE", "WANDB_PROJECT",
     "WANDB_ENTITY", "WANDB_RUN_GROUP", "WANDB_TAGS", "WANDB_NOTES", "WANDB_SILENT", "HF_HUB_OFFLINE",
-    "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "LLMEXP_ASSUME_NO_BF16", "LLMEXP_NO_BAR")
+    "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "LLMEXP_ASSUME_NO_BF16", "LLMEXP_BF16_EMULATION", "LLMEXP_NO_BAR")
 """Variables `hydra.job.env_set` may set. Not PATH, CC, CXX, LD_PRELOAD, PYTHONPATH, TORCH_EXTENSIONS_DIR or
 anything else a build step or the interpreter executes or loads code from: an allow-list, not a block-list."""
 HYDRA_ALLOWED_TARGETS: tuple[str, ...] = ("hydra._internal.core_plugins.", "hydra_plugins.", "llmexp.")
@@ -179,12 +179,13 @@ def _hydra_target_problem(key: str, value: object) -> str | None:
 
 def check_located(obj: Any, target: str, key: str, allowed: tuple[str, ...],
                   base: type | tuple[type, ...] | None = None) -> None:
-    """After import (llmexp.model.build): the object must be one of the objects allowed at `key`, compared by
-    identity (so `torch.optim.X.os.system` style detours fail), and, with `base`, a subclass of it.
-    `allowed` (prefixes) is kept for callers; the explicit lists above decide."""
-    del allowed
-    names = allowed_targets(key) or OPTIMIZER_TARGETS
-    if not is_allowed_object(obj, names):
+    """After import (llmexp.model.build): `target` must name an object under one of the `allowed` prefixes, and
+    the object it resolved to must be one of the objects allowed at `key` (`allowed_targets`), compared by
+    identity, so that `torch.optim.X.os.system` style detours fail; with `base`, also a subclass of it. A key
+    where nothing is instantiated allows no object at all."""
+    if problem := target_problem(target, allowed):
+        raise UserError(f"{key}: {problem}; pick a class with its config group (e.g. optimizer=adamw)")
+    if not is_allowed_object(obj, allowed_targets(key)):
         defined_as = f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', None)}"
         raise UserError(f"{key}: {target!r} resolves to {defined_as!r}, which is not one of the allowed classes; "
                         "pick a class with its config group (e.g. optimizer=adamw)")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -187,55 +186,32 @@ def parse_lr(value: Any) -> float | None:
     return float(value)
 
 
-def _unwrap(tp: Any) -> Any:
-    """`X | None` -> X."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0] if len(args) == 1 else Any
-    return tp
-
-
-def schema_fields(cls: Any = None, prefix: str = "") -> dict[str, tuple[Any, Any]]:
-    """Every leaf of the schema: dotted key -> (type with `| None` removed, default or None)."""
-    from llmexp.config.schema import Config
-
-    cls = Config if cls is None else cls
-    hints = typing.get_type_hints(cls)
-    out: dict[str, tuple[Any, Any]] = {}
-    for f in dataclasses.fields(cls):
-        tp = _unwrap(hints[f.name])
-        if dataclasses.is_dataclass(tp):
-            out.update(schema_fields(tp, f"{prefix}{f.name}."))
-        else:
-            out[prefix + f.name] = (tp, None if f.default is dataclasses.MISSING else f.default)
-    return out
-
-
 def number_keys() -> dict[str, type]:
     """The int and float fields of the schema (each has a rule in `RANGES`)."""
+    from llmexp.config.keys import schema_fields
+
     return {key: tp for key, (tp, _) in schema_fields().items() if tp in (int, float)}
 
 
 def _deleted_node_errors(node: DictConfig, cls: Any = None, prefix: str = "") -> list[str]:
     """Keys of the schema that the config lacks: deleted with `~key` (or by a config file), and config
     groups with no option chosen (`~model` leaves `model` at ???)."""
-    from llmexp.config.keys import group_options
+    from llmexp.config.keys import group_options, node_fields
     from llmexp.config.schema import Config
 
-    cls = Config if cls is None else cls
-    hints, errors = typing.get_type_hints(cls), []
-    for f in dataclasses.fields(cls):
-        key = prefix + f.name
-        if f.name not in node.keys():  # noqa: SIM118 (`in` is false for ???, which structure_errors reports)
+    errors = []
+    for name, tp in (node_fields(Config if cls is None else cls) or {}).items():
+        key = prefix + name
+        if name not in node.keys():  # noqa: SIM118 (`in` is false for ???, which structure_errors reports)
             errors.append(f"{key}: is required but was deleted (by ~{key} or a config file); "
                           f"remove that deletion (python -m llmexp --cfg job shows the full config)")
-        elif not prefix and OmegaConf.is_missing(node, f.name) and (options := group_options(f.name)):
+        elif not prefix and OmegaConf.is_missing(node, name) and (options := group_options(name)):
             errors.append(f"{key}: no {key} is chosen (removed by ~{key}?); pick one, e.g. "
                           f"{key}={_default_option(key) or options[0]} (the options are {', '.join(options)})")
-        elif dataclasses.is_dataclass(_unwrap(hints[f.name])) and not OmegaConf.is_missing(node, f.name):
-            child = node[f.name]
+        elif dataclasses.is_dataclass(tp) and not OmegaConf.is_missing(node, name):
+            child = node[name]
             if isinstance(child, DictConfig):
-                errors.extend(_deleted_node_errors(child, _unwrap(hints[f.name]), key + "."))
+                errors.extend(_deleted_node_errors(child, tp, key + "."))
     return errors
 
 
@@ -266,6 +242,8 @@ def _number_problem(key: str, value: Any, tp: type, default: Any) -> str | None:
 
 def _number_errors(cfg: DictConfig) -> dict[str, str]:
     """key -> message for every int or float field out of its range (`RANGES`), `lr` and the betas."""
+    from llmexp.config.keys import schema_fields
+
     fields = schema_fields()
     bad = {key: problem for key, tp in number_keys().items()
            if (problem := _number_problem(key, OmegaConf.select(cfg, key), tp, fields[key][1]))}

@@ -13,13 +13,14 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from filelock import FileLock
+
+from llmexp.rundir.files import staged_dir
 
 COMPLETE_MARKER = "meta.json"
 """Written last inside an entry; an entry without it is not an entry."""
@@ -40,28 +41,16 @@ def hash_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_array(directory: Path, name: str, array: np.ndarray) -> None:
-    """Write `<name>.npy` and fsync it, so the rename that publishes the entry publishes the bytes."""
+    """Write `<name>.npy` (the entry's publish fsyncs it: `rundir.files.staged_dir`)."""
     with open(directory / f"{name}.npy", "wb") as f:
         np.save(f, array, allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def save_json(path: Path, obj: Any) -> None:
-    """Write JSON and fsync it."""
+    """Write JSON (fsync'd with the entry)."""
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def load_meta(entry: Path) -> dict[str, Any] | None:
@@ -75,8 +64,8 @@ def load_meta(entry: Path) -> dict[str, Any] | None:
 def get_or_build(root: Path, kind: str, key: str,
                  build: Callable[[Path], dict[str, Any]]) -> tuple[Path, dict[str, Any], bool]:
     """Return (entry dir, its meta, cache hit?). On a miss, `build(tmp_dir)` fills a temp dir and
-    returns the meta; the dir is renamed into place after the meta is written. If `build` raises,
-    the temp dir is removed and nothing is published."""
+    returns the meta; the dir is renamed into place after the meta is written (`rundir.files.staged_dir`).
+    If `build` raises, the temp dir is removed and nothing is published (a full disk: DiskFull)."""
     entry = Path(root).expanduser() / kind / key
     meta = load_meta(entry)
     if meta is not None:
@@ -89,17 +78,8 @@ def get_or_build(root: Path, kind: str, key: str,
             return entry, meta, True
         for stale in entry.parent.glob(f".{key}.tmp-*"):  # left by a killed builder; we hold the lock
             shutil.rmtree(stale, ignore_errors=True)
-        if entry.exists():  # a directory without its marker cannot be ours to trust
-            shutil.rmtree(entry)
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=entry.parent))
-        try:
+        # (a directory without its marker in the way cannot be ours to trust: the publish replaces it)
+        with staged_dir(entry, staging=entry.parent / f".{key}.tmp-{os.getpid()}") as tmp:
             meta = build(tmp)
             save_json(tmp / COMPLETE_MARKER, meta)
-            _fsync_dir(tmp)
-            os.rename(tmp, entry)
-            _fsync_dir(entry.parent)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     return entry, meta, False

@@ -23,6 +23,7 @@ Use: `with torch.autocast("cpu", torch.bfloat16), Bf16Emulation(): loss = model(
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections import OrderedDict
@@ -32,8 +33,13 @@ from functools import cache
 from typing import Any
 
 import torch
+
+# PyTorch documents dispatch modes ("Extending PyTorch": __torch_dispatch__) with these two as their home: there is
+# no public alias. Both have kept their API since torch 2.0.
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
+
+from llmexp.config.derived import Precision
 
 aten = torch.ops.aten
 
@@ -400,10 +406,23 @@ def use_bf16_emulation(precision: str, device_type: str, bf16_support: str, prob
 
 def emulation_message(probe: Bf16Probe, emulating: bool) -> str:
     """The start-up line of a bf16 run on a CPU without native bf16, with the factors the probe measured."""
+    head = "precision=bf16 on a CPU without native bf16 (AVX512-BF16 or AMX)"
     native = f"torch's bf16 matmuls measured {probe.native_slowdown:.1f}x fp32's time on this CPU"
     if emulating:
-        return (f"precision=bf16 on a CPU without native bf16 (AVX512-BF16 or AMX): {native}, so llmexp emulates bf16 "
-                f"(bf16-rounded operands and results, fp32 accumulation), whose matmuls measured "
-                f"{probe.emulated_slowdown:.1f}x fp32's")
-    return (f"precision=bf16 on a CPU without native bf16 (AVX512-BF16 or AMX): {native}, and matmuls dominate a "
-            "training step")
+        return (f"{head}: {native}, so llmexp emulates bf16 (bf16-rounded operands and results, fp32 accumulation), "
+                f"whose matmuls measured {probe.emulated_slowdown:.1f}x fp32's")
+    return f"{head}: {native}, and matmuls dominate a training step"
+
+
+def settle_on_cpu(precision: Precision) -> Precision:
+    """A CPU run's precision with the bf16 path decided: where bf16 is not native (or `LLMEXP_BF16_EMULATION=1`
+    asks for the emulation), the probe measures torch's bf16 and the emulation against fp32 (~0.25 s), the faster
+    one is taken (`use_bf16_emulation`), and the warning states the factors measured here, not a guess."""
+    if precision.name != "bf16" or (precision.bf16 != "emulated" and os.environ.get(EMULATION_ENV) != "1"):
+        return precision
+    probe = probe_bf16_slowdown()
+    emulate = use_bf16_emulation(precision.name, "cpu", precision.bf16, probe)
+    return dataclasses.replace(
+        precision, emulate_bf16=emulate,
+        bf16_slowdown=probe.emulated_slowdown if emulate else probe.native_slowdown,
+        warning=emulation_message(probe, emulate) if precision.bf16 == "emulated" else None)

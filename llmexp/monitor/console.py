@@ -83,8 +83,13 @@ def format_header(r: dict[str, Any]) -> str:
     batch = r.get("global_batch_size")
     tokens = batch * r["max_length"] if isinstance(batch, int) and isinstance(r.get("max_length"), int) else None
     precision = f"{r.get('precision')} (precision={r.get('precision_requested')})"
-    if r.get("bf16_emulated"):
-        precision += " EMULATED on this hardware: slower than fp32; precision=auto is faster (see the warning below)"
+    measured = f" ({r['bf16_slowdown']:.1f}x fp32's matmul time, measured here)" \
+        if isinstance(r.get("bf16_slowdown"), float) else ""
+    if r.get("bf16_emulation"):
+        precision += f", emulated by llmexp on fp32 matmuls{measured}"
+    elif r.get("bf16_emulated"):
+        slower = not isinstance(r.get("bf16_slowdown"), float) or r["bf16_slowdown"] > 1.0
+        precision += f" EMULATED on this hardware{measured}" + (": precision=auto is faster" if slower else "")
     lr = r.get("lr_chosen")
     sources = {"auto": "lr=auto: by model size", "config": "lr= on the command line or in the config",
                "auto-adapter": "lr=auto with adapters: the QLoRA paper's 2e-4 (1e-4 above ~20B)"}

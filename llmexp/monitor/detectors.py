@@ -417,9 +417,9 @@ def _mfu_plausibility(records: list[dict]) -> list[Finding]:
     return [Finding("mfu_implausible", step, WARNING,
                     f"MFU {value:.0%} at step {step} is implausible on a CPU (a training step reaches well under "
                     f"{CPU_MFU_PLAUSIBLE:.0%} of a large matmul's rate); {len(high)} logged step(s) above it",
-                    "Do not compare this MFU across runs: its matmul ceiling was probably measured on busy cores. "
-                    "Delete peak_tflops.json in the cache directory (data.cache_dir) and run once on an idle "
-                    "machine, or set train.peak_tflops.")]
+                    "Do not compare this MFU across runs: the run measured its matmul ceiling again and it still "
+                    "reads too low (busy cores). Run once on an idle machine (the higher ceiling is kept), or set "
+                    "train.peak_tflops.")]
 
 
 def run_detectors(records: list[dict], settings: MonitorSettings) -> list[Finding]:
@@ -451,9 +451,10 @@ DETECTOR_KINDS = frozenset({
 """Every kind `diagnose` can report; the trainer's own findings (e.g. about rollbacks) use other kinds."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class MonitorSettings:
-    """Detector thresholds and the run facts that change the advice. Built by the trainer."""
+    """Detector thresholds and the run facts that change the advice: set up once by the trainer (`for_run`,
+    from the typed config and what it resolved), and by the reports from a run's files (`settings_from_config`)."""
 
     run_kind: str = "pretrain"
     """pretrain or finetune (model.name_or_path set): perplexity ranges differ."""
@@ -508,6 +509,13 @@ class MonitorSettings:
     """How many times outside a range counts as 'far'."""
     fp16_skip_fraction: float = 0.05
     """fp16: share of steps skipped by the loss scaler above which to warn."""
+
+    @classmethod
+    def for_run(cls, *, finetune: bool, max_grad_norm: float, precision: str, lr: float) -> MonitorSettings:
+        """The settings of one run: fine-tuning or not (`model.name_or_path`), its clipping, the precision it
+        computes in and its peak lr; the thresholds keep their defaults."""
+        return cls(run_kind="finetune" if finetune else "pretrain", max_grad_norm=max_grad_norm,
+                   precision=precision, lr=lr)
 
 
 def diagnose(records: list[dict], settings: MonitorSettings) -> list[Finding]:
@@ -584,16 +592,24 @@ def worst_severity(findings: Iterable[Finding | dict]) -> str | None:
 
 
 def settings_from_config(cfg: dict[str, Any], lr: float | None = None, precision: str | None = None) -> MonitorSettings:
-    """MonitorSettings from a resolved config (as plain data): the trainer's, and the doctor's after the fact.
-    `lr` overrides an `auto` lr and `precision` an `auto` precision with what the run resolved them to."""
-    model, train, precision_cfg = cfg.get("model") or {}, cfg.get("train") or {}, cfg.get("precision") or {}
+    """MonitorSettings of a run from its saved config (`.hydra/config.yaml` as plain data), for the doctor and the
+    reports after the fact. `lr` and `precision` are what the run resolved `auto` to (summary.json); a key the
+    file lacks has the schema's default, as it had in the run."""
+    from llmexp.config.keys import schema_fields
+
+    defaults = schema_fields()
+
+    def saved(key: str) -> Any:
+        node: Any = cfg
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        return defaults[key][1] if node is None else node
+
     try:
-        cfg_lr = float(cfg.get("lr"))  # type: ignore[arg-type]
+        cfg_lr = float(saved("lr"))
     except (TypeError, ValueError):
         cfg_lr = None  # "auto": the trainer resolved it; summary.json has the value
-    return MonitorSettings(
-        run_kind="finetune" if model.get("name_or_path") else "pretrain",
-        max_grad_norm=float(train.get("max_grad_norm", 1.0)),
-        precision=precision or str(precision_cfg.get("name", "bf16")),
-        lr=lr if lr is not None else (cfg_lr if cfg_lr is not None else MonitorSettings.lr),
-    )
+    return MonitorSettings.for_run(finetune=bool(saved("model.name_or_path")),
+                                   max_grad_norm=float(saved("train.max_grad_norm")),
+                                   precision=precision or str(saved("precision.name")),
+                                   lr=lr if lr is not None else (cfg_lr if cfg_lr is not None else MonitorSettings.lr))

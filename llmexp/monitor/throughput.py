@@ -1,13 +1,14 @@
-"""Throughput, MFU and memory: FLOPs per token, the matmul ceiling MFU divides by, peak memory and RSS."""
+"""Throughput, MFU and memory: FLOPs per token, the matmul ceiling MFU divides by, the tokens/s window and
+MFU of each logged step, peak memory and RSS."""
 
 from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
-
-# One definition of what a secret is, shared with every other writer of run files.
 
 
 def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
@@ -51,6 +52,85 @@ def measure_ceiling(device: torch.device, dtype: torch.dtype, windows: int = 3,
         return best, True
     share = (time.process_time() - cpu) / (torch.get_num_threads() * (time.perf_counter() - wall))
     return best, share >= 0.85
+
+
+@dataclass
+class ThroughputWindow:
+    """Tokens and busy seconds since the last log (eval and checkpoint time excluded), and in all; the loop's."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    total_tokens: int = 0
+    total_seconds: float = 0.0
+    compile_s: float = 0.0
+    """The first step's seconds under train.compile (it compiles), kept out of the throughput."""
+    _start: float = field(default_factory=time.perf_counter)
+
+    def begin(self) -> None:
+        self._start = time.perf_counter()
+
+    def add(self, tokens: int) -> None:
+        elapsed = time.perf_counter() - self._start
+        self.tokens, self.seconds = self.tokens + tokens, self.seconds + elapsed
+        self.total_tokens, self.total_seconds = self.total_tokens + tokens, self.total_seconds + elapsed
+
+    def set_aside_compile(self) -> None:
+        """The step just timed compiled the model: its seconds are `compile_s`, not throughput."""
+        self.compile_s = time.perf_counter() - self._start
+
+    def take(self) -> float:
+        """Tokens per second since the last `take`."""
+        rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
+        self.tokens, self.seconds = 0, 0.0
+        return rate
+
+    def overall(self) -> float:
+        """Tokens per second over the whole run."""
+        return self.total_tokens / self.total_seconds if self.total_seconds else 0.0
+
+
+class Mfu:
+    """Model FLOPs utilisation in [0, 1] of a tokens/s figure, or None when the ceiling is not trusted.
+
+    A value above `plausible` (on a CPU, `CPU_MFU_PLAUSIBLE`: a training step cannot reach a large matmul's rate)
+    says the ceiling was measured too low, on busy cores: it is measured again, once (`remeasure`, which keeps the
+    higher one for later runs), and the value recomputed. Still above 1, MFU is None for good and the next record
+    says why, once (`take_note`); still above `plausible`, it stands and the detectors flag it. Owned by whoever
+    logs (the loop's train records and the summary); the ceiling it starts from is the run description's."""
+
+    def __init__(self, flops_per_token: float, peak_tflops: float | None, world: int, plausible: float = 1.0,
+                 remeasure: Callable[[], float | None] | None = None) -> None:
+        self.flops_per_token, self.peak_tflops, self.world = flops_per_token, peak_tflops, world
+        self.plausible, self._remeasure = plausible, remeasure
+        self.note: str | None = None
+        """Why MFU stopped being reported, once it did."""
+        self._note_pending = False
+
+    def __call__(self, tokens_per_sec: float) -> float | None:
+        if self.peak_tflops is None or self.peak_tflops <= 0:
+            return None
+        value = self._value(tokens_per_sec)
+        if value > self.plausible and self._remeasure is not None:
+            fresh, self._remeasure = self._remeasure(), None  # once a run: ~0.3 s of matmuls
+            if fresh is not None and fresh > self.peak_tflops:
+                self.peak_tflops = fresh
+                value = self._value(tokens_per_sec)
+        if value > 1.0:
+            self.note = (f"MFU came out at {value:.0%}, above 100%: the matmul ceiling ({self.peak_tflops:.3g} "
+                         "TFLOPS) is too low, and measuring it again did not help (busy cores); run once on an "
+                         "idle machine, or set train.peak_tflops")
+            self.peak_tflops, self._note_pending = None, True
+            return None
+        return value
+
+    def _value(self, tokens_per_sec: float) -> float:
+        assert self.peak_tflops is not None
+        return self.flops_per_token * tokens_per_sec / (self.peak_tflops * 1e12 * self.world)
+
+    def take_note(self) -> str | None:
+        """The reason MFU stopped, on the first record after it did; None otherwise."""
+        note, self._note_pending = (self.note if self._note_pending else None), False
+        return note
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -18,8 +18,9 @@ def run_findings(run_dir: Path, records: list[dict] | None = None) -> list[dict]
     summary = load_json(run_dir / "summary.json") or {}
     if not records:
         return [f for f in summary.get("findings", []) if isinstance(f, dict)]
-    lr = summary.get("lr")
-    settings = settings_from_config(load_config(run_dir), lr=float(lr) if isinstance(lr, int | float) else None)
+    lr, precision = summary.get("lr"), summary.get("precision")  # what the run resolved `auto` to
+    settings = settings_from_config(load_config(run_dir), lr=float(lr) if isinstance(lr, int | float) else None,
+                                    precision=precision if isinstance(precision, str) else None)
     found = reconcile(records, settings)
     known = {(f["kind"], f["step"], f["severity"]) for f in found}
     # Keep what only the trainer could know (e.g. rollbacks given up): kinds the detectors never produce.

@@ -1,13 +1,19 @@
-"""The one way llmexp writes a file in place: atomically, so that readers see the old file or the new one,
-never half of one. No torch here."""
+"""How llmexp writes in place: a file (`atomic_file`) or a whole directory (`staged_dir`), so that readers see
+the old one or the new one, never half of one; and a full disk, named as such (`DiskFull`). No torch here."""
 
 from __future__ import annotations
 
+import errno
 import os
-from collections.abc import Iterator
+import shutil
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
+
+FULL_DISK_FREE_BYTES = 1 << 20
+"""A write that fails with less than this left on its filesystem failed for lack of space."""
 
 
 @contextmanager
@@ -45,3 +51,154 @@ def write_json_atomic(path: Path, obj: object) -> None:
     import json
 
     write_text_atomic(path, json.dumps(obj, indent=2, default=str))
+
+
+# ----------------------------------------------------------------------------- a full disk
+
+
+class DiskFull(RuntimeError):
+    """A write ran out of space. The message names the path and the free bytes; the partial write was removed
+    and what was there before is untouched."""
+
+
+def disk_full_error(err: BaseException, path: Path) -> DiskFull | None:
+    """A DiskFull naming `path` if `err` (raised while writing under `path`) means the disk is full.
+
+    ENOSPC/EDQUOT say so directly; torch's zip writer turns them into a RuntimeError
+    ("unexpected pos", "file write failed"), so a failed write on a filesystem with almost no
+    space left (under FULL_DISK_FREE_BYTES) counts too. Call it before removing the partial
+    write, whose bytes are what filled the disk.
+    """
+    full = isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+    free_bytes = _free_bytes(path)
+    if not full and not (free_bytes is not None and free_bytes < FULL_DISK_FREE_BYTES):
+        return None
+    free = f"{free_bytes / 2**20:.1f} MiB free" if free_bytes is not None else "free space unknown"
+    return DiskFull(f"no space left on device while writing {path} ({free}; {type(err).__name__}: "
+                    f"{(str(err).strip().splitlines() or [''])[0][:200]})")
+
+
+def _free_bytes(path: Path) -> int | None:
+    for candidate in (Path(path), *Path(path).parents):
+        try:
+            return shutil.disk_usage(candidate).free
+        except OSError:
+            continue
+    return None
+
+
+# ----------------------------------------------------------------------------- directories
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or directory. Directories on some network filesystems refuse: that is fine."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if not (Path(path).is_dir() and err.errno in (errno.EINVAL, errno.ENOTSUP, errno.EBADF)):
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file, then every directory bottom-up, so the whole tree is on disk (before a rename
+    publishes it: otherwise a crash could leave the new name pointing at files not yet written)."""
+    dirs: list[Path] = []
+    for dirpath, _, filenames in os.walk(root):
+        dirs.append(Path(dirpath))
+        for name in filenames:
+            fsync_path(Path(dirpath) / name)
+    for directory in reversed(dirs):
+        fsync_path(directory)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths with Linux renameat2(RENAME_EXCHANGE); False where unsupported."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def displace(path: Path) -> Path:
+    """Move `path` (a dir or a link, never followed) aside as `<name>.displaced-<ns>`."""
+    aside = path.with_name(f"{path.name}.displaced-{time.time_ns()}")
+    os.replace(path, aside)
+    return aside
+
+
+def replace_dir(tmp: Path, final: Path, *, aside: Path | None = None,
+                keep: Callable[[Path], bool] | None = None) -> None:
+    """Rename the finished directory `tmp` to `final`. An existing directory of that name is swapped out
+    atomically where the kernel can (renameat2), else renamed to `aside` first (default `.<name>.old-<pid>`;
+    put back if the second rename fails); then deleted. A symbolic link of that name, or a directory that
+    `keep` says is not ours to delete, is moved aside (`displace`), never followed nor deleted through."""
+    tmp, final = Path(tmp), Path(final)
+    if final.is_symlink() or (keep is not None and final.exists() and keep(final)):
+        displace(final)
+    if not final.exists():
+        os.replace(tmp, final)
+        return
+    if _exchange(tmp, final):  # now `tmp` holds the old copy
+        shutil.rmtree(tmp)
+        return
+    old = aside or final.with_name(f".{final.name}.old-{os.getpid()}")
+    os.replace(final, old)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        os.replace(old, final)  # put the old copy back
+        raise
+    shutil.rmtree(old)
+
+
+Replace = Callable[[Path, Path], None]
+"""How a finished staging directory takes its final name: `replace_dir`, or a caller's variant of it."""
+
+
+def stage_dir(staging: Path) -> Path:
+    """A fresh, empty staging directory at `staging`: an earlier, failed attempt's leftover there is removed."""
+    staging = Path(staging)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def publish_dir(staging: Path, final: Path, replace: Replace = replace_dir) -> None:
+    """Make a finished staging directory visible under its final name in one step: fsync it, rename it
+    (`replace`: an existing `final` is swapped out, then deleted), fsync the parent. Readers see the old or
+    the new directory, never a mix or nothing."""
+    fsync_tree(Path(staging))
+    replace(Path(staging), Path(final))
+    fsync_path(Path(final).parent)
+
+
+@contextmanager
+def staged_dir(final: Path, staging: Path | None = None, replace: Replace = replace_dir) -> Iterator[Path]:
+    """A directory that appears at `final` complete, or not at all: every directory llmexp publishes (a
+    checkpoint, `model/`, a data cache entry) is filled here.
+
+    Yields the staging directory (`staging`, default `.<name>.tmp-<pid>` beside `final`: the same filesystem,
+    so that publishing is a rename), emptied of an earlier attempt's leftover; when the block ends it is
+    published (`publish_dir`). If the block or the publish raises, the staging directory is removed, and an
+    error that means the disk is full becomes `DiskFull` naming `final`. (The DeepSpeed and FSDP engines
+    fill their shards on every rank, so they call `stage_dir` and `publish_dir` themselves.)
+    """
+    final = Path(final)
+    staging = Path(staging) if staging is not None else final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    try:
+        yield stage_dir(staging)
+        publish_dir(staging, final, replace)
+    except BaseException as err:
+        full = disk_full_error(err, final) if isinstance(err, Exception) else None
+        shutil.rmtree(staging, ignore_errors=True)
+        if full is not None:
+            raise full from None
+        raise

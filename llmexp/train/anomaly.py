@@ -18,8 +18,7 @@ from llmexp.monitor.detectors import MonitorSettings, diagnose, is_spike
 
 if TYPE_CHECKING:
     from llmexp.monitor.logger import MetricsLogger
-    from llmexp.train.runtime import Runtime
-    from llmexp.train.state import LoopState
+    from llmexp.train.state import LoopState, Run
 
 BLOWUP_FACTOR = 3.0
 """A loss above this multiple of the lowest recent loss is a blow-up even before the spike
@@ -63,11 +62,12 @@ def judge_step(train: DictConfig, state: LoopState, loss: float, grad_norm: floa
     return verdict
 
 
-def report_findings(rt: Runtime, state: LoopState, log: MetricsLogger) -> None:
+def report_findings(run: Run) -> None:
     """Run the detectors over the history so far and log each finding once."""
-    if not rt.is_main:
+    if not run.rt.is_main:
         return
-    for finding in diagnose(log.history, rt.monitor_settings):
+    state, log = run.state, run.log
+    for finding in diagnose(log.history, run.desc.monitor):
         key = f"{finding.kind}@{finding.step}@{finding.severity}"  # a warning that turns error is news
         if key not in state.seen_findings:
             state.seen_findings.append(key)

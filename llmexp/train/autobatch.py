@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from omegaconf import DictConfig
 
-from llmexp.config.derived import auto_batch_candidates, make_plan
+from llmexp.config.derived import auto_batch_candidates
 from llmexp.errors import UserError
 from llmexp.model import build
 from llmexp.model.estimate import adapter_facts, count_params_meta, fsdp_units, largest_fitting, memory_budget
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 MiB = 2**20
 
 
-@dataclass
+@dataclass(frozen=True)
 class AutoBatch:
     """The choice and how it was made: the `start` record's `batch_size_auto`, kept in checkpoints."""
 
@@ -62,25 +62,22 @@ class AutoBatch:
 
 def choose_batch_size(cfg: DictConfig, rt: Runtime, vocab_size: int, num_examples: int,
                       saved: dict[str, Any] | None) -> AutoBatch:
-    """Settle `batch_size=auto` and set `rt.plan` to it: the saved choice when resuming on as many processes,
-    else the estimate's upper bound and the probe. Runs on every rank (it ends in one collective)."""
-    world = rt.plan.world
-    if saved and saved.get("world_size") == world and isinstance(saved.get("chosen"), int):
-        choice = AutoBatch(**{**saved, "source": "checkpoint"})
-    else:
-        choice = _search(cfg, rt, vocab_size, num_examples)
-    rt.plan = make_plan(cfg, world, micro=choice.chosen)
-    return choice
+    """Settle `batch_size=auto` before any engine is built: the saved choice when resuming on as many processes,
+    else the estimate's upper bound and the probe. Runs on every rank (it ends in one collective); the batch
+    plan is then `make_plan(cfg, world, micro=choice.chosen)`."""
+    if saved and saved.get("world_size") == rt.world and isinstance(saved.get("chosen"), int):
+        return AutoBatch(**{**saved, "source": "checkpoint"})
+    return _search(cfg, rt, vocab_size, num_examples)
 
 
 def _search(cfg: DictConfig, rt: Runtime, vocab_size: int, num_examples: int) -> AutoBatch:
     started = time.perf_counter()
-    candidates = auto_batch_candidates(cfg, rt.plan.world, num_examples)
+    candidates = auto_batch_candidates(cfg, rt.world, num_examples)
     on_cuda = rt.device.type == "cuda"
     # On CPU the processes of one host share its RAM; on CUDA each rank has its GPU.
-    processes = 1 if on_cuda else int(os.environ.get("LOCAL_WORLD_SIZE", rt.plan.world))
+    processes = 1 if on_cuda else int(os.environ.get("LOCAL_WORLD_SIZE", rt.world))
     budget = memory_budget(rt.device.type, processes)
-    facts = {"num_params": count_params_meta(cfg), "precision": rt.precision, "world": rt.plan.world,
+    facts = {"num_params": count_params_meta(cfg), "precision": rt.precision.name, "world": rt.world,
              "adapters": adapter_facts(cfg), "units": fsdp_units(cfg) if cfg.fsdp.name != "none" else None}
     upper = largest_fitting(cfg, candidates, budget, on_cpu=not on_cuda, **facts)
     if cfg.fsdp.name != "none":
@@ -95,7 +92,7 @@ def _search(cfg: DictConfig, rt: Runtime, vocab_size: int, num_examples: int) ->
         raise UserError(f"batch_size=auto: not even a micro-batch of 1 fits in memory ({budget / MiB:,.0f} MiB to "
                         f"plan with per process; probed {probed}). Lower data.max_length, set "
                         "model.gradient_checkpointing=true, use peft=lora, or shard the model (deepspeed/fsdp)")
-    return AutoBatch(chosen=chosen, upper_bound=upper, budget_mb=round(budget / MiB, 1), world_size=rt.plan.world,
+    return AutoBatch(chosen=chosen, upper_bound=upper, budget_mb=round(budget / MiB, 1), world_size=rt.world,
                      probed=probed, search_s=round(time.perf_counter() - started, 2), note=note)
 
 
@@ -136,11 +133,12 @@ def _step(cfg: DictConfig, rt: Runtime, vocab_size: int, micro: int) -> None:
     freed on return. The run's own model is built afterwards (and seeded then): the probe changes nothing."""
     from llmexp.model.loss import CausalLMLoss
 
-    model = CausalLMLoss(build.build_model(cfg, vocab_size, rt.precision)).to(rt.device)
+    model = CausalLMLoss(build.build_model(cfg, vocab_size, rt.precision.name)).to(rt.device)
     optimizer = build.build_optimizer(cfg, model, 1e-6, rt.device.type)
     ids = torch.randint(0, vocab_size, (micro, cfg.data.max_length), device=rt.device,
                         generator=torch.Generator(rt.device).manual_seed(0))
-    with rt.autocast():
-        loss = model(input_ids=ids, labels=ids)
-    (loss / ids.numel()).backward()
+    with rt.emulation():
+        with rt.autocast():
+            loss = model(input_ids=ids, labels=ids)
+        (loss / ids.numel()).backward()
     optimizer.step()

@@ -39,12 +39,13 @@ under optimizer offload. Accelerate would silently turn anything else into DeepS
 
 
 
-def accelerator_kwargs(cfg: DictConfig, plan: BatchPlan, precision: str) -> dict[str, Any]:
+def accelerator_kwargs(cfg: DictConfig, plan: BatchPlan | None, precision: str) -> dict[str, Any]:
     """Arguments for `accelerate.Accelerator`.
 
     Mixed precision is left to the trainer (its own autocast and fp16 scaler): Accelerate's
     wrapper would cast the whole logits tensor to fp32 after every forward. Under DeepSpeed
-    the engine owns precision, so the plugin carries it (see `deepspeed_config`).
+    the engine owns precision and the batch plan, so the plugin carries them (see `deepspeed_config`;
+    `plan` is needed only then).
     """
     import torch
 
@@ -57,6 +58,7 @@ def accelerator_kwargs(cfg: DictConfig, plan: BatchPlan, precision: str) -> dict
         from accelerate.utils import DeepSpeedPlugin
 
         check_deepspeed(cfg)
+        assert plan is not None, "DeepSpeed's config needs the batch plan"
         # The launcher's DeepSpeed fields were checked to agree (check_launch_env); our config replaces them.
         os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser(TORCH_EXTENSIONS_DIR))

@@ -4,17 +4,15 @@ with summary.json still written if there is room for it."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llmexp.checkpoint import store as ckpt
 from llmexp.errors import STATUS_EXIT
 from llmexp.monitor.detectors import reconcile
 from llmexp.monitor.logger import MetricsLogger
 from llmexp.monitor.throughput import peak_memory_mb
 from llmexp.report.run import write_run_report
-from llmexp.rundir.files import write_json_atomic
+from llmexp.rundir.files import DiskFull, staged_dir, write_json_atomic
 from llmexp.rundir.read import last_value
 from llmexp.rundir.redact import scrub
 from llmexp.train.resume import save_state_checkpoint
@@ -22,35 +20,24 @@ from llmexp.train.state import Run
 
 if TYPE_CHECKING:
     import torch
+    from omegaconf import DictConfig
 
-    from llmexp.train.runtime import Runtime
 
-
-def save_final_model(rt: Runtime, model: torch.nn.Module, tokenizer: Any,
-                     weights: dict[str, torch.Tensor] | None = None) -> None:
-    """`model/`: save_pretrained of the model and tokenizer, published by one atomic swap."""
-    final = rt.run_dir / "model"
-    tmp = rt.run_dir / ".model.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        lm = rt.engine.lm(model)
-        if rt.cfg.peft.name != "none":  # adapter_config.json + adapter_model.safetensors (PeftModel.from_pretrained)
+def save_final_model(run: Run, tokenizer: Any, weights: dict[str, torch.Tensor] | None = None) -> None:
+    """`model/`: save_pretrained of the model and tokenizer, published by one atomic swap (a full disk: DiskFull)."""
+    run_dir, cfg = run.rt.run_dir, run.cfg
+    with staged_dir(run_dir / "model", staging=run_dir / ".model.tmp") as tmp:  # model/ never half-written
+        lm = run.engine.lm(run.model)
+        if cfg.peft.name != "none":  # adapter_config.json + adapter_model.safetensors (PeftModel.from_pretrained)
             lm.save_pretrained(tmp, safe_serialization=True)
-            if rt.cfg.train.merge_adapter:
-                save_merged(rt, lm, tmp, tokenizer)
+            if cfg.train.merge_adapter:
+                save_merged(cfg, lm, tmp, tokenizer)
         else:  # weights: the ZeRO-3 gathered ones, else None (the model's own)
             lm.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
         tokenizer.save_pretrained(tmp)
-        ckpt.publish_dir(tmp, final)  # fsyncs, then swaps atomically: model/ is never missing or half-written
-    except Exception as err:
-        full = ckpt.disk_full_error(err, final)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if full is not None:
-            raise full from None
-        raise
 
 
-def save_merged(rt: Runtime, lm: Any, model_dir: Path, tokenizer: Any) -> None:
+def save_merged(cfg: DictConfig, lm: Any, model_dir: Path, tokenizer: Any) -> None:
     """`model/merged/`: the base with the adapters added into its weights, a plain transformers model
     (in its own directory: next to adapter_config.json, transformers would load the adapter instead).
 
@@ -59,11 +46,11 @@ def save_merged(rt: Runtime, lm: Any, model_dir: Path, tokenizer: Any) -> None:
     recipe). A 16/32-bit base is merged in place: the run is over, and this needs no second copy."""
     import torch
 
-    if rt.cfg.peft.load_in_4bit:
+    if cfg.peft.load_in_4bit:
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
 
-        m = rt.cfg.model
+        m = cfg.model
         base = AutoModelForCausalLM.from_pretrained(m.name_or_path, revision=m.revision, dtype=torch.float32,
                                                     trust_remote_code=m.trust_remote_code)
         merged = PeftModel.from_pretrained(base, model_dir).merge_and_unload()
@@ -101,12 +88,12 @@ def _save_final(run: Run, tokenizer: Any, status: str) -> str:
     if not save_state_checkpoint(run):
         return "failed"
     rt = run.rt
-    weights = rt.engine.final_weights(run.model)  # ZeRO-3 and FSDP: collective, so every rank gathers; else None
-    full: ckpt.DiskFull | None = None
+    weights = run.engine.final_weights(run.model)  # ZeRO-3 and FSDP: collective, so every rank gathers; else None
+    full: DiskFull | None = None
     if rt.is_main:
         try:
-            save_final_model(rt, run.model, tokenizer, weights)
-        except ckpt.DiskFull as err:
+            save_final_model(run, tokenizer, weights)
+        except DiskFull as err:
             full = err
             run.log.write(f"error: {err}; model/ was not written (status failed). The final checkpoint "
                           f"step_{run.state.step} is complete: free some space and run the same command to export it.")
@@ -117,21 +104,21 @@ def build_summary(run: Run, status: str) -> dict[str, Any]:
     """summary.json: the final status and metrics, and every finding with its advice."""
     from hydra.core.hydra_config import HydraConfig
 
-    rt, state, history = run.rt, run.state, run.log.history
-    findings = reconcile(history, rt.monitor_settings) if rt.is_main else []  # also what the console printed
-    tokens_per_sec = rt.window.total_tokens / rt.window.total_seconds if rt.window.total_seconds else 0.0
+    rt, desc, state, history = run.rt, run.desc, run.state, run.log.history
+    findings = reconcile(history, desc.monitor) if rt.is_main else []  # also what the console printed
+    tokens_per_sec = run.window.overall()
     peak_mb = rt.reduce_max(peak_memory_mb(rt.device))  # the busiest rank's peak
     return {
         "status": status, "exit_code": STATUS_EXIT[status], "step": state.step,
         "train_loss": last_value(history, "train", "loss"), "eval_loss": last_value(history, "eval", "eval_loss"),
         "eval_ppl": last_value(history, "eval", "eval_ppl"), "best_eval_loss": state.best_eval_loss,
-        "best_eval_step": state.best_eval_step, "tokens_per_sec": tokens_per_sec, "mfu": rt.mfu(tokens_per_sec),
-        "lr": run.peak_lr, "lr_source": run.lr_source, "num_params": rt.num_params,
-        "total_params": rt.total_params, "precision": rt.precision,
-        "global_batch_size": rt.plan.global_batch, "gradient_accumulation_steps": rt.plan.accum,
-        "world_size": rt.plan.world, "resumed_from_world_size": run.resumed_from_world_size,
-        "fsdp": rt.cfg.fsdp.name, "peak_mem_mb": peak_mb, "skipped_steps": state.skipped_steps,
-        "rollbacks": state.rollbacks, "compile_time_s": rt.compile_time_s, "time_s": rt.elapsed(),
+        "best_eval_step": state.best_eval_step, "tokens_per_sec": tokens_per_sec, "mfu": run.mfu(tokens_per_sec),
+        "lr": desc.lr, "lr_source": desc.lr_source, "num_params": desc.num_params,
+        "total_params": desc.total_params, "precision": desc.precision.name,
+        "global_batch_size": desc.plan.global_batch, "gradient_accumulation_steps": desc.plan.accum,
+        "world_size": desc.plan.world, "resumed_from_world_size": run.resumed_from_world_size,
+        "fsdp": run.cfg.fsdp.name, "peak_mem_mb": peak_mb, "skipped_steps": state.skipped_steps,
+        "rollbacks": state.rollbacks, "compile_time_s": run.window.compile_s, "time_s": desc.elapsed(),
         "overrides": list(HydraConfig.get().overrides.task), "findings": findings,
     }
 

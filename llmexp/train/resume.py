@@ -17,7 +17,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 from llmexp.checkpoint import dcp, serialize
 from llmexp.checkpoint import store as ckpt
 from llmexp.errors import UserError
-from llmexp.train.state import LoopState, Run
+from llmexp.train.state import LoopState, Run, RunDescription
 
 if TYPE_CHECKING:
     from llmexp.monitor.logger import MetricsLogger
@@ -43,11 +43,10 @@ def save_state_checkpoint(run: Run) -> bool:
     """
     from accelerate.utils import gather_object
 
-    cfg, rt, model, state, log = run.cfg, run.rt, run.model, run.state, run.log
+    cfg, rt, model, state, log, engine = run.cfg, run.rt, run.model, run.state, run.log, run.engine
     if run.train_data is not None:  # a stream's position is not a function of the step: it is saved
-        state.data_state = run.train_data.position(state.step + state.data_offset, rt.plan.global_batch)
-    rng_states = gather_object([serialize.capture_rng()]) if rt.plan.world > 1 else [serialize.capture_rng()]
-    engine = rt.engine
+        state.data_state = run.train_data.position(state.step + state.data_offset, run.desc.plan.global_batch)
+    rng_states = gather_object([serialize.capture_rng()]) if rt.world > 1 else [serialize.capture_rng()]
     write_optimizer = engine.optimizer_writer(run.optimizer, rt.run_dir, state.step)  # ZeRO: collective
     weights = engine.full_weights(model)  # ZeRO-3: gathered (collective); else None
     full: ckpt.DiskFull | None = None
@@ -67,7 +66,7 @@ def save_state_checkpoint(run: Run) -> bool:
         try:
             ckpt.save_checkpoint(rt.run_dir / "checkpoints", state.step, write, keep=cfg.train.save_total_limit,
                                  best_step=state.best_eval_step if state.best_eval_step >= 0 else None,
-                                 extra={"resume_key": resume_key(cfg, rt)})
+                                 extra={"resume_key": resume_key(cfg, run.desc)})
         except ckpt.DiskFull as err:
             full = err
             _report_disk_full(err, rt, log)
@@ -133,15 +132,15 @@ def _check_fits(run: Run, path: Path, payload: dict[str, Any]) -> None:
     saved = payload["model"]
     # FSDP's dcp/: dcp.load checks every shard's shape. A checkpoint of the other kind passes here so that
     # the engine's load_state names the mismatch (exit 2) instead of resume=auto falling back past it.
-    if saved is None or run.rt.engine.sharded_checkpoints:
+    if saved is None or run.engine.sharded_checkpoints:
         return
-    live = run.rt.engine.checkpoint_weights(run.model)
+    live = run.engine.checkpoint_weights(run.model)
     file = path / "model.safetensors"
     missing, unexpected = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
     if missing or unexpected:
         raise ckpt.CorruptCheckpoint(f"{file}: does not fit the model (missing {missing[:3]}, unexpected "
                                      f"{unexpected[:3]})")
-    if not run.rt.engine.params_partitioned:  # ZeRO-3: no rank holds whole parameters to compare
+    if not run.engine.params_partitioned:  # ZeRO-3: no rank holds whole parameters to compare
         for name, tensor in saved.items():
             if tuple(tensor.shape) != tuple(live[name].shape):
                 raise ckpt.CorruptCheckpoint(f"{file}: {name} has shape {tuple(tensor.shape)}, the model's is "
@@ -190,7 +189,7 @@ def _apply_payload(run: Run, payload: dict[str, Any], path: Path) -> LoopState:
 
 
 def _apply(run: Run, payload: dict[str, Any]) -> LoopState:
-    engine = run.rt.engine
+    engine = run.engine
     engine.load_state(run.model, run.optimizer, payload)
     if payload["rng"] is not None:
         serialize.restore_rng(payload["rng"])
@@ -198,14 +197,15 @@ def _apply(run: Run, payload: dict[str, Any]) -> LoopState:
     return LoopState(**payload["trainer"]["state"])
 
 
-def resume_key(cfg: DictConfig, rt: Runtime) -> dict[str, Any]:
+def resume_key(cfg: DictConfig, desc: RunDescription) -> dict[str, Any]:
     """The settings that shape the trajectory; a resume with other values is warned about.
     `data` is the token cache key (corpus content, tokenizer, data settings): a resume on other
     data is refused unless `train.resume_data_mismatch=warn`."""
-    return {"lr": str(cfg.lr), "max_steps": cfg.train.max_steps, "global_batch": rt.plan.global_batch,
-            "batch_size": rt.plan.micro, "world_size": rt.plan.world, "seed": cfg.seed,
-            "optimizer": cfg.optimizer.name, "scheduler": cfg.scheduler.name, "precision": rt.precision,
-            "data": rt.data_fingerprint, "peft": cfg.peft.name, "base_model": base_model_fingerprint(cfg),
+    plan = desc.plan
+    return {"lr": str(cfg.lr), "max_steps": cfg.train.max_steps, "global_batch": plan.global_batch,
+            "batch_size": plan.micro, "world_size": plan.world, "seed": cfg.seed,
+            "optimizer": cfg.optimizer.name, "scheduler": cfg.scheduler.name, "precision": desc.precision.name,
+            "data": desc.data_fingerprint, "peft": cfg.peft.name, "base_model": base_model_fingerprint(cfg),
             "fsdp": cfg.fsdp.name}
 
 
@@ -232,7 +232,7 @@ def _compare_resume_key(run: Run, path: Path) -> None:
     """Warn about each trajectory setting that changed since the save; refuse other data (exit 2)
     unless told to go on. Runs on every rank, before anything is loaded or rewritten."""
     saved_key = ckpt.read_manifest(path).get("extra", {}).get("resume_key", {})
-    for key, now in resume_key(run.cfg, run.rt).items():
+    for key, now in resume_key(run.cfg, run.desc).items():
         if key not in saved_key or saved_key[key] == now:
             continue
         if key in ("world_size", "fsdp"):  # world_size: `_check_world_size`; fsdp: the engine's load_state
@@ -253,15 +253,15 @@ def _check_world_size(run: Run, saved: int | None) -> None:
     """Another number of processes than the save's: fine where the checkpoint reshards (DDP's state is
     replicated, FSDP's DCP reshards on load; the sampler cuts the same global batch for any world size).
     ZeRO cannot: exit 2 naming the rule, before anything is loaded."""
-    rt = run.rt
-    if saved is None or saved == rt.plan.world:
+    plan = run.desc.plan
+    if saved is None or saved == plan.world:
         return
-    if not rt.engine.reshardable:
+    if not run.engine.reshardable:
         from llmexp.train.engines.deepspeed import zero_world_mismatch
 
-        raise zero_world_mismatch(saved, rt.plan.world)
-    run.log.write(f"resuming a checkpoint saved by {saved} process(es) on {rt.plan.world}: the global batch is "
-                  f"{rt.plan.global_batch} as before, so the run continues as an uninterrupted {rt.plan.world}-process "
+        raise zero_world_mismatch(saved, plan.world)
+    run.log.write(f"resuming a checkpoint saved by {saved} process(es) on {plan.world}: the global batch is "
+                  f"{plan.global_batch} as before, so the run continues as an uninterrupted {plan.world}-process "
                   "run would (up to fp32 reduction order)")
 
 
@@ -290,7 +290,7 @@ def _set_aside(rt: Runtime, log: MetricsLogger) -> None:
 
 def _broadcast(rt: Runtime, value: Any) -> Any:
     """Rank 0's value on every rank."""
-    if rt.plan.world == 1:
+    if rt.world == 1:
         return value
     from accelerate.utils import broadcast_object_list
 
@@ -341,8 +341,16 @@ def saved_auto_batch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     return saved if isinstance(saved, dict) and saved else None
 
 
-def load_resume_state(run: Run) -> LoopState | None:
-    """Resume per `train.resume`: auto (newest good checkpoint here), never, or a path."""
+@dataclass(frozen=True)
+class Resumed:
+    """Where a resumed run starts: the checkpoint's loop state, and how many processes saved it."""
+
+    state: LoopState
+    world_size: int | None
+
+
+def load_resume_state(run: Run) -> Resumed | None:
+    """Resume per `train.resume`: auto (newest good checkpoint here), never, or a path; None: start afresh."""
     if run.cfg.train.resume == "never":
         _set_aside(run.rt, run.log)
         return None
@@ -355,11 +363,10 @@ def load_resume_state(run: Run) -> LoopState | None:
     saved_world = ckpt.read_manifest(path).get("extra", {}).get("resume_key", {}).get("world_size")
     _check_world_size(run, saved_world)
     state = _apply_payload(run, payload, path)
-    run.resumed_from_world_size = saved_world
     run.log.reset_history(payload["trainer"]["history"])
-    run.log.log({"event": "resume", "step": state.step, "checkpoint": str(path), "world_size": run.rt.plan.world,
+    run.log.log({"event": "resume", "step": state.step, "checkpoint": str(path), "world_size": run.desc.plan.world,
                  "resumed_from_world_size": saved_world})
-    return state
+    return Resumed(state, saved_world)
 
 
 def rollback(run: Run) -> None:

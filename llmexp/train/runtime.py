@@ -1,6 +1,7 @@
-"""One process's set-up for a run: devices and processes (Accelerate), the resolved precision, the
-batch plan, the step engine (plain, DeepSpeed or FSDP: `llmexp.train.engines`), the
-model and optimizer, and the facts and metric records that describe them (parameters, MFU, throughput).
+"""A run's set-up, in order: the process (`Runtime`: Accelerate's devices, ranks and collectives, with the
+precision resolved), then, once the data is known, `describe`: the batch plan (batch_size=auto settled by
+`autobatch` before any engine exists), the step engine (`llmexp.train.engines`), the model and optimizer, the
+lr, the matmul ceiling and the monitor settings, frozen into the `RunDescription` the loop reads.
 """
 
 from __future__ import annotations
@@ -9,63 +10,30 @@ import json
 import os
 import time
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig
 
-from llmexp.config.derived import (
-    BF16_EMULATION_ADVICE,
-    bf16_emulation_warning,
-    make_plan,
-    resolve_precision,
-    world_size_from_env,
-)
+from llmexp.config.derived import BF16_EMULATION_ADVICE, BatchPlan, make_plan, parse_batch_size, precision_on
+from llmexp.config.derived import world_size_from_env as world_size
 from llmexp.model import build
 from llmexp.monitor.console import quiet_console
-from llmexp.monitor.detectors import MonitorSettings, settings_from_config
-from llmexp.monitor.logger import MetricsLogger, safe_exp
+from llmexp.monitor.detectors import MonitorSettings
+from llmexp.monitor.logger import MetricsLogger
 from llmexp.monitor.sinks import make_sinks
-from llmexp.monitor.throughput import flops_per_token, measure_ceiling, peak_memory_mb
-from llmexp.train.engines.deepspeed import DeepSpeedEngine
-from llmexp.train.engines.plain import PlainEngine
+from llmexp.monitor.throughput import flops_per_token, measure_ceiling
+from llmexp.train.state import RunDescription
 
 if TYPE_CHECKING:
-    from llmexp.train.state import LoopState
-
-
-@dataclass
-class ThroughputWindow:
-    """Tokens and busy seconds since the last log (eval and checkpoint time excluded)."""
-
-    tokens: int = 0
-    seconds: float = 0.0
-    total_tokens: int = 0
-    total_seconds: float = 0.0
-    _start: float = field(default_factory=time.perf_counter)
-
-    def begin(self) -> None:
-        self._start = time.perf_counter()
-
-    def add(self, tokens: int) -> None:
-        elapsed = time.perf_counter() - self._start
-        self.tokens, self.seconds = self.tokens + tokens, self.seconds + elapsed
-        self.total_tokens, self.total_seconds = self.total_tokens + tokens, self.total_seconds + elapsed
-
-    def discard(self) -> float:
-        """Drop the step just timed from the throughput (a compile step); return its seconds."""
-        return time.perf_counter() - self._start
-
-    def take(self) -> float:
-        rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
-        self.tokens, self.seconds = 0, 0.0
-        return rate
+    from llmexp.train.engines.base import Engine
 
 
 class Runtime:
-    """One process's view of the run: accelerator, device, precision and the batch plan."""
+    """One process of a run: Accelerate's devices, ranks and collectives, the precision resolved for this device
+    and the context it opens around forward and backward. Built once; nothing writes it afterwards."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
         from accelerate import Accelerator
@@ -76,138 +44,103 @@ class Runtime:
         hf_logging.disable_progress_bar()  # our own bar and lines are the console output
         quiet_console()  # third-party INFO lines go to llmexp.log only
 
+        self.started = time.perf_counter()
         self.cfg = cfg
         self.run_dir = run_dir
         # One compile cache for every run and sweep job: torch.compile pays for itself after ~40 steps, not ~400.
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cfg.data.cache_dir) / "torchinductor"))
-        # Resolved once, here, and handed on (the DeepSpeed config is derived from the same two).
         device_type = "cuda" if torch.cuda.is_available() else "cpu"  # Accelerate's choice (accelerator_kwargs)
-        self.precision = resolve_precision(cfg.precision.name, device_type)
-        self.bf16_warning = bf16_emulation_warning(self.precision, device_type)
-        self.plan = make_plan(cfg, world_size_from_env())  # batch_size=auto: micro 1 until `autobatch` settles it
-        self.auto_batch: dict[str, Any] | None = None
-        """batch_size=auto: how the micro-batch was chosen (`autobatch.AutoBatch.record`); None otherwise."""
-        self.accelerator = Accelerator(**accelerator_kwargs(cfg, self.plan, self.precision))
+        precision = precision_on(cfg.precision.name, device_type)
+        if device_type == "cpu":  # bf16 without native support: measured, and emulated where that is faster
+            from llmexp.model.bf16_emulation import settle_on_cpu
+
+            precision = settle_on_cpu(precision)
+        self.precision = precision
+        """Resolved once, here: the loop, the engines and the DeepSpeed config all take this one."""
+        self.world = world_size()
+        # DeepSpeed's config fixes the batch plan inside Accelerate (batch_size=auto is refused there).
+        deepspeed_plan = make_plan(cfg, self.world) if cfg.deepspeed.stage > 0 else None
+        self.accelerator = Accelerator(**accelerator_kwargs(cfg, deepspeed_plan, self.precision.name))
         if cfg.deepspeed.stage > 0:  # before anything reads the process layout (see check_engine)
             from llmexp.train.distributed import check_engine
 
             check_engine(self.accelerator)
-        if self.accelerator.num_processes != self.plan.world:
+        if self.accelerator.num_processes != self.world:
             raise RuntimeError(f"Accelerate runs {self.accelerator.num_processes} processes, but WORLD_SIZE says "
-                               f"{self.plan.world}: start multi-process runs with torchrun or accelerate launch")
+                               f"{self.world}: start multi-process runs with torchrun or accelerate launch")
         self.device = self.accelerator.device
         self.rank, self.is_main = self.accelerator.process_index, self.accelerator.is_main_process
-        self.data_seed = cfg.train.seed_data if cfg.train.seed_data is not None else cfg.seed
-        self.engine = self._engine(cfg)
-        self.num_params = 0
-        """Trainable parameters (the adapters' only under peft)."""
-        self.total_params = 0
-        self.flops_per_token = 0.0
-        self.peak_tflops: float | None = None
-        """The matmul ceiling MFU divides by; None when it cannot be trusted (`mfu_note` says why)."""
-        self.mfu_note: str | None = None
-        self._mfu_note_pending = False
-        self.compile_time_s = 0.0
-        self.data_fingerprint = ""  # the token cache key, set once the data is built (checkpoints keep it)
-        self.started = time.perf_counter()
-        self.window = ThroughputWindow()
-        self.monitor_settings = MonitorSettings()
 
-    def _engine(self, cfg: DictConfig) -> PlainEngine:
-        if cfg.deepspeed.stage > 0:
-            return DeepSpeedEngine(self.accelerator, self.precision, self.plan, cfg.deepspeed.stage)
-        if cfg.fsdp.name != "none":
-            from llmexp.train.engines.fsdp import FsdpEngine
-
-            return FsdpEngine(self.accelerator, self.precision, self.plan, cfg.fsdp.name, cfg.fsdp.cpu_offload)
-        return PlainEngine(self.accelerator, self.precision, cfg.precision.init_scale, cfg.precision.growth_interval)
-
-    # ------------------------------------------------------------------ building
-    def build(self, cfg: DictConfig, vocab_size: int) -> tuple[torch.nn.Module, Any, float, str]:
-        """Model (wrapped with its loss), optimizer and peak lr, prepared for this device."""
-        from llmexp.model.loss import CausalLMLoss
-        from llmexp.train.schedule import resolve_lr
-
-        torch.manual_seed(cfg.seed)  # same init on every rank
-        lm = build.build_model(cfg, vocab_size, self.precision)
-        self.num_params = build.count_params(lm)
-        self.total_params = build.count_params(lm, trainable_only=False)
-        self.engine.trainable_only = cfg.peft.name != "none"  # checkpoints: the adapters, not the frozen base
-        c = lm.config
-        # Every weight takes part in forward and backward (6N); with adapters the frozen weights need no
-        # weight gradient (4N), which this count leaves in: MFU is then a slight overestimate.
-        self.flops_per_token = flops_per_token(self.total_params, c.num_hidden_layers, c.hidden_size,
-                                               cfg.data.max_length)
-        if cfg.train.peak_tflops:
-            self.peak_tflops = cfg.train.peak_tflops
-        else:
-            self.peak_tflops, self.mfu_note = self._measure_peak()
-        peak_lr, source = resolve_lr(cfg, self.total_params)
-        facts = {"model": {"name_or_path": cfg.model.name_or_path}, "train": {"max_grad_norm": cfg.train.max_grad_norm}}
-        self.monitor_settings = settings_from_config(facts, lr=peak_lr, precision=self.precision)
-        model = self.engine.shard(CausalLMLoss(lm))  # FSDP: before the optimizer sees the parameters
-        optimizer = build.build_optimizer(cfg, model, peak_lr, self.device.type)
-        model, optimizer = self.engine.prepare(model, optimizer)
-        if cfg.train.compile:
-            model = torch.compile(model)
-        return model, optimizer, peak_lr, source
-
-    def _measure_peak(self) -> tuple[float | None, str | None]:
-        """(a matmul ceiling in the training dtype, None) cached per device so later runs start fast; or
+    def measure_peak(self) -> tuple[float | None, str | None]:
+        """(a matmul ceiling in the training dtype, None), cached per device so later runs start fast; or
         (None, why) when it was measured on shared cores: a guessed ceiling would make every MFU a guess."""
-        dtype = build.autocast_dtype(self.precision) or torch.float32
-        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        key = f"v2|{name}|{dtype}|{torch.get_num_threads()}"  # v2: v1 entries could come from a busy machine
-        cache = Path(self.cfg.data.cache_dir) / "peak_tflops.json"
-        try:
-            known = json.loads(cache.read_text())
-        except (OSError, ValueError):
-            known = {}
-        if key not in known:
-            value, cores_were_ours = measure_ceiling(self.device, dtype)
-            if not cores_were_ours:  # too low to use or keep: measured again next run
-                return None, (f"the matmul ceiling ({value:.3g} TFLOPS) was measured while other processes "
-                              "shared the CPU cores, so it is too low and any MFU divided by it too high")
-            known[key] = value
-            from llmexp.rundir.files import write_json_atomic
+        known = self._ceilings()
+        if self.ceiling_key() in known:
+            return float(known[self.ceiling_key()]), None
+        value, cores_were_ours = measure_ceiling(self.device, self._ceiling_dtype())
+        if not cores_were_ours:  # too low to use or keep: measured again next run
+            return None, (f"the matmul ceiling ({value:.3g} TFLOPS) was measured while other processes "
+                          "shared the CPU cores, so it is too low and any MFU divided by it too high")
+        self._keep_ceiling(value)
+        return value, None
 
-            write_json_atomic(cache, known)
-        return float(known[key]), None
+    def remeasure_peak(self) -> float | None:
+        """The ceiling measured now, when an MFU came out implausibly high (`monitor.throughput.Mfu`): the cached
+        one was probably measured on busy cores (nothing told). A higher one replaces it in the cache; None when
+        the cores are shared now too."""
+        value, cores_were_ours = measure_ceiling(self.device, self._ceiling_dtype())
+        if not cores_were_ours:
+            return None
+        self._keep_ceiling(value)
+        return value
+
+    def _ceiling_dtype(self) -> torch.dtype:
+        # Emulated bf16 runs its matmuls in fp32: the bf16 ceiling of such a CPU (~0.001 TFLOPS) would measure
+        # the path it does not take.
+        return (None if self.precision.emulate_bf16 else build.autocast_dtype(self.precision.name)) or torch.float32
+
+    def ceiling_key(self) -> str:
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        return f"v2|{name}|{self._ceiling_dtype()}|{torch.get_num_threads()}"  # v2: v1's could come from busy cores
+
+    def _ceilings(self) -> dict[str, Any]:
+        try:
+            return json.loads((Path(self.cfg.data.cache_dir) / "peak_tflops.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _keep_ceiling(self, value: float) -> None:
+        """The highest ceiling measured on idle cores is the one kept: busy cores only ever lower it."""
+        from llmexp.rundir.files import write_json_atomic
+
+        known = self._ceilings()
+        key = self.ceiling_key()
+        known[key] = max(value, float(known.get(key, 0.0)))
+        write_json_atomic(Path(self.cfg.data.cache_dir) / "peak_tflops.json", known)
 
     def logger(self, max_steps: int) -> MetricsLogger:
         sinks = make_sinks(self.cfg, self.run_dir) if self.is_main else []
         return MetricsLogger(self.run_dir, max_steps, enabled=self.is_main, sinks=sinks)
 
-    def start_facts(self, max_steps: int) -> dict[str, Any]:
-        """What the `start` record adds about the setup: the console header prints it, and the detectors
-        turn `bf16_emulated` and `mfu_note` into findings."""
-        c = self.cfg
-        facts: dict[str, Any] = {
-            "run_dir": str(self.run_dir), "model": c.model.name, "model_path": c.model.name_or_path,
-            "data": c.data.name, "max_length": c.data.max_length, "max_steps": max_steps,
-            "batch_size": self.plan.micro, "world_size": self.plan.world, "fsdp": c.fsdp.name,
-            "optimizer": c.optimizer.name,
-            "scheduler": c.scheduler.name, "precision_requested": c.precision.name, "device": self.device.type,
-            "peak_tflops": self.peak_tflops}
-        if self.auto_batch:
-            facts["batch_size_auto"] = self.auto_batch
-        if self.bf16_warning:
-            facts.update(bf16_emulated=self.bf16_warning, bf16_advice=BF16_EMULATION_ADVICE)
-        if self.mfu_note:
-            facts["mfu_note"] = self.mfu_note
-        return facts
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.started
-
     # ------------------------------------------------------------------ what the loop asks of the process
     def autocast(self) -> AbstractContextManager[Any]:
-        dtype = build.autocast_dtype(self.precision)
+        """The compute precision around every forward: the one place that opens it."""
+        dtype = build.autocast_dtype(self.precision.name)
         return torch.autocast(self.device.type, dtype=dtype) if dtype is not None else nullcontext()
+
+    def emulation(self) -> AbstractContextManager[Any]:
+        """bf16 emulated on fp32 kernels where this CPU's own bf16 matmuls are slower (`precision.emulate_bf16`),
+        around forward *and* backward: the backward's matmuls are bf16 too, and gradient checkpointing recomputes
+        the forward inside backward. A no-op elsewhere."""
+        if not self.precision.emulate_bf16:
+            return nullcontext()
+        from llmexp.model.bf16_emulation import Bf16Emulation
+
+        return Bf16Emulation()
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when it is true on any (one tiny all-reduce; free on one process)."""
-        if self.plan.world == 1:
+        if self.world == 1:
             return flag
         return bool(self.reduce_sum(torch.tensor([float(flag)], device=self.device)).item() > 0)
 
@@ -219,49 +152,14 @@ class Runtime:
 
     def _all_reduce(self, value: float, op: Any) -> float:
         """One number reduced over the ranks with `op` (itself when there is one rank)."""
-        if self.plan.world == 1:
+        if self.world == 1:
             return value
         tensor = torch.tensor(value, device=self.device)
         torch.distributed.all_reduce(tensor, op=op)
         return tensor.item()
 
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.accelerator.reduce(tensor, reduction="sum") if self.plan.world > 1 else tensor
-
-    def preemption(self) -> AbstractContextManager[Any]:
-        from llmexp.train.preemption import PreemptionSignal
-
-        return PreemptionSignal()
-
-    def train_record(self, state: LoopState, loss: float, grad_norm: float, optimizer: Any,
-                     window: ThroughputWindow) -> dict[str, Any]:
-        tokens_per_sec = window.take()
-        record = {"event": "train", "step": state.step, "loss": loss, "ppl": safe_exp(loss),
-                  "lr": optimizer.param_groups[0]["lr"], "grad_norm": grad_norm, "tokens_per_sec": tokens_per_sec,
-                  "mfu": self.mfu(tokens_per_sec), "mem_mb": peak_memory_mb(self.device),
-                  "epoch": state.step * self.plan.global_batch / state.num_examples if state.num_examples else None,
-                  "time_s": time.perf_counter() - self.started, "skipped_steps": state.skipped_steps}
-        if self._mfu_note_pending:  # said once, on the record where MFU stopped being reported
-            record["mfu_note"], self._mfu_note_pending = self.mfu_note, False
-        if (scale := self.engine.loss_scale()) is not None:
-            record["loss_scale"] = scale
-        return record
-
-    def mfu(self, tokens_per_sec: float) -> float | None:
-        """Model FLOPs utilisation in [0, 1], or None when the ceiling is not trusted.
-
-        A value above 1 proves the ceiling was measured too low: from then on MFU is None, and the
-        next train record carries the reason (`mfu_note`)."""
-        if self.peak_tflops is None or self.peak_tflops <= 0:
-            return None
-        value = self.flops_per_token * tokens_per_sec / (self.peak_tflops * 1e12 * self.plan.world)
-        if value > 1.0:
-            self.mfu_note = (f"MFU came out at {value:.0%}, above 100%: the matmul ceiling ({self.peak_tflops:.3g} "
-                             "TFLOPS) is too low (train.peak_tflops, or peak_tflops.json in data.cache_dir, which "
-                             "you may delete to measure it again)")
-            self.peak_tflops, self._mfu_note_pending = None, True
-            return None
-        return value
+        return self.accelerator.reduce(tensor, reduction="sum") if self.world > 1 else tensor
 
 
 def setup_runtime(cfg: DictConfig) -> Runtime:
@@ -269,3 +167,117 @@ def setup_runtime(cfg: DictConfig) -> Runtime:
     from hydra.core.hydra_config import HydraConfig
 
     return Runtime(cfg, Path(HydraConfig.get().runtime.output_dir))
+
+
+# ----------------------------------------------------------------------------- the run description
+
+
+def describe(cfg: DictConfig, rt: Runtime, vocab_size: int, train_data: Any,
+             data_fingerprint: str) -> tuple[RunDescription, Engine, torch.nn.Module, Any]:
+    """Resolve everything the loop reads, once, in the order it depends on: the batch plan (batch_size=auto
+    probes here, before any engine exists), the engine, the model and optimizer (whose size sets lr=auto and
+    the FLOPs per token), the matmul ceiling, the monitor settings. Returns the frozen description with the
+    engine, the prepared model and the optimizer."""
+    from llmexp.train.schedule import warmup_steps_for
+
+    plan, auto_batch = _batch_plan(cfg, rt, vocab_size, train_data)
+    engine = _engine(cfg, rt, plan)
+    model, optimizer, built = _build(cfg, rt, engine, vocab_size)
+    max_steps = plan.max_steps(len(train_data))
+    monitor = MonitorSettings.for_run(finetune=bool(cfg.model.name_or_path), max_grad_norm=cfg.train.max_grad_norm,
+                                      precision=rt.precision.name, lr=built.lr)
+    desc = RunDescription(
+        precision=rt.precision, plan=plan, auto_batch=auto_batch, lr=built.lr, lr_source=built.lr_source,
+        monitor=monitor, max_steps=max_steps,
+        warmup_steps=warmup_steps_for(max_steps, cfg.train.warmup_ratio, cfg.train.warmup_steps),
+        num_params=built.num_params, total_params=built.total_params, flops_per_token=built.flops_per_token,
+        peak_tflops=built.peak_tflops, mfu_note=built.mfu_note, data_fingerprint=data_fingerprint,
+        data_seed=cfg.train.seed_data if cfg.train.seed_data is not None else cfg.seed, started=rt.started)
+    return desc, engine, model, optimizer
+
+
+def _batch_plan(cfg: DictConfig, rt: Runtime, vocab_size: int, train_data: Any) -> tuple[BatchPlan, Any]:
+    """The batch plan; batch_size=auto settles its micro-batch first (the choice a checkpoint holds, else the
+    estimate's upper bound and a probe step: `autobatch.choose_batch_size`)."""
+    if parse_batch_size(cfg.batch_size) is not None:
+        return make_plan(cfg, rt.world), None
+    from llmexp.train.autobatch import choose_batch_size
+    from llmexp.train.resume import saved_auto_batch
+
+    choice = choose_batch_size(cfg, rt, vocab_size, len(train_data), saved_auto_batch(cfg, rt.run_dir))
+    return make_plan(cfg, rt.world, micro=choice.chosen), choice
+
+
+def _engine(cfg: DictConfig, rt: Runtime, plan: BatchPlan) -> Engine:
+    from llmexp.train.engines.plain import PlainEngine
+
+    if cfg.deepspeed.stage > 0:
+        from llmexp.train.engines.deepspeed import DeepSpeedEngine
+
+        return DeepSpeedEngine(rt.accelerator, rt.precision.name, plan, cfg.deepspeed.stage)
+    if cfg.fsdp.name != "none":
+        from llmexp.train.engines.fsdp import FsdpEngine
+
+        return FsdpEngine(rt.accelerator, rt.precision.name, plan, cfg.fsdp.name, cfg.fsdp.cpu_offload)
+    return PlainEngine(rt.accelerator, rt.precision.name, cfg.precision.init_scale, cfg.precision.growth_interval,
+                       trainable_only=cfg.peft.name != "none")  # adapters: checkpoints hold only the trainable
+
+
+@dataclass(frozen=True)
+class _Built:
+    """What building the model decides: its size, and through it lr=auto and MFU's FLOPs and ceiling."""
+
+    num_params: int
+    total_params: int
+    flops_per_token: float
+    peak_tflops: float | None
+    mfu_note: str | None
+    lr: float
+    lr_source: str
+
+
+def _build(cfg: DictConfig, rt: Runtime, engine: Engine, vocab_size: int) -> tuple[torch.nn.Module, Any, _Built]:
+    """Model (wrapped with its loss) and optimizer, prepared for this device, and what their size decides."""
+    from llmexp.model.loss import CausalLMLoss
+    from llmexp.train.schedule import resolve_lr
+
+    torch.manual_seed(cfg.seed)  # same init on every rank
+    lm = build.build_model(cfg, vocab_size, rt.precision.name)
+    total, c = build.count_params(lm, trainable_only=False), lm.config
+    peak_tflops, mfu_note = (cfg.train.peak_tflops, None) if cfg.train.peak_tflops else rt.measure_peak()
+    lr, lr_source = resolve_lr(cfg, total)
+    # Every weight takes part in forward and backward (6N); with adapters the frozen weights need no
+    # weight gradient (4N), which this count leaves in: MFU is then a slight overestimate.
+    built = _Built(num_params=build.count_params(lm), total_params=total,
+                   flops_per_token=flops_per_token(total, c.num_hidden_layers, c.hidden_size, cfg.data.max_length),
+                   peak_tflops=peak_tflops, mfu_note=mfu_note, lr=lr, lr_source=lr_source)
+    model = engine.shard(CausalLMLoss(lm))  # FSDP: before the optimizer sees the parameters
+    optimizer = build.build_optimizer(cfg, model, lr, rt.device.type)
+    model, optimizer = engine.prepare(model, optimizer)
+    if cfg.train.compile and not rt.precision.emulate_bf16:  # dynamo traces nothing under a dispatch mode
+        model = torch.compile(model)
+    return model, optimizer, built
+
+
+def start_facts(cfg: DictConfig, rt: Runtime, desc: RunDescription) -> dict[str, Any]:
+    """The `start` record: the console header prints it, and the detectors turn `bf16_emulated` and `mfu_note`
+    into findings."""
+    facts: dict[str, Any] = {
+        "lr_chosen": desc.lr, "lr_source": desc.lr_source, "num_params": desc.num_params,
+        "global_batch_size": desc.plan.global_batch, "gradient_accumulation_steps": desc.plan.accum,
+        "precision": desc.precision.name, "run_dir": str(rt.run_dir), "model": cfg.model.name,
+        "model_path": cfg.model.name_or_path, "data": cfg.data.name, "max_length": cfg.data.max_length,
+        "max_steps": desc.max_steps, "batch_size": desc.plan.micro, "world_size": desc.plan.world,
+        "fsdp": cfg.fsdp.name, "optimizer": cfg.optimizer.name, "scheduler": cfg.scheduler.name,
+        "precision_requested": desc.precision.requested, "device": rt.device.type, "peak_tflops": desc.peak_tflops}
+    if desc.auto_batch:
+        facts["batch_size_auto"] = desc.auto_batch.record()
+    if desc.precision.warning:
+        compile_note = ("; train.compile=true is not applied: torch.compile traces nothing under the emulation"
+                        if cfg.train.compile and desc.precision.emulate_bf16 else "")
+        facts.update(bf16_emulated=desc.precision.warning + compile_note, bf16_advice=BF16_EMULATION_ADVICE)
+    if desc.precision.bf16_slowdown is not None:
+        facts.update(bf16_emulation=desc.precision.emulate_bf16, bf16_slowdown=desc.precision.bf16_slowdown)
+    if desc.mfu_note:
+        facts["mfu_note"] = desc.mfu_note
+    return facts

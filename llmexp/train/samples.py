@@ -28,13 +28,13 @@ def due(train: DictConfig, step: int, max_steps: int) -> bool:
 def generate(run: Run, tokenizer: Any) -> list[dict[str, str]]:
     """Each prompt with its continuation (greedy, or sampled at `train.sample_temperature`)."""
     train, rt = run.cfg.train, run.rt
-    lm = rt.engine.lm(run.model)
+    lm = run.engine.lm(run.model)
     was_training = lm.training
     lm.eval()
     devices = [rt.device.index or 0] if rt.device.type == "cuda" else []
     samples = []
     try:
-        with torch.random.fork_rng(devices=devices), rt.autocast():
+        with torch.random.fork_rng(devices=devices), rt.emulation(), rt.autocast():
             torch.manual_seed(train.sample_seed)
             for prompt in train.sample_prompts:
                 samples.append({"prompt": prompt, "completion": _continue(lm, tokenizer, prompt, train, rt.device)})

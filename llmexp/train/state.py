@@ -1,5 +1,6 @@
-"""What a run carries from step to step (`LoopState`), and the live objects of a run (`Run`) that
-saving, resuming, rolling back, evaluating and finishing all take as one argument."""
+"""What set-up resolved once (`RunDescription`, frozen), what a run carries from step to step (`LoopState`, the
+only thing the loop writes), and the live objects of a run (`Run`) that saving, resuming, rolling back,
+evaluating and finishing all take as one argument."""
 
 from __future__ import annotations
 
@@ -7,13 +8,58 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from llmexp.monitor.detectors import CPU_MFU_PLAUSIBLE
+from llmexp.monitor.throughput import Mfu, ThroughputWindow
+
 if TYPE_CHECKING:
     import torch
     from omegaconf import DictConfig
 
+    from llmexp.config.derived import BatchPlan, Precision
+    from llmexp.monitor.detectors import MonitorSettings
     from llmexp.monitor.logger import MetricsLogger
+    from llmexp.train.autobatch import AutoBatch
+    from llmexp.train.engines.base import Engine
     from llmexp.train.pruning import TrialPruning
     from llmexp.train.runtime import Runtime
+
+
+@dataclass(frozen=True)
+class RunDescription:
+    """What set-up resolved for this run, once, before the first step (`runtime.describe`): the loop, the
+    checkpoints and the summary read it, nothing writes it."""
+
+    precision: Precision
+    """What the run computes in, and whether that bf16 is emulated here."""
+    plan: BatchPlan
+    """Micro-batch x accumulation x processes (batch_size=auto settled before any engine was built)."""
+    auto_batch: AutoBatch | None
+    """batch_size=auto: how the micro-batch was chosen; None otherwise."""
+    lr: float
+    """The peak learning rate."""
+    lr_source: str
+    """`config` (the `lr` key) or `auto` (the seed's lr-by-size rule)."""
+    monitor: MonitorSettings
+    """The detectors' settings for this run."""
+    max_steps: int
+    warmup_steps: int
+    num_params: int
+    """Trainable parameters (the adapters' only under peft)."""
+    total_params: int
+    flops_per_token: float
+    peak_tflops: float | None
+    """The matmul ceiling MFU divides by; None when it cannot be trusted (`mfu_note` says why)."""
+    mfu_note: str | None
+    data_fingerprint: str
+    """The token cache key; each checkpoint keeps it, so a resume on other data is caught."""
+    data_seed: int
+    started: float
+    """`time.perf_counter()` when set-up began."""
+
+    def elapsed(self) -> float:
+        import time
+
+        return time.perf_counter() - self.started
 
 
 @dataclass
@@ -45,12 +91,11 @@ class Run:
 
     cfg: DictConfig
     rt: Runtime
+    desc: RunDescription
+    engine: Engine
     model: torch.nn.Module
     optimizer: Any
     log: MetricsLogger
-    peak_lr: float
-    lr_source: str
-    """`config` (the `lr` key) or `auto` (the seed's lr-by-size rule)."""
     state: LoopState = field(default_factory=LoopState)
     train_data: Any = None
     """The train set: a checkpoint asks it for its `position` (a stream's window start)."""
@@ -58,3 +103,14 @@ class Run:
     """In a search with a pruner: this job's trial, which each eval reports to (`llmexp.train.pruning`)."""
     resumed_from_world_size: int | None = None
     """The number of processes that saved the checkpoint this run resumed from (None: not resumed)."""
+    window: ThroughputWindow = field(default_factory=ThroughputWindow)
+    """Tokens and seconds of the training steps (the loop's)."""
+    mfu: Mfu = field(init=False)
+    """MFU of each train record and of the summary, with its switch-off (`monitor.throughput.Mfu`)."""
+
+    def __post_init__(self) -> None:
+        # On a CPU an MFU above CPU_MFU_PLAUSIBLE means a ceiling measured on busy cores: measured again, once.
+        on_cpu = self.rt.device.type == "cpu"
+        self.mfu = Mfu(self.desc.flops_per_token, self.desc.peak_tflops, self.desc.plan.world,
+                       plausible=CPU_MFU_PLAUSIBLE if on_cpu else 1.0,
+                       remeasure=None if self.cfg.train.peak_tflops else self.rt.remeasure_peak)

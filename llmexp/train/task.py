@@ -16,14 +16,19 @@ from llmexp.rundir.redact import scrub_text
 
 
 def run_guarded(cfg: DictConfig) -> int:
-    """Validate, then train; return the exit code. User errors print one clear message, no traceback."""
+    """Validate, then train; return the exit code. User errors print one clear message, no traceback.
 
-    try:  # (the CLI ran both before Hydra did anything; a sweep job runs them here, in its own process)
-        validate(cfg)
-        check_environment(cfg)  # bf16 support, world size, files: before anything loads
-        from llmexp.train.train import train
+    The run's one preemption guard is entered here, before the trainer (torch) is imported: from then on
+    SIGTERM, SIGUSR2 and Ctrl-C stop the run at its first step boundary, importing included."""
+    from llmexp.train.preemption import PreemptionSignal
 
-        result = train(cfg)
+    try:
+        with PreemptionSignal() as preempt:
+            validate(cfg)  # (the CLI ran both before Hydra did anything; a sweep job runs them here, in its process)
+            check_environment(cfg)  # bf16 support, world size, files: before anything loads
+            from llmexp.train.train import train
+
+            result = train(cfg, preempt)
     except UserError as err:
         return user_error_exit(err)
     return STATUS_EXIT[result.status]

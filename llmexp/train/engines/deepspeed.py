@@ -1,8 +1,9 @@
 """The DeepSpeed ZeRO engine, prepared by Accelerate (its config: `llmexp.train.distributed`).
 
 ZeRO owns accumulation boundaries, clipping, fp16 loss scaling and the step itself. DeepSpeed computes
-the gradient norm only inside its own step, so the engine's `unscale_and_clip` runs that step (clip,
-step, or skip when the norm is non-finite) and the anomaly policy judges afterwards (`steps_in_clip`).
+the gradient norm only inside its own step, so the loop calls this engine's `step` first (norm, clip,
+step, or skip when the norm is non-finite: `steps_first`), `clip` then reports that step's norm, and the
+anomaly policy judges a step already taken.
 
 Checkpoints never unpickle: DeepSpeed's own `save_checkpoint`/`load_checkpoint` would read back with
 an unrestricted `torch.load`. Each rank's optimizer shard (fp32 master partition, moments, loss scale)
@@ -26,7 +27,8 @@ import torch
 from llmexp.checkpoint import serialize
 from llmexp.config.derived import BatchPlan
 from llmexp.errors import UserError
-from llmexp.train.engines.plain import OptimizerWriter, PlainEngine, inner_optimizer, zero_mismatch
+from llmexp.rundir.files import stage_dir
+from llmexp.train.engines.base import OptimizerWriter, inner_optimizer, refuse_dcp, zero_mismatch
 
 
 def zero_world_mismatch(saved: int, now: int) -> UserError:
@@ -36,24 +38,35 @@ def zero_world_mismatch(saved: int, now: int) -> UserError:
                      "change, train with fsdp=full_shard (deepspeed=none), whose DCP checkpoints reshard on load")
 
 
-class DeepSpeedEngine(PlainEngine):
+class DeepSpeedEngine:
     """A DeepSpeed ZeRO engine, prepared by Accelerate (its config: `llmexp.train.distributed`)."""
 
-    steps_in_clip = True
+    steps_first = True
+    collective_forward = False
+    sharded_checkpoints = False
     reshardable = False  # ZeRO's partitions are per rank; DeepSpeed cannot repartition them (DeepSpeed #2898)
 
     def __init__(self, accelerator: Any, precision: str, plan: BatchPlan, stage: int) -> None:
         self.accelerator = accelerator
-        self.scaler = None  # the engine owns fp16 loss scaling
         self.precision = precision
         self.plan = plan
         self.stage = stage
         self.params_partitioned = stage >= 3
         self.micro_steps_done = 0  # backward calls since the last step; the last is the accumulation boundary
+        self.last_norm = math.inf  # the pre-clip norm of the last step (inf: DeepSpeed skipped it)
 
     @property
     def _ds(self) -> Any:
         return self.accelerator.deepspeed_engine_wrapped.engine
+
+    def shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model  # ZeRO partitions inside `prepare`
+
+    def prepare(self, model: torch.nn.Module, optimizer: Any) -> tuple[torch.nn.Module, Any]:
+        return self.accelerator.prepare(model, optimizer)  # the DeepSpeed engine, its optimizer wrapped
+
+    def no_sync(self, model: torch.nn.Module) -> AbstractContextManager[Any]:
+        return self.accelerator.no_sync(model)  # ZeRO-2/3: nothing (`backward` marks the boundary); ZeRO-1: DDP's
 
     def backward(self, loss: torch.Tensor) -> None:
         """The loop's loss is already normalised by the global batch's target tokens, so the engine must
@@ -62,16 +75,21 @@ class DeepSpeedEngine(PlainEngine):
         self._ds.set_gradient_accumulation_boundary(self.micro_steps_done == self.plan.accum)
         self._ds.backward(loss, scale_wrt_gas=False)
 
-    def unscale_and_clip(self, model: torch.nn.Module, optimizer: Any, max_norm: float) -> torch.Tensor:
-        """The engine's step: norm, clip to `train.max_grad_norm` (its `gradient_clipping`), step and zero
-        the grads, or skip when the norm is non-finite. Returns the pre-clip norm, inf on a skipped step."""
+    def step(self, optimizer: Any) -> bool:
+        """DeepSpeed's own step: the norm, clipping to `train.max_grad_norm` (its `gradient_clipping`), the
+        step and zeroed grads, or a skipped step when the norm is non-finite (False). Before `clip`."""
         if self.micro_steps_done != self.plan.accum:
             raise RuntimeError(f"a step after {self.micro_steps_done} micro-batches, expected {self.plan.accum}")
         self.micro_steps_done = 0
         self._ds.step()
         norm = self._ds.get_global_grad_norm()
         skipped = bool(getattr(self._ds.optimizer, "overflow", False)) or not self._ds.was_step_applied()
-        return torch.tensor(math.inf if skipped or norm is None else float(norm))
+        self.last_norm = math.inf if skipped or norm is None else float(norm)
+        return not skipped
+
+    def clip(self, model: torch.nn.Module, optimizer: Any, max_norm: float) -> torch.Tensor:
+        """The pre-clip norm of the step `step` just took (DeepSpeed clipped there); inf when it skipped it."""
+        return torch.tensor(self.last_norm)
 
     def loss_scale(self) -> float | None:
         return float(self._ds.optimizer.loss_scale) if self.precision == "fp16" else None
@@ -79,6 +97,12 @@ class DeepSpeedEngine(PlainEngine):
     # ------------------------------------------------------------------ checkpoints
     def lm(self, model: torch.nn.Module) -> torch.nn.Module:
         return self.accelerator.unwrap_model(model).lm
+
+    def checkpoint_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return self.lm(model).state_dict()  # (adapters do not run under DeepSpeed: validation)
+
+    def final_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        return self.full_weights(model)
 
     def full_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """ZeRO-3: the LM's weights gathered layer by layer (rank 0 gets the tensors)."""
@@ -90,21 +114,31 @@ class DeepSpeedEngine(PlainEngine):
     def optimizer_writer(self, optimizer: Any, run_dir: Path, step: int) -> OptimizerWriter:
         """Every rank writes its shard to a staging dir beside the checkpoints (collective); rank 0 then
         moves them into the checkpoint it publishes (same filesystem: renames)."""
-        rank = self.accelerator.process_index
         staging = run_dir / ".zero_shards" / f"step_{step}"
-        staging.mkdir(parents=True, exist_ok=True)
-        final = staging / f"zero_rank{rank}.pt"
-        tmp = final.with_name(final.name + ".tmp")
-        serialize.save_state(tmp, _zero_shard_state(optimizer, self.plan.world))
-        os.replace(tmp, final)
+        if self.accelerator.is_main_process:
+            stage_dir(staging)  # (a crashed save's leftover goes)
+        self.accelerator.wait_for_everyone()
+        serialize.save_state(staging / f"zero_rank{self.accelerator.process_index}.pt",
+                             _zero_shard_state(optimizer, self.plan.world))
         self.accelerator.wait_for_everyone()
 
-        def move_shards(checkpoint_tmp: Path) -> None:
+        def move_shards(checkpoint_tmp: Path) -> None:  # the checkpoint's staged dir fsyncs and publishes them
             for shard in sorted(staging.glob("zero_rank*.pt")):
                 os.replace(shard, checkpoint_tmp / shard.name)
-            shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(staging.parent, ignore_errors=True)
 
         return move_shards
+
+    def load_state(self, model: torch.nn.Module, optimizer: Any, payload: dict[str, Any]) -> None:
+        refuse_dcp(payload)
+        self.load_weights(model, payload["model"])
+        self.load_optimizer(optimizer, payload)
+
+    def scaler_state(self) -> dict[str, Any] | None:
+        return None  # ZeRO keeps its loss scale in its optimizer shard
+
+    def load_scaler_state(self, state: dict[str, Any] | None) -> None:
+        pass
 
     def load_weights(self, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
         """ZeRO-3 gathers the partitioned parameters to fill them, and re-partitions from rank 0's values."""

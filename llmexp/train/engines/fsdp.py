@@ -39,7 +39,8 @@ from llmexp.checkpoint import dcp
 from llmexp.checkpoint.serialize import CorruptCheckpoint
 from llmexp.config.derived import BatchPlan
 from llmexp.errors import UserError
-from llmexp.train.engines.plain import OptimizerWriter, PlainEngine
+from llmexp.rundir.files import publish_dir, stage_dir
+from llmexp.train.engines.base import OptimizerWriter
 
 DCP_DIR = "dcp"
 """The directory inside `checkpoints/step_<N>/` that holds the DCP checkpoint."""
@@ -56,15 +57,17 @@ def ensure_process_group() -> None:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
 
-class FsdpEngine(PlainEngine):
+class FsdpEngine:
     """FSDP2 through torch's `fully_shard`; the optimizer is a plain torch optimizer over DTensors."""
 
+    steps_first = False
+    params_partitioned = False  # DCP checks every shard's shape itself on load
     collective_forward = True
     sharded_checkpoints = True
+    reshardable = True  # DCP reshards on load
 
     def __init__(self, accelerator: Any, precision: str, plan: BatchPlan, strategy: str, cpu_offload: bool) -> None:
         self.accelerator = accelerator
-        self.scaler = None
         self.precision = precision
         self.plan = plan
         self.strategy = strategy
@@ -124,7 +127,7 @@ class FsdpEngine(PlainEngine):
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def unscale_and_clip(self, model: torch.nn.Module, optimizer: Any, max_norm: float) -> torch.Tensor:
+    def clip(self, model: torch.nn.Module, optimizer: Any, max_norm: float) -> torch.Tensor:
         """The global pre-clip norm over the sharded gradients (a DTensor, made whole), and the clip."""
         import math
 
@@ -132,9 +135,19 @@ class FsdpEngine(PlainEngine):
         norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], limit)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
+    def step(self, optimizer: Any) -> bool:
+        optimizer.step()  # (fp16, which would need a sharded loss scaler, is refused by validation)
+        return True
+
+    def loss_scale(self) -> float | None:
+        return None
+
     # ------------------------------------------------------------------ checkpoints
     def lm(self, model: torch.nn.Module) -> torch.nn.Module:
         return getattr(model, "_orig_mod", model).lm
+
+    def full_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        return None  # a checkpoint's weights are in dcp/, written by `optimizer_writer`
 
     def checkpoint_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {}  # the weights are in dcp/, written by `optimizer_writer`
@@ -156,16 +169,16 @@ class FsdpEngine(PlainEngine):
 
     def optimizer_writer(self, optimizer: Any, run_dir: Path, step: int) -> OptimizerWriter:
         """Every rank writes its shard with dcp.save into a staging dir beside the checkpoints
-        (collective, same filesystem); rank 0 then moves it into the checkpoint it publishes."""
+        (collective, same filesystem); rank 0 then publishes it as the checkpoint's `dcp/`."""
         staging = run_dir / ".fsdp_dcp" / f"step_{step}"
         if self.accelerator.is_main_process:
-            shutil.rmtree(staging, ignore_errors=True)  # a crashed save's leftover
+            stage_dir(staging)  # (a crashed save's leftover goes)
         self.accelerator.wait_for_everyone()
         dcp.save(self._state(optimizer), staging)
         self.accelerator.wait_for_everyone()
 
         def move(checkpoint_tmp: Path) -> None:
-            os.replace(staging, checkpoint_tmp / DCP_DIR)
+            publish_dir(staging, checkpoint_tmp / DCP_DIR)
             shutil.rmtree(staging.parent, ignore_errors=True)
 
         return move
@@ -186,3 +199,9 @@ class FsdpEngine(PlainEngine):
             raise refused[0] if refused else RuntimeError(str(err).splitlines()[-1][:300]) from None
         set_state_dict(self.model or model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
+
+    def scaler_state(self) -> dict[str, Any] | None:
+        return None
+
+    def load_scaler_state(self, state: dict[str, Any] | None) -> None:
+        pass

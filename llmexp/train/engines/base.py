@@ -1,0 +1,123 @@
+"""What every step engine offers the loop, the checkpoints and resume: the `Engine` protocol, which the plain
+engine (`plain.py`: one process or DDP), DeepSpeed ZeRO (`deepspeed.py`) and FSDP2 (`fsdp.py`) implement.
+
+The loop (`llmexp.train.train`) calls, for every optimizer step:
+
+    engine.backward(loss)                   each micro-batch (fp16: through the loss scaler)
+    engine.clip(model, optimizer, norm)     the pre-clip global grad norm (inf/nan if non-finite)
+    engine.step(optimizer)                  the optimizer step, when the anomaly policy says ok
+    optimizer.zero_grad()
+
+An engine that `steps_first` (DeepSpeed: it measures and clips the gradients only inside its own step) is
+stepped before `clip`, which then reports the norm of the step just taken, and the policy judges a step that
+cannot be undone. For checkpoints each engine says how its weights and optimizer state are written and read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from llmexp.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+OptimizerWriter = Callable[[Path], None]
+"""Writes the optimizer state into a checkpoint's temporary directory (rank 0, inside the save)."""
+
+
+class Engine(Protocol):
+    """A step engine, as the loop (`train.py`), the checkpoints (`resume.py`) and `finish.py` use it."""
+
+    steps_first: bool
+    """True when `step` must come before `clip` (DeepSpeed measures the grad norm inside its own step)."""
+    params_partitioned: bool
+    """True when no rank holds whole parameters (ZeRO-3): shapes cannot be checked before a load."""
+    collective_forward: bool
+    """True when every forward is collective (FSDP all-gathers): every rank must run as many."""
+    sharded_checkpoints: bool
+    """True when checkpoints hold a DCP `dcp/` directory (FSDP) instead of model and optimizer files."""
+    reshardable: bool
+    """True when a checkpoint resumes on another number of processes (DDP: replicated state; FSDP: DCP)."""
+
+    def shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model as the optimizer must see it (FSDP shards it here); before the optimizer is built."""
+        ...
+
+    def prepare(self, model: torch.nn.Module, optimizer: Any) -> tuple[torch.nn.Module, Any]:
+        """Model and optimizer ready for this process layout (DDP, the DeepSpeed engine, or as they are)."""
+        ...
+
+    def no_sync(self, model: torch.nn.Module) -> AbstractContextManager[Any]:
+        """Around every micro-batch but the last: no gradient reduction yet."""
+        ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def clip(self, model: torch.nn.Module, optimizer: Any, max_norm: float) -> torch.Tensor:
+        """The gradients' pre-clip global norm (inf or nan when non-finite), after clipping them to `max_norm`
+        (0: no clipping)."""
+        ...
+
+    def step(self, optimizer: Any) -> bool:
+        """The optimizer step; False when it was skipped (an fp16 overflow, a non-finite DeepSpeed norm)."""
+        ...
+
+    def loss_scale(self) -> float | None:
+        """fp16's current loss scale, None without one."""
+        ...
+
+    def lm(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The Hugging Face model inside the engine's, compile's and the loss head's wrappers."""
+        ...
+
+    def full_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """Whole weights when they must be gathered for a checkpoint (collective: every rank calls); None: the
+        checkpoint takes `checkpoint_weights`."""
+        ...
+
+    def final_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """The weights `model/` gets (collective); None: the model's own."""
+        ...
+
+    def checkpoint_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The weights a checkpoint holds (with adapters: the trainable ones)."""
+        ...
+
+    def optimizer_writer(self, optimizer: Any, run_dir: Path, step: int) -> OptimizerWriter:
+        """What writes the optimizer state into the checkpoint of `step` (called on every rank: ZeRO and FSDP
+        write their shards now, collectively; the writer runs on rank 0 inside the save)."""
+        ...
+
+    def load_state(self, model: torch.nn.Module, optimizer: Any, payload: dict[str, Any]) -> None:
+        """Weights and optimizer state from a checked payload (`llmexp.train.resume`)."""
+        ...
+
+    def scaler_state(self) -> dict[str, Any] | None:
+        """The loop's fp16 loss scaler, for the checkpoint; None without one."""
+        ...
+
+    def load_scaler_state(self, state: dict[str, Any] | None) -> None: ...
+
+
+def inner_optimizer(optimizer: Any) -> Any:
+    """The optimizer inside Accelerate's wrapper (GradScaler and ZeRO need the real one)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def refuse_dcp(payload: dict[str, Any]) -> None:
+    """A checkpoint FSDP saved (it holds dcp/) cannot load into an engine that does not shard that way."""
+    if payload["dcp"] is not None:
+        raise UserError("this checkpoint was saved with FSDP (it holds dcp/); resume it with the fsdp option it "
+                        "was saved with (any of full_shard, shard_grad_op, hybrid_shard), or start afresh with "
+                        "train.resume=never")
+
+
+def zero_mismatch(saved_with_zero: bool) -> UserError:
+    saved = "with" if saved_with_zero else "without"
+    return UserError(f"this checkpoint was saved {saved} DeepSpeed ZeRO and cannot be resumed "
+                     f"{'without' if saved_with_zero else 'with'} it; resume with the deepspeed option it was saved "
+                     "with, or start afresh with train.resume=never")
