@@ -1,6 +1,7 @@
 """llmexp against HF Trainer on a real pretrained model: full fine-tuning and LoRA, paired in one run.
 
     python benchmarks/real_model.py                          # 2 rounds x (3 warm-up + 10 timed steps), 5 arms
+    python benchmarks/real_model.py --threads 1 --rounds 1 --warmup 2 --steps 4   # a shared machine: ~15 min
     python benchmarks/real_model.py --rounds 3 --steps 20
     python benchmarks/real_model.py --arms full,hf_full --rounds 1 --warmup 1 --steps 2 --out ''   # a smoke run
     python benchmarks/real_model.py --prepare                # only build the cached model (benchmarks/pretrained.py)
@@ -61,7 +62,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pretrained
-from common import PY, Series, load_average, markdown_table, publish, rotated, run_process, utc_now
+from common import PY, REPO, Series, load_average, markdown_table, publish, rotated, run_process, utc_now
 
 ARMS = ("full", "hf_full", "lora", "hf_lora", "compile_lora", "compile_full")
 DEFAULT_ARMS = ("full", "hf_full", "lora", "hf_lora", "compile_lora")
@@ -282,7 +283,10 @@ def run_arm(arm: str, model_dir: Path, data: tuple[Path, Path], args: argparse.N
         first = args.warmup if args.warmup else 1
         wanted = {first, args.warmup + args.steps}
         watch = None if arm.startswith("hf_") else CpuAtSteps(run_dir / "metrics.jsonl", wanted)
-        res = run_process(cmd, env=env, timeout_s=args.timeout, watch=watch)
+        # `python -m` puts the working directory first on sys.path, before PYTHONPATH: an @alt arm must run
+        # from its checkout, or it imports this one's llmexp
+        cwd = args.alt if arm.endswith("@alt") else REPO
+        res = run_process(cmd, env=env, timeout_s=args.timeout, watch=watch, cwd=cwd)
         if res.returncode != 0:
             print(f"{arm} failed (exit {res.returncode}):\n{res.tail}", file=sys.stderr)
             return {}
