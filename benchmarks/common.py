@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,10 +39,12 @@ class ArmResult:
 
 
 def run_process(cmd: list[str], *, env: dict[str, str] | None = None, timeout_s: float = 1200,
-                cwd: Path = REPO) -> ArmResult:
+                cwd: Path = REPO, watch: Callable[[int], None] | None = None) -> ArmResult:
     """Run `cmd` in a fresh process; its peak RSS comes from wait4 (the same measure for every arm).
 
     The result is the last stdout line that parses as a JSON object (empty for a process that prints none).
+    `watch`, if given, is called with the child's pid at every poll (every 50 ms) while it runs, e.g. to
+    read its CPU time when a file it writes gains a line.
     """
     full_env = {**os.environ, "LLMEXP_NO_BAR": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     with tempfile.TemporaryFile("w+") as out:
@@ -52,6 +55,8 @@ def run_process(cmd: list[str], *, env: dict[str, str] | None = None, timeout_s:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
             if pid:
                 break
+            if watch is not None:
+                watch(proc.pid)
             if time.perf_counter() > deadline:
                 proc.kill()
                 pid, status, usage = os.wait4(proc.pid, 0)
