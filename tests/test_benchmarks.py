@@ -21,24 +21,6 @@ def last_json(stdout: str) -> dict[str, Any]:
     return next(json.loads(line) for line in reversed(stdout.splitlines()) if line.startswith("{"))
 
 
-@pytest.mark.slow  # four fresh processes: ~1 minute on a loaded 2-core CPU
-def test_peft_benchmark_quick_states_what_adapters_save() -> None:
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "adapters.py"), "--quick", "--json", "--cpu"],
-                            capture_output=True, text=True, env=ENV, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    facts = last_json(result.stdout)
-    full, lora, qlora = (facts["arms"][a] for a in ("full", "lora", "qlora"))
-    assert full["trainable"] == facts["total_params"] and full["frozen_bytes"] == 0
-    assert lora["trainable"] == qlora["trainable"] < 0.15 * full["trainable"]
-    for arm in (full, lora, qlora):  # AdamW: two fp32 moments a trained parameter, plus a step counter a tensor
-        assert 8 * arm["trainable"] <= arm["optimizer_bytes"] < 8.01 * arm["trainable"], arm
-        assert arm["peak_mem_mb"] > 0 and arm["tokens_per_sec"] > 0, arm
-    assert lora["optimizer_bytes"] < 0.15 * full["optimizer_bytes"]
-    assert lora["frozen_bytes"] == 2 * facts["total_params"]  # the whole base, frozen in bf16
-    assert qlora["frozen_bytes"] < 0.6 * lora["frozen_bytes"]  # 4-bit linear layers (fp32 embeddings and head)
-    assert "| `peft=qlora` |" in result.stdout
-
-
 @pytest.mark.slow  # ~30 s: three fresh processes import datasets/transformers, and a BPE is trained
 def test_data_hf_quick_both_sides_produce_the_same_tokens() -> None:
     """benchmarks/data_hf.py --quick: llmexp's data=hf packs exactly the tokens datasets.map's run_clm

@@ -122,7 +122,7 @@ def test_tiny_cpu_run_records_every_step_ok(tmp_path: Path) -> None:
     assert all(f["2"]["arms"][a]["tokens_per_sec"][0] > 0 for a in ("raw", "llmexp"))
     assert f["3"]["first_loss_diff"] < 1e-4  # both loss paths compute the same loss (fp32)
     assert set(f["4"]["arms"]) == {"full", "lora", "qlora"} and not f["4"]["failed"]
-    assert f["4"]["arms"]["lora"]["trainable"] < 0.15 * f["4"]["arms"]["full"]["trainable"]
+    _adapters_save_what_they_claim(f["4"])
     assert all(f["6"][a]["estimate_mb"] > 0 and f["6"][a]["measured_mb"] > 0 for a in ("full", "lora", "qlora"))
     assert f["5"]["full_shard"]["fsdp"] == "full_shard" and f["5"]["full_shard"]["status"] == "completed"
     assert f["7"]["auto"]["status"] == "completed" and f["7"]["auto"]["chosen"] >= 1
@@ -142,3 +142,16 @@ def test_a_failing_step_is_recorded_and_the_run_goes_on(tmp_path: Path) -> None:
     assert [(e["event"], e["step"]) for e in report["events"]][-3:] == [("start", "7"), ("record", "7"),
                                                                          ("finish", None)]
     assert "injected failure" in (tmp_path / "out" / "gpu.md").read_text()
+
+
+def _adapters_save_what_they_claim(facts: dict) -> None:
+    """Step 4 is benchmarks/adapters.py (fp32 here): facts that hold whatever the machine's size or speed."""
+    full, lora, qlora = (facts["arms"][a] for a in ("full", "lora", "qlora"))
+    assert full["trainable"] == facts["total_params"] and full["frozen_bytes"] == 0
+    assert lora["trainable"] == qlora["trainable"] < 0.15 * full["trainable"]
+    for arm in (full, lora, qlora):  # AdamW: two fp32 moments a trained parameter, plus a step counter a tensor
+        assert 8 * arm["trainable"] <= arm["optimizer_bytes"] < 8.01 * arm["trainable"], arm
+        assert arm["peak_mem_mb"] > 0 and arm["tokens_per_sec"] > 0, arm
+    assert lora["optimizer_bytes"] < 0.15 * full["optimizer_bytes"]
+    assert lora["frozen_bytes"] == 4 * facts["total_params"]  # the whole base, frozen in the run's fp32
+    assert qlora["frozen_bytes"] < 0.6 * lora["frozen_bytes"]  # 4-bit linear layers (fp32 embeddings and head)
