@@ -14,71 +14,47 @@ schema so that a new field without a rule fails it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from llmexp.config.derived import parse_batch_size
+from llmexp.config.rules import (  # noqa: F401 (the option names are imported from here too)
+    ANOMALY_POLICIES,
+    DATA_KINDS,
+    FSDP_STRATEGIES,
+    HYDRA_RULES,
+    INT64_MAX,
+    LOGGERS,
+    LR_SCALINGS,
+    MIRRORS,
+    OPTIMIZERS,
+    PEFT_METHODS,
+    PRECISIONS,
+    PRUNERS,
+    RULES,
+    SAMPLERS,
+    SCHEDULERS,
+    SEED_MAX,
+    SWEEP_STRATEGIES,
+    Choice,
+    Range,
+    Text,
+    TextList,
+    fmt_bound,
+)
 from llmexp.errors import UserError
 
 if TYPE_CHECKING:
     from llmexp.config.schema import Config
 
-# The names each group's options give themselves (`name:` in llmexp/conf/<group>/*.yaml).
-PRECISIONS = ("bf16", "fp16", "fp32", "auto")
-OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "lion", "lion8bit", "sgd")
-SCHEDULERS = ("cosine", "linear", "constant", "wsd")
-ANOMALY_POLICIES = ("stop", "skip", "rollback")
-DATA_KINDS = ("stdlib", "stdlib_sft", "json", "text", "hf")
-LOGGERS = ("jsonl", "wandb", "tensorboard")
-PEFT_METHODS = ("none", "lora", "qlora")
-FSDP_STRATEGIES = ("none", "full_shard", "shard_grad_op", "hybrid_shard")
-SWEEP_STRATEGIES = ("grid", "random", "tpe")
-PRUNERS = ("none", "asha", "hyperband", "median")
-LR_SCALINGS = ("none", "sqrt", "linear")
-
-INT64_MAX = 2**63 - 1
-"""The largest int torch, numpy and the checkpoint's JSON round trip all take as a signed 64-bit value."""
-SEED_MAX = 2**64 - 1
-"""torch.manual_seed and numpy's generators take seeds up to 2**64 - 1."""
-
 
 class ConfigError(UserError):
     """A user's mistake in the config: the message names the key and the fix. Exit code 2."""
-
-
-@dataclass(frozen=True)
-class Range:
-    """The values a number may take: `low`..`high` (each end closed unless `*_open`), plus `also`."""
-
-    low: float = -math.inf
-    high: float = math.inf
-    low_open: bool = False
-    high_open: bool = False
-    also: tuple[int, ...] = ()
-    """Values allowed outside the range, e.g. -1 for "all"."""
-    note: str = ""
-    """What a special value means, e.g. "(0 disables)"."""
-
-    def contains(self, value: float) -> bool:
-        if value in self.also:
-            return True
-        above = value > self.low if self.low_open else value >= self.low
-        below = value < self.high if self.high_open else value <= self.high
-        return above and below
-
-    def describe(self) -> str:
-        if self.high == math.inf:
-            text = f"must be {'>' if self.low_open else '>='} {_fmt(self.low)}"
-        else:
-            text = (f"must be in {'(' if self.low_open else '['}{_fmt(self.low)}, "
-                    f"{_fmt(self.high)}{')' if self.high_open else ']'}")
-        text += "".join(f" or {v}" for v in self.also)
-        return f"{text} {self.note}" if self.note else text
 
 
 def _at_least(low: float, note: str = "", also: tuple[int, ...] = ()) -> Range:
@@ -165,17 +141,9 @@ BETAS_RANGE = _FRACTION
 """Each of `optimizer.betas`."""
 
 
-def _fmt(bound: float) -> str:
-    return "2**64 - 1" if bound == SEED_MAX else "2**63 - 1" if bound == INT64_MAX else f"{bound:g}"
-
-
 def _check(errors: list[str], ok: bool, key: str, message: str) -> None:
     if not ok:
         errors.append(f"{key}: {message}")
-
-
-def _choice(errors: list[str], value: str, key: str, choices: tuple[str, ...]) -> None:
-    _check(errors, value in choices, key, f"{value!r} is not one of {', '.join(choices)}")
 
 
 def parse_lr(value: Any) -> float | None:
@@ -195,8 +163,10 @@ def _unwrap(tp: Any) -> Any:
     return tp
 
 
+@functools.cache
 def schema_fields(cls: Any = None, prefix: str = "") -> dict[str, tuple[Any, Any]]:
-    """Every leaf of the schema: dotted key -> (type with `| None` removed, default or None)."""
+    """Every leaf of the schema: dotted key -> (type with `| None` removed, default or None). Cached (the
+    schema is fixed; callers only read it)."""
     from llmexp.config.schema import Config
 
     cls = Config if cls is None else cls
@@ -247,17 +217,17 @@ def _default_option(group: str) -> str | None:
     return next((str(d[group]) for d in defaults if isinstance(d, DictConfig) and group in d), None)
 
 
-def _number_problem(key: str, value: Any, tp: type, default: Any) -> str | None:
-    """Why `value` is no good for the number field `key`, or None."""
+def _number_problem(key: str, value: Any, tp: type, default: Any, rng: Range | None = None) -> str | None:
+    """Why `value` is no good for the number field `key` (whose range is `rng`, default `RANGES[key]`), or None."""
     if value is None or isinstance(value, bool) or not isinstance(value, int | float):
         return None  # null where the schema allows it; a wrong type is the schema's to report
     example = f"; e.g. {key}={default}" if default is not None else ""
-    rng = RANGES[key]
+    rng = RANGES[key] if rng is None else rng
     if tp is float and not math.isfinite(value) and key not in NON_FINITE_OK:
         return f"{key}: must be a finite number, got {value}{example}"
     limit = rng.high if rng.high != math.inf else INT64_MAX
     if tp is int and not -INT64_MAX - 1 <= value <= limit:
-        bounds = rng.describe() + ("" if rng.high != math.inf else f" and at most {_fmt(limit)}")
+        bounds = rng.describe() + ("" if rng.high != math.inf else f" and at most {fmt_bound(limit)}")
         return f"{key}: {value} does not fit in 64 bits; {bounds}{example}"
     if not rng.contains(value):
         return f"{key}: {rng.describe()}, got {value}{example}"
@@ -293,6 +263,58 @@ def _number_errors(cfg: DictConfig) -> dict[str, str]:
     return bad
 
 
+def rule_for(key: str) -> Any:
+    """The rule of a leaf (`rules.Range`, `Choice`, `Text`, ...), or None: a leaf without one is a bug that
+    `tests/test_schema_property.py` reports. `hydra.launcher.X` / `hydra.sweeper.X` have `cluster.X`'s /
+    `sweep.X`'s rule unless `rules.HYDRA_RULES` gives them their own."""
+    if key in HYDRA_RULES:
+        return HYDRA_RULES[key]
+    for prefix, mirrored in MIRRORS.items():
+        if key.startswith(prefix):
+            key = mirrored + key[len(prefix):]
+    return RANGES.get(key) or RULES.get(key)
+
+
+def rule_errors(cfg: DictConfig) -> list[str]:
+    """Every `Choice`, `Text` and `TextList` leaf that breaks its rule, and the launcher's and sweeper's settings
+    (`hydra.launcher.*`, `hydra.sweeper.*`: `cluster.*`'s and `sweep.*`'s rules) when the config has them."""
+    errors = []
+    for key, rule in RULES.items():
+        if isinstance(rule, Choice | Text | TextList) and (problem := rule.problem(key, OmegaConf.select(cfg, key))):
+            errors.append(problem)
+    if isinstance(cfg.get("hydra"), DictConfig):
+        errors += _hydra_setting_errors(cfg)
+    return errors
+
+
+def _hydra_setting_errors(cfg: DictConfig) -> list[str]:
+    """`hydra.launcher.X` and `hydra.sweeper.X` given a value of their own (not the `cluster.X` / `sweep.X` they
+    are mapped from, which is checked under its own name): the same rule, named as the user wrote it."""
+    fields = schema_fields()
+    errors = []
+    for prefix, mirrored in MIRRORS.items():
+        node = OmegaConf.select(cfg, prefix.rstrip("."))
+        for name in node.keys() if isinstance(node, DictConfig) else ():
+            key, twin = f"{prefix}{name}", f"{mirrored}{name}"
+            rule = rule_for(key)
+            try:
+                value = node[name]
+            except Exception:  # an unresolvable interpolation: structure_errors names it under its own key
+                continue
+            if rule is None or (twin in fields and value == OmegaConf.select(cfg, twin)):
+                continue
+            if isinstance(rule, Range):
+                tp = fields[twin][0] if twin in fields else int
+                problem = _number_problem(key, value, tp, fields.get(twin, (None, None))[1], rule)
+            elif isinstance(rule, Choice | Text | TextList):
+                problem = rule.problem(key, value)
+            else:
+                continue
+            if problem:
+                errors.append(problem)
+    return errors
+
+
 def _kwargs_errors(data: Any, key: str) -> dict[str, str]:
     """Free-form constructor arguments are passed as they are, so a float among them must be finite too."""
     if isinstance(data, DictConfig | ListConfig):
@@ -320,8 +342,7 @@ def validate(cfg: DictConfig | Config) -> None:
         _check(errors, t.max_steps == -1 or warmup < t.max_steps, "train.warmup_steps",
                f"warmup ({warmup} steps) must be shorter than train.max_steps={t.max_steps}; "
                "lower train.warmup_steps/warmup_ratio or raise train.max_steps")
-    _choice(errors, t.on_anomaly, "train.on_anomaly", ANOMALY_POLICIES)
-    _choice(errors, t.resume_data_mismatch, "train.resume_data_mismatch", ("error", "warn"))
+    errors += rule_errors(cfg)  # option names and free text: `rules.RULES`, also under hydra.launcher/sweeper
     _check(errors, t.resume in ("auto", "never") or bool(t.resume), "train.resume",
            "must be auto, never, or a checkpoint path")
     _validate_groups(cfg, errors, bad.keys())
@@ -338,11 +359,6 @@ def _validate_groups(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet
     from llmexp.config.security import remote_code_errors
 
     m, d = cfg.model, cfg.data
-    _choice(errors, cfg.precision.name, "precision.name", PRECISIONS)
-    _choice(errors, cfg.optimizer.name, "optimizer.name", OPTIMIZERS)
-    _choice(errors, cfg.scheduler.name, "scheduler.name", SCHEDULERS)
-    _choice(errors, d.name, "data.name", DATA_KINDS)
-    _choice(errors, cfg.logger.name, "logger.name", LOGGERS)
     _check(errors, not d.finetune_only or bool(m.name_or_path), "model.name_or_path",
            f"data={d.name} fine-tunes an earlier model; set model.name_or_path=outputs/<date>/<time>/model")
     _check(errors, d.name not in ("json", "text") or bool(d.train_file), "data.train_file",
@@ -381,7 +397,6 @@ def _validate_groups(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet
 def _validate_fsdp(cfg: DictConfig, errors: list[str]) -> None:
     """`fsdp`: the option name, and the combinations that cannot work, each with the reason and the fix."""
     fs = cfg.fsdp
-    _choice(errors, fs.name, "fsdp.name", FSDP_STRATEGIES)
     if fs.name == "none":
         _check(errors, not fs.cpu_offload, "fsdp.cpu_offload",
                "offloads FSDP's shards, and fsdp=none shards nothing; use fsdp=full_shard fsdp.cpu_offload=true")
@@ -449,9 +464,6 @@ def _validate_streaming(cfg: DictConfig, errors: list[str], bad: typing.Abstract
 
 def _validate_sweep(sw: DictConfig, errors: list[str]) -> None:
     """The sweep's options: a pruner needs a search, pairing and lr scaling belong to the grid."""
-    _choice(errors, sw.name, "sweep.name", SWEEP_STRATEGIES)
-    _choice(errors, sw.pruner, "sweep.pruner", PRUNERS)
-    _choice(errors, sw.lr_scaling, "sweep.lr_scaling", LR_SCALINGS)
     search = sw.name != "grid"
     _check(errors, search or sw.pruner == "none", "sweep.pruner",
            f"a pruner stops the trials of a search; use sweep=tpe (or random) with sweep.pruner={sw.pruner}, "
@@ -464,8 +476,6 @@ def _validate_sweep(sw: DictConfig, errors: list[str]) -> None:
 def _validate_peft(cfg: DictConfig, errors: list[str]) -> None:
     """The adapter options, and the combinations that cannot work, each with the reason."""
     pe = cfg.peft
-    _choice(errors, pe.name, "peft.name", PEFT_METHODS)
-    _choice(errors, pe.bnb_4bit_quant_type, "peft.bnb_4bit_quant_type", ("nf4", "fp4"))
     target = pe.target_modules
     _check(errors, target == "all-linear" or (isinstance(target, ListConfig) and len(target) > 0
                                               and all(isinstance(t, str) and t for t in target)),

@@ -22,10 +22,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from llmexp.config.paths import HF_BUILDERS
 from llmexp.data.corpora import Corpus, Record, check_record, hold_out, records_corpus
 from llmexp.errors import UserError
 
-BUILDERS = ("parquet", "arrow", "json", "csv", "text")
+BUILDERS = HF_BUILDERS
 """`data.path` values that name one of datasets' file builders: `data.data_files` says which files."""
 
 ALPACA = ("instruction", "input", "output")
