@@ -3,6 +3,8 @@ ceiling MFU is null with a reason, and it is never above 100%."""
 
 from __future__ import annotations
 
+import json
+import math
 import subprocess
 import sys
 import time
@@ -10,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 
 from llmexp.monitor.throughput import measure_ceiling
@@ -68,3 +71,30 @@ def test_a_ceiling_measured_on_shared_cores_gives_no_mfu(tmp_path: Path) -> None
     assert not (tmp_path / "cache" / "peak_tflops.json").exists()  # nothing kept for later runs either
     rt.peak_tflops = peak
     assert rt.mfu(1e9) is None
+
+
+@pytest.mark.parametrize("content", ['[1, 2]', "not json", '{{"{key}": "fast"}}', '{{"{key}": -1.0}}',
+                                     '{{"{key}": null}}', '{{"{key}": 1e400}}', "DIR"])
+def test_a_damaged_ceiling_cache_is_measured_again(content: str, tmp_path: Path,
+                                                   capfd: pytest.CaptureFixture[str]) -> None:
+    """peak_tflops.json is a cache: an entry that is not a positive finite number (or a file that is not a JSON
+    object, or a directory) is a miss, measured again with a warning; never a crash nor a negative MFU."""
+    import torch
+
+    from llmexp.train.runtime import Runtime
+
+    cfg = compose([*TINY, "precision=fp32", f"data.cache_dir={tmp_path / 'cache'}"], tmp_path / "run")
+    rt = Runtime(cfg, tmp_path / "run")
+    cache = tmp_path / "cache" / "peak_tflops.json"
+    cache.parent.mkdir(parents=True)
+    if content == "DIR":
+        cache.mkdir()
+    else:
+        cache.write_text(content.format(key=f"v2|cpu|torch.float32|{torch.get_num_threads()}"))
+    capfd.readouterr()
+    peak, note = rt._measure_peak()
+    assert peak is None or (peak > 0 and math.isfinite(peak))
+    err = capfd.readouterr().err
+    assert "llmexp: warning:" in err and "peak_tflops.json" in err and "measured again" in err, err
+    if peak is not None:  # measured on free cores: kept, as a JSON object of ceilings
+        assert json.loads(cache.read_text())[f"v2|cpu|torch.float32|{torch.get_num_threads()}"] == peak

@@ -5,7 +5,6 @@ model and optimizer, and the facts and metric records that describe them (parame
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from contextlib import AbstractContextManager, nullcontext
@@ -28,7 +27,7 @@ from llmexp.monitor.console import quiet_console
 from llmexp.monitor.detectors import MonitorSettings, settings_from_config
 from llmexp.monitor.logger import MetricsLogger, safe_exp
 from llmexp.monitor.sinks import make_sinks
-from llmexp.monitor.throughput import flops_per_token, measure_ceiling, peak_memory_mb
+from llmexp.monitor.throughput import flops_per_token, load_ceilings, measure_ceiling, peak_memory_mb, save_ceilings
 from llmexp.train.engines.deepspeed import DeepSpeedEngine
 from llmexp.train.engines.plain import PlainEngine
 
@@ -159,19 +158,14 @@ class Runtime:
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         key = f"v2|{name}|{dtype}|{torch.get_num_threads()}"  # v2: v1 entries could come from a busy machine
         cache = Path(self.cfg.data.cache_dir) / "peak_tflops.json"
-        try:
-            known = json.loads(cache.read_text())
-        except (OSError, ValueError):
-            known = {}
+        known = load_ceilings(cache)  # verified on read: a damaged entry is measured again, with a warning
         if key not in known:
             value, cores_were_ours = measure_ceiling(self.device, dtype)
             if not cores_were_ours:  # too low to use or keep: measured again next run
                 return None, (f"the matmul ceiling ({value:.3g} TFLOPS) was measured while other processes "
                               "shared the CPU cores, so it is too low and any MFU divided by it too high")
             known[key] = value
-            from llmexp.rundir.files import write_json_atomic
-
-            write_json_atomic(cache, known)
+            save_ceilings(cache, known)
         return float(known[key]), None
 
     def logger(self, max_steps: int) -> MetricsLogger:
