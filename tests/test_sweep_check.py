@@ -67,6 +67,19 @@ def test_a_sweep_mistake_is_refused_before_the_sweep_launches(args: list[str], f
     assert not (tmp_path / "sweep").exists()
 
 
+def test_a_search_space_given_in_the_config_is_checked_too(cli_refusal, tmp_path: Path) -> None:
+    """`hydra.sweeper.params` (a space in a YAML file, as Hydra's Optuna sweeper takes it) is read by the sweep
+    alone (`rules.HYDRA_RULES`: sweep_only), and checked as the command line's space is."""
+    experiment = tmp_path / "conf" / "experiment"
+    experiment.mkdir(parents=True)
+    (experiment / "space.yaml").write_text("# @package _global_\nhydra:\n  sweeper:\n    params:\n"
+                                           "      lr: interval(1,0)\n")
+    code, err = cli_refusal(["--multirun", "--config-dir", str(tmp_path / "conf"), "sweep=tpe", "experiment=space",
+                             f"hydra.sweep.dir={tmp_path / 'sweep'}"])
+    assert code == 2 and "lr=interval(1.0, 0.0): its start must be below its end" in err, err
+    assert not (tmp_path / "sweep").exists()
+
+
 def test_an_empty_search_exits_2_in_a_real_process(tmp_path: Path) -> None:
     """It used to run a study of no trials and exit 0."""
     proc = run_cli([*SEARCH, "sweep.n_trials=0", f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path,

@@ -195,8 +195,14 @@ def tokenizer_problem(cfg: Any, key: str, value: Any) -> str | None:
     path, why = _local_dir(key, value, "a tokenizer directory written by save_pretrained, or a hub id")
     if why or path is None:
         return why
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return f"{_shown(key, value)}: holds no tokenizer ({', '.join(TOKENIZER_FILES)}); save one with save_pretrained"
     config = _read_json(path / "tokenizer_config.json") or {}
     return code_problem(key, path, config, False, None)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
+"""A directory holding none of these holds no tokenizer transformers can load."""
 
 
 def checkpoint_problem(cfg: Any, key: str, value: Any) -> str | None:
@@ -210,6 +216,10 @@ def checkpoint_problem(cfg: Any, key: str, value: Any) -> str | None:
         return f"{_shown(key, value)}: {why}; {fix}"
     if found is None or not stat.S_ISDIR(found.st_mode):
         return f"{_shown(key, value)}: no such checkpoint directory; {fix}"
+    if not (path / "manifest.json").is_file():
+        steps = sorted(p.name for p in path.glob("step_*"))
+        hint = f" (it holds {steps[-1]}: train.resume={path / steps[-1]}?)" if steps else ""
+        return f"{_shown(key, value)}: holds no manifest.json, so it is not an llmexp checkpoint{hint}; {fix}"
     return None
 
 
@@ -230,6 +240,8 @@ def hf_source_problem(cfg: Any, key: str, value: Any) -> str | None:
     if (path / f"{path.name}.py").is_file():
         return (f"{_shown(key, value)}: needs its loading script {path.name}.py (code), which llmexp does not run: "
                 f"{convert}")
+    if not any(p.is_file() for p in path.rglob("*")):
+        return f"{_shown(key, value)}: is a directory with no file in it; point it at a save_to_disk directory"
     return None
 
 

@@ -147,17 +147,33 @@ PATH_KINDS = {
 
 @dataclass(frozen=True)
 class PathRule:
-    """A file or directory (`PATH_KINDS`), checked on this machine before anything is written."""
+    """A file or directory (`PATH_KINDS`), checked on this machine before anything is written
+    (`paths.KIND_CHECKS`); what needs no machine (set but empty, longer than a path can be) is `problem`'s."""
 
     kind: str
+
+    def problem(self, key: str, value: Any) -> str | None:
+        if value is None or not isinstance(value, str):
+            return None  # unset; a list of files (data.data_files) is judged on the machine
+        if not value.strip():
+            return f"{key}: must not be empty; leave it out (null), or name a path"
+        if len(value) > PATH_MAX:
+            return f"{key}: is {len(value)} characters long; no path is longer than {PATH_MAX}"
+        return None
+
+
+PATH_MAX = 4096
+"""Linux's longest path (PATH_MAX)."""
 
 
 @dataclass(frozen=True)
 class Special:
-    """A value with a rule of its own, checked in `where`; `bad` are values it refuses (override syntax)."""
+    """A value with a rule of its own, checked in `where`; `bad` are values it refuses (override syntax);
+    `sweep_only`: read only by a sweep, so checked before one launches (`llmexp.sweep.check`)."""
 
     where: str
     bad: tuple[str, ...]
+    sweep_only: bool = False
 
 
 _LABEL = Text(nullable=False)
@@ -253,6 +269,6 @@ HYDRA_RULES: dict[str, Any] = {
     "hydra.sweeper.sampler": Choice(SAMPLERS),
     "hydra.sweeper.max_batch_size": Range(low=1, note="(or null: every job at once)"),
     "hydra.sweeper.params": Special("sweep.check: each entry a swept override, checked like the command line's",
-                                    ("{lr: 'interval(1,0)'}",)),
+                                    ("{lr: 'interval(1,0)'}",), sweep_only=True),
 }
 """The rules of the launchers' and sweepers' own settings (those `MIRRORS` does not cover)."""

@@ -42,6 +42,7 @@ from llmexp.config.rules import (  # noqa: F401 (the option names are imported f
     SEED_MAX,
     SWEEP_STRATEGIES,
     Choice,
+    PathRule,
     Range,
     Text,
     TextList,
@@ -250,7 +251,9 @@ def _number_errors(cfg: DictConfig) -> dict[str, str]:
     except ValueError:
         value = cfg.batch_size
         is_int = isinstance(value, int) and not isinstance(value, bool)
-        bad["batch_size"] = (f"batch_size: must be >= 1 (or auto), got {value}; e.g. batch_size=4" if is_int else
+        low = is_int and value < 1
+        bad["batch_size"] = (f"batch_size: must be >= 1 (or auto), got {value}; e.g. batch_size=4" if low else
+                             f"batch_size: {value} does not fit in 64 bits; e.g. batch_size=4" if is_int else
                              f"batch_size={value}: must be an integer or auto; e.g. batch_size=4, or batch_size=auto "
                              "for the largest micro-batch that fits in memory")
     betas = cfg.optimizer.betas
@@ -260,6 +263,7 @@ def _number_errors(cfg: DictConfig) -> dict[str, str]:
         bad["optimizer.betas"] = (f"optimizer.betas: must be two numbers in [0, 1), got {shown}; "
                                   "e.g. optimizer.betas=[0.9,0.999]")
     bad.update(_kwargs_errors(cfg.optimizer.kwargs, "optimizer.kwargs"))
+    bad.update(_kwargs_errors(cfg.cluster.additional_parameters, "cluster.additional_parameters"))
     return bad
 
 
@@ -276,11 +280,13 @@ def rule_for(key: str) -> Any:
 
 
 def rule_errors(cfg: DictConfig) -> list[str]:
-    """Every `Choice`, `Text` and `TextList` leaf that breaks its rule, and the launcher's and sweeper's settings
+    """Every `Choice`, `Text`, `TextList` and `PathRule` leaf that breaks its rule (a path only as far as it can be
+    judged without the machine: `check_environment` does the rest), and the launcher's and sweeper's settings
     (`hydra.launcher.*`, `hydra.sweeper.*`: `cluster.*`'s and `sweep.*`'s rules) when the config has them."""
     errors = []
     for key, rule in RULES.items():
-        if isinstance(rule, Choice | Text | TextList) and (problem := rule.problem(key, OmegaConf.select(cfg, key))):
+        pure = isinstance(rule, Choice | Text | TextList | PathRule)
+        if pure and (problem := rule.problem(key, OmegaConf.select(cfg, key))):
             errors.append(problem)
     if isinstance(cfg.get("hydra"), DictConfig):
         errors += _hydra_setting_errors(cfg)
