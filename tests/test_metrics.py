@@ -92,7 +92,7 @@ def test_a_damaged_ceiling_cache_is_measured_again(content: str, tmp_path: Path,
     else:
         cache.write_text(content.format(key=f"v2|cpu|torch.float32|{torch.get_num_threads()}"))
     capfd.readouterr()
-    peak, note = rt._measure_peak()
+    peak, _ = rt._measure_peak()
     assert peak is None or (peak > 0 and math.isfinite(peak))
     err = capfd.readouterr().err
     assert "llmexp: warning:" in err and "peak_tflops.json" in err and "measured again" in err, err

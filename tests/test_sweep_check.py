@@ -199,7 +199,8 @@ DIVERGE = [*TINY, "precision=fp32", "train.max_steps=3", "train.eval_steps=3", "
 def test_a_grid_and_a_search_agree_on_diverged_jobs(tmp_path: Path) -> None:
     """A grid with one diverged lr exits 0 (it used to exit 1); a search whose every trial diverges exits 3,
     as a grid whose every job diverges does (it used to exit 0). The report names what diverged."""
-    grid = run_cli(["--multirun", *DIVERGE, "lr=1e-3,1e4", f"hydra.sweep.dir={tmp_path / 'grid'}"], cwd=tmp_path)
+    grid = run_cli(["--multirun", *DIVERGE, "lr=1e-3,1e4", "cluster.max_parallel=2",
+                    f"hydra.sweep.dir={tmp_path / 'grid'}"], cwd=tmp_path)
     assert grid.returncode == 0, grid.stderr[-3000:]
     jobs = json.loads((tmp_path / "grid" / "sweep_summary.json").read_text())["jobs"]
     assert [j["status"] for j in jobs] == ["completed", "diverged"]
