@@ -67,6 +67,18 @@ def test_a_sweep_mistake_is_refused_before_the_sweep_launches(args: list[str], f
     assert not (tmp_path / "sweep").exists()
 
 
+def test_a_sweep_whose_every_job_can_run_is_not_refused(cli_refusal, tmp_path: Path) -> None:
+    """Only the configs a sweep runs are judged: here no config but the jobs' names a training file."""
+    from tests.conftest import Launched
+
+    files = [tmp_path / f"{name}.jsonl" for name in ("a", "b")]
+    for f in files:
+        f.write_text('{"text": "hello"}\n' * 10)
+    with pytest.raises(Launched):
+        cli_refusal(["--multirun", "data=json", f"data.train_file={files[0]},{files[1]}",
+                     f"hydra.sweep.dir={tmp_path / 'sweep'}"])
+
+
 def test_a_search_space_given_in_the_config_is_checked_too(cli_refusal, tmp_path: Path) -> None:
     """`hydra.sweeper.params` (a space in a YAML file, as Hydra's Optuna sweeper takes it) is read by the sweep
     alone (`rules.HYDRA_RULES`: sweep_only), and checked as the command line's space is."""

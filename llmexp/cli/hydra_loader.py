@@ -94,7 +94,6 @@ class ConfigCheck:
         arguments += OmegaConf.to_container(master_config.hydra.overrides.task, resolve=False)  # type: ignore[arg-type]
         parsed = OverridesParser.create(config_loader=self.loader).parse_overrides(arguments)
         local = not str(master_config.hydra.launcher.get("_target_", "")).endswith(".SlurmLauncher")
-        check_configs([("the sweep's own settings", master_config)], on_this_machine=local)  # sweep.*, cluster.*
         if str(sweeper._target_).endswith(".SearchSweeper"):
             name = master_config.hydra.job.config_name
             _, repo = self.loader._parse_overrides_and_create_caching_repo(name, arguments)  # Hydra 1.3

@@ -18,6 +18,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from llmexp.config.rules import Choice
 from llmexp.errors import UserError
 
 if TYPE_CHECKING:
@@ -100,6 +101,8 @@ def grid_jobs(overrides: Sequence[Override], zip_keys: Sequence[str]) -> list[li
 def scale_lr(jobs: list[list[str]], scaling: str, base_batch_size: int | None, config_lr: Any) -> list[list[str]]:
     """Each job's lr multiplied by (batch_size / base) ** power (`LR_SCALING_POWER`); the lr given (on the
     command line or in the config) is the lr for `base_batch_size`, by default the smallest batch swept."""
+    if scaling not in LR_SCALING_POWER:  # before any job is composed: the rule's own message
+        raise UserError(Choice(tuple(LR_SCALING_POWER)).problem("sweep.lr_scaling", scaling) or "")
     power = LR_SCALING_POWER[scaling]
     if not power:
         return jobs
