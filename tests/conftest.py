@@ -111,3 +111,40 @@ def small_fs(tmp_path: Path):
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+class Launched(BaseException):
+    """A command that `cli_refusal` expected to be refused would have started a run or a sweep (a
+    BaseException: Hydra's `run_and_report` turns an Exception into exit 1, which the CLI reports as 2)."""
+
+
+@pytest.fixture
+def cli_refusal(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    """`python -m llmexp ARGS` in this process, for commands that must be refused before anything starts:
+    returns (exit code, stderr). The CLI is the real one (argv check, Hydra's parser and loader, every
+    check); only Hydra's run and multirun are replaced, so a command that slips through raises `Launched`
+    instead of training. ~0.5 s a call, against ~4 s for a subprocess: the many refusal cases run here, a
+    few representative ones through `run_cli`."""
+    import sys
+
+    from hydra._internal.hydra import Hydra
+
+    def launched(*args: Any, **kwargs: Any) -> None:
+        raise Launched(f"llmexp {' '.join(sys.argv[1:])} was not refused")
+
+    monkeypatch.setattr(Hydra, "run", launched)
+    monkeypatch.setattr(Hydra, "multirun", launched)
+
+    def run(args: list[str]) -> tuple[int, str]:
+        from llmexp.cli.main import cli
+
+        monkeypatch.setattr(sys, "argv", ["llmexp", *args])
+        capsys.readouterr()
+        try:
+            cli()
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else 1
+        return code, capsys.readouterr().err
+
+    return run

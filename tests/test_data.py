@@ -209,7 +209,67 @@ def test_stale_temp_dir_of_a_killed_builder_is_removed(tmp_path: Path) -> None:
     stale.mkdir(parents=True)
     (stale / "half.npy").write_bytes(b"\x93NUMPY")
     _, meta, hit = get_or_build(tmp_path, "things", "k2", lambda tmp: {"n": 1})
-    assert not hit and meta == {"n": 1} and entries(tmp_path, "things") == ["k2"]
+    assert not hit and meta["n"] == 1 and entries(tmp_path, "things") == ["k2"]
+
+
+# ---------------------------------------------------------------- a damaged cache entry is a miss, rebuilt
+
+
+def _damage_by(how: str, path: Path) -> None:
+    data_ = path.read_bytes()
+    if how == "truncate":
+        path.write_bytes(data_[: len(data_) // 2])
+    elif how == "flip":  # same size: only the recorded sha256 can tell
+        path.write_bytes(data_[:-1] + bytes([data_[-1] ^ 0x01]))
+    elif how == "garbage":
+        path.write_bytes(b"\x00\xff not what was written \xfe" * 3)
+    else:
+        path.unlink()
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip", "garbage", "delete"])
+def test_damaged_token_arrays_are_rebuilt_with_a_warning(how: str, tmp_path: Path, tok: Any,
+                                                         capfd: pytest.CaptureFixture[str]) -> None:
+    train = write_jsonl(tmp_path / "train.jsonl", [{"text": f"row {i} " * 30} for i in range(20)])
+    cfg = json_cfg(tmp_path / "cache", train)
+    first, _, stats = data.build_datasets(cfg, tok)
+    ids = np.array(first.ids)
+    (key,) = entries(tmp_path / "cache")
+    _damage_by(how, tmp_path / "cache" / "tokens" / key / "train_ids.npy")
+    capfd.readouterr()
+    again, _, stats = data.build_datasets(cfg, tok)
+    assert not stats["data_cache_hit"] and np.array_equal(np.array(again.ids), ids)
+    err = capfd.readouterr().err
+    assert "llmexp: warning: the cache entry" in err and "train_ids.npy" in err and "rebuilding it" in err, err
+    assert entries(tmp_path / "cache") == [key]  # the same key, rebuilt in place: nothing left behind
+    _, _, stats = data.build_datasets(cfg, tok)
+    assert stats["data_cache_hit"]
+
+
+@pytest.mark.parametrize(("name", "how"), [("tokenizer.json", "truncate"), ("tokenizer.json", "garbage"),
+                                           ("meta.json", "garbage"), ("tokenizer_config.json", "delete")])
+def test_a_damaged_tokenizer_cache_is_rebuilt_with_a_warning(name: str, how: str, tmp_path: Path,
+                                                             capfd: pytest.CaptureFixture[str]) -> None:
+    train = write_jsonl(tmp_path / "train.jsonl", [{"text": f"word{i % 7} and more {i}"} for i in range(40)])
+    cfg = json_cfg(tmp_path / "cache", train)
+    vocab = load_tokenizer(cfg).get_vocab()
+    (key,) = entries(tmp_path / "cache", "tokenizers")
+    _damage_by(how, tmp_path / "cache" / "tokenizers" / key / name)
+    capfd.readouterr()
+    assert load_tokenizer(cfg).get_vocab() == vocab
+    err = capfd.readouterr().err
+    assert "llmexp: warning: the cache entry" in err and "rebuilding it" in err, err
+    assert entries(tmp_path / "cache", "tokenizers") == [key]
+
+
+def test_a_cache_entry_records_its_files(tmp_path: Path) -> None:
+    def build(tmp: Path) -> dict[str, Any]:
+        (tmp / "a.txt").write_text("hello")
+        return {"n": 1}
+
+    entry, meta, hit = get_or_build(tmp_path, "things", "k", build)
+    assert not hit and meta["n"] == 1
+    assert json.loads((entry / "meta.json").read_text())["files"]["a.txt"][0] == 5  # size, then sha256
 
 
 # ---------------------------------------------------------------- SFT records: masking and packing

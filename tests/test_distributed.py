@@ -8,6 +8,7 @@ with checkpoints a 2-process run resumes from exactly.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -212,3 +213,48 @@ def test_two_processes_with_lora_match_one(tmp_path: Path) -> None:
     for step in one:
         assert two[step] == pytest.approx(one[step], rel=1e-5), step
     assert (multi / "model" / "adapter_model.safetensors").is_file()
+
+
+def _training(run_dir: Path) -> bool:
+    metrics = run_dir / "metrics.jsonl"
+    return metrics.exists() and '"event": "train"' in metrics.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["accelerate launch", "torchrun"])
+def test_workers_end_when_their_launcher_is_killed(victim: str, tmp_path: Path) -> None:
+    """kill -9 of the launcher a user started (`accelerate launch --cpu`, which llmexp turns into torchrun), or
+    of torchrun itself: the workers, each in a session of its own, stop within seconds instead of training on as
+    orphans holding the run directory's lock."""
+    import signal
+    import time
+
+    import psutil
+
+    run_dir = tmp_path / "run"
+    args = [*RUN, "train.max_steps=100000", "train.save_steps=0", "train.eval_steps=100000", "batch_size=4",
+            f"hydra.run.dir={run_dir}"]
+    with open(tmp_path / "launch.log", "w") as log:
+        launcher = subprocess.Popen([sys.executable, "-m", *CPU_ACCELERATE, "-m", "llmexp", *args], cwd=tmp_path,
+                                    env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    tree: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not _training(run_dir):
+            assert launcher.poll() is None, (tmp_path / "launch.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the run did not start training"
+            time.sleep(0.5)
+        tree = psutil.Process(launcher.pid).children(recursive=True)  # torchrun (the relaunch) and its 2 workers
+        assert len(tree) == 3, tree
+        torchrun = psutil.Process(launcher.pid).children()[0]
+        os.kill(launcher.pid if victim == "accelerate launch" else torchrun.pid, signal.SIGKILL)
+        launcher.wait()
+        _, alive = psutil.wait_procs(tree, timeout=150)
+        assert not alive, f"still running after their launcher died: {alive}"
+    finally:
+        for proc in [*tree, psutil.Process(launcher.pid) if launcher.poll() is None else None]:
+            if proc is not None and proc.is_running():
+                proc.kill()  # only the processes this test started
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "preempted", summary  # stopped as on SIGTERM: a checkpoint, then the summary
+    assert any((run_dir / "checkpoints").glob("step_*"))

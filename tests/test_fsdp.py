@@ -156,6 +156,52 @@ def test_metadata_unpickler_reads_dcp_and_refuses_code(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
+def _saved_dcp(directory: Path) -> dict:
+    """A one-process DCP checkpoint of a small model in `directory`; returns its state dict."""
+    import torch
+    import torch.distributed.checkpoint as dcp_lib
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.warns(UserWarning, match="single process"):
+        dcp_lib.save({"model": model.state_dict()}, checkpoint_id=directory)
+    return {"model": model.state_dict()}
+
+
+def _point_storage_at(directory: Path, target: str) -> None:
+    """Rewrite `.metadata` so that every tensor's bytes are read from `target` (as a crafted checkpoint would)."""
+    import dataclasses
+
+    from llmexp.checkpoint.dcp import MetadataUnpickler
+
+    with open(directory / ".metadata", "rb") as f:
+        metadata = MetadataUnpickler(f).load()
+    metadata.storage_data = {index: dataclasses.replace(info, relative_path=target)
+                             for index, info in metadata.storage_data.items()}
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+@pytest.mark.parametrize("where", ["absolute", "dotdot", "symlink"])
+def test_dcp_storage_paths_stay_inside_the_checkpoint(where: str, tmp_path: Path) -> None:
+    """A `.metadata` whose storage paths lead out of the checkpoint (an absolute path, `..`, a link) is refused
+    before any tensor byte is read: the outside file holds valid shards, which the stock reader would load."""
+    import torch
+
+    from llmexp.checkpoint import dcp
+
+    ckpt, outside = tmp_path / "ckpt", tmp_path / "outside"
+    expected = _saved_dcp(ckpt)
+    _saved_dcp(outside)  # other weights, in a directory the checkpoint must not reach
+    (shard,) = [p.name for p in outside.glob("*.distcp")]
+    target = {"absolute": str(outside / shard), "dotdot": f"../outside/{shard}", "symlink": "link.distcp"}[where]
+    if where == "symlink":
+        (ckpt / "link.distcp").symlink_to(outside / shard)
+    _point_storage_at(ckpt, target)
+    state = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()}}
+    with pytest.raises(CorruptCheckpoint, match="outside the checkpoint directory"):
+        dcp.load(state, ckpt)
+    assert all(not t.any() for t in state["model"].values())  # nothing was read into the model
+
+
 def _cfg(*overrides: str):
     from llmexp.cli.estimate import compose
 

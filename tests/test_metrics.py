@@ -3,6 +3,8 @@ ceiling MFU is null with a reason, and it is never above 100%."""
 
 from __future__ import annotations
 
+import json
+import math
 import subprocess
 import sys
 import time
@@ -10,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 
 from llmexp.monitor.throughput import measure_ceiling
@@ -89,7 +92,6 @@ def test_a_ceiling_cached_from_busy_cores_is_measured_again_and_raised(tmp_path:
     """The first-run false alarm: a cached ceiling far too low (as busy cores measure it) made every MFU
     implausible and nothing measured it again. Now the run measures it again and keeps the higher one; only if
     its cores are busy now too does MFU go unreported (an info finding), never an implausible MFU."""
-    import json
 
     from llmexp.train.runtime import Runtime
     from llmexp.train.train import train
@@ -108,3 +110,28 @@ def test_a_ceiling_cached_from_busy_cores_is_measured_again_and_raised(tmp_path:
         assert "mfu_unavailable" not in kinds and result.summary["mfu"] is not None
     else:  # busy cores now too: no MFU, and the reason
         assert "mfu_unavailable" in kinds and result.summary["mfu"] is None
+
+
+@pytest.mark.parametrize("content", ['[1, 2]', "not json", '{{"{key}": "fast"}}', '{{"{key}": -1.0}}',
+                                     '{{"{key}": null}}', '{{"{key}": 1e400}}', "DIR"])
+def test_a_damaged_ceiling_cache_is_measured_again(content: str, tmp_path: Path,
+                                                   capfd: pytest.CaptureFixture[str]) -> None:
+    """peak_tflops.json is a cache: an entry that is not a positive finite number (or a file that is not a JSON
+    object, or a directory) is a miss, measured again with a warning; never a crash nor a negative MFU."""
+    from llmexp.train.runtime import Runtime
+
+    cfg = compose([*TINY, "precision=fp32", f"data.cache_dir={tmp_path / 'cache'}"], tmp_path / "run")
+    rt = Runtime(cfg, tmp_path / "run")
+    cache = tmp_path / "cache" / "peak_tflops.json"
+    cache.parent.mkdir(parents=True)
+    if content == "DIR":
+        cache.mkdir()
+    else:
+        cache.write_text(content.format(key=rt.ceiling_key()))
+    capfd.readouterr()
+    peak, _ = rt.measure_peak()
+    assert peak is None or (peak > 0 and math.isfinite(peak))
+    err = capfd.readouterr().err
+    assert "llmexp: warning:" in err and "peak_tflops.json" in err and "measured again" in err, err
+    if peak is not None:  # measured on free cores: kept, as a JSON object of ceilings
+        assert json.loads(cache.read_text())[rt.ceiling_key()] == peak

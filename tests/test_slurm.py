@@ -118,9 +118,10 @@ def test_two_task_jobs_train_as_one_distributed_job(tmp_path: Path) -> None:
 
 
 def test_a_raising_and_a_cancelled_job_are_recorded_and_the_others_complete(tmp_path: Path) -> None:
-    # job 0 trains, job 1 fails on its own config (a negative eps: a user error inside the job), job 2 is
-    # scancel'd while training.
-    proc, sweep, log = start_sweep(tmp_path, "faults", ["optimizer.eps=1e-8,-1.0,1e-7",
+    # job 0 trains, job 1 fails on its own config (a negative eps that only torch refuses, when the optimizer
+    # is built: a user error inside the job; `optimizer.eps=-1.0` would be refused before the sweep launches),
+    # job 2 is scancel'd while training.
+    proc, sweep, log = start_sweep(tmp_path, "faults", ["+optimizer.kwargs.eps=1e-8,-1.0,1e-7",
                                                         "train.max_steps=300", *QUICK])
     wait_for(lambda: (sweep / "slurm_jobs.json").exists() or proc.poll() is not None, "submission", 120)
     victim = json.loads((sweep / "slurm_jobs.json").read_text())["jobs"]["2"]
@@ -139,7 +140,7 @@ def test_a_raising_and_a_cancelled_job_are_recorded_and_the_others_complete(tmp_
              "sacct's final states in the status", 120)
     jobs = json.loads((sweep / "sweep_summary.json").read_text())["jobs"]
     assert [j["status"] for j in jobs[:2]] == ["completed", "failed"]
-    assert "optimizer.eps" in jobs[1]["error"]  # the job's own message, from job_status.json
+    assert "optimizer.kwargs" in jobs[1]["error"]  # the job's own message, from job_status.json
     cancelled = json.loads((sweep / "2" / "job_status.json").read_text())
     assert cancelled["status"] == "cancelled" and cancelled["job_id"] == victim
     # The trainer checkpointed on SIGTERM, so its summary.json says `preempted`; the sweep entry

@@ -62,6 +62,26 @@ class GridSweeper(BasicSweeper):
         super().__init__(max_batch_size=max_batch_size, params=params)
         self.zip_keys, self.lr_scaling, self.base_batch_size = list(zip), lr_scaling, base_batch_size
 
+    def sweep(self, arguments: list[str]) -> Any:
+        """Hydra's grid, then the sweep's exit code from how every job ended (`jobs.sweep_exit_code`): a
+        launcher exits 1 for a batch with a job that did not end by itself; 3 needs every batch's jobs."""
+        from pathlib import Path
+
+        from llmexp.sweep.jobs import TrialResult, exit_for_results, is_llmexp_config, job_dir_of, read_result
+
+        returns = super().sweep(arguments)
+        if self.config is None or not is_llmexp_config(self.config):  # another app gets Hydra's returns only
+            return returns
+        results = []
+        for num, ret in enumerate(r for batch in returns for r in batch):  # numbered from 0, batch after batch
+            job_dir = job_dir_of(self.config, num)
+            result = read_result(job_dir)
+            if ret.return_value == 0 and not (job_dir / "summary.json").exists():  # ended well, writes no summary
+                result = TrialResult("completed")
+            results.append(result)
+        exit_for_results(results, "job", Path(str(self.config.hydra.sweep.dir)))
+        return returns
+
     def split_arguments(self, overrides: list[Override], max_batch_size: int | None) -> list[list[list[str]]]:
         """BasicSweeper.sweep calls this through `self`: the jobs, in batches of `max_batch_size`."""
         from llmexp.sweep.jobs import exit_2_on_user_error

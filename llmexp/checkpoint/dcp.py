@@ -67,9 +67,34 @@ def read_metadata(directory: Path, rank: int | None = None) -> Any:
         raise CorruptCheckpoint(f"{file}: cannot be loaded safely ({type(err).__name__}: {first_line})") from None
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpoint(f"{file}: holds a {type(metadata).__name__}, not DCP metadata")
+    if problem := storage_problem(Path(directory), metadata):
+        raise CorruptCheckpoint(f"{file}: {problem}")
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
     return metadata
+
+
+def storage_problem(directory: Path, metadata: Any) -> str | None:
+    """Why the storage entries of `metadata` are not confined to `directory`, or None.
+
+    DCP's reader opens `directory / relative_path` for each entry, and a path that is absolute, climbs with
+    `..`, or passes through a symbolic link leads anywhere: a crafted `.metadata` could load another file's
+    bytes into the model. So each path must be a plain relative name whose real path (links followed) lies
+    inside the checkpoint directory, with a non-negative offset and length; checked before any byte is read."""
+    import os
+
+    root = os.path.realpath(directory)
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        rel = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", 0), getattr(info, "length", 0)
+        if not isinstance(rel, str) or not rel or "\x00" in rel:
+            return f"a storage entry names no file ({rel!r})"
+        real = os.path.realpath(os.path.join(root, rel))
+        if os.path.isabs(rel) or ".." in Path(rel).parts or os.path.dirname(real) != root:
+            return f"storage path {rel!r} lies outside the checkpoint directory {root}; refused, nothing was read"
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (offset, length)):
+            return f"storage entry {rel!r} has offset {offset!r} and length {length!r}, not byte counts"
+    return None
 
 
 def safe_reader(directory: Path) -> Any:
@@ -117,7 +142,10 @@ def save(state: dict[str, Any], directory: Path) -> None:
 
 
 def load(state: dict[str, Any], directory: Path) -> None:
-    """`dcp.load` into `state` in place (collective), through `safe_reader` and `safe_planner`."""
+    """`dcp.load` into `state` in place (collective), through `safe_reader` and `safe_planner`. The metadata is
+    read (and its storage paths checked) first: inside `dcp.load` a refusal would come back wrapped in DCP's
+    CheckpointException, a traceback instead of the CorruptCheckpoint that names the file."""
     import torch.distributed.checkpoint as dcp
 
+    read_metadata(directory)
     dcp.load(state, storage_reader=safe_reader(directory), planner=safe_planner())

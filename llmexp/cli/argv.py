@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import io
+import itertools
 from typing import Any
 
 from llmexp.config import security
@@ -31,10 +32,14 @@ def _parse_overrides(args: list[str]) -> tuple[Any, list[Any]]:
     return namespace, parsed
 
 
+_MAX_VALUES = 10_001
+"""Sweep values looked at here: a typo'd `range(0,100000000)` is the sweep check's to refuse, not to list."""
+
+
 def _values(override: Any) -> list[Any]:
     if override.is_sweep_override():
         with contextlib.suppress(Exception):
-            return list(override.sweep_string_iterator())
+            return list(itertools.islice(override.sweep_string_iterator(), _MAX_VALUES))
         return []
     return [override.value()]
 

@@ -76,27 +76,39 @@ class ConfigCheck:
         return cfg
 
     def check_sweep_jobs(self, master_config: Any) -> None:
-        """Compose and check every job of a sweep before the sweeper creates the sweep directory; each config is
-        handed to the sweeper's own validation (`validate_batch_is_legal`) instead of composing again. A search's
-        trials are not known yet: one job with each swept key at its first value stands for them."""
+        """Compose and check every config of a sweep before the sweeper creates the sweep directory
+        (`llmexp.sweep.check`): each grid job, handed to the sweeper's own validation (`validate_batch_is_legal`)
+        instead of composing again; a search's space and one config per value at its edges."""
+        from pathlib import Path
+
         from hydra.core.override_parser.overrides_parser import OverridesParser
         from omegaconf import OmegaConf
 
-        from llmexp.sweep.space import grid_jobs, probe_job, scale_lr
+        from llmexp.sweep.check import check_configs, check_search_dir, edge_configs
+        from llmexp.sweep.jobs import swept_values
+        from llmexp.sweep.space import grid_jobs, scale_lr
 
         sweeper = master_config.hydra.sweeper
         params = sweeper.get("params")
         arguments = [f"{k}={v}" for k, v in (OmegaConf.to_container(params) if params else {}).items()]  # type: ignore[union-attr]
         arguments += OmegaConf.to_container(master_config.hydra.overrides.task, resolve=False)  # type: ignore[arg-type]
         parsed = OverridesParser.create(config_loader=self.loader).parse_overrides(arguments)
+        local = not str(master_config.hydra.launcher.get("_target_", "")).endswith(".SlurmLauncher")
         if str(sweeper._target_).endswith(".SearchSweeper"):
-            jobs = [probe_job(parsed)]
-        else:  # Hydra's BasicSweeper or llmexp's GridSweeper (zip, lr scaling), the two SWEEPER_TARGETS allow
-            jobs = grid_jobs(parsed, list(sweeper.get("zip") or []))
-            jobs = scale_lr(jobs, str(sweeper.get("lr_scaling") or "none"), sweeper.get("base_batch_size"),
-                            master_config.get("lr"))
-        for job in jobs:
-            cfg = self.load_sweep_config(master_config, list(job))
+            name = master_config.hydra.job.config_name
+            _, repo = self.loader._parse_overrides_and_create_caching_repo(name, arguments)  # Hydra 1.3
+            configs = edge_configs(parsed, lambda job: self.load_sweep_config(master_config, job), repo.group_exists)
+            check_configs(configs, on_this_machine=local)
+            check_search_dir(Path(str(master_config.hydra.sweep.dir)))
+            return
+        # Hydra's BasicSweeper or llmexp's GridSweeper (zip, lr scaling), the two SWEEPER_TARGETS allow
+        jobs = grid_jobs(parsed, list(sweeper.get("zip") or []))
+        jobs = scale_lr(jobs, str(sweeper.get("lr_scaling") or "none"), sweeper.get("base_batch_size"),
+                        master_config.get("lr"))
+        composed = [(job, self.load_sweep_config(master_config, list(job))) for job in jobs]
+        check_configs([(f"job #{i} ({swept_values(job, jobs)})", cfg) for i, (job, cfg) in enumerate(composed)],
+                      on_this_machine=local)
+        for job, cfg in composed:
             self._ready[(id(master_config), tuple(job))] = cfg
 
     def load_sweep_config(self, master_config: Any, sweep_overrides: list[str]) -> Any:

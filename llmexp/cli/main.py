@@ -51,9 +51,9 @@ def _compose_and_check(loader: Any, config_name: str, overrides: list[str], run_
     """Compose once, as Hydra is about to, check, and hand the config over to Hydra.
 
     `full`, a single run: also validate the config (`validation.validate`, `check_environment`) and lock
-    its directory. `full`, a sweep: also compose and check every job's config (the sweeper's own validation
-    then reuses them); jobs are validated in their own processes (a failed job makes the sweep exit 1).
-    All before Hydra creates anything.
+    its directory. `full`, a sweep: also compose and validate every config it can run (`llmexp.sweep.check`;
+    the sweeper's own validation then reuses a grid's) and lock the sweep directory. All before Hydra
+    creates anything.
     """
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -70,7 +70,10 @@ def _compose_and_check(loader: Any, config_name: str, overrides: list[str], run_
         check_environment(cfg)
         lock_run_dir(str(cfg.hydra.run.dir))
     elif full:
+        from llmexp.rundir.lock import lock_sweep_dir
+
         _reported(lambda: loader.check_sweep_jobs(cfg))
+        lock_sweep_dir(str(cfg.hydra.sweep.dir))  # one sweeper per sweep directory, as one run per run directory
     loader.hand_over(cfg, config_name, overrides, run_mode)
     return cfg
 

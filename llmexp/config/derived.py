@@ -41,10 +41,11 @@ def world_size_from_env() -> int:
 
 
 def parse_batch_size(value: Any) -> int | None:
-    """`batch_size` as an int >= 1, None for `auto`; raises ValueError for anything else."""
+    """`batch_size` as an int in [1, 2**63 - 1] (what a tensor's size can hold), None for `auto`; raises
+    ValueError for anything else."""
     if isinstance(value, str) and value.strip().lower() == "auto":
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**63 - 1:
         raise ValueError(value)
     return value
 

@@ -7,20 +7,28 @@ stays a pure function of the config, so a config validates on any machine.
 
 from __future__ import annotations
 
-import glob
 import os
 from pathlib import Path
 from typing import Any
 
 from llmexp.config.derived import global_batch_problem, parse_batch_size, world_size_from_env
+from llmexp.config.paths import directory_errors, path_errors
 from llmexp.errors import UserError
 
 
 def check_environment(cfg: Any) -> None:
-    """After `validate`, before anything loads: what depends on this machine and launch (bf16 support,
-    the world size, files that must exist). Raises one UserError listing every problem."""
-    errors = [*_batch_errors(cfg), *_file_errors(cfg), *_tracking_errors(cfg)]
+    """After `validate`, before anything loads: what depends on this machine and launch (the world size, every
+    file and directory the config names: `paths.path_errors`, the tracker's store). Raises one UserError listing
+    every problem."""
+    errors = [*_batch_errors(cfg), *path_errors(cfg), *_tracking_errors(cfg)]
     if errors:
+        raise UserError("cannot run this config here:\n  " + "\n  ".join(errors))
+
+
+def check_directories(cfg: Any) -> None:
+    """The directories this process writes (cache, run or sweep directory), for a sweep whose jobs run elsewhere
+    (SLURM): their own files are checked by `check_environment` on the node."""
+    if errors := directory_errors(cfg):
         raise UserError("cannot run this config here:\n  " + "\n  ".join(errors))
 
 
@@ -46,33 +54,6 @@ def _batch_errors(cfg: Any) -> list[str]:
         return []  # validation names the bad value
     problem = global_batch_problem(global_batch, micro or 1, world, auto=micro is None)
     return [problem] if problem else []
-
-
-def _file_errors(cfg: Any) -> list[str]:
-    d, errors = cfg.data, []
-    for key in ("train_file", "eval_file"):
-        spec = d.get(key) if hasattr(d, "get") else getattr(d, key)
-        if d.name in ("json", "text") and spec and not _matches(str(spec), allow_dir_or_glob=d.name == "text"):
-            what = "file" if d.name == "json" else "file, directory or glob match"
-            errors.append(f"data.{key}={spec}: no such {what} (looked at {Path(str(spec)).expanduser().resolve()}); "
-                          f"fix the path or set data.{key}=path/to/{'train' if key == 'train_file' else 'eval'}.jsonl")
-    for key, value in (("model.name_or_path", cfg.model.name_or_path), ("data.tokenizer", d.tokenizer)):
-        if value and str(value).startswith((".", "/", "~")) and not Path(str(value)).expanduser().is_dir():
-            errors.append(f"{key}={value}: no such directory; point it at a save_pretrained directory or a hub id")
-    resume = str(cfg.train.resume)
-    if resume not in ("auto", "never") and resume and not Path(resume).expanduser().is_dir():
-        errors.append(f"train.resume={resume}: no such checkpoint directory; use train.resume=auto, never, "
-                      "or a checkpoints/step_<N> directory")
-    return errors
-
-
-def _matches(spec: str, allow_dir_or_glob: bool) -> bool:
-    path = Path(spec).expanduser()
-    if path.is_file():
-        return True
-    if not allow_dir_or_glob:
-        return False
-    return path.is_dir() or any(Path(p).is_file() for p in glob.iglob(os.path.expanduser(spec), recursive=True))
 
 
 def _tracking_errors(cfg: Any) -> list[str]:

@@ -16,68 +16,44 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from llmexp.config.derived import parse_batch_size
+from llmexp.config.rules import (  # noqa: F401 (the option names are imported from here too)
+    ANOMALY_POLICIES,
+    DATA_KINDS,
+    FSDP_STRATEGIES,
+    HYDRA_RULES,
+    INT64_MAX,
+    LOGGERS,
+    LR_SCALINGS,
+    MIRRORS,
+    OPTIMIZERS,
+    PEFT_METHODS,
+    PRECISIONS,
+    PRUNERS,
+    RULES,
+    SAMPLERS,
+    SCHEDULERS,
+    SEED_MAX,
+    SWEEP_STRATEGIES,
+    Choice,
+    PathRule,
+    Range,
+    Text,
+    TextList,
+    fmt_bound,
+)
 from llmexp.errors import UserError
 
 if TYPE_CHECKING:
     from llmexp.config.schema import Config
 
-# The names each group's options give themselves (`name:` in llmexp/conf/<group>/*.yaml).
-PRECISIONS = ("bf16", "fp16", "fp32", "auto")
-OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "lion", "lion8bit", "sgd")
-SCHEDULERS = ("cosine", "linear", "constant", "wsd")
-ANOMALY_POLICIES = ("stop", "skip", "rollback")
-DATA_KINDS = ("stdlib", "stdlib_sft", "json", "text", "hf")
-LOGGERS = ("jsonl", "wandb", "tensorboard", "mlflow")
-PEFT_METHODS = ("none", "lora", "qlora")
-FSDP_STRATEGIES = ("none", "full_shard", "shard_grad_op", "hybrid_shard")
-SWEEP_STRATEGIES = ("grid", "random", "tpe")
-PRUNERS = ("none", "asha", "hyperband", "median")
-LR_SCALINGS = ("none", "sqrt", "linear")
-
-INT64_MAX = 2**63 - 1
-"""The largest int torch, numpy and the checkpoint's JSON round trip all take as a signed 64-bit value."""
-SEED_MAX = 2**64 - 1
-"""torch.manual_seed and numpy's generators take seeds up to 2**64 - 1."""
-
 
 class ConfigError(UserError):
     """A user's mistake in the config: the message names the key and the fix. Exit code 2."""
-
-
-@dataclass(frozen=True)
-class Range:
-    """The values a number may take: `low`..`high` (each end closed unless `*_open`), plus `also`."""
-
-    low: float = -math.inf
-    high: float = math.inf
-    low_open: bool = False
-    high_open: bool = False
-    also: tuple[int, ...] = ()
-    """Values allowed outside the range, e.g. -1 for "all"."""
-    note: str = ""
-    """What a special value means, e.g. "(0 disables)"."""
-
-    def contains(self, value: float) -> bool:
-        if value in self.also:
-            return True
-        above = value > self.low if self.low_open else value >= self.low
-        below = value < self.high if self.high_open else value <= self.high
-        return above and below
-
-    def describe(self) -> str:
-        if self.high == math.inf:
-            text = f"must be {'>' if self.low_open else '>='} {_fmt(self.low)}"
-        else:
-            text = (f"must be in {'(' if self.low_open else '['}{_fmt(self.low)}, "
-                    f"{_fmt(self.high)}{')' if self.high_open else ']'}")
-        text += "".join(f" or {v}" for v in self.also)
-        return f"{text} {self.note}" if self.note else text
 
 
 def _at_least(low: float, note: str = "", also: tuple[int, ...] = ()) -> Range:
@@ -164,17 +140,9 @@ BETAS_RANGE = _FRACTION
 """Each of `optimizer.betas`."""
 
 
-def _fmt(bound: float) -> str:
-    return "2**64 - 1" if bound == SEED_MAX else "2**63 - 1" if bound == INT64_MAX else f"{bound:g}"
-
-
 def _check(errors: list[str], ok: bool, key: str, message: str) -> None:
     if not ok:
         errors.append(f"{key}: {message}")
-
-
-def _choice(errors: list[str], value: str, key: str, choices: tuple[str, ...]) -> None:
-    _check(errors, value in choices, key, f"{value!r} is not one of {', '.join(choices)}")
 
 
 def parse_lr(value: Any) -> float | None:
@@ -223,17 +191,17 @@ def _default_option(group: str) -> str | None:
     return next((str(d[group]) for d in defaults if isinstance(d, DictConfig) and group in d), None)
 
 
-def _number_problem(key: str, value: Any, tp: type, default: Any) -> str | None:
-    """Why `value` is no good for the number field `key`, or None."""
+def _number_problem(key: str, value: Any, tp: type, default: Any, rng: Range | None = None) -> str | None:
+    """Why `value` is no good for the number field `key` (whose range is `rng`, default `RANGES[key]`), or None."""
     if value is None or isinstance(value, bool) or not isinstance(value, int | float):
         return None  # null where the schema allows it; a wrong type is the schema's to report
     example = f"; e.g. {key}={default}" if default is not None else ""
-    rng = RANGES[key]
+    rng = RANGES[key] if rng is None else rng
     if tp is float and not math.isfinite(value) and key not in NON_FINITE_OK:
         return f"{key}: must be a finite number, got {value}{example}"
     limit = rng.high if rng.high != math.inf else INT64_MAX
     if tp is int and not -INT64_MAX - 1 <= value <= limit:
-        bounds = rng.describe() + ("" if rng.high != math.inf else f" and at most {_fmt(limit)}")
+        bounds = rng.describe() + ("" if rng.high != math.inf else f" and at most {fmt_bound(limit)}")
         return f"{key}: {value} does not fit in 64 bits; {bounds}{example}"
     if not rng.contains(value):
         return f"{key}: {rng.describe()}, got {value}{example}"
@@ -258,7 +226,9 @@ def _number_errors(cfg: DictConfig) -> dict[str, str]:
     except ValueError:
         value = cfg.batch_size
         is_int = isinstance(value, int) and not isinstance(value, bool)
-        bad["batch_size"] = (f"batch_size: must be >= 1 (or auto), got {value}; e.g. batch_size=4" if is_int else
+        low = is_int and value < 1
+        bad["batch_size"] = (f"batch_size: must be >= 1 (or auto), got {value}; e.g. batch_size=4" if low else
+                             f"batch_size: {value} does not fit in 64 bits; e.g. batch_size=4" if is_int else
                              f"batch_size={value}: must be an integer or auto; e.g. batch_size=4, or batch_size=auto "
                              "for the largest micro-batch that fits in memory")
     betas = cfg.optimizer.betas
@@ -268,7 +238,64 @@ def _number_errors(cfg: DictConfig) -> dict[str, str]:
         bad["optimizer.betas"] = (f"optimizer.betas: must be two numbers in [0, 1), got {shown}; "
                                   "e.g. optimizer.betas=[0.9,0.999]")
     bad.update(_kwargs_errors(cfg.optimizer.kwargs, "optimizer.kwargs"))
+    bad.update(_kwargs_errors(cfg.cluster.additional_parameters, "cluster.additional_parameters"))
     return bad
+
+
+def rule_for(key: str) -> Any:
+    """The rule of a leaf (`rules.Range`, `Choice`, `Text`, ...), or None: a leaf without one is a bug that
+    `tests/test_schema_property.py` reports. `hydra.launcher.X` / `hydra.sweeper.X` have `cluster.X`'s /
+    `sweep.X`'s rule unless `rules.HYDRA_RULES` gives them their own."""
+    if key in HYDRA_RULES:
+        return HYDRA_RULES[key]
+    for prefix, mirrored in MIRRORS.items():
+        if key.startswith(prefix):
+            key = mirrored + key[len(prefix):]
+    return RANGES.get(key) or RULES.get(key)
+
+
+def rule_errors(cfg: DictConfig) -> list[str]:
+    """Every `Choice`, `Text`, `TextList` and `PathRule` leaf that breaks its rule (a path only as far as it can be
+    judged without the machine: `check_environment` does the rest), and the launcher's and sweeper's settings
+    (`hydra.launcher.*`, `hydra.sweeper.*`: `cluster.*`'s and `sweep.*`'s rules) when the config has them."""
+    errors = []
+    for key, rule in RULES.items():
+        pure = isinstance(rule, Choice | Text | TextList | PathRule)
+        if pure and (problem := rule.problem(key, OmegaConf.select(cfg, key))):
+            errors.append(problem)
+    if isinstance(cfg.get("hydra"), DictConfig):
+        errors += _hydra_setting_errors(cfg)
+    return errors
+
+
+def _hydra_setting_errors(cfg: DictConfig) -> list[str]:
+    """`hydra.launcher.X` and `hydra.sweeper.X` given a value of their own (not the `cluster.X` / `sweep.X` they
+    are mapped from, which is checked under its own name): the same rule, named as the user wrote it."""
+    from llmexp.config.keys import schema_fields
+
+    fields = schema_fields()
+    errors = []
+    for prefix, mirrored in MIRRORS.items():
+        node = OmegaConf.select(cfg, prefix.rstrip("."))
+        for name in node.keys() if isinstance(node, DictConfig) else ():
+            key, twin = f"{prefix}{name}", f"{mirrored}{name}"
+            rule = rule_for(key)
+            try:
+                value = node[name]
+            except Exception:  # an unresolvable interpolation: structure_errors names it under its own key
+                continue
+            if rule is None or (twin in fields and value == OmegaConf.select(cfg, twin)):
+                continue
+            if isinstance(rule, Range):
+                tp = fields[twin][0] if twin in fields else int
+                problem = _number_problem(key, value, tp, fields.get(twin, (None, None))[1], rule)
+            elif isinstance(rule, Choice | Text | TextList):
+                problem = rule.problem(key, value)
+            else:
+                continue
+            if problem:
+                errors.append(problem)
+    return errors
 
 
 def _kwargs_errors(data: Any, key: str) -> dict[str, str]:
@@ -298,8 +325,7 @@ def validate(cfg: DictConfig | Config) -> None:
         _check(errors, t.max_steps == -1 or warmup < t.max_steps, "train.warmup_steps",
                f"warmup ({warmup} steps) must be shorter than train.max_steps={t.max_steps}; "
                "lower train.warmup_steps/warmup_ratio or raise train.max_steps")
-    _choice(errors, t.on_anomaly, "train.on_anomaly", ANOMALY_POLICIES)
-    _choice(errors, t.resume_data_mismatch, "train.resume_data_mismatch", ("error", "warn"))
+    errors += rule_errors(cfg)  # option names and free text: `rules.RULES`, also under hydra.launcher/sweeper
     _check(errors, t.resume in ("auto", "never") or bool(t.resume), "train.resume",
            "must be auto, never, or a checkpoint path")
     _validate_groups(cfg, errors, bad.keys())
@@ -316,11 +342,6 @@ def _validate_groups(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet
     from llmexp.config.security import remote_code_errors
 
     m, d = cfg.model, cfg.data
-    _choice(errors, cfg.precision.name, "precision.name", PRECISIONS)
-    _choice(errors, cfg.optimizer.name, "optimizer.name", OPTIMIZERS)
-    _choice(errors, cfg.scheduler.name, "scheduler.name", SCHEDULERS)
-    _choice(errors, d.name, "data.name", DATA_KINDS)
-    _validate_logger(cfg.logger, errors)
     _check(errors, not d.finetune_only or bool(m.name_or_path), "model.name_or_path",
            f"data={d.name} fine-tunes an earlier model; set model.name_or_path=outputs/<date>/<time>/model")
     _check(errors, d.name not in ("json", "text") or bool(d.train_file), "data.train_file",
@@ -354,77 +375,13 @@ def _validate_groups(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet
     _validate_peft(cfg, errors)
     _validate_sweep(cfg.sweep, errors)
     _validate_fsdp(cfg, errors)
-
-
-TRACKING_SCHEMES = ("http", "https", "sqlite", "databricks")
-"""What `logger.tracking_uri` may name: an MLflow server, a SQLite store, or Databricks."""
-MAX_URI_LEN = 2048
-MAX_EXPERIMENT_LEN = 256
-"""MLflow's SQL stores keep an experiment name in a VARCHAR(256)."""
-
-
-def tracking_uri_problem(uri: Any) -> str | None:
-    """Why `logger.tracking_uri` cannot work (the message names the fix), or None; null is the local store."""
-    from urllib.parse import urlsplit
-
-    if uri is None:
-        return None
-    if not isinstance(uri, str) or not uri.strip() or len(uri) > MAX_URI_LEN or not uri.isprintable() or " " in uri:
-        shown = uri if not isinstance(uri, str) or len(uri) <= 80 else uri[:77] + "..."
-        return (f"logger.tracking_uri: must be a URI without spaces of at most {MAX_URI_LEN} characters, got "
-                f"{shown!r}; {_URI_EXAMPLE}")
-    try:
-        parts = urlsplit(uri)
-        _ = parts.port  # raises on a port that is not a number in 0..65535
-    except ValueError as err:
-        return f"logger.tracking_uri={uri}: not a URI ({err}); {_URI_EXAMPLE}"
-    if parts.username is not None or parts.password is not None:  # before any message repeats the URI
-        return ("logger.tracking_uri: holds credentials (user:password@), which would reach logs and run files; put "
-                "them in MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN and drop them "
-                "from the URI")
-    if uri == "databricks":  # the workspace of the default Databricks profile
-        return None
-    return _scheme_problem(uri, parts.scheme.lower(), parts.hostname, parts.path)
-
-
-_URI_EXAMPLE = "e.g. logger.tracking_uri=http://127.0.0.1:5000, or leave it null for a store in the run directory"
-
-
-def _scheme_problem(uri: str, scheme: str, host: str | None, path: str) -> str | None:
-    """What each kind of tracking URI needs: a known scheme, a host for a server, a file for SQLite."""
-    if scheme == "file" or not scheme:
-        return (f"logger.tracking_uri={uri}: MLflow 3 refuses file stores (maintenance mode); use "
-                f"sqlite:///{path or '/path/to'}/mlflow.db, or a server: {_URI_EXAMPLE}")
-    if scheme not in TRACKING_SCHEMES:
-        return (f"logger.tracking_uri={uri}: {scheme}:// is not one of {', '.join(TRACKING_SCHEMES)}; to keep "
-                "runs in a database, run an MLflow server on it (mlflow server --backend-store-uri ...) and point "
-                f"at the server: {_URI_EXAMPLE}")
-    if scheme in ("http", "https") and not host:
-        return f"logger.tracking_uri={uri}: names no host; {_URI_EXAMPLE}"
-    if scheme == "sqlite" and (not uri.startswith("sqlite:///") or uri in ("sqlite:///", "sqlite:///:memory:")):
-        return (f"logger.tracking_uri={uri}: a SQLite store is sqlite:/// followed by a file path, e.g. "
-                "sqlite:////abs/path/mlflow.db (nothing in memory survives the run)")
-    return None
-
-
-def _validate_logger(lg: DictConfig, errors: list[str]) -> None:
-    """The logger's option and the MLflow keys (every one has a rule, whatever logger is picked)."""
-    _choice(errors, lg.name, "logger.name", LOGGERS)
-    if (problem := tracking_uri_problem(lg.tracking_uri)) is not None:
+    if (problem := tracking_uri_problem(cfg.logger.tracking_uri)) is not None:
         errors.append(problem)
-    name = lg.experiment
-    _check(errors, isinstance(name, str) and bool(name.strip()) and len(name) <= MAX_EXPERIMENT_LEN
-           and name.isprintable(), "logger.experiment",
-           f"must be a non-empty name of at most {MAX_EXPERIMENT_LEN} printable characters, got {name!r}; "
-           "e.g. logger.experiment=llmexp")
-    _check(errors, isinstance(lg.log_model, bool), "logger.log_model",
-           f"must be true or false, got {lg.log_model!r}")
 
 
 def _validate_fsdp(cfg: DictConfig, errors: list[str]) -> None:
     """`fsdp`: the option name, and the combinations that cannot work, each with the reason and the fix."""
     fs = cfg.fsdp
-    _choice(errors, fs.name, "fsdp.name", FSDP_STRATEGIES)
     if fs.name == "none":
         _check(errors, not fs.cpu_offload, "fsdp.cpu_offload",
                "offloads FSDP's shards, and fsdp=none shards nothing; use fsdp=full_shard fsdp.cpu_offload=true")
@@ -492,9 +449,6 @@ def _validate_streaming(cfg: DictConfig, errors: list[str], bad: typing.Abstract
 
 def _validate_sweep(sw: DictConfig, errors: list[str]) -> None:
     """The sweep's options: a pruner needs a search, pairing and lr scaling belong to the grid."""
-    _choice(errors, sw.name, "sweep.name", SWEEP_STRATEGIES)
-    _choice(errors, sw.pruner, "sweep.pruner", PRUNERS)
-    _choice(errors, sw.lr_scaling, "sweep.lr_scaling", LR_SCALINGS)
     search = sw.name != "grid"
     _check(errors, search or sw.pruner == "none", "sweep.pruner",
            f"a pruner stops the trials of a search; use sweep=tpe (or random) with sweep.pruner={sw.pruner}, "
@@ -507,8 +461,6 @@ def _validate_sweep(sw: DictConfig, errors: list[str]) -> None:
 def _validate_peft(cfg: DictConfig, errors: list[str]) -> None:
     """The adapter options, and the combinations that cannot work, each with the reason."""
     pe = cfg.peft
-    _choice(errors, pe.name, "peft.name", PEFT_METHODS)
-    _choice(errors, pe.bnb_4bit_quant_type, "peft.bnb_4bit_quant_type", ("nf4", "fp4"))
     target = pe.target_modules
     _check(errors, target == "all-linear" or (isinstance(target, ListConfig) and len(target) > 0
                                               and all(isinstance(t, str) and t for t in target)),
@@ -531,3 +483,54 @@ def _validate_peft(cfg: DictConfig, errors: list[str]) -> None:
            f"peft={pe.name} does not run under DeepSpeed in llmexp (adapter-only ZeRO checkpoints are not "
            "implemented, and ZeRO cannot partition 4-bit weights); adapters and their optimizer state are "
            "small, so use deepspeed=none (DDP for several GPUs)")
+
+
+TRACKING_SCHEMES = ("http", "https", "sqlite", "databricks")
+"""What `logger.tracking_uri` may name: an MLflow server, a SQLite store, or Databricks."""
+MAX_URI_LEN = 2048
+MAX_EXPERIMENT_LEN = 256
+"""MLflow's SQL stores keep an experiment name in a VARCHAR(256)."""
+
+
+def tracking_uri_problem(uri: Any) -> str | None:
+    """Why `logger.tracking_uri` cannot work (the message names the fix), or None; null is the local store."""
+    from urllib.parse import urlsplit
+
+    if uri is None:
+        return None
+    if not isinstance(uri, str) or not uri.strip() or len(uri) > MAX_URI_LEN or not uri.isprintable() or " " in uri:
+        shown = uri if not isinstance(uri, str) or len(uri) <= 80 else uri[:77] + "..."
+        return (f"logger.tracking_uri: must be a URI without spaces of at most {MAX_URI_LEN} characters, got "
+                f"{shown!r}; {_URI_EXAMPLE}")
+    try:
+        parts = urlsplit(uri)
+        _ = parts.port  # raises on a port that is not a number in 0..65535
+    except ValueError as err:
+        return f"logger.tracking_uri={uri}: not a URI ({err}); {_URI_EXAMPLE}"
+    if parts.username is not None or parts.password is not None:  # before any message repeats the URI
+        return ("logger.tracking_uri: holds credentials (user:password@), which would reach logs and run files; put "
+                "them in MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN and drop them "
+                "from the URI")
+    if uri == "databricks":  # the workspace of the default Databricks profile
+        return None
+    return _scheme_problem(uri, parts.scheme.lower(), parts.hostname, parts.path)
+
+
+_URI_EXAMPLE = "e.g. logger.tracking_uri=http://127.0.0.1:5000, or leave it null for a store in the run directory"
+
+
+def _scheme_problem(uri: str, scheme: str, host: str | None, path: str) -> str | None:
+    """What each kind of tracking URI needs: a known scheme, a host for a server, a file for SQLite."""
+    if scheme == "file" or not scheme:
+        return (f"logger.tracking_uri={uri}: MLflow 3 refuses file stores (maintenance mode); use "
+                f"sqlite:///{path or '/path/to'}/mlflow.db, or a server: {_URI_EXAMPLE}")
+    if scheme not in TRACKING_SCHEMES:
+        return (f"logger.tracking_uri={uri}: {scheme}:// is not one of {', '.join(TRACKING_SCHEMES)}; to keep "
+                "runs in a database, run an MLflow server on it (mlflow server --backend-store-uri ...) and point "
+                f"at the server: {_URI_EXAMPLE}")
+    if scheme in ("http", "https") and not host:
+        return f"logger.tracking_uri={uri}: names no host; {_URI_EXAMPLE}"
+    if scheme == "sqlite" and (not uri.startswith("sqlite:///") or uri in ("sqlite:///", "sqlite:///:memory:")):
+        return (f"logger.tracking_uri={uri}: a SQLite store is sqlite:/// followed by a file path, e.g. "
+                "sqlite:////abs/path/mlflow.db (nothing in memory survives the run)")
+    return None

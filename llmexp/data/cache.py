@@ -1,10 +1,15 @@
-"""A content-addressed cache of directories (tokenizers, token arrays) that is never half-written.
+"""A content-addressed cache of directories (tokenizers, token arrays) that is never half-written, and whose
+entries are verified on read.
 
 An entry is `<root>/<kind>/<key>/`. It is built in a sibling temp directory and renamed into
 place only when complete, so a reader sees either nothing or the whole entry. A per-key file
 lock serialises builders: of two sweep jobs that miss at once, one builds and the other waits,
 then finds the entry. Temp directories left by a killed builder are removed by the next one.
-No torch here.
+
+An entry's `meta.json` lists the size and sha256 of each of its files, and a hit checks them (about
+a second per GB read) before the caller loads it (`cached`): a file truncated, altered, replaced or
+deleted since, or an entry its loader cannot read, is a cache miss, rebuilt under the lock with one
+warning naming the file, never a crash. No torch here.
 """
 
 from __future__ import annotations
@@ -13,9 +18,10 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from filelock import FileLock
@@ -54,32 +60,106 @@ def save_json(path: Path, obj: Any) -> None:
 
 
 def load_meta(entry: Path) -> dict[str, Any] | None:
-    """The entry's metadata, or None when the entry is absent (or, impossibly, incomplete)."""
+    """The entry's metadata, or None when the entry is absent, incomplete, or its marker is unreadable."""
     try:
-        return json.loads((entry / COMPLETE_MARKER).read_text(encoding="utf-8"))
-    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
+        meta = json.loads((entry / COMPLETE_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # missing, not a directory, not JSON, not UTF-8
         return None
+    return meta if isinstance(meta, dict) else None
+
+
+def warn(message: str) -> None:
+    """A warning on stderr, as llmexp's errors are printed (the data layer runs before any run logger)."""
+    sys.stderr.write(f"llmexp: warning: {message}\n")
+    sys.stderr.flush()
+
+
+FILES_KEY = "files"
+"""meta.json's record of the entry's files: relative path -> [size in bytes, sha256]."""
+
+
+def file_digests(entry: Path) -> dict[str, list[Any]]:
+    """[size, sha256] of every file of an entry (but its marker), by path relative to the entry."""
+    return {str(p.relative_to(entry)): [p.stat().st_size, hash_file(p)]
+            for p in sorted(entry.rglob("*")) if p.is_file() and p.name != COMPLETE_MARKER}
+
+
+def damage(entry: Path, meta: dict[str, Any]) -> str | None:
+    """Which recorded file of the entry is missing or changed, or None; entries from before the record are
+    left to the loader to judge (`cached`)."""
+    for name, (size, digest) in (meta.get(FILES_KEY) or {}).items():
+        path = entry / name
+        try:
+            if path.stat().st_size != size:
+                return f"{name} is {path.stat().st_size} bytes, {size} were written"
+            if hash_file(path) != digest:
+                return f"{name} changed since it was written (sha256)"
+        except OSError as err:
+            return f"{name} cannot be read ({os.strerror(err.errno or 0) or err})"
+    return None
+
+
+def _verified(entry: Path) -> dict[str, Any] | None:
+    """The meta of a whole, unchanged entry; None when there is none. A damaged one is warned about (the caller
+    rebuilds it)."""
+    meta = load_meta(entry)
+    if meta is None:
+        if entry.exists():
+            warn(f"the cache entry {entry} has no readable {COMPLETE_MARKER}; rebuilding it")
+        return None
+    if problem := damage(entry, meta):
+        warn(f"the cache entry {entry} is damaged ({problem}); rebuilding it")
+        return None
+    return meta
 
 
 def get_or_build(root: Path, kind: str, key: str,
-                 build: Callable[[Path], dict[str, Any]]) -> tuple[Path, dict[str, Any], bool]:
-    """Return (entry dir, its meta, cache hit?). On a miss, `build(tmp_dir)` fills a temp dir and
-    returns the meta; the dir is renamed into place after the meta is written (`rundir.files.staged_dir`).
-    If `build` raises, the temp dir is removed and nothing is published (a full disk: DiskFull)."""
+                 build: Callable[[Path], dict[str, Any]], rebuild: bool = False) -> tuple[Path, dict[str, Any], bool]:
+    """Return (entry dir, its meta, cache hit?). A hit is verified (`damage`); on a miss, `build(tmp_dir)`
+    fills a temp dir and returns the meta, to which the files' sizes and sha256 are added; the dir is
+    renamed into place after the meta is written (`rundir.files.staged_dir`). If `build` raises, the temp dir is
+    removed and nothing is published (a full disk: DiskFull). `rebuild`: the entry exists but its loader could not
+    read it; build it again."""
     entry = Path(root).expanduser() / kind / key
-    meta = load_meta(entry)
+    meta = None if rebuild else _verified(entry)
     if meta is not None:
         return entry, meta, True
     lock_path = Path(root).expanduser() / "locks" / f"{kind}-{key}.lock"
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(lock_path):
-        meta = load_meta(entry)  # another process may have built it while we waited
-        if meta is not None:
+        meta = None if rebuild else load_meta(entry)  # another process may have built it while we waited
+        if meta is not None and damage(entry, meta) is None:
             return entry, meta, True
         for stale in entry.parent.glob(f".{key}.tmp-*"):  # left by a killed builder; we hold the lock
             shutil.rmtree(stale, ignore_errors=True)
-        # (a directory without its marker in the way cannot be ours to trust: the publish replaces it)
+        # (a damaged entry, or a directory without its marker, in the way is not ours to trust: the publish
+        # replaces it)
         with staged_dir(entry, staging=entry.parent / f".{key}.tmp-{os.getpid()}") as tmp:
             meta = build(tmp)
+            meta[FILES_KEY] = file_digests(tmp)
             save_json(tmp / COMPLETE_MARKER, meta)
     return entry, meta, False
+
+
+T = TypeVar("T")
+
+
+def cached(root: Path, kind: str, key: str, build: Callable[[Path], dict[str, Any]],
+           load: Callable[[Path, dict[str, Any]], T]) -> tuple[T, dict[str, Any], bool]:
+    """(`load(entry, meta)`, meta, cache hit?) of a verified entry, built on a miss. A hit that `load` cannot
+    read (an entry written before files were recorded, or a library that now reads it otherwise) is a miss
+    too: warned about, rebuilt, loaded again; what `load` raises then is a real error and propagates."""
+    from llmexp.errors import UserError
+
+    entry, meta, hit = get_or_build(root, kind, key, build)
+    if not hit:
+        return load(entry, meta), meta, False
+    try:
+        return load(entry, meta), meta, True
+    except UserError:
+        raise
+    except Exception as err:  # whatever a reader raises on bytes it cannot parse
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        warn(f"the cache entry {entry} cannot be read ({type(err).__name__}: {first}); rebuilding it")
+    entry, meta, _ = get_or_build(root, kind, key, build, rebuild=True)
+    return load(entry, meta), meta, False

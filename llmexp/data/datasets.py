@@ -30,7 +30,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from llmexp.config.derived import mix_quotas
-from llmexp.data.cache import get_or_build, hash_obj, save_array
+from llmexp.data.cache import cached, hash_obj, save_array
 from llmexp.data.corpora import Record
 from llmexp.data.sources import load_corpora
 from llmexp.errors import UserError
@@ -399,15 +399,19 @@ def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[TokenDataset, Token
             stats["train_source_examples"] = examples
         return {"key": key, "settings": _settings(cfg), "stats": stats}
 
-    entry, meta, hit = get_or_build(Path(str(cfg.data.cache_dir)), "tokens", key, build)
+    pad_id = pad_id_of(tokenizer)
+
+    def load(entry: Path, meta: dict[str, Any]) -> tuple[TokenDataset, TokenDataset, Any]:
+        train, held = (TokenDataset.load(entry, split, pad_id) for split in ("train", "eval"))
+        return train, held, np.load(entry / "train_sources.npy") if cfg.data.mix else None
+
+    (train, held, sources), meta, hit = cached(Path(str(cfg.data.cache_dir)), "tokens", key, build, load)
     if meta["stats"]["mode"] == "sft_packed":
         check_packing_supported(cfg)
-    pad_id = pad_id_of(tokenizer)
-    train, held = (TokenDataset.load(entry, split, pad_id) for split in ("train", "eval"))
     stats: dict[str, Any] = {}
     if cfg.data.mix:
         quotas = tuple(mix_quotas([float(s.weight) for s in cfg.data.mix]))
-        train.mix = (quotas, np.load(entry / "train_sources.npy"))
+        train.mix = (quotas, sources)
         stats["data_mix_shares"] = [q / sum(quotas) for q in quotas]
     stats.update({f"data_{k}": v for k, v in meta["stats"].items()})
     stats.update(data_cache_hit=hit, data_cache_key=key, data_prep_s=round(time.perf_counter() - start, 3))

@@ -22,10 +22,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from llmexp.config.paths import HF_BUILDERS
 from llmexp.data.corpora import Corpus, Record, check_record, hold_out, records_corpus
 from llmexp.errors import UserError
 
-BUILDERS = ("parquet", "arrow", "json", "csv", "text")
+BUILDERS = HF_BUILDERS
 """`data.path` values that name one of datasets' file builders: `data.data_files` says which files."""
 
 ALPACA = ("instruction", "input", "output")
@@ -63,12 +64,27 @@ def load_split(d: Any, split: str, streaming: bool = False) -> Any:
             datasets.config.HF_HUB_OFFLINE = True  # read the local cache only, and fail at once when it is not there
         files = list(d.data_files) if d.data_files is not None and not isinstance(d.data_files, str) else d.data_files
         return datasets.load_dataset(path, name=d.config_name, data_files=files, split=split, streaming=streaming)
-    except (FileNotFoundError, ConnectionError, ValueError, OSError) as err:
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
-        raise UserError(f"data.path={path}: cannot load it ({first}). Offline, a hub dataset must be in the local "
-                        "HF cache; otherwise save it where the hub is reachable with "
-                        "`datasets.load_dataset(...).save_to_disk(DIR)`, copy DIR here and set data.path=DIR, "
-                        "or point data.path=parquet|json|csv at files with data.data_files=...") from None
+    except UserError:
+        raise
+    except Exception as err:  # whatever `datasets` raises on a dataset it cannot read is about the data
+        raise UserError(_load_error(path, err)) from None
+
+
+def _load_error(path: str, err: BaseException) -> str:
+    """One line for a dataset `datasets` could not load: the root cause (a DatasetGenerationError wraps the
+    parser's error), and the fix: a loading script's, or where to put the data."""
+    root = err
+    while root.__cause__ is not None:  # `raise ... from`: the parser's own error, not what it tried before
+        root = root.__cause__
+    first = next((line for e in (root, err) for line in str(e).strip().splitlines()), type(root).__name__)[:300]
+    if "scripts are no longer supported" in str(err) or "loading script" in str(err):
+        return (f"data.path={path} needs a dataset loading script (code), which neither datasets 4 nor llmexp runs "
+                f"({first}); convert it to files where you trust the script (datasets.load_dataset(...)"
+                ".to_parquet(FILE)), then set data.path=parquet data.data_files=FILE")
+    return (f"data.path={path}: cannot load it ({type(root).__name__}: {first}). Offline, a hub dataset must be in the "
+            "local HF cache; otherwise save it where the hub is reachable with "
+            "`datasets.load_dataset(...).save_to_disk(DIR)`, copy DIR here and set data.path=DIR, "
+            "or point data.path=parquet|json|csv at files with data.data_files=...")
 
 
 def _split_of(loaded: Any, split: str, path: str) -> Any:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
-from llmexp.data.cache import get_or_build, hash_obj
+from llmexp.data.cache import cached, hash_obj
 from llmexp.data.hub import hub_reachable
 from llmexp.data.sources import load_corpus
 from llmexp.errors import UserError
@@ -133,7 +133,12 @@ def trained_tokenizer(cfg: DictConfig) -> PreTrainedTokenizerFast:
         tok.save_pretrained(str(tmp))
         return {"vocab_size": len(tok), "corpus": corpus.name}
 
-    entry, _, _ = get_or_build(Path(str(cfg.data.cache_dir)), "tokenizers", key, build)
-    tok = AutoTokenizer.from_pretrained(str(entry))
+    def load(entry: Path, meta: dict[str, Any]) -> PreTrainedTokenizerFast:
+        tok = AutoTokenizer.from_pretrained(str(entry))
+        if len(tok) != meta["vocab_size"]:  # read, but not as it was written
+            raise ValueError(f"{len(tok)} tokens, {meta['vocab_size']} were saved")
+        return tok
+
+    tok, _, _ = cached(Path(str(cfg.data.cache_dir)), "tokenizers", key, build, load)
     tok.llmexp_fingerprint = f"bpe-{key}"  # hashing the vocab again would cost more than the load
     return tok

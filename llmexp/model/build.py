@@ -67,7 +67,7 @@ def _from_pretrained(cls: Any, cfg: DictConfig, **extra: Any) -> Any:
     try:
         return cls.from_pretrained(m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code,
                                    **kwargs, **extra)
-    except OSError as err:
+    except (OSError, ValueError) as err:  # ValueError: custom code without trust_remote_code, an unknown model_type
         raise hub_error(m.name_or_path, err) from err
 
 

@@ -3,10 +3,14 @@ MFU of each logged step, peak memory and RSS."""
 
 from __future__ import annotations
 
+import json
+import math
 import resource
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -131,6 +135,43 @@ class Mfu:
         """The reason MFU stopped, on the first record after it did; None otherwise."""
         note, self._note_pending = (self.note if self._note_pending else None), False
         return note
+
+
+def load_ceilings(path: Path) -> dict[str, float]:
+    """The matmul ceilings cached in `path` (`peak_tflops.json` in data.cache_dir: key -> TFLOP/s), verified on
+    read: a file that is not a JSON object, or an entry that is not a positive finite number, is a cache miss:
+    dropped with a warning and measured again, never a crash or a negative MFU."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as err:  # a directory, unreadable, not JSON, not UTF-8
+        _warn(f"{path} cannot be read ({type(err).__name__}); the matmul ceiling is measured again")
+        return {}
+    if not isinstance(data, dict):
+        _warn(f"{path} holds a {type(data).__name__}, not an object of ceilings; they are measured again")
+        return {}
+    good = {str(k): float(v) for k, v in data.items()
+            if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0}
+    if bad := sorted(set(data) - set(good)):
+        _warn(f"{path}: {len(bad)} entry(ies) are not a positive number of TFLOP/s ({bad[0]!r}: {data[bad[0]]!r}); "
+              "dropped, the matmul ceiling is measured again")
+    return good
+
+
+def save_ceilings(path: Path, ceilings: dict[str, float]) -> None:
+    """Write the ceilings back; a cache that cannot be written (a directory in the way) costs a measurement
+    next run, not this run."""
+    from llmexp.rundir.files import write_json_atomic
+
+    try:
+        write_json_atomic(Path(path), ceilings)
+    except OSError as err:
+        _warn(f"{path} cannot be written ({type(err).__name__}: {err}); the ceiling is measured again next run")
+
+
+def _warn(message: str) -> None:
+    sys.stderr.write(f"llmexp: warning: {message}\n")
 
 
 def peak_memory_mb(device: torch.device) -> float:

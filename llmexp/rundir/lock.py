@@ -1,4 +1,4 @@
-"""The run-directory lock: one llmexp run per directory at a time."""
+"""The run- and sweep-directory locks: one llmexp run per run directory, one sweeper per sweep directory."""
 
 from __future__ import annotations
 
@@ -8,27 +8,41 @@ from pathlib import Path
 LOCK_NAME = ".llmexp.lock"
 
 
-_held_locks: list[object] = []
-"""Run-directory locks this process holds; kept referenced so they last as long as the process."""
+_held_locks: dict[str, object] = {}
+"""Directory -> the lock this process holds on it; kept referenced so that it lasts as long as the process."""
 
 
-def lock_run_dir(run_dir: Path) -> None:
+def lock_run_dir(run_dir: Path | str) -> None:
     """Lock `run_dir` for the life of this process, or raise UserError naming the pid that holds it.
 
-    A second run on the same directory would interleave metrics, checkpoints and summaries. The lock is
-    an flock (`filelock`) on `RUN_DIR/.llmexp.lock`, which also holds the holder's pid; the kernel drops it
+    A second run on the same directory would interleave metrics, checkpoints and summaries. Only the first rank
+    of a distributed launch locks (all ranks share the directory)."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    _lock(Path(run_dir), "run", "hydra.run.dir")
+
+
+def lock_sweep_dir(sweep_dir: Path | str) -> None:
+    """Lock `sweep_dir` for the life of this sweeper, or raise UserError naming the pid that holds it.
+
+    Two sweepers on one directory would launch the same jobs twice and, for a search, ask the same study
+    for trials that both then tell: each corrupts the other's results. The jobs lock their own run
+    directories; a job left running by a killed sweeper holds its own lock, which a rerun waits for."""
+    _lock(Path(sweep_dir), "sweep", "hydra.sweep.dir")
+
+
+def _lock(directory: Path, what: str, key: str) -> None:
+    """An flock (`filelock`) on `DIRECTORY/.llmexp.lock`, which also holds the holder's pid. The kernel drops it
     when the process ends, however it ends (kill -9 included), so a stale file never blocks a rerun or a
-    resume. Only the first rank of a distributed launch locks (all ranks share the directory).
-    """
+    resume; the file descriptor is not inherited by child processes (subprocess closes it)."""
     from filelock import FileLock, Timeout
 
     from llmexp.errors import UserError
 
-    if os.environ.get("RANK", "0") != "0":
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / LOCK_NAME
+    if str(path.resolve()) in _held_locks:  # this process holds it already (the CLI, then the sweeper)
         return
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / LOCK_NAME
     lock = FileLock(str(path))
     try:
         lock.acquire(timeout=0)
@@ -37,10 +51,10 @@ def lock_run_dir(run_dir: Path) -> None:
             holder = path.read_text().strip() or "unknown"
         except OSError:
             holder = "unknown"
-        raise UserError(f"{run_dir} is in use by another llmexp run (pid {holder}); wait for it to end, or "
-                        "choose another directory with hydra.run.dir=...") from None
+        raise UserError(f"{directory} is in use by another llmexp {what} (pid {holder}); wait for it to end, or "
+                        f"choose another directory with {key}=...") from None
     path.write_text(f"{os.getpid()}\n")
-    _held_locks.append(lock)
+    _held_locks[str(path.resolve())] = lock
 
 
 def lock_holder(run_dir: Path) -> int | None:

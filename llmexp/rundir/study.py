@@ -27,13 +27,78 @@ def study_journal(sweep_dir: Path) -> Path:
 
 def journal_storage(sweep_dir: Path) -> Any:
     """The sweep directory's optuna JournalStorage: one append-only file under a lock file, which works on
-    a shared filesystem (optuna's symlink lock), so jobs on SLURM nodes and the sweeper share it."""
+    a shared filesystem (optuna's symlink lock), so jobs on SLURM nodes and the sweeper share it. A journal
+    optuna cannot replay is a UserError (`damaged`), not optuna's traceback."""
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
     path = study_journal(sweep_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    return JournalStorage(JournalFileBackend(str(path)))
+    try:
+        return JournalStorage(JournalFileBackend(str(path)))  # replays the whole journal
+    except Exception as err:  # JSONDecodeError, KeyError, ValueError ...: whatever the bytes made optuna do
+        raise damaged(path, f"optuna cannot replay it: {type(err).__name__}: {_first_line(err)}") from None
+
+
+def check_journal(sweep_dir: Path) -> None:
+    """Before a search continues in `sweep_dir`: its `study.journal`, if there is one, is a whole optuna journal.
+
+    Every line must be a complete JSON object with one of optuna's operation codes, and the whole must replay.
+    optuna itself skips a last line cut short, and then appends after it, which damages the file for good; a
+    line of garbage raises deep inside optuna. The file is read under optuna's own lock, so a trial left
+    running by an earlier sweeper cannot be caught half-way through a write."""
+    from optuna.storages.journal import JournalFileSymlinkLock
+
+    path = study_journal(sweep_dir)
+    if not path.exists() and not path.is_symlink():
+        return
+    if not path.is_file():
+        raise damaged(path, "it is not a file")
+    lock = JournalFileSymlinkLock(str(path))
+    lock.acquire()
+    try:
+        data = path.read_bytes()
+    finally:
+        lock.release()
+    if problem := _journal_problem(data):
+        raise damaged(path, problem)
+    if data:
+        load_study(Path(sweep_dir))  # replays it: a UserError when optuna cannot
+
+
+def _journal_problem(data: bytes) -> str | None:
+    """Why `data` is not an optuna journal, line by line, or None."""
+    import json
+
+    from optuna.storages.journal._storage import JournalOperation  # the op codes optuna writes
+
+    lines = data.split(b"\n")
+    if lines.pop():  # a file that ends with a newline leaves b"" here
+        return f"its last line is cut short (line {len(lines) + 1}: the file was truncated)"
+    codes = {op.value for op in JournalOperation}
+    for number, line in enumerate(lines, start=1):
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            return f"line {number} is not JSON"
+        if not isinstance(entry, dict) or entry.get("op_code") not in codes:
+            return f"line {number} is not an optuna journal entry"
+    return None
+
+
+def damaged(path: Path, problem: str) -> Any:
+    """The UserError for a study journal that cannot be read, with the way out."""
+    from llmexp.errors import UserError
+
+    sweep_dir = path.parent
+    return UserError(f"{path}: this search's study.journal is damaged ({problem}), so the search cannot continue "
+                     f"from it. Start it afresh in a new directory, hydra.sweep.dir=<new dir> (the trials' run "
+                     f"directories stay readable: python -m llmexp.report {sweep_dir}), or, if you keep a copy "
+                     f"of the journal, put it back at {path}")
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [""])[0][:200]
 
 
 def make_pruner(name: str, eval_steps: int, max_steps: int) -> Any:
@@ -55,4 +120,8 @@ def load_study(sweep_dir: Path, pruner: Any = None) -> Any:
     """The sweep directory's study (it must exist), with `pruner` (a trial's own, built from its config)."""
     import optuna
 
-    return optuna.load_study(study_name=STUDY_NAME, storage=journal_storage(sweep_dir), pruner=pruner)
+    storage = journal_storage(sweep_dir)
+    try:
+        return optuna.load_study(study_name=STUDY_NAME, storage=storage, pruner=pruner)
+    except KeyError as err:  # a journal with studies, none of them llmexp's
+        raise damaged(study_journal(sweep_dir), f"it holds no study named {STUDY_NAME!r}: {_first_line(err)}") from None

@@ -15,6 +15,7 @@ exits 1 if any job did not finish. Nothing here imports torch or submitit.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import traceback
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from llmexp.config.tree import register_resolvers
+from llmexp.errors import EXIT_USER
 from llmexp.rundir.files import write_json_atomic, write_text_atomic
 from llmexp.rundir.read import FINISHED, load_json
 from llmexp.sweep.tracking import close_parent, open_parent
@@ -294,6 +296,71 @@ def split_ended(specs: Sequence[JobSpec]) -> tuple[list[JobSpec], dict[int, JobO
     return [spec for spec in specs if spec.num not in ended], ended
 
 
+# ----------------------------------------------------------------------------- how a job ended, and the sweep
+
+INTERRUPTED = ("preempted", "cancelled", "submitted")
+"""Run statuses of a job that did not end by itself: a search's trial stays RUNNING in the study, and a rerun
+of the sweep resumes it."""
+
+
+@dataclass
+class TrialResult:
+    """What a trial's run directory says about how it ended."""
+
+    status: str
+    """completed, pruned, failed, or running (no end yet: interrupted, or still going)."""
+    value: float | None = None
+    step: int | None = None
+    reason: str | None = None
+    user_error: bool = False
+    """The trial exited 2: a mistake in the config or data, which every other trial would repeat."""
+
+
+def read_result(job_dir: Path) -> TrialResult:
+    """A trial's result from its run directory: summary.json, and job_status.json when the launcher wrote one.
+
+    A run whose doctor found an error (non_finite, divergence) or that diverged is `failed` with that
+    finding as its reason: a result about the region, not a crash."""
+    summary = load_json(job_dir / "summary.json") or {}
+    verdict = load_json(job_dir / "job_status.json") or {}
+    status = verdict.get("status") or summary.get("status")
+    if status is None or status in INTERRUPTED:
+        return TrialResult("running")
+    step = summary.get("step")
+    errors = [f for f in summary.get("findings", []) if f.get("severity") == "error"]
+    if errors or status == "diverged":
+        reason = f"{errors[0]['kind']}: {errors[0]['message']}" if errors else "the run diverged"
+        return TrialResult("failed", step=step, reason=reason)
+    if status == "pruned":
+        return TrialResult("pruned", step=step)
+    eval_loss = summary.get("eval_loss")
+    if status in FINISHED and isinstance(eval_loss, int | float) and math.isfinite(eval_loss):
+        return TrialResult("completed", value=float(eval_loss), step=step)
+    reason = verdict.get("error") or (f"ended {status} without a finite eval loss" if status in FINISHED
+                                      else f"ended {status}")
+    return TrialResult("crashed", step=step, reason=str(reason), user_error=verdict.get("exit_code") == EXIT_USER)
+
+
+def sweep_exit_code(results: Sequence[TrialResult]) -> int:
+    """The exit code of a sweep, grid or search alike, from how each job ended (`read_result`).
+
+    A sweep asks a question of its jobs, and a diverged lr is an answer (the lr is too high) that the
+    report shows; so the code says whether the sweep got its answers, not whether each job trained:
+    1 (EXIT_ERROR) when a job did not end by itself (a crash, a kill, a cancel, a time limit, a preemption,
+    never started): the sweep is incomplete, and the same command continues it; else 3 (EXIT_DIVERGED) when
+    no job completed and one diverged or failed a doctor's error check: nothing in the space trains; else 0.
+    (2 is a mistake found before launch, or one that every trial would repeat.)
+    """
+    from llmexp.errors import EXIT_DIVERGED, EXIT_ERROR, EXIT_OK
+
+    statuses = [r.status for r in results]
+    if not statuses or any(s in ("crashed", "running") for s in statuses):
+        return EXIT_ERROR
+    if "completed" not in statuses and "failed" in statuses:
+        return EXIT_DIVERGED
+    return EXIT_OK
+
+
 # ----------------------------------------------------------------------------- recording
 
 
@@ -352,25 +419,46 @@ def job_returns(specs: Sequence[JobSpec], outcomes: Sequence[JobOutcome]) -> lis
 
 def swept(spec: JobSpec, specs: Sequence[JobSpec]) -> str:
     """A job's overrides that differ between jobs (`lr=0.001 batch_size=4`), for one-line logs."""
-    varying = [o for o in spec.overrides if any(o not in other.overrides for other in specs)]
-    return " ".join(varying or spec.overrides)
+    return swept_values(spec.overrides, [s.overrides for s in specs])
+
+
+def swept_values(job: Sequence[str], jobs: Sequence[Sequence[str]]) -> str:
+    """The overrides of `job` that differ between `jobs`, or all of them when none do."""
+    varying = [o for o in job if any(o not in other for other in jobs)]
+    return " ".join(varying or job)
 
 
 def finish_sweep(specs: Sequence[JobSpec], outcomes: Sequence[JobOutcome], within_search: bool = False
                  ) -> list[JobReturn]:
-    """Record every outcome, write the sweep report, print a summary; exit 1 if any job did not finish,
-    unless the batch belongs to a search (`within_search`), which reads each trial's end itself."""
+    """Record every outcome, write the sweep report, print a summary; exit 1 if a job did not end by itself
+    (`ENDED`: a diverged job did, and is a result), unless the batch belongs to a search (`within_search`),
+    which reads each trial's end itself. Whether every job diverged (exit 3) is the sweeper's to say, once
+    every batch has run (`sweep_exit_code`)."""
     for spec, outcome in zip(specs, outcomes, strict=True):
         record_outcome(spec, outcome)
     sweep_dir = specs[0].job_dir.parent
     write_report(sweep_dir)
-    bad = [o for o in outcomes if o.status not in FINISHED]
-    if not within_search:  # a search ends its parent run itself
-        close_parent(sweep_dir, ok=not bad)
+    if not within_search:  # logger=mlflow: the sweep's parent run (a search ends its own)
+        close_parent(sweep_dir, ok=all(o.status in FINISHED for o in outcomes))
     for spec, outcome in zip(specs, outcomes, strict=True) if not within_search else ():  # a search logs its own
         detail = f": {outcome.error}" if outcome.error and outcome.status not in FINISHED else ""
         log.info(f"  #{spec.num} {outcome.status:<13} {swept(spec, specs)}{detail}")
+    bad = [o for o in outcomes if o.status not in ENDED]
     if bad and not within_search:
-        log.error(f"{len(bad)} of {len(outcomes)} jobs did not finish; see {sweep_dir}")
+        log.error(f"{len(bad)} of {len(outcomes)} jobs did not end by themselves; see {sweep_dir} (the same "
+                  "command runs them again)")
         raise SystemExit(1)
     return job_returns(specs, outcomes)
+
+
+def exit_for_results(results: Sequence[TrialResult], what: str, sweep_dir: Path) -> None:
+    """End the sweep with `sweep_exit_code(results)` (raise SystemExit) unless it is 0, saying why."""
+    code = sweep_exit_code(results)
+    if code == 3:
+        log.error(f"every {what} diverged or failed a doctor's check, so the sweep found no setting that trains "
+                  f"(exit 3); see {sweep_dir / 'sweep_report.md'}")
+    elif code:
+        log.error(f"{sum(r.status in ('crashed', 'running') for r in results)} of {len(results)} {what}s did not "
+                  f"end by themselves (exit 1); run the same command to continue; see {sweep_dir / 'sweep_report.md'}")
+    if code:
+        raise SystemExit(code)

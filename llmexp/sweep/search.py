@@ -29,10 +29,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmexp.config.schema import SearchSweepConfig
-from llmexp.errors import EXIT_USER, UserError
-from llmexp.rundir.read import FINISHED, load_json
+from llmexp.errors import UserError
 from llmexp.rundir.study import STUDY_NAME, journal_storage, make_pruner
-from llmexp.sweep.jobs import is_llmexp_config, job_dir_of, write_report
+from llmexp.sweep.jobs import TrialResult, exit_for_results, is_llmexp_config, job_dir_of, read_result, write_report
 from llmexp.sweep.space import finite_grid, search_space, trial_overrides
 from llmexp.sweep.tracking import close_parent
 
@@ -43,10 +42,6 @@ if TYPE_CHECKING:
     from hydra.core.utils import JobReturn
 
 log = logging.getLogger(__name__)
-
-INTERRUPTED = ("preempted", "cancelled", "submitted")
-"""Run statuses of a trial that did not end by itself: it stays RUNNING in the study and resumes on a rerun."""
-
 
 @dataclass
 class SearchSettings:
@@ -91,44 +86,6 @@ def open_study(sweep_dir: Path, space: dict[str, Any], fixed: Sequence[str], sam
 
 
 # ----------------------------------------------------------------------------- how a trial ended
-
-
-@dataclass
-class TrialResult:
-    """What a trial's run directory says about how it ended."""
-
-    status: str
-    """completed, pruned, failed, or running (no end yet: interrupted, or still going)."""
-    value: float | None = None
-    step: int | None = None
-    reason: str | None = None
-    user_error: bool = False
-    """The trial exited 2: a mistake in the config or data, which every other trial would repeat."""
-
-
-def read_result(job_dir: Path) -> TrialResult:
-    """A trial's result from its run directory: summary.json, and job_status.json when the launcher wrote one.
-
-    A run whose doctor found an error (non_finite, divergence) or that diverged is `failed` with that
-    finding as its reason: a result about the region, not a crash."""
-    summary = load_json(job_dir / "summary.json") or {}
-    verdict = load_json(job_dir / "job_status.json") or {}
-    status = verdict.get("status") or summary.get("status")
-    if status is None or status in INTERRUPTED:
-        return TrialResult("running")
-    step = summary.get("step")
-    errors = [f for f in summary.get("findings", []) if f.get("severity") == "error"]
-    if errors or status == "diverged":
-        reason = f"{errors[0]['kind']}: {errors[0]['message']}" if errors else "the run diverged"
-        return TrialResult("failed", step=step, reason=reason)
-    if status == "pruned":
-        return TrialResult("pruned", step=step)
-    eval_loss = summary.get("eval_loss")
-    if status in FINISHED and isinstance(eval_loss, int | float) and math.isfinite(eval_loss):
-        return TrialResult("completed", value=float(eval_loss), step=step)
-    reason = verdict.get("error") or (f"ended {status} without a finite eval loss" if status in FINISHED
-                                      else f"ended {status}")
-    return TrialResult("crashed", step=step, reason=str(reason), user_error=verdict.get("exit_code") == EXIT_USER)
 
 
 def returned_result(ret: JobReturn) -> TrialResult:
@@ -204,19 +161,18 @@ def run_search(sweeper: Any, overrides: Sequence[Any], settings: SearchSettings)
     if resumed:
         log.info(f"Resuming {len(resumed)} interrupted trials of {sweep_dir}: "
                  f"{', '.join(str(t.number) for t in resumed)}")
-    for batch in _contiguous(resumed):
-        if not _run_batch(sweeper, study, batch, sweep_dir, returns, llmexp_app):
-            return returns
-    while (ended := _ended(study)) < n_trials:
+    going = all(_run_batch(sweeper, study, batch, sweep_dir, returns, llmexp_app) for batch in _contiguous(resumed))
+    while going and (ended := _ended(study)) < n_trials:
         batch = [study.ask(space) for _ in range(min(search.parallel, n_trials - ended))]
         for trial in batch:
             trial.set_user_attr("overrides", trial_overrides(trial.params, overrides))
-        if not _run_batch(sweeper, study, batch, sweep_dir, returns, llmexp_app):
-            break
+        going = _run_batch(sweeper, study, batch, sweep_dir, returns, llmexp_app)
     if llmexp_app:
         write_report(sweep_dir)
         close_parent(sweep_dir, ok=_ended(study) >= n_trials)  # logger=mlflow: the sweep's parent run
     _log_best(study, sweep_dir, llmexp_app)
+    if llmexp_app:  # grid and search agree: jobs.sweep_exit_code
+        exit_for_results([read_result(job_dir_of(config, t.number)) for t in study.trials], "trial", sweep_dir)
     return returns
 
 

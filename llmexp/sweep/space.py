@@ -18,11 +18,19 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from llmexp.config.rules import Choice
 from llmexp.errors import UserError
 
 if TYPE_CHECKING:
     from hydra.core.override_parser.types import Override
     from optuna.distributions import BaseDistribution
+
+MAX_JOBS = 10_000
+"""The most jobs a grid may have, and values a categorical may hold: `seed=range(0,100000000)` is a typo, and
+listing its jobs would take minutes and gigabytes before anything ran."""
+
+SEARCH_TAGS = ("log", "int")
+"""The tags of a search interval: `tag(log, interval(a,b))` is log-uniform, `tag(int, ...)` integers."""
 
 LR_SCALING_POWER = {"none": 0.0, "sqrt": 0.5, "linear": 1.0}
 """sweep.lr_scaling -> the power of batch_size / base_batch_size that multiplies the lr (square-root
@@ -31,17 +39,40 @@ scaling for Adam-type optimizers, linear as in Goyal et al. for SGD)."""
 
 def _axes(overrides: Sequence[Override]) -> dict[str, list[str]]:
     """key -> its `key=value` strings, in command-line order (as Hydra's basic sweeper reads them)."""
+    sizes = {o.get_key_element(): discrete_size(o) if o.is_sweep_override() else 1 for o in overrides}
+    if (jobs := math.prod(sizes.values())) > MAX_JOBS:
+        shown = " x ".join(f"{k}: {n}" for k, n in sizes.items() if n > 1)
+        raise UserError(f"this grid has {jobs} jobs ({shown}); a grid takes at most {MAX_JOBS}: sweep fewer values, "
+                        "or search the space with sweep=tpe sweep.n_trials=N")
     axes: dict[str, list[str]] = {}
     for override in overrides:
         key = override.get_key_element()
         if not override.is_sweep_override():
             axes[key] = [f"{key}={override.get_value_element_as_str()}"]
-        elif override.is_discrete_sweep():
-            axes[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
         else:
-            raise UserError(f"{key}: an interval sweep needs a search (sweep=random or sweep=tpe); the grid "
-                            f"takes lists, e.g. {key}=1e-4,3e-4 or {key}='range(1,4)'")
+            axes[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
     return axes
+
+
+def discrete_size(override: Override) -> int:
+    """How many values a swept override holds, counted without listing them; a UserError for an interval (a
+    search's), a range of step 0, or an empty sweep."""
+    from hydra.core.override_parser.types import RangeSweep
+
+    key, value = override.get_key_element(), override.value()
+    if override.is_interval_sweep():
+        raise UserError(f"{key}: an interval sweep needs a search (sweep=random or sweep=tpe); the grid "
+                        f"takes lists, e.g. {key}=1e-4,3e-4 or {key}='range(1,4)'")
+    if isinstance(value, RangeSweep):
+        start, stop, step = value.start, value.stop, value.step
+        if not step or not all(math.isfinite(v) for v in (start, stop, step)):  # type: ignore[arg-type]
+            raise UserError(f"{key}=range({start}, {stop}, {step}): needs finite bounds and a step other than 0")
+        size = max(0, math.ceil((stop - start) / step))  # type: ignore[operator]
+    else:
+        size = len(list(override.sweep_string_iterator()))  # a choice or a glob: listed on the command line
+    if size == 0:
+        raise UserError(f"{key}: this sweep holds no value (an empty range?); e.g. {key}='range(1,4)' or {key}=1,2,3")
+    return size
 
 
 def grid_jobs(overrides: Sequence[Override], zip_keys: Sequence[str]) -> list[list[str]]:
@@ -70,6 +101,8 @@ def grid_jobs(overrides: Sequence[Override], zip_keys: Sequence[str]) -> list[li
 def scale_lr(jobs: list[list[str]], scaling: str, base_batch_size: int | None, config_lr: Any) -> list[list[str]]:
     """Each job's lr multiplied by (batch_size / base) ** power (`LR_SCALING_POWER`); the lr given (on the
     command line or in the config) is the lr for `base_batch_size`, by default the smallest batch swept."""
+    if scaling not in LR_SCALING_POWER:  # before any job is composed: the rule's own message
+        raise UserError(Choice(tuple(LR_SCALING_POWER)).problem("sweep.lr_scaling", scaling) or "")
     power = LR_SCALING_POWER[scaling]
     if not power:
         return jobs
@@ -118,37 +151,75 @@ def search_space(overrides: Sequence[Override]) -> tuple[dict[str, BaseDistribut
 
 
 def _distribution(override: Override) -> BaseDistribution:
-    """The optuna distribution of one swept override (the rules in this module's docstring)."""
+    """The optuna distribution of one swept override (the rules in this module's docstring); a UserError for
+    an unknown tag, a tag on a list of values, too many values, or interval bounds that are not a range."""
     from hydra.core.override_parser.types import IntervalSweep, Transformer
-    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+    from optuna.distributions import CategoricalDistribution
 
-    if override.is_choice_sweep() or override.is_range_sweep():
-        return CategoricalDistribution(list(override.sweep_iterator(transformer=Transformer.encode)))
-    value = override.value()
-    assert isinstance(value, IntervalSweep)
-    log = "log" in value.tags
-    if "int" in value.tags:
-        return IntDistribution(int(value.start), int(value.end), log=log)
-    if log and not (value.start > 0):
-        raise UserError(f"{override.get_key_element()}: a log interval needs a start > 0, got {value.start}")
-    return FloatDistribution(float(value.start), float(value.end), log=log)
+    key, value = override.get_key_element(), override.value()
+    tags = sorted(getattr(value, "tags", None) or ())
+    if unknown := [t for t in tags if t not in SEARCH_TAGS]:
+        raise UserError(f"{key}: unknown tag {unknown[0]!r}; a search interval takes the tags "
+                        f"{', '.join(SEARCH_TAGS)}, e.g. {key}='tag(log,interval(1e-5,1e-2))'")
+    if isinstance(value, IntervalSweep):
+        return _interval(key, value.start, value.end, tags)
+    if tags:
+        raise UserError(f"{key}: tag({tags[0]}, ...) applies to an interval, not to a list of values; e.g. "
+                        f"{key}='tag(log,interval(1e-5,1e-2))'")
+    if (size := discrete_size(override)) > MAX_JOBS:
+        raise UserError(f"{key}: {size} values; a search's categorical takes at most {MAX_JOBS}: use an "
+                        f"interval, e.g. {key}='tag(int,interval(a,b))'")
+    return CategoricalDistribution(list(override.sweep_iterator(transformer=Transformer.encode)))
+
+
+def _interval(key: str, start: Any, end: Any, tags: list[str]) -> BaseDistribution:
+    """`interval(start, end)` with its tags: finite bounds, start below end, > 0 for log, integers for int."""
+    from optuna.distributions import FloatDistribution, IntDistribution
+
+    shown = f"interval({start}, {end})"
+    if not all(isinstance(v, int | float) and math.isfinite(v) for v in (start, end)):
+        raise UserError(f"{key}={shown}: its bounds must be finite numbers")
+    if not start < end:
+        raise UserError(f"{key}={shown}: its start must be below its end, e.g. {key}=interval({end}, {start})")
+    log = "log" in tags
+    if log and not start > 0:
+        raise UserError(f"{key}: a log interval needs a start > 0, got {start}")
+    if "int" not in tags:
+        return FloatDistribution(float(start), float(end), log=log)
+    if not (float(start).is_integer() and float(end).is_integer()):
+        raise UserError(f"{key}: tag(int, {shown}) needs integer bounds, e.g. "
+                        f"tag(int, interval({math.ceil(start)}, {math.floor(end)}))")
+    return IntDistribution(int(start), int(end), log=log)
 
 
 def probe_job(overrides: Sequence[Override]) -> list[str]:
     """One job of a search with every swept key at its first value (a choice's first, an interval's start):
     composed before the search starts, so that a typo fails before any trial runs."""
-    from hydra.core.override_parser.types import IntervalSweep, Transformer
+    from hydra.core.override_parser.types import Transformer
 
     job = []
     for override in overrides:
         key = override.get_key_element()
         if not override.is_sweep_override():
             job.append(f"{key}={override.get_value_element_as_str()}")
-        elif isinstance(value := override.value(), IntervalSweep):
-            job.append(f"{key}={value.start}")
+        elif override.is_interval_sweep():
+            job.append(f"{key}={edge_values(override)[0]}")
         else:
             job.append(f"{key}={next(iter(override.sweep_iterator(transformer=Transformer.encode)))}")
     return job
+
+
+def edge_values(override: Override) -> list[Any]:
+    """The values a search can give a swept key at the edges of its space: every value of a categorical, both
+    ends of an interval (integers for `tag(int, ...)`). A value between two ends that pass a range check passes
+    it too (every `Range` is an interval), so checking these checks the whole space."""
+    from hydra.core.override_parser.types import IntervalSweep
+
+    value = override.value()
+    if isinstance(value, IntervalSweep):
+        ends = [value.start, value.end]
+        return [int(v) for v in ends] if "int" in (value.tags or ()) else ends  # type: ignore[arg-type]
+    return list(override.sweep_iterator())
 
 
 def trial_overrides(params: dict[str, Any], overrides: Sequence[Override]) -> list[str]:

@@ -6,7 +6,6 @@ lr, the matmul ceiling and the monitor settings, frozen into the `RunDescription
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from contextlib import AbstractContextManager, nullcontext
@@ -24,7 +23,7 @@ from llmexp.monitor.console import quiet_console
 from llmexp.monitor.detectors import MonitorSettings
 from llmexp.monitor.logger import MetricsLogger
 from llmexp.monitor.sinks import make_sinks
-from llmexp.monitor.throughput import flops_per_token, measure_ceiling
+from llmexp.monitor.throughput import flops_per_token, load_ceilings, measure_ceiling, save_ceilings
 from llmexp.train.state import RunDescription
 
 if TYPE_CHECKING:
@@ -103,20 +102,16 @@ class Runtime:
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         return f"v2|{name}|{self._ceiling_dtype()}|{torch.get_num_threads()}"  # v2: v1's could come from busy cores
 
-    def _ceilings(self) -> dict[str, Any]:
-        try:
-            return json.loads((Path(self.cfg.data.cache_dir) / "peak_tflops.json").read_text())
-        except (OSError, ValueError):
-            return {}
+    def _ceilings(self) -> dict[str, float]:
+        """The cached ceilings, verified on read: a damaged entry is measured again, with a warning."""
+        return load_ceilings(Path(self.cfg.data.cache_dir) / "peak_tflops.json")
 
     def _keep_ceiling(self, value: float) -> None:
         """The highest ceiling measured on idle cores is the one kept: busy cores only ever lower it."""
-        from llmexp.rundir.files import write_json_atomic
-
         known = self._ceilings()
         key = self.ceiling_key()
-        known[key] = max(value, float(known.get(key, 0.0)))
-        write_json_atomic(Path(self.cfg.data.cache_dir) / "peak_tflops.json", known)
+        known[key] = max(value, known.get(key, 0.0))
+        save_ceilings(Path(self.cfg.data.cache_dir) / "peak_tflops.json", known)
 
     def logger(self, max_steps: int) -> MetricsLogger:
         sinks = make_sinks(self.cfg, self.run_dir) if self.is_main else []

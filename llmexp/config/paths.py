@@ -1,0 +1,315 @@
+"""Every key that names a file or directory, checked against this machine before anything is written.
+
+One rule per kind of path (`rules.PATH_KINDS`; which key is which: the `PathRule`s of `rules.RULES`, plus
+`hydra.run.dir` / `hydra.sweep.dir`): a path is looked at once with `os.stat`, which follows symbolic links,
+so a missing path, a file where a directory belongs (and the reverse), an empty file, a part of the path that
+is a file, and a symbolic link loop are each told apart and named with the key and the fix. What a directory
+must hold is checked too: a model directory its config and safetensors weights and no code it may not run
+(`model_dir_problem`), a `data=hf` source no loading script. Called by `environment.check_environment`. No
+torch, no transformers: plain files only.
+"""
+
+from __future__ import annotations
+
+import errno
+import glob
+import json
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HF_BUILDERS = ("parquet", "arrow", "json", "csv", "text")
+"""`data.path` values that name one of the `datasets` file builders: `data.data_files` says which files."""
+
+PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+"""Weight files that are pickles: loading one can run code, so a model directory must hold safetensors."""
+
+
+def _stat(path: Path) -> tuple[os.stat_result | None, str | None]:
+    """(the stat of `path` following links, None), (None, None) when it does not exist, or (None, why not)."""
+    try:
+        return os.stat(path), None
+    except FileNotFoundError:
+        return None, None
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return None, "is a symbolic link loop (or a chain of links too long to follow)"
+        if err.errno == errno.ENOTDIR:
+            return None, "has a part that is a file, not a directory"
+        return None, f"cannot be read ({os.strerror(err.errno or 0) or err})"
+
+
+def _shown(key: str, value: Any) -> str:
+    return f"{key}={value}"
+
+
+# ----------------------------------------------------------------------------- directories llmexp writes
+
+
+def dir_out_problem(key: str, value: Any) -> str | None:
+    """A directory llmexp creates and writes (run, sweep, cache): if it exists it is a writable directory; if
+    not, its nearest existing parent is one."""
+    path = Path(str(value)).expanduser()
+    found, why = _stat(path)
+    if why:
+        return f"{_shown(key, value)}: {why}; set {key} to a directory"
+    if found is not None:
+        if not stat.S_ISDIR(found.st_mode):
+            return f"{_shown(key, value)}: is a file, not a directory; remove it or set {key} to a directory"
+        return None if os.access(path, os.W_OK | os.X_OK) else f"{_shown(key, value)}: is not writable by you"
+    for parent in path.absolute().parents:
+        found, why = _stat(parent)
+        if why:
+            return f"{_shown(key, value)}: its parent {parent} {why}; set {key} to a directory"
+        if found is not None:
+            if not stat.S_ISDIR(found.st_mode):
+                return f"{_shown(key, value)}: its parent {parent} is a file, not a directory; set {key} elsewhere"
+            return None if os.access(parent, os.W_OK | os.X_OK) else \
+                f"{_shown(key, value)}: cannot be created, {parent} is not writable by you"
+    return None
+
+
+# ----------------------------------------------------------------------------- files and directories llmexp reads
+
+
+def _input_file_problem(key: str, value: Any, what: str) -> str | None:
+    """An existing, non-empty regular file."""
+    path = Path(str(value)).expanduser()
+    found, why = _stat(path)
+    if why:
+        return f"{_shown(key, value)}: {why}; point it at {what}"
+    if found is None:
+        return (f"{_shown(key, value)}: no such file (looked at {path.absolute()}); fix the path, "
+                f"or point it at {what}")
+    if stat.S_ISDIR(found.st_mode):
+        return f"{_shown(key, value)}: is a directory; point it at {what}"
+    if found.st_size == 0:
+        return f"{_shown(key, value)}: is empty (0 bytes); add records, or point it at {what}"
+    return None
+
+
+def _text_source_problem(key: str, value: Any) -> str | None:
+    """data=text: a non-empty file, a directory holding a file, or a glob that matches one."""
+    spec = str(value)
+    path = Path(spec).expanduser()
+    found, why = _stat(path)
+    if why:
+        return f"{_shown(key, value)}: {why}; point it at a text file, a directory of them, or a glob"
+    if found is not None and stat.S_ISDIR(found.st_mode):
+        return None if any(p.is_file() for p in path.rglob("*")) else \
+            f"{_shown(key, value)}: is a directory with no file in it; add text files or point it elsewhere"
+    if found is not None:
+        return None if found.st_size else f"{_shown(key, value)}: is empty (0 bytes); add text or point it elsewhere"
+    if any(Path(p).is_file() for p in glob.iglob(os.path.expanduser(spec), recursive=True)):
+        return None
+    return (f"{_shown(key, value)}: no such file, directory or glob match (looked at {path.absolute()}); fix "
+            f"the path or set {key}=path/to/{'train' if 'train' in key else 'eval'}.txt")
+
+
+def data_file_problem(cfg: Any, key: str, value: Any) -> str | None:
+    """`data.train_file` / `data.eval_file`: one JSON or JSONL file for data=json, text for data=text."""
+    if cfg.data.name == "json":
+        return _input_file_problem(key, value, f"a JSON or JSONL file, e.g. {key}=path/to/train.jsonl")
+    if cfg.data.name == "text":
+        return _text_source_problem(key, value)
+    return None
+
+
+def _local_dir(key: str, value: Any, what: str) -> tuple[Path | None, str | None]:
+    """(the directory, None) for a local-looking value that is an existing directory; (None, why) when it is
+    not one; (None, None) for a hub id."""
+    name = str(value)
+    path = Path(name).expanduser()
+    found, why = _stat(path)
+    if why:
+        return None, f"{_shown(key, value)}: {why}; point it at {what}"
+    if found is None:
+        local = name.startswith((".", "/", "~")) or name.count("/") > 1
+        return None, (f"{_shown(key, value)}: no such directory; point it at {what}" if local else None)
+    if not stat.S_ISDIR(found.st_mode):
+        return None, f"{_shown(key, value)}: is a file, not a directory; point it at {what}"
+    return path, None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def model_dir_problem(key: str, path: Path, trust_remote_code: bool) -> str | None:
+    """What a local model directory must be for llmexp to load it without running code it was not allowed to:
+    a model (not a peft adapter, not a run directory), its weights in safetensors (a pickle can run code),
+    and modelling code of its own (`auto_map`) only with `model.trust_remote_code=true`."""
+    shown = f"{key}={path}"
+    names = {p.name for p in path.iterdir()}
+    if "config.json" not in names:
+        if "adapter_config.json" in names:
+            base = (_read_json(path / "adapter_config.json") or {}).get("base_model_name_or_path") or "<its base>"
+            return (f"{shown}: is a peft adapter (adapter_config.json), not a model; set {key}={base} (its base "
+                    "model) with peft=lora to train an adapter, or merge this one into its base first "
+                    "(PeftModel.from_pretrained(base, DIR).merge_and_unload().save_pretrained(OUT)) and set "
+                    f"{key}=OUT")
+        if (path / "model" / "config.json").is_file():
+            return f"{shown}: is a run directory, not a model; did you mean {key}={path / 'model'}?"
+        return f"{shown}: holds no config.json, so it is not a model directory (save_pretrained writes one)"
+    config = _read_json(path / "config.json")
+    if config is None:
+        return f"{shown}: its config.json is not a JSON object; write the model again with save_pretrained"
+    safetensors = any(n.endswith(".safetensors") or n == "model.safetensors.index.json" for n in names)
+    pickled = sorted(n for n in names if n.endswith(PICKLED_WEIGHTS) or n.endswith(".bin.index.json"))
+    if not safetensors:
+        if not pickled:
+            return f"{shown}: holds no weights (model.safetensors); write them with save_pretrained"
+        return (f"{shown}: holds pickled weights only ({pickled[0]}): loading a pickle can run code, so llmexp loads "
+                "safetensors only. Convert them once, where you trust the file: python -c \"from transformers "
+                f"import AutoModelForCausalLM as M; M.from_pretrained('{path}').save_pretrained('{path}-st')\" "
+                f"and set {key}={path}-st")
+    return code_problem(key, path, config, trust_remote_code, "model.trust_remote_code=true")
+
+
+def code_problem(key: str, path: Path, config: dict[str, Any], allowed: bool, switch: str | None) -> str | None:
+    """A directory whose config maps classes to its own Python files (`auto_map`) runs that code when loaded."""
+    auto_map = config.get("auto_map")
+    if not auto_map or allowed:
+        return None
+    refs = auto_map.values() if isinstance(auto_map, dict) else [auto_map]
+    files = sorted({str(r if isinstance(r, str) else r[0] if r else "").split(".")[0] + ".py" for r in refs} - {".py"})
+    how = (f"set {switch} if you trust that code, or use a model of an architecture transformers knows"
+           if switch else "llmexp loads it without running code: use a tokenizer transformers knows")
+    return (f"{key}={path}: ships code of its own ({', '.join(files) or 'auto_map'} in auto_map), which runs when "
+            f"it is loaded; {how}")
+
+
+def model_problem(cfg: Any, key: str, value: Any) -> str | None:
+    what = "a model directory written by save_pretrained (e.g. the model/ of an earlier run) or a hub id"
+    path, why = _local_dir(key, value, what)
+    return why or (model_dir_problem(key, path, bool(cfg.model.trust_remote_code)) if path else None)
+
+
+def tokenizer_problem(cfg: Any, key: str, value: Any) -> str | None:
+    path, why = _local_dir(key, value, "a tokenizer directory written by save_pretrained, or a hub id")
+    if why or path is None:
+        return why
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return f"{_shown(key, value)}: holds no tokenizer ({', '.join(TOKENIZER_FILES)}); save one with save_pretrained"
+    config = _read_json(path / "tokenizer_config.json") or {}
+    return code_problem(key, path, config, False, None)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
+"""A directory holding none of these holds no tokenizer transformers can load."""
+
+
+def checkpoint_problem(cfg: Any, key: str, value: Any) -> str | None:
+    """`train.resume`: auto, never, or an existing checkpoint directory."""
+    if str(value) in ("auto", "never"):
+        return None
+    fix = "use train.resume=auto, never, or a checkpoints/step_<N> directory"
+    path = Path(str(value)).expanduser()
+    found, why = _stat(path)
+    if why:
+        return f"{_shown(key, value)}: {why}; {fix}"
+    if found is None or not stat.S_ISDIR(found.st_mode):
+        return f"{_shown(key, value)}: no such checkpoint directory; {fix}"
+    if not (path / "manifest.json").is_file():
+        steps = sorted(p.name for p in path.glob("step_*"))
+        hint = f" (it holds {steps[-1]}: train.resume={path / steps[-1]}?)" if steps else ""
+        return f"{_shown(key, value)}: holds no manifest.json, so it is not an llmexp checkpoint{hint}; {fix}"
+    return None
+
+
+def hf_source_problem(cfg: Any, key: str, value: Any) -> str | None:
+    """`data.path` (data=hf): a builder name, a hub id, or a `save_to_disk` directory; never a loading script,
+    which `datasets` 4 no longer runs, and llmexp would not (it is code)."""
+    if cfg.data.name != "hf" or str(value) in HF_BUILDERS:
+        return None
+    convert = ("convert the dataset to files where you trust the script (datasets.load_dataset(...)"
+               ".to_parquet(FILE)), then set data.path=parquet data.data_files=FILE")
+    name = str(value)
+    if name.endswith(".py"):
+        return f"{_shown(key, value)}: is a dataset loading script (code); llmexp runs no code from data: {convert}"
+    path, why = _local_dir(key, value, "a save_to_disk directory, a hub id, or a file builder (data.path=parquet "
+                                       "data.data_files=FILE)")
+    if why or path is None:
+        return why
+    if (path / f"{path.name}.py").is_file():
+        return (f"{_shown(key, value)}: needs its loading script {path.name}.py (code), which llmexp does not run: "
+                f"{convert}")
+    if not any(p.is_file() for p in path.rglob("*")):
+        return f"{_shown(key, value)}: is a directory with no file in it; point it at a save_to_disk directory"
+    return None
+
+
+def hf_files_problem(cfg: Any, key: str, value: Any) -> str | None:
+    """`data.data_files` read from this machine (a builder or a local directory, not a hub repo's own files): a
+    file, glob or list of them, each matching non-empty files."""
+    source = str(cfg.data.path or "")
+    if cfg.data.name != "hf" or not (source in HF_BUILDERS or Path(source).expanduser().is_dir()):
+        return None
+    specs = [value] if isinstance(value, str) else list(value.values()) if hasattr(value, "values") else value
+    flat = [s for spec in specs for s in ([spec] if isinstance(spec, str) else list(spec))]
+    if not flat or not all(isinstance(s, str) and s.strip() for s in flat):
+        return f"{_shown(key, value)}: must be a file, a glob, or a list of them; e.g. {key}=/data/train.parquet"
+    for spec in flat:
+        base = Path(source).expanduser() if source not in HF_BUILDERS else Path()
+        matches = [Path(p) for p in glob.iglob(str(base / os.path.expanduser(spec)), recursive=True)] or \
+            [base / os.path.expanduser(spec)]
+        for match in matches:
+            if problem := _input_file_problem(key, match, f"files for data.path={source}"):
+                return problem
+    return None
+
+
+KIND_CHECKS: dict[str, Callable[[Any, str, Any], str | None]] = {
+    "dir_out": lambda cfg, key, value: dir_out_problem(key, value),
+    "data_file": data_file_problem,
+    "model": model_problem,
+    "tokenizer": tokenizer_problem,
+    "checkpoint": checkpoint_problem,
+    "hf_source": hf_source_problem,
+    "hf_files": hf_files_problem,
+}
+"""One check per kind of path (`rules.PATH_KINDS`); `tests/test_schema_property.py` asserts they match."""
+
+
+def path_errors(cfg: Any) -> list[str]:
+    """Every path key of `rules.RULES` (and each `data.mix` source's) that breaks its kind's rule, and the run
+    or sweep directory this launch writes."""
+    from omegaconf import OmegaConf
+
+    from llmexp.config.rules import RULES, PathRule
+
+    errors = directory_errors(cfg)
+    for key, rule in RULES.items():
+        if isinstance(rule, PathRule) and rule.kind != "dir_out":
+            value = OmegaConf.select(cfg, key)
+            if value not in (None, "") and (problem := KIND_CHECKS[rule.kind](cfg, key, value)):
+                errors.append(problem)
+    for i, source in enumerate(cfg.data.get("mix") or [] if cfg.data.name == "hf" else []):
+        if source.get("path") and (problem := hf_source_problem(cfg, f"data.mix[{i}].path", source.path)):
+            errors.append(problem)
+    return errors
+
+
+def directory_errors(cfg: Any) -> list[str]:
+    """The directories this launch writes: the cache, and `hydra.run.dir` for a run or `hydra.sweep.dir` for a
+    sweep when the config holds Hydra's node (the CLI's checks; a job's own process has none)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from llmexp.config.rules import RULES, PathRule
+
+    keys = [k for k, rule in RULES.items() if isinstance(rule, PathRule) and rule.kind == "dir_out"]
+    hydra = cfg.get("hydra") if isinstance(cfg, DictConfig) else None
+    if isinstance(hydra, DictConfig):
+        keys.append("hydra.sweep.dir" if str(hydra.get("mode")) == "RunMode.MULTIRUN" else "hydra.run.dir")
+    errors = []
+    for key in keys:
+        value = OmegaConf.select(cfg, key)
+        if value not in (None, "") and (problem := dir_out_problem(key, value)):
+            errors.append(problem)
+    return errors

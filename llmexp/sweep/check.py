@@ -1,0 +1,99 @@
+"""A sweep checked whole before it launches: every config it can run passes the checks a single run passes.
+
+    grid     every job, composed as the sweeper will compose it
+    search   its space (tags, bounds, sizes: `space.search_space`), then one config per value at the space's
+             edges (`space.edge_values`): every value of a categorical and both ends of an interval. A value
+             between two ends that pass a `Range` passes it too, so the edges stand for every trial.
+    both     `validate` on each config (so `sweep.*`, `cluster.*` and `hydra.launcher.*` / `hydra.sweeper.*`
+             too), `check_environment` when the jobs run on this machine (files a SLURM node may see and this
+             one not are left to the job), and the study journal of a search that continues
+
+All before the sweeper creates the sweep directory. A refusal is one UserError: the problems every job shares
+once, then each job's own under its swept values. The CLI composes (`llmexp.cli.hydra_loader.ConfigCheck`),
+this module judges. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from llmexp.errors import UserError
+from llmexp.sweep.space import edge_values, probe_job, search_space
+
+if TYPE_CHECKING:
+    from hydra.core.override_parser.types import Override
+
+Labelled = list[tuple[str, Any]]
+"""(how a message names the job, its composed config)."""
+
+
+def edge_configs(overrides: Sequence[Override], compose: Callable[[list[str]], Any],
+                 is_group: Callable[[str], bool]) -> Labelled:
+    """A search's configs to check: the probe (every swept key at its first value), then the probe with one key
+    at each of its other edge values. A config group's value is composed again; any other key's is set on a
+    copy of the probe, as Hydra's override would set it (a categorical of 1,000 lrs costs milliseconds, not
+    1,000 compositions). `search_space` runs first, so a malformed space is refused before anything composes."""
+    from omegaconf import OmegaConf, open_dict
+    from omegaconf.errors import OmegaConfBaseException
+
+    search_space(overrides)
+    job = probe_job(overrides)
+    base = compose(job)
+    configs: Labelled = [(f"the search's first point ({' '.join(job)})", base)]
+    for override in (o for o in overrides if o.is_sweep_override()):
+        key = override.get_key_element()
+        for value in edge_values(override)[1:]:  # the first is the probe's
+            label = f"search value {key}={value}"
+            if is_group(key) or key[:1] in "+~" or "@" in key:
+                configs.append((label, compose([o if not o.startswith(f"{key}=") else f"{key}={value}" for o in job])))
+                continue
+            variant = copy.deepcopy(base)
+            try:
+                with open_dict(variant):
+                    OmegaConf.update(variant, key, value, merge=True)
+            except OmegaConfBaseException as err:  # a value of the wrong type for its key
+                raise UserError(f"invalid sweep: {label}: {str(err.msg).splitlines()[0]}") from None
+            configs.append((label, variant))
+    return configs
+
+
+def check_configs(configs: Labelled, on_this_machine: bool) -> None:
+    """`validate` and the machine's checks on every config; one UserError listing what fails, shared problems
+    once. On SLURM (`on_this_machine` false) only the directories this process writes are checked here."""
+    from llmexp.config.environment import check_directories, check_environment
+    from llmexp.config.validation import validate
+
+    failures: dict[str, list[str]] = {}
+    for label, cfg in configs:
+        try:
+            validate(cfg)
+            (check_environment if on_this_machine else check_directories)(cfg)
+        except UserError as err:
+            failures[label] = _problems(err)
+    if not failures:
+        return
+    shared = [p for p in next(iter(failures.values())) if len(failures) == len(configs)
+              and all(p in problems for problems in failures.values())]
+    lines = [f"  {p}" for p in shared]
+    for label, problems in list(failures.items())[:5]:
+        own = [p for p in problems if p not in shared]
+        lines += [f"  {label}:", *(f"    {p}" for p in own)] if own else []
+    if len(failures) > 5:
+        lines.append(f"  ... and {len(failures) - 5} more jobs")
+    raise UserError("invalid sweep (nothing was launched):\n" + "\n".join(lines))
+
+
+def _problems(err: UserError) -> list[str]:
+    """The problem lines of a validation error (`invalid config:\\n  a\\n  b` -> [a, b])."""
+    lines = [line.strip() for line in str(err).splitlines()]
+    return lines[1:] if len(lines) > 1 and lines[0].endswith(":") else lines
+
+
+def check_search_dir(sweep_dir: Path) -> None:
+    """A search that continues in `sweep_dir` must find its study journal readable."""
+    from llmexp.rundir.study import check_journal
+
+    check_journal(sweep_dir)
