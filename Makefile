@@ -17,18 +17,13 @@ deepspeed-ops:
 	TORCH_EXTENSIONS_DIR=$${TORCH_EXTENSIONS_DIR:-$$HOME/.cache/llmexp/torch_extensions} $(PYTHON) -c \
 	  "from deepspeed.ops.op_builder import CPUAdamBuilder, ShareMemCommBuilder; CPUAdamBuilder().load(); ShareMemCommBuilder().load()"
 
-# Every test, then, on a CPU with native bf16, the quick ones again as a CPU without it (AMD Zen 3 and
-# older: LLMEXP_ASSUME_NO_BF16=1). That variable only hides the CPU flag, so on a CPU without native bf16
-# the first pass already ran as one, and a second would repeat it exactly.
-# Two workers (pytest-xdist, a test file per worker) for all but the SLURM and DeepSpeed tests, which run
-# after them on their own: the SLURM timeout test sizes its run from the machine's measured speed, and the
-# one-node cluster and DeepSpeed's CPU Adam want the cores to themselves.
+# Every test: two workers (pytest-xdist, a test file per worker) for all but the SLURM and DeepSpeed tests, which
+# run after them on their own: the SLURM timeout test sizes its run from the machine's measured speed, and the
+# one-node cluster and DeepSpeed's CPU Adam want the cores to themselves. A CPU without native bf16 needs no pass of
+# its own: the tests of that path simulate it (LLMEXP_ASSUME_NO_BF16=1, LLMEXP_BF16_EMULATION=1) on every CPU.
 test: install cluster deepspeed-ops
 	$(PYTHON) -m pytest -n 2 --dist loadfile -m "not slurm and not deepspeed"
 	$(PYTHON) -m pytest -m "slurm or deepspeed"
-	@if grep -qE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then \
-	  LLMEXP_ASSUME_NO_BF16=1 $(PYTHON) -m pytest -n 2 --dist loadfile -m "not slow" -q; \
-	else echo "This CPU has no native bf16: the pass above ran as one (no LLMEXP_ASSUME_NO_BF16 pass needed)."; fi
 
 lint:
 	$(PYTHON) -m ruff check .
