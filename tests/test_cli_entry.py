@@ -156,7 +156,7 @@ def test_a_forked_child_does_not_keep_a_killed_runs_lock(tmp_path: Path) -> None
 
 
 def test_help_lists_every_group_and_its_options(tmp_path: Path) -> None:
-    """`--help` reads groups through llmexp's cached config repository (preflight.ConfigCheck): same listing."""
+    """`--help` lists groups from the config sources directly (`cli.compose.help_text`): Hydra's listing."""
     proc = run_llmexp(["--help"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     for line in ("optimizer: adamw, adamw8bit, lion, lion8bit, paged_adamw8bit, sgd", "cluster: local, slurm",

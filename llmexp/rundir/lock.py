@@ -8,8 +8,8 @@ from pathlib import Path
 LOCK_NAME = ".llmexp.lock"
 
 
-_held_locks: list[object] = []
-"""Run-directory locks this process holds; kept referenced so they last as long as the process."""
+_held_locks: dict[str, object] = {}
+"""Run-directory locks this process holds, by directory; kept referenced so they last as long as the process."""
 
 
 def lock_run_dir(run_dir: Path) -> None:
@@ -18,7 +18,8 @@ def lock_run_dir(run_dir: Path) -> None:
     A second run on the same directory would interleave metrics, checkpoints and summaries. The lock is
     an flock (`filelock`) on `RUN_DIR/.llmexp.lock`, which also holds the holder's pid; the kernel drops it
     when the process ends, however it ends (kill -9 included), so a stale file never blocks a rerun or a
-    resume. Only the first rank of a distributed launch locks (all ranks share the directory).
+    resume. Only the first rank of a distributed launch locks (all ranks share the directory). Locking a
+    directory this process holds already does nothing.
     """
     from filelock import FileLock, Timeout
 
@@ -27,6 +28,8 @@ def lock_run_dir(run_dir: Path) -> None:
     if os.environ.get("RANK", "0") != "0":
         return
     run_dir = Path(run_dir)
+    if str(run_dir.resolve()) in _held_locks:  # this process holds it already (the CLI, then its task)
+        return
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_NAME
     lock = FileLock(str(path))
@@ -40,4 +43,4 @@ def lock_run_dir(run_dir: Path) -> None:
         raise UserError(f"{run_dir} is in use by another llmexp run (pid {holder}); wait for it to end, or "
                         "choose another directory with hydra.run.dir=...") from None
     path.write_text(f"{os.getpid()}\n")
-    _held_locks.append(lock)
+    _held_locks[str(run_dir.resolve())] = lock
