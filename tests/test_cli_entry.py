@@ -112,8 +112,8 @@ def test_help_and_cfg_compose_once_and_import_no_torch(args: list[str], tmp_path
 
 
 def test_a_run_composes_its_config_once(tmp_path: Path) -> None:
-    """Checked, validated and locked on the one composition Hydra then runs (refused here by a validation
-    error found after composing, so that no training starts)."""
+    """Checked, validated and locked on one composition before `@hydra.main` composes it again (refused here by
+    a validation error found after composing, so that Hydra never starts)."""
     proc = run_llmexp(["train.eval_steps=0", f"hydra.run.dir={tmp_path / 'run'}"],
                       tmp_path, code=_COUNT_COMPOSITIONS)
     assert "EXIT 2 COMPOSED 1 HEAVY none" in proc.stderr, proc.stderr[-2000:]
