@@ -112,8 +112,8 @@ def test_help_and_cfg_compose_once_and_import_no_torch(args: list[str], tmp_path
 
 
 def test_a_run_composes_its_config_once(tmp_path: Path) -> None:
-    """Checked, validated and locked on the one composition Hydra then runs (refused here by a validation
-    error found after composing, so that no training starts)."""
+    """Checked, validated and locked on one composition before `@hydra.main` composes it again (refused here by
+    a validation error found after composing, so that Hydra never starts)."""
     proc = run_llmexp(["train.eval_steps=0", f"hydra.run.dir={tmp_path / 'run'}"],
                       tmp_path, code=_COUNT_COMPOSITIONS)
     assert "EXIT 2 COMPOSED 1 HEAVY none" in proc.stderr, proc.stderr[-2000:]
@@ -156,7 +156,7 @@ def test_a_forked_child_does_not_keep_a_killed_runs_lock(tmp_path: Path) -> None
 
 
 def test_help_lists_every_group_and_its_options(tmp_path: Path) -> None:
-    """`--help` reads groups through llmexp's cached config repository (preflight.ConfigCheck): same listing."""
+    """`--help` lists groups from the config sources directly (`cli.compose.help_text`): Hydra's listing."""
     proc = run_llmexp(["--help"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     for line in ("optimizer: adamw, adamw8bit, lion, lion8bit, paged_adamw8bit, sgd", "cluster: local, slurm",

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.types import Override
 from hydra.plugins.sweeper import Sweeper
@@ -54,13 +53,25 @@ ConfigStore.instance().store(group="hydra/sweeper", name="llmexp_search", node=S
                              provider="llmexp_sweeper")
 
 
-class GridSweeper(BasicSweeper):
-    """Hydra's BasicSweeper with its product replaced by `llmexp.sweep.space.grid_jobs` (zip, lr scaling)."""
+class GridSweeper(Sweeper):
+    """Hydra's grid (its basic sweeper's flow, on the public `Sweeper` plugin API), its product replaced by
+    `llmexp.sweep.space.grid_jobs` (zip, lr scaling): jobs in batches of `max_batch_size`, each batch composed
+    once (`validate_batch_is_legal`) before the launcher runs it, the sweep config saved as `multirun.yaml`."""
 
     def __init__(self, max_batch_size: int | None, params: dict[str, str] | None = None,
                  zip: Sequence[str] = (), lr_scaling: str = "none", base_batch_size: int | None = None) -> None:
-        super().__init__(max_batch_size=max_batch_size, params=params)
+        self.max_batch_size, self.params = max_batch_size, dict(params or {})
         self.zip_keys, self.lr_scaling, self.base_batch_size = list(zip), lr_scaling, base_batch_size
+        self.config: DictConfig | None = None
+        self.launcher: Any = None
+        self.hydra_context: HydraContext | None = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        from hydra.core.plugins import Plugins
+
+        self.config, self.hydra_context = config, hydra_context
+        self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context,
+                                                                task_function=task_function, config=config)
 
     def sweep(self, arguments: list[str]) -> Any:
         """Hydra's grid, then the sweep's exit code from how every job ended (`jobs.sweep_exit_code`): a
@@ -83,7 +94,7 @@ class GridSweeper(BasicSweeper):
         return returns
 
     def split_arguments(self, overrides: list[Override], max_batch_size: int | None) -> list[list[list[str]]]:
-        """BasicSweeper.sweep calls this through `self`: the jobs, in batches of `max_batch_size`."""
+        """The jobs, in batches of `max_batch_size`."""
         from llmexp.sweep.jobs import exit_2_on_user_error
         from llmexp.sweep.space import grid_jobs, scale_lr
 
@@ -92,6 +103,29 @@ class GridSweeper(BasicSweeper):
         jobs = exit_2_on_user_error(scale_lr, jobs, self.lr_scaling, self.base_batch_size, config_lr)
         size = max_batch_size or len(jobs)
         return [jobs[i:i + size] for i in range(0, len(jobs), size)]
+
+    def sweep(self, arguments: list[str]) -> Any:
+        from pathlib import Path
+
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        from omegaconf import OmegaConf
+
+        assert self.config is not None and self.hydra_context is not None
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        overrides = parser.parse_overrides([*(f"{k}={v}" for k, v in self.params.items()), *arguments])
+        batches = self.split_arguments(overrides, self.max_batch_size)
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        returns, initial_job_idx = [], 0
+        for batch in batches:
+            self.validate_batch_is_legal(batch)  # composition errors before anything of the batch runs
+            results = self.launcher.launch(batch, initial_job_idx=initial_job_idx)
+            for result in results:
+                _ = result.return_value  # a failed job's exception is raised here, as Hydra's sweeper raises it
+            initial_job_idx += len(batch)
+            returns.append(results)
+        return returns
 
 
 class SearchSweeper(Sweeper):

@@ -17,12 +17,13 @@ from llmexp.rundir import redact
 def _parse_overrides(args: list[str]) -> tuple[Any, list[Any]]:
     """Hydra's own parse of the command line (its flags, then each override); anything it cannot parse is left
     to Hydra. Returns (argparse namespace or None, parsed overrides)."""
-    from hydra._internal.utils import get_args_parser
     from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from llmexp.cli.hydra_internals import args_parser
 
     try:
         with contextlib.redirect_stderr(io.StringIO()):
-            namespace, _ = get_args_parser().parse_known_args(args)
+            namespace, _ = args_parser().parse_known_args(args)
     except SystemExit:
         return None, []
     parser, parsed = OverridesParser.create(), []
@@ -81,7 +82,7 @@ def check_args(args: list[str]) -> list[str]:
 
     Raises UserError that lists every problem found. A fast pass over argv for typos (no composition);
     what it cannot judge (grammar errors, options added through --config-dir, `_target_`s, `hydra.*`,
-    anything a YAML file sets) is judged on the composed config (`ConfigCheck`) or by Hydra itself.
+    anything a YAML file sets) is judged on the composed config (`cli.compose`) or by Hydra itself.
     """
     namespace, overrides = _parse_overrides(args)
     custom_tree = namespace is None or any(getattr(namespace, flag) is not None

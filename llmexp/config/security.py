@@ -1,8 +1,9 @@
 """What llmexp does not trust in a config: `_target_` strings, logging configs, and names that become paths.
 
 * Secrets: `llmexp.rundir.redact` (hidden wherever llmexp writes).
-* The composed config. `check_config` (through `llmexp.cli.hydra_loader.ConfigCheck`, on every config Hydra
-  composes: the CLI's run, `--help`, `--cfg`, each sweep job) walks the whole tree, `hydra` node
+* The composed config. `check_config` (on every config a command runs: the CLI's run and `--help` and each
+  sweep job before `@hydra.main` starts, `llmexp.cli.compose`; each job again in llmexp's launchers,
+  `llmexp.sweep.jobs`, and in its own process) walks the whole tree, `hydra` node
   included, with interpolations resolved, before Hydra instantiates or creates anything: each
   `_target_` must be one of the objects allowed at its key (OPTIMIZER_TARGETS, CALLBACK_TARGETS,
   LAUNCHER_TARGETS, SWEEPER_TARGETS), compared by identity after import (only llmexp's and Hydra's

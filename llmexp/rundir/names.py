@@ -28,7 +28,8 @@ def run_id() -> str:
     `${now:}` would be resolved separately on each rank (and may straddle a second), so
     distributed ranks derive the id from their common parent (torchrun / accelerate launch),
     the SLURM job, or (several nodes) torchrun's `--rdzv_id`; a plain run uses the current time
-    and its own pid. Several nodes without SLURM or an rdzv id: set LLMEXP_RUN_ID or hydra.run.dir.
+    and its own pid (the time it first asked, so that it gets one id). Several nodes without SLURM or an rdzv
+    id: set LLMEXP_RUN_ID or hydra.run.dir.
     """
     if os.environ.get("LLMEXP_RUN_ID"):
         return safe_name(os.environ["LLMEXP_RUN_ID"])
@@ -39,5 +40,17 @@ def run_id() -> str:
     if multi_node and rdzv_id not in ("", "none"):  # torchrun --rdzv_id: the one name all nodes share
         return f"torchrun-{safe_name(rdzv_id)}"
     pid = os.getppid() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else os.getpid()
-    stamp = _start_time(pid) if pid != os.getpid() else dt.datetime.now()
+    stamp = _start_time(pid) if pid != os.getpid() else _first_asked()
     return f"{stamp:%Y-%m-%d}/{stamp:%H-%M-%S}-{pid}"
+
+
+_asked: dt.datetime | None = None
+
+
+def _first_asked() -> dt.datetime:
+    """The time this process first asked for its run id: every composition in one process (the CLI's check, then
+    `@hydra.main`'s own) names the same directory, the one the CLI checked and locked."""
+    global _asked
+    if _asked is None:
+        _asked = dt.datetime.now()
+    return _asked

@@ -9,7 +9,7 @@
              one not are left to the job), and the study journal of a search that continues
 
 All before the sweeper creates the sweep directory. A refusal is one UserError: the problems every job shares
-once, then each job's own under its swept values. The CLI composes (`llmexp.cli.hydra_loader.ConfigCheck`),
+once, then each job's own under its swept values. The CLI composes (`llmexp.cli.compose.check_sweep`),
 this module judges. Nothing here imports torch.
 """
 

@@ -144,13 +144,21 @@ def job_dir_of(config: Any, num: int) -> Path:
 
 
 def compose_job(launcher: Any, overrides: list[str], num: int) -> Any:
-    """One job's config, as Hydra's basic launcher composes it."""
-    from omegaconf import open_dict
+    """One job's config, as Hydra's basic launcher composes it; llmexp's own jobs then pass the CLI's security
+    check (`security.check_config`, each problem named with its file) before anything runs or is written."""
+    from omegaconf import OmegaConf, open_dict
 
-    cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, overrides)
+    from llmexp.config.origin import origin_of
+    from llmexp.config.security import check_config
+
+    loader = launcher.hydra_context.config_loader
+    cfg = loader.load_sweep_config(launcher.config, overrides)
     with open_dict(cfg):
         cfg.hydra.job.id = str(num)
         cfg.hydra.job.num = num
+    if is_llmexp_config(cfg):  # another app's config is that app's to judge
+        composed_from = [*OmegaConf.to_container(launcher.config.hydra.overrides.hydra), *overrides]  # type: ignore[misc]
+        check_config(cfg, origin=origin_of(loader, cfg, composed_from))
     return cfg
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from llmexp.errors import UserError
 
@@ -29,6 +29,7 @@ OptimizerWriter = Callable[[Path], None]
 """Writes the optimizer state into a checkpoint's temporary directory (rank 0, inside the save)."""
 
 
+@runtime_checkable
 class Engine(Protocol):
     """A step engine, as the loop (`train.py`), the checkpoints (`resume.py`) and `finish.py` use it."""
 

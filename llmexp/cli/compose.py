@@ -1,0 +1,181 @@
+"""The CLI's checks on composed configs, before `@hydra.main` runs: every config a command will run is composed
+with Hydra's Compose API (`hydra.compose`, from the search path `@hydra.main` uses) and passes
+`security.check_config` (each problem named with the YAML file it came from); a run is also validated, checked
+against this machine and its directory locked; `--help` is printed from its one checked composition. Nothing
+here creates a directory (but the run directory's lock), instantiates anything a config names, or imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import string
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from llmexp.cli.hydra_internals import compose_api_as_hydra_main
+from llmexp.config import security
+from llmexp.config.origin import origin_of
+
+
+def compose_checked(config_name: str | None, overrides: list[str], job_num: int | None = None) -> Any:
+    """The config `@hydra.main` will compose from `overrides` (`hydra` node included), after the security check;
+    a sweep job's with its number (it names the job's directory). Within `initialized`."""
+    from hydra import compose
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import open_dict
+
+    cfg = compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
+    if job_num is not None:
+        with open_dict(cfg.hydra):
+            cfg.hydra.job.num = job_num
+    security.check_config(cfg, origin=origin_of(GlobalHydra.instance().config_loader(), cfg, overrides))
+    return cfg
+
+
+def initialized(task: Callable[..., Any], args: argparse.Namespace, default_config_path: str) -> Any:
+    """The Compose API initialized as `@hydra.main(config_path=default_config_path)` on `task` will be."""
+    config_path = args.config_path if args.config_path is not None else default_config_path
+    return compose_api_as_hydra_main(task, config_path, args.config_dir)
+
+
+def check_run(config_name: str | None, overrides: list[str]) -> None:
+    """A run: checked, validated, checked against this machine, and its directory locked, before Hydra starts.
+    `${llmexp_run_id:}` gives the same directory in `@hydra.main`'s own composition (one id per process)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from llmexp.config.environment import check_environment
+    from llmexp.config.validation import validate
+    from llmexp.rundir.lock import lock_run_dir
+
+    cfg = compose_checked(config_name, overrides)
+    HydraConfig.instance().set_config(_with_output_dir(cfg))  # for ${hydra:...} in the job's values
+    validate(cfg)
+    check_environment(cfg)
+    lock_run_dir(str(cfg.hydra.run.dir))
+
+
+def _with_output_dir(cfg: Any) -> Any:
+    """A copy of a run's config with `hydra.runtime.output_dir` set as Hydra's run_job will set it."""
+    from omegaconf import open_dict
+
+    probe = copy.deepcopy(cfg)
+    with open_dict(probe.hydra):
+        probe.hydra.runtime.output_dir = os.path.abspath(str(cfg.hydra.run.dir))
+    return probe
+
+
+def check_sweep(config_name: str | None, overrides: list[str]) -> None:
+    """A sweep: every config it can run composed as the sweeper and launcher will compose it (Hydra's overrides,
+    then the job's), security-checked, and validated with the machine's checks (`llmexp.sweep.check`): each job
+    of a grid; a search's space and one config per value at its edges (its trials are not known yet). Then the
+    sweep directory is locked: one sweeper per sweep directory, as one run per run directory. All before Hydra
+    creates the sweep directory."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    from llmexp.rundir.lock import lock_sweep_dir
+    from llmexp.sweep.check import check_configs, check_search_dir, edge_configs
+    from llmexp.sweep.jobs import swept_values
+    from llmexp.sweep.space import grid_jobs, probe_job, scale_lr
+
+    loader = GlobalHydra.instance().config_loader()
+    parser = OverridesParser.create(config_loader=loader)
+    parsed = parser.parse_overrides(list(overrides))
+    hydra_overrides = [ov.input_line for ov in parsed if ov.is_hydra_override()]
+    task = [ov for ov in parsed if not ov.is_hydra_override()]
+    first = [*hydra_overrides, *probe_job(task)]
+    probe = compose_checked(config_name, first, job_num=0)
+    sweeper = probe.hydra.sweeper
+    params = OmegaConf.to_container(sweeper.params) if sweeper.get("params") else {}
+    swept = parser.parse_overrides([*(f"{k}={v}" for k, v in params.items()), *(ov.input_line for ov in task)])  # type: ignore[union-attr]
+    local = not str(probe.hydra.launcher.get("_target_", "")).endswith(".SlurmLauncher")  # SLURM: files on the node
+    sweep_dir = Path(str(probe.hydra.sweep.dir))
+    if str(sweeper._target_).endswith(".SearchSweeper"):
+        groups = _config_groups(loader.get_sources())
+        configs = edge_configs(swept, lambda job: compose_checked(config_name, [*hydra_overrides, *job], job_num=0),
+                               lambda key: key in groups)
+        check_configs(configs, on_this_machine=local)
+        check_search_dir(sweep_dir)
+    else:  # Hydra's BasicSweeper or llmexp's GridSweeper (zip, lr scaling), the two SWEEPER_TARGETS allow
+        jobs = grid_jobs(swept, list(sweeper.get("zip") or []))
+        jobs = scale_lr(jobs, str(sweeper.get("lr_scaling") or "none"), sweeper.get("base_batch_size"),
+                        probe.get("lr"))
+        def composed(num: int, job: list[str]) -> Any:  # (the first job is usually the probe itself)
+            same = num == 0 and [*hydra_overrides, *job] == first
+            return probe if same else compose_checked(config_name, [*hydra_overrides, *job], job_num=num)
+
+        check_configs([(f"job #{num} ({swept_values(job, jobs)})", composed(num, list(job)))
+                       for num, job in enumerate(jobs)], on_this_machine=local)
+    lock_sweep_dir(str(sweep_dir))
+
+
+# ----------------------------------------------------------------------------- --help and --hydra-help
+
+
+def help_text(cfg: Any, args_parser: argparse.ArgumentParser, hydra_help: bool, resolve: bool) -> str:
+    """Hydra's `--help` (or `--hydra-help`) page for a composed config: its help template with the flags, the
+    config groups and the config, as `hydra._internal.hydra.Hydra.app_help` renders it, the groups listed
+    from the config sources directly (Hydra's loader copies its repository on each of ~90 questions)."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, flag_override
+
+    HydraConfig.instance().set_config(cfg)
+    help_cfg = cfg.hydra.hydra_help if hydra_help else cfg.hydra.help
+    shown = copy.deepcopy(cfg)
+    with flag_override(shown, ["struct", "readonly"], [False, False]):
+        if hydra_help:  # Hydra's own node, less its help pages
+            for key in [k for k in shown if k != "hydra"]:
+                del shown[key]
+            with flag_override(shown.hydra, ["struct", "readonly"], [False, False]):
+                del shown.hydra["hydra_help"]
+                del shown.hydra["help"]
+        else:
+            del shown["hydra"]
+    groups = _config_groups(GlobalHydra.instance().config_loader().get_sources())
+    return string.Template(help_cfg.template).substitute(
+        FLAGS_HELP=_flags_help(args_parser),
+        HYDRA_CONFIG_GROUPS=_format_groups(groups, hydra=True),
+        APP_CONFIG_GROUPS=_format_groups(groups, hydra=False),
+        CONFIG=OmegaConf.to_yaml(shown, resolve=resolve and not hydra_help),
+    )
+
+
+def _flags_help(args_parser: argparse.ArgumentParser) -> str:
+    text, overrides = "", None
+    for action in args_parser._actions:
+        if action.option_strings:
+            text += f"{','.join(action.option_strings)} : {action.help}\n"
+        else:
+            overrides = action
+    return text + "Overrides : " + str(getattr(overrides, "help", ""))
+
+
+def _config_groups(sources: list[Any]) -> dict[str, list[str]]:
+    """Every config group with options (`hydra/launcher`, `model`, ...) -> its options, from every source."""
+    from hydra.core.object_type import ObjectType
+
+    def options(group: str, kind: ObjectType) -> list[str]:
+        found = {o for s in sources if s.is_group(group) for o in s.list(group, results_filter=kind)}
+        return sorted(found)
+
+    groups: dict[str, list[str]] = {}
+
+    def walk(parent: str) -> None:
+        for name in options(parent, ObjectType.GROUP):
+            group = f"{parent}/{name}" if parent else name
+            if configs := options(group, ObjectType.CONFIG):
+                groups[group] = configs
+            walk(group)
+
+    walk("")
+    return groups
+
+
+def _format_groups(groups: dict[str, list[str]], hydra: bool) -> str:
+    return "".join(f"{g}: {', '.join(o)}\n" for g, o in sorted(groups.items())
+                   if (g == "hydra" or g.startswith("hydra/")) == hydra)

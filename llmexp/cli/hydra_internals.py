@@ -1,0 +1,102 @@
+"""The only module of llmexp that imports Hydra's private API (`hydra._internal`), for three things Hydra 1.3's
+public API does not offer. `tests/test_security.py` pins each name, and the source of `_run_hydra`, whose steps
+`compose_api_as_hydra_main` repeats: a Hydra upgrade fails there, by name, until this file is compared again.
+
+* `args_parser`: Hydra's own argparse parser. llmexp reads the command line before `@hydra.main` does (its typo
+  checks, `--experimental-rerun`, the mode), and must read it exactly as Hydra will: every flag and each
+  abbreviation argparse accepts (`--config-d`). Hydra has no public accessor for its parser.
+* `compose_api_as_hydra_main`: the Compose API (`hydra.compose`), initialized with the config search path
+  `@hydra.main` builds from `--config-path` and `--config-dir`. The public initializers take one directory
+  (`initialize_config_dir`) or one module; `--config-dir` adds a second, ahead of the structured schemas, and
+  the primary config may lie there. `hydra.searchpath` cannot stand in for it: its entries are added only
+  after the primary config has been looked up.
+* `guard_package_sources`: `pkg://` config sources limited to trusted packages. Reading `pkg://X` imports X
+  (its code runs) while Hydra composes, before any check of the composed config can run; Hydra's registry of
+  config sources by scheme is private, and a plugin cannot replace the `pkg` source it registers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from llmexp.errors import UserError
+
+
+def args_parser() -> argparse.ArgumentParser:
+    """Hydra's own command-line parser (`@hydra.main` parses `sys.argv` with it)."""
+    from hydra._internal.utils import get_args_parser
+
+    return get_args_parser()
+
+
+@contextmanager
+def compose_api_as_hydra_main(task_function: Callable[..., Any], config_path: str,
+                              config_dir: str | None) -> Iterator[None]:
+    """Within the block `hydra.compose` composes from the search path `@hydra.main(config_path=...)` on
+    `task_function` builds, with `--config-dir` added as `hydra._internal.utils._run_hydra` adds it."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import (
+        create_automatic_config_search_path,
+        detect_calling_file_or_module_from_task_function,
+        detect_task_name,
+    )
+    from hydra.core.config_search_path import SearchPathQuery
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import SearchPathException
+
+    calling_file, calling_module = detect_calling_file_or_module_from_task_function(task_function)
+    search_path = create_automatic_config_search_path(calling_file, calling_module, config_path)
+    if config_dir is not None:
+        abs_config_dir = os.path.abspath(config_dir)
+        if not os.path.isdir(abs_config_dir):
+            raise SearchPathException(f"Additional config directory '{abs_config_dir}' not found")
+        search_path.prepend(provider="command-line", path=f"file://{abs_config_dir}",
+                            anchor=SearchPathQuery(provider="schema"))
+    Hydra.create_main_hydra2(task_name=detect_task_name(calling_file, calling_module), config_search_path=search_path)
+    try:
+        yield
+    finally:
+        GlobalHydra.instance().clear()  # `@hydra.main` initializes its own
+
+
+try:  # Hydra 1.3's `pkg://` config source; Hydra is always installed, but keep this module importable without it
+    from hydra._internal.core_plugins.importlib_resources_config_source import (
+        ImportlibResourcesConfigSource as _PackageSource,
+    )
+except ImportError:  # pragma: no cover
+    _PackageSource = object  # type: ignore[assignment,misc]
+
+
+TRUSTED_PACKAGES: tuple[str, ...] = ("hydra", "hydra_plugins", "llmexp")
+"""Packages a `pkg://` search path may name."""
+
+
+class TrustedPackageSource(_PackageSource):  # type: ignore[misc,valid-type]
+    """Hydra's `pkg://` config source for llmexp's and Hydra's own packages only.
+
+    Reading `pkg://some.module` imports that module (its code runs) while Hydra composes, before any check
+    of the composed config could run; so a search path (`hydra.searchpath`, from the command line or a
+    primary config) may name only TRUSTED_PACKAGES. Installed by `guard_package_sources`."""
+
+    def __init__(self, provider: str, path: str) -> None:
+        package = path.split("://", 1)[-1].replace("/", ".").strip(".")
+        if package.split(".")[0] not in TRUSTED_PACKAGES:
+            raise UserError(f"hydra.searchpath: {path} would import the package {package!r} (its code runs); "
+                            f"only {', '.join(TRUSTED_PACKAGES)} may be named, use a directory (file://DIR) instead")
+        super().__init__(provider=provider, path=path)
+
+
+# Hydra's registry refuses a second class for a scheme unless its __name__ matches the first one's (it then
+# keeps the registered one): so Hydra's plugin scan, in this process or a job's, keeps ours.
+TrustedPackageSource.__name__ = _PackageSource.__name__
+
+
+def guard_package_sources() -> None:
+    """Route Hydra's `pkg://` scheme to TrustedPackageSource, before or after Hydra's plugin scan."""
+    from hydra._internal.sources_registry import SourcesRegistry
+
+    SourcesRegistry.instance().types["pkg"] = TrustedPackageSource

@@ -1,0 +1,84 @@
+"""Where a value of a composed config came from: the command line, or the YAML file (or structured config)
+that set it. A refusal names it (`security.check_config(cfg, origin=...)`), so that a user can find the
+key among the files a composition read. Read through Hydra's public API: the config loader's defaults list,
+and the sources the composed config lists (`hydra.runtime.config_sources`). No torch here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def origin_of(loader: Any, cfg: Any, overrides: list[str]) -> Any:
+    """`key -> origin` for a config composed by `loader` (a Hydra ConfigLoader) from `overrides`."""
+    return lambda key: key_origin(loader, cfg, overrides, key)
+
+
+def key_origin(loader: Any, cfg: Any, overrides: list[str], key: str) -> str:
+    """Where the value at `key` came from: "command line" when an override sets the key or a node above it, else
+    the last config (in Hydra's defaults order) that sets it; "config" when that cannot be told."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.types import RunMode
+
+    try:
+        groups = {str(choice).split("@")[0] for choice in cfg.hydra.runtime.choices}
+        for ov in reversed(OverridesParser.create().parse_overrides(list(overrides))):
+            name = ov.key_or_group
+            if not ov.is_delete() and name not in groups and (key == name or key.startswith(f"{name}.")):
+                return "command line"
+        defaults = loader.compute_defaults_list(cfg.hydra.job.config_name, list(overrides), RunMode.RUN).defaults
+        sources = [(str(s.schema), str(s.path)) for s in cfg.hydra.runtime.config_sources]
+        for default in reversed(defaults):
+            if found := _setting_source(sources, default, key):
+                return found
+    except Exception:  # the origin is a courtesy; the refusal stands without it
+        return "config"
+    return "config"
+
+
+def _setting_source(sources: list[tuple[str, str]], default: Any, key: str) -> str | None:
+    """The config behind one defaults-list entry, if its content (placed at its package) sets `key`."""
+    if default.config_path is None:
+        return None
+    package = default.package or ""
+    if package and key != package and not key.startswith(f"{package}."):
+        return None
+    relative = key[len(package) + 1:] if package and key != package else key if not package else ""
+    found = next((hit for schema, path in sources if (hit := _read(schema, path, default.config_path))), None)
+    if found is None:  # Hydra takes a config from the first source in the search path that has it
+        return None
+    where, node = found
+    for part in [p for p in relative.split(".") if p]:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return where
+
+
+def _read(schema: str, path: str, config_path: str) -> tuple[str, Any] | None:
+    """(where, plain content) of `config_path` in one config source, or None when it does not hold it."""
+    import yaml
+
+    location = path.split("://", 1)[-1]
+    if schema == "file":
+        file = Path(location) / f"{config_path}.yaml"
+        return (str(file), yaml.safe_load(file.read_text())) if file.is_file() else None
+    if schema == "pkg":  # (only trusted packages get here: `cli.hydra_internals.guard_package_sources`)
+        from importlib import resources
+
+        module, _, below = location.partition("/")
+        entry = resources.files(module).joinpath(*[p for p in below.split("/") if p], f"{config_path}.yaml")
+        return (f"pkg://{location}/{config_path}", yaml.safe_load(entry.read_text())) if entry.is_file() else None
+    if schema == "structured":
+        from hydra.core.config_store import ConfigStore
+        from omegaconf import OmegaConf
+
+        try:
+            node = ConfigStore.instance().load(f"{config_path}.yaml").node
+        except Exception:  # not in the ConfigStore
+            return None
+        return f"structured://{config_path}", OmegaConf.to_container(OmegaConf.create(node), resolve=False)
+    return None
