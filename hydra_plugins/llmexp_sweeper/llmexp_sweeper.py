@@ -80,7 +80,7 @@ class GridSweeper(Sweeper):
 
         from llmexp.sweep.jobs import TrialResult, exit_for_results, is_llmexp_config, job_dir_of, read_result
 
-        returns = super().sweep(arguments)
+        returns = self._grid(arguments)
         if self.config is None or not is_llmexp_config(self.config):  # another app gets Hydra's returns only
             return returns
         results = []
@@ -104,7 +104,8 @@ class GridSweeper(Sweeper):
         size = max_batch_size or len(jobs)
         return [jobs[i:i + size] for i in range(0, len(jobs), size)]
 
-    def sweep(self, arguments: list[str]) -> Any:
+    def _grid(self, arguments: list[str]) -> Any:
+        """Hydra's basic sweeper's flow: the batches, each composed and checked, then launched."""
         from pathlib import Path
 
         from hydra.core.override_parser.overrides_parser import OverridesParser
