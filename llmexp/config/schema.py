@@ -387,6 +387,9 @@ class TrainConfig:
     checkpoint's: error (exit 2, naming both) or warn (resume on the new data)."""
     compile: bool = False
     """torch.compile the model; compile time is reported apart from step time."""
+    cpu_matmul: str = "auto"
+    """fp32 eager training on a CPU: auto measures torch's matmul (MKL on x86) against oneDNN's at start and takes
+    oneDNN where it is faster with equal results (AMD CPUs: ~2x; `llmexp.model.cpu_matmul`); torch keeps torch's."""
     on_anomaly: str = "skip"
     """On a non-finite loss or grad norm: stop, skip the step, or rollback to a checkpoint."""
     max_consecutive_anomalies: int = 5

@@ -39,6 +39,7 @@ FSDP_STRATEGIES = ("none", "full_shard", "shard_grad_op", "hybrid_shard")
 SWEEP_STRATEGIES = ("grid", "random", "tpe")
 PRUNERS = ("none", "asha", "hyperband", "median")
 LR_SCALINGS = ("none", "sqrt", "linear")
+CPU_MATMULS = ("auto", "torch")
 
 INT64_MAX = 2**63 - 1
 """The largest int torch, numpy and the checkpoint's JSON round trip all take as a signed 64-bit value."""
@@ -299,6 +300,7 @@ def validate(cfg: DictConfig | Config) -> None:
                f"warmup ({warmup} steps) must be shorter than train.max_steps={t.max_steps}; "
                "lower train.warmup_steps/warmup_ratio or raise train.max_steps")
     _choice(errors, t.on_anomaly, "train.on_anomaly", ANOMALY_POLICIES)
+    _choice(errors, t.cpu_matmul, "train.cpu_matmul", CPU_MATMULS)
     _choice(errors, t.resume_data_mismatch, "train.resume_data_mismatch", ("error", "warn"))
     _check(errors, t.resume in ("auto", "never") or bool(t.resume), "train.resume",
            "must be auto, never, or a checkpoint path")

@@ -164,12 +164,16 @@ def add_adapters(cfg: DictConfig, model: Any, four_bit: bool) -> Any:
     lora = LoraConfig(r=pe.r, lora_alpha=pe.lora_alpha, lora_dropout=pe.lora_dropout, target_modules=target,
                       bias="none", task_type="CAUSAL_LM")
     try:
-        return get_peft_model(model, lora)
+        peft_model = get_peft_model(model, lora)
     except ValueError as err:  # peft: "Target modules {...} not found in the base model"
         names = sorted({name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
                         if mod.__class__.__name__ in ("Linear", "Linear4bit", "Conv1D")})
         raise UserError(f"peft.target_modules={target}: {str(err).splitlines()[0][:200]}; this model's linear "
                         f"layers are {names}, or use peft.target_modules=all-linear") from err
+    from llmexp.model.lora_dropout import use_mask_dropout
+
+    use_mask_dropout(peft_model)  # the same dropout, its CPU mask ~3x cheaper (~8% of a LoRA step before)
+    return peft_model
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float, decay_all: bool) -> list[dict[str, Any]]:

@@ -55,6 +55,8 @@ class RunDescription:
     data_seed: int
     started: float
     """`time.perf_counter()` when set-up began."""
+    model_facts: dict[str, Any] = field(default_factory=dict)
+    """What the model is (`llmexp.model.facts.model_facts`), and `cpu_matmul`: where its fp32 CPU matmuls go."""
 
     def elapsed(self) -> float:
         import time
