@@ -94,7 +94,7 @@ class ConfigCheck:
         else:  # Hydra's BasicSweeper or llmexp's GridSweeper (zip, lr scaling), the two SWEEPER_TARGETS allow
             jobs = grid_jobs(parsed, list(sweeper.get("zip") or []))
             jobs = scale_lr(jobs, str(sweeper.get("lr_scaling") or "none"), sweeper.get("base_batch_size"),
-                            master_config.get("lr"))
+                            _lr_to_scale(master_config))
         for job in jobs:
             cfg = self.load_sweep_config(master_config, list(job))
             self._ready[(id(master_config), tuple(job))] = cfg
@@ -109,6 +109,18 @@ class ConfigCheck:
         overrides = [*OmegaConf.to_container(master_config.hydra.overrides.hydra), *sweep_overrides]  # type: ignore[misc]
         self.check(cfg, master_config.hydra.job.config_name, overrides)
         return cfg
+
+
+def _lr_to_scale(master_config: Any) -> Any:
+    """The lr a grid's `sweep.lr_scaling` scales: `lr`, or the data's pretraining lr where a from-scratch run takes
+    it (`configured_lr`); a bad value is handed on as it is, for `scale_lr` to name."""
+    from llmexp.config.validation import configured_lr
+
+    try:
+        configured = configured_lr(master_config)
+    except (ValueError, TypeError):
+        return master_config.get("lr")
+    return configured[0] if configured else master_config.get("lr")
 
 
 def key_origin(loader: Any, config_name: str | None, overrides: list[str], key: str) -> str:

@@ -110,6 +110,9 @@ class DataConfig(HfSourceConfig):
     """Use at most this many training records (stdlib_sft and quick experiments)."""
     finetune_only: bool = False
     """Refuse to start without model.name_or_path: this data fine-tunes an earlier run's model."""
+    pretrain_lr: float | None = None
+    """The lr lr=auto takes for a model trained from scratch on this data (stdlib: 6e-4, measured for the default
+    run); a fine-tune (model.name_or_path) or adapters keep lr=auto's own rule, and an explicit lr wins."""
     path: str | None = None
     """hf: a hub id, a `save_to_disk` directory, or a file builder (parquet, arrow, json, csv, text)."""
     mix: list[MixSourceConfig] = field(default_factory=list)

@@ -104,6 +104,7 @@ RANGES: dict[str, Range] = {
     "data.max_examples": _at_least(1, "(or null for all)"),
     "data.shuffle_window": _at_least(1),
     "data.stream_eval_rows": _at_least(1),
+    "data.pretrain_lr": Range(low=0, low_open=True, note="(or null)"),
     "precision.init_scale": _POSITIVE,
     "precision.growth_interval": _at_least(1),
     "optimizer.eps": _at_least(0),
@@ -185,6 +186,19 @@ def parse_lr(value: Any) -> float | None:
     if isinstance(value, bool):
         raise ValueError(value)
     return float(value)
+
+
+def configured_lr(cfg: Any) -> tuple[float, str] | None:
+    """The lr the config sets, and where: `lr` itself (`config`), else the data's pretraining lr for a model
+    built from scratch without adapters (`data`: `data.pretrain_lr`); None leaves it to lr=auto. A fine-tune
+    never takes a data config's pretraining lr: it is ~10x what fine-tuning a pretrained model wants."""
+    lr = parse_lr(cfg.lr)
+    if lr is not None:
+        return lr, "config"
+    pretrain = cfg.data.pretrain_lr
+    if pretrain is not None and not cfg.model.name_or_path and cfg.peft.name == "none":
+        return float(pretrain), "data"
+    return None
 
 
 def number_keys() -> dict[str, type]:

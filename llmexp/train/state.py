@@ -38,7 +38,8 @@ class RunDescription:
     lr: float
     """The peak learning rate."""
     lr_source: str
-    """`config` (the `lr` key) or `auto` (the seed's lr-by-size rule)."""
+    """`config` (the `lr` key), `data` (the data's pretraining lr, from scratch), `auto` (the seed's lr-by-size
+    rule) or `auto-adapter` (the QLoRA paper's)."""
     monitor: MonitorSettings
     """The detectors' settings for this run."""
     max_steps: int
