@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from llmexp.config.derived import global_batch_problem, parse_batch_size, world_size_from_env
+from llmexp.config.gguf import gguf_file_problem, local_gguf
 from llmexp.errors import UserError
 
 
@@ -59,6 +60,9 @@ def _file_errors(cfg: Any) -> list[str]:
     for key, value in (("model.name_or_path", cfg.model.name_or_path), ("data.tokenizer", d.tokenizer)):
         if value and str(value).startswith((".", "/", "~")) and not Path(str(value)).expanduser().is_dir():
             errors.append(f"{key}={value}: no such directory; point it at a save_pretrained directory or a hub id")
+    m = cfg.model
+    if m.gguf_file and m.name_or_path and (path := local_gguf(str(m.name_or_path), str(m.gguf_file))) is not None:
+        errors.extend(problem for problem in [gguf_file_problem(path)] if problem)  # a hub repo's: when fetched
     resume = str(cfg.train.resume)
     if resume not in ("auto", "never") and resume and not Path(resume).expanduser().is_dir():
         errors.append(f"train.resume={resume}: no such checkpoint directory; use train.resume=auto, never, "

@@ -24,6 +24,9 @@ class ModelConfig:
     """Label for reports and run names."""
     name_or_path: str | None = None
     """A local directory or hub id to load with `from_pretrained`; null builds from the fields below."""
+    gguf_file: str | None = None
+    """A GGUF file (llama.cpp's format) in `name_or_path`, loaded instead of its safetensors: transformers dequantises
+    it to the run's dtype once per machine (`pip install 'llmexp[gguf]'`); `model/` is then plain safetensors."""
     revision: str | None = None
     """Hub revision (commit hash) to pin; required when `trust_remote_code` is true."""
     trust_remote_code: bool = False

@@ -59,10 +59,12 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
 
-def _from_pretrained(cls: Any, cfg: DictConfig, **extra: Any) -> Any:
+def _from_pretrained(cls: Any, cfg: DictConfig, converted: str | None = None, **extra: Any) -> Any:
     from llmexp.data.tokenizer import hub_error, hub_load_kwargs
 
     m = cfg.model
+    if converted is not None:  # model.gguf_file's cached dequantised conversion (llmexp.model.gguf)
+        return cls.from_pretrained(converted, **extra)
     kwargs = hub_load_kwargs(m.name_or_path)  # offline fast path when the hub is unreachable
     try:
         return cls.from_pretrained(m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code,
@@ -84,9 +86,10 @@ def build_model(cfg: DictConfig, vocab_size: int, precision: str = "fp32") -> Pr
     m = cfg.model
     four_bit = cfg.peft.name != "none" and cfg.peft.load_in_4bit
     if m.name_or_path:
-        config = _from_pretrained(AutoConfig, cfg)
+        converted = gguf_source(cfg, precision) if m.gguf_file else None
+        config = _from_pretrained(AutoConfig, cfg, converted)
         extra = quantization_kwargs(cfg, precision) if four_bit else {}
-        model = _from_pretrained(AutoModelForCausalLM, cfg, **extra)
+        model = _from_pretrained(AutoModelForCausalLM, cfg, converted, **extra)
         if not four_bit:  # a 4-bit model keeps its own config: it carries the quantization_config
             model.config = config
             model.float()
@@ -106,6 +109,17 @@ def build_model(cfg: DictConfig, vocab_size: int, precision: str = "fp32") -> Pr
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     return model
+
+
+def gguf_source(cfg: DictConfig, precision: str) -> str:
+    """`model.gguf_file` dequantised to the dtype this run holds the base in (fp32: trained weights are the fp32
+    master copy; a LoRA base in the precision's dtype), as a cached safetensors directory."""
+    import torch
+
+    from llmexp.model.gguf import gguf_model_dir
+
+    dtype = (autocast_dtype(precision) if cfg.peft.name != "none" else None) or torch.float32
+    return str(gguf_model_dir(cfg, dtype))
 
 
 def quantization_kwargs(cfg: DictConfig, precision: str) -> dict[str, Any]:

@@ -18,7 +18,7 @@ def model_id(cfg: DictConfig) -> str:
     m = cfg.model
     if not m.name_or_path:
         return str(m.name)
-    return str(m.name_or_path)
+    return f"{m.name_or_path}/{m.gguf_file}" if m.gguf_file else str(m.name_or_path)
 
 
 def model_facts(cfg: DictConfig, lm: nn.Module) -> dict[str, Any]:
@@ -32,6 +32,9 @@ def model_facts(cfg: DictConfig, lm: nn.Module) -> dict[str, Any]:
         "vocab_size": config.vocab_size, "context_length": getattr(config, "max_position_embeddings", None),
         "model_params": count_params(lm, trainable_only=False) - adapter_params,
         "trainable_params": count_params(lm)}
+    if cfg.model.name_or_path and cfg.model.gguf_file:
+        facts["gguf_dtype"] = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(
+            str(next(base.parameters()).dtype).removeprefix("torch."), "fp32")
     if cfg.peft.name != "none":
         facts["adapter"] = {"method": cfg.peft.name, "r": int(cfg.peft.r), "modules": _lora_layers(lm)}
     return facts
