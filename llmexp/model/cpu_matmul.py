@@ -131,8 +131,10 @@ class MatmulPath:
 
 
 def probe(rows: int, in_features: int, out_features: int) -> MatmulPath:
-    """Time torch's and oneDNN's `x @ W.T` on the model's own shape, alternating (best of `PROBE_ROUNDS`, so a
-    descheduled round on a shared machine does not decide), and check that forward, d input and d weight agree."""
+    """Time torch's and oneDNN's `x @ W.T` on the model's own shape, alternating, and check that forward, d input
+    and d weight agree. Timed on one thread in this thread's CPU seconds (best of `PROBE_ROUNDS`): the kernels'
+    speed per core, which is what differs between the two, and which neither other processes on the cores nor
+    OpenMP's waits for a descheduled thread distort (on a loaded 2-core machine wall-clock ratios came out 20x)."""
     op = _op()
     if op is None:
         return MatmulPath("torch", f"torch.ops.mkldnn._linear_pointwise is not in torch {torch.__version__}")
@@ -148,12 +150,17 @@ def probe(rows: int, in_features: int, out_features: int) -> MatmulPath:
     if not diff <= MAX_REL_DIFF:
         return MatmulPath("torch", f"oneDNN's result differs from torch's by {diff:.1e} (relative)", None, diff)
     best = {"torch": float("inf"), "onednn": float("inf")}
-    for _ in range(PROBE_ROUNDS):
-        for name, fn in (("torch", torch_mm_t), ("onednn", mm_t)):
-            start = time.perf_counter()
-            fn(x, w)
-            best[name] = min(best[name], time.perf_counter() - start)
-    speedup = best["torch"] / best["onednn"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(PROBE_ROUNDS):
+            for name, fn in (("torch", torch_mm_t), ("onednn", mm_t)):
+                start = time.thread_time()
+                fn(x, w)
+                best[name] = min(best[name], time.thread_time() - start)
+    finally:
+        torch.set_num_threads(threads)
+    speedup = best["torch"] / max(best["onednn"], 1e-9)
     shape = f"a {x.shape[0]} x {in_features} x {out_features} matmul"
     if speedup < MIN_SPEEDUP:
         return MatmulPath("torch", f"oneDNN ran {shape} at {speedup:.2f}x torch's speed here; taken from "
