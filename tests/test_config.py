@@ -185,9 +185,18 @@ def test_a_bad_warmup_ratio_does_not_break_the_warmup_rule(default_cfg: Any) -> 
 
 
 def test_stdlib_pretraining_lr_comes_with_its_data_and_other_data_keep_lr_auto(tmp_path: Path) -> None:
-    """The default run's lr is llmexp/conf/data/stdlib.yaml's (measured for it, issue 20); fine-tuning on
-    other data keeps lr=auto (the seed's table, / 10), and a command-line lr wins over both."""
-    assert compose([], tmp_path).lr == pytest.approx(6e-4)
-    assert compose(["lr=1e-4"], tmp_path).lr == pytest.approx(1e-4)
+    """The default run's lr is llmexp/conf/data/stdlib.yaml's `data.pretrain_lr` (measured for it, issue 20), for a
+    model trained from scratch only: a fine-tune, even on the stdlib, keeps lr=auto (the seed's table, / 10), as do
+    adapters and other data, and a command-line lr wins over all (issue 28)."""
+    from llmexp.config.validation import configured_lr
+    from llmexp.train.schedule import resolve_lr
+
+    default = compose([], tmp_path)
+    assert default.lr == "auto" and configured_lr(default) == (pytest.approx(6e-4), "data")
+    assert resolve_lr(default, 7_000_000) == (pytest.approx(6e-4), "data")
+    assert configured_lr(compose(["lr=1e-4"], tmp_path)) == (pytest.approx(1e-4), "config")
+    finetune = compose(["model.name_or_path=run/model"], tmp_path)
+    assert configured_lr(finetune) is None and resolve_lr(finetune, 135_000_000) == (pytest.approx(3e-5), "auto")
+    assert resolve_lr(compose(["peft=lora"], tmp_path), 7_000_000) == (pytest.approx(2e-4), "auto-adapter")
     for other in (["data=json", "data.train_file=t.jsonl"], ["model.name_or_path=run/model", "data=stdlib_sft"]):
-        assert compose(other, tmp_path).lr == "auto", other
+        assert configured_lr(compose(other, tmp_path)) is None, other

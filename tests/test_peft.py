@@ -227,7 +227,8 @@ def test_lr_auto_with_adapters_follows_the_qlora_paper(tmp_path: Path) -> None:
     assert resolve_lr(cfg, 7_000_000_000) == (2e-4, "auto-adapter")
     assert resolve_lr(cfg, 65_000_000_000) == (1e-4, "auto-adapter")
     assert auto_adapter_lr(500_000_000) == 2e-4
-    assert resolve_lr(compose(["lr=auto"], tmp_path), 6_000_000)[1] == "auto"  # peft=none: the seed's table
+    plain = compose(["lr=auto", "data=json", "data.train_file=t.jsonl"], tmp_path)
+    assert resolve_lr(plain, 6_000_000)[1] == "auto"  # peft=none: the seed's table
 
 
 def test_estimate_knows_adapters_and_four_bit_weights(base_dir: Path, tmp_path: Path) -> None:

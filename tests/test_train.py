@@ -40,7 +40,7 @@ def test_default_run_writes_the_whole_run_directory(default_run: Path) -> None:
     for key in ("train_loss", "eval_loss", "eval_ppl", "tokens_per_sec", "mfu", "findings"):
         assert key in summary
     # data=stdlib brings the default run's pretraining lr (llmexp/conf/data/stdlib.yaml), not lr=auto's 3e-4
-    assert summary["lr_source"] == "config" and summary["lr"] == pytest.approx(6e-4)
+    assert summary["lr_source"] == "data" and summary["lr"] == pytest.approx(6e-4)
     assert not [f for f in summary["findings"] if f["severity"] == "error"]
 
 
@@ -86,8 +86,9 @@ def test_console_opens_with_a_header_stays_clean_and_is_kept_in_llmexp_log(defau
     stdout = (default_run.parent / "stdout.txt").read_text()
     summary = json.loads((default_run / "summary.json").read_text())
     head = stderr[:stderr.index("eval      0")]
-    for expected in (f"run        {default_run}", "model      tiny (from scratch), ",
-                     f"{summary['num_params'] / 1e6:,.2f}M parameters", "train tokens in", "eval tokens",
+    for expected in (f"run        {default_run}", "model      tiny: LlamaForCausalLM, from scratch\n",
+                     f"           {summary['num_params'] / 1e6:.1f}M parameters; vocabulary 8,192, context 256\n",
+                     "train tokens in", "eval tokens",
                      "steps      20; global batch 4 = 4 per device x 1 process(es) x 1 accumulation step(s)",
                      f"precision  {summary['precision']} (precision=auto)",
                      f"optimizer  adamw, lr {summary['lr']:.2e} (", "), cosine schedule"):

@@ -96,10 +96,10 @@ class GridSweeper(Sweeper):
     def split_arguments(self, overrides: list[Override], max_batch_size: int | None) -> list[list[list[str]]]:
         """The jobs, in batches of `max_batch_size`."""
         from llmexp.sweep.jobs import exit_2_on_user_error
-        from llmexp.sweep.space import grid_jobs, scale_lr
+        from llmexp.sweep.space import grid_jobs, lr_to_scale, scale_lr
 
         jobs = exit_2_on_user_error(grid_jobs, overrides, self.zip_keys)
-        config_lr = self.config.lr if self.config is not None and "lr" in self.config else None
+        config_lr = lr_to_scale(self.config) if self.config is not None and "lr" in self.config else None
         jobs = exit_2_on_user_error(scale_lr, jobs, self.lr_scaling, self.base_batch_size, config_lr)
         size = max_batch_size or len(jobs)
         return [jobs[i:i + size] for i in range(0, len(jobs), size)]

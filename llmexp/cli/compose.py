@@ -80,7 +80,7 @@ def check_sweep(config_name: str | None, overrides: list[str]) -> None:
     from llmexp.rundir.lock import lock_sweep_dir
     from llmexp.sweep.check import check_configs, check_search_dir, edge_configs
     from llmexp.sweep.jobs import swept_values
-    from llmexp.sweep.space import grid_jobs, probe_job, scale_lr
+    from llmexp.sweep.space import grid_jobs, lr_to_scale, probe_job, scale_lr
 
     loader = GlobalHydra.instance().config_loader()
     parser = OverridesParser.create(config_loader=loader)
@@ -103,7 +103,7 @@ def check_sweep(config_name: str | None, overrides: list[str]) -> None:
     else:  # Hydra's BasicSweeper or llmexp's GridSweeper (zip, lr scaling), the two SWEEPER_TARGETS allow
         jobs = grid_jobs(swept, list(sweeper.get("zip") or []))
         jobs = scale_lr(jobs, str(sweeper.get("lr_scaling") or "none"), sweeper.get("base_batch_size"),
-                        probe.get("lr"))
+                        lr_to_scale(probe))
         def composed(num: int, job: list[str]) -> Any:  # (the first job is usually the probe itself)
             same = num == 0 and [*hydra_overrides, *job] == first
             return probe if same else compose_checked(config_name, [*hydra_overrides, *job], job_num=num)

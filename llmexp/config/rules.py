@@ -35,6 +35,7 @@ SWEEP_STRATEGIES = ("grid", "random", "tpe")
 SAMPLERS = ("random", "tpe")
 PRUNERS = ("none", "asha", "hyperband", "median")
 LR_SCALINGS = ("none", "sqrt", "linear")
+CPU_MATMULS = ("auto", "torch")
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,8 @@ RULES: dict[str, Any] = {
     "model.name_or_path": PathRule("model"),
     "model.revision": _OPTIONAL,
     "model.trust_remote_code": Flag(),
+    "model.gguf_file": Special("validation._validate_gguf: a file inside model.name_or_path, no 4-bit base; "
+                               "environment: a GGUF file transformers can load", ("''", "x.gguf", "'  '")),
     "model.tie_word_embeddings": Flag(),
     "model.gradient_checkpointing": Flag(),
     "data.data_files": PathRule("hf_files"),
@@ -254,6 +257,7 @@ RULES: dict[str, Any] = {
     "train.resume_data_mismatch": Choice(("error", "warn")),
     "train.compile": Flag(),
     "train.on_anomaly": Choice(ANOMALY_POLICIES),
+    "train.cpu_matmul": Choice(CPU_MATMULS),
     "train.merge_adapter": Flag(),
     "lr": Special("validation._number_errors: a positive finite number, or auto",
                   ("0", "-1", "inf", "nan", "-inf", "fast", "[0.001]", "1e400")),

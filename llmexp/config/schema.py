@@ -24,6 +24,9 @@ class ModelConfig:
     """Label for reports and run names."""
     name_or_path: str | None = None
     """A local directory or hub id to load with `from_pretrained`; null builds from the fields below."""
+    gguf_file: str | None = None
+    """A GGUF file (llama.cpp's format) in `name_or_path`, loaded instead of its safetensors: transformers dequantises
+    it to the run's dtype once per machine (`pip install 'llmexp[gguf]'`); `model/` is then plain safetensors."""
     revision: str | None = None
     """Hub revision (commit hash) to pin; required when `trust_remote_code` is true."""
     trust_remote_code: bool = False
@@ -110,6 +113,9 @@ class DataConfig(HfSourceConfig):
     """Use at most this many training records (stdlib_sft and quick experiments)."""
     finetune_only: bool = False
     """Refuse to start without model.name_or_path: this data fine-tunes an earlier run's model."""
+    pretrain_lr: float | None = None
+    """The lr lr=auto takes for a model trained from scratch on this data (stdlib: 6e-4, measured for the default
+    run); a fine-tune (model.name_or_path) or adapters keep lr=auto's own rule, and an explicit lr wins."""
     path: str | None = None
     """hf: a hub id, a `save_to_disk` directory, or a file builder (parquet, arrow, json, csv, text)."""
     mix: list[MixSourceConfig] = field(default_factory=list)
@@ -387,6 +393,9 @@ class TrainConfig:
     checkpoint's: error (exit 2, naming both) or warn (resume on the new data)."""
     compile: bool = False
     """torch.compile the model; compile time is reported apart from step time."""
+    cpu_matmul: str = "auto"
+    """fp32 eager training on a CPU: auto measures torch's matmul (MKL on x86) against oneDNN's at start and takes
+    oneDNN where it is faster with equal results (AMD CPUs: ~2x; `llmexp.model.cpu_matmul`); torch keeps torch's."""
     on_anomaly: str = "skip"
     """On a non-finite loss or grad norm: stop, skip the step, or rollback to a checkpoint."""
     max_consecutive_anomalies: int = 5

@@ -79,6 +79,7 @@ RANGES: dict[str, Range] = {
     "data.max_examples": _at_least(1, "(or null for all)"),
     "data.shuffle_window": _at_least(1),
     "data.stream_eval_rows": _at_least(1),
+    "data.pretrain_lr": Range(low=0, low_open=True, note="(or null)"),
     "precision.init_scale": _POSITIVE,
     "precision.growth_interval": _at_least(1),
     "optimizer.eps": _at_least(0),
@@ -152,6 +153,19 @@ def parse_lr(value: Any) -> float | None:
     if isinstance(value, bool):
         raise ValueError(value)
     return float(value)
+
+
+def configured_lr(cfg: Any) -> tuple[float, str] | None:
+    """The lr the config sets, and where: `lr` itself (`config`), else the data's pretraining lr for a model
+    built from scratch without adapters (`data`: `data.pretrain_lr`); None leaves it to lr=auto. A fine-tune
+    never takes a data config's pretraining lr: it is ~10x what fine-tuning a pretrained model wants."""
+    lr = parse_lr(cfg.lr)
+    if lr is not None:
+        return lr, "config"
+    pretrain = cfg.data.pretrain_lr
+    if pretrain is not None and not cfg.model.name_or_path and cfg.peft.name == "none":
+        return float(pretrain), "data"
+    return None
 
 
 def number_keys() -> dict[str, type]:
@@ -362,6 +376,8 @@ def _validate_groups(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet
         _check(errors, d.max_length <= m.max_position_embeddings, "data.max_length",
                f"{d.max_length} exceeds model.max_position_embeddings={m.max_position_embeddings}")
     errors.extend(remote_code_errors(m))  # trust_remote_code needs a pinned commit hash
+    if m.gguf_file is not None:
+        _validate_gguf(cfg, errors)
     ds = cfg.deepspeed
     offload = ds.offload_optimizer != "none" or ds.offload_param != "none"
     _check(errors, not (offload and cfg.optimizer.name.endswith("8bit")), "optimizer",
@@ -456,6 +472,18 @@ def _validate_sweep(sw: DictConfig, errors: list[str]) -> None:
     _check(errors, not search or (not sw.zip and sw.lr_scaling == "none"), "sweep.zip",
            f"sweep.zip and sweep.lr_scaling shape a grid; sweep={sw.name} samples each key itself (drop them, or "
            "use sweep=grid)")
+
+
+def _validate_gguf(cfg: DictConfig, errors: list[str]) -> None:
+    """`model.gguf_file` names a file inside `model.name_or_path`, of weights that are dense once dequantised."""
+    m = cfg.model
+    _check(errors, bool(str(m.gguf_file).strip()), "model.gguf_file",
+           "is empty; name the .gguf file inside model.name_or_path, or drop it (model.gguf_file=null)")
+    _check(errors, bool(m.name_or_path), "model.gguf_file",
+           f"{m.gguf_file} is a file inside a model directory or hub repo; set model.name_or_path to it")
+    _check(errors, not cfg.peft.load_in_4bit, "model.gguf_file",
+           f"peft={cfg.peft.name} quantises the base to 4-bit NF4, and a GGUF base is already quantised by llama.cpp "
+           "(dequantising it and quantising again compounds the rounding); use peft=lora on the GGUF base")
 
 
 def _validate_peft(cfg: DictConfig, errors: list[str]) -> None:

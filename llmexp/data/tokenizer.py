@@ -113,6 +113,10 @@ def load_tokenizer(cfg: DictConfig) -> PreTrainedTokenizerFast:
     if cfg.data.tokenizer:
         name = str(cfg.data.tokenizer)
         return _ensure_special_tokens(_from_pretrained(name, "data.tokenizer"), name)
+    if cfg.model.name_or_path and cfg.model.gguf_file:
+        from llmexp.data.gguf import gguf_tokenizer
+
+        return _ensure_special_tokens(gguf_tokenizer(cfg), f"{cfg.model.name_or_path}/{cfg.model.gguf_file}")
     if cfg.model.name_or_path:
         name = str(cfg.model.name_or_path)
         tok = _from_pretrained(name, "model.name_or_path", cfg.model.revision, bool(cfg.model.trust_remote_code))

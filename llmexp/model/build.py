@@ -59,10 +59,12 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
 
-def _from_pretrained(cls: Any, cfg: DictConfig, **extra: Any) -> Any:
+def _from_pretrained(cls: Any, cfg: DictConfig, converted: str | None = None, **extra: Any) -> Any:
     from llmexp.data.tokenizer import hub_error, hub_load_kwargs
 
     m = cfg.model
+    if converted is not None:  # model.gguf_file's cached dequantised conversion (llmexp.model.gguf)
+        return cls.from_pretrained(converted, **extra)
     kwargs = hub_load_kwargs(m.name_or_path)  # offline fast path when the hub is unreachable
     try:
         return cls.from_pretrained(m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code,
@@ -84,9 +86,10 @@ def build_model(cfg: DictConfig, vocab_size: int, precision: str = "fp32") -> Pr
     m = cfg.model
     four_bit = cfg.peft.name != "none" and cfg.peft.load_in_4bit
     if m.name_or_path:
-        config = _from_pretrained(AutoConfig, cfg)
+        converted = gguf_source(cfg, precision) if m.gguf_file else None
+        config = _from_pretrained(AutoConfig, cfg, converted)
         extra = quantization_kwargs(cfg, precision) if four_bit else {}
-        model = _from_pretrained(AutoModelForCausalLM, cfg, **extra)
+        model = _from_pretrained(AutoModelForCausalLM, cfg, converted, **extra)
         if not four_bit:  # a 4-bit model keeps its own config: it carries the quantization_config
             model.config = config
             model.float()
@@ -106,6 +109,17 @@ def build_model(cfg: DictConfig, vocab_size: int, precision: str = "fp32") -> Pr
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     return model
+
+
+def gguf_source(cfg: DictConfig, precision: str) -> str:
+    """`model.gguf_file` dequantised to the dtype this run holds the base in (fp32: trained weights are the fp32
+    master copy; a LoRA base in the precision's dtype), as a cached safetensors directory."""
+    import torch
+
+    from llmexp.model.gguf import gguf_model_dir
+
+    dtype = (autocast_dtype(precision) if cfg.peft.name != "none" else None) or torch.float32
+    return str(gguf_model_dir(cfg, dtype))
 
 
 def quantization_kwargs(cfg: DictConfig, precision: str) -> dict[str, Any]:
@@ -164,12 +178,16 @@ def add_adapters(cfg: DictConfig, model: Any, four_bit: bool) -> Any:
     lora = LoraConfig(r=pe.r, lora_alpha=pe.lora_alpha, lora_dropout=pe.lora_dropout, target_modules=target,
                       bias="none", task_type="CAUSAL_LM")
     try:
-        return get_peft_model(model, lora)
+        peft_model = get_peft_model(model, lora)
     except ValueError as err:  # peft: "Target modules {...} not found in the base model"
         names = sorted({name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
                         if mod.__class__.__name__ in ("Linear", "Linear4bit", "Conv1D")})
         raise UserError(f"peft.target_modules={target}: {str(err).splitlines()[0][:200]}; this model's linear "
                         f"layers are {names}, or use peft.target_modules=all-linear") from err
+    from llmexp.model.lora_dropout import use_mask_dropout
+
+    use_mask_dropout(peft_model)  # the same dropout, its CPU mask ~3x cheaper (~8% of a LoRA step before)
+    return peft_model
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float, decay_all: bool) -> list[dict[str, Any]]:

@@ -103,8 +103,13 @@ def meta_model(cfg: DictConfig) -> Any:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
+    from llmexp.config.gguf import local_gguf
+
     m = cfg.model
-    if m.name_or_path and _has_local_config(m.name_or_path):
+    gguf = local_gguf(str(m.name_or_path), str(m.gguf_file)) if m.name_or_path and m.gguf_file else None
+    if gguf is not None and gguf.is_file():  # the GGUF metadata's config (its tensors are not read)
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    elif m.name_or_path and _has_local_config(m.name_or_path):
         config = AutoConfig.from_pretrained(m.name_or_path, trust_remote_code=m.trust_remote_code)
     else:  # from the fields (model=llama2-7b lists the hub model's fields for exactly this)
         config = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,

@@ -15,12 +15,17 @@ never copied to fp32 as a whole. On CPU the loss part of the head takes about 4x
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmexp.model.cpu_matmul import torch_mm_t
+
+MatmulT = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""a, b -> a @ b.T: the fused head's three matmuls (`cpu_matmul.mm_t` where the run routes them to oneDNN)."""
 IGNORE_INDEX = -100
 CHUNK_TOKENS = 4096
 """Target positions projected at once: bounds the fp32 probabilities to CHUNK_TOKENS x vocab."""
@@ -40,7 +45,7 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                compute_dtype: torch.dtype, grad_enabled: bool) -> torch.Tensor:
+                compute_dtype: torch.dtype, grad_enabled: bool, mm_t: MatmulT = torch_mm_t) -> torch.Tensor:
         # needs_input_grad is True under torch.no_grad() too (it follows requires_grad): without the
         # caller's grad mode, every eval batch would compute the head's gradients for nothing.
         # A frozen head (LoRA leaves lm_head out) needs no weight gradient: that matmul is skipped.
@@ -50,11 +55,11 @@ class LinearCrossEntropy(torch.autograd.Function):
             w = weight.to(compute_dtype)
             total = hidden.new_zeros((), dtype=torch.float32)
             grad_hidden = torch.empty_like(hidden) if grad_h else None
-            grad_weight = torch.zeros_like(weight, dtype=torch.float32) if grad_w else None
+            grad_weight = None
             for start in range(0, hidden.shape[0], CHUNK_TOKENS):
                 h = hidden[start:start + CHUNK_TOKENS].to(compute_dtype)
                 t = targets[start:start + CHUNK_TOKENS]
-                logits = h @ w.t()
+                logits = mm_t(h, w)
                 lse = _logsumexp_fp32(logits)
                 target_logit = logits.gather(1, t[:, None]).squeeze(1).float()
                 total = total + (lse - target_logit).sum()
@@ -63,9 +68,12 @@ class LinearCrossEntropy(torch.autograd.Function):
                     rows = torch.arange(t.shape[0], device=t.device)
                     grad_logits[rows, t] = (torch.exp(target_logit - lse) - 1.0).to(compute_dtype)  # - one_hot
                     if grad_hidden is not None:
-                        grad_hidden[start:start + CHUNK_TOKENS] = grad_logits @ w
-                    if grad_weight is not None:
-                        grad_weight += (grad_logits.t() @ h).float()
+                        grad_hidden[start:start + CHUNK_TOKENS] = mm_t(grad_logits, w.t())
+                    if grad_w:  # the first chunk writes it: no (V, d) zero-fill and add
+                        chunk_grad = mm_t(grad_logits.t(), h.t()).float()
+                        grad_weight = chunk_grad if grad_weight is None else grad_weight.add_(chunk_grad)
+            if grad_w and grad_weight is None:  # no target in this micro-batch
+                grad_weight = torch.zeros_like(weight, dtype=torch.float32)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total
@@ -74,8 +82,11 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_hidden, grad_weight = ctx.saved_tensors
         scale = grad_total.float()
-        return (grad_hidden * scale.to(grad_hidden.dtype) if grad_hidden is not None else None,
-                (grad_weight * scale).to(ctx.weight_dtype) if grad_weight is not None else None, None, None, None)
+        # In place: these are our own buffers, used once (a second backward through this node would find them
+        # modified and raise, as autograd checks saved tensors' versions); a fresh (V, d) copy costs a pass.
+        return (grad_hidden.mul_(scale.to(grad_hidden.dtype)) if grad_hidden is not None else None,
+                grad_weight.mul_(scale).to(ctx.weight_dtype) if grad_weight is not None else None,
+                None, None, None, None)
 
 
 def _logsumexp_fp32(logits: torch.Tensor) -> torch.Tensor:
@@ -94,6 +105,8 @@ class CausalLMLoss(nn.Module):
         self.lm = lm
         self.split = fused_head_problem(lm) is None
         """Decoder + fused head; False runs the model's own forward and its logits (always exact)."""
+        self.head_mm_t: MatmulT = torch_mm_t
+        """The fused head's fp32 CPU matmuls (`cpu_matmul.MatmulPath.matmul_t`; set where the run routes them)."""
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -111,7 +124,9 @@ class CausalLMLoss(nn.Module):
         head = causal.lm_head
         compute_dtype = _compute_dtype(hidden, head)
         if compute_dtype is not None:
-            return LinearCrossEntropy.apply(hidden, head.weight, flat_targets, compute_dtype, torch.is_grad_enabled())
+            fp32_cpu = compute_dtype == torch.float32 and hidden.device.type == "cpu"
+            return LinearCrossEntropy.apply(hidden, head.weight, flat_targets, compute_dtype, torch.is_grad_enabled(),
+                                            self.head_mm_t if fp32_cpu else torch_mm_t)
         total = hidden.new_zeros((), dtype=torch.float32)
         for start in range(0, hidden.shape[0], CHUNK_TOKENS):
             logits = head(hidden[start:start + CHUNK_TOKENS])

@@ -17,20 +17,41 @@ ETA_AFTER_STEPS = 3
 """Steps timed (after the first, which warms up) before the console prints an ETA."""
 
 
-class _OwnOrWarning(logging.Filter):
-    """Console handlers pass llmexp's own records and anything of WARNING or above."""
+class _OwnOrError(logging.Filter):
+    """Console handlers pass llmexp's own records and third-party errors; third-party warnings and INFO lines are
+    counted by the logger that sent them (the file handler of the job log still gets every record)."""
+
+    held: dict[str, int] = {}  # noqa: RUF012 (one count per process, whichever handler saw the record)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or record.name.split(".")[0] == "llmexp"
+        if record.name.split(".")[0] == "llmexp" or record.levelno >= logging.ERROR:
+            return True
+        if record.levelno >= logging.WARNING and not getattr(record, "llmexp_held", False):
+            record.llmexp_held = True  # counted once, however many console handlers see it
+            self.held[record.name] = self.held.get(record.name, 0) + 1
+        return False
 
 
 def quiet_console() -> None:
-    """Keep third-party INFO lines (matplotlib's font cache, ...) out of the console; Hydra's job log
-    (`llmexp.log`, a file handler on the root logger) still gets them."""
+    """Keep third-party warnings and INFO lines (bitsandbytes' missing kernels, transformers' deprecations,
+    matplotlib's font cache, ...) out of the console; Hydra's job log (`llmexp.log`, a file handler on the root
+    logger) still gets them. Python's `warnings` are routed through logging (`py.warnings`) for that."""
+    logging.captureWarnings(True)
+    _OwnOrError.held.clear()  # this run's: an in-process caller may start several
     for handler in logging.getLogger().handlers:
         console = isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
-        if console and not any(isinstance(f, _OwnOrWarning) for f in handler.filters):
-            handler.addFilter(_OwnOrWarning())
+        if console and not any(isinstance(f, _OwnOrError) for f in handler.filters):
+            handler.addFilter(_OwnOrError())
+
+
+def held_warnings_note() -> str | None:
+    """One console line for the third-party warnings kept out of it, or None when there were none."""
+    held = _OwnOrError.held
+    if not held:
+        return None
+    total = sum(held.values())
+    return (f"note: {total} third-party warning{'s' if total > 1 else ''} went to llmexp.log only "
+            f"(from {', '.join(sorted(held))})")
 
 
 def job_log(run_dir: Path) -> tuple[logging.Logger, logging.Handler | None]:
@@ -70,11 +91,49 @@ def _count(n: Any) -> str:
     return f"{n:,}" if isinstance(n, int) else "?"
 
 
+def format_size(n: int) -> str:
+    """134.5M, 4.9M, 123.2K, 6.74B: a parameter count at a glance."""
+    if n >= 1e9:
+        return f"{n / 1e9:.2f}B"
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
+
+
+ADAPTER_NAMES = {"lora": "LoRA", "qlora": "QLoRA"}
+
+
+def model_lines(r: dict[str, Any]) -> list[str]:
+    """What the model is: its path or id and class, how it trains, its size (with adapters: what trains, and on how
+    many modules), vocabulary and context length (the `start` record's model facts)."""
+    how = "fine-tuning" if r.get("model_path") else "from scratch"
+    source = f", from GGUF dequantised to {r['gguf_dtype']}" if r.get("gguf_dtype") else ""
+    arch = r.get("architecture")
+    head = f"{r.get('model_id') or r.get('model')}: {arch}{source}, {how}" if arch else f"{r.get('model')} ({how})"
+    total, trainable = r.get("model_params"), r.get("trainable_params", r.get("num_params"))
+    if not isinstance(total, int) or not isinstance(trainable, int) or total <= 0:
+        return [f"model      {head}, {format_size(int(r.get('num_params') or 0))} parameters"]
+    size = f"{format_size(total)} parameters"
+    adapter = r.get("adapter")
+    if isinstance(adapter, dict):
+        size += (f", {format_size(trainable)} trainable ({trainable / total:.1%}, "
+                 f"{ADAPTER_NAMES.get(adapter.get('method'), adapter.get('method'))} r={adapter.get('r')} on "
+                 f"{adapter.get('modules')} modules)")
+    elif trainable != total:
+        size += f", {format_size(trainable)} trainable"
+    shape = [f"vocabulary {v:,}" for v in [r.get("vocab_size")] if isinstance(v, int)]
+    shape += [f"context {c:,}" for c in [r.get("context_length")] if isinstance(c, int)]
+    return [f"model      {head}", f"           {size}" + (f"; {', '.join(shape)}" if shape else "")]
+
+
+def matmul_note(r: dict[str, Any]) -> str:
+    """Where the fp32 CPU matmuls go (`llmexp.model.cpu_matmul`), for the precision line."""
+    m = r.get("cpu_matmul")
+    if not isinstance(m, dict):
+        return ""
+    return f"; matmuls through {'oneDNN' if m.get('path') == 'onednn' else 'torch'}: {m.get('reason')}"
+
+
 def format_header(r: dict[str, Any]) -> str:
     """The console's first lines, from the `start` record: where the run writes, what it trains on, how."""
-    params = r.get("num_params", 0) / 1e6
-    model = (f"{r.get('model')} from {r['model_path']} (fine-tuning)" if r.get("model_path")
-             else f"{r.get('model')} (from scratch)")
     cache = "cache hit" if r.get("data_cache_hit") else "tokenised now, cached"
     if r.get("data_streaming"):
         cache = "streamed: tokenised as it trains, not cached"
@@ -82,7 +141,7 @@ def format_header(r: dict[str, Any]) -> str:
     accum, world, micro = r.get("gradient_accumulation_steps"), r.get("world_size"), r.get("batch_size")
     batch = r.get("global_batch_size")
     tokens = batch * r["max_length"] if isinstance(batch, int) and isinstance(r.get("max_length"), int) else None
-    precision = f"{r.get('precision')} (precision={r.get('precision_requested')})"
+    precision = f"{r.get('precision')} (precision={r.get('precision_requested')})" + matmul_note(r)
     measured = f" ({r['bf16_slowdown']:.1f}x fp32's matmul time, measured here)" \
         if isinstance(r.get("bf16_slowdown"), float) else ""
     if r.get("bf16_emulation"):
@@ -91,7 +150,9 @@ def format_header(r: dict[str, Any]) -> str:
         slower = not isinstance(r.get("bf16_slowdown"), float) or r["bf16_slowdown"] > 1.0
         precision += f" EMULATED on this hardware{measured}" + (": precision=auto is faster" if slower else "")
     lr = r.get("lr_chosen")
-    sources = {"auto": "lr=auto: by model size", "config": "lr= on the command line or in the config",
+    sources = {"auto": "lr=auto: by model size" + (", / 10 to fine-tune" if r.get("model_path") else ""),
+               "config": "lr= on the command line or in the config",
+               "data": f"lr=auto: data={r.get('data')}'s lr for training from scratch",
                "auto-adapter": "lr=auto with adapters: the QLoRA paper's 2e-4 (1e-4 above ~20B)"}
     source = sources.get(str(r.get("lr_source")), str(r.get("lr_source")))
     resumed = f", resuming at step {r['step']}" if r.get("step") else ""
@@ -100,7 +161,7 @@ def format_header(r: dict[str, Any]) -> str:
         "examples)" if shares else r.get("data")
     lines = [
         f"run        {r.get('run_dir')}  (console log: llmexp.log)",
-        f"model      {model}, {params:,.2f}M parameters",
+        *model_lines(r),
         f"data       {data}: {_count(r.get('data_train_tokens'))} train tokens in "
         f"{_count(r.get('data_train_examples'))} examples{eval_tokens} ({cache}, {r.get('data_prep_s', 0):.1f} s)",
         f"steps      {r.get('max_steps')}{resumed}; global batch {batch} = {micro} per device x {world} process(es) "

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llmexp.monitor.console import ETA_AFTER_STEPS, format_duration, format_line, job_log
+from llmexp.monitor.console import ETA_AFTER_STEPS, format_duration, format_line, held_warnings_note, job_log
 from llmexp.monitor.sinks import Sink
 
 # One definition of what a secret is, shared with every other writer of run files.
@@ -123,14 +123,16 @@ class MetricsLogger:
 
     def eta_s(self) -> float | None:
         """Seconds left at the pace since the first step (the first one warms up); None until
-        `ETA_AFTER_STEPS` steps are timed."""
-        if len(self._step_times) <= ETA_AFTER_STEPS:
+        `ETA_AFTER_STEPS` steps are timed, and once no step is left (an ETA of 0s says nothing)."""
+        if len(self._step_times) <= ETA_AFTER_STEPS or self._steps_done >= self.max_steps:
             return None
         first_t, first_n = self._step_times[0]
         last_t, last_n = self._step_times[-1]
         return (last_t - first_t) / (last_n - first_n) * max(0, self.max_steps - last_n)
 
     def close(self) -> None:
+        if (note := held_warnings_note()) is not None:
+            self.write(note)
         if self._bar is not None:
             self._bar.close()
         for sink in self.sinks:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from llmexp.config.rules import Choice
+from llmexp.config.validation import configured_lr
 from llmexp.errors import UserError
 
 if TYPE_CHECKING:
@@ -117,6 +118,16 @@ def scale_lr(jobs: list[list[str]], scaling: str, base_batch_size: int | None, c
         factor = (_number(size, "batch_size") / base) ** power if size is not None else 1.0
         scaled.append([o for o in job if not o.startswith("lr=")] + [f"lr={lr * factor:.6g}"])
     return scaled
+
+
+def lr_to_scale(cfg: Any) -> Any:
+    """The lr a grid's `sweep.lr_scaling` scales: `lr`, or the data's pretraining lr where a from-scratch run takes
+    it (`validation.configured_lr`); a bad value is handed on as it is, for `scale_lr` to name."""
+    try:
+        configured = configured_lr(cfg)
+    except (ValueError, TypeError):
+        return cfg.lr
+    return configured[0] if configured else cfg.lr
 
 
 def _value(job: Sequence[str], key: str) -> str | None:

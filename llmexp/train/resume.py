@@ -220,7 +220,10 @@ def base_model_fingerprint(cfg: DictConfig) -> str:
         return "from-config"
     parts = [str(m.name_or_path), str(m.revision)]
     directory = Path(m.name_or_path).expanduser()
-    if directory.is_dir():
+    if m.gguf_file:  # the file itself is the base (its conversion is cached by content)
+        gguf = directory / m.gguf_file
+        parts.append(f"{m.gguf_file}:{gguf.stat().st_size if gguf.is_file() else 'hub'}")
+    elif directory.is_dir():
         config = directory / "config.json"
         parts.append(config.read_text(errors="replace") if config.is_file() else "")
         parts += sorted(f"{f.name}:{f.stat().st_size}" for f in directory.iterdir()

@@ -27,6 +27,7 @@ from llmexp.monitor.throughput import flops_per_token, load_ceilings, measure_ce
 from llmexp.train.state import RunDescription
 
 if TYPE_CHECKING:
+    from llmexp.model.cpu_matmul import MatmulPath
     from llmexp.train.engines.base import Engine
 
 
@@ -177,7 +178,7 @@ def describe(cfg: DictConfig, rt: Runtime, vocab_size: int, train_data: Any,
 
     plan, auto_batch = _batch_plan(cfg, rt, vocab_size, train_data)
     engine = _engine(cfg, rt, plan)
-    model, optimizer, built = _build(cfg, rt, engine, vocab_size)
+    model, optimizer, built = _build(cfg, rt, engine, vocab_size, plan.micro * cfg.data.max_length)
     max_steps = plan.max_steps(len(train_data))
     monitor = MonitorSettings.for_run(finetune=bool(cfg.model.name_or_path), max_grad_norm=cfg.train.max_grad_norm,
                                       precision=rt.precision.name, lr=built.lr)
@@ -187,7 +188,8 @@ def describe(cfg: DictConfig, rt: Runtime, vocab_size: int, train_data: Any,
         warmup_steps=warmup_steps_for(max_steps, cfg.train.warmup_ratio, cfg.train.warmup_steps),
         num_params=built.num_params, total_params=built.total_params, flops_per_token=built.flops_per_token,
         peak_tflops=built.peak_tflops, mfu_note=built.mfu_note, data_fingerprint=data_fingerprint,
-        data_seed=cfg.train.seed_data if cfg.train.seed_data is not None else cfg.seed, started=rt.started)
+        data_seed=cfg.train.seed_data if cfg.train.seed_data is not None else cfg.seed, started=rt.started,
+        model_facts=built.model_facts)
     return desc, engine, model, optimizer
 
 
@@ -229,15 +231,20 @@ class _Built:
     mfu_note: str | None
     lr: float
     lr_source: str
+    model_facts: dict[str, Any]
 
 
-def _build(cfg: DictConfig, rt: Runtime, engine: Engine, vocab_size: int) -> tuple[torch.nn.Module, Any, _Built]:
+def _build(cfg: DictConfig, rt: Runtime, engine: Engine, vocab_size: int,
+           micro_tokens: int) -> tuple[torch.nn.Module, Any, _Built]:
     """Model (wrapped with its loss) and optimizer, prepared for this device, and what their size decides."""
+    from llmexp.model.facts import model_facts
     from llmexp.model.loss import CausalLMLoss
     from llmexp.train.schedule import resolve_lr
 
     torch.manual_seed(cfg.seed)  # same init on every rank
     lm = build.build_model(cfg, vocab_size, rt.precision.name)
+    matmul = cpu_matmul_path(cfg, rt, lm, micro_tokens)
+    facts = model_facts(cfg, lm) | ({"cpu_matmul": matmul.record()} if matmul else {})
     total, c = build.count_params(lm, trainable_only=False), lm.config
     peak_tflops, mfu_note = (cfg.train.peak_tflops, None) if cfg.train.peak_tflops else rt.measure_peak()
     lr, lr_source = resolve_lr(cfg, total)
@@ -245,13 +252,37 @@ def _build(cfg: DictConfig, rt: Runtime, engine: Engine, vocab_size: int) -> tup
     # weight gradient (4N), which this count leaves in: MFU is then a slight overestimate.
     built = _Built(num_params=build.count_params(lm), total_params=total,
                    flops_per_token=flops_per_token(total, c.num_hidden_layers, c.hidden_size, cfg.data.max_length),
-                   peak_tflops=peak_tflops, mfu_note=mfu_note, lr=lr, lr_source=lr_source)
-    model = engine.shard(CausalLMLoss(lm))  # FSDP: before the optimizer sees the parameters
+                   peak_tflops=peak_tflops, mfu_note=mfu_note, lr=lr, lr_source=lr_source, model_facts=facts)
+    loss_model = CausalLMLoss(lm)
+    if matmul is not None and matmul.onednn:
+        from llmexp.model.cpu_matmul import route
+
+        route(lm)
+        loss_model.head_mm_t = matmul.matmul_t()
+    model = engine.shard(loss_model)  # FSDP: before the optimizer sees the parameters
     optimizer = build.build_optimizer(cfg, model, lr, rt.device.type)
     model, optimizer = engine.prepare(model, optimizer)
     if cfg.train.compile and not rt.precision.emulate_bf16:  # dynamo traces nothing under a dispatch mode
         model = torch.compile(model)
     return model, optimizer, built
+
+
+def cpu_matmul_path(cfg: DictConfig, rt: Runtime, lm: torch.nn.Module, micro_tokens: int) -> MatmulPath | None:
+    """Where this run's fp32 matmuls go on a CPU (`llmexp.model.cpu_matmul`); None off the CPU or outside fp32
+    (bf16 autocast runs on oneDNN already; emulated bf16 owns its matmuls)."""
+    from llmexp.model.cpu_matmul import MatmulPath, probe, widest_linear
+
+    if rt.device.type != "cpu" or rt.precision.name != "fp32":
+        return None
+    why_not = ("train.cpu_matmul=torch" if cfg.train.cpu_matmul == "torch"
+               else "train.compile=true: inductor chooses the kernels" if cfg.train.compile
+               else f"fsdp={cfg.fsdp.name} wraps the layers" if cfg.fsdp.name != "none"
+               else f"deepspeed={cfg.deepspeed.name} wraps the layers" if cfg.deepspeed.stage > 0 else None)
+    if why_not:
+        return MatmulPath("torch", why_not)
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    shape = widest_linear(lm, skip=head)
+    return probe(micro_tokens, *shape) if shape else MatmulPath("torch", "the model has no nn.Linear layer")
 
 
 def start_facts(cfg: DictConfig, rt: Runtime, desc: RunDescription) -> dict[str, Any]:
@@ -275,4 +306,5 @@ def start_facts(cfg: DictConfig, rt: Runtime, desc: RunDescription) -> dict[str,
         facts.update(bf16_emulation=desc.precision.emulate_bf16, bf16_slowdown=desc.precision.bf16_slowdown)
     if desc.mfu_note:
         facts["mfu_note"] = desc.mfu_note
+    facts.update(desc.model_facts, total_params=desc.total_params)
     return facts

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from llmexp.config.validation import parse_lr
+from llmexp.config.validation import configured_lr
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -75,11 +75,11 @@ def auto_adapter_lr(total_params: int) -> float:
 
 
 def resolve_lr(cfg: DictConfig, num_params: int) -> tuple[float, str]:
-    """The peak lr and where it came from (`config`, `auto` by the seed's table, or `auto-adapter`:
-    the QLoRA paper's rule for adapters). `num_params` counts every weight of the model, frozen or not."""
-    lr = parse_lr(cfg.lr)
-    if lr is not None:
-        return lr, "config"
+    """The peak lr and where it came from (`config`; `data`: the data's pretraining lr, from scratch only;
+    `auto` by the seed's table; or `auto-adapter`: the QLoRA paper's rule for adapters). `num_params` counts
+    every weight of the model, frozen or not."""
+    if (configured := configured_lr(cfg)) is not None:
+        return configured
     if cfg.peft.name != "none":
         return auto_adapter_lr(num_params), "auto-adapter"
     return auto_lr(num_params, finetune=bool(cfg.model.name_or_path)), "auto"

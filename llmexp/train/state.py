@@ -38,7 +38,8 @@ class RunDescription:
     lr: float
     """The peak learning rate."""
     lr_source: str
-    """`config` (the `lr` key) or `auto` (the seed's lr-by-size rule)."""
+    """`config` (the `lr` key), `data` (the data's pretraining lr, from scratch), `auto` (the seed's lr-by-size
+    rule) or `auto-adapter` (the QLoRA paper's)."""
     monitor: MonitorSettings
     """The detectors' settings for this run."""
     max_steps: int
@@ -55,6 +56,8 @@ class RunDescription:
     data_seed: int
     started: float
     """`time.perf_counter()` when set-up began."""
+    model_facts: dict[str, Any] = field(default_factory=dict)
+    """What the model is (`llmexp.model.facts.model_facts`), and `cpu_matmul`: where its fp32 CPU matmuls go."""
 
     def elapsed(self) -> float:
         import time

@@ -1,0 +1,179 @@
+"""fp32 matmuls through oneDNN on CPUs where torch's default BLAS is slower; a start-up probe decides.
+
+Why: torch's x86 CPU wheel sends fp32 `mm` / `linear` to MKL's sgemm, and on AMD CPUs MKL takes a narrower
+kernel even where the CPU has AVX-512 (Zen 4/5). Measured on a Zen 5 EPYC core, on every shape of a 135M
+Llama's training step: MKL 85-108 GFLOP/s, oneDNN 170-240, with fp32 results (differences ~1e-6 relative:
+summation order). On Intel CPUs MKL takes its AVX-512 path and the two are about equal; the probe then keeps
+torch's path.
+
+Why a private op: torch's public API has no way to run a *trainable fp32* linear through oneDNN.
+`torch.backends.mkldnn`'s matmul precision settings route fp32 GEMMs to oneDNN only with reduced precision
+(bf32/tf32: other results), `MKL_ENABLE_INSTRUCTIONS` can only lower MKL's choice, and `torch.utils.mkldnn.
+to_mkldnn` converts Linears for inference (opaque weight buffers, no gradients). The op inductor emits for CPU
+linears, `torch.ops.mkldnn._linear_pointwise`, takes dense (and transposed, strided) fp32 tensors; this module is
+the one place that calls it, as `x @ w.T` in a custom autograd Function (forward, d input, d weight: three calls,
+no copies). It is used only where `route` is called: on CPU, fp32, eager (not under `torch.compile`, whose
+inductor picks its own kernels, nor under the bf16 emulation, which owns bf16 matmuls: `bf16_emulation.py`), with
+the plain engine; and only after `probe` measured both paths on the model's own shape and found oneDNN faster
+and equal to torch's result. Without the op (another torch build), `probe` says so and torch's path is kept.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+MIN_SPEEDUP = 1.15
+"""oneDNN is taken only when its best time beats torch's by this much: below it the gain is within the probe's
+noise on a shared machine, and not worth a private op."""
+MAX_REL_DIFF = 1e-5
+"""The largest |oneDNN - torch| / max|torch| the probe accepts (fp32 summation order gives ~1e-6)."""
+PROBE_ROUNDS = 5
+PROBE_MAX_ROWS = 1024
+
+
+def _op() -> Any | None:
+    """The private op, or None where this torch build lacks it (or oneDNN)."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    return getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+
+
+def mm_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b.T through oneDNN: 2-D fp32 CPU tensors, either of them possibly a transposed view."""
+    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+
+
+def torch_mm_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b.T through torch's own path (MKL on x86 wheels): the fallback, and the probe's reference."""
+    return a @ b.t()
+
+
+class _Linear(torch.autograd.Function):
+    """y = x @ W.T + b with every matmul of forward and backward through oneDNN."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(x2, weight)
+        ctx.in_shape, ctx.has_bias = x.shape, bias is not None
+        out = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x2, weight = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = mm_t(dy2, weight.t()).reshape(ctx.in_shape) if ctx.needs_input_grad[0] else None
+        dw = mm_t(dy2.t(), x2.t()) if ctx.needs_input_grad[1] else None
+        db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Checked at every call, so a routed model stays right wherever it runs later (moved to a GPU, autocast
+    opened around it, compiled): only fp32 on CPU, eager."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and x.dim() >= 2 and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through oneDNN where `applies`."""
+    if applies(x, weight):
+        return _Linear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, self.weight, self.bias)
+
+
+def route(model: nn.Module) -> int:
+    """Send every plain nn.Linear of `model` (peft's base layers and adapters included) through oneDNN; returns
+    how many. The forward is replaced on each instance, so parameters, state_dict, saving and peft's merging are
+    untouched; subclasses (bitsandbytes' 4-bit layers, peft's wrappers) keep their own forward."""
+    n = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.forward = _linear_forward.__get__(module)  # a bound method on the instance
+            n += 1
+    return n
+
+
+@dataclass(frozen=True)
+class MatmulPath:
+    """How this run's fp32 CPU matmuls go, and why (the `start` record's `cpu_matmul`)."""
+
+    path: str
+    """onednn or torch."""
+    reason: str
+    speedup: float | None = None
+    """torch's best time / oneDNN's on the probed shape."""
+    max_rel_diff: float | None = None
+
+    @property
+    def onednn(self) -> bool:
+        return self.path == "onednn"
+
+    def record(self) -> dict[str, Any]:
+        return {"path": self.path, "reason": self.reason, "speedup": self.speedup, "max_rel_diff": self.max_rel_diff}
+
+    def matmul_t(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        return mm_t if self.onednn else torch_mm_t
+
+
+def probe(rows: int, in_features: int, out_features: int) -> MatmulPath:
+    """Time torch's and oneDNN's `x @ W.T` on the model's own shape, alternating, and check that forward, d input
+    and d weight agree. Timed on one thread in this thread's CPU seconds (best of `PROBE_ROUNDS`): the kernels'
+    speed per core, which is what differs between the two, and which neither other processes on the cores nor
+    OpenMP's waits for a descheduled thread distort (on a loaded 2-core machine wall-clock ratios came out 20x)."""
+    op = _op()
+    if op is None:
+        return MatmulPath("torch", f"torch.ops.mkldnn._linear_pointwise is not in torch {torch.__version__}")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(min(rows, PROBE_MAX_ROWS), in_features, generator=gen)
+    w = torch.randn(out_features, in_features, generator=gen) * in_features ** -0.5
+    dy = torch.randn(x.shape[0], out_features, generator=gen)
+    pairs = ((x, w), (dy, w.t()), (dy.t(), x.t()))  # forward, d input, d weight: the strided views backward uses
+    try:
+        diff = max(_rel_diff(mm_t(a, b), torch_mm_t(a, b)) for a, b in pairs)
+    except RuntimeError as err:  # the op exists but refuses these tensors (another oneDNN build)
+        return MatmulPath("torch", f"oneDNN's linear failed on this CPU ({str(err).splitlines()[0][:120]})")
+    if not diff <= MAX_REL_DIFF:
+        return MatmulPath("torch", f"oneDNN's result differs from torch's by {diff:.1e} (relative)", None, diff)
+    best = {"torch": float("inf"), "onednn": float("inf")}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(PROBE_ROUNDS):
+            for name, fn in (("torch", torch_mm_t), ("onednn", mm_t)):
+                start = time.thread_time()
+                fn(x, w)
+                best[name] = min(best[name], time.thread_time() - start)
+    finally:
+        torch.set_num_threads(threads)
+    speedup = best["torch"] / max(best["onednn"], 1e-9)
+    shape = f"a {x.shape[0]} x {in_features} x {out_features} matmul"
+    if speedup < MIN_SPEEDUP:
+        return MatmulPath("torch", f"oneDNN ran {shape} at {speedup:.2f}x torch's speed here; taken from "
+                          f"{MIN_SPEEDUP}x", round(speedup, 2), diff)
+    return MatmulPath("onednn", f"{speedup:.2f}x torch's speed on {shape} here, same results to {diff:.0e}",
+                      round(speedup, 2), diff)
+
+
+def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def widest_linear(model: nn.Module, skip: nn.Module | None = None) -> tuple[int, int] | None:
+    """(in, out) features of the largest plain nn.Linear other than `skip` (the output head): the shape to probe."""
+    shapes = [(m.in_features, m.out_features) for m in model.modules() if type(m) is nn.Linear and m is not skip]
+    return max(shapes, key=lambda s: s[0] * s[1]) if shapes else None
