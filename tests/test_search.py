@@ -25,8 +25,16 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from llmexp.errors import UserError
 from llmexp.rundir.study import STUDY_NAME, study_journal
 from llmexp.sweep.search import TrialResult, read_result, returned_result, tell
-from llmexp.sweep.space import finite_grid, grid_jobs, probe_job, scale_lr, search_space, trial_overrides
-from tests.conftest import TINY, read_metrics, run_cli
+from llmexp.sweep.space import (
+    finite_grid,
+    grid_jobs,
+    lr_to_scale,
+    probe_job,
+    scale_lr,
+    search_space,
+    trial_overrides,
+)
+from tests.conftest import TINY, compose, read_metrics, run_cli
 
 
 def parse(*args: str) -> list:
@@ -67,6 +75,14 @@ def test_lr_scales_with_batch_size_from_the_smallest_or_a_given_base() -> None:
         scale_lr(unswept, "sqrt", None, "auto")
     with pytest.raises(UserError, match="does not vary"):
         scale_lr(grid_jobs(parse("lr=1e-3,2e-3"), []), "sqrt", None, None)
+
+
+def test_the_lr_a_grid_scales_is_the_one_the_run_would_take(tmp_path: Path) -> None:
+    """With lr=auto, a from-scratch run on the stdlib data takes data.pretrain_lr (6e-4), so a grid scales that;
+    a fine-tune takes lr=auto's rule, which no grid can scale before the model is loaded."""
+    assert lr_to_scale(compose([], tmp_path / "a")) == 6e-4
+    assert lr_to_scale(compose(["lr=1e-3"], tmp_path / "b")) == 1e-3
+    assert lr_to_scale(compose([f"model.name_or_path={tmp_path}"], tmp_path / "c")) == "auto"
 
 
 def test_an_interval_in_a_grid_asks_for_a_search() -> None:
