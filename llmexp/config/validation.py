@@ -40,6 +40,15 @@ FSDP_STRATEGIES = ("none", "full_shard", "shard_grad_op", "hybrid_shard")
 SWEEP_STRATEGIES = ("grid", "random", "tpe")
 PRUNERS = ("none", "asha", "hyperband", "median")
 LR_SCALINGS = ("none", "sqrt", "linear")
+EVAL_OPTIONS = ("loss", "demo", "perplexity", "multiple_choice", "generate", "lm_eval")
+DIRECTIONS = ("minimize", "maximize")
+RUN_METRICS = {"eval_loss": "minimize", "eval_ppl": "minimize"}
+"""The metrics every run records at each eval, and which way is better."""
+TASK_METRICS = {"perplexity": {"loss": "minimize", "ppl": "minimize"},
+                "multiple_choice": {"acc": "maximize", "acc_norm": "maximize"},
+                "generate": {"exact_match": "maximize", "contains": "maximize"}}
+"""What each kind of task records (`tasks/<name>/<metric>`), and which way is better; the demo task is a
+multiple_choice task named `demo`; harness tasks record the harness's own metric names."""
 
 INT64_MAX = 2**63 - 1
 """The largest int torch, numpy and the checkpoint's JSON round trip all take as a signed 64-bit value."""
@@ -153,6 +162,14 @@ RANGES: dict[str, Range] = {
     "train.early_stopping_patience": _at_least(0, "(0 disables)"),
     "train.peak_tflops": Range(low=0, low_open=True, note="(or null to measure it)"),
     "train.seed_data": Range(low=0, high=SEED_MAX, note="(or null to use seed)"),
+    "train.lr_find_steps": Range(low=5, high=100_000),
+    "train.lr_find_start": Range(low=0, high=1, low_open=True),
+    "train.lr_find_end": Range(low=0, high=1e3, low_open=True),
+    "eval.demo_items": Range(low=0, high=100_000, note="(0: no demo task)"),
+    "eval.batch_size": Range(low=1, high=4096),
+    "eval.lm_eval.limit": _at_least(1, "(or null for every document)"),
+    "eval.lm_eval.num_fewshot": Range(low=0, high=1000, note="(or null: each task's own)"),
+    "eval.lm_eval.batch_size": Range(low=1, high=4096),
     "seed": Range(low=0, high=SEED_MAX),
 }
 """The bounds of every int and float field of `llmexp.config.schema.Config` (`lr` is checked by `parse_lr`,
@@ -178,8 +195,14 @@ def _choice(errors: list[str], value: str, key: str, choices: tuple[str, ...]) -
     _check(errors, value in choices, key, f"{value!r} is not one of {', '.join(choices)}")
 
 
+def is_lr_find(value: Any) -> bool:
+    """`lr=find`: a range test picks the lr (`llmexp.train.lr_find`)."""
+    return isinstance(value, str) and value.strip().lower() == "find"
+
+
 def parse_lr(value: Any) -> float | None:
-    """`lr` as a float, None for `auto`; raises ValueError for anything else."""
+    """`lr` as a float, None for `auto`; raises ValueError for anything else (`find` included: the trainer
+    replaces it with the range test's pick before anything reads the lr)."""
     if isinstance(value, str) and value.strip().lower() == "auto":
         return None
     if isinstance(value, bool):
@@ -270,11 +293,11 @@ def _number_errors(cfg: DictConfig) -> dict[str, str]:
     bad = {key: problem for key, tp in number_keys().items()
            if (problem := _number_problem(key, OmegaConf.select(cfg, key), tp, fields[key][1]))}
     try:
-        lr = parse_lr(cfg.lr)
+        lr = None if is_lr_find(cfg.lr) else parse_lr(cfg.lr)
         if lr is not None and not (math.isfinite(lr) and lr > 0):
-            bad["lr"] = f"lr: must be > 0 and finite, or auto; got {cfg.lr}; try lr=3e-4"
+            bad["lr"] = f"lr: must be > 0 and finite, or auto or find; got {cfg.lr}; try lr=3e-4"
     except (TypeError, ValueError):
-        bad["lr"] = f"lr: {cfg.lr!r} is not a number or auto; try lr=3e-4 or lr=auto"
+        bad["lr"] = f"lr: {cfg.lr!r} is not a number, auto or find; try lr=3e-4, lr=auto or lr=find"
     try:
         parse_batch_size(cfg.batch_size)
     except ValueError:
@@ -376,6 +399,8 @@ def _validate_groups(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet
     _validate_peft(cfg, errors)
     _validate_sweep(cfg.sweep, errors)
     _validate_fsdp(cfg, errors)
+    _validate_eval(cfg, errors)
+    _validate_lr_find(cfg, errors, bad)
 
 
 def _validate_fsdp(cfg: DictConfig, errors: list[str]) -> None:
@@ -488,3 +513,126 @@ def _validate_peft(cfg: DictConfig, errors: list[str]) -> None:
            f"peft={pe.name} does not run under DeepSpeed in llmexp (adapter-only ZeRO checkpoints are not "
            "implemented, and ZeRO cannot partition 4-bit weights); adapters and their optimizer state are "
            "small, so use deepspeed=none (DDP for several GPUs)")
+
+
+# ----------------------------------------------------------------------------- eval tasks, sweep.metric, lr=find
+
+
+def _validate_eval(cfg: DictConfig, errors: list[str]) -> None:
+    """`eval`: the option name, every task's fields (each dict entry is a schema node, so its numbers are checked
+    here), generation where the weights are whole, and `sweep.metric` against what the tasks record."""
+    ev = cfg.eval
+    _choice(errors, ev.name, "eval.name", EVAL_OPTIONS)
+    names: list[str] = []
+    for kind in ("perplexity", "multiple_choice", "generate"):
+        for name, task in ev[kind].items():
+            key = f"eval.{kind}.{name}"
+            names.append(str(name))
+            _check(errors, _task_name_ok(str(name)), key, "a task name must be letters, digits, _ . or - (it becomes "
+                   "the metric name tasks/<name>/...)")
+            if kind == "perplexity":
+                _validate_perplexity_set(task, key, errors)
+                continue
+            _check(errors, isinstance(task.file, str) and bool(task.file), f"{key}.file",
+                   f"names no task file; set {key}.file=path/to/{name}.jsonl")
+            _bounded(errors, task.max_items, f"{key}.max_items", _at_least(1, "(or null for all)"))
+            if kind == "generate":
+                _bounded(errors, task.max_new_tokens, f"{key}.max_new_tokens", Range(low=1, high=4096))
+                _bounded(errors, task.examples, f"{key}.examples", Range(low=0, high=1000))
+                _check(errors, all(isinstance(x, str) for x in task.stop), f"{key}.stop",
+                       f"must be a list of strings, e.g. {key}.stop=['\\n']")
+    if ev.demo_items > 0:
+        names.append("demo")
+    _check(errors, len(names) == len(set(names)), "eval", f"task names must differ (demo is the demo task's); "
+           f"got {', '.join(sorted(n for n in names if names.count(n) > 1))} twice")
+    lm = ev.lm_eval
+    _check(errors, all(isinstance(t, str) and _task_name_ok(t) for t in lm.tasks), "eval.lm_eval.tasks",
+           "must be a list of harness task names, e.g. eval.lm_eval.tasks=[arc_easy,hellaswag]")
+    if not lm.tasks:
+        _check(errors, ev.name != "lm_eval", "eval.lm_eval.tasks", "eval=lm_eval names no task; set "
+               "eval.lm_eval.tasks=[arc_easy] (and eval.lm_eval.include_path=DIR for your own task YAMLs)")
+    whole_weights = cfg.fsdp.name == "none" and cfg.deepspeed.stage < 3
+    _check(errors, whole_weights or not (ev.generate or lm.tasks), "eval", "generate and lm_eval tasks run on "
+           f"whole weights, and {'fsdp' if cfg.fsdp.name != 'none' else 'ZeRO-3'} shards them; use "
+           "multiple_choice or perplexity tasks, or score model/ after the run")
+    _validate_metric(cfg, errors)
+
+
+def _task_name_ok(name: str) -> bool:
+    return bool(name) and all(c.isalnum() or c in "_.-" for c in name)
+
+
+def _bounded(errors: list[str], value: Any, key: str, rng: Range) -> None:
+    if value is None:
+        return
+    ok = isinstance(value, int) and not isinstance(value, bool) and rng.contains(value)
+    _check(errors, ok, key, f"{rng.describe()}, got {value}")
+
+
+def _validate_perplexity_set(entry: DictConfig, key: str, errors: list[str]) -> None:
+    if entry.name is not None:
+        _choice(errors, entry.name, f"{key}.name", DATA_KINDS)
+    if entry.name in ("json", "text"):
+        _check(errors, bool(entry.eval_file or entry.train_file), f"{key}.eval_file",
+               f"{entry.name} names no file; set {key}.eval_file=path/to/held_out"
+               f".{'jsonl' if entry.name == 'json' else 'txt'}")
+    if entry.name == "hf":
+        _check(errors, bool(entry.path), f"{key}.path", f"hf names no dataset; set {key}.path=<hub id or directory>")
+
+
+def task_metrics(cfg: DictConfig) -> dict[str, dict[str, str] | None]:
+    """{task name: {metric: better direction}} of the tasks `cfg.eval` runs; None for a harness task (its
+    metrics are the harness's, known once it ran)."""
+    ev = cfg.eval
+    out: dict[str, dict[str, str] | None] = {}
+    for kind in ("perplexity", "multiple_choice", "generate"):
+        out.update({str(name): TASK_METRICS[kind] for name in ev[kind]})
+    if ev.demo_items > 0:
+        out["demo"] = TASK_METRICS["multiple_choice"]
+    out.update({str(t): None for t in ev.lm_eval.tasks})
+    return out
+
+
+def metric_direction(cfg: DictConfig, metric: str) -> tuple[bool, str | None]:
+    """(whether a run with this config records `metric`, the better direction when known)."""
+    if metric in RUN_METRICS:
+        return True, RUN_METRICS[metric]
+    prefix, _, rest = metric.partition("/")
+    task, _, name = rest.partition("/")
+    tasks = task_metrics(cfg)
+    if prefix != "tasks" or task not in tasks or not name:
+        return False, None
+    known = tasks[task]
+    return (True, None) if known is None else (name in known, known.get(name))
+
+
+def _validate_metric(cfg: DictConfig, errors: list[str]) -> None:
+    sw = cfg.sweep
+    _choice(errors, sw.direction, "sweep.direction", DIRECTIONS)
+    recorded, better = metric_direction(cfg, str(sw.metric))
+    if not recorded:
+        offered = [*RUN_METRICS, *(f"tasks/{t}/{m}" for t, ms in task_metrics(cfg).items() for m in (ms or ["..."]))]
+        errors.append(f"sweep.metric={sw.metric}: no job records it; pick one of {', '.join(offered)} (a task "
+                      "metric needs its task in eval, e.g. eval=demo sweep.metric=tasks/demo/acc)")
+    elif better is not None and sw.direction in DIRECTIONS and better != sw.direction:
+        way = "lower" if better == "minimize" else "higher"
+        errors.append(f"sweep.direction={sw.direction}: {sw.metric} is better {way}; set sweep.direction={better}")
+
+
+def _validate_lr_find(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet[str]) -> None:
+    """lr=find: its range, and the setups it does not run in (it builds a throwaway model first)."""
+    t, find = cfg.train, is_lr_find(cfg.lr)
+    _check(errors, find or not t.lr_find_only, "train.lr_find_only", "stops after the lr range test, which runs "
+           "with lr=find; use python -m llmexp.lr_find, or add lr=find")
+    if not find:
+        return
+    if not bad & {"train.lr_find_start", "train.lr_find_end"}:
+        _check(errors, t.lr_find_start < t.lr_find_end, "train.lr_find_end", f"must be above train.lr_find_start="
+               f"{t.lr_find_start}; e.g. train.lr_find_end=10")
+    for key, shown, ok, why in (
+            ("deepspeed", cfg.deepspeed.name, cfg.deepspeed.stage == 0, "a DeepSpeed engine is built once per process"),
+            ("fsdp", cfg.fsdp.name, cfg.fsdp.name == "none", "FSDP shards the model once per process"),
+            ("batch_size", cfg.batch_size, "batch_size" in bad or parse_batch_size(cfg.batch_size) is not None,
+             "batch_size=auto probes after the range test would have run")):
+        _check(errors, ok, key, f"lr=find is not supported with {key}={shown} ({why}); set {key} otherwise for the "
+               "range test, then run with lr=<its pick>")

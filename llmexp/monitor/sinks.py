@@ -48,8 +48,12 @@ def run_name_from_overrides(overrides: list[str] | str, max_len: int = 128) -> s
 
 
 def _numbers(record: dict[str, Any]) -> dict[str, float]:
-    """The numeric fields of a train or eval record, under `train/` or `eval/`; NaN/inf kept as floats."""
+    """The numeric fields of a train or eval record, under `train/` or `eval/`, and a task's metrics under
+    `tasks/<name>/`; NaN/inf kept as floats."""
     event = record.get("event")
+    if event == "eval_task":  # tasks/<name>/<metric>: the names sweep.metric takes
+        return {f"tasks/{record['task']}/{k}": float(v) for k, v in record["metrics"].items()
+                if isinstance(v, int | float) and not isinstance(v, bool)}
     if event not in ("train", "eval"):
         return {}
     out = {}
@@ -109,6 +113,7 @@ class WandbSink:
         self.run.define_metric("trainer/step")
         self.run.define_metric("train/*", step_metric="trainer/step")
         self.run.define_metric("eval/*", step_metric="trainer/step")
+        self.run.define_metric("tasks/*", step_metric="trainer/step")
 
     def log(self, record: dict[str, Any]) -> None:
         if record.get("event") == "sample":  # a table per sampling step: prompt, continuation

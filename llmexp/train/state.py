@@ -58,3 +58,6 @@ class Run:
     """In a search with a pruner: this job's trial, which each eval reports to (`llmexp.train.pruning`)."""
     resumed_from_world_size: int | None = None
     """The number of processes that saved the checkpoint this run resumed from (None: not resumed)."""
+    tasks: Any = None
+    """The downstream tasks each eval scores (`llmexp.train.tasks.TaskSuite`; empty with eval=loss)."""
+    tokenizer: Any = None

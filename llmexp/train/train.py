@@ -23,11 +23,13 @@ import torch
 from omegaconf import DictConfig
 
 from llmexp.config.derived import parse_batch_size
+from llmexp.config.validation import is_lr_find
 from llmexp.data import datasets as data_lib
 from llmexp.data import stream as stream_lib
 from llmexp.data.tokenizer import load_tokenizer
 from llmexp.monitor.logger import safe_exp
-from llmexp.train import samples
+from llmexp.rundir.tasks import metric_at
+from llmexp.train import lr_find, samples
 from llmexp.train.anomaly import judge_step, report_findings
 from llmexp.train.autobatch import choose_batch_size
 from llmexp.train.finish import finish_run
@@ -36,6 +38,7 @@ from llmexp.train.resume import load_resume_state, rollback, save_state_checkpoi
 from llmexp.train.runtime import Runtime, setup_runtime
 from llmexp.train.schedule import lr_at, warmup_steps_for
 from llmexp.train.state import LoopState, Run
+from llmexp.train.tasks import build_suite, read_task_files, run_tasks
 
 
 @dataclass
@@ -60,6 +63,7 @@ def train(cfg: DictConfig) -> RunResult:
 
 def _train(cfg: DictConfig) -> RunResult:
     """`train` inside its signal guard: build, resume, loop, finish."""
+    task_files = read_task_files(cfg)  # before anything loads: a bad task file is exit 2 with nothing written
     rt = setup_runtime(cfg)
     tokenizer = load_tokenizer(cfg)
     build = stream_lib.build_stream_datasets if cfg.data.streaming else data_lib.build_datasets  # stream: uncached
@@ -69,12 +73,19 @@ def _train(cfg: DictConfig) -> RunResult:
         # the choice the checkpoint holds, else the estimate's upper bound and a probe step
         saved = saved_auto_batch(cfg, rt.run_dir)
         rt.auto_batch = choose_batch_size(cfg, rt, len(tokenizer), len(train_ds), saved).record()
+    found = lr_find.found_lr(cfg, rt, train_ds, len(tokenizer), forward_backward) if is_lr_find(cfg.lr) else None
+    if found is not None and cfg.train.lr_find_only:
+        return RunResult(status="completed", step=0, summary=found)
+    cfg = lr_find.with_lr(cfg, found) if found is not None else cfg  # the range test left no trace: a fresh start
+    suite = build_suite(cfg, tokenizer, task_files, rt.is_main)
     model, optimizer, peak_lr, lr_source = rt.build(cfg, len(tokenizer))
+    lr_source = "find" if found is not None else lr_source
     max_steps = rt.plan.max_steps(len(train_ds))
     warmup = warmup_steps_for(max_steps, cfg.train.warmup_ratio, cfg.train.warmup_steps)
     log = rt.logger(max_steps)
     run = Run(cfg, rt, model, optimizer, log, peak_lr=peak_lr, lr_source=lr_source, train_data=train_ds)
     run.pruning = TrialPruning.for_job(cfg, rt.is_main)  # a search's trial reports its evals to the study
+    run.tasks, run.tokenizer = suite, tokenizer
     run.state = state = load_resume_state(run) or LoopState()
     state.batch_size_auto = rt.auto_batch or {}  # checkpoints keep the choice
     train_ds.restore(state.data_state)  # a stream continues at its checkpoint's window; the cached data is stateless
@@ -210,7 +221,12 @@ def evaluate_and_record(run: Run, eval_ds: data_lib.TokenDataset, step: int, may
     cfg, state = run.cfg, run.state
     eval_loss = evaluate(cfg, run.rt, run.model, eval_ds)
     state.last_eval_step = step
-    run.log.log({"event": "eval", "step": step, "eval_loss": eval_loss, "eval_ppl": safe_exp(eval_loss)})
+    record = {"event": "eval", "step": step, "eval_loss": eval_loss, "eval_ppl": safe_exp(eval_loss)}
+    run.log.log(record)
+    task_records = run_tasks(run, run.tasks, run.tokenizer, step,
+                             lambda ds: evaluate(cfg, run.rt, run.model, ds)) if run.tasks else []
+    # what a search reports: sweep.metric at this eval (harness tasks run on rank 0 only, and so does the pruner)
+    value = swept_metric(cfg, record, task_records) if run.rt.is_main else math.nan
     report_findings(run.rt, state, run.log)
     if math.isfinite(eval_loss) and eval_loss < state.best_eval_loss:
         state.best_eval_loss, state.best_eval_step, state.evals_since_best = eval_loss, step, 0
@@ -218,8 +234,22 @@ def evaluate_and_record(run: Run, eval_ds: data_lib.TokenDataset, step: int, may
         state.evals_since_best += 1
     if not may_stop:
         return None
-    if run.rt.any_rank(run.pruning is not None and run.pruning.should_stop(step, eval_loss)):  # rank 0 asks
+    if run.rt.any_rank(run.pruning is not None and run.pruning.should_stop(step, value)):  # rank 0 asks
         run.log.log({"event": "pruned", "step": step, "reason": run.pruning.reason(step) if run.pruning else ""})
         return "pruned"
     patience = cfg.train.early_stopping_patience
     return "early_stopped" if patience and state.evals_since_best >= patience else None
+
+
+def swept_metric(cfg: DictConfig, eval_record: dict[str, Any], task_records: list[dict[str, Any]]) -> float:
+    """`sweep.metric` at this eval, on rank 0 (NaN when not finite: the pruner leaves it be). Validation knows
+    every metric but a harness task's: one the harness does not record is the user's mistake, found at the
+    first eval (exit 2, naming what the evals record)."""
+    from llmexp.errors import UserError
+
+    value = metric_at(str(cfg.sweep.metric), eval_record, task_records)
+    if value is None:
+        offered = ", ".join(f"tasks/{r['task']}/{m}" for r in task_records for m in r["metrics"])
+        raise UserError(f"sweep.metric={cfg.sweep.metric}: the evals do not record it; they record eval_loss, "
+                        f"eval_ppl{', ' + offered if offered else ''}")
+    return value if math.isfinite(value) else math.nan
