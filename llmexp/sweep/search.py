@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +25,7 @@ from llmexp.config.schema import SearchSweepConfig
 from llmexp.errors import EXIT_USER, UserError
 from llmexp.rundir.read import FINISHED, load_json
 from llmexp.rundir.study import STUDY_NAME, journal_storage, make_pruner
+from llmexp.rundir.tasks import metric_value
 from llmexp.sweep.jobs import job_dir_of, write_report
 from llmexp.sweep.space import search_space, trial_overrides
 
@@ -64,19 +64,22 @@ def make_sampler(name: str, seed: int, n_trials: int) -> optuna.samplers.BaseSam
                                       constant_liar=True)
 
 
-def open_study(sweep_dir: Path, space: dict[str, Any], fixed: Sequence[str], sampler: Any, pruner: Any) -> Any:
-    """The sweep directory's study, created or loaded; a directory holding another search is refused."""
+def open_study(sweep_dir: Path, space: dict[str, Any], fixed: Sequence[str], sampler: Any, pruner: Any,
+               metric: str = "eval_loss", direction: str = "minimize") -> Any:
+    """The sweep directory's study, created or loaded, optimising `metric` (`sweep.metric`) in `direction`;
+    a directory holding another search is refused."""
     import optuna
     from optuna.distributions import distribution_to_json
 
     study = optuna.create_study(storage=journal_storage(sweep_dir), study_name=STUDY_NAME, sampler=sampler,
-                                pruner=pruner, direction="minimize", load_if_exists=True)
+                                pruner=pruner, direction=direction, load_if_exists=True)
     settings = [o for o in fixed if o.split("=")[0].split(".")[0] in ("sweep", "hydra")]  # may change on a rerun
     identity = {"space": {k: distribution_to_json(d) for k, d in space.items()},
-                "fixed": [o for o in fixed if o not in settings]}
+                "fixed": [o for o in fixed if o not in settings], "metric": metric, "direction": direction}
     stored = study.user_attrs.get("search")
     if stored is None:
         study.set_user_attr("search", identity)
+        study.set_user_attr("metric", metric)
     elif stored != identity:
         raise UserError(f"{sweep_dir} holds another search (space {stored['space']}, overrides {stored['fixed']}); "
                         "rerun that command to continue it, or pick a new hydra.sweep.dir for this one")
@@ -99,8 +102,9 @@ class TrialResult:
     """The trial exited 2: a mistake in the config or data, which every other trial would repeat."""
 
 
-def read_result(job_dir: Path) -> TrialResult:
-    """A trial's result from its run directory: summary.json, and job_status.json when the launcher wrote one.
+def read_result(job_dir: Path, metric: str = "eval_loss") -> TrialResult:
+    """A trial's result from its run directory: summary.json, and job_status.json when the launcher wrote one;
+    its value is `metric` (`sweep.metric`) at the end.
 
     A run whose doctor found an error (non_finite, divergence) or that diverged is `failed` with that
     finding as its reason: a result about the region, not a crash."""
@@ -116,10 +120,10 @@ def read_result(job_dir: Path) -> TrialResult:
         return TrialResult("failed", step=step, reason=reason)
     if status == "pruned":
         return TrialResult("pruned", step=step)
-    eval_loss = summary.get("eval_loss")
-    if status in FINISHED and isinstance(eval_loss, int | float) and math.isfinite(eval_loss):
-        return TrialResult("completed", value=float(eval_loss), step=step)
-    reason = verdict.get("error") or (f"ended {status} without a finite eval loss" if status in FINISHED
+    value = metric_value(metric, summary, [])
+    if status in FINISHED and value is not None:
+        return TrialResult("completed", value=value, step=step)
+    reason = verdict.get("error") or (f"ended {status} without a finite {metric}" if status in FINISHED
                                       else f"ended {status}")
     return TrialResult("crashed", step=step, reason=str(reason), user_error=verdict.get("exit_code") == EXIT_USER)
 
@@ -160,7 +164,8 @@ def run_search(sweeper: Any, overrides: Sequence[Any], settings: SearchSettings)
     sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
     pruner = make_pruner(search.pruner, int(config.train.eval_steps), int(config.train.max_steps))
     sampler = make_sampler(settings.sampler, search.seed, search.n_trials)
-    study = open_study(sweep_dir, space, fixed, sampler, pruner)
+    metric, direction = str(config.sweep.metric), str(config.sweep.direction)
+    study = open_study(sweep_dir, space, fixed, sampler, pruner, metric, direction)
     if study.trials:  # a rerun: a sampler seeded as the first run's would propose that run's points again
         study.sampler = make_sampler(settings.sampler, search.seed + len(study.trials), search.n_trials)
     returns: list[Sequence[JobReturn]] = []
@@ -170,16 +175,16 @@ def run_search(sweeper: Any, overrides: Sequence[Any], settings: SearchSettings)
         log.info(f"Resuming {len(resumed)} interrupted trials of {sweep_dir}: "
                  f"{', '.join(str(t.number) for t in resumed)}")
     for batch in _contiguous(resumed):
-        if not _run_batch(sweeper, study, batch, sweep_dir, returns):
+        if not _run_batch(sweeper, study, batch, sweep_dir, returns, metric):
             return returns
     while (ended := _ended(study)) < search.n_trials:
         batch = [study.ask(space) for _ in range(min(search.parallel, search.n_trials - ended))]
         for trial in batch:
             trial.set_user_attr("overrides", trial_overrides(trial.params, fixed))
-        if not _run_batch(sweeper, study, batch, sweep_dir, returns):
+        if not _run_batch(sweeper, study, batch, sweep_dir, returns, metric):
             break
     write_report(sweep_dir)
-    _log_best(study, sweep_dir)
+    _log_best(study, sweep_dir, metric)
     return returns
 
 
@@ -201,7 +206,7 @@ def _contiguous(trials: Sequence[optuna.Trial]) -> list[list[optuna.Trial]]:
 
 
 def _run_batch(sweeper: Any, study: Any, batch: list[optuna.Trial], sweep_dir: Path,
-               returns: list[Sequence[JobReturn]]) -> bool:
+               returns: list[Sequence[JobReturn]], metric: str) -> bool:
     """Launch one batch of trials (each prunes itself), tell how each ended; False if the sweep was interrupted."""
     first = batch[0].number
     jobs = [list(t.user_attrs["overrides"]) for t in batch]
@@ -212,7 +217,7 @@ def _run_batch(sweeper: Any, study: Any, batch: list[optuna.Trial], sweep_dir: P
     returns.append(sweeper.launcher.launch(jobs, initial_job_idx=first))  # each trial prunes itself
     interrupted = False
     for trial in batch:
-        result = read_result(job_dirs[trial.number])
+        result = read_result(job_dirs[trial.number], metric)
         if result.status == "running":
             interrupted = True  # stays RUNNING: a rerun resumes it from its checkpoint
             continue
@@ -228,11 +233,11 @@ def _run_batch(sweeper: Any, study: Any, batch: list[optuna.Trial], sweep_dir: P
     return not interrupted
 
 
-def _log_best(study: Any, sweep_dir: Path) -> None:
+def _log_best(study: Any, sweep_dir: Path, metric: str) -> None:
     try:
         best = study.best_trial
     except ValueError:
         log.warning(f"no trial completed; see {sweep_dir / 'sweep_report.md'}")
         return
-    log.info(f"Best trial {best.number}: eval_loss {best.value:.4f} with {json.dumps(best.params)}; "
+    log.info(f"Best trial {best.number}: {metric} {best.value:.4f} with {json.dumps(best.params)}; "
              f"report: {sweep_dir / 'sweep_report.md'}")
