@@ -98,6 +98,18 @@ class ConfigCheck:
         for job in jobs:
             cfg = self.load_sweep_config(master_config, list(job))
             self._ready[(id(master_config), tuple(job))] = cfg
+            check_sweep_metric(cfg, job)
+
+
+def check_sweep_metric(cfg: Any, job: list[str]) -> None:
+    """`sweep.metric` must be one that this job records: a sweep ranking by a metric no job records would run
+    every trial for nothing, so it exits 2 here, before the sweep directory exists (other mistakes of a job
+    are the job's own: it fails and the sweep records it)."""
+    from llmexp.config.validation import metric_errors
+
+    errors = metric_errors(cfg)
+    if errors:
+        raise UserError(f"the sweep's job {' '.join(job) or '(no overrides)'}: " + "; ".join(errors))
 
     def load_sweep_config(self, master_config: Any, sweep_overrides: list[str]) -> Any:
         from omegaconf import OmegaConf

@@ -606,6 +606,14 @@ def metric_direction(cfg: DictConfig, metric: str) -> tuple[bool, str | None]:
     return (True, None) if known is None else (name in known, known.get(name))
 
 
+def metric_errors(cfg: DictConfig) -> list[str]:
+    """What is wrong with `sweep.metric` and `sweep.direction` for this config (checked for every job of a sweep
+    before it launches)."""
+    errors: list[str] = []
+    _validate_metric(cfg, errors)
+    return errors
+
+
 def _validate_metric(cfg: DictConfig, errors: list[str]) -> None:
     sw = cfg.sweep
     _choice(errors, sw.direction, "sweep.direction", DIRECTIONS)
