@@ -149,7 +149,7 @@ def task_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("tasks")
     mc = _jsonl(root / "mc.jsonl", MC_ITEMS)
     qa = _jsonl(root / "qa.jsonl", [{"prompt": f"def f{i}(", "target": "x"} for i in range(5)])
-    words = "import os sys json def return class self value None True False".split()
+    words = ["import", "os", "sys", "json", "def", "return", "class", "self", "value", "None", "True", "False"]
     rng = random.Random(0)
     docs = _jsonl(root / "docs.jsonl", [{"text": " ".join(rng.choices(words, k=80))} for _ in range(12)])
     run_dir = root / "run"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 from pathlib import Path
@@ -54,7 +55,7 @@ def test_the_range_test_writes_its_curve_and_its_pick(runs: dict[str, Any]) -> N
     curve = picked["curve"]
     assert 3 <= picked["steps_run"] == len(curve) <= 12
     assert curve[0]["lr"] == pytest.approx(1e-7)
-    ratios = [b["lr"] / a["lr"] for a, b in zip(curve, curve[1:], strict=False)]
+    ratios = [b["lr"] / a["lr"] for a, b in itertools.pairwise(curve)]
     assert all(r == pytest.approx(10 ** (8 / 11)) for r in ratios)  # exponential from 1e-7 to 10 over 12 steps
     assert picked["suggestion"] == pytest.approx(picked["lr_min_loss"] / 10) and "Smith 2015" in picked["rule"]
     assert [c["smoothed"] for c in curve] == pytest.approx(smooth([c["loss"] for c in curve]))
