@@ -65,10 +65,25 @@ def _file_errors(cfg: Any) -> list[str]:
     for key, value in (("model.name_or_path", cfg.model.name_or_path), ("data.tokenizer", d.tokenizer)):
         if value and str(value).startswith((".", "/", "~")) and not Path(str(value)).expanduser().is_dir():
             errors.append(f"{key}={value}: no such directory; point it at a save_pretrained directory or a hub id")
+    errors += _task_file_errors(cfg)
     resume = str(cfg.train.resume)
     if resume not in ("auto", "never") and resume and not Path(resume).expanduser().is_dir():
         errors.append(f"train.resume={resume}: no such checkpoint directory; use train.resume=auto, never, "
                       "or a checkpoints/step_<N> directory")
+    return errors
+
+
+def _task_file_errors(cfg: Any) -> list[str]:
+    """The eval tasks' files and the harness's task directory exist (their content is read before the data)."""
+    ev, errors = cfg.eval, []
+    for kind in ("multiple_choice", "generate"):
+        for name, task in ev[kind].items():
+            if task.file and not Path(str(task.file)).expanduser().is_file():
+                errors.append(f"eval.{kind}.{name}.file={task.file}: no such file (looked at "
+                              f"{Path(str(task.file)).expanduser().resolve()}); fix the path")
+    path = ev.lm_eval.include_path
+    if path and not Path(str(path)).expanduser().is_dir():
+        errors.append(f"eval.lm_eval.include_path={path}: no such directory; point it at a directory of task YAMLs")
     return errors
 
 

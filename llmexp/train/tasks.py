@@ -6,8 +6,8 @@
                                 one `eval_task` record per task (rank 0 logs)
 
 The scorers are `llmexp.evals`'; this module only splits the work between ranks and adds it up. Every rank
-scores items i with i % world == rank (a forward that is collective, under FSDP or ZeRO-3, runs as often on
-every rank); harness tasks run on rank 0, which holds whole weights (generate and lm_eval are refused under
+scores items i with i % world == rank (every rank runs as many forwards, since a forward may be collective);
+harness tasks run on rank 0, which holds whole weights (generate and lm_eval are refused under
 sharded weights), while the others wait at the next collective.
 """
 
@@ -142,8 +142,10 @@ def _record(step: int, name: str, kind: str, metrics: dict[str, float], n: int, 
 
 
 def _shard(run: Run) -> score.Shard:
+    """This rank's share. With several ranks every rank runs as many forwards: FSDP and ZeRO-3 gather weights in
+    each one, and DDP may broadcast buffers in each one; a rank short of items repeats a batch."""
     rt = run.rt
-    return score.Shard(rt.rank, rt.plan.world, rt.engine.collective_forward or run.cfg.deepspeed.stage >= 3)
+    return score.Shard(rt.rank, rt.plan.world, rt.plan.world > 1)
 
 
 def _summed(run: Run, tally: list[float]) -> list[float]:
