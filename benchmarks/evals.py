@@ -138,8 +138,8 @@ def main() -> None:
         root = Path(tmp)
         env = {"LLMEXP_CACHE": str(root / "cache")}
         cost = measure_cost(root, args.rounds, extra, QUICK_DEMO if args.quick else [], env)
-        lr = measure_lr(root, extra, ["train.lr_find_steps=10"] if args.quick else [], QUICK_GRID if args.quick else GRID,
-                        env)
+        finder = ["train.lr_find_steps=10"] if args.quick else []
+        lr = measure_lr(root, extra, finder, QUICK_GRID if args.quick else GRID, env)
     text = report(cost, lr, started, load_start)
     publish(text, "" if args.quick else args.out)
 

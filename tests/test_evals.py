@@ -249,3 +249,20 @@ def test_the_grid_recommendation_and_a_search_result_rank_by_the_metric(tmp_path
     assert "| tasks/demo/acc |" in (sweep / "sweep_report.md").read_text()
     assert read_result(sweep / "1", "tasks/demo/acc").value == pytest.approx(0.45)
     assert read_result(sweep / "1").value == pytest.approx(5.5)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["eval.batch_size=0"], "eval.batch_size: must be in [1, 4096]"),
+    (["eval.demo_items=-1"], "eval.demo_items"),
+    (["++eval.generate={qa: {file: g.jsonl, max_new_tokens: 0}}"], "eval.generate.qa.max_new_tokens"),
+    (["++eval.multiple_choice={mc: {max_items: 2}}"], "eval.multiple_choice.mc.file: names no task file"),
+    (["++eval.perplexity={p: {name: jsonl}}"], "eval.perplexity.p.name"),
+    (["++eval.multiple_choice={a+b: {file: m.jsonl}}"], "a task name must be"),
+    (["eval=lm_eval"], "eval.lm_eval.tasks"),
+    (["eval.lm_eval.tasks=[arc_easy]", "fsdp=full_shard"], "generate and lm_eval tasks run on whole weights"),
+])
+def test_bad_eval_settings_name_the_key(overrides: list[str], message: str, tmp_path: Path) -> None:
+    from llmexp.config.validation import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        validate(compose(overrides, tmp_path))
