@@ -87,7 +87,8 @@ def format_header(r: dict[str, Any]) -> str:
         precision += " EMULATED on this hardware: slower than fp32; precision=auto is faster (see the warning below)"
     lr = r.get("lr_chosen")
     sources = {"auto": "lr=auto: by model size", "config": "lr= on the command line or in the config",
-               "auto-adapter": "lr=auto with adapters: the QLoRA paper's 2e-4 (1e-4 above ~20B)"}
+               "auto-adapter": "lr=auto with adapters: the QLoRA paper's 2e-4 (1e-4 above ~20B)",
+               "find": "lr=find: the range test's pick, lr_find.json"}
     source = sources.get(str(r.get("lr_source")), str(r.get("lr_source")))
     resumed = f", resuming at step {r['step']}" if r.get("step") else ""
     shares = r.get("data_mix_shares")
