@@ -22,7 +22,7 @@ def plot_lr_find(result: dict[str, Any], path: Path) -> None:
     if result.get("lr_steepest"):
         ax.axvline(result["lr_steepest"], color="#2ca02c", ls=":", label=f"steepest {result['lr_steepest']:.3g}")
     smoothed = [c["smoothed"] for c in curve]
-    low, high = min(smoothed), smoothed[0]
+    low, high = min(min(smoothed), min(c["loss"] for c in curve)), smoothed[0]  # the divergence stays off-scale
     ax.set_ylim(low - 0.1 * (high - low + 1e-9), max(high, low) + 0.3 * (high - low + 1e-9))
     ax.set_xscale("log")
     ax.set_xlabel("learning rate")
