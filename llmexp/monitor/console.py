@@ -92,7 +92,8 @@ def format_header(r: dict[str, Any]) -> str:
         precision += f" EMULATED on this hardware{measured}" + (": precision=auto is faster" if slower else "")
     lr = r.get("lr_chosen")
     sources = {"auto": "lr=auto: by model size", "config": "lr= on the command line or in the config",
-               "auto-adapter": "lr=auto with adapters: the QLoRA paper's 2e-4 (1e-4 above ~20B)"}
+               "auto-adapter": "lr=auto with adapters: the QLoRA paper's 2e-4 (1e-4 above ~20B)",
+               "find": "lr=find: the range test's pick, lr_find.json"}
     source = sources.get(str(r.get("lr_source")), str(r.get("lr_source")))
     resumed = f", resuming at step {r['step']}" if r.get("step") else ""
     shares = r.get("data_mix_shares")
@@ -137,6 +138,9 @@ def format_line(r: dict[str, Any]) -> str | None:
                 f"grad {r['grad_norm']:.3f} | {r['tokens_per_sec']:,.0f} tok/s | mfu {mfu}{extra}")
     if r.get("event") == "eval":
         return f"eval {r['step']:>6} | eval_loss {r['eval_loss']:.4f} | eval_ppl {r['eval_ppl']:.2f}"
+    if r.get("event") == "eval_task":
+        metrics = " | ".join(f"{k} {v:.4g}" for k, v in r["metrics"].items())
+        return f"task {r['step']:>6} | {r['task']} | {metrics} | {r['items']} items, {r['seconds']:.1f} s"
     if r.get("event") == "finding":
         return f"[{r['severity']}] step {r['step']}: {r['message']} -> {r['advice']}"
     if r.get("event") == "sample":
