@@ -15,10 +15,12 @@ from llmexp.config.validation import RANGES, ConfigError, number_keys, validate
 from tests.conftest import compose, run_cli
 
 GROUPS = ["model", "data", "precision", "optimizer", "scheduler", "cluster", "deepspeed", "logger", "peft",
-          "experiment"]
+          "experiment", "eval"]
 NEEDS = {"data/json": ["data.train_file=t.jsonl"], "data/text": ["data.train_file=t.txt"], "data/hf": ["data.path=d"],
          "data/stdlib_sft": ["model.name_or_path=run/model"], "experiment/sft_demo": ["model.name_or_path=run/model"],
-         "peft/qlora": ["model.name_or_path=run/model"]}
+         "peft/qlora": ["model.name_or_path=run/model"],
+         "eval/multiple_choice": ["eval.multiple_choice.mc.file=m.jsonl"],
+         "eval/generate": ["eval.generate.qa.file=g.jsonl"], "eval/lm_eval": ["eval.lm_eval.tasks=[arc_easy]"]}
 
 
 def _options() -> list[tuple[str, str]]:

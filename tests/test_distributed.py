@@ -25,6 +25,10 @@ RUN = [*TINY, "precision=fp32", "lr=1e-3", "train.max_steps=6", "train.eval_step
        "train.peak_tflops=1", "train.warmup_steps=1"]
 
 
+TASKS = ["eval=demo", "eval.demo_items=9"]
+"""A task at every eval: 9 items do not split evenly over 2 ranks."""
+
+
 def _losses(run_dir: Path, after_resume: bool = False) -> dict[int, float]:
     records = read_metrics(run_dir)
     if after_resume:
@@ -58,11 +62,11 @@ def _first_launcher() -> list[str]:
 @pytest.mark.slow
 def test_two_processes_match_one_and_resume(tmp_path: Path) -> None:
     single = tmp_path / "single"
-    result = run_cli([*RUN, "batch_size=8", f"hydra.run.dir={single}"])
+    result = run_cli([*RUN, *TASKS, "batch_size=8", f"hydra.run.dir={single}"])
     assert result.returncode == 0, result.stderr[-3000:]
 
     # No hydra.run.dir: both ranks must agree on one outputs/<date>/<time>-<launcher pid>.
-    result = _launch(_first_launcher(), ["batch_size=4"], cwd=tmp_path)
+    result = _launch(_first_launcher(), [*TASKS, "batch_size=4"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     run_dirs = [p.parent for p in (tmp_path / "outputs").glob("*/*/metrics.jsonl")]
     assert len(run_dirs) == 1, run_dirs
@@ -75,10 +79,15 @@ def test_two_processes_match_one_and_resume(tmp_path: Path) -> None:
     assert '"world_size": 2' in summary and '"peak_mem_mb"' in summary
     ckpt = multi / "checkpoints" / "step_3"
     assert (ckpt / "rng_rank0.pt").is_file() and (ckpt / "rng_rank1.pt").is_file()
+    # eval tasks: each rank scores its share (9 items: 5 and 4, in lockstep), rank 0 logs the sums
+    tasks = lambda d: [(r["step"], r["items"], r["metrics"]) for r in read_metrics(d, "eval_task")]  # noqa: E731
+    assert [t[:2] for t in tasks(multi)] == [(0, 9), (3, 9), (6, 9)]
+    for (_, _, m1), (_, _, m2) in zip(tasks(single), tasks(multi), strict=True):
+        assert m2 == pytest.approx(m1), (m1, m2)
 
     # Resume the 2-process run with accelerate launch: from step_3, steps 4-6 again, exactly.
     shutil.rmtree(multi / "checkpoints" / "step_6")
-    result = _launch(ACCELERATE, ["batch_size=4", f"hydra.run.dir={multi}"], cwd=tmp_path)
+    result = _launch(ACCELERATE, [*TASKS, "batch_size=4", f"hydra.run.dir={multi}"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     resumed = _losses(multi, after_resume=True)
     assert resumed.keys() == {4, 5, 6}

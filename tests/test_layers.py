@@ -11,7 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-ENTRY_POINTS = ("llmexp.__main__", "llmexp.doctor", "llmexp.estimate", "llmexp.status")
+ENTRY_POINTS = ("llmexp.__main__", "llmexp.doctor", "llmexp.estimate", "llmexp.status", "llmexp.lr_find")
 """`python -m llmexp[.X]` needs a module at llmexp/X.py: each is three lines handing over to its command in `cli/`
 (or `report/`), so it belongs to the cli layer."""
 
@@ -21,6 +21,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("config", ("llmexp.config",)),
     ("data", ("llmexp.data",)),
     ("model", ("llmexp.model",)),
+    ("evals", ("llmexp.evals",)),
     ("checkpoint", ("llmexp.checkpoint",)),
     ("monitor", ("llmexp.monitor",)),
     ("report", ("llmexp.report",)),

@@ -327,6 +327,7 @@ PATH_SCENARIOS: dict[str, dict[str, Scenario]] = {
     "hf_source": {"missing": _missing, "a file": _a_file, "an empty directory": _empty_dir, "a loop": _loop},
     "hf_files": {"missing": _missing, "an empty file": _empty_file, "a directory": _empty_dir, "a loop": _loop,
                  "a glob of nothing": _glob_of_nothing},
+    "task_dir": {"missing": _missing, "a file": _a_file, "an empty directory": _empty_dir, "a loop": _loop},
 }
 """For each kind of path (`rules.PATH_KINDS`), the paths it must refuse: missing, empty, a file for a directory
 and the reverse, a symbolic link loop."""

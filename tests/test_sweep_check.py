@@ -53,6 +53,20 @@ SWEEP_MISTAKES: list[tuple[str, list[str], list[str]]] = [
     ("grid_value_out_of_range", ["--multirun", "lr=1e-3,-1"], ["lr=-1", "lr: must be > 0"]),
     ("grid_too_large", ["--multirun", "seed=range(0,100000000)"], ["100000000 jobs", "at most"]),
     ("choice_too_large", ["--multirun", "sweep=tpe", "seed=range(0,100000000)"], ["seed", "100000000 values"]),
+    # sweep.metric: one that every job records, the same for every job, in its better direction
+    ("metric_not_recorded", [*GRID, "sweep.metric=tasks/demo/acc", "sweep.direction=maximize"],
+     ["sweep.metric=tasks/demo/acc: no job records it", "eval=demo sweep.metric=tasks/demo/acc"]),
+    ("metric_not_recorded_by_one_job", ["--multirun", "eval=demo,loss", "sweep.metric=tasks/demo/acc",
+                                        "sweep.direction=maximize"],
+     ["job #1 (eval=loss):", "sweep.metric=tasks/demo/acc: no job records it"]),
+    ("metric_at_a_search_edge", ["--multirun", "sweep=tpe", "eval=choice(demo,loss)", "sweep.metric=tasks/demo/acc",
+                                 "sweep.direction=maximize"], ["search value eval=loss", "no job records it"]),
+    ("metric_swept", ["--multirun", "eval=demo", "sweep.metric=tasks/demo/acc,tasks/demo/acc_norm",
+                      "sweep.direction=maximize"],
+     ["sweep.metric: the jobs rank by different metrics (tasks/demo/acc (maximize), tasks/demo/acc_norm (maximize))"]),
+    ("direction_against_the_metric", [*SEARCH, "eval=demo", "sweep.metric=tasks/demo/acc"],
+     ["sweep.direction=minimize: tasks/demo/acc is better higher; set sweep.direction=maximize"]),
+    ("direction_unknown", [*GRID, "sweep.direction=up"], ["sweep.direction: 'up' is not one of minimize, maximize"]),
 ]
 
 

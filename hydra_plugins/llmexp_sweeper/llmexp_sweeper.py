@@ -78,15 +78,16 @@ class GridSweeper(Sweeper):
         launcher exits 1 for a batch with a job that did not end by itself; 3 needs every batch's jobs."""
         from pathlib import Path
 
-        from llmexp.sweep.jobs import TrialResult, exit_for_results, is_llmexp_config, job_dir_of, read_result
+        from llmexp.sweep.jobs import TrialResult, exit_for_results, job_dir_of, objective, read_result
 
         returns = self._grid(arguments)
-        if self.config is None or not is_llmexp_config(self.config):  # another app gets Hydra's returns only
+        metric = objective(self.config)[0] if self.config is not None else None
+        if self.config is None or metric is None:  # another app gets Hydra's returns only
             return returns
         results = []
         for num, ret in enumerate(r for batch in returns for r in batch):  # numbered from 0, batch after batch
             job_dir = job_dir_of(self.config, num)
-            result = read_result(job_dir)
+            result = read_result(job_dir, metric)  # completed: ended with a finite `sweep.metric`
             if ret.return_value == 0 and not (job_dir / "summary.json").exists():  # ended well, writes no summary
                 result = TrialResult("completed")
             results.append(result)

@@ -5,8 +5,9 @@ One rule per kind of path (`rules.PATH_KINDS`; which key is which: the `PathRule
 so a missing path, a file where a directory belongs (and the reverse), an empty file, a part of the path that
 is a file, and a symbolic link loop are each told apart and named with the key and the fix. What a directory
 must hold is checked too: a model directory its config and safetensors weights and no code it may not run
-(`model_dir_problem`), a `data=hf` source no loading script. Called by `environment.check_environment`. No
-torch, no transformers: plain files only.
+(`model_dir_problem`), a `data=hf` source no loading script. The `eval` group's task files are entries of
+dicts, with no `PathRule` of their own: `task_file_errors` checks them as their kind's. Called by
+`environment.check_environment`. No torch, no transformers: plain files only.
 """
 
 from __future__ import annotations
@@ -265,6 +266,48 @@ def hf_files_problem(cfg: Any, key: str, value: Any) -> str | None:
     return None
 
 
+def task_dir_problem(cfg: Any, key: str, value: Any) -> str | None:
+    """`eval.lm_eval.include_path`: an existing directory with a task YAML in it (the harness indexes them all)."""
+    what = "a directory of lm-evaluation-harness task YAMLs"
+    path = Path(str(value)).expanduser()
+    found, why = _stat(path)
+    if why:
+        return f"{_shown(key, value)}: {why}; point it at {what}"
+    if found is None:
+        return f"{_shown(key, value)}: no such directory (looked at {path.absolute()}); point it at {what}"
+    if not stat.S_ISDIR(found.st_mode):
+        return f"{_shown(key, value)}: is a file, not a directory; point it at {what}"
+    if not any(p.is_file() for p in path.rglob("*.yaml")):
+        return f"{_shown(key, value)}: holds no task YAML (*.yaml); add one, or point it at {what}"
+    return None
+
+
+def task_file_errors(cfg: Any) -> list[str]:
+    """The files of the `eval` group's tasks: each `eval.multiple_choice.<name>.file` and `eval.generate.<name>
+    .file` an existing, non-empty JSONL file, and each extra held-out set's json or text file. Entries of a dict
+    have no `PathRule` of their own; a task file's lines are read and checked when the run starts."""
+    ev, errors = cfg.eval, []
+    shapes = {"multiple_choice": '{"context", "choices", "answer"}', "generate": '{"prompt", "target"}'}
+    for kind, shape in shapes.items():
+        for name, task in ev[kind].items():
+            key = f"eval.{kind}.{name}.file"
+            if task.file and (problem := _input_file_problem(key, task.file, f"a JSONL file of {shape} records")):
+                errors.append(problem)
+    for name, entry in ev.perplexity.items():
+        errors += _held_out_set_errors(f"eval.perplexity.{name}", entry, str(entry.name or cfg.data.name))
+    return errors
+
+
+def _held_out_set_errors(key: str, entry: Any, kind: str) -> list[str]:
+    """An extra held-out set's files, as `data.train_file` / `data.eval_file` of its data kind are checked."""
+    checks: dict[str, Callable[[str, Any], str | None]] = {
+        "json": lambda k, v: _input_file_problem(k, v, f"a JSON or JSONL file, e.g. {k}=path/to/held_out.jsonl"),
+        "text": _text_source_problem}
+    check = checks.get(kind)
+    values = {f"{key}.{field}": entry[field] for field in ("train_file", "eval_file") if entry[field]}
+    return [p for k, v in values.items() if check is not None and (p := check(k, v))]
+
+
 KIND_CHECKS: dict[str, Callable[[Any, str, Any], str | None]] = {
     "dir_out": lambda cfg, key, value: dir_out_problem(key, value),
     "data_file": data_file_problem,
@@ -273,6 +316,7 @@ KIND_CHECKS: dict[str, Callable[[Any, str, Any], str | None]] = {
     "checkpoint": checkpoint_problem,
     "hf_source": hf_source_problem,
     "hf_files": hf_files_problem,
+    "task_dir": task_dir_problem,
 }
 """One check per kind of path (`rules.PATH_KINDS`); `tests/test_schema_property.py` asserts they match."""
 
@@ -293,7 +337,7 @@ def path_errors(cfg: Any) -> list[str]:
     for i, source in enumerate(cfg.data.get("mix") or [] if cfg.data.name == "hf" else []):
         if source.get("path") and (problem := hf_source_problem(cfg, f"data.mix[{i}].path", source.path)):
             errors.append(problem)
-    return errors
+    return errors + task_file_errors(cfg)
 
 
 def directory_errors(cfg: Any) -> list[str]:

@@ -36,6 +36,8 @@ SAMPLERS = ("random", "tpe")
 PRUNERS = ("none", "asha", "hyperband", "median")
 LR_SCALINGS = ("none", "sqrt", "linear")
 CPU_MATMULS = ("auto", "torch")
+EVAL_OPTIONS = ("loss", "demo", "perplexity", "multiple_choice", "generate", "lm_eval")
+DIRECTIONS = ("minimize", "maximize")
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,7 @@ PATH_KINDS = {
     "hf_source": "data=hf: a hub id, a save_to_disk directory, or a file builder (parquet, arrow, json, csv, text); "
                  "never a loading script",
     "hf_files": "data=hf: a file, glob or list of them, each matching non-empty files",
+    "task_dir": "an existing directory holding lm-evaluation-harness task YAMLs (*.yaml)",
 }
 """What each kind of path key names; `environment.check_environment` checks them before anything is written."""
 
@@ -252,6 +255,27 @@ RULES: dict[str, Any] = {
     "sweep.lr_scaling": Choice(LR_SCALINGS),
     "sweep.pruner": Choice(PRUNERS),
     "sweep.name": Choice(SWEEP_STRATEGIES),
+    "sweep.metric": Special("validation.metric_errors: eval_loss, eval_ppl, or tasks/<name>/<metric> of a task this "
+                            "config's eval runs (a sweep checks every job's before it launches)",
+                            ("accuracy", "tasks/demo/acc", "", "tasks//acc", "tasks/demo", "eval_loss/x")),
+    "sweep.direction": Choice(DIRECTIONS),
+    "eval.name": Choice(EVAL_OPTIONS),
+    "eval.perplexity": Special("validation._validate_tasks: each set's name, data kind and source",
+                               ("{p: {name: jsonl}}", "{p: {name: json}}", "{p: {name: hf}}", "{a+b: {name: stdlib}}")),
+    "eval.multiple_choice": Special("validation._validate_tasks: each task's name, file and TASK_RANGES; its file: "
+                                    "paths.task_file_errors", ("{mc: {max_items: 2}}", "{mc: {file: ''}}",
+                                                               "{mc: {file: /nonexistent/mc.jsonl}}",
+                                                               "{mc: {file: x.jsonl, max_items: 0}}",
+                                                               "{a+b: {file: x.jsonl}}")),
+    "eval.generate": Special("validation._validate_tasks: each task's name, file, stop strings and TASK_RANGES; its "
+                             "file: paths.task_file_errors", ("{qa: {max_new_tokens: 5}}",
+                                                              "{qa: {file: /nonexistent/qa.jsonl}}",
+                                                              "{qa: {file: x.jsonl, max_new_tokens: 0}}",
+                                                              "{qa: {file: x.jsonl, examples: -1}}",
+                                                              "{qa: {file: x.jsonl, stop: ['']}}")),
+    "eval.lm_eval.tasks": TextList(Text(nullable=False, max_len=200)),
+    "eval.lm_eval.include_path": PathRule("task_dir"),
+    "eval.lm_eval.include_defaults": Flag(),
     "train.sample_prompts": TextList(Text(nullable=False, max_len=10_000, one_line=False)),
     "train.resume": PathRule("checkpoint"),
     "train.resume_data_mismatch": Choice(("error", "warn")),
@@ -259,7 +283,8 @@ RULES: dict[str, Any] = {
     "train.on_anomaly": Choice(ANOMALY_POLICIES),
     "train.cpu_matmul": Choice(CPU_MATMULS),
     "train.merge_adapter": Flag(),
-    "lr": Special("validation._number_errors: a positive finite number, or auto",
+    "train.lr_find_only": Flag(),
+    "lr": Special("validation._number_errors: a positive finite number, auto or find",
                   ("0", "-1", "inf", "nan", "-inf", "fast", "[0.001]", "1e400")),
     "batch_size": Special("validation._number_errors: an integer >= 1, or auto",
                           ("0", "-1", "abc", "1.5", "99999999999999999999999", "[4]", "inf")),

@@ -293,6 +293,11 @@ class SweepConfig(SearchSweepConfig, GridSweepConfig):
 
     name: str = "grid"
     """grid (every combination, as Hydra's basic sweeper), random or tpe (optuna samplers)."""
+    metric: str = "eval_loss"
+    """What the search, its pruner, the grid's recommendation and the sweep report rank by: eval_loss, eval_ppl
+    or a task metric `tasks/<name>/<metric>` (e.g. tasks/demo/acc) that the jobs' `eval` records."""
+    direction: str = "minimize"
+    """minimize (losses) or maximize (accuracies)."""
 
 
 @dataclass
@@ -344,6 +349,89 @@ class PeftConfig:
     """4-bit data type: nf4 (QLoRA's NormalFloat) or fp4."""
     bnb_4bit_use_double_quant: bool = True
     """Quantise the quantisation constants too (about 0.37 bits per weight saved)."""
+
+
+@dataclass
+class PerplexitySetConfig(HfSourceConfig):
+    """One extra held-out set (`eval.perplexity.<name>`): the run's `data` with these fields replaced (null keeps
+    the run's), scored on its eval split as the eval loss is. Any `data=` source: a json/text file, a `data=hf`
+    dataset, e.g. one per source of a `data.mix`."""
+
+    name: str | None = None
+    """Corpus kind: stdlib, stdlib_sft, json, text or hf; null: the run's `data.name`."""
+    train_file: str | None = None
+    """json/text: the file to split (null with eval_file: the whole eval_file is the set)."""
+    eval_file: str | None = None
+    """json/text: a file scored whole."""
+    path: str | None = None
+    """hf: a hub id, a `save_to_disk` directory, or a file builder (parquet, arrow, json, csv, text)."""
+
+
+@dataclass
+class ChoiceTaskConfig:
+    """A multiple-choice task (`eval.multiple_choice.<name>`), scored by the log-likelihood of each choice."""
+
+    file: str | None = None
+    """A JSONL file of {"context": str, "choices": [str, ...], "answer": index}."""
+    delimiter: str = " "
+    """Put between the context and each choice (lm-evaluation-harness's `target_delimiter`)."""
+    max_items: int | None = None
+    """Score the first this-many items; null: all."""
+
+
+@dataclass
+class GenerateTaskConfig:
+    """A generation task (`eval.generate.<name>`): greedy continuations scored by exact match and containment."""
+
+    file: str | None = None
+    """A JSONL file of {"prompt": str, "target": str}."""
+    max_new_tokens: int = 32
+    """Tokens generated per prompt."""
+    stop: list[str] = field(default_factory=lambda: ["\n"])
+    """The completion is cut at the first of these strings before it is compared."""
+    examples: int = 3
+    """Items whose prompt, completion and target are kept in each record (for the report)."""
+    max_items: int | None = None
+    """Score the first this-many items; null: all."""
+
+
+@dataclass
+class LmEvalConfig:
+    """lm-evaluation-harness tasks (`pip install llmexp[eval]`), run on the in-memory model."""
+
+    tasks: list[str] = field(default_factory=list)
+    """Harness task names, e.g. [arc_easy, hellaswag], or the names of tasks in `include_path`."""
+    include_path: str | None = None
+    """A directory of task YAMLs (offline: `dataset_path: json` with `dataset_kwargs.data_files`)."""
+    include_defaults: bool = True
+    """Also index the harness's built-in tasks (~15,000; ~25 s at the start of a run)."""
+    limit: int | None = None
+    """Score at most this many documents per task; null: all."""
+    num_fewshot: int | None = None
+    """Few-shot examples; null: each task's own setting."""
+    batch_size: int = 8
+    """Requests per forward."""
+
+
+@dataclass
+class EvalConfig:
+    """What each eval measures besides the held-out loss: extra held-out sets and downstream tasks, all run at
+    every `train.eval_steps` and at the end. Metrics are `tasks/<name>/<metric>`; `sweep.metric` may name one."""
+
+    name: str = "loss"
+    """loss (the held-out loss only), demo, perplexity, multiple_choice, generate or lm_eval."""
+    perplexity: dict[str, PerplexitySetConfig] = field(default_factory=dict)
+    """Extra held-out sets by name: loss and ppl of each."""
+    multiple_choice: dict[str, ChoiceTaskConfig] = field(default_factory=dict)
+    """Multiple-choice tasks by name: acc and length-normalised acc_norm."""
+    generate: dict[str, GenerateTaskConfig] = field(default_factory=dict)
+    """Generation tasks by name: exact_match and contains."""
+    lm_eval: LmEvalConfig = field(default_factory=LmEvalConfig)
+    """lm-evaluation-harness tasks."""
+    demo_items: int = 0
+    """Items of the demo task ("which line comes next?", from the held-out data); 0: no demo task."""
+    batch_size: int = 16
+    """Sequences per forward when scoring choices or generating."""
 
 
 @dataclass
@@ -412,6 +500,14 @@ class TrainConfig:
     """Seed of the data order; null uses the top-level `seed`."""
     merge_adapter: bool = False
     """With peft: also write the base model with the adapters merged in to `model/merged/`."""
+    lr_find_steps: int = 100
+    """lr=find: steps of the range test, the lr rising exponentially from lr_find_start to lr_find_end."""
+    lr_find_start: float = 1e-7
+    """lr=find: the first lr of the range test."""
+    lr_find_end: float = 10.0
+    """lr=find: the lr the range test would reach at its last step (it stops earlier when the loss diverges)."""
+    lr_find_only: bool = False
+    """lr=find: stop after the range test, without training (`python -m llmexp.lr_find` sets it)."""
 
 
 @dataclass
@@ -429,9 +525,11 @@ class Config:
     peft: PeftConfig = MISSING
     fsdp: FsdpConfig = MISSING
     sweep: SweepConfig = MISSING
+    eval: EvalConfig = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
     lr: Any = "auto"
-    """Peak learning rate, or auto: from the parameter count by the seed's table."""
+    """Peak learning rate; auto: from the parameter count by the seed's table; find: a range test first
+    (`train.lr_find_*`), then training at its suggestion from a fresh start."""
     batch_size: Any = 4
     """Per-device micro-batch size, or auto: the largest that fits in memory (the estimate, then a probe step;
     with `train.global_batch_size` set, a divisor of it per process, accumulation making up the rest)."""

@@ -24,6 +24,8 @@ from llmexp.config.derived import parse_batch_size
 from llmexp.config.rules import (  # noqa: F401 (the option names are imported from here too)
     ANOMALY_POLICIES,
     DATA_KINDS,
+    DIRECTIONS,
+    EVAL_OPTIONS,
     FSDP_STRATEGIES,
     HYDRA_RULES,
     INT64_MAX,
@@ -129,6 +131,14 @@ RANGES: dict[str, Range] = {
     "train.early_stopping_patience": _at_least(0, "(0 disables)"),
     "train.peak_tflops": Range(low=0, low_open=True, note="(or null to measure it)"),
     "train.seed_data": Range(low=0, high=SEED_MAX, note="(or null to use seed)"),
+    "train.lr_find_steps": Range(low=5, high=100_000),
+    "train.lr_find_start": Range(low=0, high=1, low_open=True),
+    "train.lr_find_end": Range(low=0, high=1e3, low_open=True),
+    "eval.demo_items": Range(low=0, high=100_000, note="(0: no demo task)"),
+    "eval.batch_size": Range(low=1, high=4096),
+    "eval.lm_eval.limit": _at_least(1, "(or null for every document)"),
+    "eval.lm_eval.num_fewshot": Range(low=0, high=1000, note="(or null: each task's own)"),
+    "eval.lm_eval.batch_size": Range(low=1, high=4096),
     "seed": Range(low=0, high=SEED_MAX),
 }
 """The bounds of every int and float field of `llmexp.config.schema.Config` (`lr` is checked by `parse_lr`,
@@ -146,8 +156,14 @@ def _check(errors: list[str], ok: bool, key: str, message: str) -> None:
         errors.append(f"{key}: {message}")
 
 
+def is_lr_find(value: Any) -> bool:
+    """`lr=find`: a range test picks the lr (`llmexp.train.lr_find`)."""
+    return isinstance(value, str) and value.strip().lower() == "find"
+
+
 def parse_lr(value: Any) -> float | None:
-    """`lr` as a float, None for `auto`; raises ValueError for anything else."""
+    """`lr` as a float, None for `auto`; raises ValueError for anything else (`find` included: the trainer
+    replaces it with the range test's pick before anything reads the lr)."""
     if isinstance(value, str) and value.strip().lower() == "auto":
         return None
     if isinstance(value, bool):
@@ -230,11 +246,11 @@ def _number_errors(cfg: DictConfig) -> dict[str, str]:
     bad = {key: problem for key, tp in number_keys().items()
            if (problem := _number_problem(key, OmegaConf.select(cfg, key), tp, fields[key][1]))}
     try:
-        lr = parse_lr(cfg.lr)
+        lr = None if is_lr_find(cfg.lr) else parse_lr(cfg.lr)
         if lr is not None and not (math.isfinite(lr) and lr > 0):
-            bad["lr"] = f"lr: must be > 0 and finite, or auto; got {cfg.lr}; try lr=3e-4"
+            bad["lr"] = f"lr: must be > 0 and finite, or auto or find; got {cfg.lr}; try lr=3e-4"
     except (TypeError, ValueError):
-        bad["lr"] = f"lr: {cfg.lr!r} is not a number or auto; try lr=3e-4 or lr=auto"
+        bad["lr"] = f"lr: {cfg.lr!r} is not a number, auto or find; try lr=3e-4, lr=auto or lr=find"
     try:
         parse_batch_size(cfg.batch_size)
     except ValueError:
@@ -391,6 +407,8 @@ def _validate_groups(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet
     _validate_peft(cfg, errors)
     _validate_sweep(cfg.sweep, errors)
     _validate_fsdp(cfg, errors)
+    _validate_eval(cfg, errors)
+    _validate_lr_find(cfg, errors, bad)
     if (problem := tracking_uri_problem(cfg.logger.tracking_uri)) is not None:
         errors.append(problem)
 
@@ -511,6 +529,157 @@ def _validate_peft(cfg: DictConfig, errors: list[str]) -> None:
            f"peft={pe.name} does not run under DeepSpeed in llmexp (adapter-only ZeRO checkpoints are not "
            "implemented, and ZeRO cannot partition 4-bit weights); adapters and their optimizer state are "
            "small, so use deepspeed=none (DDP for several GPUs)")
+
+
+# ----------------------------------------------------------------------------- eval tasks, sweep.metric, lr=find
+
+RUN_METRICS = {"eval_loss": "minimize", "eval_ppl": "minimize"}
+"""The metrics every run records at each eval (`sweep.metric`'s names for them), and which way is better."""
+TASK_METRICS = {"perplexity": {"loss": "minimize", "ppl": "minimize"},
+                "multiple_choice": {"acc": "maximize", "acc_norm": "maximize"},
+                "generate": {"exact_match": "maximize", "contains": "maximize"}}
+"""What each kind of task records (`tasks/<name>/<metric>`), and which way is better; the demo task is a
+multiple_choice task named `demo`; harness tasks record the harness's own metric names."""
+TASK_KINDS = tuple(TASK_METRICS)
+"""The `eval` group's dicts of named tasks (`eval.<kind>.<name>`), each entry a schema node of its own."""
+
+TASK_RANGES: dict[str, Range] = {
+    "multiple_choice.max_items": _at_least(1, "(or null for all)"),
+    "generate.max_items": _at_least(1, "(or null for all)"),
+    "generate.max_new_tokens": Range(low=1, high=4096),
+    "generate.examples": Range(low=0, high=1000),
+}
+"""The bounds of the numbers of each `eval.<kind>.<name>` entry: entries of a dict are no leaves of the schema
+(their dict is: `rules.RULES`), so `_validate_tasks` checks these under the entry's own key."""
+
+
+def _validate_eval(cfg: DictConfig, errors: list[str]) -> None:
+    """`eval` (its option name is a `rules.Choice`): every task's name and fields, the harness's task list,
+    generation only where the weights are whole, and `sweep.metric` against what the tasks record."""
+    ev, lm = cfg.eval, cfg.eval.lm_eval
+    names = _validate_tasks(ev, errors) + (["demo"] if ev.demo_items > 0 else [])
+    twice = sorted({n for n in names if names.count(n) > 1})
+    _check(errors, not twice, "eval", f"task names must differ (demo is the demo task's); got {', '.join(twice)} "
+           "twice: rename one")
+    _check(errors, all(_task_name_ok(str(t)) for t in lm.tasks), "eval.lm_eval.tasks",
+           "must be a list of harness task names, e.g. eval.lm_eval.tasks=[arc_easy,hellaswag]")
+    _check(errors, bool(lm.tasks) or ev.name != "lm_eval", "eval.lm_eval.tasks", "eval=lm_eval names no task; set "
+           "eval.lm_eval.tasks=[arc_easy] (and eval.lm_eval.include_path=DIR for your own task YAMLs)")
+    whole_weights = cfg.fsdp.name == "none" and cfg.deepspeed.stage < 3
+    _check(errors, whole_weights or not (ev.generate or lm.tasks), "eval", "generate and lm_eval tasks run on "
+           f"whole weights, and {'fsdp' if cfg.fsdp.name != 'none' else 'ZeRO-3'} shards them; use "
+           "multiple_choice or perplexity tasks, or score model/ after the run")
+    errors.extend(metric_errors(cfg))
+
+
+def _validate_tasks(ev: DictConfig, errors: list[str]) -> list[str]:
+    """Each `eval.<kind>.<name>` entry: its name (it becomes `tasks/<name>/...`), file, numbers (`TASK_RANGES`)
+    and stop strings; a perplexity set's source. Returns the names."""
+    names: list[str] = []
+    for kind in TASK_KINDS:
+        for name, task in ev[kind].items():
+            key = f"eval.{kind}.{name}"
+            names.append(str(name))
+            _check(errors, _task_name_ok(str(name)), key, "a task name must be letters, digits, _ . or - (it becomes "
+                   "the metric name tasks/<name>/...); rename it")
+            if kind == "perplexity":
+                _validate_perplexity_set(task, key, errors)
+                continue
+            _check(errors, isinstance(task.file, str) and bool(task.file.strip()), f"{key}.file",
+                   f"names no task file; set {key}.file=path/to/{name}.jsonl")
+            errors.extend(_task_number_errors(kind, task, key))
+            if kind == "generate":
+                _check(errors, all(isinstance(x, str) and x for x in task.stop), f"{key}.stop",
+                       f"must be a list of non-empty strings, e.g. {key}.stop=['\\n']")
+    return names
+
+
+def _task_number_errors(kind: str, task: DictConfig, key: str) -> list[str]:
+    """The numbers of one task entry out of their `TASK_RANGES`."""
+    from llmexp.config.schema import ChoiceTaskConfig, GenerateTaskConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(GenerateTaskConfig if kind == "generate"
+                                                              else ChoiceTaskConfig)}
+    return [problem for name, rng in TASK_RANGES.items() if name.startswith(f"{kind}.")
+            if (problem := _number_problem(f"{key}.{name.split('.')[1]}", task[name.split(".")[1]], int,
+                                           defaults[name.split(".")[1]], rng))]
+
+
+def _task_name_ok(name: str) -> bool:
+    return bool(name) and all(c.isalnum() or c in "_.-" for c in name)
+
+
+def _validate_perplexity_set(entry: DictConfig, key: str, errors: list[str]) -> None:
+    """An extra held-out set: a data kind, and the file or dataset that kind reads (its files: `paths`)."""
+    if entry.name is not None and (problem := Choice(DATA_KINDS).problem(f"{key}.name", entry.name)):
+        errors.append(problem)
+    if entry.name in ("json", "text"):
+        _check(errors, bool(entry.eval_file or entry.train_file), f"{key}.eval_file",
+               f"{entry.name} names no file; set {key}.eval_file=path/to/held_out"
+               f".{'jsonl' if entry.name == 'json' else 'txt'}")
+    if entry.name == "hf":
+        _check(errors, bool(entry.path), f"{key}.path", f"hf names no dataset; set {key}.path=<hub id or directory>")
+
+
+def task_metrics(cfg: DictConfig) -> dict[str, dict[str, str] | None]:
+    """{task name: {metric: better direction}} of the tasks `cfg.eval` runs; None for a harness task (its
+    metrics are the harness's, known once it ran)."""
+    ev = cfg.eval
+    out: dict[str, dict[str, str] | None] = {}
+    for kind in TASK_KINDS:
+        out.update({str(name): TASK_METRICS[kind] for name in ev[kind]})
+    if ev.demo_items > 0:
+        out["demo"] = TASK_METRICS["multiple_choice"]
+    out.update({str(t): None for t in ev.lm_eval.tasks})
+    return out
+
+
+def metric_direction(cfg: DictConfig, metric: str) -> tuple[bool, str | None]:
+    """(whether a run with this config records `metric`, the better direction when known)."""
+    if metric in RUN_METRICS:
+        return True, RUN_METRICS[metric]
+    prefix, _, rest = metric.partition("/")
+    task, _, name = rest.partition("/")
+    tasks = task_metrics(cfg)
+    if prefix != "tasks" or task not in tasks or not name:
+        return False, None
+    known = tasks[task]
+    return (True, None) if known is None else (name in known, known.get(name))
+
+
+def metric_errors(cfg: DictConfig) -> list[str]:
+    """What is wrong with `sweep.metric` for this config: a metric its runs do not record (a sweep ranking by it
+    would run every trial for nothing), or `sweep.direction` against the metric's better way. Part of `validate`,
+    so every job of a sweep is held to it before the sweep launches (`llmexp.sweep.check`)."""
+    sw = cfg.sweep
+    recorded, better = metric_direction(cfg, str(sw.metric))
+    if not recorded:
+        offered = [*RUN_METRICS, *(f"tasks/{t}/{m}" for t, ms in task_metrics(cfg).items() for m in (ms or ["..."]))]
+        return [f"sweep.metric={sw.metric}: no job records it; pick one of {', '.join(offered)} (a task metric "
+                "needs its task in eval, e.g. eval=demo sweep.metric=tasks/demo/acc)"]
+    if better is not None and sw.direction in DIRECTIONS and better != sw.direction:
+        way = "lower" if better == "minimize" else "higher"
+        return [f"sweep.direction={sw.direction}: {sw.metric} is better {way}; set sweep.direction={better}"]
+    return []
+
+
+def _validate_lr_find(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet[str]) -> None:
+    """lr=find: its range, and the setups it does not run in (it sets up a throwaway run first)."""
+    t, find = cfg.train, is_lr_find(cfg.lr)
+    _check(errors, find or not t.lr_find_only, "train.lr_find_only", "stops after the lr range test, which runs "
+           "with lr=find; use python -m llmexp.lr_find, or add lr=find")
+    if not find:
+        return
+    if not bad & {"train.lr_find_start", "train.lr_find_end"}:
+        _check(errors, t.lr_find_start < t.lr_find_end, "train.lr_find_end", f"must be above train.lr_find_start="
+               f"{t.lr_find_start}; e.g. train.lr_find_end=10")
+    for key, shown, ok, why in (
+            ("deepspeed", cfg.deepspeed.name, cfg.deepspeed.stage == 0, "a DeepSpeed engine is built once per process"),
+            ("fsdp", cfg.fsdp.name, cfg.fsdp.name == "none", "FSDP shards the model once per process"),
+            ("batch_size", cfg.batch_size, "batch_size" in bad or parse_batch_size(cfg.batch_size) is not None,
+             "batch_size=auto probes after the range test would have run")):
+        _check(errors, ok, key, f"lr=find is not supported with {key}={shown} ({why}); set {key} otherwise for the "
+               "range test, then run with lr=<its pick>")
 
 
 TRACKING_SCHEMES = ("http", "https", "sqlite", "databricks")

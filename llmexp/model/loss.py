@@ -109,12 +109,16 @@ class CausalLMLoss(nn.Module):
         """The fused head's fp32 CPU matmuls (`cpu_matmul.MatmulPath.matmul_t`; set where the run routes them)."""
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, per_row: bool = False) -> torch.Tensor:
+        """The loss summed over every target token; `per_row`: a (batch,) tensor of each row's sum instead
+        (task scoring: minus the log-likelihood of each row's continuation), without gradients."""
         targets = labels[:, 1:]
         keep = targets != IGNORE_INDEX
         # use_cache=False: no KV cache in training, and with one transformers ignores packed position_ids
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                   "use_cache": False}
+        if per_row:
+            return self._row_sums(inputs, targets, keep)
         if not self.split:
             logits = self.lm(**inputs).logits[:, :-1]
             return F.cross_entropy(logits[keep].float(), targets[keep], reduction="sum")
@@ -132,6 +136,26 @@ class CausalLMLoss(nn.Module):
             logits = head(hidden[start:start + CHUNK_TOKENS])
             total = total + F.cross_entropy(logits.float(), flat_targets[start:start + CHUNK_TOKENS], reduction="sum")
         return total
+
+    def _row_sums(self, inputs: dict[str, Any], targets: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Each row's cross-entropy sum over its target tokens, in fp32 (through the model's own forward where
+        the fused head would not be exact). Through this module's forward, so DDP and FSDP hooks run."""
+        rows = torch.arange(targets.shape[0], device=targets.device)[:, None].expand_as(targets)[keep]
+        flat_targets = targets[keep]
+        sums = torch.zeros(targets.shape[0], device=targets.device)
+        if flat_targets.numel() == 0:
+            return sums
+        if self.split:
+            causal = causal_lm(self.lm)
+            hidden = causal.model(**inputs).last_hidden_state[:, :-1][keep]
+            logits_of = lambda a, b: causal.lm_head(hidden[a:b])  # noqa: E731
+        else:
+            all_logits = self.lm(**inputs).logits[:, :-1][keep]
+            logits_of = lambda a, b: all_logits[a:b]  # noqa: E731
+        per_token = torch.cat([F.cross_entropy(logits_of(a, a + CHUNK_TOKENS).float(),
+                                               flat_targets[a:a + CHUNK_TOKENS], reduction="none")
+                               for a in range(0, flat_targets.shape[0], CHUNK_TOKENS)])
+        return sums.index_add_(0, rows, per_token)
 
 
 FUSED_HEAD_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "smollm3")

@@ -198,6 +198,9 @@ def format_line(r: dict[str, Any]) -> str | None:
                 f"grad {r['grad_norm']:.3f} | {r['tokens_per_sec']:,.0f} tok/s | mfu {mfu}{extra}")
     if r.get("event") == "eval":
         return f"eval {r['step']:>6} | eval_loss {r['eval_loss']:.4f} | eval_ppl {r['eval_ppl']:.2f}"
+    if r.get("event") == "eval_task":
+        metrics = " | ".join(f"{k} {v:.4g}" for k, v in r["metrics"].items())
+        return f"task {r['step']:>6} | {r['task']} | {metrics} | {r['items']} items, {r['seconds']:.1f} s"
     if r.get("event") == "finding":
         return f"[{r['severity']}] step {r['step']}: {r['message']} -> {r['advice']}"
     if r.get("event") == "sample":

@@ -1,4 +1,4 @@
-"""What every sink takes from a record: its numbers under `train/` or `eval/`, and a run's name."""
+"""What every sink takes from a record: its numbers under `train/`, `eval/` or `tasks/<name>/`, and a run's name."""
 
 from __future__ import annotations
 
@@ -17,8 +17,12 @@ def run_name_from_overrides(overrides: list[str] | str, max_len: int = 128) -> s
 
 
 def numbers(record: Mapping[str, Any]) -> dict[str, float]:
-    """The numeric fields of a train or eval record, under `train/` or `eval/`; NaN/inf kept as floats."""
+    """The numeric fields of a train or eval record, under `train/` or `eval/`, and a task's metrics under
+    `tasks/<name>/`; NaN/inf kept as floats."""
     event = record.get("event")
+    if event == "eval_task":  # tasks/<name>/<metric>: the names sweep.metric takes
+        return {f"tasks/{record['task']}/{k}": float(v) for k, v in record["metrics"].items()
+                if isinstance(v, int | float) and not isinstance(v, bool)}
     if event not in ("train", "eval"):
         return {}
     out = {}

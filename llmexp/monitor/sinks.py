@@ -92,7 +92,7 @@ def wandb_mode(configured: str) -> str:
 
 
 class WandbSink:
-    """Weights & Biases: the resolved config (secrets removed), train/* and eval/* against trainer/step."""
+    """Weights & Biases: the resolved config (secrets removed), train/*, eval/* and tasks/* against trainer/step."""
 
     def __init__(self, run_dir: Path, cfg_container: dict, run_name: str, logger_cfg: Any) -> None:
         if os.environ.get("WANDB_MODE") == "":  # empty means unset to a shell user; wandb would raise on it
@@ -129,6 +129,7 @@ class WandbSink:
         self.run.define_metric("trainer/step")
         self.run.define_metric("train/*", step_metric="trainer/step")
         self.run.define_metric("eval/*", step_metric="trainer/step")
+        self.run.define_metric("tasks/*", step_metric="trainer/step")
 
     def log(self, record: dict[str, Any]) -> None:
         if record.get("event") == "sample":  # a table per sampling step: prompt, continuation

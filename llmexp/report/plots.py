@@ -136,10 +136,19 @@ def _findings_caption(fig: Any, findings: list[dict]) -> None:
 
 def plot_run(records: list[dict], findings: list[dict], path: Path, title: str = "",
              max_grad_norm: float | None = None) -> None:
-    """curves.png: loss (train and eval), lr, grad norm and throughput, with findings marked."""
+    """curves.png: loss (train and eval), lr, grad norm and throughput, with findings marked; and a panel of
+    the task metrics when the run scored tasks (`eval`)."""
+    from llmexp.report.tasks import tasks_panel
+    from llmexp.rundir.tasks import task_records
+
     plt = _pyplot()
-    fig, grid = plt.subplots(2, 2, figsize=(12, 7.5), sharex=True)
+    with_tasks = bool(task_records(records))
+    fig, grid = plt.subplots(3 if with_tasks else 2, 2, figsize=(12, 10.5 if with_tasks else 7.5), sharex=True)
     axes = [grid[0][0], grid[0][1], grid[1][0], grid[1][1]]
+    if with_tasks:
+        tasks_panel(grid[2][0], records)
+        grid[2][1].axis("off")
+        axes.append(grid[2][0])
     _loss_panel(axes[0], records)
     _grad_panel(axes[1], records, max_grad_norm)
     _simple_panel(axes[2], records, "lr", "learning rate", "#8c564b")
@@ -147,8 +156,9 @@ def plot_run(records: list[dict], findings: list[dict], path: Path, title: str =
     axes[2].ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
     _mark_events(axes, records, findings)
     _findings_caption(fig, findings)
-    for ax in axes[2:]:
+    for ax in axes[2:] if not with_tasks else axes[3:]:  # the bottom of each column
         ax.set_xlabel("step")
+        ax.xaxis.set_tick_params(labelbottom=True)
     from matplotlib.ticker import MaxNLocator
 
     for ax in axes:

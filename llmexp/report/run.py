@@ -16,6 +16,7 @@ from typing import Any
 from llmexp.monitor.detectors import ERROR, Finding, is_open, worst_severity
 from llmexp.report.findings import finding_state, run_findings
 from llmexp.report.formats import fmt, fmt_rate
+from llmexp.report.tasks import tasks_markdown
 from llmexp.rundir.files import write_text_atomic
 from llmexp.rundir.read import last_value, load_config, load_json, load_overrides, load_records
 
@@ -141,6 +142,7 @@ def run_report_markdown(run_dir: Path, records: list[dict], summary: dict | None
         _table(settings_rows(_with_auto_batch(cfg, records)), ("setting", "value")) if cfg
         else "No `.hydra/config.yaml` found.\n",
         *([samples] if (samples := samples_markdown(records)) else []),
+        *([tasks] if (tasks := tasks_markdown(records)) else []),
         "## Curves\n", "![curves](curves.png)\n",
         "Regenerate with `python -m llmexp.doctor RUN_DIR`.\n",
     ]

@@ -80,6 +80,7 @@ def _last_step(intermediate: dict[int, float]) -> int | None:
 def trial_rows(study: Any, jobs_by_name: dict[str, dict]) -> list[dict[str, Any]]:
     """One row per trial, in trial order: params, state, value, best so far, steps trained, where a pruned
     trial stopped and a failed one's reason, and its eval curve (the intermediate values pruning saw)."""
+    sign = _sign(study)  # best = lowest of sign * value
     rows, best = [], math.inf
     for trial in study.get_trials(deepcopy=False):
         state = trial.state.name.lower()
@@ -89,7 +90,7 @@ def trial_rows(study: Any, jobs_by_name: dict[str, dict]) -> list[dict[str, Any]
             state = "fail"
         value = trial.value if state == "complete" else None
         if value is not None and math.isfinite(value):
-            best = min(best, value)
+            best = min(best, sign * value)
         job = jobs_by_name.get(str(trial.number), {})
         curve = sorted((int(step), float(v)) for step, v in trial.intermediate_values.items())
         stopped = trial.user_attrs.get("stopped_step")
@@ -97,7 +98,7 @@ def trial_rows(study: Any, jobs_by_name: dict[str, dict]) -> list[dict[str, Any]
             stopped = job.get("step") if isinstance(job.get("step"), int) else _last_step(dict(curve))
         steps = job.get("step") if isinstance(job.get("step"), int) else _last_step(dict(curve))
         rows.append({"number": trial.number, "params": dict(trial.params), "state": state, "value": value,
-                     "best_so_far": best if math.isfinite(best) else None, "steps": steps or 0,
+                     "best_so_far": sign * best if math.isfinite(best) else None, "steps": steps or 0,
                      "stopped_step": stopped if state == PRUNED else None,
                      "last_eval_loss": curve[-1][1] if curve else job.get("eval_loss"),
                      "reason": trial.user_attrs.get("reason"), "run_status": trial.user_attrs.get("status"),
@@ -142,12 +143,21 @@ def search_summary(sweep_dir: Path, study: Any, jobs: list[dict]) -> dict[str, A
     budget = setup["n_trials"] * setup["max_steps"] if isinstance(setup["n_trials"], int) and isinstance(
         setup["max_steps"], int) else None
     complete = [r for r in rows if r["state"] == "complete" and r["value"] is not None]
-    best = min(complete, key=lambda r: r["value"]) if complete else None
+    best = min(complete, key=lambda r: _sign(study) * r["value"]) if complete else None
     found, note = importances(study, rows)
-    return {**setup, "space": _space(study.get_trials(deepcopy=False)), "counts": counts, "steps_spent": spent,
+    return {**setup, "metric": study.user_attrs.get("metric", "eval_loss"),  # studies from before sweep.metric
+            "direction": study.direction.name.lower(),
+            "space": _space(study.get_trials(deepcopy=False)), "counts": counts, "steps_spent": spent,
             "steps_budget": budget, "best_trial": best["number"] if best else None,
             "best_value": best["value"] if best else None, "importances": found, "importances_note": note,
             "trials": rows}
+
+
+def _sign(study: Any) -> float:
+    """1 when the study minimises, -1 when it maximises (`sweep.direction`)."""
+    from optuna.study import StudyDirection
+
+    return -1.0 if study.direction == StudyDirection.MAXIMIZE else 1.0
 
 
 def _params_text(params: dict[str, Any]) -> str:
@@ -157,6 +167,8 @@ def _params_text(params: dict[str, Any]) -> str:
 def search_markdown(search: dict[str, Any]) -> list[str]:
     """The report's search section: setup and counts, history, pruned trials, importances."""
     counts, rows = search["counts"], search["trials"]
+    metric = search.get("metric", "eval_loss")  # a summary written before sweep.metric existed
+    label = "eval loss" if metric == "eval_loss" else f"`{metric}`"
     spent, budget = search["steps_spent"], search["steps_budget"]
     share = f" = {spent / budget:.0%}" if budget else ""
     lines = ["", f"## Search: {search['sampler']}, pruner {search['pruner']}", "",
@@ -167,10 +179,10 @@ def search_markdown(search: dict[str, Any]) -> list[str]:
     lines += ["**Search space:** " + ", ".join(f"`{k}` {v}" for k, v in search["space"].items()), ""]
     if search["best_trial"] is not None:
         best = next(r for r in rows if r["number"] == search["best_trial"])
-        lines += [f"**Best trial:** {best['number']}, eval loss {fmt(best['value'])}, "
+        lines += [f"**Best trial:** {best['number']}, {label} {fmt(best['value'])}, "
                   f"`{_params_text(best['params'])}`", ""]
     names = list(search["space"])
-    lines += ["### Optimisation history", "", "| trial | " + " | ".join(names) + " | state | eval loss | "
+    lines += ["### Optimisation history", "", "| trial | " + " | ".join(names) + f" | state | {label} | "
               "best so far | steps |", "|---" * (len(names) + 5) + "|"]
     for r in rows:
         reason = r["reason"] if not r["reason"] or len(r["reason"]) <= 80 else r["reason"][:77] + "..."
@@ -182,7 +194,7 @@ def search_markdown(search: dict[str, Any]) -> list[str]:
                      + f" | {state} | {value} | {fmt(r['best_so_far'])} | {r['steps']:,} |")
     pruned = [r for r in rows if r["state"] == PRUNED]
     if pruned:
-        lines += ["", "### Pruned trials", "", "| trial | settings | stopped at step | last eval loss |",
+        lines += ["", "### Pruned trials", "", f"| trial | settings | stopped at step | last {label} |",
                   "|---|---|---|---|"]
         lines += [f"| {r['number']} | `{_params_text(r['params'])}` | {r['stopped_step']} | "
                   f"{fmt(r['last_eval_loss'])} |" for r in pruned]
@@ -192,7 +204,8 @@ def search_markdown(search: dict[str, Any]) -> list[str]:
         lines += [f"| `{k}` | {v:.2f} |" for k, v in search["importances"].items()]
     else:
         lines.append(search["importances_note"])
-    lines += ["", "*eval loss*: a complete trial's final eval loss (the objective); a pruned or running trial's "
+    goal = search.get("direction", "minimize")
+    lines += ["", f"*{label}*: a complete trial's final {label} (the objective, {goal}d); a pruned or running trial's "
               "latest is shown in brackets. *steps*: training steps the trial ran. A failed trial's full reason is in "
               "sweep_summary.json.", "",
               "![search history](sweep_search.png)", ""]

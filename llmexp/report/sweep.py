@@ -22,7 +22,8 @@ from llmexp.report.findings import run_findings
 from llmexp.report.formats import fmt, fmt_rate
 from llmexp.report.search import PRUNED, load_study, search_markdown, search_summary
 from llmexp.rundir.files import write_text_atomic
-from llmexp.rundir.read import FINISHED, job_dirs, last_value, load_json, load_overrides, load_records
+from llmexp.rundir.read import FINISHED, job_dirs, last_value, load_config, load_json, load_overrides, load_records
+from llmexp.rundir.tasks import final_tasks, metric_value
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +74,20 @@ def collect_job(job_dir: Path) -> dict[str, Any]:
         entry[key] = value if value is not None else last_value(records, event, rec_key)
     if isinstance(entry["train_loss"], int | float) and (summary or {}).get("train_loss") is not None:
         entry["train_ppl"] = math.exp(min(entry["train_loss"], 50.0))  # consistent with the loss shown
+    objective = _objective(job_dir)
+    entry["metric"], entry["direction"] = objective
+    entry["metric_value"] = metric_value(objective[0], summary, records)  # what the recommendation ranks by
+    entry["tasks"] = (summary or {}).get("tasks") or final_tasks(records)
     entry["findings"] = run_findings(job_dir, records)
     entry["worst_severity"] = worst_severity(entry["findings"])
     entry["stability"] = stability(records)
     return entry
+
+
+def _objective(job_dir: Path) -> tuple[str, str]:
+    """(`sweep.metric`, `sweep.direction`) of a job's config; a job from before they existed: the eval loss."""
+    sweep = load_config(job_dir).get("sweep") or {}
+    return str(sweep.get("metric") or "eval_loss"), str(sweep.get("direction") or "minimize")
 
 
 def varying_params(jobs: list[dict]) -> list[str]:
@@ -96,37 +107,47 @@ def _swept(job: dict, keys: list[str]) -> str:
 
 
 def recommend(jobs: list[dict], varying: list[str] | None = None) -> dict[str, Any] | None:
-    """The setting with the lowest final eval loss among finished jobs with no error findings (the mean
-    over seeds when seeds are swept too), with the reason and how stably its loss fell."""
+    """The setting with the best final `sweep.metric` (the lowest eval loss unless the jobs' configs say
+    otherwise) among finished jobs with no error findings (the mean over seeds when seeds are swept too), with
+    the reason and how stably its loss fell."""
     varying = varying_params(jobs) if varying is None else varying
+    metric, direction = next(((j["metric"], j["direction"]) for j in jobs if "metric" in j),
+                             ("eval_loss", "minimize"))
+    value = lambda j: j.get("metric_value") if "metric" in j else j.get("eval_loss")  # noqa: E731
     ok = [j for j in jobs if j["status"] in FINISHED and j["worst_severity"] != ERROR
-          and isinstance(j.get("eval_loss"), int | float) and math.isfinite(j["eval_loss"])]
+          and isinstance(value(j), int | float) and math.isfinite(value(j))]
     if not ok:
         return None
+    sign = -1.0 if direction == "maximize" else 1.0
     keys = [k for k in varying if k not in REPLICATE_KEYS] or varying
     groups: dict[str, list[dict]] = {}
     for j in ok:
         groups.setdefault(_swept(j, keys), []).append(j)
-    mean = {name: statistics.fmean(j["eval_loss"] for j in members) for name, members in groups.items()}
-    ranked = sorted(groups, key=mean.__getitem__)
+    mean = {name: statistics.fmean(value(j) for j in members) for name, members in groups.items()}
+    ranked = sorted(groups, key=lambda name: sign * mean[name])
     best_name = ranked[0]
-    best = min(groups[best_name], key=lambda j: j["eval_loss"])
+    best = min(groups[best_name], key=lambda j: sign * value(j))
     runs = len(groups[best_name])
     what = f"mean over {runs} runs " if runs > 1 else ""
-    reason = (f"lowest final eval loss ({what}{mean[best_name]:.4g}) among {len(ok)} finished job(s) with no "
-              f"error findings ({len(jobs) - len(ok)} excluded)")
+    shown = "eval loss" if metric == "eval_loss" else metric
+    reason = (f"{'highest' if sign < 0 else 'lowest'} final {shown} ({what}{mean[best_name]:.4g}) among "
+              f"{len(ok)} finished job(s) with no error findings ({len(jobs) - len(ok)} excluded)")
     if len(ranked) > 1:
         reason += f"; runner-up `{ranked[1]}` at {mean[ranked[1]]:.4g}"
     stab = [j["stability"] for j in groups[best_name] if j["stability"]["rise_fraction"] is not None]
     if stab:
         reason += (f"; its train loss fell {statistics.fmean(x['drop'] for x in stab):.3g} nats and rose on "
                    f"{statistics.fmean(x['rise_fraction'] for x in stab):.0%} of logged steps")
+    losses = [j["eval_loss"] for j in groups[best_name] if isinstance(j.get("eval_loss"), int | float)]
     return {"job": best["job"], "settings": best_name, "overrides": best["overrides"], "params": best["params"],
-            "eval_loss": mean[best_name], "reason": reason}
+            "eval_loss": statistics.fmean(losses) if losses else None, "metric": metric, "direction": direction,
+            "value": mean[best_name], "reason": reason}
 
 
 def sweep_report_markdown(summary: dict) -> str:
     rec, varying, jobs = summary["recommendation"], summary["varying"], summary["jobs"]
+    # a column for sweep.metric when it is not the eval loss (the jobs of one sweep share it)
+    metric = next((j["metric"] for j in jobs if j.get("metric") not in (None, "eval_loss")), None)
     common = [o for o in (jobs[0]["overrides"] if jobs else []) if o.lstrip("+~").partition("=")[0] not in varying
               and all(o in j["overrides"] for j in jobs)]
     lines = [f"# Sweep report: {Path(summary['sweep_dir']).name}\n",
@@ -135,15 +156,17 @@ def sweep_report_markdown(summary: dict) -> str:
              f"**Common overrides:** `{' '.join(common)}`\n" if common else "",
              f"**Recommended:** `{rec['settings']}` (job {rec['job']}): {rec['reason']}.\n" if rec else
              "**Recommended:** none: no job finished without error findings.\n",
-             "| job | settings | status | train loss | train ppl | eval loss | eval ppl | tokens/s | loss rose on | "
-             "findings |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| job | settings | status | train loss | train ppl | eval loss | eval ppl | "
+             + (f"{metric} | " if metric else "") + "tokens/s | loss rose on | findings |",
+             "|---|---|---|---|---|---|---|" + ("---|" if metric else "") + "---|---|---|"]
     for j in jobs:
         found = ", ".join(f"{f['severity']}:{f['kind']}@{f['step']}" for f in j["findings"]) or "–"
         status = j["status"] + (f" ({j['error']})" if j.get("error") and j["status"] not in FINISHED else "")
         rise = j["stability"]["rise_fraction"]
         lines.append(f"| {j['job']} | `{_swept(j, varying) if varying else ' '.join(j['overrides'])}` | {status} | "
                      f"{fmt(j['train_loss'])} | {fmt(j['train_ppl'])} | {fmt(j['eval_loss'])} | "
-                     f"{fmt(j['eval_ppl'])} | {fmt_rate(j['tokens_per_sec'])} | "
+                     f"{fmt(j['eval_ppl'])} | " + (f"{fmt(j.get('metric_value'))} | " if metric else "")
+                     + f"{fmt_rate(j['tokens_per_sec'])} | "
                      f"{'–' if rise is None else f'{rise:.0%}'} | {found} |")
     lines += ["", "*loss rose on*: the share of logged steps where the train loss went up (lower is steadier). "
               "Every job's full overrides are in sweep_summary.json.", "", "![sweep curves](sweep_curves.png)", ""]

@@ -5,8 +5,10 @@
              edges (`space.edge_values`): every value of a categorical and both ends of an interval. A value
              between two ends that pass a `Range` passes it too, so the edges stand for every trial.
     both     `validate` on each config (so `sweep.*`, `cluster.*` and `hydra.launcher.*` / `hydra.sweeper.*`
-             too), `check_environment` when the jobs run on this machine (files a SLURM node may see and this
-             one not are left to the job), and the study journal of a search that continues
+             too, and `sweep.metric`: a metric that a job does not record is refused here, before any trial
+             runs), `check_environment` when the jobs run on this machine (files a SLURM node may see and this
+             one not are left to the job), one `sweep.metric` and `sweep.direction` for every job (the report,
+             the study and its pruner rank the jobs by it), and the study journal of a search that continues
 
 All before the sweeper creates the sweep directory. A refusal is one UserError: the problems every job shares
 once, then each job's own under its swept values. The CLI composes (`llmexp.cli.compose.check_sweep`),
@@ -61,8 +63,9 @@ def edge_configs(overrides: Sequence[Override], compose: Callable[[list[str]], A
 
 
 def check_configs(configs: Labelled, on_this_machine: bool) -> None:
-    """`validate` and the machine's checks on every config; one UserError listing what fails, shared problems
-    once. On SLURM (`on_this_machine` false) only the directories this process writes are checked here."""
+    """`validate` and the machine's checks on every config, then the sweep's one objective (`objective_problem`);
+    one UserError listing what fails, shared problems once. On SLURM (`on_this_machine` false) only the
+    directories this process writes are checked here."""
     from llmexp.config.environment import check_directories, check_environment
     from llmexp.config.validation import validate
 
@@ -74,6 +77,8 @@ def check_configs(configs: Labelled, on_this_machine: bool) -> None:
         except UserError as err:
             failures[label] = _problems(err)
     if not failures:
+        if problem := objective_problem(configs):
+            raise UserError(f"invalid sweep (nothing was launched):\n  {problem}")
         return
     shared = [p for p in next(iter(failures.values())) if len(failures) == len(configs)
               and all(p in problems for problems in failures.values())]
@@ -84,6 +89,17 @@ def check_configs(configs: Labelled, on_this_machine: bool) -> None:
     if len(failures) > 5:
         lines.append(f"  ... and {len(failures) - 5} more jobs")
     raise UserError("invalid sweep (nothing was launched):\n" + "\n".join(lines))
+
+
+def objective_problem(configs: Labelled) -> str | None:
+    """Why the jobs cannot be ranked against each other: they name different `sweep.metric`s or directions (each
+    job records its own: `validation.metric_errors`); None when they share one."""
+    objectives = sorted({(str(cfg.sweep.metric), str(cfg.sweep.direction)) for _, cfg in configs})
+    if len(objectives) < 2:
+        return None
+    shown = ", ".join(f"{metric} ({direction})" for metric, direction in objectives)
+    return (f"sweep.metric: the jobs rank by different metrics ({shown}), and a sweep ranks its jobs by one; set "
+            "sweep.metric and sweep.direction once, not among the swept values")
 
 
 def _problems(err: UserError) -> list[str]:

@@ -15,7 +15,6 @@ exits 1 if any job did not finish. Nothing here imports torch or submitit.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 import traceback
@@ -27,6 +26,7 @@ from llmexp.config.tree import register_resolvers
 from llmexp.errors import EXIT_USER
 from llmexp.rundir.files import write_json_atomic, write_text_atomic
 from llmexp.rundir.read import FINISHED, load_json
+from llmexp.rundir.tasks import metric_value
 from llmexp.sweep.tracking import close_parent, open_parent
 
 T = TypeVar("T")
@@ -82,6 +82,14 @@ def is_llmexp_config(config: Any) -> bool:
     from omegaconf import DictConfig
 
     return all(isinstance(config.get(key, None), DictConfig) for key in ("cluster", "train"))
+
+
+def objective(config: Any) -> tuple[str | None, str]:
+    """What a sweep ranks its jobs by: (`sweep.metric`, `sweep.direction`) of llmexp's config; (None, minimize)
+    for another app, whose trials return the value to minimize."""
+    if not is_llmexp_config(config):
+        return None, "minimize"
+    return str(config.sweep.metric), str(config.sweep.direction)
 
 
 def exit_2_on_user_error(action: Callable[..., T], *args: Any) -> T:
@@ -324,8 +332,9 @@ class TrialResult:
     """The trial exited 2: a mistake in the config or data, which every other trial would repeat."""
 
 
-def read_result(job_dir: Path) -> TrialResult:
-    """A trial's result from its run directory: summary.json, and job_status.json when the launcher wrote one.
+def read_result(job_dir: Path, metric: str = "eval_loss") -> TrialResult:
+    """A trial's result from its run directory: summary.json, and job_status.json when the launcher wrote one;
+    its value is `metric` (`sweep.metric`: `eval_loss`, `eval_ppl` or `tasks/<name>/<metric>`) at the end.
 
     A run whose doctor found an error (non_finite, divergence) or that diverged is `failed` with that
     finding as its reason: a result about the region, not a crash."""
@@ -341,10 +350,10 @@ def read_result(job_dir: Path) -> TrialResult:
         return TrialResult("failed", step=step, reason=reason)
     if status == "pruned":
         return TrialResult("pruned", step=step)
-    eval_loss = summary.get("eval_loss")
-    if status in FINISHED and isinstance(eval_loss, int | float) and math.isfinite(eval_loss):
-        return TrialResult("completed", value=float(eval_loss), step=step)
-    reason = verdict.get("error") or (f"ended {status} without a finite eval loss" if status in FINISHED
+    value = metric_value(metric, summary, [])
+    if status in FINISHED and value is not None:
+        return TrialResult("completed", value=value, step=step)
+    reason = verdict.get("error") or (f"ended {status} without a finite {metric}" if status in FINISHED
                                       else f"ended {status}")
     return TrialResult("crashed", step=step, reason=str(reason), user_error=verdict.get("exit_code") == EXIT_USER)
 

@@ -1,7 +1,10 @@
-"""`sweep=random|tpe`: an optuna search whose trials are sweep jobs, pruned from their live eval losses.
+"""`sweep=random|tpe`: an optuna search whose trials are sweep jobs, pruned from their live evals.
+
+The study optimises `sweep.metric` (the eval loss by default, or any recorded task metric such as
+`tasks/demo/acc`) in `sweep.direction`:
 
     ask `sweep.parallel` trials -> launch them as one batch through the launcher (local or SLURM)
-        each trial, at each eval: trial.report(eval_loss, step) -> should_prune? -> checkpoint, `pruned`
+        each trial, at each eval: trial.report(sweep.metric, step) -> should_prune? -> checkpoint, `pruned`
         (in the trial's own process: `llmexp.train.pruning`)
     -> tell each trial how its run ended -> until `sweep.n_trials` trials have ended
 
@@ -31,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from llmexp.config.schema import SearchSweepConfig
 from llmexp.errors import UserError
 from llmexp.rundir.study import STUDY_NAME, journal_storage, make_pruner
-from llmexp.sweep.jobs import TrialResult, exit_for_results, is_llmexp_config, job_dir_of, read_result, write_report
+from llmexp.sweep.jobs import TrialResult, exit_for_results, job_dir_of, objective, read_result, write_report
 from llmexp.sweep.space import finite_grid, search_space, trial_overrides
 from llmexp.sweep.tracking import close_parent
 
@@ -66,21 +69,25 @@ def make_sampler(name: str, seed: int, n_trials: int) -> optuna.samplers.BaseSam
                                       constant_liar=True)
 
 
-def open_study(sweep_dir: Path, space: dict[str, Any], fixed: Sequence[str], sampler: Any, pruner: Any) -> Any:
-    """The sweep directory's study, created or loaded; a directory holding another search is refused."""
+def open_study(sweep_dir: Path, space: dict[str, Any], fixed: Sequence[str], sampler: Any, pruner: Any,
+               metric: str = "eval_loss", direction: str = "minimize") -> Any:
+    """The sweep directory's study, created or loaded, optimising `metric` (`sweep.metric`) in `direction`;
+    a directory holding another search is refused."""
     import optuna
     from optuna.distributions import distribution_to_json
 
     study = optuna.create_study(storage=journal_storage(sweep_dir), study_name=STUDY_NAME, sampler=sampler,
-                                pruner=pruner, direction="minimize", load_if_exists=True)
+                                pruner=pruner, direction=direction, load_if_exists=True)
     settings = [o for o in fixed if o.split("=")[0].split(".")[0] in ("sweep", "hydra")]  # may change on a rerun
     identity = {"space": {k: distribution_to_json(d) for k, d in space.items()},
-                "fixed": [o for o in fixed if o not in settings]}
+                "fixed": [o for o in fixed if o not in settings], "metric": metric, "direction": direction}
     stored = study.user_attrs.get("search")
     if stored is None:
         study.set_user_attr("search", identity)
+        study.set_user_attr("metric", metric)
     elif stored != identity:
-        raise UserError(f"{sweep_dir} holds another search (space {stored['space']}, overrides {stored['fixed']}); "
+        raise UserError(f"{sweep_dir} holds another search (space {stored['space']}, overrides {stored['fixed']}, "
+                        f"sweep.metric={stored.get('metric', 'eval_loss')} {stored.get('direction', 'minimize')}d); "
                         "rerun that command to continue it, or pick a new hydra.sweep.dir for this one")
     return study
 
@@ -127,6 +134,18 @@ def tell(study: Any, trial: optuna.Trial, result: TrialResult) -> None:
 # ----------------------------------------------------------------------------- the search loop
 
 
+def _pruner(config: Any, search: SearchSweepConfig, llmexp_app: bool) -> Any:
+    """`sweep.pruner` for llmexp's trials (they report their evals); another app's trials report nothing."""
+    import optuna
+
+    if llmexp_app:
+        return make_pruner(search.pruner, int(config.train.eval_steps), int(config.train.max_steps))
+    if search.pruner != "none":
+        raise UserError(f"hydra.sweeper.pruner={search.pruner}: trials report their evals from llmexp's trainer, "
+                        "which this app does not run; use hydra.sweeper.pruner=none")
+    return optuna.pruners.NopPruner()
+
+
 def run_search(sweeper: Any, overrides: Sequence[Any], settings: SearchSettings) -> list[Sequence[JobReturn]]:
     """The search sweeper's `sweep`: resume the interrupted trials, then ask, launch and tell until done."""
     import optuna
@@ -135,16 +154,10 @@ def run_search(sweeper: Any, overrides: Sequence[Any], settings: SearchSettings)
     config, search = sweeper.config, settings.search
     space, fixed = search_space(overrides)
     sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
-    llmexp_app = is_llmexp_config(config)
-    if llmexp_app:
-        pruner = make_pruner(search.pruner, int(config.train.eval_steps), int(config.train.max_steps))
-    elif search.pruner != "none":
-        raise UserError(f"hydra.sweeper.pruner={search.pruner}: trials report their evals from llmexp's trainer, "
-                        "which this app does not run; use hydra.sweeper.pruner=none")
-    else:
-        pruner = optuna.pruners.NopPruner()
+    metric, direction = objective(config)
     sampler = make_sampler(settings.sampler, search.seed, search.n_trials)
-    study = open_study(sweep_dir, space, fixed, sampler, pruner)
+    study = open_study(sweep_dir, space, fixed, sampler, _pruner(config, search, metric is not None),
+                       metric or "returned", direction)
     n_trials, grid = search.n_trials, finite_grid(space, search.n_trials)
     if grid is not None:
         log.info(f"The search space has {len(grid)} points, no more than the {n_trials} trials asked for: "
@@ -161,18 +174,19 @@ def run_search(sweeper: Any, overrides: Sequence[Any], settings: SearchSettings)
     if resumed:
         log.info(f"Resuming {len(resumed)} interrupted trials of {sweep_dir}: "
                  f"{', '.join(str(t.number) for t in resumed)}")
-    going = all(_run_batch(sweeper, study, batch, sweep_dir, returns, llmexp_app) for batch in _contiguous(resumed))
+    going = all(_run_batch(sweeper, study, batch, sweep_dir, returns, metric) for batch in _contiguous(resumed))
     while going and (ended := _ended(study)) < n_trials:
         batch = [study.ask(space) for _ in range(min(search.parallel, n_trials - ended))]
         for trial in batch:
             trial.set_user_attr("overrides", trial_overrides(trial.params, overrides))
-        going = _run_batch(sweeper, study, batch, sweep_dir, returns, llmexp_app)
-    if llmexp_app:
+        going = _run_batch(sweeper, study, batch, sweep_dir, returns, metric)
+    if metric is not None:
         write_report(sweep_dir)
         close_parent(sweep_dir, ok=_ended(study) >= n_trials)  # logger=mlflow: the sweep's parent run
-    _log_best(study, sweep_dir, llmexp_app)
-    if llmexp_app:  # grid and search agree: jobs.sweep_exit_code
-        exit_for_results([read_result(job_dir_of(config, t.number)) for t in study.trials], "trial", sweep_dir)
+    _log_best(study, sweep_dir, metric)
+    if metric is not None:  # grid and search agree: jobs.sweep_exit_code
+        exit_for_results([read_result(job_dir_of(config, t.number), metric) for t in study.trials], "trial",
+                         sweep_dir)
     return returns
 
 
@@ -194,8 +208,9 @@ def _contiguous(trials: Sequence[optuna.Trial]) -> list[list[optuna.Trial]]:
 
 
 def _run_batch(sweeper: Any, study: Any, batch: list[optuna.Trial], sweep_dir: Path,
-               returns: list[Sequence[JobReturn]], llmexp_app: bool = True) -> bool:
-    """Launch one batch of trials (each prunes itself), tell how each ended; False if the sweep was interrupted."""
+               returns: list[Sequence[JobReturn]], metric: str | None = "eval_loss") -> bool:
+    """Launch one batch of trials (each prunes itself), tell how each ended (its `metric` at the end; None: another
+    app's trial, its returned value); False if the sweep was interrupted."""
     first = batch[0].number
     jobs = [list(t.user_attrs["overrides"]) for t in batch]
     sweeper.validate_batch_is_legal(jobs)
@@ -205,7 +220,7 @@ def _run_batch(sweeper: Any, study: Any, batch: list[optuna.Trial], sweep_dir: P
     returns.append(sweeper.launcher.launch(jobs, initial_job_idx=first))  # each trial prunes itself
     interrupted = False
     for i, trial in enumerate(batch):
-        result = read_result(job_dirs[trial.number]) if llmexp_app else returned_result(returns[-1][i])
+        result = read_result(job_dirs[trial.number], metric) if metric is not None else returned_result(returns[-1][i])
         if result.status == "running":
             interrupted = True  # stays RUNNING: a rerun resumes it from its checkpoint
             continue
@@ -221,8 +236,8 @@ def _run_batch(sweeper: Any, study: Any, batch: list[optuna.Trial], sweep_dir: P
     return not interrupted
 
 
-def _log_best(study: Any, sweep_dir: Path, llmexp_app: bool = True) -> None:
-    where, value = (sweep_dir / "sweep_report.md", "eval_loss") if llmexp_app else (sweep_dir, "returned")
+def _log_best(study: Any, sweep_dir: Path, metric: str | None = "eval_loss") -> None:
+    where, value = (sweep_dir / "sweep_report.md", metric) if metric is not None else (sweep_dir, "returned")
     try:
         best = study.best_trial
     except ValueError:

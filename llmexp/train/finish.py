@@ -15,6 +15,7 @@ from llmexp.report.run import write_run_report
 from llmexp.rundir.files import DiskFull, staged_dir, write_json_atomic
 from llmexp.rundir.read import last_value
 from llmexp.rundir.redact import scrub
+from llmexp.rundir.tasks import final_tasks
 from llmexp.train.resume import save_state_checkpoint
 from llmexp.train.state import Run
 
@@ -120,6 +121,7 @@ def build_summary(run: Run, status: str) -> dict[str, Any]:
         "fsdp": run.cfg.fsdp.name, "peak_mem_mb": peak_mb, "skipped_steps": state.skipped_steps,
         "rollbacks": state.rollbacks, "compile_time_s": run.window.compile_s, "time_s": desc.elapsed(),
         "overrides": list(HydraConfig.get().overrides.task), "findings": findings,
+        "tasks": final_tasks(history),  # each task's metrics at its last eval (eval=loss: none)
     }
 
 

@@ -1,4 +1,4 @@
-"""In a search sweep's job: report each eval loss to the study and ask the pruner whether to stop.
+"""In a search sweep's job: report `sweep.metric` at each eval to the study and ask the pruner whether to stop.
 
 The trial asks at its own evals, in its own process, so that a pruned trial stops exactly at the eval
 that condemned it, and through the same path as a preemption (a checkpoint, then status `pruned`);
@@ -15,6 +15,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from llmexp.rundir.study import SEARCHES, load_study, make_pruner
+from llmexp.rundir.tasks import metric_at
 
 
 @dataclass
@@ -43,14 +44,29 @@ class TrialPruning:
         trial_id = study._storage.get_trial_id_from_study_id_trial_number(study._study_id, int(hydra.job.num))
         return cls(study, optuna.trial.Trial(study, trial_id))
 
-    def should_stop(self, step: int, eval_loss: float) -> bool:
-        """Report the eval at `step` (step 0, the untrained model, says nothing: it is not reported) and
-        ask the pruner. A non-finite loss is left to the doctor and the anomaly policy."""
-        if step == 0 or not math.isfinite(eval_loss):
+    def should_stop(self, step: int, value: float) -> bool:
+        """Report `sweep.metric` at the eval of `step` (step 0, the untrained model, says nothing: it is not
+        reported) and ask the pruner, which knows the study's direction. A non-finite value is left to the
+        doctor and the anomaly policy."""
+        if step == 0 or not math.isfinite(value):
             return False
         if step not in self.trial.study.trials[self.trial.number].intermediate_values:  # resumed: reported already
-            self.trial.report(eval_loss, step)
+            self.trial.report(value, step)
         return self.trial.should_prune()
 
     def reason(self, step: int) -> str:
         return f"pruned by the sweeper's {type(self.study.pruner).__name__} after the eval at step {step}"
+
+
+def sweep_value(cfg: DictConfig, eval_record: dict[str, Any], task_records: list[dict[str, Any]]) -> float:
+    """`sweep.metric` at this eval, on rank 0 (NaN when not finite: the pruner leaves it be). Validation knows
+    every metric but a harness task's: one the harness does not record is the user's mistake, found at the
+    first eval (exit 2, naming what the evals record)."""
+    from llmexp.errors import UserError
+
+    value = metric_at(str(cfg.sweep.metric), eval_record, task_records)
+    if value is None:
+        offered = ", ".join(f"tasks/{r['task']}/{m}" for r in task_records for m in r["metrics"])
+        raise UserError(f"sweep.metric={cfg.sweep.metric}: the evals do not record it; they record eval_loss, "
+                        f"eval_ppl{', ' + offered if offered else ''}; set sweep.metric to one of them")
+    return value if math.isfinite(value) else math.nan

@@ -168,12 +168,12 @@ def setup_runtime(cfg: DictConfig) -> Runtime:
 # ----------------------------------------------------------------------------- the run description
 
 
-def describe(cfg: DictConfig, rt: Runtime, vocab_size: int, train_data: Any,
-             data_fingerprint: str) -> tuple[RunDescription, Engine, torch.nn.Module, Any]:
+def describe(cfg: DictConfig, rt: Runtime, vocab_size: int, train_data: Any, data_fingerprint: str,
+             lr_found: bool = False) -> tuple[RunDescription, Engine, torch.nn.Module, Any]:
     """Resolve everything the loop reads, once, in the order it depends on: the batch plan (batch_size=auto
     probes here, before any engine exists), the engine, the model and optimizer (whose size sets lr=auto and
     the FLOPs per token), the matmul ceiling, the monitor settings. Returns the frozen description with the
-    engine, the prepared model and the optimizer."""
+    engine, the prepared model and the optimizer. `lr_found`: `cfg.lr` is lr=find's pick (`lr_source: find`)."""
     from llmexp.train.schedule import warmup_steps_for
 
     plan, auto_batch = _batch_plan(cfg, rt, vocab_size, train_data)
@@ -183,7 +183,8 @@ def describe(cfg: DictConfig, rt: Runtime, vocab_size: int, train_data: Any,
     monitor = MonitorSettings.for_run(finetune=bool(cfg.model.name_or_path), max_grad_norm=cfg.train.max_grad_norm,
                                       precision=rt.precision.name, lr=built.lr)
     desc = RunDescription(
-        precision=rt.precision, plan=plan, auto_batch=auto_batch, lr=built.lr, lr_source=built.lr_source,
+        precision=rt.precision, plan=plan, auto_batch=auto_batch, lr=built.lr,
+        lr_source="find" if lr_found else built.lr_source,
         monitor=monitor, max_steps=max_steps,
         warmup_steps=warmup_steps_for(max_steps, cfg.train.warmup_ratio, cfg.train.warmup_steps),
         num_params=built.num_params, total_params=built.total_params, flops_per_token=built.flops_per_token,

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from llmexp.train.engines.base import Engine
     from llmexp.train.pruning import TrialPruning
     from llmexp.train.runtime import Runtime
+    from llmexp.train.tasks import TaskSuite
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class RunDescription:
     """The peak learning rate."""
     lr_source: str
     """`config` (the `lr` key), `data` (the data's pretraining lr, from scratch), `auto` (the seed's lr-by-size
-    rule) or `auto-adapter` (the QLoRA paper's)."""
+    rule), `auto-adapter` (the QLoRA paper's) or `find` (lr=find's range test)."""
     monitor: MonitorSettings
     """The detectors' settings for this run."""
     max_steps: int
@@ -106,6 +107,10 @@ class Run:
     """In a search with a pruner: this job's trial, which each eval reports to (`llmexp.train.pruning`)."""
     resumed_from_world_size: int | None = None
     """The number of processes that saved the checkpoint this run resumed from (None: not resumed)."""
+    tasks: TaskSuite | None = None
+    """The downstream tasks each eval scores (`llmexp.train.tasks`, the `eval` group); None with eval=loss."""
+    tokenizer: Any = None
+    """The run's tokenizer: the tasks and the samples encode with it."""
     window: ThroughputWindow = field(default_factory=ThroughputWindow)
     """Tokens and seconds of the training steps (the loop's)."""
     mfu: Mfu = field(init=False)

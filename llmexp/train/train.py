@@ -7,6 +7,9 @@
         -> [log] [save] [preempt?]
     -> final eval and samples -> model/ -> summary.json -> report
 
+Each eval scores the held-out loss and the downstream tasks of the `eval` group (`tasks.run_tasks`). `lr=find`
+runs its range test before set-up (`lr_find.settle_lr`) and the run then starts afresh at its pick.
+
 Everything that decides *what* to do lives in components: set-up (`runtime.describe`, resolved once into a
 `RunDescription` the loop only reads), the schedule (`schedule.lr_at`), the anomaly policy (`anomaly.judge_step`),
 the detectors (`monitor`), the sampler (`TokenDataset.step_indices`), the step engine (`engines`: plain,
@@ -29,15 +32,16 @@ from llmexp.data import stream as stream_lib
 from llmexp.data.tokenizer import load_tokenizer
 from llmexp.monitor.logger import safe_exp
 from llmexp.monitor.throughput import peak_memory_mb
-from llmexp.train import samples
+from llmexp.train import lr_find, samples
 from llmexp.train.anomaly import judge_step, report_findings
 from llmexp.train.finish import finish_run
 from llmexp.train.preemption import PreemptionSignal
-from llmexp.train.pruning import TrialPruning
+from llmexp.train.pruning import TrialPruning, sweep_value
 from llmexp.train.resume import load_resume_state, rollback, save_state_checkpoint
 from llmexp.train.runtime import describe, setup_runtime, start_facts
 from llmexp.train.schedule import lr_at
 from llmexp.train.state import LoopState, Run
+from llmexp.train.tasks import build_suite, read_task_files, run_tasks
 
 
 @dataclass
@@ -63,13 +67,20 @@ def train(cfg: DictConfig, preempt: PreemptionSignal | None = None) -> RunResult
 
 def _train(cfg: DictConfig, preempt: PreemptionSignal) -> RunResult:
     """`train` inside its signal guard: set up, resume, loop, finish."""
+    task_files = read_task_files(cfg)  # before anything loads: a bad task file is exit 2 with nothing written
     rt = setup_runtime(cfg)
     tokenizer = load_tokenizer(cfg)
     build = stream_lib.build_stream_datasets if cfg.data.streaming else data_lib.build_datasets  # stream: uncached
     train_ds, eval_ds, data_stats = build(cfg, tokenizer)
-    desc, engine, model, optimizer = describe(cfg, rt, len(tokenizer), train_ds, str(data_stats["data_cache_key"]))
+    fingerprint = str(data_stats["data_cache_key"])
+    cfg, found = lr_find.settle_lr(cfg, rt, len(tokenizer), train_ds, fingerprint, forward_backward)
+    if found is not None and cfg.train.lr_find_only:
+        return RunResult(status="completed", step=0, summary=found)
+    desc, engine, model, optimizer = describe(cfg, rt, len(tokenizer), train_ds, fingerprint,
+                                              lr_found=found is not None)
     log = rt.logger(desc.max_steps)
-    run = Run(cfg, rt, desc, engine, model, optimizer, log, train_data=train_ds,
+    run = Run(cfg, rt, desc, engine, model, optimizer, log, train_data=train_ds, tokenizer=tokenizer,
+              tasks=build_suite(cfg, tokenizer, task_files, rt.is_main),  # eval=loss: None
               pruning=TrialPruning.for_job(cfg, rt.is_main))  # a search's trial reports its evals to the study
     resumed = load_resume_state(run)
     run.state = state = resumed.state if resumed else LoopState()
@@ -200,12 +211,15 @@ def evaluate(run: Run, eval_ds: data_lib.TokenDataset) -> float:
 
 
 def evaluate_and_record(run: Run, eval_ds: data_lib.TokenDataset, step: int, may_stop: bool = True) -> str | None:
-    """Eval, log it, track the best; the status that ends the run at this eval (`early_stopped` by patience,
-    `pruned` by a search's pruner), or None."""
+    """Eval (the held-out loss, then the `eval` group's tasks), log it, track the best; the status that ends the run
+    at this eval (`early_stopped` by patience, `pruned` by a search's pruner on `sweep.metric`), or None."""
     cfg, state = run.cfg, run.state
     eval_loss = evaluate(run, eval_ds)
     state.last_eval_step = step
-    run.log.log({"event": "eval", "step": step, "eval_loss": eval_loss, "eval_ppl": safe_exp(eval_loss)})
+    record = {"event": "eval", "step": step, "eval_loss": eval_loss, "eval_ppl": safe_exp(eval_loss)}
+    run.log.log(record)
+    task_records = run_tasks(run, step, lambda ds: evaluate(run, ds)) if run.tasks else []
+    value = sweep_value(cfg, record, task_records) if run.rt.is_main else math.nan  # harness tasks: rank 0's
     report_findings(run)
     if math.isfinite(eval_loss) and eval_loss < state.best_eval_loss:
         state.best_eval_loss, state.best_eval_step, state.evals_since_best = eval_loss, step, 0
@@ -213,7 +227,7 @@ def evaluate_and_record(run: Run, eval_ds: data_lib.TokenDataset, step: int, may
         state.evals_since_best += 1
     if not may_stop:
         return None
-    if run.rt.any_rank(run.pruning is not None and run.pruning.should_stop(step, eval_loss)):  # rank 0 asks
+    if run.rt.any_rank(run.pruning is not None and run.pruning.should_stop(step, value)):  # rank 0 asks
         run.log.log({"event": "pruned", "step": step, "reason": run.pruning.reason(step) if run.pruning else ""})
         return "pruned"
     patience = cfg.train.early_stopping_patience

@@ -1,0 +1,99 @@
+"""lm-evaluation-harness tasks by name (`eval.lm_eval.tasks`), on the in-memory model, through the harness's
+Python API: `lm_eval.models.huggingface.HFLM(pretrained=<the model>)` and `lm_eval.simple_evaluate`.
+
+An optional extra (`pip install llmexp[eval]`): imported only when a run names harness tasks. Offline use: a
+directory of task YAMLs (`eval.lm_eval.include_path`) whose `dataset_path: json` and `dataset_kwargs.data_files`
+point at local files, with `eval.lm_eval.include_defaults=false` so the harness does not index its ~15,000
+built-in tasks (~25 s here).
+
+The harness seeds python's, numpy's and torch's global RNGs unless told not to, which would change the
+training that follows: it is told not to (every seed None), and runs inside a forked RNG all the same.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from contextlib import contextmanager
+from typing import Any
+
+from llmexp.errors import UserError
+
+INSTALL_HINT = "pip install 'llmexp[eval]' (or pip install lm-eval)"
+
+
+def require_harness() -> None:
+    """A UserError with the install command when lm-eval is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        raise UserError(f"eval.lm_eval.tasks needs lm-evaluation-harness, which is not installed: {INSTALL_HINT}")
+
+
+def task_manager(include_path: str | None, include_defaults: bool) -> Any:
+    """The harness's task index: the built-in tasks and/or a directory of task YAMLs."""
+    require_harness()
+    from lm_eval.tasks import TaskManager
+
+    logging.getLogger("lm-eval").setLevel(logging.WARNING)  # its INFO lines are one per task and request
+    return TaskManager(include_path=include_path, include_defaults=include_defaults)
+
+
+def check_tasks(manager: Any, names: list[str], include_path: str | None) -> None:
+    """Every named task is one the index knows; else a UserError naming it and where the harness looked."""
+    known = set(manager.all_tasks)
+    missing = [n for n in names if n not in known]
+    if missing:
+        where = f"{include_path} and the built-in tasks" if include_path else "the built-in tasks"
+        raise UserError(f"eval.lm_eval.tasks: {', '.join(missing)} not found in {where}; check the names "
+                        "(lm-eval ls tasks), or set eval.lm_eval.include_path to a directory of task YAMLs")
+
+
+@contextmanager
+def _rng_untouched(device: Any) -> Any:
+    import numpy as np
+    import torch
+
+    py_state, np_state = random.getstate(), np.random.get_state()
+    devices = [device.index or 0] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+
+
+def evaluate(lm: Any, tokenizer: Any, manager: Any, names: list[str], *, batch_size: int, max_length: int,
+             limit: int | None, num_fewshot: int | None, device: Any) -> dict[str, dict[str, float]]:
+    """{task: {metric: value}} of the harness on the in-memory model (its numbers; stderr left out)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    was_training = lm.training
+    lm.eval()
+    try:
+        with _rng_untouched(device):
+            model = HFLM(pretrained=lm, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+            out = simple_evaluate(model=model, tasks=list(names), task_manager=manager, limit=limit,
+                                  num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0, random_seed=None,
+                                  numpy_random_seed=None, torch_random_seed=None, fewshot_random_seed=0)
+    finally:
+        lm.train(was_training)
+    return metrics_of(out["results"] if out else {})
+
+
+def metrics_of(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """The harness's `results` as {task: {metric: value}}: `acc,none` -> `acc`, `exact_match,strict-match` ->
+    `exact_match_strict-match`; stderr and non-numbers left out."""
+    out: dict[str, dict[str, float]] = {}
+    for task, values in results.items():
+        metrics = {}
+        for key, value in values.items():
+            metric, _, filt = key.partition(",")
+            if not filt or metric.endswith("_stderr") or isinstance(value, bool) or \
+                    not isinstance(value, int | float):
+                continue
+            metrics[metric if filt == "none" else f"{metric}_{filt}"] = float(value)
+        out[task] = metrics
+    return out

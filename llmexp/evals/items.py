@@ -1,0 +1,112 @@
+"""Task files: JSONL of `{context, choices, answer}` (multiple_choice) or `{prompt, target}` (generate).
+
+Read before anything loads, so a bad file exits 2 with nothing written: malformed JSON names the file and
+line, a record with empty choices or an answer index out of range names the file, line and record.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmexp.errors import UserError
+
+
+@dataclass(frozen=True)
+class ChoiceItem:
+    """One multiple-choice question: the context, the candidate continuations, the index of the right one."""
+
+    context: str
+    choices: tuple[str, ...]
+    answer: int
+
+
+@dataclass(frozen=True)
+class GenerateItem:
+    """One generation question: the prompt, and the text a right answer holds."""
+
+    prompt: str
+    target: str
+
+
+def _json_lines(path: Path, key: str) -> list[tuple[int, Any]]:
+    """(line number, parsed value) of every non-blank line of a JSONL file; errors name the file and line."""
+    if not path.is_file():
+        raise UserError(f"{key}={path}: no such file (resolved to {path.expanduser().resolve()})")
+    out = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            out.append((lineno, json.loads(line)))
+        except (json.JSONDecodeError, RecursionError) as err:
+            why = f"{err.msg}, column {err.colno}" if isinstance(err, json.JSONDecodeError) else "nested too deeply"
+            raise UserError(f"{path}:{lineno}: malformed JSON line ({why}); {key} must hold one JSON object "
+                            "per line (JSONL)") from None
+    if not out:
+        raise UserError(f"{key}={path}: the file holds no records; add one JSON object per line")
+    return out
+
+
+def _where(path: Path, lineno: int, index: int) -> str:
+    return f"{path}:{lineno}: record {index}"
+
+
+def _text(rec: dict[str, Any], field: str, where: str, expected: str) -> str:
+    value = rec.get(field)
+    if not isinstance(value, str):
+        found = "missing" if field not in rec else f"a {type(value).__name__}"
+        raise UserError(f"{where}: `{field}` must be a string ({found}); expected {expected}")
+    return value
+
+
+def _object(value: Any, where: str, expected: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise UserError(f"{where}: a record must be a JSON object {expected}; got {type(value).__name__}")
+    return value
+
+
+CHOICE_FIELDS = '{"context": str, "choices": [str, ...], "answer": index of the right choice}'
+GENERATE_FIELDS = '{"prompt": str, "target": str}'
+
+
+def choice_item(value: Any, where: str) -> ChoiceItem:
+    """One `{context, choices, answer}` record, checked."""
+    rec = _object(value, where, CHOICE_FIELDS)
+    context = _text(rec, "context", where, CHOICE_FIELDS)
+    choices = rec.get("choices")
+    if not isinstance(choices, list) or not choices:
+        raise UserError(f"{where}: `choices` must be a non-empty list of strings (got {choices!r:.80}); "
+                        f"expected {CHOICE_FIELDS}")
+    if not all(isinstance(c, str) and c for c in choices):
+        raise UserError(f"{where}: every choice must be a non-empty string (got {choices!r:.80})")
+    answer = rec.get("answer")
+    if isinstance(answer, bool) or not isinstance(answer, int) or not 0 <= answer < len(choices):
+        raise UserError(f"{where}: `answer` must be the index of the right choice, an integer in "
+                        f"[0, {len(choices) - 1}] for its {len(choices)} choices; got {answer!r}")
+    return ChoiceItem(context, tuple(choices), answer)
+
+
+def generate_item(value: Any, where: str) -> GenerateItem:
+    """One `{prompt, target}` record, checked."""
+    rec = _object(value, where, GENERATE_FIELDS)
+    prompt, target = _text(rec, "prompt", where, GENERATE_FIELDS), _text(rec, "target", where, GENERATE_FIELDS)
+    if not target.strip():
+        raise UserError(f"{where}: `target` is empty, so no answer could match it; give the expected answer")
+    return GenerateItem(prompt, target)
+
+
+def read_choice_items(path: str | Path, key: str, max_items: int | None = None) -> list[ChoiceItem]:
+    """The items of a multiple_choice file (the first `max_items`), every record checked."""
+    path = Path(path).expanduser()
+    items = [choice_item(v, _where(path, n, i)) for i, (n, v) in enumerate(_json_lines(path, key))]
+    return items[:max_items] if max_items is not None else items
+
+
+def read_generate_items(path: str | Path, key: str, max_items: int | None = None) -> list[GenerateItem]:
+    """The items of a generate file (the first `max_items`), every record checked."""
+    path = Path(path).expanduser()
+    items = [generate_item(v, _where(path, n, i)) for i, (n, v) in enumerate(_json_lines(path, key))]
+    return items[:max_items] if max_items is not None else items

@@ -1,0 +1,198 @@
+"""`lr=find`: an lr range test in the run's own process, then training at its pick from a fresh start.
+
+The test (Smith 2015, "Cyclical Learning Rates for Training Neural Networks", section 3.3; fastai's `lr_find`):
+a throwaway copy of the run's model, built as the run builds it, trains on the run's first batches while the lr
+rises exponentially from `train.lr_find_start` over `train.lr_find_steps` steps towards `train.lr_find_end`; the
+loss is smoothed (an exponential moving average, beta 0.98, bias-corrected: fastai's) and the test stops once
+the smoothed loss passes 4x its minimum or is not finite (diverged). The pick is fastai's `lr_min`: the lr at
+the smoothed loss's minimum, divided by 10 (the minimum itself is already at the edge of divergence). The
+steepest-descent lr is recorded beside it.
+
+The test leaves no trace in the run: its model, optimizer and engine are set up by `runtime.describe` as the
+run's own are (at the test's first lr), stepped through the same `Engine` calls as the loop's, then dropped
+and released from Accelerate (`free_memory`); every RNG (python, numpy, torch, CUDA) is restored afterwards;
+the data sampler is a pure function of (seed, step); fp16's loss scaler is the throwaway engine's own. The run
+then builds its model from the seed as a plain run at that lr would, so its training is bitwise that run's
+(tests/test_lr_find.py). `lr_find.json` holds the curve and the pick, and a
+rerun in the same directory (a resume, a requeue) reads it instead of testing again.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from llmexp.config.validation import is_lr_find
+from llmexp.rundir.files import write_json_atomic
+from llmexp.rundir.read import load_json
+
+if TYPE_CHECKING:
+    from llmexp.train.runtime import Runtime
+    from llmexp.train.state import Run
+
+SMOOTHING = 0.98
+DIVERGED_FACTOR = 4.0
+RULE = ("the lr at the minimum of the smoothed loss, divided by 10 (Smith 2015, section 3.3; fastai's lr_find "
+        "`minimum` suggestion)")
+
+
+@contextmanager
+def rng_untouched(device: torch.device) -> Any:
+    """Every RNG the run draws from is as it was before (python, numpy, torch CPU and the device's)."""
+    import numpy as np
+
+    py_state, np_state = random.getstate(), np.random.get_state()
+    devices = [device.index or 0] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+
+
+def lr_at(step: int, steps: int, start: float, end: float) -> float:
+    return start * (end / start) ** (step / max(1, steps - 1))
+
+
+def smooth(losses: list[float]) -> list[float]:
+    """fastai's bias-corrected exponential moving average."""
+    avg, out = 0.0, []
+    for i, loss in enumerate(losses, start=1):
+        avg = SMOOTHING * avg + (1 - SMOOTHING) * loss
+        out.append(avg / (1 - SMOOTHING ** i))
+    return out
+
+
+def suggest(lrs: list[float], smoothed: list[float]) -> dict[str, Any]:
+    """The pick (the minimum's lr / 10), the minimum, and the steepest descent (the most negative slope of the
+    smoothed loss against log lr), over the finite part of the curve."""
+    finite = [i for i, v in enumerate(smoothed) if math.isfinite(v)]
+    best = min(finite, key=lambda i: smoothed[i])
+    slopes = [(smoothed[i + 1] - smoothed[i]) / (math.log(lrs[i + 1]) - math.log(lrs[i]))
+              for i in finite if i + 1 in finite and i < best]
+    steepest = lrs[min(range(len(slopes)), key=slopes.__getitem__)] if slopes else None
+    return {"suggestion": lrs[best] / 10, "lr_min_loss": lrs[best], "min_smoothed_loss": smoothed[best],
+            "lr_steepest": steepest}
+
+
+ForwardBackward = Callable[["Run", Any], tuple[torch.Tensor, int, int]]
+"""The loop's `train.forward_backward(run, train_ds)`: (loss sum on this rank, target tokens, tokens)."""
+
+
+def range_test(cfg: DictConfig, rt: Runtime, vocab_size: int, train_ds: Any, data_fingerprint: str,
+               forward_backward: ForwardBackward) -> dict[str, Any]:
+    """Run the test on a throwaway run; the curve and the pick (every rank gets the same)."""
+    t, start_s = cfg.train, time.perf_counter()
+    steps, first, last = int(t.lr_find_steps), float(t.lr_find_start), float(t.lr_find_end)
+    with rng_untouched(rt.device):
+        run = _throwaway_run(with_lr(cfg, first), rt, vocab_size, train_ds, data_fingerprint, steps)
+        curve, stopped = _rising_lr(run, train_ds, forward_backward)
+        del run
+        rt.accelerator.free_memory()  # Accelerate's references to the throwaway model and optimizer
+    if len(curve) < 3:
+        from llmexp.errors import UserError
+
+        raise UserError(f"lr=find: the loss diverged within {len(curve)} steps of train.lr_find_start="
+                        f"{first:g}; lower train.lr_find_start (e.g. 1e-8) or check the data")
+    picked = suggest([c["lr"] for c in curve], [c["smoothed"] for c in curve])
+    return {"rule": RULE, **picked, "stopped": stopped, "steps_run": len(curve), "lr_find_steps": steps,
+            "lr_find_start": first, "lr_find_end": last, "seconds": round(time.perf_counter() - start_s, 2),
+            "curve": curve}
+
+
+def _throwaway_run(cfg: DictConfig, rt: Runtime, vocab_size: int, train_ds: Any, data_fingerprint: str,
+                   steps: int) -> Run:
+    """The run's engine, model and optimizer, set up as the run's own (`runtime.describe`), logging nothing."""
+    from llmexp.monitor.logger import MetricsLogger
+    from llmexp.train.runtime import describe
+    from llmexp.train.state import Run
+
+    desc, engine, model, optimizer = describe(cfg, rt, vocab_size, train_ds, data_fingerprint)
+    return Run(cfg, rt, desc, engine, model, optimizer, MetricsLogger(rt.run_dir, steps, enabled=False))
+
+
+def _rising_lr(run: Run, train_ds: Any, forward_backward: ForwardBackward) -> tuple[list[dict[str, Any]], str]:
+    """The steps of the test, through the loop's own `forward_backward` and `Engine` calls, until the smoothed
+    loss diverges or the lr reaches `train.lr_find_end`: (the curve, why it stopped)."""
+    t, rt, engine, optimizer = run.cfg.train, run.rt, run.engine, run.optimizer
+    steps, first, last = int(t.lr_find_steps), float(t.lr_find_start), float(t.lr_find_end)
+    curve: list[dict[str, Any]] = []
+    for step in range(steps):
+        lr = lr_at(step, steps, first, last)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum, n_targets, _ = forward_backward(run, train_ds)
+        engine.clip(run.model, optimizer, t.max_grad_norm)  # fp16: unscaled first
+        loss = float(rt.reduce_sum(loss_sum) / n_targets)
+        smoothed = smooth([*(c["loss"] for c in curve), loss])[-1]
+        curve.append({"step": step, "lr": lr, "loss": loss, "smoothed": smoothed})
+        _say(rt, f"lr_find {step:>4} | lr {lr:.3e} | loss {loss:.4f} | smoothed {smoothed:.4f}")
+        if not math.isfinite(smoothed) or smoothed > DIVERGED_FACTOR * min(c["smoothed"] for c in curve):
+            return curve, f"diverged at step {step} (smoothed loss above {DIVERGED_FACTOR:g}x its minimum)"
+        engine.step(optimizer)  # fp16: through the throwaway engine's own scaler
+        optimizer.zero_grad(set_to_none=True)
+        run.state.step += 1
+    return curve, "reached train.lr_find_end"
+
+
+def _say(rt: Runtime, line: str) -> None:
+    if rt.is_main:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _same_test(saved: dict[str, Any] | None, cfg: DictConfig) -> bool:
+    t = cfg.train
+    return bool(saved) and "suggestion" in saved and all(  # type: ignore[operator]
+        saved.get(k) == v for k, v in (("lr_find_steps", t.lr_find_steps), ("lr_find_start", t.lr_find_start),
+                                       ("lr_find_end", t.lr_find_end)))  # type: ignore[union-attr]
+
+
+def settle_lr(cfg: DictConfig, rt: Runtime, vocab_size: int, train_ds: Any, data_fingerprint: str,
+              forward_backward: ForwardBackward) -> tuple[DictConfig, dict[str, Any] | None]:
+    """lr=find: (the config to train with, its `lr` the test's pick; the test's result); any other lr: (cfg,
+    None). Before the run's own set-up, which then starts afresh."""
+    if not is_lr_find(cfg.lr):
+        return cfg, None
+    found = found_lr(cfg, rt, vocab_size, train_ds, data_fingerprint, forward_backward)
+    return with_lr(cfg, found["suggestion"]), found
+
+
+def found_lr(cfg: DictConfig, rt: Runtime, vocab_size: int, train_ds: Any, data_fingerprint: str,
+             forward_backward: ForwardBackward) -> dict[str, Any]:
+    """lr_find.json's result: read back from an earlier launch in this directory, else tested now (and
+    lr_find.json and lr_find.png written by rank 0)."""
+    path = rt.run_dir / "lr_find.json"
+    saved = load_json(path)
+    if _same_test(saved, cfg):
+        _say(rt, f"lr_find: reusing {path}: lr {saved['suggestion']:.4g}")  # type: ignore[index]
+        return saved  # type: ignore[return-value]
+    result = range_test(cfg, rt, vocab_size, train_ds, data_fingerprint, forward_backward)
+    if rt.is_main:
+        write_json_atomic(path, result)
+        try:
+            from llmexp.report.lr_find import plot_lr_find
+
+            plot_lr_find(result, rt.run_dir / "lr_find.png")
+        except Exception as err:  # a plotting problem must not lose the result
+            _say(rt, f"warning: could not plot lr_find.png: {err!r}")
+    _say(rt, f"lr_find: suggested lr {result['suggestion']:.4g} ({result['stopped']}; minimum at "
+             f"{result['lr_min_loss']:.3g}); {path}")
+    return result
+
+
+def with_lr(cfg: DictConfig, lr: float) -> DictConfig:
+    """A copy of the config with `lr` set (the pick: what a plain run at that lr has)."""
+    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    OmegaConf.set_struct(out, True)
+    with open_dict(out):
+        out.lr = float(lr)
+    return out

@@ -1,0 +1,94 @@
+"""`lr=find`: the range test's curve and pick, and training after it bitwise equal to a plain run at that lr."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmexp.train.lr_find import smooth, suggest
+from tests.conftest import TINY, compose, read_metrics
+
+BASE = [*TINY, "precision=fp32", "train.max_steps=4", "train.eval_steps=2", "train.save_steps=0",
+        "train.peak_tflops=1"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """`lr=find` (with demo-task evals) and a plain run at the lr it picked (no tasks), in this process."""
+    from llmexp.train.train import train
+
+    root = tmp_path_factory.mktemp("lr_find")
+    found = train(compose([*BASE, "lr=find", "train.lr_find_steps=12", "eval=demo", "eval.demo_items=4"],
+                          root / "find"))
+    picked = json.loads((root / "find" / "lr_find.json").read_text())
+    plain = train(compose([*BASE, f"lr={picked['suggestion']!r}"], root / "plain"))
+    return {"root": root, "found": found, "plain": plain, "picked": picked}
+
+
+def _weights(run_dir: Path) -> str:
+    return hashlib.sha256((run_dir / "model" / "model.safetensors").read_bytes()).hexdigest()
+
+
+def test_training_after_the_finder_is_bitwise_a_plain_run_at_its_lr(runs: dict[str, Any]) -> None:
+    """The finder leaves no trace in the RNG, the data order or the weights; the demo task's evals none either."""
+    find_dir, plain_dir = runs["root"] / "find", runs["root"] / "plain"
+    assert runs["found"].status == runs["plain"].status == "completed"
+    steps = lambda d: [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in read_metrics(d, "train")]  # noqa: E731
+    evals = lambda d: [(r["step"], r["eval_loss"]) for r in read_metrics(d, "eval")]  # noqa: E731
+    assert steps(find_dir) == steps(plain_dir) and len(steps(find_dir)) == 4
+    assert evals(find_dir) == evals(plain_dir)
+    assert _weights(find_dir) == _weights(plain_dir)
+    summary = json.loads((find_dir / "summary.json").read_text())
+    assert summary["lr"] == runs["picked"]["suggestion"] and summary["lr_source"] == "find"
+    assert json.loads((plain_dir / "summary.json").read_text())["lr_source"] == "config"
+    assert read_metrics(find_dir, "start")[0]["lr_source"] == "find"
+
+
+def test_the_range_test_writes_its_curve_and_its_pick(runs: dict[str, Any]) -> None:
+    picked, find_dir = runs["picked"], runs["root"] / "find"
+    curve = picked["curve"]
+    assert 3 <= picked["steps_run"] == len(curve) <= 12
+    assert curve[0]["lr"] == pytest.approx(1e-7)
+    ratios = [b["lr"] / a["lr"] for a, b in itertools.pairwise(curve)]
+    assert all(r == pytest.approx(10 ** (8 / 11)) for r in ratios)  # exponential from 1e-7 to 10 over 12 steps
+    assert picked["suggestion"] == pytest.approx(picked["lr_min_loss"] / 10) and "Smith 2015" in picked["rule"]
+    assert [c["smoothed"] for c in curve] == pytest.approx(smooth([c["loss"] for c in curve]))
+    assert (find_dir / "lr_find.png").stat().st_size > 5_000
+
+
+def test_lr_find_only_stops_after_the_range_test(tmp_path: Path) -> None:
+    from llmexp.train.train import train
+
+    run_dir = tmp_path / "only"
+    result = train(compose([*BASE, "lr=find", "train.lr_find_only=true", "train.lr_find_steps=6"], run_dir))
+    assert result.status == "completed" and result.step == 0 and result.summary["steps_run"] >= 3
+    assert (run_dir / "lr_find.json").is_file() and not (run_dir / "model").exists()
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_the_pick_is_the_minimum_over_ten_and_the_steepest_descent_is_before_it() -> None:
+    lrs = [10 ** (-6 + i / 2) for i in range(10)]
+    smoothed = [5.0, 4.9, 4.5, 3.0, 2.5, 2.4, 2.6, 4.0, math.inf, math.nan]
+    got = suggest(lrs, smoothed)
+    assert got["lr_min_loss"] == lrs[5] and got["suggestion"] == pytest.approx(lrs[5] / 10)
+    assert got["lr_steepest"] == lrs[2]  # 4.5 -> 3.0 is the largest drop per decade
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["train.lr_find_only=true"], "train.lr_find_only"),
+    (["lr=find", "train.lr_find_start=1", "train.lr_find_end=0.5"], "train.lr_find_end"),
+    (["lr=find", "batch_size=auto"], "batch_size"),
+    (["lr=find", "fsdp=full_shard"], "fsdp"),
+    (["lr=find", "train.lr_find_steps=2"], "train.lr_find_steps"),
+])
+def test_bad_lr_find_settings_name_the_key(overrides: list[str], message: str, tmp_path: Path) -> None:
+    from llmexp.config.validation import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=message):
+        validate(compose(overrides, tmp_path))
