@@ -53,15 +53,10 @@ ConfigStore.instance().store(group="hydra/sweeper", name="llmexp_search", node=S
                              provider="llmexp_sweeper")
 
 
-class GridSweeper(Sweeper):
-    """Hydra's grid (its basic sweeper's flow, on the public `Sweeper` plugin API), its product replaced by
-    `llmexp.sweep.space.grid_jobs` (zip, lr scaling): jobs in batches of `max_batch_size`, each batch composed
-    once (`validate_batch_is_legal`) before the launcher runs it, the sweep config saved as `multirun.yaml`."""
+class _LaunchingSweeper(Sweeper):
+    """What both sweepers keep from `setup`: the composed config, and the launcher Hydra's config names."""
 
-    def __init__(self, max_batch_size: int | None, params: dict[str, str] | None = None,
-                 zip: Sequence[str] = (), lr_scaling: str = "none", base_batch_size: int | None = None) -> None:
-        self.max_batch_size, self.params = max_batch_size, dict(params or {})
-        self.zip_keys, self.lr_scaling, self.base_batch_size = list(zip), lr_scaling, base_batch_size
+    def __init__(self) -> None:
         self.config: DictConfig | None = None
         self.launcher: Any = None
         self.hydra_context: HydraContext | None = None
@@ -72,6 +67,18 @@ class GridSweeper(Sweeper):
         self.config, self.hydra_context = config, hydra_context
         self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context,
                                                                 task_function=task_function, config=config)
+
+
+class GridSweeper(_LaunchingSweeper):
+    """Hydra's grid (its basic sweeper's flow, on the public `Sweeper` plugin API), its product replaced by
+    `llmexp.sweep.space.grid_jobs` (zip, lr scaling): jobs in batches of `max_batch_size`, each batch composed
+    once (`validate_batch_is_legal`) before the launcher runs it, the sweep config saved as `multirun.yaml`."""
+
+    def __init__(self, max_batch_size: int | None, params: dict[str, str] | None = None,
+                 zip: Sequence[str] = (), lr_scaling: str = "none", base_batch_size: int | None = None) -> None:
+        self.max_batch_size, self.params = max_batch_size, dict(params or {})
+        self.zip_keys, self.lr_scaling, self.base_batch_size = list(zip), lr_scaling, base_batch_size
+        super().__init__()
 
     def sweep(self, arguments: list[str]) -> Any:
         """Hydra's grid, then the sweep's exit code from how every job ended (`jobs.sweep_exit_code`): a
@@ -130,22 +137,13 @@ class GridSweeper(Sweeper):
         return returns
 
 
-class SearchSweeper(Sweeper):
+class SearchSweeper(_LaunchingSweeper):
     """The optuna search: see `llmexp.sweep.search.run_search`."""
 
     def __init__(self, **settings: Any) -> None:
         self.params: dict[str, str] = dict(settings.pop("params") or {})
         self.settings = settings
-        self.config: DictConfig | None = None
-        self.launcher: Any = None
-        self.hydra_context: HydraContext | None = None
-
-    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
-        from hydra.core.plugins import Plugins
-
-        self.config, self.hydra_context = config, hydra_context
-        self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context,
-                                                                task_function=task_function, config=config)
+        super().__init__()
 
     def sweep(self, arguments: list[str]) -> Any:
         from llmexp.sweep.jobs import exit_2_on_user_error

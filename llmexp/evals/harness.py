@@ -13,8 +13,6 @@ training that follows: it is told not to (every seed None), and runs inside a fo
 from __future__ import annotations
 
 import logging
-import random
-from contextlib import contextmanager
 from typing import Any
 
 from llmexp.errors import UserError
@@ -49,31 +47,18 @@ def check_tasks(manager: Any, names: list[str], include_path: str | None) -> Non
                         "(lm-eval ls tasks), or set eval.lm_eval.include_path to a directory of task YAMLs")
 
 
-@contextmanager
-def _rng_untouched(device: Any) -> Any:
-    import numpy as np
-    import torch
-
-    py_state, np_state = random.getstate(), np.random.get_state()
-    devices = [device.index or 0] if device.type == "cuda" else []
-    try:
-        with torch.random.fork_rng(devices=devices):
-            yield
-    finally:
-        random.setstate(py_state)
-        np.random.set_state(np_state)
-
-
 def evaluate(lm: Any, tokenizer: Any, manager: Any, names: list[str], *, batch_size: int, max_length: int,
              limit: int | None, num_fewshot: int | None, device: Any) -> dict[str, dict[str, float]]:
     """{task: {metric: value}} of the harness on the in-memory model (its numbers; stderr left out)."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
+    from llmexp.model.rng import rng_untouched
+
     was_training = lm.training
     lm.eval()
     try:
-        with _rng_untouched(device):
+        with rng_untouched(device):
             model = HFLM(pretrained=lm, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
             out = simple_evaluate(model=model, tasks=list(names), task_manager=manager, limit=limit,
                                   num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0, random_seed=None,

@@ -20,17 +20,16 @@ rerun in the same directory (a resume, a requeue) reads it instead of testing ag
 from __future__ import annotations
 
 import math
-import random
 import sys
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from llmexp.config.validation import is_lr_find
+from llmexp.model.rng import rng_untouched
 from llmexp.rundir.files import write_json_atomic
 from llmexp.rundir.read import load_json
 
@@ -42,21 +41,6 @@ SMOOTHING = 0.98
 DIVERGED_FACTOR = 4.0
 RULE = ("the lr at the minimum of the smoothed loss, divided by 10 (Smith 2015, section 3.3; fastai's lr_find "
         "`minimum` suggestion)")
-
-
-@contextmanager
-def rng_untouched(device: torch.device) -> Any:
-    """Every RNG the run draws from is as it was before (python, numpy, torch CPU and the device's)."""
-    import numpy as np
-
-    py_state, np_state = random.getstate(), np.random.get_state()
-    devices = [device.index or 0] if device.type == "cuda" else []
-    try:
-        with torch.random.fork_rng(devices=devices):
-            yield
-    finally:
-        random.setstate(py_state)
-        np.random.set_state(np_state)
 
 
 def lr_at(step: int, steps: int, start: float, end: float) -> float:
