@@ -102,3 +102,22 @@ def test_third_party_warnings_go_to_the_log_only(tmp_path: Path, capsys: pytest.
     assert "gemm_4bit" in log and "is_gradient_checkpointing is deprecated" in log
     assert note == ("note: 2 third-party warnings went to llmexp.log only "
                     "(from bitsandbytes.backends.cpu.ops, py.warnings)")
+
+
+def test_warnings_reach_the_log_after_a_catch_warnings_block_put_the_original_back(tmp_path: Path) -> None:
+    """An in-process caller runs several runs; a `warnings.catch_warnings` block between them (pytest wraps every
+    test in one) restores Python's own showwarning, which captureWarnings(True) alone would not replace again."""
+    file = logging.FileHandler(tmp_path / "llmexp.log")
+    logging.getLogger().addHandler(file)
+    try:
+        with warnings.catch_warnings(record=True):
+            quiet_console()  # the first run
+        quiet_console()  # the next one
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("a deprecation from a library", FutureWarning, stacklevel=1)
+    finally:
+        logging.getLogger().removeHandler(file)
+        file.close()
+        logging.captureWarnings(False)
+    assert "a deprecation from a library" in (tmp_path / "llmexp.log").read_text()

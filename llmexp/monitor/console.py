@@ -36,6 +36,9 @@ def quiet_console() -> None:
     """Keep third-party warnings and INFO lines (bitsandbytes' missing kernels, transformers' deprecations,
     matplotlib's font cache, ...) out of the console; Hydra's job log (`llmexp.log`, a file handler on the root
     logger) still gets them. Python's `warnings` are routed through logging (`py.warnings`) for that."""
+    # Off, then on: captureWarnings(True) does nothing when it was on already, and a `warnings.catch_warnings`
+    # block that ended since (pytest wraps every test in one) has put the original showwarning back.
+    logging.captureWarnings(False)
     logging.captureWarnings(True)
     _OwnOrError.held.clear()  # this run's: an in-process caller may start several
     for handler in logging.getLogger().handlers:
