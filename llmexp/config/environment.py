@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from llmexp.config.derived import global_batch_problem, parse_batch_size, world_size_from_env
-from llmexp.config.gguf import gguf_file_problem, local_gguf
 from llmexp.config.paths import directory_errors, path_errors
 from llmexp.errors import UserError
 
@@ -21,7 +20,7 @@ def check_environment(cfg: Any) -> None:
     """After `validate`, before anything loads: what depends on this machine and launch (the world size, every
     file and directory the config names: `paths.path_errors`, the tracker's store). Raises one UserError listing
     every problem."""
-    errors = [*_batch_errors(cfg), *path_errors(cfg), *_gguf_errors(cfg), *_tracking_errors(cfg)]
+    errors = [*_batch_errors(cfg), *path_errors(cfg), *_tracking_errors(cfg)]
     if errors:
         raise UserError("cannot run this config here:\n  " + "\n  ".join(errors))
 
@@ -54,17 +53,6 @@ def _batch_errors(cfg: Any) -> list[str]:
     if global_batch is None or global_batch <= 0:
         return []  # validation names the bad value
     problem = global_batch_problem(global_batch, micro or 1, world, auto=micro is None)
-    return [problem] if problem else []
-
-
-def _gguf_errors(cfg: Any) -> list[str]:
-    """`model.gguf_file` in a local model directory: there, a GGUF file, of an architecture transformers loads
-    (a hub repo's file is checked once fetched)."""
-    m = cfg.model
-    if not (m.gguf_file and m.name_or_path):
-        return []
-    path = local_gguf(str(m.name_or_path), str(m.gguf_file))
-    problem = gguf_file_problem(path) if path is not None else None
     return [problem] if problem else []
 
 

@@ -187,9 +187,16 @@ def code_problem(key: str, path: Path, config: dict[str, Any], allowed: bool, sw
 
 
 def model_problem(cfg: Any, key: str, value: Any) -> str | None:
+    """A save_pretrained directory; with `model.gguf_file`, a directory holding that GGUF file instead."""
+    from llmexp.config.gguf import gguf_file_problem
+
     what = "a model directory written by save_pretrained (e.g. the model/ of an earlier run) or a hub id"
     path, why = _local_dir(key, value, what)
-    return why or (model_dir_problem(key, path, bool(cfg.model.trust_remote_code)) if path else None)
+    if why or path is None:
+        return why
+    if cfg.model.gguf_file:
+        return gguf_file_problem(path / str(cfg.model.gguf_file))
+    return model_dir_problem(key, path, bool(cfg.model.trust_remote_code))
 
 
 def tokenizer_problem(cfg: Any, key: str, value: Any) -> str | None:
