@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +32,14 @@ def pytest_configure(config: pytest.Config) -> None:
     each spin two OpenMP threads oversubscribe a 2-core machine, and OpenMP's spin-waiting then burns the
     cores (a test run through the CLI was measured ~20% slower even on an overloaded machine). Tests that
     need their own thread count set it in the environment they pass."""
-    del config
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The tests' torch.compile cache, fresh for this session, before collecting imports transformers (and with it
+    # torch._dynamo, which would settle on torch's machine-wide default: `derived.use_shared_compile_cache`).
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        inductor = tempfile.mkdtemp(prefix="llmexp-tests-inductor-")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor
+        config.add_cleanup(lambda: shutil.rmtree(inductor, ignore_errors=True))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +187,28 @@ def test_global_batch_that_does_not_divide_exits_2(tmp_path: Path) -> None:
     proc = run_cli([*TINY, "batch_size=4", "train.global_batch_size=10", f"hydra.run.dir={tmp_path / 'r'}"])
     assert proc.returncode == 2
     assert "train.global_batch_size" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_job_settles_the_compile_cache_before_torch_dynamo_can(tmp_path: Path) -> None:
+    """A sweep job's process (no TORCHINDUCTOR_CACHE_DIR of its own) uses llmexp's cache, set before the trainer
+    imports torch._dynamo; a user's own value wins. A fresh interpreter, since this one has imported torch."""
+    script = ("import os, sys\n"
+              "from llmexp.config.derived import use_shared_compile_cache\n"
+              "from tests.conftest import compose\n"
+              "from pathlib import Path\n"
+              "cfg = compose([], Path(sys.argv[1]) / 'run')\n"
+              "os.environ.pop('TORCHINDUCTOR_CACHE_DIR', None) if sys.argv[2] == 'unset' else None\n"
+              "use_shared_compile_cache(cfg)\n"
+              "from torch._inductor.runtime.cache_dir_utils import cache_dir\n"  # torch's own answer
+              "print(cache_dir())\n")
+    env = {**os.environ, "LLMEXP_CACHE": str(tmp_path / "cache")}
+    ours = subprocess.run([sys.executable, "-c", script, str(tmp_path), "unset"], env=env, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert ours == str(tmp_path / "cache" / "torchinductor")
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "mine")
+    theirs = subprocess.run([sys.executable, "-c", script, str(tmp_path), "keep"], env=env, capture_output=True,
+                            text=True, check=True).stdout.strip()
+    assert theirs == str(tmp_path / "mine")
 
 
 @pytest.mark.slow

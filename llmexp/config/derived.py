@@ -23,6 +23,16 @@ MIX_ROUND = 1000
 """Training examples per round of a `data.mix`: each round holds every source's quota exactly."""
 
 
+def use_shared_compile_cache(cfg: Any) -> None:
+    """One torch.compile cache for every run and sweep job (`data.cache_dir/torchinductor`): compile pays for itself
+    after ~40 steps, not ~400. Set before torch._dynamo is imported: its first look at the cache directory writes
+    torch's default (`/tmp/torchinductor_<user>`) into TORCHINDUCTOR_CACHE_DIR, after which this is a no-op and
+    every run on the machine shares that directory, whatever its settings (a run with the ISA capped by
+    ATEN_CPU_CAPABILITY/ONEDNN_MAX_CPU_ISA read kernels compiled without the cap there and trained on NaNs). A value
+    the user set wins."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cfg.data.cache_dir) / "torchinductor"))
+
+
 def mix_quotas(weights: list[float]) -> list[int]:
     """Examples per round for each `data.mix` source: the largest-remainder apportionment of MIX_ROUND,
     so the quotas sum to MIX_ROUND and each is within one example of its exact share."""

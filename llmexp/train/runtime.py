@@ -6,7 +6,6 @@ lr, the matmul ceiling and the monitor settings, frozen into the `RunDescription
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -16,7 +15,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from omegaconf import DictConfig
 
-from llmexp.config.derived import BF16_EMULATION_ADVICE, BatchPlan, make_plan, parse_batch_size, precision_on
+from llmexp.config.derived import (
+    BF16_EMULATION_ADVICE,
+    BatchPlan,
+    make_plan,
+    parse_batch_size,
+    precision_on,
+    use_shared_compile_cache,
+)
 from llmexp.config.derived import world_size_from_env as world_size
 from llmexp.model import build
 from llmexp.monitor.console import quiet_console
@@ -47,8 +53,7 @@ class Runtime:
         self.started = time.perf_counter()
         self.cfg = cfg
         self.run_dir = run_dir
-        # One compile cache for every run and sweep job: torch.compile pays for itself after ~40 steps, not ~400.
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cfg.data.cache_dir) / "torchinductor"))
+        use_shared_compile_cache(cfg)  # (run_guarded sets it earlier; this is for callers of train(cfg))
         device_type = "cuda" if torch.cuda.is_available() else "cpu"  # Accelerate's choice (accelerator_kwargs)
         precision = precision_on(cfg.precision.name, device_type)
         if device_type == "cpu":  # bf16 without native support: measured, and emulated where that is faster

@@ -9,6 +9,7 @@ import sys
 
 from omegaconf import DictConfig
 
+from llmexp.config.derived import use_shared_compile_cache
 from llmexp.config.environment import check_environment
 from llmexp.config.validation import validate
 from llmexp.errors import EXIT_USER, STATUS_EXIT, UserError
@@ -26,6 +27,7 @@ def run_guarded(cfg: DictConfig) -> int:
         with PreemptionSignal() as preempt:
             validate(cfg)  # (the CLI ran both before Hydra did anything; a sweep job runs them here, in its process)
             check_environment(cfg)  # bf16 support, world size, files: before anything loads
+            use_shared_compile_cache(cfg)  # before the trainer imports torch._dynamo
             from llmexp.train.train import train
 
             result = train(cfg, preempt)
