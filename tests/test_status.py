@@ -98,9 +98,13 @@ def test_a_run_directory_and_one_whose_process_is_gone(sweep: dict[str, Any], tm
 
 
 def test_watch_redraws_the_table_in_place_until_ctrl_c(sweep: dict[str, Any]) -> None:
+    def ignore_sigint() -> None:  # as a script's background job, or a pytest-xdist worker's child, starts
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     leader, follower = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "llmexp.status", str(sweep["dir"]), "--watch", "0.2"],
-                            stdin=follower, stdout=follower, stderr=follower, env={**os.environ, "COLUMNS": "120"})
+                            stdin=follower, stdout=follower, stderr=follower, env={**os.environ, "COLUMNS": "120"},
+                            preexec_fn=ignore_sigint)
     os.close(follower)
     out, deadline = b"", time.monotonic() + 60
     while out.count(b"\x1b[H") < 3 and time.monotonic() < deadline:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import math
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -240,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         print(render(args.dir, rows(args.dir, args.scheduler_timeout), width))
         return 0
     tty, first = sys.stdout.isatty(), True
+    # Ctrl-C stops a watch even where this process was started with SIGINT ignored (a background job of a script,
+    # a pytest-xdist worker's child): Python keeps an inherited SIG_IGN, and the watch would never end.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         while True:
             frame = (f"{render(args.dir, rows(args.dir, args.scheduler_timeout), width)}\n"
