@@ -85,6 +85,17 @@ def compose(overrides: list[str], run_dir: Path) -> Any:
     return cfg
 
 
+def tiny_llama(num_attention_heads: int = 4) -> Any:
+    """A 2-layer Llama of 64 hidden units and a 512-token vocabulary, seeded: for tests of one model's pieces."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=num_attention_heads, num_key_value_heads=2,
+                                        max_position_embeddings=64, attn_implementation="sdpa"))
+
+
 def read_metrics(run_dir: Path, event: str | None = None) -> list[dict[str, Any]]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if event is None or r["event"] == event]

@@ -12,22 +12,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from llmexp.model import cpu_matmul
 from llmexp.model.lora_dropout import MaskDropout, use_mask_dropout
 from llmexp.model.loss import CausalLMLoss, LinearCrossEntropy
-from tests.conftest import compose
+from tests.conftest import compose, tiny_llama
 
 needs_op = pytest.mark.skipif(cpu_matmul._op() is None, reason="this torch build has no mkldnn._linear_pointwise")
-
-
-def _tiny_lm() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         attn_implementation="sdpa")
-    return LlamaForCausalLM(config)
 
 
 def _loss_and_grads(model: torch.nn.Module) -> tuple[float, dict[str, torch.Tensor]]:
@@ -60,7 +51,7 @@ def test_a_routed_linear_equals_f_linear_forward_and_backward() -> None:
 def test_a_routed_model_trains_as_torch_does(peft: bool) -> None:
     """Every nn.Linear (peft's base layers and adapters too) and the fused head's matmuls through oneDNN: the loss
     and every gradient equal torch's path to fp32 rounding; parameters and state_dict are untouched."""
-    lm = _tiny_lm()
+    lm = tiny_llama()
     if peft:
         from peft import LoraConfig, get_peft_model
 
@@ -150,7 +141,7 @@ def test_where_a_run_takes_which_path(overrides: list[str], precision: str, expe
     monkeypatch.setattr(cpu_matmul, "probe",
                         lambda rows, k, n: cpu_matmul.MatmulPath("onednn", f"probe {rows} {k} {n}"))
     cfg = compose(["precision=fp32", *overrides], tmp_path)
-    path = cpu_matmul_path(cfg, _runtime(precision), _tiny_lm(), 512)
+    path = cpu_matmul_path(cfg, _runtime(precision), tiny_llama(), 512)
     if expected is None:
         assert path is None  # bf16: autocast runs on oneDNN already, and the emulation owns its matmuls
     elif expected == "probe":
@@ -178,7 +169,7 @@ def test_mask_dropout_drops_p_of_the_values_and_keeps_the_expectation() -> None:
 def test_mask_dropout_replaces_every_lora_dropout_and_repeats_with_the_seed() -> None:
     from peft import LoraConfig, get_peft_model
 
-    lm = get_peft_model(_tiny_lm(), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules="all-linear"))
+    lm = get_peft_model(tiny_llama(), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules="all-linear"))
     assert use_mask_dropout(lm) == 2 * 7
     drops = [d for m in lm.modules() if isinstance(getattr(m, "lora_dropout", None), torch.nn.ModuleDict)
              for d in m.lora_dropout.values()]

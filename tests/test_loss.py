@@ -8,18 +8,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import llmexp.model.loss as loss_lib
 from llmexp.model.loss import CausalLMLoss, LinearCrossEntropy
-
-
-def _tiny_lm() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                         attn_implementation="sdpa")
-    return LlamaForCausalLM(config)
+from tests.conftest import tiny_llama
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +43,7 @@ def _loss_and_grads(fn: object, lm: LlamaForCausalLM, dtype: torch.dtype) -> tup
 @pytest.mark.parametrize("chunk_tokens", [4096, 50])  # one chunk; several chunks with a ragged last one
 def test_fused_head_equals_autograd_in_fp32(chunk_tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(loss_lib, "CHUNK_TOKENS", chunk_tokens)
-    lm = _tiny_lm()
+    lm = tiny_llama(num_attention_heads=2)
     ref_loss, ref_grads = _loss_and_grads(_reference_sum, copy.deepcopy(lm), torch.float32)
     ours_loss, ours_grads = _loss_and_grads(lambda m, x, y: CausalLMLoss(m)(x, y), copy.deepcopy(lm), torch.float32)
     assert ours_loss == pytest.approx(ref_loss, rel=1e-6)
@@ -59,7 +52,7 @@ def test_fused_head_equals_autograd_in_fp32(chunk_tokens: int, monkeypatch: pyte
 
 
 def test_fused_head_under_bf16_autocast_matches_to_bf16_precision() -> None:
-    lm = _tiny_lm()
+    lm = tiny_llama(num_attention_heads=2)
     ref_loss, ref_grads = _loss_and_grads(_reference_sum, copy.deepcopy(lm), torch.bfloat16)
     ours_loss, ours_grads = _loss_and_grads(lambda m, x, y: CausalLMLoss(m)(x, y), copy.deepcopy(lm),
                                             torch.bfloat16)
@@ -70,7 +63,7 @@ def test_fused_head_under_bf16_autocast_matches_to_bf16_precision() -> None:
 
 
 def test_no_grad_forward_gives_the_same_loss_and_keeps_nothing() -> None:
-    lm = _tiny_lm()
+    lm = tiny_llama(num_attention_heads=2)
     input_ids, labels = _batch()
     with torch.no_grad():
         eval_loss = CausalLMLoss(lm)(input_ids, labels)
@@ -87,7 +80,7 @@ def _matmuls(fn: Any) -> int:
 
 def test_eval_forward_does_not_compute_the_heads_gradients() -> None:
     """Under no_grad the fused head must skip d loss / d hidden and d loss / d weight (two matmuls per chunk)."""
-    model = CausalLMLoss(_tiny_lm())
+    model = CausalLMLoss(tiny_llama(num_attention_heads=2))
     input_ids, labels = _batch()
     with torch.no_grad():
         eval_mms = _matmuls(lambda: model(input_ids, labels))
