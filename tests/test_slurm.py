@@ -129,7 +129,7 @@ def test_a_raising_and_a_cancelled_job_are_recorded_and_the_others_complete(tmp_
     wait_for(lambda: metrics.exists() and metrics.read_text().count('"train"') >= 3, "job 2 to train")
     running = status_table(sweep)  # llmexp.status while the sweep runs: the files and squeue/sacct
     assert sorted(running) == ["0", "1", "2"]
-    assert running["2"][0].startswith("optimizer.eps=") and running["2"][1] == "running", running
+    assert running["2"][0].startswith("+optimizer.kwargs.eps=") and running["2"][1] == "running", running
     assert running["2"][2].endswith("/300") and running["2"][6] != "–" and running["2"][7:] == [victim, "RUNNING"]
     subprocess.run(["scancel", victim], check=True)
     assert proc.wait(timeout=300) == 1, log.read_text()[-3000:]  # a failed job, not a user's mistake (2)
