@@ -99,6 +99,22 @@ def test_off_the_path_a_routed_linear_is_f_linear() -> None:
     torch.testing.assert_close(layer(x[0]), F.linear(x[0], layer.weight, layer.bias))
 
 
+def test_the_verdict_is_probed_once_per_machine_and_a_damaged_cache_is_probed_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two runs on one machine take the same path (a timing near the threshold would otherwise flip it, and the
+    losses' last bits with it); a cache that is not the probe's verdicts is a miss, with a warning."""
+    faster = cpu_matmul.MatmulPath("onednn", "1.3x", 1.3, 1e-7)
+    slower = cpu_matmul.MatmulPath("torch", "1.1x", 1.1, 1e-7)
+    verdicts = iter([faster, slower])
+    monkeypatch.setattr(cpu_matmul, "probe", lambda *shape: next(verdicts))
+    cache = tmp_path / "cpu_matmul.json"
+    first = cpu_matmul.probe_once(cache, 256, 64, 128)
+    assert first.onednn and cpu_matmul.probe_once(cache, 256, 64, 128) == first  # the second probe never ran
+    cache.write_text('{"k": {"path": "gpu"}}')
+    assert not cpu_matmul.probe_once(cache, 256, 64, 128).onednn  # probed again: the second verdict
+    assert "probed again" in capsys.readouterr().err
+
+
 @needs_op
 def test_the_probe_measures_and_checks_both_paths() -> None:
     path = cpu_matmul.probe(64, 96, 128)

@@ -20,9 +20,12 @@ and equal to torch's result. Without the op (another torch build), `probe` says 
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -167,6 +170,48 @@ def probe(rows: int, in_features: int, out_features: int) -> MatmulPath:
                           f"{MIN_SPEEDUP}x", round(speedup, 2), diff)
     return MatmulPath("onednn", f"{speedup:.2f}x torch's speed on {shape} here, same results to {diff:.0e}",
                       round(speedup, 2), diff)
+
+
+def probe_once(cache: Path, rows: int, in_features: int, out_features: int) -> MatmulPath:
+    """`probe`'s verdict, measured once per machine, shape and thread count and kept in `cache` (a JSON object in
+    data.cache_dir): a timing near `MIN_SPEEDUP` would otherwise flip between runs, and with it the last bits of
+    every loss (a resumed run, or an lr=find run against a plain one, would not be bitwise the same). A damaged
+    entry is a miss: probed again, with a warning."""
+    from llmexp.rundir.files import write_json_atomic
+
+    key = f"{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}|{min(rows, PROBE_MAX_ROWS)}x" \
+          f"{in_features}x{out_features}|{torch.get_num_threads()} thread(s)"
+    known = _cached_paths(cache)
+    if key in known:
+        return known[key]
+    path = probe(rows, in_features, out_features)
+    if path.speedup is not None:  # measured (not "the op is missing"): the same verdict for every later run
+        try:
+            write_json_atomic(cache, {**{k: asdict(v) for k, v in known.items()}, key: asdict(path)})
+        except OSError as err:
+            _warn(f"{cache} cannot be written ({type(err).__name__}: {err}); the matmul path is probed again next run")
+    return path
+
+
+def _cached_paths(cache: Path) -> dict[str, MatmulPath]:
+    try:
+        data = json.loads(cache.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as err:
+        _warn(f"{cache} cannot be read ({type(err).__name__}); the matmul path is probed again")
+        return {}
+    good = {k: MatmulPath(**v) for k, v in (data.items() if isinstance(data, dict) else [])
+            if isinstance(v, dict) and set(v) == {"path", "reason", "speedup", "max_rel_diff"}
+            and v["path"] in ("onednn", "torch") and isinstance(v["reason"], str)
+            and isinstance(v["speedup"], int | float) and not isinstance(v["speedup"], bool)}
+    if not isinstance(data, dict) or len(good) < len(data):
+        _warn(f"{cache}: entries that are not a probe's verdict were dropped; the matmul path is probed again")
+    return good
+
+
+def _warn(message: str) -> None:
+    sys.stderr.write(f"llmexp: warning: {message}\n")
 
 
 def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

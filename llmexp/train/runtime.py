@@ -276,7 +276,7 @@ def _build(cfg: DictConfig, rt: Runtime, engine: Engine, vocab_size: int,
 def cpu_matmul_path(cfg: DictConfig, rt: Runtime, lm: torch.nn.Module, micro_tokens: int) -> MatmulPath | None:
     """Where this run's fp32 matmuls go on a CPU (`llmexp.model.cpu_matmul`); None off the CPU or outside fp32
     (bf16 autocast runs on oneDNN already; emulated bf16 owns its matmuls)."""
-    from llmexp.model.cpu_matmul import MatmulPath, probe, widest_linear
+    from llmexp.model.cpu_matmul import MatmulPath, probe_once, widest_linear
 
     if rt.device.type != "cpu" or rt.precision.name != "fp32":
         return None
@@ -288,7 +288,9 @@ def cpu_matmul_path(cfg: DictConfig, rt: Runtime, lm: torch.nn.Module, micro_tok
         return MatmulPath("torch", why_not)
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
     shape = widest_linear(lm, skip=head)
-    return probe(micro_tokens, *shape) if shape else MatmulPath("torch", "the model has no nn.Linear layer")
+    if not shape:
+        return MatmulPath("torch", "the model has no nn.Linear layer")
+    return probe_once(Path(cfg.data.cache_dir) / "cpu_matmul.json", micro_tokens, *shape)
 
 
 def start_facts(cfg: DictConfig, rt: Runtime, desc: RunDescription) -> dict[str, Any]:
