@@ -156,7 +156,7 @@ def test_where_a_run_takes_which_path(overrides: list[str], precision: str, expe
 
     monkeypatch.setattr(cpu_matmul, "probe",
                         lambda rows, k, n: cpu_matmul.MatmulPath("onednn", f"probe {rows} {k} {n}"))
-    cfg = compose(["precision=fp32", *overrides], tmp_path)
+    cfg = compose(["precision=fp32", f"data.cache_dir={tmp_path / 'cache'}", *overrides], tmp_path)  # no verdict yet
     path = cpu_matmul_path(cfg, _runtime(precision), tiny_llama(), 512)
     if expected is None:
         assert path is None  # bf16: autocast runs on oneDNN already, and the emulation owns its matmuls
