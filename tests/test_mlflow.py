@@ -78,7 +78,7 @@ def _steps(client: MlflowClient, run_id: str, key: str) -> list[int]:
 
 def _sweep(sweep: Path, uri: str, env: dict[str, str], log_path: Path) -> subprocess.Popen:
     args = [*TINY, "logger=mlflow", f"logger.tracking_uri={uri}", "logger.experiment=sweep", "logger.log_model=true",
-            "lr=1e-3,3e-3", "train.max_steps=40", "train.save_steps=4", "train.eval_steps=20", "cluster.max_parallel=2",
+            "lr=1e-3,3e-3", "train.max_steps=200", "train.save_steps=20", "train.eval_steps=100", "cluster.max_parallel=2",
             f"train.sample_prompts=['{CANARY}']", "train.sample_max_new_tokens=2", f"hydra.sweep.dir={sweep}"]
     with open(log_path, "w") as log:
         return subprocess.Popen([sys.executable, "-m", "llmexp", "--multirun", *args], env=env, stdout=log,
@@ -88,7 +88,8 @@ def _sweep(sweep: Path, uri: str, env: dict[str, str], log_path: Path) -> subpro
 def _kill_when_mlflow_is_past_the_checkpoint(client: MlflowClient, job: Path, proc: subprocess.Popen,
                                             log_path: Path) -> str:
     """SIGKILL the job's trainer once its first checkpoint exists and MLflow holds steps after it, so that the
-    resume re-runs steps MLflow already has; the job's MLflow run id."""
+    resume re-runs steps MLflow already has; the job's MLflow run id. (200 steps: on an idle machine the tiny
+    model's steps take ~30 ms, and the sink sends every 2 s: fewer steps end before MLflow has any.)"""
     deadline = time.monotonic() + 400
     while not (any((job / "checkpoints").glob("step_*")) and (known := read_mlflow_run(job))  # (rotated: any)
                and max(_steps(client, known["run_id"], "train/loss") or [0]) >= 6):
@@ -135,13 +136,13 @@ def _check_run(client: MlflowClient, run_id: str, job: Path, tmp_path: Path) -> 
     """One finished job's MLflow run against its run directory: every step once, params, tags, artifacts."""
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.tags["llmexp.status"] == "completed"
-    assert _steps(client, run_id, "train/loss") == list(range(1, 41))  # every step once, none lost or doubled
-    assert _steps(client, run_id, "eval/eval_loss") == [0, 20, 40]
+    assert _steps(client, run_id, "train/loss") == list(range(1, 201))  # every step once, none lost or doubled
+    assert _steps(client, run_id, "eval/eval_loss") == [0, 100, 200]
     losses = {r["step"]: r["loss"] for r in map(json.loads, (job / "metrics.jsonl").read_text().splitlines())
               if r["event"] == "train"}
     assert {m.step: m.value for m in client.get_metric_history(run_id, "train/loss")} == pytest.approx(losses)
     params = run.data.params
-    assert params["model.hidden_size"] == "64" and params["train.max_steps"] == "40"
+    assert params["model.hidden_size"] == "64" and params["train.max_steps"] == "200"
     assert params["train.sample_prompts"] == json.dumps([REDACTED])
     assert CANARY not in json.dumps([params, run.data.tags])
     last = {f["kind"]: f for f in json.loads((job / "summary.json").read_text())["findings"]}
@@ -151,7 +152,7 @@ def _check_run(client: MlflowClient, run_id: str, job: Path, tmp_path: Path) -> 
     assert {"model/config.json", "model/model.safetensors"} <= {a.path for a in client.list_artifacts(run_id, "model")}
     (tmp_path / run_id).mkdir()
     local = Path(client.download_artifacts(run_id, "summary.json", str(tmp_path / run_id)))
-    assert json.loads(local.read_text())["step"] == 40
+    assert json.loads(local.read_text())["step"] == 200
 
 
 def _closed_port_uri() -> str:
