@@ -78,7 +78,8 @@ def _steps(client: MlflowClient, run_id: str, key: str) -> list[int]:
 
 def _sweep(sweep: Path, uri: str, env: dict[str, str], log_path: Path) -> subprocess.Popen:
     args = [*TINY, "logger=mlflow", f"logger.tracking_uri={uri}", "logger.experiment=sweep", "logger.log_model=true",
-            "lr=1e-3,3e-3", "train.max_steps=200", "train.save_steps=20", "train.eval_steps=100", "cluster.max_parallel=2",
+            "lr=1e-3,3e-3", "train.max_steps=200", "train.save_steps=20", "train.eval_steps=100",
+            "cluster.max_parallel=2",
             f"train.sample_prompts=['{CANARY}']", "train.sample_max_new_tokens=2", f"hydra.sweep.dir={sweep}"]
     with open(log_path, "w") as log:
         return subprocess.Popen([sys.executable, "-m", "llmexp", "--multirun", *args], env=env, stdout=log,
