@@ -126,6 +126,8 @@ def _ended(run_dir: Path, summary: dict | None) -> bool:
 
 def _status(run_dir: Path, summary: dict | None, verdict: dict, records: list[dict], state: str | None) -> str:
     """What the job is doing now, or how it ended (see the module docstring)."""
+    if verdict.get("status") == "cancelled":  # the launcher's word, final: SLURM may still say RUNNING as it tidies up
+        return "cancelled"
     unknown = state in (None, "", "?")  # not on SLURM, or the scheduler said nothing: the lock tells
     if not _ended(run_dir, summary) and (state in ("RUNNING", "COMPLETING")
                                          or (unknown and lock_holder(run_dir) is not None)):
