@@ -21,7 +21,6 @@ and equal to torch's result. Without the op (another torch build), `probe` says 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -32,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
+
+from llmexp.data.cache import warn
 
 MIN_SPEEDUP = 1.15
 """oneDNN is taken only when its best time beats torch's by this much: below it the gain is within the probe's
@@ -189,7 +190,7 @@ def probe_once(cache: Path, rows: int, in_features: int, out_features: int) -> M
         try:
             write_json_atomic(cache, {**{k: asdict(v) for k, v in known.items()}, key: asdict(path)})
         except OSError as err:
-            _warn(f"{cache} cannot be written ({type(err).__name__}: {err}); the matmul path is probed again next run")
+            warn(f"{cache} cannot be written ({type(err).__name__}: {err}); the matmul path is probed again next run")
     return path
 
 
@@ -199,19 +200,15 @@ def _cached_paths(cache: Path) -> dict[str, MatmulPath]:
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as err:
-        _warn(f"{cache} cannot be read ({type(err).__name__}); the matmul path is probed again")
+        warn(f"{cache} cannot be read ({type(err).__name__}); the matmul path is probed again")
         return {}
     good = {k: MatmulPath(**v) for k, v in (data.items() if isinstance(data, dict) else [])
             if isinstance(v, dict) and set(v) == {"path", "reason", "speedup", "max_rel_diff"}
             and v["path"] in ("onednn", "torch") and isinstance(v["reason"], str)
             and isinstance(v["speedup"], int | float) and not isinstance(v["speedup"], bool)}
     if not isinstance(data, dict) or len(good) < len(data):
-        _warn(f"{cache}: entries that are not a probe's verdict were dropped; the matmul path is probed again")
+        warn(f"{cache}: entries that are not a probe's verdict were dropped; the matmul path is probed again")
     return good
-
-
-def _warn(message: str) -> None:
-    sys.stderr.write(f"llmexp: warning: {message}\n")
 
 
 def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

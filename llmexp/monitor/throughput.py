@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import math
 import resource
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from llmexp.data.cache import warn
 
 
 def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
@@ -146,15 +147,15 @@ def load_ceilings(path: Path) -> dict[str, float]:
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as err:  # a directory, unreadable, not JSON, not UTF-8
-        _warn(f"{path} cannot be read ({type(err).__name__}); the matmul ceiling is measured again")
+        warn(f"{path} cannot be read ({type(err).__name__}); the matmul ceiling is measured again")
         return {}
     if not isinstance(data, dict):
-        _warn(f"{path} holds a {type(data).__name__}, not an object of ceilings; they are measured again")
+        warn(f"{path} holds a {type(data).__name__}, not an object of ceilings; they are measured again")
         return {}
     good = {str(k): float(v) for k, v in data.items()
             if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0}
     if bad := sorted(set(data) - set(good)):
-        _warn(f"{path}: {len(bad)} entry(ies) are not a positive number of TFLOP/s ({bad[0]!r}: {data[bad[0]]!r}); "
+        warn(f"{path}: {len(bad)} entry(ies) are not a positive number of TFLOP/s ({bad[0]!r}: {data[bad[0]]!r}); "
               "dropped, the matmul ceiling is measured again")
     return good
 
@@ -167,11 +168,7 @@ def save_ceilings(path: Path, ceilings: dict[str, float]) -> None:
     try:
         write_json_atomic(Path(path), ceilings)
     except OSError as err:
-        _warn(f"{path} cannot be written ({type(err).__name__}: {err}); the ceiling is measured again next run")
-
-
-def _warn(message: str) -> None:
-    sys.stderr.write(f"llmexp: warning: {message}\n")
+        warn(f"{path} cannot be written ({type(err).__name__}: {err}); the ceiling is measured again next run")
 
 
 def peak_memory_mb(device: torch.device) -> float:
