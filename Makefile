@@ -17,13 +17,13 @@ deepspeed-ops:
 	TORCH_EXTENSIONS_DIR=$${TORCH_EXTENSIONS_DIR:-$$HOME/.cache/llmexp/torch_extensions} $(PYTHON) -c \
 	  "from deepspeed.ops.op_builder import CPUAdamBuilder, ShareMemCommBuilder; CPUAdamBuilder().load(); ShareMemCommBuilder().load()"
 
-# Every test: two workers (pytest-xdist, a test file per worker) for all but the SLURM and DeepSpeed tests, which
-# run after them on their own: the SLURM timeout test sizes its run from the machine's measured speed, and the
-# one-node cluster and DeepSpeed's CPU Adam want the cores to themselves. A CPU without native bf16 needs no pass of
-# its own: the tests of that path simulate it (LLMEXP_ASSUME_NO_BF16=1, LLMEXP_BF16_EMULATION=1) on every CPU.
+# Every test: two workers (pytest-xdist; a test file is one unit of work, the SLURM tests one unit together, as
+# they share the one-node cluster: tests/conftest.py), then, on its own, the one test that sizes its run from the
+# machine's measured speed (`alone`: the SLURM timeout). A CPU without native bf16 needs no pass of its own: the
+# tests of that path simulate it (LLMEXP_ASSUME_NO_BF16=1, LLMEXP_BF16_EMULATION=1) on every CPU.
 test: install cluster deepspeed-ops
-	$(PYTHON) -m pytest -n 2 --dist loadfile -m "not slurm and not deepspeed"
-	$(PYTHON) -m pytest -m "slurm or deepspeed"
+	$(PYTHON) -m pytest -n 2 --dist loadgroup --no-loadscope-reorder -m "not alone"
+	$(PYTHON) -m pytest tests/test_slurm.py -m alone
 
 lint:
 	$(PYTHON) -m ruff check .

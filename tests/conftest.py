@@ -42,6 +42,33 @@ def pytest_configure(config: pytest.Config) -> None:
         config.add_cleanup(lambda: shutil.rmtree(inductor, ignore_errors=True))
 
 
+LONG_FIRST = ("slurm", "tests/test_resume.py", "tests/test_gpu_kit.py", "tests/test_distributed.py",
+              "tests/test_fsdp.py", "tests/test_techniques.py", "tests/test_search.py", "tests/test_deepspeed.py")
+"""Units of work handed out first under xdist, longest first (measured: `pytest --durations=0`), so that no long
+unit starts last and ends the run on one worker while the other waits. Only the order depends on this list."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`make test`'s units of work (`pytest -n 2 --dist loadgroup --no-loadscope-reorder`): a test file is one
+    unit, as with `--dist loadfile`, so its module fixtures (shared reference runs) are built once; except that
+    every SLURM test is in one unit, `slurm`, as they share the one-node cluster: they run one after the other
+    on one worker while the other goes on with the rest."""
+    def unit(item: pytest.Item) -> str:
+        return "slurm" if item.get_closest_marker("slurm") else item.nodeid.split("::")[0]
+
+    first_seen: dict[str, int] = {}
+    for item in items:
+        first_seen.setdefault(unit(item), len(first_seen))
+        item.add_marker(pytest.mark.xdist_group(unit(item)))
+
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        name = unit(item)
+        return (LONG_FIRST.index(name) if name in LONG_FIRST else len(LONG_FIRST), first_seen[name])
+
+    items.sort(key=rank)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _session_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """One llmexp cache for the whole test session, shared by the xdist workers (unless LLMEXP_CACHE is

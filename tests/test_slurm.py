@@ -159,6 +159,7 @@ def steps_per_second(tmp_path: Path) -> float:
     return 200 / (times[300] - times[100])
 
 
+@pytest.mark.alone  # its speed measurement must hold for the job, so nothing else may start or stop meanwhile
 def test_timeout_checkpoints_requeues_and_resumes_exactly(tmp_path: Path) -> None:
     # SLURM sends SIGUSR2 30 s before the 2-minute limit, checking every 30 s: 60-90 s into an attempt,
     # which leaves ~45-80 s of training after start-up. The run is sized from this machine's measured
