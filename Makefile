@@ -17,13 +17,12 @@ deepspeed-ops:
 	TORCH_EXTENSIONS_DIR=$${TORCH_EXTENSIONS_DIR:-$$HOME/.cache/llmexp/torch_extensions} $(PYTHON) -c \
 	  "from deepspeed.ops.op_builder import CPUAdamBuilder, ShareMemCommBuilder; CPUAdamBuilder().load(); ShareMemCommBuilder().load()"
 
-# Every test: two workers (pytest-xdist; a test file is one unit of work, the SLURM tests one unit together, as
-# they share the one-node cluster: tests/conftest.py), then, on its own, the one test that sizes its run from the
-# machine's measured speed (`alone`: the SLURM timeout). A CPU without native bf16 needs no pass of its own: the
-# tests of that path simulate it (LLMEXP_ASSUME_NO_BF16=1, LLMEXP_BF16_EMULATION=1) on every CPU.
+# Every test, on two workers (pytest-xdist): a test file is one unit of work, except that the SLURM tests are one
+# unit together, as they share the one-node cluster; units start longest first (tests/conftest.py). A CPU without
+# native bf16 needs no pass of its own: the tests of that path simulate it (LLMEXP_ASSUME_NO_BF16=1,
+# LLMEXP_BF16_EMULATION=1) on every CPU.
 test: install cluster deepspeed-ops
-	$(PYTHON) -m pytest -n 2 --dist loadgroup --no-loadscope-reorder -m "not alone"
-	$(PYTHON) -m pytest tests/test_slurm.py -m alone
+	$(PYTHON) -m pytest -n 2 --dist loadgroup --no-loadscope-reorder
 
 lint:
 	$(PYTHON) -m ruff check .

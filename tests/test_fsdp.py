@@ -1,8 +1,9 @@
 """FSDP2 (`fsdp=...`) and resuming on another number of processes, on CPU with gloo.
 
 The end-to-end tests save with N processes and resume with M: the losses after the resume must be
-those of an uninterrupted M-process run (the sampler cuts the same global batch for any world
-size), and metrics.jsonl and summary.json say which world sizes were involved. DCP's `.metadata`
+those the N processes computed uninterrupted (the sampler cuts the same global batch for any world
+size, so an M-process run is the same run), and metrics.jsonl and summary.json say which world sizes
+were involved. DCP's `.metadata`
 is read without running pickle code: a crafted one is refused with exit 2 and its code never runs.
 """
 
@@ -52,41 +53,41 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir, "train")}
 
 
-def _resume_on(processes: int, saved_by: int, args: list[str], tmp_path: Path) -> Path:
-    """A run saved by `saved_by` processes, cut back to its step-2 checkpoint, resumed on `processes`."""
+def _resume_on(processes: int, saved_by: int, args: list[str], tmp_path: Path) -> tuple[Path, dict[int, float]]:
+    """A run saved by `saved_by` processes, cut back to its step-2 checkpoint, resumed on `processes`; with the
+    losses of its first, uninterrupted pass (which the resume drops from metrics.jsonl). A run of the same global
+    batch on any number of processes is the same run (tests/test_distributed.py), so the resumed steps must repeat
+    those losses: no second uninterrupted run is needed."""
     run_dir = tmp_path / f"resumed_{saved_by}to{processes}"
     _run(saved_by, args, run_dir)
+    uninterrupted = _losses(run_dir)
     shutil.rmtree(run_dir / "checkpoints" / "step_4")
     _run(processes, args, run_dir)
     (resume,) = read_metrics(run_dir, "resume")
     assert (resume["step"], resume["world_size"], resume["resumed_from_world_size"]) == (2, processes, saved_by)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["world_size"], summary["resumed_from_world_size"]) == (processes, saved_by)
-    return run_dir
+    return run_dir, uninterrupted
+
+
+def _assert_resumed_steps_repeat(run_dir: Path, uninterrupted: dict[int, float]) -> None:
+    resumed = _losses_after_resume(run_dir)
+    assert resumed.keys() == {3, 4}
+    for step in resumed:
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5), step
 
 
 @pytest.mark.slow
 def test_ddp_saved_by_two_resumes_on_one(tmp_path: Path) -> None:
-    uninterrupted = tmp_path / "one"
-    _run(1, [], uninterrupted)
-    resumed = _losses_after_resume(_resume_on(1, 2, [], tmp_path))
-    expected = _losses(uninterrupted)
-    assert resumed.keys() == {3, 4}
-    for step in resumed:
-        assert resumed[step] == pytest.approx(expected[step], rel=1e-5), step
+    _assert_resumed_steps_repeat(*_resume_on(1, 2, [], tmp_path))
 
 
 @pytest.mark.slow
 def test_fsdp_saved_by_one_resumes_on_two(tmp_path: Path) -> None:
     """full_shard on 1 process, resumed by 2 through DCP's resharding; then a crafted `.metadata`."""
     fsdp = ["fsdp=full_shard"]
-    uninterrupted = tmp_path / "two"
-    _run(2, fsdp, uninterrupted)
-    run_dir = _resume_on(2, 1, fsdp, tmp_path)
-    resumed, expected = _losses_after_resume(run_dir), _losses(uninterrupted)
-    assert resumed.keys() == {3, 4}
-    for step in resumed:
-        assert resumed[step] == pytest.approx(expected[step], rel=1e-5), step
+    run_dir, uninterrupted = _resume_on(2, 1, fsdp, tmp_path)
+    _assert_resumed_steps_repeat(run_dir, uninterrupted)
     step_2 = run_dir / "checkpoints" / "step_2"
     assert (step_2 / "dcp" / ".metadata").is_file() and not (step_2 / "model.safetensors").exists()
 

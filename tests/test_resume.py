@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # 10 CLI runs, about 80 s of CPU time
+pytestmark = pytest.mark.slow  # ~25 CLI runs, ~250 s of CPU time (AMD EPYC Zen 5)
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_STEPS = 16
@@ -361,35 +361,29 @@ def test_kill9_mid_window_mid_save_random_and_preempted(tmp_path: Path, env: dic
 
 def test_kill9_under_fp16_loss_scaling(tmp_path: Path, env: dict[str, str], reference) -> None:
     """fp16 with dynamic loss scaling (the scale grows every 2 clean steps and halves on an
-    overflow, which skips the step): killed mid-window (accum=2, after micro-batch 1 of step 5),
-    then at a random point. The scaler state must come back exactly."""
+    overflow, which skips the step): killed mid-window (accum=2, after micro-batch 1 of step 5). The scaler
+    state must come back exactly. (Random kill points are the first test's; one kill is what this path needs.)"""
     overrides = ("precision=fp16", "precision.growth_interval=2", "train.gradient_accumulation_steps=2")
     ref = reference(overrides)
     scales = {r[-1] for r in ref["train"]}
     assert len(scales) > 1, f"the loss scale never moved ({scales}): the test would not test the scaler"
-    seed = _seed()
-    rng = random.Random(seed)
-    kills = [Kill(hook="backward:10"), Kill(at_step=rng.randrange(6, MAX_STEPS - 1), jitter_s=0.2)]
-    kill_resume_chain(tmp_path / "run", overrides, env, kills, rng)
+    kill_resume_chain(tmp_path / "run", overrides, env, [Kill(hook="backward:10")], random.Random(0))
     got = fingerprint(tmp_path / "run")
-    assert got == ref, f"seed {seed}, kills {kills}: {first_difference(ref, got)}; runs in {tmp_path}"
+    assert got == ref, f"{first_difference(ref, got)}; runs in {tmp_path}"
 
 
 def test_kill9_with_lora_adapters(tmp_path: Path, env: dict[str, str], reference) -> None:
     """peft=lora with adapter dropout (its RNG must come back too), accum=2: killed mid-window (after
-    micro-batch 1 of step 4), then at a random point. The run ends bitwise equal to the uninterrupted
+    micro-batch 1 of step 4). The run ends bitwise equal to the uninterrupted
     one, and its checkpoints hold only what resume needs: the adapters and their optimizer state."""
     from safetensors import safe_open
 
     overrides = ("precision=fp32", "peft=lora", "peft.r=4", "peft.lora_dropout=0.1",
                  "train.gradient_accumulation_steps=2")
     want = reference(overrides)
-    seed = _seed()
-    rng = random.Random(seed)
-    kills = [Kill(hook="backward:7"), Kill(at_step=rng.randrange(6, MAX_STEPS - 1), jitter_s=0.2)]
-    kill_resume_chain(tmp_path / "run", overrides, env, kills, rng)
+    kill_resume_chain(tmp_path / "run", overrides, env, [Kill(hook="backward:7")], random.Random(0))
     got = fingerprint(tmp_path / "run")
-    assert got == want, f"seed {seed}, kills {kills}: {first_difference(want, got)}; runs in {tmp_path}"
+    assert got == want, f"{first_difference(want, got)}; runs in {tmp_path}"
     checkpoint = tmp_path / "run" / "checkpoints" / f"step_{MAX_STEPS}"
     with safe_open(checkpoint / "model.safetensors", "pt") as f:
         keys = list(f.keys())

@@ -8,25 +8,30 @@ import pytest
 from omegaconf import OmegaConf
 
 from llmexp.config.validation import ConfigError, validate
-from tests.conftest import TINY, read_metrics, run_cli
+from tests.conftest import TINY, compose, read_metrics
 
 RUN = [*TINY, "precision=fp32", "lr=3e-3", "train.max_steps=6", "train.eval_steps=3", "train.save_steps=0"]
 PROMPTS = ["train.sample_prompts=['def main(', 'import os']", "train.sample_steps=3",
            "train.sample_max_new_tokens=8", "train.sample_temperature=0.8", "train.sample_seed=7"]
 
 
-def _run(tmp_path: Path, name: str, extra: list[str]) -> tuple[Path, str]:
+def _run(tmp_path: Path, name: str, extra: list[str], capfd: pytest.CaptureFixture[str]) -> tuple[Path, str]:
+    """One run in this process (`train(cfg)`, as the CLI calls it; a fresh process would add ~8 s of imports
+    a run), with what it printed."""
+    from llmexp.train.train import train
+
     run_dir = tmp_path / name
-    proc = run_cli([*RUN, *extra, f"hydra.run.dir={run_dir}"], cwd=tmp_path,
-                   env={"LLMEXP_CACHE": str(tmp_path / "cache")})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run_dir, proc.stdout + proc.stderr
+    capfd.readouterr()
+    assert train(compose([*RUN, *extra], run_dir)).status == "completed"
+    printed = capfd.readouterr()
+    return run_dir, printed.out + printed.err
 
 
 @pytest.mark.slow
-def test_samples_are_logged_shown_reported_and_leave_training_bitwise_unchanged(tmp_path: Path) -> None:
-    plain_dir, _ = _run(tmp_path, "plain", [])
-    sampled_dir, console = _run(tmp_path, "sampled", PROMPTS)  # temperature > 0: sampling draws random numbers
+def test_samples_are_logged_shown_reported_and_leave_training_bitwise_unchanged(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    plain_dir, _ = _run(tmp_path, "plain", [], capfd)
+    sampled_dir, console = _run(tmp_path, "sampled", PROMPTS, capfd)  # temperature > 0: sampling draws random numbers
     losses = lambda d: [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(d, "train")]  # noqa: E731
     assert losses(sampled_dir) == losses(plain_dir)  # the same floats: sampling touched no RNG training uses
     events = read_metrics(sampled_dir, "sample")
