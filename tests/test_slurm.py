@@ -80,9 +80,10 @@ def events(run_dir: Path, name: str) -> list[dict]:
 
 def status_table(sweep: Path) -> dict[str, list[str]]:
     """`python -m llmexp.status SWEEP`'s rows by job: overrides, status, step, loss, eval, best, eta, SLURM id
-    and state (squeue and sacct may take longer than the default 0.7 s while the node is loaded)."""
+    and state (squeue and sacct may take longer than the default 0.7 s while the node is loaded). At 200 columns,
+    so that no override is cut short (pytest-xdist's workers set COLUMNS=80)."""
     proc = subprocess.run([sys.executable, "-m", "llmexp.status", str(sweep), "--scheduler-timeout", "10"],
-                          capture_output=True, text=True, timeout=60, env={**os.environ, **ENV})
+                          capture_output=True, text=True, timeout=60, env={**os.environ, **ENV, "COLUMNS": "200"})
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[1].split() == ["job", "overrides", "status", "step", "loss", "eval", "best", "eta", "slurm"], lines

@@ -29,7 +29,7 @@ declare -A BUDGET=(
     [3]=40   # writing a 0.32B base (the 0.27B with vocabulary 32000) ~5 s; two 11-step runs of it ~12 s each
     [4]=110  # benchmarks/adapters.py --size 1b: the base and its data ~30 s; full ~35 s, lora ~20 s, qlora ~25 s
     [5]=40   # the 0.27B model, plain and fsdp=full_shard (torch's launcher, one process): ~15 s each
-    [6]=15   # three `python -m llmexp.estimate` (meta device): ~4 s each
+    [6]=15   # `python -m llmexp.estimate` for the three arms, in one process (meta device): ~8 s
     [7]=45   # batch_size=auto on the 0.27B model at 2048 tokens (a probe step, 2 steps): ~20 s; twice its choice,
              # one step until out of memory: ~15 s
     [8]=45   # 200 steps of the tiny model, ~15 ms each: two uninterrupted runs, one killed, its resume: ~10 s each

@@ -547,22 +547,34 @@ def step_fsdp(ctx: Ctx) -> None:
 
 
 TOTAL = re.compile(r"total per device\s+([\d,.]+) MiB")
+ESTIMATE_EACH = """\
+import json, sys
+from llmexp.cli.estimate import main
+for arm, overrides in json.loads(sys.argv[1]).items():
+    print(f"== estimate {arm}", flush=True)
+    print(f"== exit {main(overrides)}", flush=True)
+"""
+"""`python -m llmexp.estimate`'s own `main` for each arm, in one process: the accounting is the same, and the
+imports (~8 s a process) are paid once."""
 
 
 def step_estimate(ctx: Ctx) -> None:
-    """`python -m llmexp.estimate` with each step-4 arm's own overrides, against that run's measured
-    `peak_mem_mb` (torch.cuda.max_memory_allocated on a GPU; peak RSS with the libraries on a CPU). It needs
-    step 4's runs of this run of the kit (their saved base, their figures)."""
+    """`python -m llmexp.estimate` with each step-4 arm's own overrides (one process for all), against that run's
+    measured `peak_mem_mb` (torch.cuda.max_memory_allocated on a GPU; peak RSS with the libraries on a CPU). It
+    needs step 4's runs of this run of the kit (their saved base, their figures)."""
     rec = ctx.record
     facts_path = ctx.work / "steps" / "4.json"
     facts = json.loads(facts_path.read_text()).get("figures", {}) if facts_path.exists() else {}
     if not facts.get("overrides"):
         raise RuntimeError("step 6 compares the estimate with step 4's runs, and step 4 left none: run step 4 first")
     rows = []
-    for arm, arm_overrides in facts["overrides"].items():
-        proc = ctx.run([PY, "-m", "llmexp.estimate", *arm_overrides], f"estimate_{arm}")
-        need(proc, f"python -m llmexp.estimate ({arm})")
-        match = TOTAL.search(proc.output)
+    proc = ctx.run([PY, "-c", ESTIMATE_EACH, json.dumps(facts["overrides"])], "estimate")
+    need(proc, "python -m llmexp.estimate's main, for each arm")
+    outputs = dict(re.findall(r"^== estimate (\S+)\n(.*?)^== exit 0$", proc.output, re.MULTILINE | re.DOTALL))
+    for arm in facts["overrides"]:
+        if arm not in outputs:
+            raise RuntimeError(f"python -m llmexp.estimate ({arm}) did not exit 0:\n{proc.output[-2500:]}")
+        match = TOTAL.search(outputs[arm])
         estimate = float(match.group(1).replace(",", "")) if match else None
         measured = facts.get("arms", {}).get(arm, {}).get("peak_mem_mb")
         error = (estimate - measured) / measured if estimate is not None and measured else None

@@ -30,9 +30,13 @@ def measure_peak_tflops(device: torch.device, dtype: torch.dtype, seconds: float
     n = 8192 if device.type == "cuda" else 1024  # a GPU needs ~1 TFLOP per matmul to hide launch overhead
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
+    warm_up = time.perf_counter()
     a @ b
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the warm-up (and cuBLAS set-up) stays out of the window
+    one_s = time.perf_counter() - warm_up
+    if one_s >= seconds:  # a slow dtype here (fp16 on a CPU: ~1 s a matmul): one matmul is the whole window
+        return 2.0 * n**3 / one_s / 1e12
     count, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         a @ b
