@@ -50,10 +50,10 @@ unit starts last and ends the run on one worker while the other waits. Only the 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`make test`'s units of work (`pytest -n 3 --dist loadgroup --no-loadscope-reorder`): a test file is one
+    """`make test`'s units of work (`pytest -n 2 --dist loadgroup --no-loadscope-reorder`): a test file is one
     unit, as with `--dist loadfile`, so its module fixtures (shared reference runs) are built once; except that
     every SLURM test is in one unit, `slurm`, as they share the one-node cluster: they run one after the other
-    on one worker while the others go on with the rest."""
+    on one worker while the other goes on with the rest."""
     def unit(item: pytest.Item) -> str:
         return "slurm" if item.get_closest_marker("slurm") else item.nodeid.split("::")[0]
 
