@@ -100,3 +100,26 @@ def test_the_requeues_own_sigterm_does_not_fail_the_requeue(
         _requeue_or_stop(preempted(job.job_id), sig.checkpoint_and_try_requeue)
     assert calls.read_text().split() == ["requeue", job.job_id]
     assert signal.getsignal(signal.SIGTERM) == before  # this process's handler is back
+
+
+LATE_WARNING = """
+import os, signal, sys
+from llmexp.sweep.slurm import ignore_late_warnings
+signal.signal(signal.SIGUSR2, lambda *_: sys.exit(7))  # stands in for submitit's handler: it would requeue
+if sys.argv[1] == "finished":
+    ignore_late_warnings()
+os.kill(os.getpid(), signal.SIGUSR2)  # the time-limit warning, a few seconds after the job's last step
+print("exited as it finished")
+"""
+
+
+@pytest.mark.parametrize(("outcome", "code"), [("finished", 0), ("running", 7)])
+def test_a_warning_after_the_outcome_is_final_changes_nothing(outcome: str, code: int) -> None:
+    """A job whose last attempt ends just before SLURM's time-limit warning: the warning must neither requeue it
+    nor kill it on its way out (SLURM recorded such a completed job FAILED). While it runs, the handler acts."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", LATE_WARNING, outcome], capture_output=True, text=True, timeout=120)
+    assert done.returncode == code, done.stderr[-2000:]
+    assert ("exited as it finished" in done.stdout) == (code == 0)

@@ -33,6 +33,7 @@ Timeout and preemption, and who handles which signal:
    the job just returns, so a `scancel` is never undone.
 4. A SIGUSR2 before the task starts (submitit loading the job) reaches submitit's handler
    directly: the job is requeued at once and resumes from its last checkpoint.
+5. Once the outcome is final, SIGUSR2 is ignored until the process exits (`ignore_late_warnings`).
 
 Multi-task jobs (`tasks_per_node` > 1 or `nodes` > 1) run `SlurmJob` on every task (srun), each
 with MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE from SLURM's
@@ -131,13 +132,16 @@ class SlurmJob(submitit.helpers.Checkpointable):
             if env.global_rank != 0:  # one writer for .hydra/
                 spec = JobSpec(spec.num, spec.overrides, _with(spec.config, "hydra.output_subdir", None), spec.job_dir)
         if not self.extras:
-            return run_task(spec, self.launcher.task_function, self.launcher.hydra_context, self.singleton_state)
+            result = run_task(spec, self.launcher.task_function, self.launcher.hydra_context, self.singleton_state)
+            ignore_late_warnings()
+            return result
         outcome = execute(spec, self.launcher.task_function, self.launcher.hydra_context, self.singleton_state)
         outcome.job_id = env.job_id
         if env.global_rank == 0 and outcome.status == "preempted":
             outcome = _requeue_or_stop(outcome, requeue_handler)
         if env.global_rank == 0:  # for `cluster.wait=false`: nobody else may be watching
             record_outcome(spec, outcome)
+        ignore_late_warnings()
         return outcome.to_json()
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
@@ -164,6 +168,15 @@ def slurm_state(job_id: str) -> str:
     except (OSError, subprocess.SubprocessError):
         return ""
     return out.strip().splitlines()[0] if out.strip() else ""
+
+
+def ignore_late_warnings() -> None:
+    """The job's outcome is final: SIGUSR2 (the time-limit warning) is ignored from now to the process's exit.
+    It can change nothing any more, and it could do harm: submitit's handler would requeue a finished job, and
+    once Python has restored the default action on its way out (it does for every signal it handled, not for
+    an ignored one), the warning kills the process, so SLURM records a completed job FAILED (seen: the last
+    attempt of a requeued job finished a few seconds before its warning)."""
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
 def _requeue_or_stop(outcome: JobOutcome, requeue_handler: Any) -> JobOutcome:
