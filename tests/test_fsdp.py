@@ -3,8 +3,8 @@
 The end-to-end tests save with N processes and resume with M: the losses after the resume must be
 those the N processes computed uninterrupted (the sampler cuts the same global batch for any world
 size, so an M-process run is the same run), and metrics.jsonl and summary.json say which world sizes
-were involved. DCP's `.metadata`
-is read without running pickle code: a crafted one is refused with exit 2 and its code never runs.
+were involved. DCP's `.metadata` is read without running pickle code: a crafted one is refused with
+exit 2 and its code never runs.
 """
 
 from __future__ import annotations

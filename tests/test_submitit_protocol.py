@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -117,9 +119,6 @@ print("exited as it finished")
 def test_a_warning_after_the_outcome_is_final_changes_nothing(outcome: str, code: int) -> None:
     """A job whose last attempt ends just before SLURM's time-limit warning: the warning must neither requeue it
     nor kill it on its way out (SLURM recorded such a completed job FAILED). While it runs, the handler acts."""
-    import subprocess
-    import sys
-
     done = subprocess.run([sys.executable, "-c", LATE_WARNING, outcome], capture_output=True, text=True, timeout=120)
     assert done.returncode == code, done.stderr[-2000:]
     assert ("exited as it finished" in done.stdout) == (code == 0)
