@@ -82,6 +82,17 @@ def _session_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ.setdefault("WANDB_MODE", "offline")
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def paced_env(pause_s: float) -> dict[str, str]:
+    """The environment for processes whose plain engine pauses `pause_s` after each optimizer step
+    (tests/pace/sitecustomize.py): a test that must catch a run between two of its steps, or keep it
+    training for minutes, gets a window of known length, whatever else the machine runs, for little CPU."""
+    return {"PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "pace"), str(REPO)]),
+            "LLMEXP_TEST_STEP_PAUSE_S": str(pause_s)}
+
+
 def run_cli(args: list[str], cwd: Path | None = None, env: dict[str, str] | None = None,
             module: str = "llmexp", timeout_s: float = 600) -> subprocess.CompletedProcess[str]:
     """`python -m llmexp ARGS` in a subprocess, as a user would run it."""

@@ -24,11 +24,10 @@ import pytest
 import submitit
 
 from llmexp.sweep.slurm import SlurmJob
-from tests.conftest import TINY
+from tests.conftest import REPO, TINY, paced_env
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[1]
 # PYTHONPATH: the SLURM jobs import this checkout, ahead of any installed llmexp.
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 QUICK = ["train.eval_steps=100000", "train.save_steps=0"]
@@ -151,8 +150,7 @@ def test_a_raising_and_a_cancelled_job_are_recorded_and_the_others_complete(tmp_
     assert any((sweep / "2" / "checkpoints").glob("step_*")), "the trainer did not checkpoint on SIGTERM"
 
 
-PACED = {**ENV, "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "pace"), str(REPO)]),
-         "LLMEXP_TEST_STEP_PAUSE_S": "0.15"}
+PACED = {**ENV, **paced_env(0.15)}
 """The timeout test's processes: every optimizer step followed by a 150 ms pause (tests/pace/sitecustomize.py).
 A tiny step computes for ~35 ms on one idle core, ~70 ms on a loaded one: paced, a step takes 185-220 ms
 whatever else the machine runs, and the minutes the job must train to reach SLURM's limit cost ~1/6 of the CPU."""

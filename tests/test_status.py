@@ -20,11 +20,14 @@ from typing import Any
 import pytest
 
 from llmexp.report.status import rows
-from tests.conftest import TINY, run_cli
+from tests.conftest import TINY, paced_env, run_cli
 
 pytestmark = pytest.mark.slow
 STEPS = 12
 """Each job's steps: enough for a poll to find job 0 between its first timed steps and its end."""
+PAUSE_S = 0.2
+"""Each step's pause (tests/pace): unpaced, a tiny step can take ~30 ms, and a loaded machine's poll then
+missed job 0's whole window (~10 steps, seen once in CI); paced, the window is ~2 s long."""
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +39,7 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         proc = subprocess.Popen([sys.executable, "-m", "llmexp", "--multirun", *TINY, "logger=tensorboard",
                                  "lr=1e-3,3e-3", f"train.max_steps={STEPS}", f"train.eval_steps={STEPS}",
                                  "train.save_steps=0", f"hydra.sweep.dir={sweep_dir}"],
-                                stdout=log, stderr=subprocess.STDOUT)
+                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **paced_env(PAUSE_S)})
     seen: dict[str, Any] = {}
     deadline = time.monotonic() + 600
     while proc.poll() is None and time.monotonic() < deadline:
