@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmexp.data.cache import get_or_build
 from llmexp.data.gguf import gguf_key, gguf_path
+from llmexp.model.save import save_model_dir
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +35,7 @@ def convert(gguf_file: Path, out: Path, dtype: torch.dtype) -> dict[str, Any]:
         logging.getLogger("transformers.modeling_gguf_pytorch_utils").info("%s", last)  # third-party: the log only
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
     drop_gguf_quantizer(model)
-    model.save_pretrained(out, safe_serialization=True)
+    save_model_dir(model, out)
     tokenizer.save_pretrained(out)
     config = model.config
     return {"gguf_file": str(gguf_file), "dtype": str(dtype).removeprefix("torch."), "model_type": config.model_type,

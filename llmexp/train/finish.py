@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmexp.errors import STATUS_EXIT
+from llmexp.model.save import save_model_dir
 from llmexp.monitor.detectors import reconcile
 from llmexp.monitor.logger import MetricsLogger
 from llmexp.monitor.throughput import peak_memory_mb
@@ -30,11 +31,11 @@ def save_final_model(run: Run, tokenizer: Any, weights: dict[str, torch.Tensor] 
     with staged_dir(run_dir / "model", staging=run_dir / ".model.tmp") as tmp:  # model/ never half-written
         lm = run.engine.lm(run.model)
         if cfg.peft.name != "none":  # adapter_config.json + adapter_model.safetensors (PeftModel.from_pretrained)
-            lm.save_pretrained(tmp, safe_serialization=True)
+            save_model_dir(lm, tmp)
             if cfg.train.merge_adapter:
                 save_merged(cfg, lm, tmp, tokenizer)
         else:  # weights: the ZeRO-3 gathered ones, else None (the model's own)
-            lm.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
+            save_model_dir(lm, tmp, state_dict=weights)
         tokenizer.save_pretrained(tmp)
 
 
@@ -57,7 +58,7 @@ def save_merged(cfg: DictConfig, lm: Any, model_dir: Path, tokenizer: Any) -> No
         merged = PeftModel.from_pretrained(base, model_dir).merge_and_unload()
     else:
         merged = lm.merge_and_unload()
-    merged.save_pretrained(model_dir / "merged", safe_serialization=True)
+    save_model_dir(merged, model_dir / "merged")
     tokenizer.save_pretrained(model_dir / "merged")
 
 

@@ -1,0 +1,39 @@
+"""Writing a model directory: transformers' `save_pretrained`, without importing DeepSpeed for nothing.
+
+`save_pretrained` first unwraps the model with accelerate's `extract_model_from_parallel`, which imports deepspeed
+whenever it is installed, only to ask `isinstance(model, DeepSpeedEngine)`; and deepspeed's import pulls in
+mlflow's (its autotuner's) when that is installed too. Together ~1.5 s of CPU, a sixth of a short run, at the end
+of every run, on every machine with the `all` extra. No object can be a DeepSpeedEngine in a process that never
+imported deepspeed, so while saving, accelerate's availability check is narrowed to "already imported": a DeepSpeed
+run (which has imported it) is unwrapped as before. accelerate has no switch for this; the workaround is this one
+attribute for the length of the call, and if accelerate moves its check, saving works as before, only slower.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+def save_model_dir(model: Any, out: Path, **kwargs: Any) -> None:
+    """`model.save_pretrained(out, safe_serialization=True, **kwargs)`, a transformers or peft model."""
+    with _deepspeed_probe_only_if_imported():
+        model.save_pretrained(out, safe_serialization=True, **kwargs)
+
+
+@contextmanager
+def _deepspeed_probe_only_if_imported() -> Iterator[None]:
+    import accelerate.utils.other as unwrapping  # where extract_model_from_parallel looks its check up
+
+    original = getattr(unwrapping, "is_deepspeed_available", None)
+    if original is None:
+        yield
+        return
+    unwrapping.is_deepspeed_available = lambda: "deepspeed" in sys.modules and original()
+    try:
+        yield
+    finally:
+        unwrapping.is_deepspeed_available = original
