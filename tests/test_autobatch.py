@@ -90,7 +90,9 @@ def test_auto_probes_logs_the_choice_and_a_resume_keeps_it_without_probing(tmp_p
     chosen = start["batch_size_auto"]
     # the global batch per process (8) caps the search; the estimate allows it and the probe confirms it
     assert probes == [8] and chosen["chosen"] == chosen["upper_bound"] == 8 == start["batch_size"]
-    assert chosen["probed"][0]["fits"] and chosen["probed"][0]["peak_mb"] > 0
+    # on CPU the peak is the RSS growth over the probe step: 0 when the step fit in memory the process already
+    # held (an xdist worker, warm from earlier tests), never negative
+    assert chosen["probed"][0]["fits"] and chosen["probed"][0]["peak_mb"] >= 0
     assert start["gradient_accumulation_steps"] == 1 and start["global_batch_size"] == 8
     first = {r["step"]: r["loss"] for r in read_metrics(run_dir, "train")}
     assert "batch_size=auto: 8 per device" in (run_dir / "llmexp.log").read_text()

@@ -64,9 +64,7 @@ def test_a_running_sweep_shows_the_running_job_its_eta_and_the_queued_one(sweep:
 
 
 def test_an_ended_sweep_shows_every_job_and_its_final_metrics(sweep: dict[str, Any]) -> None:
-    started = time.perf_counter()
     proc = run_cli([str(sweep["dir"])], module="llmexp.status", timeout_s=60)
-    took = time.perf_counter() - started
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == f"{sweep['dir']}: 2 jobs (2 completed)"
@@ -76,18 +74,16 @@ def test_an_ended_sweep_shows_every_job_and_its_final_metrics(sweep: dict[str, A
         lr = "0.001" if job == "0" else "0.003"
         assert line.split() == [job, f"lr={lr}", "completed", f"{STEPS}/{STEPS}", f"{summary['train_loss']:.4g}",
                                 f"{summary['eval_loss']:.4g}", f"{summary['best_eval_loss']:.4g}", "–"]
-    assert took < 10, took  # the whole command, interpreter start included, on a loaded 2-core machine
 
 
-def test_the_status_never_imports_torch_and_builds_the_table_in_under_a_second(sweep: dict[str, Any]) -> None:
-    code = ("import sys, time; t = time.perf_counter(); from llmexp.report.status import main; "
-            f"assert main([{str(sweep['dir'])!r}]) == 0; took = time.perf_counter() - t; "
-            "heavy = [m for m in ('torch', 'mlflow', 'matplotlib', 'transformers') if m in sys.modules]; "
-            "print('TOOK', took, heavy)")
+def test_the_status_never_imports_torch_or_a_tracker(sweep: dict[str, Any]) -> None:
+    """What keeps the command quick on a busy login node (seconds of imports otherwise); its speed itself is not
+    asserted here: a timed assert on a loaded machine measures the machine."""
+    code = (f"import sys; from llmexp.report.status import main; assert main([{str(sweep['dir'])!r}]) == 0; "
+            "print('HEAVY', [m for m in ('torch', 'mlflow', 'matplotlib', 'transformers') if m in sys.modules])")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    took, heavy = proc.stdout.split("TOOK ")[1].split(" ", 1)
-    assert heavy.strip() == "[]" and float(took) < 1.0, proc.stdout
+    assert proc.stdout.splitlines()[-1] == "HEAVY []", proc.stdout
 
 
 def test_a_run_directory_and_one_whose_process_is_gone(sweep: dict[str, Any], tmp_path: Path) -> None:
