@@ -42,10 +42,15 @@ def pytest_configure(config: pytest.Config) -> None:
         config.add_cleanup(lambda: shutil.rmtree(inductor, ignore_errors=True))
 
 
-LONG_FIRST = ("slurm", "tests/test_resume.py", "tests/test_gpu_kit.py", "tests/test_distributed.py",
-              "tests/test_fsdp.py", "tests/test_techniques.py", "tests/test_search.py", "tests/test_deepspeed.py")
-"""Units of work handed out first under xdist, longest first (measured: `pytest --durations=0`), so that no long
-unit starts last and ends the run on one worker while the other waits. Only the order depends on this list."""
+LONG_FIRST = ("slurm", "tests/test_distributed.py", "tests/test_fsdp.py", "tests/test_resume.py",
+              "tests/test_gpu_kit.py", "tests/test_techniques.py", "tests/test_search.py", "tests/test_deepspeed.py")
+"""Units of work handed out first under xdist, the long ones (measured: `pytest --durations=0`), so that no long
+unit starts last and ends the run on one worker while the other waits. The two-process units come right after
+`slurm`, whose first test mostly waits (WAITS_FIRST): their runs fill the core it leaves idle. Only the order
+depends on this list."""
+WAITS_FIRST = ("tests/test_slurm.py::test_timeout_checkpoints_requeues_and_resumes_exactly",)
+"""Tests run first in their unit: ~3 minutes on SLURM's minute clock with the CPU mostly idle (its jobs are paced,
+tests/pace/), while the other worker starts the two-process units."""
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
@@ -62,9 +67,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         first_seen.setdefault(unit(item), len(first_seen))
         item.add_marker(pytest.mark.xdist_group(unit(item)))
 
-    def rank(item: pytest.Item) -> tuple[int, int]:
+    def rank(item: pytest.Item) -> tuple[int, int, bool]:
         name = unit(item)
-        return (LONG_FIRST.index(name) if name in LONG_FIRST else len(LONG_FIRST), first_seen[name])
+        return (LONG_FIRST.index(name) if name in LONG_FIRST else len(LONG_FIRST), first_seen[name],
+                item.nodeid.split("@")[0] not in WAITS_FIRST)
 
     items.sort(key=rank)
 
