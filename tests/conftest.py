@@ -18,6 +18,9 @@ from typing import Any
 
 import pytest
 
+REPO = Path(__file__).resolve().parents[1]
+"""The checkout the tests run: every test file's root for its paths and subprocesses' PYTHONPATH."""
+
 # A model and corpus small enough for a CPU test, still the real Llama model and stdlib corpus.
 TINY = [
     "model.hidden_size=64", "model.num_hidden_layers=2", "model.num_attention_heads=2",
@@ -70,7 +73,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     def rank(item: pytest.Item) -> tuple[int, int, bool]:
         name = unit(item)
         return (LONG_FIRST.index(name) if name in LONG_FIRST else len(LONG_FIRST), first_seen[name],
-                item.nodeid.split("@")[0] not in WAITS_FIRST)
+                item.nodeid not in WAITS_FIRST)
 
     items.sort(key=rank)
 
@@ -86,9 +89,6 @@ def _session_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ.setdefault("LLMEXP_CACHE", str(shared / "llmexp-cache"))
     os.environ["LLMEXP_NO_BAR"] = "1"
     os.environ.setdefault("WANDB_MODE", "offline")
-
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def paced_env(pause_s: float) -> dict[str, str]:

@@ -13,9 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, run_cli
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.conftest import REPO, TINY, run_cli
 
 # (id, args, extra env, fragments that must all appear in stderr: the key, then the fix)
 CASES: list[tuple[str, list[str], dict[str, str], list[str]]] = [

@@ -8,13 +8,13 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+from tests.conftest import REPO
+
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
 def last_json(stdout: str) -> dict[str, Any]:
@@ -26,8 +26,8 @@ def test_data_hf_quick_both_sides_produce_the_same_tokens() -> None:
     """benchmarks/data_hf.py --quick: llmexp's data=hf packs exactly the tokens datasets.map's run_clm
     recipe produces for the same text and tokenizer, blocks differ only by dropped tails, and the
     speed-up is a positive finite number."""
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "data_hf.py"), "--quick"],
-                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "data_hf.py"), "--quick"],
+                            capture_output=True, text=True, timeout=600, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     facts = json.loads(result.stdout.strip().splitlines()[-1])
     assert facts["same_tokens"] and facts["same_token_count"] and facts["llmexp_tail_only"], facts

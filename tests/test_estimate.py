@@ -14,9 +14,9 @@ import pytest
 
 from llmexp.cli.estimate import compose
 from llmexp.model.estimate import count_params_meta, estimate
+from tests.conftest import REPO
 
 LLAMA2_7B_PARAMS = 6_738_415_616  # meta-llama/Llama-2-7b-hf
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ the allocator's slack, which the accounting leaves out (figures in the README)."
 
 @pytest.mark.parametrize("extra", [[], ["model.gradient_checkpointing=true"], ["optimizer=sgd", "batch_size=4"]])
 def test_estimate_is_within_tolerance_of_the_measured_peak_on_the_tiny_model(extra: list[str]) -> None:
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory.py"), "--json", "precision=fp32",
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "memory.py"), "--json", "precision=fp32",
                              *extra], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
@@ -141,9 +141,9 @@ def test_estimate_cli_prints_the_fsdp_term(capsys: pytest.CaptureFixture[str]) -
 def test_fsdp_estimate_is_within_tolerance_of_the_measured_per_rank_peak() -> None:
     """torch's fully_shard on the tiny model (directly: the accounting on its own), 2 ranks over gloo: the
     local shards are what the estimate says, and the peak RSS growth is within 30% of its total."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "131072", "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MALLOC_MMAP_THRESHOLD_": "131072", "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                             str(ROOT / "benchmarks" / "memory_fsdp.py"), "--json", "data.max_length=64",
+                             str(REPO / "benchmarks" / "memory_fsdp.py"), "--json", "data.max_length=64",
                              "batch_size=1"], capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]

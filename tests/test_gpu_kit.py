@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-KIT = ROOT / "benchmarks" / "gpu"
+from tests.conftest import REPO
+
+KIT = REPO / "benchmarks" / "gpu"
 sys.path.insert(0, str(KIT))
 import wheels  # noqa: E402  (benchmarks/gpu/wheels.py: standard library only)
 
@@ -96,7 +97,7 @@ def test_the_plan_fits_nine_minutes_and_quick_runs_steps_1_2_and_4() -> None:
 
 
 def kit(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "KIT_WORK": str(out / "work"), "PYTHON": sys.executable,
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "KIT_WORK": str(out / "work"), "PYTHON": sys.executable,
                 **(env or {})}
     return subprocess.run(["bash", str(KIT / "run.sh"), str(out / "out"), "--cpu", "--tiny", *args],
                           capture_output=True, text=True, env=full_env, timeout=1800)

@@ -36,8 +36,8 @@ from hydra.test_utils.test_utils import TSweepRunner
 
 from hydra_plugins.llmexp_launcher import llmexp_launcher
 from hydra_plugins.llmexp_sweeper import llmexp_sweeper
+from tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 QUIET = ["hydra/hydra_logging=disabled", "hydra/job_logging=disabled"]
 SLURM = ["hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=30"]
 

@@ -20,9 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY
+from tests.conftest import REPO, TINY
 
-REPO = Path(__file__).resolve().parents[1]
 QUICK = [*TINY, "train.max_steps=5", "train.eval_steps=5"]
 
 

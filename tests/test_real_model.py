@@ -19,9 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import compose, read_metrics, run_cli
+from tests.conftest import REPO, compose, read_metrics, run_cli
 
-REPO = Path(__file__).resolve().parents[1]
 SEQ, BATCH, STEPS, EVAL_BATCHES = 64, 4, 4, 2
 
 

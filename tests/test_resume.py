@@ -34,9 +34,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import REPO
+
 pytestmark = pytest.mark.slow  # ~25 CLI runs, ~250 s of CPU time (AMD EPYC Zen 5)
 
-REPO = Path(__file__).resolve().parents[1]
 MAX_STEPS = 16
 TINY = (
     "model.hidden_size=64", "model.num_hidden_layers=2", "model.num_attention_heads=2",
