@@ -71,8 +71,10 @@ class ThroughputWindow:
     seconds: float = 0.0
     total_tokens: int = 0
     total_seconds: float = 0.0
-    compile_s: float = 0.0
-    """The first step's seconds under train.compile (it compiles), kept out of the throughput."""
+    compile_s: dict[str, float] = field(default_factory=dict)
+    """Under train.compile, the seconds of the first train step and of the first eval, by graph (`train`, `eval`):
+    each compiles its own graph (the eval one runs without grad), and the train step's is kept out of the
+    throughput."""
     _start: float = field(default_factory=time.perf_counter)
 
     def begin(self) -> None:
@@ -84,8 +86,11 @@ class ThroughputWindow:
         self.total_tokens, self.total_seconds = self.total_tokens + tokens, self.total_seconds + elapsed
 
     def set_aside_compile(self) -> None:
-        """The step just timed compiled the model: its seconds are `compile_s`, not throughput."""
-        self.compile_s = time.perf_counter() - self._start
+        """The step just timed compiled the model: its seconds are `compile_s["train"]`, not throughput."""
+        self.compile_s["train"] = time.perf_counter() - self._start
+
+    def compiled(self, graph: str) -> bool:
+        return graph in self.compile_s
 
     def take(self) -> float:
         """Tokens per second since the last `take`."""

@@ -20,6 +20,7 @@ only its `LoopState`.
 from __future__ import annotations
 
 import math
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -132,7 +133,7 @@ def _train(cfg: DictConfig, preempt: PreemptionSignal) -> RunResult:
         if verdict == "rollback":
             rollback(run)
             continue
-        if cfg.train.compile and not window.compile_s:
+        if cfg.train.compile and not window.compiled("train"):
             window.set_aside_compile()  # the first step compiles: report it apart
         else:
             window.add(n_tokens)
@@ -214,7 +215,10 @@ def evaluate_and_record(run: Run, eval_ds: data_lib.TokenDataset, step: int, may
     """Eval (the held-out loss, then the `eval` group's tasks), log it, track the best; the status that ends the run
     at this eval (`early_stopped` by patience, `pruned` by a search's pruner on `sweep.metric`), or None."""
     cfg, state = run.cfg, run.state
+    start = time.perf_counter()
     eval_loss = evaluate(run, eval_ds)
+    if cfg.train.compile and not run.window.compiled("eval"):  # the first eval compiles the no-grad graph
+        run.window.compile_s["eval"] = time.perf_counter() - start
     state.last_eval_step = step
     record = {"event": "eval", "step": step, "eval_loss": eval_loss, "eval_ppl": safe_exp(eval_loss)}
     run.log.log(record)
