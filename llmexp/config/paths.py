@@ -341,7 +341,7 @@ def path_errors(cfg: Any) -> list[str]:
             value = OmegaConf.select(cfg, key)
             if value not in (None, "") and (problem := KIND_CHECKS[rule.kind](cfg, key, value)):
                 errors.append(problem)
-    for i, source in enumerate(cfg.data.get("mix") or [] if cfg.data.name == "hf" else []):
+    for i, source in enumerate(cfg.data.mix if cfg.data.name == "hf" else []):
         if source.get("path") and (problem := hf_source_problem(cfg, f"data.mix[{i}].path", source.path)):
             errors.append(problem)
     return errors + task_file_errors(cfg)

@@ -105,8 +105,8 @@ def tokenizer_fingerprint(tok: Any) -> str:
 
 def load_tokenizer(cfg: DictConfig) -> PreTrainedTokenizerFast:
     """The run's tokenizer (see the module docstring for the order of choices)."""
-    if cfg.data.get("finetune_only") and not cfg.model.name_or_path:
-        via = f" (experiment={cfg.experiment})" if cfg.get("experiment") else ""
+    if cfg.data.finetune_only and not cfg.model.name_or_path:
+        via = f" (experiment={cfg.experiment})" if cfg.experiment else ""
         raise UserError(f"data={cfg.data.name}{via} fine-tunes an earlier model: set model.name_or_path to a "
                         "run's model/ directory, e.g. "
                         "model.name_or_path=outputs/<date>/<time>/model (run `python -m llmexp` first to make one)")
