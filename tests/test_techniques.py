@@ -226,6 +226,19 @@ def test_compile_trains_and_reports_compile_time_apart(tmp_path: Path) -> None:
     assert losses_compiled == pytest.approx(losses_eager, rel=1e-3)  # same math, other kernels
 
 
+def test_compile_is_not_applied_under_the_bf16_emulation_and_no_time_is_set_aside(tmp_path: Path,
+                                                                                   monkeypatch: pytest.MonkeyPatch
+                                                                                   ) -> None:
+    """train.compile=true under llmexp's bf16 emulation (LLMEXP_BF16_EMULATION=1 turns it on, on any CPU): torch.compile
+    traces nothing under the emulation's dispatch mode, so it is not applied, and no step or eval is compile time."""
+    monkeypatch.setenv("LLMEXP_BF16_EMULATION", "1")
+    summary = _train(["precision=bf16", "train.compile=true", "train.max_steps=2", "train.eval_steps=100",
+                      "train.save_steps=0"], tmp_path / "run")
+    (start,) = read_metrics(tmp_path / "run", "start")
+    assert summary["status"] == "completed" and start["bf16_emulation"] is True
+    assert summary["compile_time_s"] == 0 and summary["compile_time_by_graph_s"] == {}
+
+
 def test_bf16_runs_emulated_on_a_cpu_without_native_bf16_and_says_so(tmp_path: Path) -> None:
     """`precision=bf16` where bf16 is emulated (LLMEXP_ASSUME_NO_BF16=1 simulates such a CPU: this one has
     AVX512-BF16) trains in bf16 autocast, measures torch's bf16 against fp32 at start-up, takes llmexp's emulation

@@ -99,6 +99,12 @@ class Runtime:
         self._keep_ceiling(value)
         return value
 
+    @property
+    def compiles(self) -> bool:
+        """train.compile applies: torch.compile traces nothing under emulated bf16's dispatch mode, so it is not
+        applied there (the header says so), and no step or eval is then set aside as compile time."""
+        return bool(self.cfg.train.compile) and not self.precision.emulate_bf16
+
     def _ceiling_dtype(self) -> torch.dtype:
         # Emulated bf16 runs its matmuls in fp32: the bf16 ceiling of such a CPU (~0.001 TFLOPS) would measure
         # the path it does not take.
@@ -268,7 +274,7 @@ def _build(cfg: DictConfig, rt: Runtime, engine: Engine, vocab_size: int,
     model = engine.shard(loss_model)  # FSDP: before the optimizer sees the parameters
     optimizer = build.build_optimizer(cfg, model, lr, rt.device.type)
     model, optimizer = engine.prepare(model, optimizer)
-    if cfg.train.compile and not rt.precision.emulate_bf16:  # dynamo traces nothing under a dispatch mode
+    if rt.compiles:
         model = torch.compile(model)
     return model, optimizer, built
 
@@ -308,7 +314,7 @@ def start_facts(cfg: DictConfig, rt: Runtime, desc: RunDescription) -> dict[str,
         facts["batch_size_auto"] = desc.auto_batch.record()
     if desc.precision.warning:
         compile_note = ("; train.compile=true is not applied: torch.compile traces nothing under the emulation"
-                        if cfg.train.compile and desc.precision.emulate_bf16 else "")
+                        if cfg.train.compile and not rt.compiles else "")
         facts.update(bf16_emulated=desc.precision.warning + compile_note, bf16_advice=BF16_EMULATION_ADVICE)
     if desc.precision.bf16_slowdown is not None:
         facts.update(bf16_emulation=desc.precision.emulate_bf16, bf16_slowdown=desc.precision.bf16_slowdown)

@@ -133,7 +133,7 @@ def _train(cfg: DictConfig, preempt: PreemptionSignal) -> RunResult:
         if verdict == "rollback":
             rollback(run)
             continue
-        if cfg.train.compile and not window.compiled("train"):
+        if rt.compiles and not window.compiled("train"):
             window.set_aside_compile()  # the first step compiles: report it apart
         else:
             window.add(n_tokens)
@@ -217,7 +217,7 @@ def evaluate_and_record(run: Run, eval_ds: data_lib.TokenDataset, step: int, may
     cfg, state = run.cfg, run.state
     start = time.perf_counter()
     eval_loss = evaluate(run, eval_ds)
-    if cfg.train.compile and not run.window.compiled("eval"):  # the first eval compiles the no-grad graph
+    if run.rt.compiles and not run.window.compiled("eval"):  # the first eval compiles the no-grad graph
         run.window.compile_s["eval"] = time.perf_counter() - start
     state.last_eval_step = step
     record = {"event": "eval", "step": step, "eval_loss": eval_loss, "eval_ppl": safe_exp(eval_loss)}
