@@ -4,7 +4,7 @@ DCP writes one `.distcp` file per rank plus a `.metadata` index, and reads them 
 number of processes now (it reshards). Its stock reader runs pickle code twice:
 
 - `FileSystemReader.read_metadata` calls a plain `pickle.load` on `.metadata`;
-- `DefaultLoadPlanner.load_bytes` calls `torch.load(weights_only=False)` on every non-tensor entry
+- `DefaultLoadPlanner.load_bytes` loads every non-tensor entry with an unrestricted `torch.load`
   (the optimizer's param groups, for instance).
 
 `SafeReader` reads `.metadata` with `MetadataUnpickler`, which builds only DCP's own metadata

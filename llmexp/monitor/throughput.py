@@ -85,11 +85,13 @@ class ThroughputWindow:
         self.tokens, self.seconds = self.tokens + tokens, self.seconds + elapsed
         self.total_tokens, self.total_seconds = self.total_tokens + tokens, self.total_seconds + elapsed
 
-    def set_aside_compile(self) -> None:
-        """The step just timed compiled the model: its seconds are `compile_s["train"]`, not throughput."""
-        self.compile_s["train"] = time.perf_counter() - self._start
+    def set_aside_compile(self, graph: str) -> None:
+        """What was timed since `begin` (the first train step, or the first eval) compiled `graph`: its seconds are
+        `compile_s[graph]`, not throughput."""
+        self.compile_s[graph] = time.perf_counter() - self._start
 
     def compiled(self, graph: str) -> bool:
+        """`graph` was compiled, and its seconds set aside, in this process."""
         return graph in self.compile_s
 
     def take(self) -> float:

@@ -20,7 +20,6 @@ only its `LoopState`.
 from __future__ import annotations
 
 import math
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,7 +133,7 @@ def _train(cfg: DictConfig, preempt: PreemptionSignal) -> RunResult:
             rollback(run)
             continue
         if rt.compiles and not window.compiled("train"):
-            window.set_aside_compile()  # the first step compiles: report it apart
+            window.set_aside_compile("train")  # the first step compiles: report it apart
         else:
             window.add(n_tokens)
         state.step += 1
@@ -215,10 +214,10 @@ def evaluate_and_record(run: Run, eval_ds: data_lib.TokenDataset, step: int, may
     """Eval (the held-out loss, then the `eval` group's tasks), log it, track the best; the status that ends the run
     at this eval (`early_stopped` by patience, `pruned` by a search's pruner on `sweep.metric`), or None."""
     cfg, state = run.cfg, run.state
-    start = time.perf_counter()
+    run.window.begin()  # (the next train step begins its own timing)
     eval_loss = evaluate(run, eval_ds)
     if run.rt.compiles and not run.window.compiled("eval"):  # the first eval compiles the no-grad graph
-        run.window.compile_s["eval"] = time.perf_counter() - start
+        run.window.set_aside_compile("eval")
     state.last_eval_step = step
     record = {"event": "eval", "step": step, "eval_loss": eval_loss, "eval_ppl": safe_exp(eval_loss)}
     run.log.log(record)
