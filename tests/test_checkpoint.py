@@ -606,6 +606,33 @@ print("not reached", flush=True)
     assert "Ctrl-C again exits at once" in done.stderr and "second Ctrl-C: exiting now" in done.stderr
 
 
+def test_a_stop_survives_the_death_of_whoever_read_stderr(tmp_path: Path) -> None:
+    """`accelerate launch` (>= 1.16) tees its child's stderr through a pipe; a kill -9 of it leaves the workers
+    writing into a pipe without a reader, and their SIGTERM (from torchrun) then raised BrokenPipeError while
+    announcing the stop: no checkpoint, no summary. Here the reader of a real pipe is closed, then SIGTERM: the
+    flag is set, later prints (the console's lines) do not raise, and stderr now leads to /dev/null."""
+    code = f"""
+import os, signal, sys, time
+from llmexp.train.preemption import PreemptionSignal
+with PreemptionSignal() as stop:
+    open({str(tmp_path / "ready")!r}, "w").close()
+    while not stop.requested:
+        time.sleep(0.01)
+    print("a console line after the stop", file=sys.stderr, flush=True)
+    with open({str(tmp_path / "done")!r}, "w") as f:
+        f.write(stop.signal_name + " " + os.readlink("/proc/self/fd/2"))
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE)
+    for _ in range(3000):
+        if (tmp_path / "ready").exists() or proc.poll() is not None:
+            break
+        time.sleep(0.01)
+    proc.stderr.close()  # the launcher that read it is gone
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    assert (tmp_path / "done").read_text() == f"SIGTERM {os.devnull}"
+
+
 def test_checkpoints_dir_itself_may_be_a_link(tmp_path: Path) -> None:
     """`checkpoints/` as a link to another disk (a scratch volume, say): saves, rotation and resume
     work inside its target, and the link itself stays a link."""

@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 
 from llmexp.config.derived import BatchPlan
 from llmexp.errors import EXIT_ERROR, UserError
+from llmexp.train.preemption import say, silence_dead_stdio
 
 TORCH_EXTENSIONS_DIR = "~/.cache/llmexp/torch_extensions"
 """Where DeepSpeed's JIT-compiled CPU ops (cpu_adam, cpu_lion) are cached, unless the user set
@@ -275,12 +276,12 @@ def watch_launcher(poll_s: float = 1.0, grace_s: float = ORPHAN_GRACE_S) -> None
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(poll_s)
-        sys.stderr.write(f"llmexp: the launcher (pid {parent}) is gone: stopping this worker (pid {os.getpid()}) "
-                         "at the next step boundary, with a checkpoint\n")
+        silence_dead_stdio()  # the launcher may have been the reader of our stderr
+        say(f"llmexp: the launcher (pid {parent}) is gone: stopping this worker (pid {os.getpid()}) "
+            "at the next step boundary, with a checkpoint\n")
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace_s)
-        sys.stderr.write(f"llmexp: worker {os.getpid()} did not stop within {grace_s:.0f} s of its launcher's end; "
-                         "exiting now\n")
+        say(f"llmexp: worker {os.getpid()} did not stop within {grace_s:.0f} s of its launcher's end; exiting now\n")
         os._exit(EXIT_ERROR)
 
     threading.Thread(target=watch, name="llmexp-launcher-watch", daemon=True).start()

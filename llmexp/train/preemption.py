@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -32,18 +33,19 @@ class PreemptionSignal:
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        silence_dead_stdio()  # before any write: the stop must not die announcing itself
         if signum == signal.SIGINT and self.signal_name == "SIGINT":  # the second Ctrl-C
-            os.write(2, b"\nllmexp: second Ctrl-C: exiting now, without a checkpoint\n")
+            say("\nllmexp: second Ctrl-C: exiting now, without a checkpoint\n")
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)
             return
         name = signal.Signals(signum).name
-        if not self.requested:  # os.write: print() is not safe inside a signal handler
-            again = "; Ctrl-C again exits at once" if signum == signal.SIGINT else ""
-            os.write(2, f"\nllmexp: {name}: saving a checkpoint at the next step boundary, then stopping{again}\n"
-                     .encode())
+        first = not self.requested
         self.requested = True
         self.signal_name = "SIGINT" if signum == signal.SIGINT else (self.signal_name or name)
+        if first:
+            again = "; Ctrl-C again exits at once" if signum == signal.SIGINT else ""
+            say(f"\nllmexp: {name}: saving a checkpoint at the next step boundary, then stopping{again}\n")
 
     def __enter__(self) -> PreemptionSignal:
         if PreemptionSignal._current is not None:
@@ -65,3 +67,32 @@ class PreemptionSignal:
         self._previous.clear()
         self.active = False
         PreemptionSignal._current = None
+
+
+def say(text: str) -> None:
+    """`text` on stderr with one os.write (print() is not safe inside a signal handler), or nowhere if nobody
+    can read it any more."""
+    with contextlib.suppress(OSError):
+        os.write(2, text.encode())
+
+
+def silence_dead_stdio() -> list[int]:
+    """Point stdout and stderr at /dev/null where nobody reads them any more, and return those fds.
+
+    A stop is often the moment its reader went away: `accelerate launch` (>= 1.16) tees its child's stderr
+    through a pipe, so a kill -9 of it leaves the workers' stderr a pipe without a reader, and a closed terminal
+    hangs up theirs. Every later write would raise (EPIPE, EIO) in the middle of the checkpoint being saved;
+    after this one, the console's lines still reach the run's own log, llmexp.log. poll(2) tells without writing:
+    a pipe without a reader reports POLLERR, a hung-up terminal or socket POLLHUP."""
+    import select
+
+    poller = select.poll()
+    for fd in (1, 2):
+        poller.register(fd, select.POLLOUT)
+    dead = [fd for fd, events in poller.poll(0) if events & (select.POLLERR | select.POLLHUP | select.POLLNVAL)]
+    if dead:
+        null = os.open(os.devnull, os.O_WRONLY)
+        for fd in dead:
+            os.dup2(null, fd)
+        os.close(null)
+    return sorted(dead)
