@@ -37,6 +37,9 @@ def pytest_configure(config: pytest.Config) -> None:
     need their own thread count set it in the environment they pass."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        # Likewise torch.compile's pool of compile processes (one per core, each importing torch): compiling in the
+        # test's own process spends ~15% less CPU on the compile test (56 against 65 CPU-s, 2-core AMD EPYC Zen 5).
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     # The tests' torch.compile cache, fresh for this session, before collecting imports transformers (and with it
     # torch._dynamo, which would settle on torch's machine-wide default: `derived.use_shared_compile_cache`).
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
@@ -49,11 +52,19 @@ LONG_FIRST = ("slurm", "tests/test_distributed.py", "tests/test_fsdp.py", "tests
               "tests/test_gpu_kit.py", "tests/test_techniques.py", "tests/test_search.py", "tests/test_deepspeed.py")
 """Units of work handed out first under xdist, the long ones (measured: `pytest --durations=0`), so that no long
 unit starts last and ends the run on one worker while the other waits. The two-process units come right after
-`slurm`, whose first test mostly waits (WAITS_FIRST): their runs fill the core it leaves idle. Only the order
-depends on this list."""
-WAITS_FIRST = ("tests/test_slurm.py::test_timeout_checkpoints_requeues_and_resumes_exactly",)
-"""Tests run first in their unit: ~3 minutes on SLURM's minute clock with the CPU mostly idle (its jobs are paced,
-tests/pace/), while the other worker starts the two-process units."""
+`slurm`, which mostly waits on the scheduler: their runs fill the core it leaves idle. Only the order depends on
+this list."""
+TIMEOUT_TEST = "tests/test_slurm.py::test_timeout_checkpoints_requeues_and_resumes_exactly"
+"""~3 minutes on SLURM's minute clock with the CPU mostly idle (its jobs are paced, tests/pace/): its sweep is
+started ahead (`timeout_sweep`) by the first SLURM test and trains while the other SLURM tests run."""
+SLURM_LAST = (TIMEOUT_TEST, "tests/test_slurm.py::test_two_task_jobs_train_as_one_distributed_job")
+"""The `slurm` unit's last tests, in this order: the timeout test checks its sweep once the other SLURM tests have
+run beside it (each of them one job on the node's other CPU at a time); then the one that needs both CPUs."""
+
+
+def plain_id(item: pytest.Item) -> str:
+    """The test's node id as collected, without the `@group` suffix xdist adds."""
+    return item.nodeid.split("@")[0]
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
@@ -70,12 +81,44 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         first_seen.setdefault(unit(item), len(first_seen))
         item.add_marker(pytest.mark.xdist_group(unit(item)))
 
-    def rank(item: pytest.Item) -> tuple[int, int, bool]:
-        name = unit(item)
+    def rank(item: pytest.Item) -> tuple[int, int, int]:
+        name, node = unit(item), plain_id(item)
         return (LONG_FIRST.index(name) if name in LONG_FIRST else len(LONG_FIRST), first_seen[name],
-                item.nodeid not in WAITS_FIRST)
+                SLURM_LAST.index(node) + 1 if node in SLURM_LAST else 0)
 
     items.sort(key=rank)
+
+
+def slurm_reachable() -> bool:
+    """Whether `sinfo` reaches a SLURM cluster; as root, the local one (launch/slurm-local.sh) is started first
+    when it does not."""
+    def reachable() -> bool:
+        return shutil.which("sinfo") is not None and subprocess.run(
+            ["sinfo", "-h"], capture_output=True, timeout=30, check=False).returncode == 0
+    if not reachable() and os.geteuid() == 0:
+        subprocess.run(["bash", str(REPO / "launch" / "slurm-local.sh"), "up"], check=False, timeout=600)
+    return reachable()
+
+
+@pytest.fixture(scope="session")
+def timeout_sweep(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The SLURM timeout test's sweep and reference run (tests/test_slurm.py `TimeoutSweep`), started once, by the
+    first SLURM test of a session that also runs the timeout test; stopped at the end if still running."""
+    from tests.test_slurm import start_timeout_sweep
+
+    if not slurm_reachable():
+        pytest.skip("no SLURM cluster: run `sudo bash launch/slurm-local.sh up` (make test does)")
+    started = start_timeout_sweep(tmp_path_factory.mktemp("slurm-timeout"))
+    yield started
+    started.stop()
+
+
+@pytest.fixture(autouse=True)
+def _timeout_sweep_ahead(request: pytest.FixtureRequest) -> None:
+    """Every SLURM test starts the timeout test's sweep if this session runs that test, so that it trains beside
+    them: the timeout test itself, last but one (SLURM_LAST), then only checks what it did."""
+    if request.node.get_closest_marker("slurm") and any(plain_id(i) == TIMEOUT_TEST for i in request.session.items):
+        request.getfixturevalue("timeout_sweep")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -18,13 +18,11 @@ plugin scan).
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, read_metrics, run_cli
+from tests.conftest import TINY, read_metrics, run_cli, slurm_reachable
 
 NO_BF16 = {"LLMEXP_ASSUME_NO_BF16": "1", "LLMEXP_BF16_EMULATION": "1", "CUDA_VISIBLE_DEVICES": ""}
 """A CPU without native bf16, on which llmexp emulates bf16 (forced: on a CPU with AVX512-BF16 the start-up probe
@@ -75,7 +73,7 @@ def test_local_sweep_headline_runs_every_job(tmp_path: Path) -> None:
 def test_slurm_sweep_headline_runs_every_job(tmp_path: Path) -> None:
     from tests.test_slurm import ENV
 
-    if shutil.which("sinfo") is None or subprocess.run(["sinfo", "-h"], capture_output=True, timeout=30).returncode:
+    if not slurm_reachable():
         pytest.skip("no SLURM cluster: run `sudo bash launch/slurm-local.sh up` (make test does)")
     proc = run_cli(["--multirun", "cluster=slurm", "lr=1e-5,3e-5,5e-5", "train.max_steps=3", *SMALL],
                    cwd=tmp_path, env=ENV, timeout_s=2300)

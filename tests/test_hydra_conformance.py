@@ -36,7 +36,7 @@ from hydra.test_utils.test_utils import TSweepRunner
 
 from hydra_plugins.llmexp_launcher import llmexp_launcher
 from hydra_plugins.llmexp_sweeper import llmexp_sweeper
-from tests.conftest import REPO
+from tests.conftest import slurm_reachable
 
 QUIET = ["hydra/hydra_logging=disabled", "hydra/job_logging=disabled"]
 SLURM = ["hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=30"]
@@ -59,12 +59,7 @@ def _hydra_version_base_unset() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def slurm_up() -> None:
     """The local SLURM cluster (launch/slurm-local.sh), started when sinfo cannot reach one and we are root."""
-    def reachable() -> bool:
-        return shutil.which("sinfo") is not None and subprocess.run(
-            ["sinfo", "-h"], capture_output=True, timeout=30, check=False).returncode == 0
-    if not reachable() and os.geteuid() == 0:
-        subprocess.run(["bash", str(REPO / "launch" / "slurm-local.sh"), "up"], check=False, timeout=600)
-    assert reachable(), "no SLURM cluster: run `sudo bash launch/slurm-local.sh up` (make test does)"
+    assert slurm_reachable(), "no SLURM cluster: run `sudo bash launch/slurm-local.sh up` (make test does)"
 
 
 @pytest.mark.parametrize("cls", [llmexp_launcher.LocalLauncher, llmexp_launcher.SlurmLauncher])

@@ -13,18 +13,18 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import submitit
 
 from llmexp.sweep.slurm import SlurmJob
-from tests.conftest import REPO, TINY, paced_env
+from tests.conftest import REPO, TINY, paced_env, slurm_reachable
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -36,12 +36,7 @@ QUICK = ["train.eval_steps=100000", "train.save_steps=0"]
 @pytest.fixture(scope="module", autouse=True)
 def slurm_cluster() -> None:
     """The local cluster; started with launch/slurm-local.sh when sinfo cannot reach one."""
-    def reachable() -> bool:
-        return shutil.which("sinfo") is not None and subprocess.run(
-            ["sinfo", "-h"], capture_output=True, timeout=30).returncode == 0
-    if not reachable() and os.geteuid() == 0:
-        subprocess.run(["bash", str(REPO / "launch" / "slurm-local.sh"), "up"], check=False, timeout=600)
-    if not reachable():
+    if not slurm_reachable():
         pytest.skip("no SLURM cluster: run `sudo bash launch/slurm-local.sh up`")
 
 
@@ -166,7 +161,30 @@ def steps_per_second(tmp_path: Path) -> float:
     return 100 / (times[120] - times[20])
 
 
-def test_timeout_checkpoints_requeues_and_resumes_exactly(tmp_path: Path) -> None:
+@dataclass
+class TimeoutSweep:
+    """The timeout test's sweep of one job and its uninterrupted reference run, both running in the background
+    (tests/conftest.py starts them ahead of the test, `timeout_sweep`)."""
+
+    proc: subprocess.Popen
+    sweep: Path
+    log: Path
+    reference: subprocess.Popen
+    reference_dir: Path
+    num_steps: int
+
+    def stop(self) -> None:
+        """Whatever still runs (a failed test's leftovers): the processes, and the SLURM job itself."""
+        for proc in (self.proc, self.reference):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        ids = self.sweep / "slurm_jobs.json"
+        if ids.exists():
+            subprocess.run(["scancel", *json.loads(ids.read_text())["jobs"].values()], check=False, timeout=60)
+
+
+def start_timeout_sweep(tmp_path: Path) -> TimeoutSweep:
     # SLURM sends SIGUSR2 30 s before the 2-minute limit, checking every 30 s: 60-90 s into an attempt,
     # which leaves ~45-80 s of training after start-up. The run is sized from this machine's measured
     # speed to need ~120 s of training, so the first attempt is always cut; paced (PACED), the job's speed
@@ -179,14 +197,18 @@ def test_timeout_checkpoints_requeues_and_resumes_exactly(tmp_path: Path) -> Non
         reference = subprocess.Popen([sys.executable, "-m", "llmexp", *TINY, *args, f"hydra.run.dir={ref_dir}"],
                                      cwd=tmp_path, env={**os.environ, **PACED}, stdout=ref_log,
                                      stderr=subprocess.STDOUT)
-        proc, sweep, log = start_sweep(tmp_path, "timeout", [*args, "cluster.timeout_min=2",
-                                                             "cluster.signal_delay_s=30", "cluster.max_num_timeout=6"],
-                                       env=PACED)
-        assert proc.wait(timeout=1200) == 0, log.read_text()[-3000:]
-        assert reference.wait(timeout=300) == 0
-    assert_requeue_protocol(sweep, max_num_timeout=6)
-    resumed, uninterrupted = train_losses(sweep / "0"), train_losses(ref_dir)
-    assert sorted(resumed) == list(range(1, num_steps + 1))
+    proc, sweep, log = start_sweep(tmp_path, "timeout", [*args, "cluster.timeout_min=2", "cluster.signal_delay_s=30",
+                                                         "cluster.max_num_timeout=6"], env=PACED)
+    return TimeoutSweep(proc, sweep, log, reference, ref_dir, num_steps)
+
+
+def test_timeout_checkpoints_requeues_and_resumes_exactly(timeout_sweep: TimeoutSweep) -> None:
+    run = timeout_sweep
+    assert run.proc.wait(timeout=1200) == 0, run.log.read_text()[-3000:]
+    assert run.reference.wait(timeout=300) == 0
+    assert_requeue_protocol(run.sweep, max_num_timeout=6)
+    resumed, uninterrupted = train_losses(run.sweep / "0"), train_losses(run.reference_dir)
+    assert sorted(resumed) == list(range(1, run.num_steps + 1))
     assert resumed == uninterrupted  # bitwise: the same floats at every step
 
 
