@@ -95,12 +95,15 @@ def test_two_processes_match_one_and_resume(tmp_path: Path) -> None:
         assert resumed[step] == pytest.approx(two[step], rel=1e-6), step
 
 
-def test_bad_deepspeed_combinations_exit_2() -> None:
-    result = run_cli([*TINY, "deepspeed=zero2_offload", "optimizer=sgd", "train.max_steps=2"])
+def test_bad_deepspeed_combinations_exit_2_before_anything_is_written(tmp_path: Path) -> None:
+    """Refused by the CLI's checks, before Hydra makes the run directory (they were refused inside the run,
+    which left `outputs/<date>/<time>/` with `.hydra/`, a lock and an empty log behind) and before torch loads."""
+    result = run_cli([*TINY, "deepspeed=zero2_offload", "optimizer=sgd", "train.max_steps=2"], cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-2000:]
-    assert "optimizer=sgd" in result.stderr and "Traceback" not in result.stderr
-    result = run_cli([*TINY, "deepspeed=zero2_offload", "optimizer=adamw8bit", "train.max_steps=2"])
-    assert result.returncode == 2 and "offload" in result.stderr
+    assert "optimizer: sgd has no DeepSpeed CPU implementation" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "outputs").exists()
+    result = run_cli([*TINY, "deepspeed=zero2_offload", "optimizer=adamw8bit", "train.max_steps=2"], cwd=tmp_path)
+    assert result.returncode == 2 and "offload" in result.stderr and not (tmp_path / "outputs").exists()
 
 
 def _cfg(*overrides: str):
@@ -112,16 +115,31 @@ def _cfg(*overrides: str):
 @pytest.mark.parametrize(("overrides", "fragment"), [
     (["deepspeed=zero2", "deepspeed.offload_param=cpu"], "needs ZeRO stage 3"),
     (["deepspeed=zero2_offload", "optimizer=sgd"], "no DeepSpeed CPU implementation"),
+    (["deepspeed=zero2_offload", "optimizer=lion"], None),
     (["deepspeed=zero2", "train.compile=true"], "train.compile"),
+    (["deepspeed=none", "train.compile=true"], None),
     (["deepspeed=zero2", "precision=fp16", "precision.init_scale=1000"], "power"),
     pytest.param(["deepspeed=zero2", "precision=fp16"], "no fp16", marks=pytest.mark.skipif(
         torch.cuda.is_available(), reason="the CPU accelerator's limit")),
 ])
-def test_check_deepspeed_names_the_conflict(overrides: list[str], fragment: str) -> None:
-    from llmexp.train.distributed import check_deepspeed
+def test_deepspeed_combinations_name_the_conflict(overrides: list[str], fragment: str | None,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """`validate` and the machine's check (`check_environment`), which the CLI runs before anything is written."""
+    from llmexp.config.environment import check_environment
+    from llmexp.config.validation import validate
 
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU is visible: fp16 has no DeepSpeed CPU kernel
+
+    def check() -> None:
+        cfg = _cfg(*overrides)  # (composed and validated, as llmexp.estimate does)
+        validate(cfg)
+        check_environment(cfg)
+
+    if fragment is None:
+        check()
+        return
     with pytest.raises(UserError, match=fragment):
-        check_deepspeed(_cfg(*overrides))
+        check()
 
 
 def test_deepspeed_config_agrees_with_the_loop() -> None:

@@ -156,6 +156,44 @@ def _check(errors: list[str], ok: bool, key: str, message: str) -> None:
         errors.append(f"{key}: {message}")
 
 
+OFFLOAD_OPTIMIZERS = ("adamw", "lion")
+"""Optimizers that Accelerate maps to a DeepSpeed CPU optimizer (DeepSpeedCPUAdam / CPULion) under optimizer
+offload. Accelerate would silently turn anything else into DeepSpeedCPUAdam."""
+
+
+def _validate_deepspeed(cfg: Any, errors: list[str]) -> None:
+    """Combinations that cannot work under DeepSpeed (the one that depends on the machine, fp16 without a GPU, is
+    `environment.check_environment`'s)."""
+    ds = cfg.deepspeed
+    offload = ds.offload_optimizer != "none" or ds.offload_param != "none"
+    _check(errors, not (offload and cfg.optimizer.name.endswith("8bit")), "optimizer",
+           f"{cfg.optimizer.name} keeps its state on the accelerator and cannot run under DeepSpeed "
+           "CPU offload; use optimizer=adamw with deepspeed=zero2_offload, or deepspeed=zero2")
+    _check(errors, not (ds.offload_optimizer != "none" and not cfg.optimizer.name.endswith("8bit")
+                        and cfg.optimizer.name not in OFFLOAD_OPTIMIZERS), "optimizer",
+           f"{cfg.optimizer.name} has no DeepSpeed CPU implementation, and optimizer offload needs one (Accelerate "
+           "would silently swap in DeepSpeedCPUAdam); use optimizer=adamw or optimizer=lion with "
+           "deepspeed=zero2_offload, or deepspeed=zero2 without offload")
+    _check(errors, ds.offload_param == "none" or ds.stage == 3, "deepspeed.offload_param",
+           f"{ds.offload_param} needs ZeRO stage 3 (got stage {ds.stage}); use deepspeed=zero3 "
+           "deepspeed.offload_param=cpu")
+    _check(errors, not (ds.stage > 0 and cfg.train.compile), "train.compile",
+           "true is not supported with deepspeed: the engine wraps the module; use train.compile=false or "
+           "deepspeed=none")
+    _check(errors, ds.stage == 0 or cfg.precision.name != "fp16" or _is_power_of_two(cfg.precision.init_scale),
+           "precision.init_scale", f"{cfg.precision.init_scale}: DeepSpeed's loss scale starts at a power of two; "
+           "use e.g. precision.init_scale=65536")
+    _check(errors, not (ds.stage > 0 and cfg.train.on_anomaly == "rollback"), "train.on_anomaly",
+           "rollback is not supported under DeepSpeed; use train.on_anomaly=skip or stop")
+    _check(errors, not (ds.stage >= 3 and cfg.train.sample_prompts), "train.sample_prompts",
+           "samples need whole weights on one process, and ZeRO-3 partitions them; use deepspeed=zero2, or "
+           "sample from model/ after the run")
+
+
+def _is_power_of_two(value: float) -> bool:
+    return value >= 1 and math.log2(value).is_integer()
+
+
 def is_lr_find(value: Any) -> bool:
     """`lr=find`: a range test picks the lr (`llmexp.train.lr_find`)."""
     return isinstance(value, str) and value.strip().lower() == "find"
@@ -394,16 +432,7 @@ def _validate_groups(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet
     errors.extend(remote_code_errors(m))  # trust_remote_code needs a pinned commit hash
     if m.gguf_file is not None:
         _validate_gguf(cfg, errors)
-    ds = cfg.deepspeed
-    offload = ds.offload_optimizer != "none" or ds.offload_param != "none"
-    _check(errors, not (offload and cfg.optimizer.name.endswith("8bit")), "optimizer",
-           f"{cfg.optimizer.name} keeps its state on the accelerator and cannot run under DeepSpeed "
-           "CPU offload; use optimizer=adamw with deepspeed=zero2_offload, or deepspeed=zero2")
-    _check(errors, not (ds.stage > 0 and cfg.train.on_anomaly == "rollback"), "train.on_anomaly",
-           "rollback is not supported under DeepSpeed; use train.on_anomaly=skip or stop")
-    _check(errors, not (ds.stage >= 3 and cfg.train.sample_prompts), "train.sample_prompts",
-           "samples need whole weights on one process, and ZeRO-3 partitions them; use deepspeed=zero2, or "
-           "sample from model/ after the run")
+    _validate_deepspeed(cfg, errors)
     _validate_peft(cfg, errors)
     _validate_sweep(cfg.sweep, errors)
     _validate_fsdp(cfg, errors)

@@ -35,13 +35,6 @@ TORCH_EXTENSIONS_DIR = "~/.cache/llmexp/torch_extensions"
 """Where DeepSpeed's JIT-compiled CPU ops (cpu_adam, cpu_lion) are cached, unless the user set
 TORCH_EXTENSIONS_DIR: the first build takes minutes, later runs load the .so in a second."""
 
-OFFLOAD_OPTIMIZERS = ("adamw", "lion")
-"""Optimizers that Accelerate maps to a DeepSpeed CPU optimizer (DeepSpeedCPUAdam / CPULion)
-under optimizer offload. Accelerate would silently turn anything else into DeepSpeedCPUAdam."""
-
-
-
-
 def accelerator_kwargs(cfg: DictConfig, plan: BatchPlan | None, precision: str) -> dict[str, Any]:
     """Arguments for `accelerate.Accelerator`.
 
@@ -60,7 +53,6 @@ def accelerator_kwargs(cfg: DictConfig, plan: BatchPlan | None, precision: str) 
         kwargs["cpu"] = False  # cpu=True makes Accelerate drop the DeepSpeed plugin silently; DeepSpeed finds the CPU
         from accelerate.utils import DeepSpeedPlugin
 
-        check_deepspeed(cfg)
         assert plan is not None, "DeepSpeed's config needs the batch plan"
         # The launcher's DeepSpeed fields were checked to agree (check_launch_env); our config replaces them.
         os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
@@ -124,45 +116,6 @@ def check_engine(accelerator: Any) -> None:
         for state in (PartialState(), AcceleratorState()):
             state.num_processes, state.process_index = dist.get_world_size(), dist.get_rank()
             state.local_process_index = int(os.environ.get("LOCAL_RANK", "0"))
-
-
-def check_deepspeed(cfg: DictConfig) -> None:
-    """Combinations that cannot work under DeepSpeed: exit 2 with the reason and the fix.
-
-    (8-bit optimizers under offload and on_anomaly=rollback are refused by `validation.validate`.)
-    """
-    ds, errors = cfg.deepspeed, []
-    if ds.offload_param != "none" and ds.stage != 3:
-        errors.append(f"deepspeed.offload_param={ds.offload_param} needs ZeRO stage 3 (got stage {ds.stage}); "
-                      "use deepspeed=zero3 deepspeed.offload_param=cpu")
-    for key in ("offload_optimizer", "offload_param"):
-        if ds[key] not in ("none", "cpu"):
-            errors.append(f"deepspeed.{key}={ds[key]}: must be none or cpu")
-    if ds.offload_optimizer != "none" and cfg.optimizer.name not in OFFLOAD_OPTIMIZERS:
-        errors.append(f"optimizer={cfg.optimizer.name} has no DeepSpeed CPU implementation, and optimizer offload "
-                      f"needs one (Accelerate would silently swap in DeepSpeedCPUAdam); use optimizer=adamw or "
-                      "optimizer=lion with deepspeed=zero2_offload, or deepspeed=zero2 without offload")
-    if cfg.train.compile:
-        errors.append("train.compile=true is not supported with deepspeed: the engine wraps the module; "
-                      "use train.compile=false or deepspeed=none")
-    if cfg.precision.name == "fp16" and not _has_cuda():
-        errors.append("precision=fp16: DeepSpeed's CPU accelerator has no fp16 (it supports fp32 and bf16); "
-                      "use precision=fp32, or bf16 on a CPU with AVX512-BF16/AMX")
-    if cfg.precision.name == "fp16" and not _is_power_of_two(cfg.precision.init_scale):
-        errors.append(f"precision.init_scale={cfg.precision.init_scale}: DeepSpeed's loss scale starts at a power "
-                      "of two; use e.g. precision.init_scale=65536")
-    if errors:
-        raise UserError("deepspeed: invalid combination:\n  " + "\n  ".join(errors))
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _is_power_of_two(value: float) -> bool:
-    return value >= 1 and math.log2(value).is_integer()
 
 
 def deepspeed_config(cfg: DictConfig, *, micro: int, accum: int, world: int, precision: str,
