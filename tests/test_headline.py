@@ -65,6 +65,11 @@ def test_local_sweep_headline_runs_every_job(tmp_path: Path) -> None:
     assert [j["status"] for j in sweep["jobs"]] == ["completed"] * 6
     grid = {(float(j["params"]["lr"]), int(j["params"]["batch_size"])) for j in sweep["jobs"]}
     assert grid == {(lr, b) for lr in (1e-5, 3e-5, 5e-5) for b in (2, 4)}
+    # On CPU each job is forked from the sweep's preloaded interpreter (llmexp.sweep.local `_WarmJob`), a process
+    # of its own all the same: six pids
+    started = [line for line in proc.stdout.splitlines() if " started (pid " in line]
+    assert len(started) == 6 and all(", CPU, warm): " in line for line in started), started
+    assert len({line.split("(pid ", 1)[1].split(",")[0] for line in started}) == 6
 
 
 @pytest.mark.slow

@@ -9,17 +9,22 @@ The parent composes each job's config (so composition errors stop the sweep befo
 runs), pickles it with the task function into `<sweep dir>/.llmexp/<num>.job.pkl`, and starts
 `python -m llmexp.sweep.local <pickle>`. The child runs Hydra's `run_job` (so `.hydra/` and the job
 log land in `<sweep dir>/<num>/` as usual) and writes `<num>.outcome.json`; its stdout and stderr go
-to `<sweep dir>/<num>/job.log`. A child that dies without an outcome is recorded from its exit
-signal. For an app other than llmexp the child also pickles Hydra's JobReturn (`<num>.return.pkl`),
-which the launcher hands back to Hydra as it is. What every job and sweep share with the SLURM
-launcher (`llmexp.sweep.slurm`) is in `llmexp.sweep.jobs`.
-Nothing here imports torch or submitit.
+to `<sweep dir>/<num>/job.log`. llmexp's jobs on CPU start warm instead: forked from a server that
+imported torch, transformers and the trainer once for the sweep (multiprocessing's forkserver), they
+skip the ~4-5 s of CPU a fresh process spends on imports and run the same `main`. GPU jobs always get
+a fresh process: CUDA must initialise in the job's own process, with its own CUDA_VISIBLE_DEVICES.
+A child that dies without an outcome is recorded from its exit signal. For an app other than llmexp
+the child also pickles Hydra's JobReturn (`<num>.return.pkl`), which the launcher hands back to
+Hydra as it is. What every job and sweep share with the SLURM launcher
+(`llmexp.sweep.slurm`) is in `llmexp.sweep.jobs`.
+The launcher's process imports neither torch nor submitit (a warm job's process imports torch).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import signal
@@ -44,7 +49,6 @@ from llmexp.sweep.jobs import (
     record_outcome,
     run_task,
     split_ended,
-    swept,
 )
 
 if TYPE_CHECKING:
@@ -108,7 +112,7 @@ def child_env(slot: str | None, num_slots: int, base: Mapping[str, str] | None =
 class _Running:
     spec: JobSpec
     slot: str | None
-    proc: subprocess.Popen
+    proc: subprocess.Popen | _WarmJob
     outcome_path: Path
     started_s: float
 
@@ -131,12 +135,19 @@ def launch_local(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
     to_run, outcomes = split_ended(specs) if extras else (specs, {})
     for spec in to_run if extras else ():  # `llmexp.status` shows the jobs that wait for a slot
         record_outcome(spec, JobOutcome(spec.num, "queued", None, "waiting for a free slot"))
-    outcomes.update(_run_queue(to_run, slots, work))
+    warm = (trains(launcher.task_function) and slots[0] is None
+            and "forkserver" in multiprocessing.get_all_start_methods())
+    outcomes.update(_run_queue(to_run, slots, work, warm))
     returns = None if extras else [_job_return(s, outcomes[s.num], work) for s in specs]
     shutil.rmtree(work, ignore_errors=True)  # the pickles; llmexp's outcomes are recorded by finish_sweep
     if returns is not None:
         return returns
     return finish_sweep(specs, [outcomes[s.num] for s in specs], launcher.within_search)
+
+
+def trains(task_function: Any) -> bool:
+    """Whether the sweep's task is llmexp's own (`python -m llmexp`): the one whose imports a warm job saves."""
+    return getattr(task_function, "__module__", "").startswith("llmexp.")
 
 
 def _job_return(spec: JobSpec, outcome: JobOutcome, work: Path) -> JobReturn:
@@ -157,8 +168,9 @@ def _dump_job(path: Path, payload: tuple) -> None:
         cloudpickle.dump(payload, f)
 
 
-def _run_queue(specs: Sequence[JobSpec], slots: list[str | None], work: Path) -> dict[int, JobOutcome]:
-    """Start jobs as slots free up; collect an outcome for every job, whatever happens to it."""
+def _run_queue(specs: Sequence[JobSpec], slots: list[str | None], work: Path, warm: bool) -> dict[int, JobOutcome]:
+    """Start jobs as slots free up (`warm`: forked from the preloaded server); collect an outcome for every job,
+    whatever happens to it."""
     pending, free = deque(specs), list(slots)
     running: list[_Running] = []
     outcomes: dict[int, JobOutcome] = {}
@@ -166,7 +178,7 @@ def _run_queue(specs: Sequence[JobSpec], slots: list[str | None], work: Path) ->
         while pending or running:
             while pending and free:
                 spec = pending.popleft()
-                running.append(_start(spec, free.pop(0), len(slots), work, swept(spec, specs)))
+                running.append(_start(spec, free.pop(0), len(slots), work, warm))
             time.sleep(0.1)
             for job in [j for j in running if j.proc.poll() is not None]:
                 running.remove(job)
@@ -182,18 +194,22 @@ def _run_queue(specs: Sequence[JobSpec], slots: list[str | None], work: Path) ->
     return outcomes
 
 
-def _start(spec: JobSpec, slot: str | None, num_slots: int, work: Path, label: str) -> _Running:
+def _start(spec: JobSpec, slot: str | None, num_slots: int, work: Path, warm: bool) -> _Running:
     spec.job_dir.mkdir(parents=True, exist_ok=True)
     (spec.job_dir / "job_status.json").unlink(missing_ok=True)  # `queued` (or an earlier launch's verdict) no more
     outcome_path = work / f"{spec.num}.outcome.json"
     outcome_path.unlink(missing_ok=True)
-    with open(spec.job_dir / "job.log", "ab") as job_log:
-        # A new session: Ctrl-C in the terminal reaches the launcher only, which stops jobs cleanly.
-        proc = subprocess.Popen([sys.executable, "-m", "llmexp.sweep.local", str(work / f"{spec.num}.job.pkl"),
-                                 str(outcome_path)], stdout=job_log, stderr=subprocess.STDOUT,
-                                env=child_env(slot, num_slots), start_new_session=True)
+    args, env = [str(work / f"{spec.num}.job.pkl"), str(outcome_path)], child_env(slot, num_slots)
+    if warm:
+        proc: subprocess.Popen | _WarmJob = _WarmJob.start(args, spec.job_dir / "job.log", env)
+    else:
+        with open(spec.job_dir / "job.log", "ab") as job_log:
+            # A new session: Ctrl-C in the terminal reaches the launcher only, which stops jobs cleanly.
+            proc = subprocess.Popen([sys.executable, "-m", "llmexp.sweep.local", *args], stdout=job_log,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
     device = f"GPU {slot}" if slot is not None else "CPU"
-    log.info(f"  #{spec.num} started (pid {proc.pid}, {device}): {' '.join(spec.overrides)}")
+    how = ", warm" if warm else ""
+    log.info(f"  #{spec.num} started (pid {proc.pid}, {device}{how}): {' '.join(spec.overrides)}")
     return _Running(spec, slot, proc, outcome_path, time.monotonic())
 
 
@@ -223,6 +239,71 @@ def _collect(job: _Running) -> JobOutcome:
     took_s = time.monotonic() - job.started_s
     log.info(f"  #{num} {outcome.status} after {took_s:.1f} s (exit {outcome.exit_code})")
     return outcome
+
+
+# ----------------------------------------------------------------------------- warm CPU jobs
+
+PRELOAD = ["llmexp.train.train"]
+"""What the fork server imports once per sweep: the trainer, and with it torch, transformers and accelerate."""
+
+
+class _WarmJob:
+    """A CPU job forked from the sweep's fork server, with the part of Popen's interface the queue uses."""
+
+    def __init__(self, process: Any) -> None:
+        self.process = process
+
+    @classmethod
+    def start(cls, args: list[str], log_path: Path, env: dict[str, str]) -> _WarmJob:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(PRELOAD)  # read when the server starts: with the sweep's first job
+        process = context.Process(target=_warm_main, args=(args, str(log_path), env), name="llmexp-job")
+        process.start()
+        return cls(process)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode  # -N for signal N, as Popen's
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def terminate(self) -> None:
+        self.process.terminate()
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired("llmexp job", timeout or 0.0)
+        return self.process.exitcode
+
+
+def _warm_main(args: list[str], log_path: str, env: dict[str, str]) -> None:
+    """A warm job's process, set up as `_start` sets up a fresh one: a session of its own (Ctrl-C reaches the
+    launcher only), stdout and stderr appended to job.log, the job's environment; then the same `main`."""
+    os.setsid()
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    for std in (1, 2):
+        os.dup2(fd, std)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    if "OMP_NUM_THREADS" in env:  # OpenMP read it when the server loaded torch: this job's share of the cores
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    sys.argv = [__file__, *args]
+    code = main(args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
