@@ -128,3 +128,21 @@ def test_a_bad_cluster_setting_is_one_message_and_exit_2(tmp_path: Path) -> None
     assert proc.returncode == 2, log
     assert "cluster.max_parallel=0" in log and "Traceback" not in log
     assert not list(sweep.glob("*/toy.json"))  # nothing ran
+
+
+@pytest.mark.slow  # one tiny llmexp job
+def test_llmexp_jobs_start_fresh_where_the_fork_server_of_warm_jobs_cannot_start(tmp_path: Path) -> None:
+    """On CPU llmexp's jobs are forked from a preloaded server (tests/test_headline.py checks that they are); under
+    Python < 3.13 its socket lives under TMPDIR, and a TMPDIR too long for an AF_UNIX path kept the sweep from
+    starting any job (the GPU kit's tiny run found it). The jobs then start as fresh processes, with a warning."""
+    from tests.conftest import TINY, run_cli
+
+    long_tmp = tmp_path / ("t" * 120)
+    long_tmp.mkdir()
+    proc = run_cli(["--multirun", "lr=1e-3", "train.max_steps=2", *TINY, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                   cwd=tmp_path, env={"TMPDIR": str(long_tmp)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "jobs start fresh processes: the fork server of warm jobs did not start" in proc.stdout
+    assert ", CPU): " in proc.stdout and ", CPU, warm)" not in proc.stdout
+    summary = json.loads((tmp_path / "sweep" / "sweep_summary.json").read_text())
+    assert [j["status"] for j in summary["jobs"]] == ["completed"]

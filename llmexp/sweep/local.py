@@ -135,8 +135,7 @@ def launch_local(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
     to_run, outcomes = split_ended(specs) if extras else (specs, {})
     for spec in to_run if extras else ():  # `llmexp.status` shows the jobs that wait for a slot
         record_outcome(spec, JobOutcome(spec.num, "queued", None, "waiting for a free slot"))
-    warm = (trains(launcher.task_function) and slots[0] is None
-            and "forkserver" in multiprocessing.get_all_start_methods())
+    warm = trains(launcher.task_function) and slots[0] is None and _warm_server()
     outcomes.update(_run_queue(to_run, slots, work, warm))
     returns = None if extras else [_job_return(s, outcomes[s.num], work) for s in specs]
     shutil.rmtree(work, ignore_errors=True)  # the pickles; llmexp's outcomes are recorded by finish_sweep
@@ -247,6 +246,22 @@ PRELOAD = ["llmexp.train.train"]
 """What the fork server imports once per sweep: the trainer, and with it torch, transformers and accelerate."""
 
 
+def _warm_server() -> bool:
+    """Start the fork server of warm jobs (its imports run while the launcher goes on); False, with a warning,
+    where it cannot start: the jobs then start fresh."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return False
+    from multiprocessing import forkserver
+
+    forkserver.set_forkserver_preload(PRELOAD)
+    try:
+        forkserver.ensure_running()
+    except OSError as err:  # Python < 3.13 puts its socket under TMPDIR: a long TMPDIR is too long for AF_UNIX
+        log.warning(f"jobs start fresh processes: the fork server of warm jobs did not start ({err})")
+        return False
+    return True
+
+
 class _WarmJob:
     """A CPU job forked from the sweep's fork server, with the part of Popen's interface the queue uses."""
 
@@ -255,8 +270,7 @@ class _WarmJob:
 
     @classmethod
     def start(cls, args: list[str], log_path: Path, env: dict[str, str]) -> _WarmJob:
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(PRELOAD)  # read when the server starts: with the sweep's first job
+        context = multiprocessing.get_context("forkserver")  # the server `_warm_server` started
         process = context.Process(target=_warm_main, args=(args, str(log_path), env), name="llmexp-job")
         process.start()
         return cls(process)
