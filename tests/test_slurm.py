@@ -239,12 +239,16 @@ def assert_requeue_protocol(sweep: Path, max_num_timeout: int) -> None:
     attempts = len(requeues) + 1
     assert requeues, "the job was never requeued"
     assert requeues == [(job_id, str(max_num_timeout - n)) for n in range(1, attempts)], requeues
-    # 1: in each interrupted attempt, llmexp's handler first, then submitit's
+    # 1: in each interrupted attempt, llmexp's handler first, then submitit's. The last attempt may end inside
+    # SLURM's warning window too: llmexp then catches the signal as the run completes, and completed it stays
+    # (a warning after the outcome is final is ignored), so submitit never sees it
     ours = [m.start() for m in re.finditer(re.escape(LLMEXP_CAUGHT), err)]
     theirs = [m.start() for m in SUBMITIT_CAUGHT.finditer(err)]
-    assert len(ours) == len(theirs) == attempts - 1, err[-3000:]
-    assert all(a < b for a, b in zip(ours, theirs, strict=True)), err[-3000:]
+    assert len(theirs) == attempts - 1 and len(ours) in (attempts - 1, attempts), err[-3000:]
+    assert all(a < b for a, b in zip(ours, theirs, strict=False)), err[-3000:]
     assert all(b < a for a, b in zip(ours[1:], theirs, strict=False)), err[-3000:]  # one attempt after another
+    if len(ours) == attempts:
+        assert "completed: " in err[ours[-1]:], err[-3000:]
     # 2: slurmctld saw one job requeued, not new jobs (its accounting may lag the job's end by seconds)
     def accounting() -> list[str]:
         return subprocess.run(["sacct", "-n", "-X", "-D", "-j", job_id, "-o", "State"], capture_output=True,
