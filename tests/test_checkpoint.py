@@ -633,6 +633,40 @@ with PreemptionSignal() as stop:
     assert (tmp_path / "done").read_text() == f"SIGTERM {os.devnull}"
 
 
+def test_the_console_survives_the_death_of_whoever_read_it(tmp_path: Path) -> None:
+    """The same pipe without a reader before any signal: a worker's next console line (after a kill -9 of
+    `accelerate launch`, before torchrun's SIGTERM arrives) raised BrokenPipeError and ended the run with no
+    checkpoint and no summary (it failed so under load). The line still reaches llmexp.log; stderr leads to
+    /dev/null from then on."""
+    code = f"""
+import os, sys, time
+from pathlib import Path
+from llmexp.monitor.logger import MetricsLogger
+run = Path({str(tmp_path / "run")!r})
+run.mkdir()
+console = MetricsLogger(run, max_steps=3, enabled=True)
+open({str(tmp_path / "ready")!r}, "w").close()
+while not os.path.exists({str(tmp_path / "closed")!r}):
+    time.sleep(0.01)
+console.write("step 1 | after the reader died")
+console.write("step 2 | and again")
+with open({str(tmp_path / "done")!r}, "w") as f:
+    f.write(os.readlink("/proc/self/fd/2"))
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE,
+                            env={**os.environ, "LLMEXP_NO_BAR": "1"})
+    for _ in range(3000):
+        if (tmp_path / "ready").exists() or proc.poll() is not None:
+            break
+        time.sleep(0.01)
+    proc.stderr.close()  # the launcher that read it is gone
+    (tmp_path / "closed").touch()
+    assert proc.wait(timeout=60) == 0
+    assert (tmp_path / "done").read_text() == os.devnull
+    log = (tmp_path / "run" / "llmexp.log").read_text()
+    assert "step 1 | after the reader died" in log and "step 2 | and again" in log
+
+
 def test_checkpoints_dir_itself_may_be_a_link(tmp_path: Path) -> None:
     """`checkpoints/` as a link to another disk (a scratch volume, say): saves, rotation and resume
     work inside its target, and the link itself stays a link."""

@@ -142,6 +142,17 @@ def test_deepspeed_combinations_name_the_conflict(overrides: list[str], fragment
         check()
 
 
+def test_fp16_under_deepspeed_needs_a_gpu_that_torch_can_use() -> None:
+    """Before anything loads the check guesses from the device files (`gpu_visible`); as the run starts torch
+    answers (a CPU build of torch on a GPU machine passes the guess): the same rule, the machine's two answers."""
+    from llmexp.config.environment import deepspeed_errors
+
+    cfg = _cfg("deepspeed=zero2", "precision=fp16")
+    assert "DeepSpeed's CPU accelerator has no fp16" in deepspeed_errors(cfg, cuda=False)[0]
+    assert deepspeed_errors(cfg, cuda=True) == []
+    assert deepspeed_errors(_cfg("deepspeed=zero2", "precision=fp32"), cuda=False) == []
+
+
 def test_deepspeed_config_agrees_with_the_loop() -> None:
     from llmexp.config.derived import make_plan
     from llmexp.train.distributed import deepspeed_config

@@ -20,7 +20,7 @@ def check_environment(cfg: Any) -> None:
     """After `validate`, before anything loads: what depends on this machine and launch (the world size, every
     file and directory the config names: `paths.path_errors`, the tracker's store). Raises one UserError listing
     every problem."""
-    errors = [*_batch_errors(cfg), *_deepspeed_errors(cfg), *path_errors(cfg), *_tracking_errors(cfg)]
+    errors = [*_batch_errors(cfg), *deepspeed_errors(cfg, gpu_visible()), *path_errors(cfg), *_tracking_errors(cfg)]
     if errors:
         raise UserError("cannot run this config here:\n  " + "\n  ".join(errors))
 
@@ -39,9 +39,11 @@ def gpu_visible() -> bool:
     return Path("/dev/nvidiactl").exists() or Path("/proc/driver/nvidia/gpus").is_dir()
 
 
-def _deepspeed_errors(cfg: Any) -> list[str]:
-    """DeepSpeed's CPU accelerator computes in fp32 and bf16 only."""
-    if cfg.deepspeed.stage > 0 and cfg.precision.name == "fp16" and not gpu_visible():
+def deepspeed_errors(cfg: Any, cuda: bool) -> list[str]:
+    """DeepSpeed's CPU accelerator computes in fp32 and bf16 only. `cuda`: whether this process can use a GPU; before
+    anything loads, `gpu_visible()`'s guess; as the run starts, torch's answer (a CPU build of torch on a GPU
+    machine is the case the guess gets wrong)."""
+    if cfg.deepspeed.stage > 0 and cfg.precision.name == "fp16" and not cuda:
         return ["precision=fp16: DeepSpeed's CPU accelerator has no fp16 (it supports fp32 and bf16); use "
                 "precision=fp32, or bf16 on a CPU with AVX512-BF16/AMX"]
     return []

@@ -4,6 +4,7 @@ one dense line per record."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -209,3 +210,25 @@ def format_line(r: dict[str, Any]) -> str | None:
     if r.get("event") == "sample":
         return "\n".join(f"sample {r['step']:>4} | {s['prompt']!r} -> {s['completion']!r}" for s in r["samples"])
     return None
+
+
+def silence_dead_stdio() -> list[int]:
+    """Point stdout and stderr at /dev/null where nobody reads them any more, and return those fds.
+
+    `accelerate launch` (>= 1.16) tees its child's stderr through a pipe, so a kill -9 of it leaves the workers'
+    stderr a pipe without a reader, and a closed terminal hangs up theirs. Every later write would raise (EPIPE,
+    EIO): in the next console line, or in the checkpoint a stop is saving. Called where a write failed and where a
+    stop begins; after it, the console's lines still reach the run's own log, llmexp.log. poll(2) tells without writing:
+    a pipe without a reader reports POLLERR, a hung-up terminal or socket POLLHUP."""
+    import select
+
+    poller = select.poll()
+    for fd in (1, 2):
+        poller.register(fd, select.POLLOUT)
+    dead = [fd for fd, events in poller.poll(0) if events & (select.POLLERR | select.POLLHUP | select.POLLNVAL)]
+    if dead:
+        null = os.open(os.devnull, os.O_WRONLY)
+        for fd in dead:
+            os.dup2(null, fd)
+        os.close(null)
+    return sorted(dead)

@@ -12,7 +12,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llmexp.monitor.console import ETA_AFTER_STEPS, format_duration, format_line, held_warnings_note, job_log
+from llmexp.monitor.console import (
+    ETA_AFTER_STEPS,
+    format_duration,
+    format_line,
+    held_warnings_note,
+    job_log,
+    silence_dead_stdio,
+)
 from llmexp.monitor.sinks import Sink
 
 # One definition of what a secret is, shared with every other writer of run files.
@@ -101,10 +108,13 @@ class MetricsLogger:
         """Print above the progress bar, and copy the line to the job log (`llmexp.log`)."""
         if not self.enabled:
             return
-        if self._bar is not None and not self._bar.disable:
-            self._bar.write(text, file=sys.stderr)
-        else:
-            print(text, file=sys.stderr, flush=True)
+        try:
+            if self._bar is not None and not self._bar.disable:
+                self._bar.write(text, file=sys.stderr)
+            else:
+                print(text, file=sys.stderr, flush=True)
+        except OSError:  # nobody reads the console any more (its launcher was killed, its terminal closed)
+            silence_dead_stdio()
         if self._job_log is not None:
             self._job_log.info(text)
 

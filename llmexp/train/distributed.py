@@ -28,8 +28,10 @@ from typing import Any
 from omegaconf import DictConfig
 
 from llmexp.config.derived import BatchPlan
+from llmexp.config.environment import deepspeed_errors
 from llmexp.errors import EXIT_ERROR, UserError
-from llmexp.train.preemption import say, silence_dead_stdio
+from llmexp.monitor.console import silence_dead_stdio
+from llmexp.train.preemption import say
 
 TORCH_EXTENSIONS_DIR = "~/.cache/llmexp/torch_extensions"
 """Where DeepSpeed's JIT-compiled CPU ops (cpu_adam, cpu_lion) are cached, unless the user set
@@ -54,6 +56,8 @@ def accelerator_kwargs(cfg: DictConfig, plan: BatchPlan | None, precision: str) 
         from accelerate.utils import DeepSpeedPlugin
 
         assert plan is not None, "DeepSpeed's config needs the batch plan"
+        if errors := deepspeed_errors(cfg, torch.cuda.is_available()):  # check_environment guessed without torch
+            raise UserError("cannot run this config here:\n  " + "\n  ".join(errors))
         # The launcher's DeepSpeed fields were checked to agree (check_launch_env); our config replaces them.
         os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser(TORCH_EXTENSIONS_DIR))

@@ -10,6 +10,8 @@ from collections.abc import Iterable
 from types import FrameType
 from typing import Any, ClassVar
 
+from llmexp.monitor.console import silence_dead_stdio
+
 
 class PreemptionSignal:
     """While active, SIGTERM, SIGUSR2 and SIGINT (Ctrl-C) only set `.requested` (and `.signal_name`).
@@ -74,25 +76,3 @@ def say(text: str) -> None:
     can read it any more."""
     with contextlib.suppress(OSError):
         os.write(2, text.encode())
-
-
-def silence_dead_stdio() -> list[int]:
-    """Point stdout and stderr at /dev/null where nobody reads them any more, and return those fds.
-
-    A stop is often the moment its reader went away: `accelerate launch` (>= 1.16) tees its child's stderr
-    through a pipe, so a kill -9 of it leaves the workers' stderr a pipe without a reader, and a closed terminal
-    hangs up theirs. Every later write would raise (EPIPE, EIO) in the middle of the checkpoint being saved;
-    after this one, the console's lines still reach the run's own log, llmexp.log. poll(2) tells without writing:
-    a pipe without a reader reports POLLERR, a hung-up terminal or socket POLLHUP."""
-    import select
-
-    poller = select.poll()
-    for fd in (1, 2):
-        poller.register(fd, select.POLLOUT)
-    dead = [fd for fd, events in poller.poll(0) if events & (select.POLLERR | select.POLLHUP | select.POLLNVAL)]
-    if dead:
-        null = os.open(os.devnull, os.O_WRONLY)
-        for fd in dead:
-            os.dup2(null, fd)
-        os.close(null)
-    return sorted(dead)
