@@ -166,14 +166,13 @@ def _validate_deepspeed(cfg: Any, errors: list[str]) -> None:
     `environment.check_environment`'s)."""
     ds = cfg.deepspeed
     offload = ds.offload_optimizer != "none" or ds.offload_param != "none"
-    _check(errors, not (offload and cfg.optimizer.name.endswith("8bit")), "optimizer",
-           f"{cfg.optimizer.name} keeps its state on the accelerator and cannot run under DeepSpeed "
-           "CPU offload; use optimizer=adamw with deepspeed=zero2_offload, or deepspeed=zero2")
-    _check(errors, not (ds.offload_optimizer != "none" and not cfg.optimizer.name.endswith("8bit")
-                        and cfg.optimizer.name not in OFFLOAD_OPTIMIZERS), "optimizer",
-           f"{cfg.optimizer.name} has no DeepSpeed CPU implementation, and optimizer offload needs one (Accelerate "
-           "would silently swap in DeepSpeedCPUAdam); use optimizer=adamw or optimizer=lion with "
-           "deepspeed=zero2_offload, or deepspeed=zero2 without offload")
+    if offload and cfg.optimizer.name.endswith("8bit"):
+        errors.append(f"optimizer: {cfg.optimizer.name} keeps its state on the accelerator and cannot run under "
+                      "DeepSpeed CPU offload; use optimizer=adamw with deepspeed=zero2_offload, or deepspeed=zero2")
+    elif ds.offload_optimizer != "none" and cfg.optimizer.name not in OFFLOAD_OPTIMIZERS:
+        errors.append(f"optimizer: {cfg.optimizer.name} has no DeepSpeed CPU implementation, and optimizer offload "
+                      "needs one (Accelerate would silently swap in DeepSpeedCPUAdam); use optimizer=adamw or "
+                      "optimizer=lion with deepspeed=zero2_offload, or deepspeed=zero2 without offload")
     _check(errors, ds.offload_param == "none" or ds.stage == 3, "deepspeed.offload_param",
            f"{ds.offload_param} needs ZeRO stage 3 (got stage {ds.stage}); use deepspeed=zero3 "
            "deepspeed.offload_param=cpu")

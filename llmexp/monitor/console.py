@@ -212,8 +212,8 @@ def format_line(r: dict[str, Any]) -> str | None:
     return None
 
 
-def silence_dead_stdio() -> list[int]:
-    """Point stdout and stderr at /dev/null where nobody reads them any more, and return those fds.
+def silence_dead_stdio() -> None:
+    """Point stdout and stderr at /dev/null where nobody reads them any more.
 
     `accelerate launch` (>= 1.16) tees its child's stderr through a pipe, so a kill -9 of it leaves the workers'
     stderr a pipe without a reader, and a closed terminal hangs up theirs. Every later write would raise (EPIPE,
@@ -231,4 +231,3 @@ def silence_dead_stdio() -> list[int]:
         for fd in dead:
             os.dup2(null, fd)
         os.close(null)
-    return sorted(dead)

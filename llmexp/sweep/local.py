@@ -11,7 +11,7 @@ runs), pickles it with the task function into `<sweep dir>/.llmexp/<num>.job.pkl
 log land in `<sweep dir>/<num>/` as usual) and writes `<num>.outcome.json`; its stdout and stderr go
 to `<sweep dir>/<num>/job.log`. llmexp's jobs on CPU start warm instead: forked from a server that
 imported torch, transformers and the trainer once for the sweep (multiprocessing's forkserver), they
-skip the ~4-5 s of CPU a fresh process spends on imports and run the same `main`. GPU jobs always get
+skip the ~3 s of CPU a fresh process spends on imports and run the same `main`. GPU jobs always get
 a fresh process: CUDA must initialise in the job's own process, with its own CUDA_VISIBLE_DEVICES.
 A child that dies without an outcome is recorded from its exit signal. For an app other than llmexp
 the child also pickles Hydra's JobReturn (`<num>.return.pkl`), which the launcher hands back to
