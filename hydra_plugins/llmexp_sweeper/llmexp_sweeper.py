@@ -101,12 +101,18 @@ class GridSweeper(_LaunchingSweeper):
 
     def sweep(self, arguments: list[str]) -> Any:
         """Hydra's grid, then the sweep's exit code from how every job ended (`jobs.sweep_exit_code`): a
-        launcher exits 1 for a batch with a job that did not end by itself; 3 needs every batch's jobs."""
+        launcher exits 1 for a batch with a job that did not end by itself, as a Ctrl-C does; 3 needs every
+        batch's jobs."""
+        import logging
         from pathlib import Path
 
         from llmexp.sweep.jobs import TrialResult, exit_for_results, job_dir_of, objective, read_result
 
-        returns = self._grid(arguments)
+        try:
+            returns = self._grid(arguments)
+        except KeyboardInterrupt:  # the launcher stopped and recorded its jobs; no later batch starts
+            logging.getLogger(__name__).error("interrupted; the same command continues the sweep (exit 1)")
+            raise SystemExit(1) from None
         metric = objective(self.config)[0] if self.config is not None else None
         if self.config is None or metric is None:  # another app gets Hydra's returns only
             return returns
