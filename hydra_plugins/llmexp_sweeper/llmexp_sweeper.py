@@ -68,6 +68,25 @@ class _LaunchingSweeper(Sweeper):
         self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context,
                                                                 task_function=task_function, config=config)
 
+    def _parse(self, params: dict[str, str], arguments: list[str]) -> list[Override]:
+        """The overrides to sweep: the config's `params`, then the command line's."""
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        assert self.hydra_context is not None
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        return parser.parse_overrides([*(f"{k}={v}" for k, v in params.items()), *arguments])
+
+    def _save_config(self) -> None:
+        """The sweep's config in its directory, `multirun.yaml`, as Hydra's sweepers save it."""
+        from pathlib import Path
+
+        from omegaconf import OmegaConf
+
+        assert self.config is not None
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+
 
 class GridSweeper(_LaunchingSweeper):
     """Hydra's grid (its basic sweeper's flow, on the public `Sweeper` plugin API), its product replaced by
@@ -82,12 +101,18 @@ class GridSweeper(_LaunchingSweeper):
 
     def sweep(self, arguments: list[str]) -> Any:
         """Hydra's grid, then the sweep's exit code from how every job ended (`jobs.sweep_exit_code`): a
-        launcher exits 1 for a batch with a job that did not end by itself; 3 needs every batch's jobs."""
+        launcher exits 1 for a batch with a job that did not end by itself, as a Ctrl-C does; 3 needs every
+        batch's jobs."""
+        import logging
         from pathlib import Path
 
         from llmexp.sweep.jobs import TrialResult, exit_for_results, job_dir_of, objective, read_result
 
-        returns = self._grid(arguments)
+        try:
+            returns = self._grid(arguments)
+        except KeyboardInterrupt:  # the launcher stopped and recorded its jobs; no later batch starts
+            logging.getLogger(__name__).error("interrupted; the same command continues the sweep (exit 1)")
+            raise SystemExit(1) from None
         metric = objective(self.config)[0] if self.config is not None else None
         if self.config is None or metric is None:  # another app gets Hydra's returns only
             return returns
@@ -114,18 +139,8 @@ class GridSweeper(_LaunchingSweeper):
 
     def _grid(self, arguments: list[str]) -> Any:
         """Hydra's basic sweeper's flow: the batches, each composed and checked, then launched."""
-        from pathlib import Path
-
-        from hydra.core.override_parser.overrides_parser import OverridesParser
-        from omegaconf import OmegaConf
-
-        assert self.config is not None and self.hydra_context is not None
-        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
-        overrides = parser.parse_overrides([*(f"{k}={v}" for k, v in self.params.items()), *arguments])
-        batches = self.split_arguments(overrides, self.max_batch_size)
-        sweep_dir = Path(str(self.config.hydra.sweep.dir))
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        batches = self.split_arguments(self._parse(self.params, arguments), self.max_batch_size)
+        self._save_config()
         returns, initial_job_idx = [], 0
         for batch in batches:
             self.validate_batch_is_legal(batch)  # composition errors before anything of the batch runs
@@ -151,22 +166,13 @@ class SearchSweeper(_LaunchingSweeper):
         return exit_2_on_user_error(self._sweep, arguments)
 
     def _sweep(self, arguments: list[str]) -> Any:
-        from pathlib import Path
-
-        from hydra.core.override_parser.overrides_parser import OverridesParser
-        from omegaconf import OmegaConf
-
         from llmexp.sweep.search import SearchSettings, run_search
 
-        assert self.config is not None and self.hydra_context is not None
-        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
-        overrides = parser.parse_overrides([*(f"{k}={v}" for k, v in self.params.items()), *arguments])
+        overrides = self._parse(self.params, arguments)
         options = dict(self.settings)
         settings = SearchSettings(options.pop("sampler"), SearchSweepConfig(**options))
         self._prepare_launcher(settings)
-        sweep_dir = Path(str(self.config.hydra.sweep.dir))
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        self._save_config()
         return run_search(self, overrides, settings)
 
     def _prepare_launcher(self, settings: Any) -> None:

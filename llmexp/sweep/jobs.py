@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -479,3 +481,30 @@ def exit_for_results(results: Sequence[TrialResult], what: str, sweep_dir: Path)
                   f"end by themselves (exit 1); run the same command to continue; see {sweep_dir / 'sweep_report.md'}")
     if code:
         raise SystemExit(code)
+
+
+# ----------------------------------------------------------------------------- Ctrl-C in a sweeper
+
+
+class StopRequest:
+    """While active, SIGINT (Ctrl-C) and SIGTERM are counted in `count`, not raised, so that the block acts on them
+    where it is safe to: the local launcher stops its jobs (none left running, none started unrecorded), an optuna
+    write to the journal ends whole. A request is passed on as KeyboardInterrupt as the block ends. Inert outside
+    the main thread, and for a signal this process ignores (a script's background job ignores SIGINT)."""
+
+    def __enter__(self) -> StopRequest:
+        self.count, self._previous = 0, dict[int, Any]()
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self._previous[sig] = signal.signal(sig, self._count)
+        return self
+
+    def _count(self, *_: object) -> None:
+        self.count += 1
+
+    def __exit__(self, error: type[BaseException] | None, *_: object) -> None:
+        for sig, previous in self._previous.items():  # None: not installed from Python; the default is the guess
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        if self.count and error is None:
+            raise KeyboardInterrupt

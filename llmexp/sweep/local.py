@@ -13,7 +13,11 @@ to `<sweep dir>/<num>/job.log`. llmexp's jobs on CPU start warm instead: forked 
 imported torch, transformers and the trainer once for the sweep (multiprocessing's forkserver), they
 skip the ~3 s of CPU a fresh process spends on imports and run the same `main`. GPU jobs always get
 a fresh process: CUDA must initialise in the job's own process, with its own CUDA_VISIBLE_DEVICES.
-A child that dies without an outcome is recorded from its exit signal. For an app other than llmexp
+A warm job is the server's child, not the launcher's, so the launcher watches it through its pidfd
+(Linux): if the server dies, at start-up or mid-job, its jobs run on, watched, each in its slot, and
+later jobs start fresh. A child that dies without an outcome is recorded from its exit signal.
+Ctrl-C (or SIGTERM) stops every running job with a checkpoint (SIGTERM; a second Ctrl-C: SIGKILL),
+and the launcher returns only once each has ended: no job outlives the sweep. For an app other than llmexp
 the child also pickles Hydra's JobReturn (`<num>.return.pkl`), which the launcher hands back to
 Hydra as it is. What every job and sweep share with the SLURM launcher
 (`llmexp.sweep.slurm`) is in `llmexp.sweep.jobs`.
@@ -22,10 +26,12 @@ The launcher's process imports neither torch nor submitit (a warm job's process 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import multiprocessing
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -41,6 +47,7 @@ from llmexp.rundir.files import atomic_file, write_json_atomic
 from llmexp.sweep.jobs import (
     JobOutcome,
     JobSpec,
+    StopRequest,
     compose_jobs,
     execute,
     failed_return,
@@ -136,12 +143,13 @@ def launch_local(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
     for spec in to_run if extras else ():  # `llmexp.status` shows the jobs that wait for a slot
         record_outcome(spec, JobOutcome(spec.num, "queued", None, "waiting for a free slot"))
     warm = trains(launcher.task_function) and slots[0] is None and _warm_server()
-    outcomes.update(_run_queue(to_run, slots, work, warm))
-    returns = None if extras else [_job_return(s, outcomes[s.num], work) for s in specs]
-    shutil.rmtree(work, ignore_errors=True)  # the pickles; llmexp's outcomes are recorded by finish_sweep
-    if returns is not None:
-        return returns
-    return finish_sweep(specs, [outcomes[s.num] for s in specs], launcher.within_search)
+    with StopRequest() as stop:  # Ctrl-C: the jobs are stopped and recorded, then the sweeper gets it
+        outcomes.update(_run_queue(to_run, slots, work, warm, stop))
+        returns = None if extras else [_job_return(s, outcomes[s.num], work) for s in specs]
+        shutil.rmtree(work, ignore_errors=True)  # the pickles; llmexp's outcomes are recorded by finish_sweep
+        if returns is None:
+            returns = finish_sweep(specs, [outcomes[s.num] for s in specs], launcher.within_search)
+    return returns
 
 
 def trains(task_function: Any) -> bool:
@@ -167,41 +175,48 @@ def _dump_job(path: Path, payload: tuple) -> None:
         cloudpickle.dump(payload, f)
 
 
-def _run_queue(specs: Sequence[JobSpec], slots: list[str | None], work: Path, warm: bool) -> dict[int, JobOutcome]:
-    """Start jobs as slots free up (`warm`: forked from the preloaded server); collect an outcome for every job,
-    whatever happens to it."""
+def _run_queue(specs: Sequence[JobSpec], slots: list[str | None], work: Path, warm: bool,
+               stop: StopRequest) -> dict[int, JobOutcome]:
+    """Start jobs as slots free up (`warm`: forked from the preloaded server), until `stop` is requested; collect an
+    outcome for every job, whatever happens to it, and return only once none runs."""
     pending, free = deque(specs), list(slots)
     running: list[_Running] = []
     outcomes: dict[int, JobOutcome] = {}
     try:
-        while pending or running:
-            while pending and free:
-                spec = pending.popleft()
-                running.append(_start(spec, free.pop(0), len(slots), work, warm))
+        while (pending or running) and not stop.count:
+            while pending and free and not stop.count:
+                running.append(_start(pending.popleft(), free.pop(0), len(slots), work, warm))
+                warm = warm and isinstance(running[-1].proc, _WarmJob)  # else its server failed: fresh from now on
             time.sleep(0.1)
             for job in [j for j in running if j.proc.poll() is not None]:
                 running.remove(job)
                 free.append(job.slot)
                 outcomes[job.spec.num] = _collect(job)
-    except KeyboardInterrupt:
-        log.warning("interrupted: asking running jobs to checkpoint and stop (SIGTERM)")
-        for job in running:
-            _stop(job)
-            outcomes[job.spec.num] = _collect(job)
-        for spec in pending:
-            outcomes[spec.num] = JobOutcome(spec.num, "cancelled", None, "the sweep was interrupted before it started")
+            if warm and (orphan := next((j for j in running if j.proc.lost_server), None)):  # (all warm)
+                warm = _cold(f"died; job #{orphan.spec.num} (pid {orphan.proc.pid}) runs on, still watched")
+    finally:  # a stop asked for, or an error here: no job outlives the sweep
+        _stop_all(running, stop)
+    for job in running:
+        outcomes[job.spec.num] = _collect(job)
+    for spec in pending:
+        outcomes[spec.num] = JobOutcome(spec.num, "cancelled", None, "the sweep was interrupted before it started")
     return outcomes
 
 
 def _start(spec: JobSpec, slot: str | None, num_slots: int, work: Path, warm: bool) -> _Running:
+    """Start a job's process: forked from the fork server when `warm` and the server serves it, else fresh."""
     spec.job_dir.mkdir(parents=True, exist_ok=True)
     (spec.job_dir / "job_status.json").unlink(missing_ok=True)  # `queued` (or an earlier launch's verdict) no more
     outcome_path = work / f"{spec.num}.outcome.json"
     outcome_path.unlink(missing_ok=True)
     args, env = [str(work / f"{spec.num}.job.pkl"), str(outcome_path)], child_env(slot, num_slots)
+    proc: subprocess.Popen | _WarmJob | None = None
     if warm:
-        proc: subprocess.Popen | _WarmJob = _WarmJob.start(args, spec.job_dir / "job.log", env)
-    else:
+        try:
+            proc = _WarmJob(args, spec.job_dir / "job.log", env)
+        except (OSError, EOFError) as err:  # the server died before it forked the job (at start-up: importing)
+            warm = _cold(f"died before it started job #{spec.num} ({type(err).__name__}: {err})")
+    if proc is None:
         with open(spec.job_dir / "job.log", "ab") as job_log:
             # A new session: Ctrl-C in the terminal reaches the launcher only, which stops jobs cleanly.
             proc = subprocess.Popen([sys.executable, "-m", "llmexp.sweep.local", *args], stdout=job_log,
@@ -212,14 +227,19 @@ def _start(spec: JobSpec, slot: str | None, num_slots: int, work: Path, warm: bo
     return _Running(spec, slot, proc, outcome_path, time.monotonic())
 
 
-def _stop(job: _Running, grace_s: float = 120.0) -> None:
-    """SIGTERM (the trainer checkpoints at the next step and ends `preempted`), then SIGKILL."""
-    job.proc.terminate()
-    try:
-        job.proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        job.proc.kill()
-        job.proc.wait()
+def _stop_all(running: Sequence[_Running], stop: StopRequest, grace_s: float = 120.0) -> None:
+    """SIGTERM to every running job (the trainer checkpoints at its next step and ends `preempted`), SIGKILL after
+    `grace_s` or at a second Ctrl-C; return once every one has ended."""
+    alive = [job for job in running if job.proc.poll() is None]
+    if alive:
+        log.warning("interrupted: asking running jobs to checkpoint and stop (SIGTERM; Ctrl-C again kills them)")
+    for job in alive:
+        job.proc.send_signal(signal.SIGTERM)
+    asked, deadline = stop.count, time.monotonic() + grace_s
+    while any(job.proc.poll() is None for job in alive):
+        for job in alive if stop.count > asked or time.monotonic() > deadline else ():
+            job.proc.send_signal(signal.SIGKILL)
+        time.sleep(0.1)
 
 
 def _collect(job: _Running) -> JobOutcome:
@@ -233,7 +253,9 @@ def _collect(job: _Running) -> JobOutcome:
             status = "cancelled" if sig in _STOP_SIGNALS else "killed" if sig == signal.SIGKILL else "failed"
             outcome = JobOutcome(num, status, code, f"the job process was killed by {sig.name}")
         else:
-            outcome = JobOutcome(num, "failed", code, f"the job process exited with code {code} without an outcome; "
+            lost = isinstance(job.proc, _WarmJob) and job.proc.lost_server
+            how = "ended (how is unknown: its fork server had died)" if lost else f"exited with code {code}"
+            outcome = JobOutcome(num, "failed", code, f"the job process {how} without an outcome; "
                                  f"see {job.spec.job_dir / 'job.log'}")
     took_s = time.monotonic() - job.started_s
     log.info(f"  #{num} {outcome.status} after {took_s:.1f} s (exit {outcome.exit_code})")
@@ -248,55 +270,60 @@ PRELOAD = ["llmexp.train.train"]
 
 def _warm_server() -> bool:
     """Start the fork server of warm jobs (its imports run while the launcher goes on); False, with a warning,
-    where it cannot start: the jobs then start fresh."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    where it cannot start: the jobs then start fresh. Warm jobs need a pidfd to be watched by (Linux)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods() or not hasattr(os, "pidfd_open"):
         return False
     from multiprocessing import forkserver
 
     forkserver.set_forkserver_preload(PRELOAD)
     try:
+        os.close(os.pidfd_open(os.getpid()))  # Linux >= 5.3
         forkserver.ensure_running()
     except OSError as err:  # Python < 3.13 puts its socket under TMPDIR: a long TMPDIR is too long for AF_UNIX
-        log.warning(f"jobs start fresh processes: the fork server of warm jobs did not start ({err})")
-        return False
+        return _cold(f"did not start ({err})")
     return True
 
 
+def _cold(why: str) -> bool:
+    """Warn that jobs start fresh processes from now on, and why; False (no more warm jobs)."""
+    log.warning(f"jobs start fresh processes: the fork server of warm jobs {why}")
+    return False
+
+
 class _WarmJob:
-    """A CPU job forked from the sweep's fork server, with the part of Popen's interface the queue uses."""
+    """A CPU job forked from the sweep's fork server, with the part of Popen's interface the queue uses.
 
-    def __init__(self, process: Any) -> None:
-        self.process = process
+    The job is the server's child, not the launcher's: its end is learnt from its pidfd, which holds whether or not
+    the server lives, and it is signalled through it (never a reused pid); while the server lives, it reports the
+    job's exit status. A server that dies while the job runs (its status pipe at EOF) leaves the job running,
+    watched (`lost_server`), and its exit status unknown (255, as multiprocessing says)."""
 
-    @classmethod
-    def start(cls, args: list[str], log_path: Path, env: dict[str, str]) -> _WarmJob:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str]) -> None:
         context = multiprocessing.get_context("forkserver")  # the server `_warm_server` started
-        process = context.Process(target=_warm_main, args=(args, str(log_path), env), name="llmexp-job")
-        process.start()
-        return cls(process)
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self.process.exitcode  # -N for signal N, as Popen's
+        self.process = context.Process(target=_warm_main, args=(args, str(log_path), env), name="llmexp-job")
+        self.process.start()  # OSError, EOFError: the server died before it forked the job
+        self.pid, self.pidfd = self.process.pid, os.pidfd_open(self.process.pid)  # (it is still reading its pickle)
+        self.returncode: int | None = None
+        self.lost_server = False
 
     def poll(self) -> int | None:
-        return self.process.exitcode
+        """The exit status (-N for signal N, as Popen's) once the job has ended, else None."""
+        if self.returncode is None and _readable(self.pidfd):  # ended; a live server reports how at once
+            self.process.join(30)
+            self.returncode = 255 if self.process.exitcode is None else self.process.exitcode
+            os.close(self.pidfd)
+        elif self.returncode is None and not self.lost_server and _readable(self.process.sentinel):
+            self.lost_server = True  # the status pipe is at EOF while the job runs: the server died
+        return self.returncode
 
-    def terminate(self) -> None:
-        self.process.terminate()
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):  # it ended just now
+                signal.pidfd_send_signal(self.pidfd, sig)
 
-    def kill(self) -> None:
-        self.process.kill()
 
-    def wait(self, timeout: float | None = None) -> int:
-        self.process.join(timeout)
-        if self.process.exitcode is None:
-            raise subprocess.TimeoutExpired("llmexp job", timeout or 0.0)
-        return self.process.exitcode
+def _readable(fd: int) -> bool:
+    return bool(select.select([fd], [], [], 0)[0])
 
 
 def _warm_main(args: list[str], log_path: str, env: dict[str, str]) -> None:

@@ -32,9 +32,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmexp.config.schema import SearchSweepConfig
-from llmexp.errors import UserError
+from llmexp.errors import EXIT_ERROR, UserError
 from llmexp.rundir.study import STUDY_NAME, journal_storage, make_pruner
-from llmexp.sweep.jobs import TrialResult, exit_for_results, job_dir_of, objective, read_result, write_report
+from llmexp.sweep.jobs import (
+    StopRequest,
+    TrialResult,
+    exit_for_results,
+    job_dir_of,
+    objective,
+    read_result,
+    write_report,
+)
 from llmexp.sweep.space import finite_grid, search_space, trial_overrides
 from llmexp.sweep.tracking import close_parent
 
@@ -147,7 +155,8 @@ def _pruner(config: Any, search: SearchSweepConfig, llmexp_app: bool) -> Any:
 
 
 def run_search(sweeper: Any, overrides: Sequence[Any], settings: SearchSettings) -> list[Sequence[JobReturn]]:
-    """The search sweeper's `sweep`: resume the interrupted trials, then ask, launch and tell until done."""
+    """The search sweeper's `sweep`: resume the interrupted trials, then ask, launch and tell until done, or until
+    Ctrl-C, wherever it lands: the launcher stops the running trials, and an optuna write ends whole first."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -156,16 +165,17 @@ def run_search(sweeper: Any, overrides: Sequence[Any], settings: SearchSettings)
     sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
     metric, direction = objective(config)
     sampler = make_sampler(settings.sampler, search.seed, search.n_trials)
-    study = open_study(sweep_dir, space, fixed, sampler, _pruner(config, search, metric is not None),
-                       metric or "returned", direction)
-    n_trials, grid = search.n_trials, finite_grid(space, search.n_trials)
-    if grid is not None:
-        log.info(f"The search space has {len(grid)} points, no more than the {n_trials} trials asked for: "
-                 "each runs once, in the grid's order")
-        n_trials = len(grid)
-        if not study.trials:  # a rerun finds them queued (WAITING) or run in the study
-            for params in grid:
-                study.enqueue_trial(params)
+    with StopRequest():  # optuna's writes end whole
+        study = open_study(sweep_dir, space, fixed, sampler, _pruner(config, search, metric is not None),
+                           metric or "returned", direction)
+        n_trials, grid = search.n_trials, finite_grid(space, search.n_trials)
+        if grid is not None:
+            log.info(f"The search space has {len(grid)} points, no more than the {n_trials} trials asked for: "
+                     "each runs once, in the grid's order")
+            n_trials = len(grid)
+            if not study.trials:  # a rerun finds them queued (WAITING) or run in the study
+                for params in grid:
+                    study.enqueue_trial(params)
     if study.trials:  # a rerun: a sampler seeded as the first run's would propose that run's points again
         study.sampler = make_sampler(settings.sampler, search.seed + len(study.trials), search.n_trials)
     returns: list[Sequence[JobReturn]] = []
@@ -174,19 +184,26 @@ def run_search(sweeper: Any, overrides: Sequence[Any], settings: SearchSettings)
     if resumed:
         log.info(f"Resuming {len(resumed)} interrupted trials of {sweep_dir}: "
                  f"{', '.join(str(t.number) for t in resumed)}")
-    going = all(_run_batch(sweeper, study, batch, sweep_dir, returns, metric) for batch in _contiguous(resumed))
-    while going and (ended := _ended(study)) < n_trials:
-        batch = [study.ask(space) for _ in range(min(search.parallel, n_trials - ended))]
-        for trial in batch:
-            trial.set_user_attr("overrides", trial_overrides(trial.params, overrides))
-        going = _run_batch(sweeper, study, batch, sweep_dir, returns, metric)
+    try:
+        going = all(_run_batch(sweeper, study, batch, sweep_dir, returns, metric) for batch in _contiguous(resumed))
+        while going and (ended := _ended(study)) < n_trials:
+            with StopRequest():  # optuna's writes end whole
+                batch = [study.ask(space) for _ in range(min(search.parallel, n_trials - ended))]
+                for trial in batch:
+                    trial.set_user_attr("overrides", trial_overrides(trial.params, overrides))
+            going = _run_batch(sweeper, study, batch, sweep_dir, returns, metric)
+    except KeyboardInterrupt:
+        log.warning(f"interrupted; run the same command with hydra.sweep.dir={sweep_dir} to continue the search "
+                    "(interrupted trials resume from their checkpoints)")
     if metric is not None:
         write_report(sweep_dir)
         close_parent(sweep_dir, ok=_ended(study) >= n_trials)  # logger=mlflow: the sweep's parent run
     _log_best(study, sweep_dir, metric)
-    if metric is not None:  # grid and search agree: jobs.sweep_exit_code
-        exit_for_results([read_result(job_dir_of(config, t.number), metric) for t in study.trials], "trial",
-                         sweep_dir)
+    if metric is not None:  # grid and search agree: jobs.sweep_exit_code; a trial not yet started has not ended
+        results = [read_result(job_dir_of(config, t.number), metric) for t in study.trials]
+        exit_for_results(results + [TrialResult("running")] * (n_trials - len(results)), "trial", sweep_dir)
+    elif _ended(study) < n_trials:  # another app's search, interrupted
+        raise SystemExit(EXIT_ERROR)
     return returns
 
 
@@ -217,19 +234,27 @@ def _run_batch(sweeper: Any, study: Any, batch: list[optuna.Trial], sweep_dir: P
     job_dirs = {t.number: job_dir_of(sweeper.config, t.number) for t in batch}
     for trial in batch:
         log.info(f"  trial {trial.number}: {' '.join(f'{k}={v}' for k, v in trial.params.items())}")
-    returns.append(sweeper.launcher.launch(jobs, initial_job_idx=first))  # each trial prunes itself
-    interrupted = False
+    stopped = interrupted = False
+    try:
+        returns.append(sweeper.launcher.launch(jobs, initial_job_idx=first))  # each trial prunes itself
+    except KeyboardInterrupt:  # the launcher stopped the trials still running: tell those that ended, then stop
+        if metric is None:  # another app's trials: their results were the launch's returns
+            raise
+        stopped = True
     for i, trial in enumerate(batch):
         result = read_result(job_dirs[trial.number], metric) if metric is not None else returned_result(returns[-1][i])
         if result.status == "running":
             interrupted = True  # stays RUNNING: a rerun resumes it from its checkpoint
             continue
-        tell(study, trial, result)
+        with StopRequest():
+            tell(study, trial, result)
         if result.user_error:
             raise UserError(f"trial {trial.number} stopped on a mistake that every trial would repeat, so the search "
                             f"stops: {result.reason}")
         shown = f"{result.value:.4f}" if result.value is not None else result.reason or f"step {result.step}"
         log.info(f"  trial {trial.number} {result.status}: {shown}")
+    if stopped:
+        raise KeyboardInterrupt
     if interrupted:
         log.warning(f"the search was interrupted; run the same command with hydra.sweep.dir={sweep_dir} to "
                     "continue it (interrupted trials resume from their checkpoints)")
