@@ -1,6 +1,6 @@
 """Every key that names a file or directory, checked against this machine before anything is written.
 
-One rule per kind of path (`rules.PATH_KINDS`; which key is which: the `PathRule`s of `rules.RULES`, plus
+One rule per kind of path (`rules.PATH_KINDS`; which key is which: the `PathRule` on each schema field, plus
 `hydra.run.dir` / `hydra.sweep.dir`): a path is looked at once with `os.stat`, which follows symbolic links,
 so a missing path, a file where a directory belongs (and the reverse), an empty file, a part of the path that
 is a file, and a symbolic link loop are each told apart and named with the key and the fix. What a directory
@@ -20,6 +20,8 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
 
 HF_BUILDERS = ("parquet", "arrow", "json", "csv", "text")
 """`data.path` values that name one of the `datasets` file builders: `data.data_files` says which files."""
@@ -329,38 +331,34 @@ KIND_CHECKS: dict[str, Callable[[Any, str, Any], str | None]] = {
 
 
 def path_errors(cfg: Any) -> list[str]:
-    """Every path key of `rules.RULES` (and each `data.mix` source's) that breaks its kind's rule, and the run
-    or sweep directory this launch writes."""
-    from omegaconf import OmegaConf
-
-    from llmexp.config.rules import RULES, PathRule
-
+    """Every path key of the schema (a `rules.PathRule` on its field; each `data.mix` source's too) that breaks
+    its kind's rule, and the run or sweep directory this launch writes."""
     errors = directory_errors(cfg)
-    for key, rule in RULES.items():
-        if isinstance(rule, PathRule) and rule.kind != "dir_out":
-            value = OmegaConf.select(cfg, key)
-            if value not in (None, "") and (problem := KIND_CHECKS[rule.kind](cfg, key, value)):
-                errors.append(problem)
+    for key, kind in _path_keys().items():
+        value = OmegaConf.select(cfg, key)
+        if kind != "dir_out" and value not in (None, "") and (problem := KIND_CHECKS[kind](cfg, key, value)):
+            errors.append(problem)
     for i, source in enumerate(cfg.data.mix if cfg.data.name == "hf" else []):
         if source.get("path") and (problem := hf_source_problem(cfg, f"data.mix[{i}].path", source.path)):
             errors.append(problem)
     return errors + task_file_errors(cfg)
 
 
+def _path_keys() -> dict[str, str]:
+    """Each leaf whose rule is a `PathRule` -> its kind."""
+    from llmexp.config.keys import leaves
+    from llmexp.config.rules import PathRule
+
+    return {leaf.key: leaf.rule.kind for leaf in leaves().values() if isinstance(leaf.rule, PathRule)}
+
+
 def directory_errors(cfg: Any) -> list[str]:
     """The directories this launch writes: the cache, and `hydra.run.dir` for a run or `hydra.sweep.dir` for a
     sweep when the config holds Hydra's node (the CLI's checks; a job's own process has none)."""
-    from omegaconf import DictConfig, OmegaConf
-
-    from llmexp.config.rules import RULES, PathRule
-
-    keys = [k for k, rule in RULES.items() if isinstance(rule, PathRule) and rule.kind == "dir_out"]
+    keys = [k for k, kind in _path_keys().items() if kind == "dir_out"]
     hydra = cfg.get("hydra") if isinstance(cfg, DictConfig) else None
     if isinstance(hydra, DictConfig):
         keys.append("hydra.sweep.dir" if str(hydra.get("mode")) == "RunMode.MULTIRUN" else "hydra.run.dir")
-    errors = []
-    for key in keys:
-        value = OmegaConf.select(cfg, key)
-        if value not in (None, "") and (problem := dir_out_problem(key, value)):
-            errors.append(problem)
-    return errors
+    values = {key: OmegaConf.select(cfg, key) for key in keys}
+    return [problem for key, value in values.items()
+            if value not in (None, "") and (problem := dir_out_problem(key, value))]

@@ -595,15 +595,13 @@ def settings_from_config(cfg: dict[str, Any], lr: float | None = None, precision
     """MonitorSettings of a run from its saved config (`.hydra/config.yaml` as plain data), for the doctor and the
     reports after the fact. `lr` and `precision` are what the run resolved `auto` to (summary.json); a key the
     file lacks has the schema's default, as it had in the run."""
-    from llmexp.config.keys import schema_fields
-
-    defaults = schema_fields()
+    from llmexp.config.keys import leaves
 
     def saved(key: str) -> Any:
         node: Any = cfg
         for part in key.split("."):
             node = node.get(part) if isinstance(node, dict) else None
-        return defaults[key][1] if node is None else node
+        return leaves()[key].default if node is None else node
 
     try:
         cfg_lr = float(saved("lr"))
