@@ -55,22 +55,20 @@ def dir_out_problem(key: str, value: Any) -> str | None:
     """A directory llmexp creates and writes (run, sweep, cache): if it exists it is a writable directory; if
     not, its nearest existing parent is one."""
     path = Path(str(value)).expanduser()
-    found, why = _stat(path)
-    if why:
-        return f"{_shown(key, value)}: {why}; set {key} to a directory"
-    if found is not None:
-        if not stat.S_ISDIR(found.st_mode):
-            return f"{_shown(key, value)}: is a file, not a directory; remove it or set {key} to a directory"
-        return None if os.access(path, os.W_OK | os.X_OK) else f"{_shown(key, value)}: is not writable by you"
-    for parent in path.absolute().parents:
-        found, why = _stat(parent)
+    for place in (path, *path.absolute().parents):
+        found, why = _stat(place)
+        subject = f"{_shown(key, value)}:" + ("" if place is path else f" its parent {place}")
         if why:
-            return f"{_shown(key, value)}: its parent {parent} {why}; set {key} to a directory"
-        if found is not None:
-            if not stat.S_ISDIR(found.st_mode):
-                return f"{_shown(key, value)}: its parent {parent} is a file, not a directory; set {key} elsewhere"
-            return None if os.access(parent, os.W_OK | os.X_OK) else \
-                f"{_shown(key, value)}: cannot be created, {parent} is not writable by you"
+            return f"{subject} {why}; set {key} to a directory"
+        if found is None:
+            continue
+        if not stat.S_ISDIR(found.st_mode):
+            fix = f"remove it or set {key} to a directory" if place is path else f"set {key} elsewhere"
+            return f"{subject} is a file, not a directory; {fix}"
+        if os.access(place, os.W_OK | os.X_OK):
+            return None
+        return f"{subject} is not writable by you" if place is path else \
+            f"{_shown(key, value)}: cannot be created, {place} is not writable by you"
     return None
 
 
