@@ -93,35 +93,22 @@ def is_allowed_object(obj: object, names: Iterable[str], import_modules: bool = 
     return False
 
 
-def target_problem(target: object, allowed: tuple[str, ...]) -> str | None:
-    """Why `target` may not be instantiated, or None. Purely syntactic: nothing is imported.
-
-    A target must be a dotted name of identifiers (no dunders such as `__builtins__`) under one of
-    the `allowed` prefixes; interpolations and other strings are refused.
-    """
+def target_problem(target: object) -> str | None:
+    """Why `target` is no dotted class name (module.Class, identifiers, no dunders such as `__builtins__`), or None.
+    Purely syntactic: nothing is imported; interpolations and other strings are refused."""
     if not isinstance(target, str) or not _TARGET_NAME.fullmatch(target) or "__" in target:
         return f"{target!r} is not a dotted class name (module.Class, no dunders)"
-    if not target.startswith(allowed):
-        return f"{target!r} is not under an allowed prefix ({', '.join(allowed)})"
     return None
 
 
-def find_keys(node: Any, names: tuple[str, ...] = ("_target_",), path: str = "") -> list[tuple[str, Any]]:
-    """Every (`key.path.<name>`, value) in plain nested data whose last key is one of `names`."""
+def find_targets(node: Any, path: str = "") -> list[tuple[str, Any]]:
+    """Every (`key.path._target_`, value) in plain nested data."""
     found: list[tuple[str, Any]] = []
     items = node.items() if isinstance(node, Mapping) else enumerate(node) if isinstance(node, list) else []
     for key, value in items:
         key_path = f"{path}.{key}" if path else str(key)
-        if key in names:
-            found.append((key_path, value))
-        else:
-            found.extend(find_keys(value, names, key_path))
+        found.extend([(key_path, value)] if key == "_target_" else find_targets(value, key_path))
     return found
-
-
-def find_targets(node: Any) -> list[tuple[str, Any]]:
-    """Every (`key.path._target_`, value) in plain nested data."""
-    return find_keys(node, ("_target_",))
 
 
 def target_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
@@ -142,7 +129,7 @@ def target_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
 
 def _job_target_problem(key: str, value: object) -> str | None:
     allowed = allowed_targets(key)
-    if problem := target_problem(value, ("",)):
+    if problem := target_problem(value):
         return f"{problem}; pick a class with its config group (e.g. optimizer=adamw)"
     if not allowed:
         return (f"{value!r} is not allowed here: llmexp instantiates _target_ only at optimizer._target_ (and Hydra at "
@@ -161,7 +148,7 @@ def _hydra_target_problem(key: str, value: object) -> str | None:
     from hydra.utils import get_object  # what hydra.utils.instantiate uses to find a target
 
     allowed = allowed_targets(key)
-    if problem := target_problem(value, ("",)):
+    if problem := target_problem(value):
         return problem
     if not allowed:
         return f"{value!r}: Hydra instantiates nothing at this key; remove it"
@@ -178,23 +165,32 @@ def _hydra_target_problem(key: str, value: object) -> str | None:
     return None
 
 
-def check_located(obj: Any, target: str, key: str, allowed: tuple[str, ...],
-                  base: type | tuple[type, ...] | None = None) -> None:
-    """After import (llmexp.model.build): `target` must name an object under one of the `allowed` prefixes, and
-    the object it resolved to must be one of the objects allowed at `key` (`allowed_targets`), compared by
-    identity, so that `torch.optim.X.os.system` style detours fail; with `base`, also a subclass of it. A key
-    where nothing is instantiated allows no object at all."""
-    if problem := target_problem(target, allowed):
-        raise UserError(f"{key}: {problem}; pick a class with its config group (e.g. optimizer=adamw)")
+def import_target(key: str, target: Any, base: type | None = None) -> Any:
+    """The class `target` names at `key` (llmexp.model.build): imported only once the name is one allowed there (the
+    check `validate` made), then compared with the allowed objects by identity (`check_located`)."""
+    import importlib
+
+    if problem := _job_target_problem(key, target):
+        raise UserError(f"{key}: {problem}")
+    module_name, _, attr = target.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise UserError(f"{key}: cannot import {target!r} ({err}); is its package installed?") from err
+    check_located(obj, target, key, base)
+    return obj
+
+
+def check_located(obj: Any, target: str, key: str, base: type | None = None) -> None:
+    """After import: the object `target` resolved to must be one of the objects allowed at `key`
+    (`allowed_targets`), compared by identity, so that `torch.optim.X.os.system` style detours fail; with `base`,
+    also a subclass of it. A key where nothing is instantiated allows no object at all."""
+    fix = "pick a class with its config group (e.g. optimizer=adamw)"
     if not is_allowed_object(obj, allowed_targets(key)):
         defined_as = f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', None)}"
-        raise UserError(f"{key}: {target!r} resolves to {defined_as!r}, which is not one of the allowed classes; "
-                        "pick a class with its config group (e.g. optimizer=adamw)")
-    bases = base if isinstance(base, tuple) else (base,) if base is not None else ()
-    if bases and not (isinstance(obj, type) and issubclass(obj, bases)):
-        names_ = " or ".join(f"{b.__module__}.{b.__qualname__}" for b in bases)
-        raise UserError(f"{key}: {target!r} is not a subclass of {names_}; "
-                        "pick a class with its config group (e.g. optimizer=adamw)")
+        raise UserError(f"{key}: {target!r} resolves to {defined_as!r}, which is not one of the allowed classes; {fix}")
+    if base is not None and not (isinstance(obj, type) and issubclass(obj, base)):
+        raise UserError(f"{key}: {target!r} is not a subclass of {base.__module__}.{base.__qualname__}; {fix}")
 
 
 def _logging_problems(node: Any, key: str, base_dir: str, relative_to: str) -> list[tuple[str, str]]:
@@ -241,15 +237,6 @@ def path_problem(value: str, allow_absolute: bool = False) -> str | None:
     if ".." in re.split(r"[\\/]", value):
         return "contains a '..' component"
     return None
-
-
-def check_job_dir(output_dir: str | Path, sweep_dir: str | Path) -> None:
-    """A sweep job's directory must be inside the sweep directory (subdir names come from override values)."""
-    job, root = Path(output_dir).resolve(), Path(sweep_dir).resolve()
-    if job != root and root not in job.parents:
-        raise UserError(f"hydra.sweep.subdir puts this job in {job}, outside the sweep directory {root}; "
-                        "build subdirs from safe names, e.g. "
-                        "hydra.sweep.subdir='${llmexp_safe:${hydra.job.override_dirname}}'")
 
 
 def outside_problem(path: str, base_dir: str | Path, relative_to: str | Path | None = None) -> str | None:
