@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from llmexp.config.tree import conf_dir
 from llmexp.config.keys import leaves
 from llmexp.config.rules import Range
+from llmexp.config.tree import conf_dir
 from llmexp.config.validation import ConfigError, validate
 from tests.conftest import compose, run_cli
 
@@ -211,3 +211,24 @@ def test_stdlib_pretraining_lr_comes_with_its_data_and_other_data_keep_lr_auto(t
     assert resolve_lr(compose(["peft=lora"], tmp_path), 7_000_000) == (pytest.approx(2e-4), "auto-adapter")
     for other in (["data=json", "data.train_file=t.jsonl"], ["model.name_or_path=run/model", "data=stdlib_sft"]):
         assert configured_lr(compose(other, tmp_path)) is None, other
+
+
+# ---------------------------------------------------------------- the reference the docs are generated from
+
+
+def test_the_reference_describes_every_key_from_its_field() -> None:
+    """`keys.reference()` lists every leaf of the schema (and the launchers' and sweepers' own settings), each with
+    a type, a default, its rule in words and a doc, all read from the field (`rules.key`)."""
+    from llmexp.config.keys import reference
+
+    docs = {d.key: d for d in reference()}
+    assert set(leaves()) <= set(docs) and "hydra.sweeper.max_batch_size" in docs
+    assert all(d.doc and d.rule and d.type for d in docs.values()), [d.key for d in docs.values() if not d.doc]
+    max_steps = docs["train.max_steps"]
+    assert (max_steps.type, max_steps.default) == ("int", 250)
+    assert max_steps.rule == "must be >= 1 or -1 (-1 trains for train.num_train_epochs)"
+    assert docs["optimizer.name"].rule == "one of: adamw, adamw8bit, lion, lion8bit, paged_adamw8bit, sgd"
+    assert (docs["model.name_or_path"].type, docs["model.name_or_path"].default) == ("str | null", None)
+    assert (docs["logger.tags"].type, docs["optimizer.betas"].default) == ("list[str]", [0.9, 0.999])
+    assert docs["eval.generate.<name>.max_new_tokens"].rule == "must be in [1, 4096]"
+

@@ -2,9 +2,9 @@
 
 The leaves are found by walking the schema's dataclasses (`llmexp.config.schema.Config`, and the launchers' and
 sweepers' `hydra.launcher.*` / `hydra.sweeper.*` configs in `hydra_plugins`), never listed here, so a new key
-without a rule on its field (`llmexp.config.rules.key`, read by `keys.rule_for`) fails `test_every_leaf_has_a_rule`. For each leaf,
-hypothesis draws from what its rule refuses: values of the wrong type, out of range, empty, huge and not finite;
-for each key that names a file or directory, a missing path, an empty file, a directory where a file belongs
+without a rule on its field (`llmexp.config.rules.key`, read by `keys.rule_for`) fails `test_every_leaf_has_a_rule`.
+For each leaf, hypothesis draws from what its rule refuses: values of the wrong type, out of range, empty, huge and
+not finite; for each key that names a file or directory, a missing path, an empty file, a directory where a file belongs
 and the reverse, and a symbolic link loop. Each must be refused by the CLI's own checks, in its order (the
 schema's types as Hydra applies an override, the security check, `validate`, `check_environment`) with
 nothing written, and the refusals reach the user as one exit-2 message: three real `python -m llmexp`

@@ -121,8 +121,8 @@ class Text:
     one_line: bool = True
 
     def describe(self) -> str:
-        text = f"text ({'one line, ' if self.one_line else ''}at most {self.max_len} characters)"
-        return f"{text}, or null" if self.nullable else f"non-empty {text}"
+        text = f"{'line of ' if self.one_line else ''}text (at most {self.max_len} characters)"
+        return f"a {text}, or null" if self.nullable else f"a non-empty {text}"
 
     def problem(self, key: str, value: Any, default: Any = None) -> str | None:
         if value is None:
