@@ -119,9 +119,12 @@ class Text:
     nullable: bool = True
     max_len: int = 1000
     one_line: bool = True
+    forbid: str = ""
+    """Characters it may not hold (what the tool it is passed to refuses)."""
 
     def describe(self) -> str:
-        text = f"{'line of ' if self.one_line else ''}text (at most {self.max_len} characters)"
+        none_of = f", none of {' '.join(self.forbid)}" if self.forbid else ""
+        text = f"{'line of ' if self.one_line else ''}text (at most {self.max_len} characters{none_of})"
         return f"a {text}, or null" if self.nullable else f"a non-empty {text}"
 
     def problem(self, key: str, value: Any, default: Any = None) -> str | None:
@@ -134,6 +137,9 @@ class Text:
             return f"{key}: is {len(text)} characters long; at most {self.max_len}"
         if self.one_line and ("\n" in text or "\r" in text):
             return f"{key}: must be one line"
+        if found := [c for c in self.forbid if c in text]:
+            return (f"{key}: {text!r} holds {' '.join(found)}; it may hold none of {' '.join(self.forbid)}"
+                    + (f"; e.g. {key}={default}" if default else ""))
         return None
 
 
