@@ -249,9 +249,7 @@ def _interpolation_errors(cfg: Any) -> list[str]:
             if isinstance(node, DictConfig):
                 OmegaConf.to_container(node, resolve=True)
         except OmegaConfBaseException as err:
-            reason = str(err.msg).splitlines()[0]
-            errors.append(f"{err.full_key or key}: cannot resolve an interpolation ({reason}); "
-                          "fix the ${...} reference or set the environment variable it reads")
+            errors.append(f"{err.full_key or key}: {security.unresolved(err)}")
     return errors
 
 
