@@ -1,13 +1,11 @@
 """Every key that names a file or directory, checked against this machine before anything is written.
 
-One rule per kind of path (`rules.PATH_KINDS`; which key is which: the `PathRule` on each schema field, plus
-`hydra.run.dir` / `hydra.sweep.dir`): a path is looked at once with `os.stat`, which follows symbolic links,
-so a missing path, a file where a directory belongs (and the reverse), an empty file, a part of the path that
-is a file, and a symbolic link loop are each told apart and named with the key and the fix. What a directory
-must hold is checked too: a model directory its config and safetensors weights and no code it may not run
-(`model_dir_problem`), a `data=hf` source no loading script. The `eval` group's task files are entries of
-dicts, with no `PathRule` of their own: `task_file_errors` checks them as their kind's. Called by
-`environment.check_environment`. No torch, no transformers: plain files only.
+One check per kind of path (`KIND_CHECKS`; which key is which: the `PathRule` on its schema field, plus
+`hydra.run.dir` / `hydra.sweep.dir`): a path is looked at once with `os.stat`, which follows symbolic links, so a
+missing path, a file where a directory belongs (and the reverse), an empty file, a part of the path that is a file
+and a link loop are each named with the key and the fix; so is what a directory must hold (a model directory its
+config and safetensors weights and no code it may not run, a `data=hf` source no loading script). The `eval` tasks'
+files: `task_file_errors`. Called by `environment.check_environment`. No torch, no transformers: plain files only.
 """
 
 from __future__ import annotations
@@ -44,6 +42,16 @@ def _stat(path: Path) -> tuple[os.stat_result | None, str | None]:
         return None, f"cannot be read ({os.strerror(err.errno or 0) or err})"
 
 
+def _look(key: str, value: Any, what: str, directory: bool) -> tuple[Path, os.stat_result | None, str | None]:
+    """The path `value` names, its stat (None: it does not exist), and why it will not do whatever it holds: it
+    cannot be looked at, or it is a directory where a file belongs (`directory` false) or the reverse."""
+    path = Path(str(value)).expanduser()
+    found, why = _stat(path)
+    if found is not None and stat.S_ISDIR(found.st_mode) != directory:
+        why = "is a file, not a directory" if directory else "is a directory"
+    return path, found, why and f"{_shown(key, value)}: {why}; point it at {what}"
+
+
 def _shown(key: str, value: Any) -> str:
     return f"{key}={value}"
 
@@ -77,18 +85,12 @@ def dir_out_problem(key: str, value: Any) -> str | None:
 
 def _input_file_problem(key: str, value: Any, what: str) -> str | None:
     """An existing, non-empty regular file."""
-    path = Path(str(value)).expanduser()
-    found, why = _stat(path)
-    if why:
-        return f"{_shown(key, value)}: {why}; point it at {what}"
+    path, found, problem = _look(key, value, what, directory=False)
+    if problem:
+        return problem
     if found is None:
-        return (f"{_shown(key, value)}: no such file (looked at {path.absolute()}); fix the path, "
-                f"or point it at {what}")
-    if stat.S_ISDIR(found.st_mode):
-        return f"{_shown(key, value)}: is a directory; point it at {what}"
-    if found.st_size == 0:
-        return f"{_shown(key, value)}: is empty (0 bytes); add records, or point it at {what}"
-    return None
+        return f"{_shown(key, value)}: no such file (looked at {path.absolute()}); fix the path, or point it at {what}"
+    return None if found.st_size else f"{_shown(key, value)}: is empty (0 bytes); add records, or point it at {what}"
 
 
 def _text_source_problem(key: str, value: Any) -> str | None:
@@ -121,17 +123,11 @@ def data_file_problem(cfg: Any, key: str, value: Any) -> str | None:
 def _local_dir(key: str, value: Any, what: str) -> tuple[Path | None, str | None]:
     """(the directory, None) for a local-looking value that is an existing directory; (None, why) when it is
     not one; (None, None) for a hub id."""
-    name = str(value)
-    path = Path(name).expanduser()
-    found, why = _stat(path)
-    if why:
-        return None, f"{_shown(key, value)}: {why}; point it at {what}"
-    if found is None:
-        local = name.startswith((".", "/", "~")) or name.count("/") > 1
-        return None, (f"{_shown(key, value)}: no such directory; point it at {what}" if local else None)
-    if not stat.S_ISDIR(found.st_mode):
-        return None, f"{_shown(key, value)}: is a file, not a directory; point it at {what}"
-    return path, None
+    path, found, problem = _look(key, value, what, directory=True)
+    if problem or found is not None:
+        return (None if problem else path), problem
+    local = str(value).startswith((".", "/", "~")) or str(value).count("/") > 1
+    return None, (f"{_shown(key, value)}: no such directory; point it at {what}" if local else None)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -276,14 +272,9 @@ def hf_files_problem(cfg: Any, key: str, value: Any) -> str | None:
 def task_dir_problem(cfg: Any, key: str, value: Any) -> str | None:
     """`eval.lm_eval.include_path`: an existing directory with a task YAML in it (the harness indexes them all)."""
     what = "a directory of lm-evaluation-harness task YAMLs"
-    path = Path(str(value)).expanduser()
-    found, why = _stat(path)
-    if why:
-        return f"{_shown(key, value)}: {why}; point it at {what}"
-    if found is None:
-        return f"{_shown(key, value)}: no such directory (looked at {path.absolute()}); point it at {what}"
-    if not stat.S_ISDIR(found.st_mode):
-        return f"{_shown(key, value)}: is a file, not a directory; point it at {what}"
+    path, found, problem = _look(key, value, what, directory=True)
+    if problem or found is None:
+        return problem or f"{_shown(key, value)}: no such directory (looked at {path.absolute()}); point it at {what}"
     if not any(p.is_file() for p in path.rglob("*.yaml")):
         return f"{_shown(key, value)}: holds no task YAML (*.yaml); add one, or point it at {what}"
     return None
