@@ -52,18 +52,15 @@ class Leaf:
 
 @dataclass(frozen=True)
 class KeyDoc:
-    """One key of the schema in words, for the docs reference and `--help`."""
+    """One key of the schema in words, for the docs reference and `--help`: its dotted `key` ("train.max_steps"),
+    `type` ("int", "str | null", "list[str]", "dict", ...), `default` (plain Python, None for null), `rule` ("must
+    be >= 1 or -1 (-1 trains for train.num_train_epochs)", "one of: adamw, ...") and `doc`."""
 
     key: str
-    """Dotted: "train.max_steps"."""
     type: str
-    """"int", "float", "bool", "str", "str | null", "list[str]", "dict", ..."""
     default: Any
-    """The schema's default, plain Python (None for null)."""
     rule: str
-    """The rule in words: "must be >= 1 or -1 (-1 trains for train.num_train_epochs)", "one of: adamw, ..."."""
     doc: str
-    """The field's doc."""
 
 
 def leaves_of(cls: Any, prefix: str = "", entries: bool = False) -> Iterator[Leaf]:
@@ -120,10 +117,8 @@ def leaf_for(key: str) -> Leaf | None:
 
 
 def rule_for(key: str) -> Any:
-    """The rule of a leaf (`rules.Range`, `Choice`, ...), or None: a leaf without one is a bug that
-    `tests/test_schema_property.py` reports."""
-    leaf = leaf_for(key)
-    return None if leaf is None else leaf.rule
+    """The rule of a leaf (`rules.Range`, ...), or None: a bug `tests/test_schema_property.py` reports."""
+    return getattr(leaf_for(key), "rule", None)
 
 
 def reference() -> list[KeyDoc]:
@@ -151,13 +146,7 @@ def type_words(tp: Any) -> str:
 
 def all_keys() -> list[str]:
     """Every dotted key of the schema, nodes and leaves (`train`, `train.max_steps`, ...)."""
-    keys = [leaf.key for leaf in leaves().values()]
-    return list(dict.fromkeys(k for key in keys for k in _prefixes(key)))
-
-
-def _prefixes(key: str) -> list[str]:
-    parts = key.split(".")
-    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    return list(dict.fromkeys(key.rsplit(".", n)[0] for key in leaves() for n in range(key.count("."), -1, -1)))
 
 
 def unknown_key(key: str) -> str | None:

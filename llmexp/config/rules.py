@@ -2,16 +2,10 @@
 
 Every leaf of `schema.Config` is declared `name: type = key(default, rule, "doc")`; `keys` walks the schema and reads
 them there, for validation, `--help`, the schema-wide property test and the docs reference (`keys.reference`).
-Each rule says what it refuses (`problem`) and, in words, what it takes (`describe`):
-
-- `Range`: the bounds of a number; floats are finite, ints fit in 64 bits (`seed`s: unsigned);
-- `Choice`: one of a config group's option names (the `name:` of `llmexp/conf/<group>/*.yaml`), or of a policy's;
-- `Text`: free text passed on as it is (a label, a split, a SLURM partition): set, it is not empty, and not huge;
-- `TextList`: a list whose items are each such a `Text`;
-- `Flag`: true or false (the schema's type is the whole rule);
-- `PathRule`: a file or directory, checked on this machine by `paths` before anything is written;
-- `Special`: a value with a rule of its own, checked by the function that knows it (the text says what it takes);
-  `bad` lists values it refuses, for the property test. No torch, no Hydra here.
+Each rule says what it refuses (`problem`) and, in words, what it takes (`describe`): a number's `Range`, a `Choice`
+of a config group's option names or of a policy's, free `Text` (and a `TextList` of it), a `Flag`, a `PathRule`
+(a file or directory, checked on this machine by `paths`), or a `Special` rule that the function that knows it
+checks. No torch, no Hydra here.
 """
 
 from __future__ import annotations
