@@ -159,6 +159,7 @@ def test_every_number_has_a_lower_bound(default_cfg: Any, key: str) -> None:
     (["model.num_attention_heads=4", "model.num_key_value_heads=3"], "model.num_key_value_heads: 3 must divide"),
     (["seed=18446744073709551616"], "seed: 18446744073709551616 does not fit in 64 bits; must be in [0, 2**64 - 1]"),
     (["seed=-1"], "seed: must be in [0, 2**64 - 1], got -1"),
+    (["train.sample_max_new_tokens=5000"], "train.sample_max_new_tokens: must be in [1, 4096], got 5000"),  # fits
     (["lr=inf"], "lr: must be > 0 and finite"),
     (["lr=nan"], "lr: must be > 0 and finite"),
     (["train.weight_decay=inf"], "train.weight_decay: must be a finite number, got inf"),
