@@ -516,7 +516,7 @@ class TrainConfig:
     lr_find_steps: int = key(100, Range(low=5, high=100_000), "lr=find: steps of the range test, the lr rising "
                              "exponentially from lr_find_start to lr_find_end.")
     lr_find_start: float = key(1e-7, Range(low=1e-12, high=1), "lr=find: the first lr of the range test (below "
-                               "1e-12 no step changes a weight; a subnormal start overflows the lr's rise).")
+                               "1e-12 a step is lost in fp32 rounding; a subnormal start overflows the lr's rise).")
     lr_find_end: float = key(10.0, Range(low=0, high=1e3, low_open=True), "lr=find: the lr the range test would "
                              "reach at its last step (it stops earlier when the loss diverges).")
     lr_find_only: bool = key(False, FLAG, "lr=find: stop after the range test, without training (`python -m "
