@@ -49,6 +49,12 @@ CASES: list[tuple[str, list[str], dict[str, str], list[str]]] = [
     ("weight_decay_inf", ["train.weight_decay=inf"], {}, ["train.weight_decay", "finite", "weight_decay=0.01"]),
     ("max_grad_norm_nan", ["train.max_grad_norm=nan"], {}, ["train.max_grad_norm", "finite"]),
     ("max_steps_beyond_64_bits", ["train.max_steps=99999999999999999999"], {}, ["train.max_steps", "64 bits"]),
+    ("lr_find_start_subnormal", ["lr=find", "train.lr_find_start=1e-320", "train.lr_find_only=true"], {},
+     ["train.lr_find_start: must be in [1e-12, 1], got 1e-320", "e.g. train.lr_find_start=1e-07"]),
+    ("wandb_project_slash", ["logger=wandb", "logger.project=team/run"], {},
+     ["logger.project: 'team/run' holds /", "none of / \\ # ? % :", "e.g. logger.project=llmexp"]),
+    ("wandb_project_too_long", ["logger=wandb", "logger.project=" + "p" * 129], {},
+     ["logger.project: is 129 characters long; at most 128"]),
     # required nodes deleted
     ("delete_train", ["~train"], {}, ["train:", "deleted", "remove"]),
     ("delete_seed", ["~seed"], {}, ["seed:", "deleted", "remove"]),

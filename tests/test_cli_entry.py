@@ -163,3 +163,18 @@ def test_help_lists_every_group_and_its_options(tmp_path: Path) -> None:
                  "precision: auto, bf16, fp16, fp32", "scheduler: constant, cosine, linear, wsd"):
         assert line in proc.stdout, proc.stdout[:2000]
     assert "hydra/launcher" not in proc.stdout.split("== Config ==")[0]  # Hydra's own groups stay in --hydra-help
+
+
+def test_help_shows_each_keys_doc_and_rule_beside_it(tmp_path: Path) -> None:
+    """`--help`'s Config section comments every key with the doc and the rule its schema field carries (the text
+    `keys.reference()` gives the docs), so a key and what it takes are read in one place."""
+    from llmexp.config.keys import reference
+
+    proc = run_llmexp(["--help", "eval=generate", "eval.generate.qa.file=qa.jsonl"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    config = proc.stdout.split("== Config ==")[1]
+    comments = " ".join(line.strip().removeprefix("# ") for line in config.splitlines() if line.strip()[:1] == "#")
+    assert "  # Width of the residual stream. [must be >= 1]\n  hidden_size: 256\n" in config
+    for doc in reference():
+        if not doc.key.startswith(("hydra.", "eval.perplexity.", "eval.multiple_choice.")):  # (not in this config)
+            assert " ".join(f"{doc.doc} [{doc.rule}]".split()) in comments, doc.key

@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
+from llmexp.config.keys import leaves
+from llmexp.config.rules import Range
 from llmexp.config.tree import conf_dir
-from llmexp.config.validation import RANGES, ConfigError, number_keys, validate
+from llmexp.config.validation import ConfigError, validate
 from tests.conftest import compose, run_cli
 
 GROUPS = ["model", "data", "precision", "optimizer", "scheduler", "cluster", "deepspeed", "logger", "peft",
@@ -120,9 +122,16 @@ def _errors(cfg: Any) -> str:
     return str(err.value)
 
 
+def number_keys() -> dict[str, type]:
+    """The int and float fields of the schema."""
+    return {key: leaf.type for key, leaf in leaves().items() if leaf.type in (int, float)}
+
+
 def test_every_number_in_the_schema_has_a_range() -> None:
-    """A new int or float field fails here until `validation.RANGES` says what it may be."""
-    assert set(number_keys()) == set(RANGES), set(number_keys()) ^ set(RANGES)
+    """A new int or float field fails here until its field's rule (`key(default, Range(...), doc)`) says what it
+    may be."""
+    ranged = {key for key in number_keys() if isinstance(leaves()[key].rule, Range)}
+    assert set(number_keys()) == ranged, set(number_keys()) ^ ranged
 
 
 @pytest.mark.parametrize("key", sorted(k for k, tp in number_keys().items() if tp is float))
@@ -150,6 +159,7 @@ def test_every_number_has_a_lower_bound(default_cfg: Any, key: str) -> None:
     (["model.num_attention_heads=4", "model.num_key_value_heads=3"], "model.num_key_value_heads: 3 must divide"),
     (["seed=18446744073709551616"], "seed: 18446744073709551616 does not fit in 64 bits; must be in [0, 2**64 - 1]"),
     (["seed=-1"], "seed: must be in [0, 2**64 - 1], got -1"),
+    (["train.sample_max_new_tokens=5000"], "train.sample_max_new_tokens: must be in [1, 4096], got 5000"),  # fits
     (["lr=inf"], "lr: must be > 0 and finite"),
     (["lr=nan"], "lr: must be > 0 and finite"),
     (["train.weight_decay=inf"], "train.weight_decay: must be a finite number, got inf"),
@@ -202,3 +212,24 @@ def test_stdlib_pretraining_lr_comes_with_its_data_and_other_data_keep_lr_auto(t
     assert resolve_lr(compose(["peft=lora"], tmp_path), 7_000_000) == (pytest.approx(2e-4), "auto-adapter")
     for other in (["data=json", "data.train_file=t.jsonl"], ["model.name_or_path=run/model", "data=stdlib_sft"]):
         assert configured_lr(compose(other, tmp_path)) is None, other
+
+
+# ---------------------------------------------------------------- the reference the docs are generated from
+
+
+def test_the_reference_describes_every_key_from_its_field() -> None:
+    """`keys.reference()` lists every leaf of the schema (and the launchers' and sweepers' own settings), each with
+    a type, a default, its rule in words and a doc, all read from the field (`rules.key`)."""
+    from llmexp.config.keys import reference
+
+    docs = {d.key: d for d in reference()}
+    assert set(leaves()) <= set(docs) and "hydra.sweeper.max_batch_size" in docs
+    assert all(d.doc and d.rule and d.type for d in docs.values()), [d.key for d in docs.values() if not d.doc]
+    max_steps = docs["train.max_steps"]
+    assert (max_steps.type, max_steps.default) == ("int", 250)
+    assert max_steps.rule == "must be >= 1 or -1 (-1 trains for train.num_train_epochs)"
+    assert docs["optimizer.name"].rule == "one of: adamw, adamw8bit, lion, lion8bit, paged_adamw8bit, sgd"
+    assert (docs["model.name_or_path"].type, docs["model.name_or_path"].default) == ("str | null", None)
+    assert (docs["logger.tags"].type, docs["optimizer.betas"].default) == ("list[str]", [0.9, 0.999])
+    assert docs["eval.generate.<name>.max_new_tokens"].rule == "must be in [1, 4096]"
+

@@ -2,9 +2,9 @@
 
 The leaves are found by walking the schema's dataclasses (`llmexp.config.schema.Config`, and the launchers' and
 sweepers' `hydra.launcher.*` / `hydra.sweeper.*` configs in `hydra_plugins`), never listed here, so a new key
-without a rule (`llmexp.config.validation.rule_for`) fails `test_every_leaf_has_a_rule`. For each leaf,
-hypothesis draws from what its rule refuses: values of the wrong type, out of range, empty, huge and not finite;
-for each key that names a file or directory, a missing path, an empty file, a directory where a file belongs
+without a rule on its field (`llmexp.config.rules.key`, read by `keys.rule_for`) fails `test_every_leaf_has_a_rule`.
+For each leaf, hypothesis draws from what its rule refuses: values of the wrong type, out of range, empty, huge and
+not finite; for each key that names a file or directory, a missing path, an empty file, a directory where a file belongs
 and the reverse, and a symbolic link loop. Each must be refused by the CLI's own checks, in its order (the
 schema's types as Hydra applies an override, the security check, `validate`, `check_environment`) with
 nothing written, and the refusals reach the user as one exit-2 message: three real `python -m llmexp`
@@ -34,13 +34,11 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from llmexp.config.keys import schema_fields
+from llmexp.config.keys import hydra_leaves, leaves, rule_for
 from llmexp.config.paths import KIND_CHECKS
 from llmexp.config.rules import (
-    HYDRA_RULES,
     INT64_MAX,
     PATH_KINDS,
-    RULES,
     Choice,
     Flag,
     PathRule,
@@ -49,7 +47,6 @@ from llmexp.config.rules import (
     Text,
     TextList,
 )
-from llmexp.config.validation import rule_for
 from llmexp.errors import UserError
 from tests.conftest import compose, run_cli
 
@@ -85,15 +82,17 @@ def _plugin_leaves() -> dict[str, tuple[Any, Any]]:
     return leaves
 
 
-LEAVES: dict[str, tuple[Any, Any]] = {**schema_fields(), **_plugin_leaves()}
+LEAVES: dict[str, tuple[Any, Any]] = {**{k: (leaf.type, leaf.default) for k, leaf in leaves().items()},
+                                      **_plugin_leaves()}
 """Every leaf: dotted key -> (type, default)."""
 
 
 def test_every_leaf_has_a_rule() -> None:
-    """A new key fails here until `rules.RULES` (or `validation.RANGES`, `rules.HYDRA_RULES`) says what it takes."""
+    """A new key fails here until its field says what it takes (`key(default, rule, doc)` in config/schema.py;
+    a launcher's or sweeper's own setting: `schema.LauncherSettings` / `SweeperSettings`)."""
     missing = sorted(key for key in LEAVES if rule_for(key) is None)
-    assert not missing, f"leaves without a rule (add them to llmexp/config/rules.py or validation.RANGES): {missing}"
-    stale = sorted(set(RULES) - set(LEAVES)) + sorted(set(HYDRA_RULES) - set(LEAVES))
+    assert not missing, f"leaves without a rule (declare them with key(default, rule, doc)): {missing}"
+    stale = sorted(set(hydra_leaves()) - set(LEAVES))
     assert not stale, f"rules for keys the schema no longer has: {stale}"
     assert set(KIND_CHECKS) == set(PATH_KINDS), "every kind of path needs its check in config/paths.py"
 

@@ -95,7 +95,7 @@ def test_a_sweep_whose_every_job_can_run_is_not_refused(cli_refusal, tmp_path: P
 
 def test_a_search_space_given_in_the_config_is_checked_too(cli_refusal, tmp_path: Path) -> None:
     """`hydra.sweeper.params` (a space in a YAML file, as Hydra's Optuna sweeper takes it) is read by the sweep
-    alone (`rules.HYDRA_RULES`: sweep_only), and checked as the command line's space is."""
+    alone (`schema.SweeperSettings.params`: sweep_only), and checked as the command line's space is."""
     experiment = tmp_path / "conf" / "experiment"
     experiment.mkdir(parents=True)
     (experiment / "space.yaml").write_text("# @package _global_\nhydra:\n  sweeper:\n    params:\n"

@@ -30,25 +30,23 @@ _HERE = "hydra_plugins.llmexp_launcher.llmexp_launcher"
 
 @dataclass
 class LocalLauncherConf:
-    """`hydra/launcher=llmexp_local`: each job in its own process on this machine."""
+    """`hydra/launcher=llmexp_local`: each job in its own process on this machine. Each setting is described, with
+    its rule, once: on `llmexp.config.schema.ClusterConfig`'s field of the same name (`cluster.*`)."""
 
     _target_: str = f"{_HERE}.LocalLauncher"
     max_parallel: int = 1
-    """Jobs at once on CPU (with GPUs: one per visible GPU times `jobs_per_gpu`)."""
     jobs_per_gpu: int = 1
-    """Jobs that share one GPU."""
 
 
 @dataclass
 class SlurmLauncherConf(SlurmJobConfig):
-    """`hydra/launcher=llmexp_slurm`: the sweep as one SLURM job array through submitit (the job's
-    resources and requeue settings: `SlurmJobConfig`, the fields `cluster=slurm` maps its keys onto)."""
+    """`hydra/launcher=llmexp_slurm`: the sweep as one SLURM job array through submitit (the job's resources and
+    requeue settings: `SlurmJobConfig`, the fields `cluster=slurm` maps its keys onto; `wait`: `ClusterConfig`'s;
+    `submitit_folder`: `llmexp.config.schema.LauncherSettings`'s, where each is described with its rule)."""
 
     _target_: str = f"{_HERE}.SlurmLauncher"
     submitit_folder: str = "${hydra.sweep.dir}/.submitit/%j"
-    """Where submitit keeps each job's script, pickles and logs."""
     wait: bool = True
-    """llmexp's tasks only: false returns right after submission (each job records how it ended)."""
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="llmexp_local", node=LocalLauncherConf,

@@ -26,25 +26,23 @@ _HERE = "hydra_plugins.llmexp_sweeper.llmexp_sweeper"
 @dataclass
 class GridSweeperConf(GridSweepConfig):
     """`hydra/sweeper=llmexp_grid` (llmexp's `sweep=grid`, the default): every combination, as Hydra's basic
-    sweeper, except for the keys of `zip`, whose values pair up (the options: `GridSweepConfig`)."""
+    sweeper, except for the keys of `zip`, whose values pair up (the options: `GridSweepConfig`; `max_batch_size`
+    and `params`: `llmexp.config.schema.SweeperSettings`, where each is described with its rule)."""
 
     _target_: str = f"{_HERE}.GridSweeper"
     max_batch_size: int | None = None
-    """Jobs handed to the launcher at once (null: all)."""
     params: dict[str, str] | None = None
-    """Swept keys given in the config instead of the command line, as Hydra's basic sweeper takes them."""
 
 
 @dataclass
 class SearchSweeperConf(SearchSweepConfig):
     """`hydra/sweeper=llmexp_search` (llmexp's `sweep=random|tpe`): an optuna study over the swept keys (the
-    options: `SearchSweepConfig`; each trial reads `sweep.pruner` from its own config, so set it there)."""
+    options: `SearchSweepConfig`; `sampler` and `params`: `llmexp.config.schema.SweeperSettings`; each trial reads
+    `sweep.pruner` from its own config, so set it there)."""
 
     _target_: str = f"{_HERE}.SearchSweeper"
     sampler: str = "tpe"
-    """random or tpe."""
     params: dict[str, str] | None = None
-    """Search-space entries given in the config instead of the command line."""
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="llmexp_grid", node=GridSweeperConf,

@@ -11,12 +11,14 @@ import argparse
 import copy
 import os
 import string
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from llmexp.cli.hydra_internals import compose_api_as_hydra_main
 from llmexp.config import security
+from llmexp.config.keys import KeyDoc, reference
 from llmexp.config.origin import origin_of
 
 
@@ -141,8 +143,43 @@ def help_text(cfg: Any, args_parser: argparse.ArgumentParser, hydra_help: bool, 
         FLAGS_HELP=_flags_help(args_parser),
         HYDRA_CONFIG_GROUPS=_format_groups(groups, hydra=True),
         APP_CONFIG_GROUPS=_format_groups(groups, hydra=False),
-        CONFIG=OmegaConf.to_yaml(shown, resolve=resolve and not hydra_help),
+        CONFIG=OmegaConf.to_yaml(shown) if hydra_help else
+        "\n".join(_annotated(OmegaConf.to_container(shown, resolve=resolve), "", {d.key: d for d in reference()})),
     )
+
+
+def _annotated(data: dict[str, Any], template: str, docs: dict[str, KeyDoc], indent: str = "") -> list[str]:
+    """The config as YAML, each key of the schema under a comment with its doc and, in brackets, its rule
+    (`keys.reference`: read from the schema's fields). `template` is the dotted key of `data` as the reference
+    spells it (an entry of a dict of tasks: `eval.generate.<name>.`)."""
+    lines = []
+    for name, value in data.items():
+        key, doc = f"{template}{name}", docs.get(f"{template}{name}")
+        if doc is not None:
+            lines += textwrap.wrap(f"{doc.doc} [{doc.rule}]", 120, initial_indent=f"{indent}# ",
+                                   subsequent_indent=f"{indent}# ", break_on_hyphens=False)
+        entries = f"{key}.<name>." if any(k.startswith(f"{key}.<name>.") for k in docs) else None
+        if isinstance(value, dict) and value and (doc is None or entries):
+            lines.append(f"{indent}{_inline(name)}:")
+            for entry, fields in (value.items() if entries else [(None, value)]):
+                if entry is not None:
+                    lines.append(f"{indent}  {_inline(entry)}:")
+                lines += _annotated(fields, entries or f"{key}.", docs, indent + ("    " if entries else "  "))
+        else:
+            lines.append(f"{indent}{_inline(name)}: {_inline(value)}")
+    return lines
+
+
+def _inline(value: Any) -> str:
+    """A value on one line, as YAML (JSON, which YAML reads too, where a string holds a line break)."""
+    import json
+
+    import yaml
+
+    dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)  # (libyaml's: ~10x faster)
+    text = yaml.dump(value, Dumper=dumper, default_flow_style=True, width=10**6, allow_unicode=True)
+    text = text.removesuffix("\n...\n").strip()
+    return json.dumps(value, ensure_ascii=False) if "\n" in text else text
 
 
 def _flags_help(args_parser: argparse.ArgumentParser) -> str:

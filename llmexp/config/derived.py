@@ -1,9 +1,7 @@
-"""Values derived from the composed config and the machine, resolved once at set-up and handed on:
-the precision a run uses, the batch plan (micro-batch x accumulation x processes), the world size.
-
-The CLI's checks, `python -m llmexp.estimate`, the DeepSpeed config and the trainer all ask
-these functions, so they can never disagree. No torch at import (CUDA is asked only for a GPU run).
-"""
+"""Values derived from the composed config and the machine, resolved once at set-up and handed on: the precision a
+run uses, the batch plan (micro-batch x accumulation x processes), the world size. The CLI's checks,
+`python -m llmexp.estimate`, the DeepSpeed config and the trainer all ask these functions, so they can never disagree.
+No torch at import (CUDA is asked only for a GPU run)."""
 
 from __future__ import annotations
 
@@ -202,17 +200,14 @@ BF16_EMULATION_ADVICE = ("Use precision=auto (fp32 on this hardware) for the fas
 
 @dataclass(frozen=True)
 class Precision:
-    """The precision a run computes in on this device, resolved once at set-up (`precision_on`)."""
+    """The precision a run computes in on this device, resolved once at set-up (`precision_on`): `requested`
+    (`precision.name`), `name` (what it computes in: bf16, fp16 or fp32), this device's `bf16` (native, emulated
+    or none), and the `warning` when it computes in emulated bf16 (on a CPU with the factors measured at set-up)."""
 
     requested: str
-    """`precision.name`: bf16, fp16, fp32 or auto."""
     name: str
-    """What the run computes in: bf16, fp16 or fp32 (`resolve_precision`)."""
     bf16: str
-    """This device's bf16: native, emulated or none (`bf16_support`)."""
     warning: str | None
-    """Why bf16 will be slow here, when the run computes in emulated bf16 (`bf16_emulation_warning`; on a CPU
-    with the factors measured at set-up)."""
     emulate_bf16: bool = False
     """llmexp emulates bf16 on fp32 kernels (a CPU whose own bf16 matmuls are slower: `model.bf16_emulation`)."""
     bf16_slowdown: float | None = None

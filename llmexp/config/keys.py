@@ -9,6 +9,7 @@ import functools
 import types
 import typing
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from llmexp.config import security
@@ -23,44 +24,129 @@ def _unwrap(tp: Any) -> Any:
 
 
 @functools.cache
-def node_fields(cls: Any) -> dict[str, Any] | None:
-    """A schema node's fields and their types (`| None` removed), or None below a free-form node (dict, list,
-    Any). The one reading of the schema's dataclasses: every walk below, and `validation`'s, goes through it.
-
-    Cached: `get_type_hints` evaluates every annotation string again on each call, and validating one config
-    asks ~300 times (validation then took ~0.2 s; a sweep's check and the property tests pay it per config).
-    The schema is fixed for the life of the process; callers only read the dict."""
-    return {k: _unwrap(v) for k, v in typing.get_type_hints(cls).items()} if dataclasses.is_dataclass(cls) else None
-
-
-def _walk(cls: Any = None, prefix: str = "") -> Iterator[tuple[str, Any, dataclasses.Field[Any]]]:
-    """Every field of the schema, nodes before their fields: (dotted key, type, the dataclass field)."""
-    from llmexp.config.schema import Config
-
-    cls = Config if cls is None else cls
-    types_ = node_fields(cls) or {}
-    for field in dataclasses.fields(cls):
-        key, tp = prefix + field.name, types_[field.name]
-        yield key, tp, field
-        if dataclasses.is_dataclass(tp):
-            yield from _walk(tp, f"{key}.")
+def _hints(cls: Any) -> dict[str, Any]:
+    """A dataclass's annotations, evaluated once (`get_type_hints` evaluates every string again on each call, and
+    validating one config asks ~300 times)."""
+    return typing.get_type_hints(cls)
 
 
 @functools.cache
-def _schema() -> dict[str, tuple[Any, dataclasses.Field[Any]]]:
-    """The walk, once per process: dotted key -> (type, dataclass field)."""
-    return {key: (tp, field) for key, tp, field in _walk()}
+def node_fields(cls: Any) -> dict[str, Any] | None:
+    """A schema node's fields and their types (`| None` removed), or None below a free-form node (dict, list,
+    Any). The schema is fixed for the life of the process; callers only read the dict."""
+    return {k: _unwrap(v) for k, v in _hints(cls).items()} if dataclasses.is_dataclass(cls) else None
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """A leaf of the schema as its field declares it (`rules.key`): dotted key, type (`X | None` unwrapped), the
+    annotation as written, default, rule and doc."""
+
+    key: str
+    type: Any
+    annotation: Any
+    default: Any
+    rule: Any
+    doc: str
+
+
+@dataclass(frozen=True)
+class KeyDoc:
+    """One key of the schema in words, for the docs reference and `--help`: its dotted `key` ("train.max_steps"),
+    `type` ("int", "str | null", "list[str]", "dict", ...), `default` (plain Python, None for null), `rule` ("must
+    be >= 1 or -1 (-1 trains for train.num_train_epochs)", "one of: adamw, ...") and `doc`."""
+
+    key: str
+    type: str
+    default: Any
+    rule: str
+    doc: str
+
+
+def leaves_of(cls: Any, prefix: str = "", entries: bool = False) -> Iterator[Leaf]:
+    """Every leaf below the schema node `cls`, in schema order; with `entries`, also the fields of the entries of
+    a dict of nodes (`eval.generate.<name>.max_new_tokens`)."""
+    for f in dataclasses.fields(cls):
+        tp, annotation = node_fields(cls)[f.name], _hints(cls)[f.name]  # type: ignore[index]
+        if dataclasses.is_dataclass(tp):
+            yield from leaves_of(tp, f"{prefix}{f.name}.", entries)
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        yield Leaf(prefix + f.name, tp, annotation, None if default is dataclasses.MISSING else default,
+                   f.metadata.get("rule"), f.metadata.get("doc", ""))
+        if entries and dataclasses.is_dataclass(entry := entry_node(tp)):
+            yield from leaves_of(entry, f"{prefix}{f.name}.<name>.", entries)
+
+
+def entry_node(tp: Any) -> Any:
+    """The node of each entry of a `dict[str, Node]` field, else None."""
+    args = typing.get_args(tp)
+    return args[1] if typing.get_origin(tp) is dict and dataclasses.is_dataclass(args[1]) else None
+
+
+@functools.cache
+def leaves() -> dict[str, Leaf]:
+    """Every leaf of `schema.Config`, by dotted key, in schema order."""
+    from llmexp.config.schema import Config
+
+    return {leaf.key: leaf for leaf in leaves_of(Config)}
+
+
+MIRRORS = {"hydra.launcher.": "cluster.", "hydra.sweeper.": "sweep."}
+"""The launchers' and sweepers' settings that are llmexp's `cluster.*` and `sweep.*` under another name."""
+
+
+@functools.cache
+def hydra_leaves() -> dict[str, Leaf]:
+    """The launchers' and sweepers' settings that no `cluster.*` / `sweep.*` key mirrors, by dotted key."""
+    from llmexp.config.schema import LauncherSettings, SweeperSettings
+
+    nodes = {"hydra.launcher.": LauncherSettings, "hydra.sweeper.": SweeperSettings}
+    return {leaf.key: leaf for prefix, node in nodes.items() for leaf in leaves_of(node, prefix)}
+
+
+def leaf_for(key: str) -> Leaf | None:
+    """The leaf that describes `key`: a schema leaf, or a launcher's or sweeper's setting (its own, or the
+    `cluster.*` / `sweep.*` leaf it mirrors); None for anything else."""
+    if key in hydra_leaves():
+        return hydra_leaves()[key]
+    for prefix, mirrored in MIRRORS.items():
+        if key.startswith(prefix):
+            return leaves().get(mirrored + key[len(prefix):])
+    return leaves().get(key)
+
+
+def rule_for(key: str) -> Any:
+    """The rule of a leaf (`rules.Range`, ...), or None: a bug `tests/test_schema_property.py` reports."""
+    return getattr(leaf_for(key), "rule", None)
+
+
+def reference() -> list[KeyDoc]:
+    """Every leaf of the schema in schema order, then the launchers' and sweepers' own settings (`hydra.launcher.*`,
+    `hydra.sweeper.*`; the rest of theirs are the `cluster.*` / `sweep.*` keys), each in words: the docs' config
+    reference. The entries of a dict of nodes are listed as `eval.generate.<name>.max_new_tokens`."""
+    from llmexp.config.schema import Config
+
+    found = [*leaves_of(Config, entries=True), *hydra_leaves().values()]
+    return [KeyDoc(leaf.key, type_words(leaf.annotation), leaf.default, leaf.rule.describe(), leaf.doc)
+            for leaf in found]
+
+
+def type_words(tp: Any) -> str:
+    """A field's annotation as a reader writes it: `int`, `str | null`, `list[str]`, `dict`."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " | ".join("null" if a is type(None) else type_words(a) for a in args)
+    if typing.get_origin(tp) is list:
+        return f"list[{'dict' if dataclasses.is_dataclass(args[0]) else type_words(args[0])}]"
+    if typing.get_origin(tp) is dict:
+        return "dict"
+    return "any" if tp is Any else getattr(tp, "__name__", str(tp))
 
 
 def all_keys() -> list[str]:
-    """Every dotted key of the schema (`train`, `train.max_steps`, ...)."""
-    return list(_schema())
-
-
-def schema_fields() -> dict[str, tuple[Any, Any]]:
-    """Every leaf of the schema: dotted key -> (type, default or None)."""
-    return {key: (tp, None if field.default is dataclasses.MISSING else field.default)
-            for key, (tp, field) in _schema().items() if not dataclasses.is_dataclass(tp)}
+    """Every dotted key of the schema, nodes and leaves (`train`, `train.max_steps`, ...)."""
+    return list(dict.fromkeys(key.rsplit(".", n)[0] for key in leaves() for n in range(key.count("."), -1, -1)))
 
 
 def unknown_key(key: str) -> str | None:
@@ -79,27 +165,18 @@ def unknown_key(key: str) -> str | None:
     return None
 
 
-def _leaf(key: str) -> tuple[Any, Any] | None:
-    """(type, default) of a schema leaf (`train.max_steps` -> (int, 300)); None for nodes, unknown keys and
-    fields without a plain default."""
-    found = _schema().get(key)
-    if found is None or dataclasses.is_dataclass(found[0]) or found[1].default is dataclasses.MISSING:
-        return None
-    return found[0], found[1].default
-
-
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false"}
 
 
 def _type_problem(key: str, value: Any) -> str | None:
     """A value of the wrong type for an int, float or bool field (Hydra would say it less plainly)."""
-    leaf = _leaf(key)
-    if leaf is None or value is None or leaf[0] not in _TYPE_WORDS:
+    leaf = leaves().get(key)
+    if leaf is None or value is None or leaf.type not in _TYPE_WORDS:
         return None
     from omegaconf import nodes
     from omegaconf.errors import ValidationError
 
-    tp, default = leaf
+    tp, default = leaf.type, leaf.default
     node_class = {int: nodes.IntegerNode, float: nodes.FloatNode, bool: nodes.BooleanNode}[tp]
     try:
         node_class(value)  # exactly what OmegaConf will accept at compose time
@@ -161,9 +238,7 @@ def _interpolation_errors(cfg: Any) -> list[str]:
             if isinstance(node, DictConfig):
                 OmegaConf.to_container(node, resolve=True)
         except OmegaConfBaseException as err:
-            reason = str(err.msg).splitlines()[0]
-            errors.append(f"{err.full_key or key}: cannot resolve an interpolation ({reason}); "
-                          "fix the ${...} reference or set the environment variable it reads")
+            errors.append(f"{err.full_key or key}: {security.unresolved(err)}")
     return errors
 
 

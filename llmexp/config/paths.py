@@ -1,13 +1,11 @@
 """Every key that names a file or directory, checked against this machine before anything is written.
 
-One rule per kind of path (`rules.PATH_KINDS`; which key is which: the `PathRule`s of `rules.RULES`, plus
-`hydra.run.dir` / `hydra.sweep.dir`): a path is looked at once with `os.stat`, which follows symbolic links,
-so a missing path, a file where a directory belongs (and the reverse), an empty file, a part of the path that
-is a file, and a symbolic link loop are each told apart and named with the key and the fix. What a directory
-must hold is checked too: a model directory its config and safetensors weights and no code it may not run
-(`model_dir_problem`), a `data=hf` source no loading script. The `eval` group's task files are entries of
-dicts, with no `PathRule` of their own: `task_file_errors` checks them as their kind's. Called by
-`environment.check_environment`. No torch, no transformers: plain files only.
+One check per kind of path (`KIND_CHECKS`; which key is which: the `PathRule` on its schema field, plus
+`hydra.run.dir` / `hydra.sweep.dir`): a path is looked at once with `os.stat`, which follows symbolic links, so a
+missing path, a file where a directory belongs (and the reverse), an empty file, a part of the path that is a file
+and a link loop are each named with the key and the fix; so is what a directory must hold (a model directory its
+config and safetensors weights and no code it may not run, a `data=hf` source no loading script). The `eval` tasks'
+files: `task_file_errors`. Called by `environment.check_environment`. No torch, no transformers: plain files only.
 """
 
 from __future__ import annotations
@@ -20,6 +18,8 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
 
 HF_BUILDERS = ("parquet", "arrow", "json", "csv", "text")
 """`data.path` values that name one of the `datasets` file builders: `data.data_files` says which files."""
@@ -42,6 +42,16 @@ def _stat(path: Path) -> tuple[os.stat_result | None, str | None]:
         return None, f"cannot be read ({os.strerror(err.errno or 0) or err})"
 
 
+def _look(key: str, value: Any, what: str, directory: bool) -> tuple[Path, os.stat_result | None, str | None]:
+    """The path `value` names, its stat (None: it does not exist), and why it will not do whatever it holds: it
+    cannot be looked at, or it is a directory where a file belongs (`directory` false) or the reverse."""
+    path = Path(str(value)).expanduser()
+    found, why = _stat(path)
+    if found is not None and stat.S_ISDIR(found.st_mode) != directory:
+        why = "is a file, not a directory" if directory else "is a directory"
+    return path, found, why and f"{_shown(key, value)}: {why}; point it at {what}"
+
+
 def _shown(key: str, value: Any) -> str:
     return f"{key}={value}"
 
@@ -53,22 +63,20 @@ def dir_out_problem(key: str, value: Any) -> str | None:
     """A directory llmexp creates and writes (run, sweep, cache): if it exists it is a writable directory; if
     not, its nearest existing parent is one."""
     path = Path(str(value)).expanduser()
-    found, why = _stat(path)
-    if why:
-        return f"{_shown(key, value)}: {why}; set {key} to a directory"
-    if found is not None:
-        if not stat.S_ISDIR(found.st_mode):
-            return f"{_shown(key, value)}: is a file, not a directory; remove it or set {key} to a directory"
-        return None if os.access(path, os.W_OK | os.X_OK) else f"{_shown(key, value)}: is not writable by you"
-    for parent in path.absolute().parents:
-        found, why = _stat(parent)
+    for place in (path, *path.absolute().parents):
+        found, why = _stat(place)
+        subject = f"{_shown(key, value)}:" + ("" if place is path else f" its parent {place}")
         if why:
-            return f"{_shown(key, value)}: its parent {parent} {why}; set {key} to a directory"
-        if found is not None:
-            if not stat.S_ISDIR(found.st_mode):
-                return f"{_shown(key, value)}: its parent {parent} is a file, not a directory; set {key} elsewhere"
-            return None if os.access(parent, os.W_OK | os.X_OK) else \
-                f"{_shown(key, value)}: cannot be created, {parent} is not writable by you"
+            return f"{subject} {why}; set {key} to a directory"
+        if found is None:
+            continue
+        if not stat.S_ISDIR(found.st_mode):
+            fix = f"remove it or set {key} to a directory" if place is path else f"set {key} elsewhere"
+            return f"{subject} is a file, not a directory; {fix}"
+        if os.access(place, os.W_OK | os.X_OK):
+            return None
+        return f"{subject} is not writable by you" if place is path else \
+            f"{_shown(key, value)}: cannot be created, {place} is not writable by you"
     return None
 
 
@@ -77,18 +85,12 @@ def dir_out_problem(key: str, value: Any) -> str | None:
 
 def _input_file_problem(key: str, value: Any, what: str) -> str | None:
     """An existing, non-empty regular file."""
-    path = Path(str(value)).expanduser()
-    found, why = _stat(path)
-    if why:
-        return f"{_shown(key, value)}: {why}; point it at {what}"
+    path, found, problem = _look(key, value, what, directory=False)
+    if problem:
+        return problem
     if found is None:
-        return (f"{_shown(key, value)}: no such file (looked at {path.absolute()}); fix the path, "
-                f"or point it at {what}")
-    if stat.S_ISDIR(found.st_mode):
-        return f"{_shown(key, value)}: is a directory; point it at {what}"
-    if found.st_size == 0:
-        return f"{_shown(key, value)}: is empty (0 bytes); add records, or point it at {what}"
-    return None
+        return f"{_shown(key, value)}: no such file (looked at {path.absolute()}); fix the path, or point it at {what}"
+    return None if found.st_size else f"{_shown(key, value)}: is empty (0 bytes); add records, or point it at {what}"
 
 
 def _text_source_problem(key: str, value: Any) -> str | None:
@@ -121,17 +123,11 @@ def data_file_problem(cfg: Any, key: str, value: Any) -> str | None:
 def _local_dir(key: str, value: Any, what: str) -> tuple[Path | None, str | None]:
     """(the directory, None) for a local-looking value that is an existing directory; (None, why) when it is
     not one; (None, None) for a hub id."""
-    name = str(value)
-    path = Path(name).expanduser()
-    found, why = _stat(path)
-    if why:
-        return None, f"{_shown(key, value)}: {why}; point it at {what}"
-    if found is None:
-        local = name.startswith((".", "/", "~")) or name.count("/") > 1
-        return None, (f"{_shown(key, value)}: no such directory; point it at {what}" if local else None)
-    if not stat.S_ISDIR(found.st_mode):
-        return None, f"{_shown(key, value)}: is a file, not a directory; point it at {what}"
-    return path, None
+    path, found, problem = _look(key, value, what, directory=True)
+    if problem or found is not None:
+        return (None if problem else path), problem
+    local = str(value).startswith((".", "/", "~")) or str(value).count("/") > 1
+    return None, (f"{_shown(key, value)}: no such directory; point it at {what}" if local else None)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -276,14 +272,9 @@ def hf_files_problem(cfg: Any, key: str, value: Any) -> str | None:
 def task_dir_problem(cfg: Any, key: str, value: Any) -> str | None:
     """`eval.lm_eval.include_path`: an existing directory with a task YAML in it (the harness indexes them all)."""
     what = "a directory of lm-evaluation-harness task YAMLs"
-    path = Path(str(value)).expanduser()
-    found, why = _stat(path)
-    if why:
-        return f"{_shown(key, value)}: {why}; point it at {what}"
-    if found is None:
-        return f"{_shown(key, value)}: no such directory (looked at {path.absolute()}); point it at {what}"
-    if not stat.S_ISDIR(found.st_mode):
-        return f"{_shown(key, value)}: is a file, not a directory; point it at {what}"
+    path, found, problem = _look(key, value, what, directory=True)
+    if problem or found is None:
+        return problem or f"{_shown(key, value)}: no such directory (looked at {path.absolute()}); point it at {what}"
     if not any(p.is_file() for p in path.rglob("*.yaml")):
         return f"{_shown(key, value)}: holds no task YAML (*.yaml); add one, or point it at {what}"
     return None
@@ -329,38 +320,34 @@ KIND_CHECKS: dict[str, Callable[[Any, str, Any], str | None]] = {
 
 
 def path_errors(cfg: Any) -> list[str]:
-    """Every path key of `rules.RULES` (and each `data.mix` source's) that breaks its kind's rule, and the run
-    or sweep directory this launch writes."""
-    from omegaconf import OmegaConf
-
-    from llmexp.config.rules import RULES, PathRule
-
+    """Every path key of the schema (a `rules.PathRule` on its field; each `data.mix` source's too) that breaks
+    its kind's rule, and the run or sweep directory this launch writes."""
     errors = directory_errors(cfg)
-    for key, rule in RULES.items():
-        if isinstance(rule, PathRule) and rule.kind != "dir_out":
-            value = OmegaConf.select(cfg, key)
-            if value not in (None, "") and (problem := KIND_CHECKS[rule.kind](cfg, key, value)):
-                errors.append(problem)
+    for key, kind in _path_keys().items():
+        value = OmegaConf.select(cfg, key)
+        if kind != "dir_out" and value not in (None, "") and (problem := KIND_CHECKS[kind](cfg, key, value)):
+            errors.append(problem)
     for i, source in enumerate(cfg.data.mix if cfg.data.name == "hf" else []):
         if source.get("path") and (problem := hf_source_problem(cfg, f"data.mix[{i}].path", source.path)):
             errors.append(problem)
     return errors + task_file_errors(cfg)
 
 
+def _path_keys() -> dict[str, str]:
+    """Each leaf whose rule is a `PathRule` -> its kind."""
+    from llmexp.config.keys import leaves
+    from llmexp.config.rules import PathRule
+
+    return {leaf.key: leaf.rule.kind for leaf in leaves().values() if isinstance(leaf.rule, PathRule)}
+
+
 def directory_errors(cfg: Any) -> list[str]:
     """The directories this launch writes: the cache, and `hydra.run.dir` for a run or `hydra.sweep.dir` for a
     sweep when the config holds Hydra's node (the CLI's checks; a job's own process has none)."""
-    from omegaconf import DictConfig, OmegaConf
-
-    from llmexp.config.rules import RULES, PathRule
-
-    keys = [k for k, rule in RULES.items() if isinstance(rule, PathRule) and rule.kind == "dir_out"]
+    keys = [k for k, kind in _path_keys().items() if kind == "dir_out"]
     hydra = cfg.get("hydra") if isinstance(cfg, DictConfig) else None
     if isinstance(hydra, DictConfig):
         keys.append("hydra.sweep.dir" if str(hydra.get("mode")) == "RunMode.MULTIRUN" else "hydra.run.dir")
-    errors = []
-    for key in keys:
-        value = OmegaConf.select(cfg, key)
-        if value not in (None, "") and (problem := dir_out_problem(key, value)):
-            errors.append(problem)
-    return errors
+    values = {key: OmegaConf.select(cfg, key) for key in keys}
+    return [problem for key, value in values.items()
+            if value not in (None, "") and (problem := dir_out_problem(key, value))]

@@ -1,25 +1,20 @@
 """What llmexp does not trust in a config: `_target_` strings, logging configs, and names that become paths.
 
-* Secrets: `llmexp.rundir.redact` (hidden wherever llmexp writes).
-* The composed config. `check_config` (on every config a command runs: the CLI's run and `--help` and each
-  sweep job before `@hydra.main` starts, `llmexp.cli.compose`; each job again in llmexp's launchers,
-  `llmexp.sweep.jobs`, and in its own process) walks the whole tree, `hydra` node
-  included, with interpolations resolved, before Hydra instantiates or creates anything: each
-  `_target_` must be one of the objects allowed at its key (OPTIMIZER_TARGETS, CALLBACK_TARGETS,
-  LAUNCHER_TARGETS, SWEEPER_TARGETS), compared by identity after import (only llmexp's and Hydra's
-  modules are imported to find out), logging configs use logging's own classes and write inside
-  the run directory, `hydra.job.env_set` sets only ENV_SET_ALLOWED, and every path Hydra derives
-  (`.hydra`, the job log, sweep subdirs, submitit's folder) stays inside the run or sweep directory.
-* Paths. Names that end up in paths go through `llmexp.rundir.names.safe_name`.
-
-Nothing here imports torch.
+`check_config` runs on every config a command runs (the CLI's run, `--help` and each sweep job before `@hydra.main`
+starts, `llmexp.cli.compose`; each job again in llmexp's launchers and in its own process, `llmexp.sweep.jobs`). It
+walks the whole tree, `hydra` node included, interpolations resolved, before Hydra instantiates or creates anything:
+each `_target_` must be one of the objects allowed at its key, compared by identity after import (only llmexp's and
+Hydra's modules are imported to find out); logging configs use logging's own classes and write inside the run
+directory; `hydra.job.env_set` sets only ENV_SET_ALLOWED; every path Hydra derives (`.hydra`, the job log, sweep
+subdirs, submitit's folder) stays inside the run or sweep directory. Secrets: `llmexp.rundir.redact`; names that end
+up in paths: `llmexp.rundir.names.safe_name`. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,52 +71,34 @@ def allowed_targets(key: str) -> tuple[str, ...]:
     return {"hydra.launcher._target_": LAUNCHER_TARGETS, "hydra.sweeper._target_": SWEEPER_TARGETS}.get(key, ())
 
 
-def is_allowed_object(obj: object, names: Iterable[str], import_modules: bool = True) -> bool:
-    """`obj` is one of the objects `names` name: compared by identity, so no attribute walk through a
-    module's own imports (`llmexp.sweep.local.subprocess.Popen`) can pass. Without `import_modules`, a name whose
-    module is not imported yet is skipped: its object cannot exist yet, so `obj` cannot be it."""
+def _identity_problem(obj: object, target: str, key: str) -> str | None:
+    """Why the object `target` resolved to is none of the objects allowed at `key`, or None: compared by identity,
+    so no attribute walk through a module's own imports (`llmexp.sweep.local.subprocess.Popen`) can pass."""
     import importlib
-    import sys
 
-    for name in names:
-        module_name, _, attr = name.rpartition(".")
-        module = sys.modules.get(module_name)
-        if module is None and import_modules:
-            module = importlib.import_module(module_name)
-        if module is not None and getattr(module, attr, None) is obj:
-            return True
-    return False
+    allowed = allowed_targets(key)
+    if any(getattr(importlib.import_module(n.rpartition(".")[0]), n.rpartition(".")[2], None) is obj for n in allowed):
+        return None
+    defined_as = f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', None)}"
+    return f"{target!r} resolves to {defined_as!r}, which is not one of the allowed classes"
 
 
-def target_problem(target: object, allowed: tuple[str, ...]) -> str | None:
-    """Why `target` may not be instantiated, or None. Purely syntactic: nothing is imported.
-
-    A target must be a dotted name of identifiers (no dunders such as `__builtins__`) under one of
-    the `allowed` prefixes; interpolations and other strings are refused.
-    """
+def target_problem(target: object) -> str | None:
+    """Why `target` is no dotted class name (module.Class, identifiers, no dunders such as `__builtins__`), or None.
+    Purely syntactic: nothing is imported; interpolations and other strings are refused."""
     if not isinstance(target, str) or not _TARGET_NAME.fullmatch(target) or "__" in target:
         return f"{target!r} is not a dotted class name (module.Class, no dunders)"
-    if not target.startswith(allowed):
-        return f"{target!r} is not under an allowed prefix ({', '.join(allowed)})"
     return None
 
 
-def find_keys(node: Any, names: tuple[str, ...] = ("_target_",), path: str = "") -> list[tuple[str, Any]]:
-    """Every (`key.path.<name>`, value) in plain nested data whose last key is one of `names`."""
+def find_targets(node: Any, path: str = "") -> list[tuple[str, Any]]:
+    """Every (`key.path._target_`, value) in plain nested data."""
     found: list[tuple[str, Any]] = []
     items = node.items() if isinstance(node, Mapping) else enumerate(node) if isinstance(node, list) else []
     for key, value in items:
         key_path = f"{path}.{key}" if path else str(key)
-        if key in names:
-            found.append((key_path, value))
-        else:
-            found.extend(find_keys(value, names, key_path))
+        found.extend([(key_path, value)] if key == "_target_" else find_targets(value, key_path))
     return found
-
-
-def find_targets(node: Any) -> list[tuple[str, Any]]:
-    """Every (`key.path._target_`, value) in plain nested data."""
-    return find_keys(node, ("_target_",))
 
 
 def target_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
@@ -130,19 +107,13 @@ def target_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
     from omegaconf import DictConfig, OmegaConf
 
     data = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg
-    errors = []
-    for key, value in find_targets(data):
-        if key.startswith("hydra."):
-            continue
-        problem = _job_target_problem(key, value)
-        if problem:
-            errors.append(f"{key}: {problem}")
-    return errors
+    return [f"{key}: {problem}" for key, value in find_targets(data)
+            if not key.startswith("hydra.") and (problem := _job_target_problem(key, value))]
 
 
 def _job_target_problem(key: str, value: object) -> str | None:
     allowed = allowed_targets(key)
-    if problem := target_problem(value, ("",)):
+    if problem := target_problem(value):
         return f"{problem}; pick a class with its config group (e.g. optimizer=adamw)"
     if not allowed:
         return (f"{value!r} is not allowed here: llmexp instantiates _target_ only at optimizer._target_ (and Hydra at "
@@ -161,7 +132,7 @@ def _hydra_target_problem(key: str, value: object) -> str | None:
     from hydra.utils import get_object  # what hydra.utils.instantiate uses to find a target
 
     allowed = allowed_targets(key)
-    if problem := target_problem(value, ("",)):
+    if problem := target_problem(value):
         return problem
     if not allowed:
         return f"{value!r}: Hydra instantiates nothing at this key; remove it"
@@ -172,29 +143,35 @@ def _hydra_target_problem(key: str, value: object) -> str | None:
         obj = get_object(str(value))
     except Exception as err:  # not importable: refused, whatever the reason
         return f"cannot import {value!r} ({err}); allowed here: {names}"
-    if not is_allowed_object(obj, allowed):
-        defined_as = f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', None)}"
-        return f"{value!r} resolves to {defined_as!r}, which is not one of the allowed classes here ({names})"
-    return None
+    problem = _identity_problem(obj, str(value), key)
+    return problem and f"{problem} here ({names})"
 
 
-def check_located(obj: Any, target: str, key: str, allowed: tuple[str, ...],
-                  base: type | tuple[type, ...] | None = None) -> None:
-    """After import (llmexp.model.build): `target` must name an object under one of the `allowed` prefixes, and
-    the object it resolved to must be one of the objects allowed at `key` (`allowed_targets`), compared by
-    identity, so that `torch.optim.X.os.system` style detours fail; with `base`, also a subclass of it. A key
-    where nothing is instantiated allows no object at all."""
-    if problem := target_problem(target, allowed):
-        raise UserError(f"{key}: {problem}; pick a class with its config group (e.g. optimizer=adamw)")
-    if not is_allowed_object(obj, allowed_targets(key)):
-        defined_as = f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', None)}"
-        raise UserError(f"{key}: {target!r} resolves to {defined_as!r}, which is not one of the allowed classes; "
-                        "pick a class with its config group (e.g. optimizer=adamw)")
-    bases = base if isinstance(base, tuple) else (base,) if base is not None else ()
-    if bases and not (isinstance(obj, type) and issubclass(obj, bases)):
-        names_ = " or ".join(f"{b.__module__}.{b.__qualname__}" for b in bases)
-        raise UserError(f"{key}: {target!r} is not a subclass of {names_}; "
-                        "pick a class with its config group (e.g. optimizer=adamw)")
+def import_target(key: str, target: Any, base: type | None = None) -> Any:
+    """The class `target` names at `key` (llmexp.model.build): imported only once the name is one allowed there (the
+    check `validate` made), then compared with the allowed objects by identity (`check_located`)."""
+    import importlib
+
+    if problem := _job_target_problem(key, target):
+        raise UserError(f"{key}: {problem}")
+    module_name, _, attr = target.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise UserError(f"{key}: cannot import {target!r} ({err}); is its package installed?") from err
+    check_located(obj, target, key, base)
+    return obj
+
+
+def check_located(obj: Any, target: str, key: str, base: type | None = None) -> None:
+    """After import: the object `target` resolved to must be one of the objects allowed at `key`
+    (`allowed_targets`), compared by identity, so that `torch.optim.X.os.system` style detours fail; with `base`,
+    also a subclass of it. A key where nothing is instantiated allows no object at all."""
+    fix = "pick a class with its config group (e.g. optimizer=adamw)"
+    if problem := _identity_problem(obj, target, key):
+        raise UserError(f"{key}: {problem}; {fix}")
+    if base is not None and not (isinstance(obj, type) and issubclass(obj, base)):
+        raise UserError(f"{key}: {target!r} is not a subclass of {base.__module__}.{base.__qualname__}; {fix}")
 
 
 def _logging_problems(node: Any, key: str, base_dir: str, relative_to: str) -> list[tuple[str, str]]:
@@ -208,8 +185,8 @@ def _logging_problems(node: Any, key: str, base_dir: str, relative_to: str) -> l
         if name in ("()", "."):
             problems.append((where, "logging factories ('()') and attribute setters ('.') are not allowed; "
                                     "use class: logging.<Handler>"))
-        elif name == "class":
-            if value not in LOGGING_CLASSES or not is_allowed_object(_locate_logging(str(value)), LOGGING_CLASSES):
+        elif name == "class":  # (logging.config imports exactly the name it is given)
+            if value not in LOGGING_CLASSES:
                 allowed = ", ".join(LOGGING_CLASSES)
                 problems.append((where, f"{value!r} is not one of logging's own classes ({allowed})"))
         elif isinstance(value, str) and value.startswith(("ext://", "cfg://")) and value not in LOGGING_STREAMS:
@@ -220,13 +197,6 @@ def _logging_problems(node: Any, key: str, base_dir: str, relative_to: str) -> l
         else:
             problems.extend(_logging_problems(value, where, base_dir, relative_to))
     return problems
-
-
-def _locate_logging(name: str) -> object:
-    import importlib
-
-    module_name, _, attr = name.rpartition(".")
-    return getattr(importlib.import_module(module_name), attr, None)
 
 
 # ---------------------------------------------------------------- paths
@@ -241,15 +211,6 @@ def path_problem(value: str, allow_absolute: bool = False) -> str | None:
     if ".." in re.split(r"[\\/]", value):
         return "contains a '..' component"
     return None
-
-
-def check_job_dir(output_dir: str | Path, sweep_dir: str | Path) -> None:
-    """A sweep job's directory must be inside the sweep directory (subdir names come from override values)."""
-    job, root = Path(output_dir).resolve(), Path(sweep_dir).resolve()
-    if job != root and root not in job.parents:
-        raise UserError(f"hydra.sweep.subdir puts this job in {job}, outside the sweep directory {root}; "
-                        "build subdirs from safe names, e.g. "
-                        "hydra.sweep.subdir='${llmexp_safe:${hydra.job.override_dirname}}'")
 
 
 def outside_problem(path: str, base_dir: str | Path, relative_to: str | Path | None = None) -> str | None:
@@ -339,11 +300,15 @@ def _resolve(cfg: DictConfig, key: str, problems: list[tuple[str, str]]) -> Any:
             OmegaConf.to_container(value, resolve=True)
         return value
     except OmegaConfBaseException as err:
-        reason = str(getattr(err, "msg", err)).splitlines()[0]
-        problems.append((str(getattr(err, "full_key", None) or key),
-                         f"cannot resolve an interpolation ({reason}); fix the ${{...}} reference or set the "
-                         "environment variable it reads"))
+        problems.append((str(getattr(err, "full_key", None) or key), unresolved(err)))
         return None
+
+
+def unresolved(err: Exception) -> str:
+    """The one message for a value whose interpolation does not resolve."""
+    reason = str(getattr(err, "msg", err)).splitlines()[0]
+    return (f"cannot resolve an interpolation ({reason}); fix the ${{...}} reference or set the environment "
+            "variable it reads")
 
 
 _TEXT_ONLY = ("hydra.overrides", "hydra.job.override_dirname", "hydra.runtime")
@@ -371,9 +336,7 @@ def _resolve_tree(node: Any, key: str, problems: list[tuple[str, str]]) -> Any:
         except MissingMandatoryValue:
             value = None
         except OmegaConfBaseException as err:
-            reason = str(getattr(err, "msg", err)).splitlines()[0]
-            problems.append((where, f"cannot resolve an interpolation ({reason}); fix the ${{...}} reference or "
-                                    "set the environment variable it reads"))
+            problems.append((where, unresolved(err)))
             value = None
         out[child] = _resolve_tree(value, where, problems)
     return out if isinstance(node, DictConfig) else list(out.values())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 
 from llmexp.rundir.names import run_id, safe_name
@@ -24,3 +25,18 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("llmexp_run_id", run_id, use_cache=True)
     if not OmegaConf.has_resolver("llmexp_safe"):
         OmegaConf.register_new_resolver("llmexp_safe", safe_name)
+
+
+@cache
+def option_names(group: str) -> tuple[str, ...]:
+    """The names the options of a config group give themselves: the `name:` of each `llmexp/conf/<group>/*.yaml`
+    (under `<group>:` in a `# @package _global_` file), its file name when it sets none."""
+    import yaml
+
+    names = []
+    for path in sorted((conf_dir() / group).glob("*.yaml")):
+        text = path.read_text()
+        data = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}  # (C: ~10x faster)
+        node = data.get(group) or {} if text.startswith("# @package _global_") else data
+        names.append(str(node.get("name", path.stem)))
+    return tuple(dict.fromkeys(names))

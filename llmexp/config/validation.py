@@ -3,12 +3,8 @@
 `validate(cfg)` runs after Hydra composed the config against `llmexp.config.schema`'s schemas and before
 anything loads; it reports every problem at once, each naming the key and the fix (exit 2). It is
 a pure function of the config, so a config validates on any machine; what depends on the machine
-is `llmexp.config.environment.check_environment`'s. No torch here.
-
-Every number in the schema has a rule in `RANGES`: floats must be finite (nothing reads inf or NaN
-as a setting; a key that does would be listed in `NON_FINITE_OK`), ints must fit the 64 bits that
-torch and numpy take (`seed`: unsigned), and each has the bounds its meaning needs. A test walks the
-schema so that a new field without a rule fails it.
+is `llmexp.config.environment.check_environment`'s. Each key's own rule is on its schema field (`rules.key`):
+`_leaf_errors` checks every leaf by it; the functions below add the rules between keys. No torch here.
 """
 
 from __future__ import annotations
@@ -21,33 +17,8 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from llmexp.config.derived import parse_batch_size
-from llmexp.config.rules import (  # noqa: F401 (the option names are imported from here too)
-    ANOMALY_POLICIES,
-    DATA_KINDS,
-    DIRECTIONS,
-    EVAL_OPTIONS,
-    FSDP_STRATEGIES,
-    HYDRA_RULES,
-    INT64_MAX,
-    LOGGERS,
-    LR_SCALINGS,
-    MIRRORS,
-    OPTIMIZERS,
-    PEFT_METHODS,
-    PRECISIONS,
-    PRUNERS,
-    RULES,
-    SAMPLERS,
-    SCHEDULERS,
-    SEED_MAX,
-    SWEEP_STRATEGIES,
-    Choice,
-    PathRule,
-    Range,
-    Text,
-    TextList,
-    fmt_bound,
-)
+from llmexp.config.keys import MIRRORS, leaf_for, leaves, leaves_of
+from llmexp.config.rules import FRACTION
 from llmexp.errors import UserError
 
 if TYPE_CHECKING:
@@ -56,99 +27,6 @@ if TYPE_CHECKING:
 
 class ConfigError(UserError):
     """A user's mistake in the config: the message names the key and the fix. Exit code 2."""
-
-
-def _at_least(low: float, note: str = "", also: tuple[int, ...] = ()) -> Range:
-    return Range(low=low, note=note, also=also)
-
-
-_POSITIVE = Range(low=0, low_open=True)
-_FRACTION = Range(low=0, high=1, high_open=True)  # [0, 1)
-
-RANGES: dict[str, Range] = {
-    "model.hidden_size": _at_least(1),
-    "model.num_hidden_layers": _at_least(1),
-    "model.num_attention_heads": _at_least(1),
-    "model.num_key_value_heads": _at_least(1),
-    "model.intermediate_size": _at_least(1),
-    "model.vocab_size": _at_least(1),
-    "model.max_position_embeddings": _at_least(1),
-    "model.rope_theta": _POSITIVE,
-    "model.attention_dropout": _FRACTION,
-    "data.max_length": _at_least(2),
-    "data.eval_fraction": Range(low=0, high=1, low_open=True, high_open=True),
-    "data.num_proc": _at_least(1),
-    "data.max_examples": _at_least(1, "(or null for all)"),
-    "data.shuffle_window": _at_least(1),
-    "data.stream_eval_rows": _at_least(1),
-    "data.pretrain_lr": Range(low=0, low_open=True, note="(or null)"),
-    "precision.init_scale": _POSITIVE,
-    "precision.growth_interval": _at_least(1),
-    "optimizer.eps": _at_least(0),
-    "optimizer.momentum": _FRACTION,
-    "scheduler.min_lr_ratio": Range(low=0, high=1),
-    "scheduler.decay_ratio": Range(low=0, high=1, low_open=True),
-    "cluster.max_parallel": _at_least(1),
-    "cluster.jobs_per_gpu": _at_least(1),
-    "cluster.nodes": _at_least(1),
-    "cluster.gpus_per_node": _at_least(0),
-    "cluster.tasks_per_node": _at_least(1),
-    "cluster.cpus_per_task": _at_least(1),
-    "cluster.mem_gb": _at_least(1, "(or null for the partition's default)"),
-    "cluster.timeout_min": _at_least(1),
-    "cluster.signal_delay_s": _at_least(0),
-    "cluster.max_num_timeout": _at_least(0),
-    "cluster.array_parallelism": _at_least(1),
-    "deepspeed.stage": Range(low=0, high=3),
-    "logger.init_timeout_s": _POSITIVE,
-    "peft.r": _at_least(1),
-    "sweep.n_trials": _at_least(1),
-    "sweep.parallel": _at_least(1),
-    "sweep.seed": Range(low=0, high=SEED_MAX),
-    "sweep.base_batch_size": _at_least(1, "(or null: the smallest batch_size swept)"),
-    "peft.lora_alpha": _POSITIVE,
-    "peft.lora_dropout": _FRACTION,
-    "train.max_steps": _at_least(1, "(-1 trains for train.num_train_epochs)", also=(-1,)),
-    "train.num_train_epochs": _POSITIVE,
-    "train.gradient_accumulation_steps": _at_least(1),
-    "train.global_batch_size": _at_least(1, "(or null)"),
-    "train.max_grad_norm": _at_least(0, "(0 disables)"),
-    "train.warmup_ratio": _FRACTION,
-    "train.warmup_steps": _at_least(0, "(or null to use train.warmup_ratio)"),
-    "train.weight_decay": _at_least(0),
-    "train.logging_steps": _at_least(1),
-    "train.eval_steps": _at_least(1),
-    "train.eval_batches": _at_least(1, "(-1 evaluates the whole eval set)", also=(-1,)),
-    "train.sample_steps": _at_least(0, "(0: only at the end)"),
-    "train.sample_max_new_tokens": Range(low=1, high=4096),
-    "train.sample_temperature": _at_least(0, "(0 decodes greedily)"),
-    "train.sample_seed": Range(low=0, high=SEED_MAX),
-    "train.save_steps": _at_least(0, "(0: only at the end)"),
-    "train.save_total_limit": _at_least(1),
-    "train.max_consecutive_anomalies": _at_least(1),
-    "train.max_rollbacks": _at_least(0),
-    "train.rollback_lr_factor": Range(low=0, high=1, low_open=True),
-    "train.early_stopping_patience": _at_least(0, "(0 disables)"),
-    "train.peak_tflops": Range(low=0, low_open=True, note="(or null to measure it)"),
-    "train.seed_data": Range(low=0, high=SEED_MAX, note="(or null to use seed)"),
-    "train.lr_find_steps": Range(low=5, high=100_000),
-    "train.lr_find_start": Range(low=0, high=1, low_open=True),
-    "train.lr_find_end": Range(low=0, high=1e3, low_open=True),
-    "eval.demo_items": Range(low=0, high=100_000, note="(0: no demo task)"),
-    "eval.batch_size": Range(low=1, high=4096),
-    "eval.lm_eval.limit": _at_least(1, "(or null for every document)"),
-    "eval.lm_eval.num_fewshot": Range(low=0, high=1000, note="(or null: each task's own)"),
-    "eval.lm_eval.batch_size": Range(low=1, high=4096),
-    "seed": Range(low=0, high=SEED_MAX),
-}
-"""The bounds of every int and float field of `llmexp.config.schema.Config` (`lr` is checked by `parse_lr`,
-`batch_size` by `derived.parse_batch_size`)."""
-
-NON_FINITE_OK: frozenset[str] = frozenset()
-"""Float keys whose docstring gives inf or NaN a meaning; none does today."""
-
-BETAS_RANGE = _FRACTION
-"""Each of `optimizer.betas`."""
 
 
 def _check(errors: list[str], ok: bool, key: str, message: str) -> None:
@@ -221,13 +99,6 @@ def configured_lr(cfg: Any) -> tuple[float, str] | None:
     return None
 
 
-def number_keys() -> dict[str, type]:
-    """The int and float fields of the schema (each has a rule in `RANGES`)."""
-    from llmexp.config.keys import schema_fields
-
-    return {key: tp for key, (tp, _) in schema_fields().items() if tp in (int, float)}
-
-
 def _deleted_node_errors(node: DictConfig, cls: Any = None, prefix: str = "") -> list[str]:
     """Keys of the schema that the config lacks: deleted with `~key` (or by a config file), and config
     groups with no option chosen (`~model` leaves `model` at ???)."""
@@ -258,30 +129,12 @@ def _default_option(group: str) -> str | None:
     return next((str(d[group]) for d in defaults if isinstance(d, DictConfig) and group in d), None)
 
 
-def _number_problem(key: str, value: Any, tp: type, default: Any, rng: Range | None = None) -> str | None:
-    """Why `value` is no good for the number field `key` (whose range is `rng`, default `RANGES[key]`), or None."""
-    if value is None or isinstance(value, bool) or not isinstance(value, int | float):
-        return None  # null where the schema allows it; a wrong type is the schema's to report
-    example = f"; e.g. {key}={default}" if default is not None else ""
-    rng = RANGES[key] if rng is None else rng
-    if tp is float and not math.isfinite(value) and key not in NON_FINITE_OK:
-        return f"{key}: must be a finite number, got {value}{example}"
-    limit = rng.high if rng.high != math.inf else INT64_MAX
-    if tp is int and not -INT64_MAX - 1 <= value <= limit:
-        bounds = rng.describe() + ("" if rng.high != math.inf else f" and at most {fmt_bound(limit)}")
-        return f"{key}: {value} does not fit in 64 bits; {bounds}{example}"
-    if not rng.contains(value):
-        return f"{key}: {rng.describe()}, got {value}{example}"
-    return None
-
-
-def _number_errors(cfg: DictConfig) -> dict[str, str]:
-    """key -> message for every int or float field out of its range (`RANGES`), `lr` and the betas."""
-    from llmexp.config.keys import schema_fields
-
-    fields = schema_fields()
-    bad = {key: problem for key, tp in number_keys().items()
-           if (problem := _number_problem(key, OmegaConf.select(cfg, key), tp, fields[key][1]))}
+def _leaf_errors(cfg: DictConfig) -> dict[str, str]:
+    """key -> message for every leaf that breaks its field's rule (a path only as far as it can be judged without
+    the machine: `check_environment` does the rest), `lr`, `batch_size`, the betas and free-form arguments, and
+    the launcher's and sweeper's settings (`hydra.launcher.*`, `hydra.sweeper.*`) when the config has them."""
+    bad = {leaf.key: problem for leaf in leaves().values()
+           if (problem := leaf.rule.problem(leaf.key, OmegaConf.select(cfg, leaf.key), leaf.default))}
     try:
         lr = None if is_lr_find(cfg.lr) else parse_lr(cfg.lr)
         if lr is not None and not (math.isfinite(lr) and lr > 0):
@@ -300,68 +153,33 @@ def _number_errors(cfg: DictConfig) -> dict[str, str]:
                              "for the largest micro-batch that fits in memory")
     betas = cfg.optimizer.betas
     numbers = [b for b in betas if isinstance(b, int | float) and not isinstance(b, bool)]
-    if len(betas) != 2 or len(numbers) != 2 or not all(math.isfinite(b) and BETAS_RANGE.contains(b) for b in numbers):
+    if len(betas) != 2 or len(numbers) != 2 or not all(math.isfinite(b) and FRACTION.contains(b) for b in numbers):
         shown = list(betas) if isinstance(betas, ListConfig) else betas
         bad["optimizer.betas"] = (f"optimizer.betas: must be two numbers in [0, 1), got {shown}; "
                                   "e.g. optimizer.betas=[0.9,0.999]")
     bad.update(_kwargs_errors(cfg.optimizer.kwargs, "optimizer.kwargs"))
     bad.update(_kwargs_errors(cfg.cluster.additional_parameters, "cluster.additional_parameters"))
+    if isinstance(cfg.get("hydra"), DictConfig):
+        bad.update(_hydra_setting_errors(cfg))
     return bad
 
 
-def rule_for(key: str) -> Any:
-    """The rule of a leaf (`rules.Range`, `Choice`, `Text`, ...), or None: a leaf without one is a bug that
-    `tests/test_schema_property.py` reports. `hydra.launcher.X` / `hydra.sweeper.X` have `cluster.X`'s /
-    `sweep.X`'s rule unless `rules.HYDRA_RULES` gives them their own."""
-    if key in HYDRA_RULES:
-        return HYDRA_RULES[key]
-    for prefix, mirrored in MIRRORS.items():
-        if key.startswith(prefix):
-            key = mirrored + key[len(prefix):]
-    return RANGES.get(key) or RULES.get(key)
-
-
-def rule_errors(cfg: DictConfig) -> list[str]:
-    """Every `Choice`, `Text`, `TextList` and `PathRule` leaf that breaks its rule (a path only as far as it can be
-    judged without the machine: `check_environment` does the rest), and the launcher's and sweeper's settings
-    (`hydra.launcher.*`, `hydra.sweeper.*`: `cluster.*`'s and `sweep.*`'s rules) when the config has them."""
-    errors = []
-    for key, rule in RULES.items():
-        pure = isinstance(rule, Choice | Text | TextList | PathRule)
-        if pure and (problem := rule.problem(key, OmegaConf.select(cfg, key))):
-            errors.append(problem)
-    if isinstance(cfg.get("hydra"), DictConfig):
-        errors += _hydra_setting_errors(cfg)
-    return errors
-
-
-def _hydra_setting_errors(cfg: DictConfig) -> list[str]:
+def _hydra_setting_errors(cfg: DictConfig) -> dict[str, str]:
     """`hydra.launcher.X` and `hydra.sweeper.X` given a value of their own (not the `cluster.X` / `sweep.X` they
     are mapped from, which is checked under its own name): the same rule, named as the user wrote it."""
-    from llmexp.config.keys import schema_fields
-
-    fields = schema_fields()
-    errors = []
+    errors = {}
     for prefix, mirrored in MIRRORS.items():
         node = OmegaConf.select(cfg, prefix.rstrip("."))
         for name in node.keys() if isinstance(node, DictConfig) else ():
-            key, twin = f"{prefix}{name}", f"{mirrored}{name}"
-            rule = rule_for(key)
+            key, twin, leaf = f"{prefix}{name}", f"{mirrored}{name}", leaf_for(f"{prefix}{name}")
             try:
                 value = node[name]
             except Exception:  # an unresolvable interpolation: structure_errors names it under its own key
                 continue
-            if rule is None or (twin in fields and value == OmegaConf.select(cfg, twin)):
+            if leaf is None or (twin in leaves() and value == OmegaConf.select(cfg, twin)):
                 continue
-            if isinstance(rule, Range):
-                tp = fields[twin][0] if twin in fields else int
-                problem = _number_problem(key, value, tp, fields.get(twin, (None, None))[1], rule)
-            elif isinstance(rule, Choice | Text | TextList):
-                problem = rule.problem(key, value)
-            else:
-                continue
-            if problem:
-                errors.append(problem)
+            if problem := leaf.rule.problem(key, value, leaf.default):
+                errors[key] = problem
     return errors
 
 
@@ -384,7 +202,7 @@ def validate(cfg: DictConfig | Config) -> None:
     errors = _deleted_node_errors(cfg) or structure_errors(cfg)  # ~node, ???, unknown keys, _target_s, ${...}
     if errors:  # the values below cannot be read or trusted until these are fixed
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
-    bad = _number_errors(cfg)
+    bad = _leaf_errors(cfg)
     errors = list(bad.values())
     t = cfg.train
     if not bad.keys() & {"train.warmup_steps", "train.warmup_ratio", "train.max_steps"}:
@@ -392,7 +210,6 @@ def validate(cfg: DictConfig | Config) -> None:
         _check(errors, t.max_steps == -1 or warmup < t.max_steps, "train.warmup_steps",
                f"warmup ({warmup} steps) must be shorter than train.max_steps={t.max_steps}; "
                "lower train.warmup_steps/warmup_ratio or raise train.max_steps")
-    errors += rule_errors(cfg)  # option names and free text: `rules.RULES`, also under hydra.launcher/sweeper
     _check(errors, t.resume in ("auto", "never") or bool(t.resume), "train.resume",
            "must be auto, never, or a checkpoint path")
     _validate_groups(cfg, errors, bad.keys())
@@ -571,16 +388,6 @@ multiple_choice task named `demo`; harness tasks record the harness's own metric
 TASK_KINDS = tuple(TASK_METRICS)
 """The `eval` group's dicts of named tasks (`eval.<kind>.<name>`), each entry a schema node of its own."""
 
-TASK_RANGES: dict[str, Range] = {
-    "multiple_choice.max_items": _at_least(1, "(or null for all)"),
-    "generate.max_items": _at_least(1, "(or null for all)"),
-    "generate.max_new_tokens": Range(low=1, high=4096),
-    "generate.examples": Range(low=0, high=1000),
-}
-"""The bounds of the numbers of each `eval.<kind>.<name>` entry: entries of a dict are no leaves of the schema
-(their dict is: `rules.RULES`), so `_validate_tasks` checks these under the entry's own key."""
-
-
 def _validate_eval(cfg: DictConfig, errors: list[str]) -> None:
     """`eval` (its option name is a `rules.Choice`): every task's name and fields, the harness's task list,
     generation only where the weights are whole, and `sweep.metric` against what the tasks record."""
@@ -601,8 +408,11 @@ def _validate_eval(cfg: DictConfig, errors: list[str]) -> None:
 
 
 def _validate_tasks(ev: DictConfig, errors: list[str]) -> list[str]:
-    """Each `eval.<kind>.<name>` entry: its name (it becomes `tasks/<name>/...`), file, numbers (`TASK_RANGES`)
-    and stop strings; a perplexity set's source. Returns the names."""
+    """Each `eval.<kind>.<name>` entry: its name (it becomes `tasks/<name>/...`), its fields by their rules
+    (`schema.ChoiceTaskConfig`, ...), its file and stop strings; a perplexity set's source. Returns the names."""
+    from llmexp.config.keys import entry_node, node_fields
+    from llmexp.config.schema import EvalConfig
+
     names: list[str] = []
     for kind in TASK_KINDS:
         for name, task in ev[kind].items():
@@ -610,27 +420,17 @@ def _validate_tasks(ev: DictConfig, errors: list[str]) -> list[str]:
             names.append(str(name))
             _check(errors, _task_name_ok(str(name)), key, "a task name must be letters, digits, _ . or - (it becomes "
                    "the metric name tasks/<name>/...); rename it")
+            errors.extend(problem for leaf in leaves_of(entry_node(node_fields(EvalConfig)[kind]), f"{key}.")
+                          if (problem := leaf.rule.problem(leaf.key, task[leaf.key.rsplit(".", 1)[1]], leaf.default)))
             if kind == "perplexity":
                 _validate_perplexity_set(task, key, errors)
                 continue
             _check(errors, isinstance(task.file, str) and bool(task.file.strip()), f"{key}.file",
                    f"names no task file; set {key}.file=path/to/{name}.jsonl")
-            errors.extend(_task_number_errors(kind, task, key))
             if kind == "generate":
                 _check(errors, all(isinstance(x, str) and x for x in task.stop), f"{key}.stop",
                        f"must be a list of non-empty strings, e.g. {key}.stop=['\\n']")
     return names
-
-
-def _task_number_errors(kind: str, task: DictConfig, key: str) -> list[str]:
-    """The numbers of one task entry out of their `TASK_RANGES`."""
-    from llmexp.config.schema import ChoiceTaskConfig, GenerateTaskConfig
-
-    defaults = {f.name: f.default for f in dataclasses.fields(GenerateTaskConfig if kind == "generate"
-                                                              else ChoiceTaskConfig)}
-    return [problem for name, rng in TASK_RANGES.items() if name.startswith(f"{kind}.")
-            if (problem := _number_problem(f"{key}.{name.split('.')[1]}", task[name.split(".")[1]], int,
-                                           defaults[name.split(".")[1]], rng))]
 
 
 def _task_name_ok(name: str) -> bool:
@@ -638,9 +438,7 @@ def _task_name_ok(name: str) -> bool:
 
 
 def _validate_perplexity_set(entry: DictConfig, key: str, errors: list[str]) -> None:
-    """An extra held-out set: a data kind, and the file or dataset that kind reads (its files: `paths`)."""
-    if entry.name is not None and (problem := Choice(DATA_KINDS).problem(f"{key}.name", entry.name)):
-        errors.append(problem)
+    """An extra held-out set: the file or dataset its data kind reads (its files: `paths`)."""
     if entry.name in ("json", "text"):
         _check(errors, bool(entry.eval_file or entry.train_file), f"{key}.eval_file",
                f"{entry.name} names no file; set {key}.eval_file=path/to/held_out"
@@ -685,7 +483,7 @@ def metric_errors(cfg: DictConfig) -> list[str]:
         offered = [*RUN_METRICS, *(f"tasks/{t}/{m}" for t, ms in task_metrics(cfg).items() for m in (ms or ["..."]))]
         return [f"sweep.metric={sw.metric}: no job records it; pick one of {', '.join(offered)} (a task metric "
                 "needs its task in eval, e.g. eval=demo sweep.metric=tasks/demo/acc)"]
-    if better is not None and sw.direction in DIRECTIONS and better != sw.direction:
+    if better is not None and sw.direction in leaves()["sweep.direction"].rule.names() and better != sw.direction:
         way = "lower" if better == "minimize" else "higher"
         return [f"sweep.direction={sw.direction}: {sw.metric} is better {way}; set sweep.direction={better}"]
     return []
@@ -713,8 +511,6 @@ def _validate_lr_find(cfg: DictConfig, errors: list[str], bad: typing.AbstractSe
 TRACKING_SCHEMES = ("http", "https", "sqlite", "databricks")
 """What `logger.tracking_uri` may name: an MLflow server, a SQLite store, or Databricks."""
 MAX_URI_LEN = 2048
-MAX_EXPERIMENT_LEN = 256
-"""MLflow's SQL stores keep an experiment name in a VARCHAR(256)."""
 
 
 def tracking_uri_problem(uri: Any) -> str | None:

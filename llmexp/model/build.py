@@ -1,12 +1,11 @@
 """Build the model, the optimizer and the precision setting from the config.
 
 This is the one place that instantiates classes named in the config. Optimizer classes come
-from `_target_`, but only from the allow-list below: a config is data, never code to run.
+from `_target_`, but only those `llmexp.config.security` allows there: a config is data, never code to run.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
 import os
@@ -18,38 +17,6 @@ if TYPE_CHECKING:
     import torch
     from omegaconf import DictConfig
     from transformers import PreTrainedModel
-
-ALLOWED_TARGETS: tuple[str, ...] = ("torch.optim.", "bitsandbytes.optim.", "llmexp.")
-"""`_target_` prefixes that may be instantiated. Everything else is rejected (exit 2)."""
-
-
-def check_target(target: str, key: str) -> None:
-    """Reject a `_target_` outside the allow-list before anything is imported (`llmexp.config.security`)."""
-    from llmexp.config.security import target_problem
-
-    if problem := target_problem(target, ALLOWED_TARGETS):
-        raise UserError(f"{key}: {problem}. Pick an optimizer with optimizer=<name>.")
-
-
-def locate(target: str) -> Any:
-    """Import `pkg.module.Class` (after `check_target`)."""
-    module_name, _, attr = target.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise UserError(f"optimizer._target_: cannot import {target!r} ({err}); is its package installed?") from err
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
@@ -204,18 +171,16 @@ def param_groups(model: torch.nn.Module, weight_decay: float, decay_all: bool) -
 
 def build_optimizer(cfg: DictConfig, model: torch.nn.Module, lr: float, device_type: str) -> torch.optim.Optimizer:
     """The allow-listed optimizer class with only the arguments its constructor accepts."""
-    o = cfg.optimizer
-    check_target(o._target_, "optimizer._target_")
-    target = o._target_
-    if device_type == "cpu" and target.startswith("bitsandbytes."):
-        # bitsandbytes' CPU backend warns at import that its 4-bit matmul kernels are missing: optimizers never use them
-        logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-    cls = locate(target)
     import torch
 
-    from llmexp.config.security import check_located
+    from llmexp.config.security import import_target
 
-    check_located(cls, target, "optimizer._target_", ALLOWED_TARGETS, base=torch.optim.Optimizer)
+    o = cfg.optimizer
+    target = o._target_
+    if device_type == "cpu" and str(target).startswith("bitsandbytes."):
+        # bitsandbytes' CPU backend warns at import that its 4-bit matmul kernels are missing: optimizers never use them
+        logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    cls = import_target("optimizer._target_", target, base=torch.optim.Optimizer)
     accepted = inspect.signature(cls.__init__).parameters
     candidates: dict[str, Any] = {"betas": tuple(o.betas), "eps": o.eps, "momentum": o.momentum}
     kwargs = {k: v for k, v in candidates.items() if k in accepted}

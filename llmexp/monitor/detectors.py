@@ -595,20 +595,19 @@ def settings_from_config(cfg: dict[str, Any], lr: float | None = None, precision
     """MonitorSettings of a run from its saved config (`.hydra/config.yaml` as plain data), for the doctor and the
     reports after the fact. `lr` and `precision` are what the run resolved `auto` to (summary.json); a key the
     file lacks has the schema's default, as it had in the run."""
-    from llmexp.config.keys import schema_fields
-
-    defaults = schema_fields()
+    from llmexp.config.keys import leaves
+    from llmexp.config.validation import parse_lr
 
     def saved(key: str) -> Any:
         node: Any = cfg
         for part in key.split("."):
             node = node.get(part) if isinstance(node, dict) else None
-        return defaults[key][1] if node is None else node
+        return leaves()[key].default if node is None else node
 
     try:
-        cfg_lr = float(saved("lr"))
+        cfg_lr = parse_lr(saved("lr"))  # None for auto: the trainer resolved it; summary.json has the value
     except (TypeError, ValueError):
-        cfg_lr = None  # "auto": the trainer resolved it; summary.json has the value
+        cfg_lr = None  # find: the range test picked it, as summary.json says
     return MonitorSettings.for_run(finetune=bool(saved("model.name_or_path")),
                                    max_grad_norm=float(saved("train.max_grad_norm")),
                                    precision=precision or str(saved("precision.name")),
