@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 from llmexp.checkpoint.serialize import CorruptCheckpoint
 from llmexp.rundir.files import DiskFull as DiskFull  # what a full disk during a save raises (re-exported)
 from llmexp.rundir.files import fsync_path, replace_dir, staged_dir
+from llmexp.rundir.readers import Damaged, MiB, open_regular, parse_json, read_text
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -56,7 +57,7 @@ T = TypeVar("T")
 
 
 def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
@@ -130,10 +131,10 @@ def read_manifest(path: Path) -> dict[str, Any]:
     """The parsed manifest of a checkpoint dir; CorruptCheckpoint if it is missing or malformed."""
     file = Path(path) / MANIFEST
     try:
-        manifest = json.loads(file.read_text())
+        manifest = parse_json(read_text(file, 64 * MiB), file)
     except FileNotFoundError:
         raise CorruptCheckpoint(f"{file}: missing; the checkpoint is incomplete") from None
-    except (OSError, ValueError) as err:
+    except (OSError, Damaged) as err:
         raise CorruptCheckpoint(f"{file}: unreadable manifest ({err})") from None
     ok = (isinstance(manifest, dict) and isinstance(manifest.get("files"), dict)
           and isinstance(manifest.get("step"), int))
@@ -268,11 +269,10 @@ def _displaced_dirs(root: Path) -> list[tuple[Path, int]]:
         if match is None or path.is_symlink() or not path.is_dir():
             continue
         try:
-            manifest = json.loads((path / MANIFEST).read_text())
-        except (OSError, ValueError):
+            read_manifest(path)
+        except CorruptCheckpoint:
             continue  # not ours to judge: kept
-        if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) and "step" in manifest:
-            found.append((path, int(match.group(1))))
+        found.append((path, int(match.group(1))))
     return found
 
 

@@ -16,7 +16,7 @@ from typing import TextIO
 from llmexp.monitor.detectors import is_open
 from llmexp.report.findings import finding_state, run_findings
 from llmexp.report.run import write_run_report
-from llmexp.rundir.read import is_run_dir, is_sweep_dir, load_json, load_records
+from llmexp.rundir.read import is_run_dir, is_sweep_dir, load_records, load_summary
 
 EXIT_HEALTHY, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
 _COLOURS = {"error": "\033[31m", "warning": "\033[33m", "info": "\033[36m", "ok": "\033[32m"}
@@ -52,7 +52,7 @@ def format_findings(findings: list[dict], paint: Paint = lambda text, style: tex
 def diagnose_run(run_dir: Path) -> tuple[int, str]:
     """(exit code, text to print) for one run directory; rewrites its report."""
     records = load_records(run_dir)
-    summary = load_json(run_dir / "summary.json") or {}
+    summary = load_summary(run_dir) or {}
     findings = run_findings(run_dir, records)
     write_run_report(run_dir, findings)
     paint = _painter(sys.stdout)

@@ -29,7 +29,16 @@ from pathlib import Path
 from typing import Any
 
 from llmexp.rundir.lock import lock_holder
-from llmexp.rundir.read import is_run_dir, is_sweep_dir, job_dirs, load_json, load_overrides, load_records
+from llmexp.rundir.read import (
+    is_run_dir,
+    is_sweep_dir,
+    job_dirs,
+    load_job_status,
+    load_overrides,
+    load_records,
+    load_summary,
+    read_slurm_jobs,
+)
 
 SCHEDULER_TIMEOUT_S = 0.7
 """What the scheduler may take to answer (squeue and sacct run side by side); past it the column says `?`."""
@@ -148,8 +157,8 @@ def _status(run_dir: Path, summary: dict | None, verdict: dict, records: list[di
 
 def job_row(run_dir: Path, shown: str, slurm_id: str | None, states: dict[str, str]) -> Row:
     """A run directory's line: its files, and the scheduler's word on its SLURM job."""
-    records, summary = load_records(run_dir), load_json(run_dir / "summary.json")
-    verdict = load_json(run_dir / "job_status.json") or {}
+    records, summary = load_records(run_dir), load_summary(run_dir)
+    verdict = load_job_status(run_dir)
     slurm_id = slurm_id or verdict.get("job_id")
     state = states.get(slurm_id) if slurm_id else None
     status = _status(run_dir, summary, verdict, records, state)
@@ -182,8 +191,8 @@ def rows(path: Path, scheduler_timeout_s: float = SCHEDULER_TIMEOUT_S) -> list[R
     """The table's lines for a run directory or a sweep directory."""
     path = Path(path)
     dirs = job_dirs(path) if is_sweep_dir(path) and not (path / "metrics.jsonl").exists() else [path]
-    slurm = {str(k): str(v) for k, v in ((load_json(path / "slurm_jobs.json") or {}).get("jobs") or {}).items()}
-    verdict_ids = [str(j) for d in dirs if (j := (load_json(d / "job_status.json") or {}).get("job_id"))]
+    slurm = {str(k): str(v) for k, v in ((read_slurm_jobs(path / "slurm_jobs.json") or {}).get("jobs") or {}).items()}
+    verdict_ids = [str(j) for d in dirs if (j := load_job_status(d).get("job_id"))]
     states = scheduler_states(sorted(set(slurm.values()) | set(verdict_ids)), scheduler_timeout_s)
     shown = _varying({d.name: load_overrides(d) for d in dirs})
     return [job_row(d, shown[d.name], slurm.get(d.name), states) for d in dirs]

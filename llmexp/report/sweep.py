@@ -22,7 +22,16 @@ from llmexp.report.findings import run_findings
 from llmexp.report.formats import fmt, fmt_rate
 from llmexp.report.search import PRUNED, load_study, search_markdown, search_summary
 from llmexp.rundir.files import write_text_atomic
-from llmexp.rundir.read import FINISHED, job_dirs, last_value, load_config, load_json, load_overrides, load_records
+from llmexp.rundir.read import (
+    FINISHED,
+    job_dirs,
+    last_value,
+    load_config,
+    load_job_status,
+    load_overrides,
+    load_records,
+    load_summary,
+)
 from llmexp.rundir.tasks import final_tasks, metric_value
 
 log = logging.getLogger(__name__)
@@ -55,8 +64,8 @@ def _param_dict(overrides: list[str]) -> dict[str, str]:
 
 def collect_job(job_dir: Path) -> dict[str, Any]:
     """One sweep job's entry: overrides, status, final metrics, findings and loss stability."""
-    records, summary = load_records(job_dir), load_json(job_dir / "summary.json")
-    job_status = load_json(job_dir / "job_status.json") or {}
+    records, summary = load_records(job_dir), load_summary(job_dir)
+    job_status = load_job_status(job_dir)
     overrides = load_overrides(job_dir)
     entry: dict[str, Any] = {"job": job_dir.name, "dir": str(job_dir), "overrides": overrides,
                              "params": _param_dict(overrides)}

@@ -147,7 +147,7 @@ def replace_dir(tmp: Path, final: Path, *, aside: Path | None = None,
         os.replace(tmp, final)
         return
     if _exchange(tmp, final):  # now `tmp` holds the old copy
-        shutil.rmtree(tmp)
+        _remove(tmp)
         return
     old = aside or final.with_name(f".{final.name}.old-{os.getpid()}")
     os.replace(final, old)
@@ -156,7 +156,12 @@ def replace_dir(tmp: Path, final: Path, *, aside: Path | None = None,
     except BaseException:
         os.replace(old, final)  # put the old copy back
         raise
-    shutil.rmtree(old)
+    _remove(old)
+
+
+def _remove(path: Path) -> None:
+    """Delete what a publish replaced: a directory, or a plain file where one stood (a damaged cache entry)."""
+    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
 
 
 Replace = Callable[[Path, Path], None]

@@ -7,62 +7,94 @@ Pure functions of what a run (or sweep) directory holds: `metrics.jsonl`, `summa
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from llmexp.rundir.readers import (
+    METRIC,
+    Damaged,
+    check_fields,
+    entry_of,
+    load_json,
+    parse_json,
+    read_lines,
+    read_yaml,
+    reader,
+    skipped,
+)
 
 FINISHED = ("completed", "early_stopped")
 """Statuses of a run that ended as intended."""
 
 
-# ----- reading a run directory -----------------------------------------------------------------
+# ----- reading a run directory (each file's reader is registered in `llmexp.rundir.readers`) -------------------
 
-def load_records(run_dir: Path) -> list[dict]:
-    """The records of metrics.jsonl; a torn last line (a killed run) is skipped, not fatal."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text(errors="replace").splitlines():
+@reader
+def read_metrics(path: Path) -> list[dict]:
+    """The records of metrics.jsonl, each with an integer `step`; a line that is not one (a torn last line of a
+    killed run, damage) is skipped, and the skipped lines are counted in one line."""
+    records: list[dict] = []
+    bad: list[Damaged] = []
+    number = 0
+    for number, line in read_lines(path, entry_of(read_metrics).max_line_bytes):
         try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict) and "step" in rec:
-            records.append(rec)
+            if isinstance(line, Damaged):
+                raise line
+            if line.strip():
+                rec, problems = check_fields(parse_json(line, path, number), METRIC)
+                if rec is None or problems:
+                    raise Damaged(path, f"not a record: {problems[0]}", number)
+                records.append(rec)
+        except Damaged as err:
+            bad.append(err)
+    if bad:
+        skipped(f"{len(bad)} of {number} lines of {path} (line {bad[0].line}: {bad[0].why})")
     return records
 
 
-def load_json(path: Path) -> dict | None:
-    """A JSON object from disk, or None when it is missing or unreadable."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):  # also a file of bytes that are not text (UnicodeDecodeError)
-        return None
-    return data if isinstance(data, dict) else None
+@reader
+def read_summary(path: Path) -> dict | None:
+    """summary.json: what the trainer wrote as the run ended."""
+    return load_json(path, read_summary)
+
+
+@reader
+def read_job_status(path: Path) -> dict | None:
+    """job_status.json: the launcher's verdict on a job, when it knows more than the trainer."""
+    return load_json(path, read_job_status)
+
+
+@reader
+def read_slurm_jobs(path: Path) -> dict | None:
+    """slurm_jobs.json: a SLURM sweep's job ids by job number."""
+    return load_json(path, read_slurm_jobs)
+
+
+def load_records(run_dir: Path) -> list[dict]:
+    return read_metrics(Path(run_dir) / "metrics.jsonl") or []
+
+
+def load_summary(run_dir: Path) -> dict | None:
+    return read_summary(Path(run_dir) / "summary.json")
+
+
+def load_job_status(run_dir: Path) -> dict:
+    return read_job_status(Path(run_dir) / "job_status.json") or {}
 
 
 def load_config(run_dir: Path) -> dict:
     """`.hydra/config.yaml` as plain data (interpolations left as strings); {} when absent."""
-    import yaml
-
-    try:
-        data = yaml.safe_load((Path(run_dir) / ".hydra" / "config.yaml").read_text())
-    except (OSError, yaml.YAMLError):
-        return {}
+    data = read_yaml(Path(run_dir) / ".hydra" / "config.yaml")
     return data if isinstance(data, dict) else {}
 
 
 def load_overrides(run_dir: Path) -> list[str]:
     """The command-line overrides of a run (`.hydra/overrides.yaml`), else those in summary.json."""
-    import yaml
-
-    try:
-        data = yaml.safe_load((Path(run_dir) / ".hydra" / "overrides.yaml").read_text())
-    except (OSError, yaml.YAMLError):
-        data = (load_json(Path(run_dir) / "summary.json") or {}).get("overrides")
     from llmexp.rundir.redact import scrub_overrides
 
+    data = read_yaml(Path(run_dir) / ".hydra" / "overrides.yaml")
+    if not isinstance(data, list):
+        data = (load_summary(run_dir) or {}).get("overrides")
     return scrub_overrides([str(o) for o in data]) if isinstance(data, list) else []
 
 
@@ -94,14 +126,12 @@ def last_value(records: list[dict], event: str, key: str) -> Any:
 def swept_keys(sweep_dir: Path) -> list[str]:
     """The keys a sweep varies (`lr=1e-4,3e-4`, `lr=tag(log,interval(...))`, `optimizer=adamw,lion`), in the
     order given, read from the command its `multirun.yaml` recorded with Hydra's own override parser."""
-    import yaml
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
     try:
-        data = yaml.safe_load((Path(sweep_dir) / "multirun.yaml").read_text())
-        task = data["hydra"]["overrides"]["task"]
+        task = read_yaml(Path(sweep_dir) / "multirun.yaml")["hydra"]["overrides"]["task"]
         overrides = OverridesParser.create().parse_overrides([str(o) for o in task])
-    except (OSError, yaml.YAMLError, KeyError, TypeError, HydraException):
+    except (KeyError, TypeError, HydraException):
         return []
     return [o.get_key_element().lstrip("+~") for o in overrides if o.is_sweep_override()]

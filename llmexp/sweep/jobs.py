@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from llmexp.config.tree import register_resolvers
 from llmexp.errors import EXIT_USER
 from llmexp.rundir.files import write_json_atomic, write_text_atomic
-from llmexp.rundir.read import FINISHED, load_json
+from llmexp.rundir.read import FINISHED, load_job_status, load_summary
 from llmexp.rundir.tasks import metric_value
 from llmexp.sweep.tracking import close_parent, open_parent
 
@@ -172,7 +172,7 @@ def compose_job(launcher: Any, overrides: list[str], num: int) -> Any:
 
 def run_status(job_dir: Path) -> str | None:
     """The status the trainer wrote to `summary.json`, or None when there is none (yet)."""
-    status = (load_json(Path(job_dir) / "summary.json") or {}).get("status")
+    status = (load_summary(job_dir) or {}).get("status")
     return str(status) if status else None
 
 
@@ -278,7 +278,7 @@ def ended_before(spec: JobSpec) -> JobOutcome | None:
                         "hydra.sweep.dir")
     _wait_for_holder(spec.job_dir)
     status = run_status(spec.job_dir)
-    verdict = (load_json(spec.job_dir / "job_status.json") or {}).get("status", status)
+    verdict = load_job_status(spec.job_dir).get("status", status)
     if status not in ENDED or verdict != status:
         return None
     return JobOutcome(spec.num, status, STATUS_EXIT[status], None)
@@ -288,7 +288,7 @@ def _wait_for_holder(job_dir: Path, poll_s: float = 2.0) -> None:
     """Block while another process holds the run directory's lock (`paths.lock_run_dir`)."""
     from filelock import FileLock, Timeout
 
-    from llmexp.rundir.lock import LOCK_NAME
+    from llmexp.rundir.lock import LOCK_NAME, lock_pid
 
     lock_path = job_dir / LOCK_NAME
     if not lock_path.exists():
@@ -297,7 +297,7 @@ def _wait_for_holder(job_dir: Path, poll_s: float = 2.0) -> None:
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        log.info(f"  {job_dir} is still running from an earlier launch (pid {lock_path.read_text().strip()}); "
+        log.info(f"  {job_dir} is still running from an earlier launch (pid {lock_pid(lock_path)}); "
                  "waiting for it to end")
         lock.acquire(poll_interval=poll_s)
     lock.release()
@@ -338,8 +338,8 @@ def read_result(job_dir: Path, metric: str = "eval_loss") -> TrialResult:
 
     A run whose doctor found an error (non_finite, divergence) or that diverged is `failed` with that
     finding as its reason: a result about the region, not a crash."""
-    summary = load_json(job_dir / "summary.json") or {}
-    verdict = load_json(job_dir / "job_status.json") or {}
+    summary = load_summary(job_dir) or {}
+    verdict = load_job_status(job_dir)
     status = verdict.get("status") or summary.get("status")
     if status is None or status in INTERRUPTED:
         return TrialResult("running")
