@@ -21,7 +21,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -66,21 +66,20 @@ def file_reads(root: Path) -> Iterator[tuple[str, int, str]]:
         tree = ast.parse(path.read_text(), str(path))
         primitives = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
                       and n.module == "llmexp.rundir.readers" for a in n.names if a.name in PRIMITIVES}
+        yield from _visit(tree, [], module, primitives)
 
-        def visit(node: ast.AST, scope: list[str], module: str = module, path: Path = path
-                  ) -> Iterator[tuple[str, int, str]]:
-            for child in ast.iter_child_nodes(node):
-                if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
-                    yield from visit(child, [*scope, child.name, "<locals>"], module, path)
-                elif isinstance(child, ast.ClassDef):
-                    yield from visit(child, [*scope, child.name], module, path)
-                else:
-                    if isinstance(child, ast.Call) and _reads(child, primitives):
-                        where = ".".join(scope[:-1] if scope and scope[-1] == "<locals>" else scope) or "<module>"
-                        yield f"{module}:{where}", child.lineno, ast.unparse(child.func)
-                    yield from visit(child, scope, module, path)
 
-        yield from visit(tree, [])
+def _visit(node: ast.AST, scope: list[str], module: str, primitives: set[str]) -> Iterator[tuple[str, int, str]]:
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+            yield from _visit(child, [*scope, child.name, "<locals>"], module, primitives)
+        elif isinstance(child, ast.ClassDef):
+            yield from _visit(child, [*scope, child.name], module, primitives)
+        else:
+            if isinstance(child, ast.Call) and _reads(child, primitives):
+                where = ".".join(scope[:-1] if scope and scope[-1] == "<locals>" else scope) or "<module>"
+                yield f"{module}:{where}", child.lineno, ast.unparse(child.func)
+            yield from _visit(child, scope, module, primitives)
 
 
 def test_no_file_is_read_outside_the_registry() -> None:
@@ -319,3 +318,51 @@ def test_random_bytes_and_json_never_break_a_reader(name: str, data: bytes, tmp_
     path.write_bytes(data)
     out, lines = _feed(name, path, caplog)
     _kept(name, path, out, lines, damaged=False)
+
+
+# ----------------------------------------------------------------------------- caches, never trusted
+
+
+@pytest.mark.parametrize("suggestion", [1e30, True, "3e-4", -1e-4, float("nan"), None])
+def test_a_damaged_lr_find_json_is_a_miss(suggestion: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An lr no range test from lr_find_start to lr_find_end could pick (1e30), `true` (read as 1.0), a string:
+    each a miss, said in one line, and the finder runs again (`found_lr` tests afresh on None)."""
+    from llmexp.train.lr_find import read_lr_find
+
+    path = tmp_path / "lr_find.json"
+    good = {"suggestion": 1e-4, "lr_find_steps": 20, "lr_find_start": 1e-7, "lr_find_end": 1.0}
+    path.write_text(json.dumps(good))
+    assert read_lr_find(path) == good
+    path.write_text(json.dumps({**good, "suggestion": suggestion}))
+    readers._said.clear()
+    with caplog.at_level(logging.INFO, logger="llmexp.readers"):
+        assert read_lr_find(path) is None
+    assert len(caplog.records) == 1 and str(path) in caplog.records[0].getMessage() \
+        and "the range test runs again" in caplog.records[0].getMessage(), caplog.records
+
+
+def test_a_cache_entry_replaced_by_a_plain_file_is_rebuilt_and_leaves_no_temp_file(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A GGUF conversion's entry (models/gguf-<key>/) that is now a plain file: a miss, rebuilt in its place."""
+    from llmexp.data.cache import get_or_build
+
+    built: list[Path] = []
+
+    def build(tmp: Path) -> dict[str, Any]:
+        (tmp / "model.safetensors").write_bytes(b"weights")
+        built.append(tmp)
+        return {"vocab_size": 300}
+
+    entry, _, hit = get_or_build(tmp_path, "models", "gguf-k", build)
+    assert not hit and get_or_build(tmp_path, "models", "gguf-k", build)[2]  # built once, then a hit
+    for path in entry.iterdir():
+        path.unlink()
+    entry.rmdir()
+    entry.write_text("not an entry")
+    readers._said.clear()
+    with caplog.at_level(logging.INFO):
+        again, _, hit = get_or_build(tmp_path, "models", "gguf-k", build)
+    assert not hit and again == entry and (entry / "model.safetensors").read_bytes() == b"weights" and len(built) == 2
+    assert [p.name for p in (tmp_path / "models").iterdir()] == ["gguf-k"]  # no temp file or directory beside it
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and str(entry) in said[0], said

@@ -85,7 +85,8 @@ class GridSweeper(_LaunchingSweeper):
         launcher exits 1 for a batch with a job that did not end by itself; 3 needs every batch's jobs."""
         from pathlib import Path
 
-        from llmexp.sweep.jobs import TrialResult, exit_for_results, job_dir_of, objective, read_result
+        from llmexp.rundir.read import TrialResult, read_result
+        from llmexp.sweep.jobs import exit_for_results, job_dir_of, objective
 
         returns = self._grid(arguments)
         metric = objective(self.config)[0] if self.config is not None else None

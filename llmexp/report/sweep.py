@@ -22,6 +22,7 @@ from llmexp.report.findings import run_findings
 from llmexp.report.formats import fmt, fmt_rate
 from llmexp.report.search import PRUNED, load_study, search_markdown, search_summary
 from llmexp.rundir.files import write_text_atomic
+from llmexp.rundir.lock import lock_holder
 from llmexp.rundir.read import (
     FINISHED,
     job_dirs,
@@ -73,9 +74,11 @@ def collect_job(job_dir: Path) -> dict[str, Any]:
         # The launcher writes job_status.json only when it knows more than the trainer (e.g. SLURM cancelled it).
         entry["status"] = job_status.get("status") or summary.get("status", "unknown")
         entry["error"] = job_status.get("error")
+    elif lock_holder(job_dir) is not None:  # mid-sweep: its process holds the run directory
+        entry["status"], entry["error"] = "running", None
     else:
         entry["status"] = job_status.get("status", "failed")
-        entry["error"] = job_status.get("error") or "no summary.json: the job was killed, crashed, or is still running"
+        entry["error"] = job_status.get("error") or "no summary.json: the job was killed or crashed"
     for key, event, rec_key in (("step", "train", "step"), ("train_loss", "train", "loss"),
                                 ("train_ppl", "train", "ppl"), ("eval_loss", "eval", "eval_loss"),
                                 ("eval_ppl", "eval", "eval_ppl"), ("tokens_per_sec", "train", "tokens_per_sec")):

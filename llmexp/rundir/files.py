@@ -31,7 +31,8 @@ def atomic_file(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+        # (text: a path named in bytes that are not UTF-8 is written escaped, as Python prints it)
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8", "errors": "backslashreplace"})) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
@@ -51,6 +52,11 @@ def write_json_atomic(path: Path, obj: object) -> None:
     import json
 
     write_text_atomic(path, json.dumps(obj, indent=2, default=str))
+
+
+def unwritable(directory: Path, err: OSError) -> str:
+    """What a report tool says when it cannot write in `directory` (read-only, a directory named report.md)."""
+    return f"cannot write in {directory} ({err.strerror or type(err).__name__}: {err.filename2 or err.filename})"
 
 
 # ----------------------------------------------------------------------------- a full disk

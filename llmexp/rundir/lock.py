@@ -71,17 +71,17 @@ def lock_holder(run_dir: Path) -> int | None:
     Linux lists every flock in /proc/locks by device and inode; elsewhere, the pid in the lock file counts if
     that process is alive. A run on another host (a SLURM node) is not seen: ask the scheduler."""
     path = Path(run_dir) / LOCK_NAME
-    pid = lock_pid(path)
     try:
         st = path.stat()
     except OSError:
         return None
-    if pid is None:
-        return None
+    pid = lock_pid(path)  # (None: a holder that has not written it yet, or a lock taken by filelock alone)
     try:
         with open("/proc/locks") as f:
             locks = f.read()
     except OSError:
+        if pid is None:
+            return None
         try:
             os.kill(pid, 0)
         except ProcessLookupError:

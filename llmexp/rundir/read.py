@@ -7,9 +7,13 @@ Pure functions of what a run (or sweep) directory holds: `metrics.jsonl`, `summa
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmexp.errors import EXIT_DIVERGED, EXIT_ERROR, EXIT_OK, EXIT_USER
 from llmexp.rundir.readers import (
     METRIC,
     Damaged,
@@ -22,6 +26,7 @@ from llmexp.rundir.readers import (
     reader,
     skipped,
 )
+from llmexp.rundir.tasks import metric_value
 
 FINISHED = ("completed", "early_stopped")
 """Statuses of a run that ended as intended."""
@@ -98,15 +103,79 @@ def load_overrides(run_dir: Path) -> list[str]:
     return scrub_overrides([str(o) for o in data]) if isinstance(data, list) else []
 
 
+# ----- how a sweep's jobs ended, and what the sweep exits with ------------------------------------------
+
+INTERRUPTED = ("preempted", "cancelled", "submitted")
+"""Run statuses of a job that did not end by itself: a search's trial stays RUNNING in the study, and a rerun
+of the sweep resumes it."""
+
+
+@dataclass
+class TrialResult:
+    """What a trial's run directory says about how it ended."""
+
+    status: str
+    """completed, pruned, failed, or running (no end yet: interrupted, or still going)."""
+    value: float | None = None
+    step: int | None = None
+    reason: str | None = None
+    user_error: bool = False
+    """The trial exited 2: a mistake in the config or data, which every other trial would repeat."""
+
+
+def read_result(job_dir: Path, metric: str = "eval_loss") -> TrialResult:
+    """A trial's result from its run directory: summary.json, and job_status.json when the launcher wrote one;
+    its value is `metric` (`sweep.metric`: `eval_loss`, `eval_ppl` or `tasks/<name>/<metric>`) at the end.
+
+    A run whose doctor found an error (non_finite, divergence) or that diverged is `failed` with that
+    finding as its reason: a result about the region, not a crash."""
+    summary = load_summary(job_dir) or {}
+    verdict = load_job_status(job_dir)
+    status = verdict.get("status") or summary.get("status")
+    if status is None or status in INTERRUPTED:
+        return TrialResult("running")
+    step = summary.get("step")
+    errors = [f for f in summary.get("findings", []) if f.get("severity") == "error"]
+    if errors or status == "diverged":
+        reason = f"{errors[0]['kind']}: {errors[0]['message']}" if errors else "the run diverged"
+        return TrialResult("failed", step=step, reason=reason)
+    if status == "pruned":
+        return TrialResult("pruned", step=step)
+    value = metric_value(metric, summary, [])
+    if status in FINISHED and value is not None:
+        return TrialResult("completed", value=value, step=step)
+    reason = verdict.get("error") or (f"ended {status} without a finite {metric}" if status in FINISHED
+                                      else f"ended {status}")
+    return TrialResult("crashed", step=step, reason=str(reason), user_error=verdict.get("exit_code") == EXIT_USER)
+
+
+def sweep_exit_code(results: Sequence[TrialResult]) -> int:
+    """The exit code of a sweep, grid or search alike, from how each job ended (`read_result`).
+
+    A sweep asks a question of its jobs, and a diverged lr is an answer (the lr is too high) that the
+    report shows; so the code says whether the sweep got its answers, not whether each job trained:
+    1 (EXIT_ERROR) when a job did not end by itself (a crash, a kill, a cancel, a time limit, a preemption,
+    never started): the sweep is incomplete, and the same command continues it; else 3 (EXIT_DIVERGED) when
+    no job completed and one diverged or failed a doctor's error check: nothing in the space trains; else 0.
+    (2 is a mistake found before launch, or one that every trial would repeat.)
+    """
+    statuses = [r.status for r in results]
+    if not statuses or any(s in ("crashed", "running") for s in statuses):
+        return EXIT_ERROR
+    if "completed" not in statuses and "failed" in statuses:
+        return EXIT_DIVERGED
+    return EXIT_OK
+
+
 def is_run_dir(path: Path) -> bool:
-    path = Path(path)
-    return any((path / name).exists() for name in ("metrics.jsonl", "summary.json", ".hydra/config.yaml"))
+    """Whether `path` holds a run's files (or something in their place: a damaged run is still a run)."""
+    return any(os.path.lexists(Path(path) / name) for name in ("metrics.jsonl", "summary.json", ".hydra/config.yaml"))
 
 
 def job_dirs(sweep_dir: Path) -> list[Path]:
     """Job subdirectories of a sweep, in job-number order (non-numeric names after, by name)."""
     found = [p for p in Path(sweep_dir).iterdir()
-             if p.is_dir() and (is_run_dir(p) or (p / "job_status.json").is_file())]
+             if p.is_dir() and (is_run_dir(p) or os.path.lexists(p / "job_status.json"))]
     return sorted(found, key=lambda p: (0, int(p.name), "") if p.name.isdigit() else (1, 0, p.name))
 
 

@@ -366,7 +366,10 @@ def parse_yaml(text: str, path: Path | str) -> Any:
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         raise Damaged(path, f"not YAML ({err.problem or err.context})", mark.line + 1 if mark else None) from None
-    except (yaml.YAMLError, RecursionError, ValueError) as err:  # ValueError: an integer too long to convert
+    except ValueError:  # (an integer of more digits than Python converts)
+        raise Damaged(path, f"a number of more than {sys.get_int_max_str_digits()} digits, more than Python reads"
+                      ) from None
+    except (yaml.YAMLError, RecursionError) as err:
         raise Damaged(path, f"not YAML ({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''})"
                       ) from None
     if _too_deep(value):
@@ -431,7 +434,7 @@ def check_fields(value: Any, spec: Any, finite: bool = False) -> tuple[Any, list
         if _fits(v, s, finite):
             return v
         wanted = " or ".join(_JSON_NAMES.get(k, k.__name__) for k in _kinds(s))
-        problems.append(f"{at or 'the file'} is {_name(v) if _fits(v, s) else repr(v)}, not {wanted}")
+        problems.append(f"{at or 'the file'} is {repr(v) if _fits(v, s) else _name(v)}, not {wanted}")
         return _OUT
 
     out = fit(value, spec, "")
