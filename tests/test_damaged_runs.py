@@ -10,8 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from llmexp.report.__main__ import main as report_main
 from llmexp.rundir import readers
 from llmexp.rundir.lock import LOCK_NAME
 from llmexp.sweep.jobs import JobSpec, ended_before
-from tests.conftest import run_cli
+from tests.conftest import as_nobody, run_cli
 
 FINDING = {"kind": "loss_spike", "step": 2, "severity": "warning", "message": "the loss jumped", "advice": "lower lr"}
 
@@ -178,19 +177,6 @@ def test_watch_inf_and_a_directory_named_in_bytes(tmp_path: Path) -> None:
     assert doctor.main([str(run_dir)]) == 0 and report_main([str(run_dir)]) == 0
 
 
-@contextmanager
-def _as_nobody() -> Iterator[None]:
-    """Tests run as root, which writes in a read-only directory; `nobody` (euid 65534) meets the kernel's refusal."""
-    if os.geteuid() != 0:
-        yield
-        return
-    os.seteuid(65534)
-    try:
-        yield
-    finally:
-        os.seteuid(0)
-
-
 def test_a_read_only_run_directory(capsys: pytest.CaptureFixture[str]) -> None:
     root = Path(shutil.os.path.realpath("/tmp")) / f"llmexp-ro-{os.getpid()}"
     try:
@@ -201,7 +187,7 @@ def test_a_read_only_run_directory(capsys: pytest.CaptureFixture[str]) -> None:
         for path in run_dir.rglob("*"):
             path.chmod(0o555 if path.is_dir() else 0o444)
         capsys.readouterr()
-        with _as_nobody():
+        with as_nobody():
             assert doctor.main([str(run_dir)]) == 0
             assert report_main([str(run_dir)]) == 1
         out, err = capsys.readouterr()

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from llmexp.errors import UserError
 from llmexp.rundir import readers
 from llmexp.rundir.readers import CACHE, INPUT, OTHER_OPENS, READERS, RECORD, Need
-from tests.conftest import REPO
+from tests.conftest import REPO, as_nobody
 
 # ----------------------------------------------------------------------------- no read outside the registry
 
@@ -200,26 +200,12 @@ def test_every_reader_has_a_sample() -> None:
     assert sorted(SAMPLES) == sorted(FED)
 
 
-@contextlib.contextmanager
-def _as_nobody() -> Iterator[None]:
-    """Run as `nobody` (euid 65534) for a moment: root reads a mode-000 file, so the test drops that power to meet
-    the kernel's own PermissionError. Not root: mode 000 already refuses."""
-    if os.geteuid() != 0:
-        yield
-        return
-    os.seteuid(65534)
-    try:
-        yield
-    finally:
-        os.seteuid(0)
-
-
 def _feed(name: str, path: Path, caplog: pytest.LogCaptureFixture, nobody: bool = False) -> tuple[Any, list[str]]:
     """(what the reader returned, or the exception it raised; the lines it said)."""
     readers._said.clear()
     caplog.clear()
     fn = _resolve(name)
-    with caplog.at_level(logging.DEBUG, logger="llmexp.readers"), _as_nobody() if nobody else contextlib.nullcontext():
+    with caplog.at_level(logging.DEBUG, logger="llmexp.readers"), as_nobody() if nobody else contextlib.nullcontext():
         try:
             out: Any = fn(path, *SAMPLES[name][2])
         except Exception as err:  # what the kind allows is judged by `_kept`
@@ -283,7 +269,7 @@ def test_each_kind_keeps_its_promise_on_damaged_files(name: str, tmp_path: Path,
     path.write_bytes(sample_of())
     out, lines = _feed(name, path, caplog)
     assert out is not None and not isinstance(out, Exception) and not lines, (name, out, lines)  # a good file reads
-    path.chmod(0o000)  # mode 000: the kernel's PermissionError (`_as_nobody`)
+    path.chmod(0o000)  # mode 000: the kernel's PermissionError (`as_nobody`)
     _kept(name, path, *_feed(name, path, caplog, nobody=True), damaged=True)
     path.unlink()
     for what, content, damaged in _damages(name):

@@ -42,20 +42,17 @@ log = logging.getLogger("llmexp.readers")
 
 @dataclass(frozen=True)
 class Reader:
+    """A file's reader: its kind, the file as the user meets it, `fix` (INPUT: what the file must hold; CACHE: what
+    happens instead), the most bytes the file (`max_bytes`; None: any) or a line may hold, the `fields` it checks
+    by type (`check_fields`), and `duty`: the caller that does the kind's duty when this reader raises."""
+
     kind: str
     file: str
-    """The file, as the user meets it."""
     fix: str = ""
-    """INPUT: what the file must hold; CACHE: what happens instead (`probed again`)."""
     max_bytes: int | None = MiB
-    """The most a whole file may hold (a line, for line-by-line readers: `max_line_bytes`); None: the reader
-    streams it or maps it, and any size is fine."""
     max_line_bytes: int | None = None
     fields: Any = None
-    """The JSON or YAML fields the reader checks, by type (`check_fields`); the property test tries every wrong type
-    on each."""
     duty: str | None = None
-    """The function that carries out the kind's duty when this reader raises (then it is not `@reader`)."""
 
 
 @dataclass(frozen=True)
@@ -81,69 +78,51 @@ MATMUL_VERDICT = {"path": Need(str), "reason": Need(str), "speedup": Need(float)
 CHECKPOINT = "llmexp.train.resume:load_with_fallback"
 TOKEN_CACHE = "llmexp.data.cache:cached"
 
-READERS: dict[str, Reader] = {
+DATA_FIX = "one JSON object per line (JSONL) or one JSON list of objects with `text`, `prompt` + `completion`, " \
+    "or `messages`"
+READERS: dict[str, Reader] = {  # module:qualname -> Reader
     # ----- a user's files
-    "llmexp.data.corpora:read_json_records": Reader(
-        INPUT, "data.train_file / data.eval_file (JSON or JSONL)", "one JSON object per line (JSONL) or one JSON list "
-        "of objects with `text`, `prompt` + `completion`, or `messages`", None),
-    "llmexp.data.corpora:read_text": Reader(INPUT, "data.train_file / data.eval_file (data=text)",
-                                            "UTF-8 text", None),
-    "llmexp.data.corpora:read_source": Reader(INPUT, "a Python source file of the stdlib corpus",
-                                              "Python source (PEP 263)", 16 * MiB),
-    "llmexp.evals.items:_json_lines": Reader(INPUT, "eval.multiple_choice/generate.<name>.file (task JSONL)",
-                                            "one JSON object per line (JSONL)", None, MiB),
-    "llmexp.config.gguf:read_architecture": Reader(INPUT, "model.gguf_file (a llama.cpp GGUF model)",
-                                                   "a whole .gguf file from llama.cpp (or drop model.gguf_file to "
-                                                   "load the directory's safetensors)", None),
-    "llmexp.config.origin:read_config_yaml": Reader(INPUT, "a config YAML (conf/, hydra.searchpath)",
-                                                    "YAML", 16 * MiB),
-    "llmexp.config.paths:read_model_json": Reader(INPUT, "a local model's config.json, adapter_config.json or "
-                                                  "tokenizer_config.json",
-                                                  "a JSON object, as save_pretrained writes it", 16 * MiB,
-                                                  fields={str: Any}),
-    "llmexp.config.environment:_sqlite_errors": Reader(INPUT, "logger.tracking_uri's SQLite file", "a SQLite "
-                                                       "database", duty="llmexp.config.validation:validate"),
+    "llmexp.data.corpora:read_json_records": Reader(INPUT, "data.train_file (json)", DATA_FIX, None),
+    "llmexp.data.corpora:read_text": Reader(INPUT, "data.train_file (text)", "UTF-8 text", None),
+    "llmexp.data.corpora:read_source": Reader(INPUT, "the stdlib corpus's .py files", "Python source", 16 * MiB),
+    "llmexp.evals.items:_json_lines": Reader(INPUT, "task JSONL (eval.<kind>.<name>.file)", "JSONL", None, MiB),
+    "llmexp.config.gguf:read_architecture": Reader(INPUT, "model.gguf_file", "a whole .gguf file from llama.cpp (or "
+                                                   "drop model.gguf_file to load the directory's safetensors)", None),
+    "llmexp.config.origin:read_config_yaml": Reader(INPUT, "a config YAML", "YAML", 16 * MiB),
+    "llmexp.config.paths:read_model_json": Reader(INPUT, "a model's config.json, adapter_config.json, "
+                                                  "tokenizer_config.json", "a JSON object", 16 * MiB, None, {str: Any}),
+    "llmexp.config.environment:_sqlite_errors": Reader(INPUT, "logger.tracking_uri's SQLite file",
+                                                       duty="llmexp.config.validation:validate"),
     # ----- caches
     "llmexp.train.lr_find:read_lr_find": Reader(CACHE, "lr_find.json", "the range test runs again", 16 * MiB,
                                                 fields=LR_FIND),
-    "llmexp.model.cpu_matmul:read_verdicts": Reader(CACHE, "cpu_matmul.json (data.cache_dir)",
-                                                    "the matmul path is probed again", fields={str: MATMUL_VERDICT}),
-    "llmexp.monitor.throughput:load_ceilings": Reader(CACHE, "peak_tflops.json (data.cache_dir)",
-                                                      "the matmul ceiling is measured again", fields={str: float}),
-    "llmexp.data.cache:load_meta": Reader(CACHE, "a data cache entry's meta.json (tokens/, tokenizers/, models/)",
-                                          "the entry is built again", 64 * MiB, fields={"files": {str: list}}),
-    "llmexp.data.datasets:TokenDataset.load": Reader(CACHE, "a token cache entry's arrays (tokens/<key>/*.npy)",
-                                                     duty=TOKEN_CACHE, max_bytes=None),
-    "llmexp.data.datasets:TokenDataset.load.<locals>.get": Reader(CACHE, "a token cache entry's memory-mapped arrays",
-                                                                  duty=TOKEN_CACHE, max_bytes=None),
-    "llmexp.data.datasets:build_datasets.<locals>.load": Reader(CACHE, "a token cache entry's train_sources.npy",
-                                                                duty=TOKEN_CACHE, max_bytes=None),
-    "llmexp.data.tokenizer:trained_tokenizer.<locals>.load": Reader(CACHE, "a trained tokenizer's cache entry "
-                                                                    "(tokenizers/<key>/)", duty=TOKEN_CACHE),
+    "llmexp.model.cpu_matmul:read_verdicts": Reader(CACHE, "cpu_matmul.json", "the matmul path is probed again",
+                                                    fields={str: MATMUL_VERDICT}),
+    "llmexp.monitor.throughput:load_ceilings": Reader(CACHE, "peak_tflops.json", "the matmul ceiling is measured "
+                                                      "again", fields={str: float}),
+    "llmexp.data.cache:load_meta": Reader(CACHE, "a data cache entry's meta.json", "the entry is built again",
+                                          64 * MiB, fields={"files": {str: list}}),
+    "llmexp.data.datasets:TokenDataset.load": Reader(CACHE, "tokens/<key>/*.npy", duty=TOKEN_CACHE),
+    "llmexp.data.datasets:TokenDataset.load.<locals>.get": Reader(CACHE, "tokens/<key>/*.npy", duty=TOKEN_CACHE),
+    "llmexp.data.datasets:build_datasets.<locals>.load": Reader(CACHE, "tokens/<key>/*.npy", duty=TOKEN_CACHE),
+    "llmexp.data.tokenizer:trained_tokenizer.<locals>.load": Reader(CACHE, "tokenizers/<key>/", duty=TOKEN_CACHE),
     # ----- records
-    "llmexp.rundir.read:read_metrics": Reader(RECORD, "metrics.jsonl", max_bytes=None, max_line_bytes=MiB,
-                                              fields=METRIC),
-    "llmexp.rundir.read:read_summary": Reader(RECORD, "summary.json", max_bytes=64 * MiB, fields=RUN_SUMMARY),
+    "llmexp.rundir.read:read_metrics": Reader(RECORD, "metrics.jsonl", "", None, MiB, METRIC),
+    "llmexp.rundir.read:read_summary": Reader(RECORD, "summary.json", "", 64 * MiB, fields=RUN_SUMMARY),
     "llmexp.rundir.read:read_job_status": Reader(RECORD, "job_status.json", fields=JOB_STATUS),
-    "llmexp.rundir.read:read_slurm_jobs": Reader(RECORD, "slurm_jobs.json", max_bytes=16 * MiB,
-                                                 fields={"jobs": {str: str}}),
-    "llmexp.rundir.readers:read_yaml": Reader(RECORD, ".hydra/*.yaml, multirun.yaml", max_bytes=16 * MiB),
+    "llmexp.rundir.read:read_slurm_jobs": Reader(RECORD, "slurm_jobs.json", "", 16 * MiB, fields={"jobs": {str: str}}),
+    "llmexp.rundir.readers:read_yaml": Reader(RECORD, ".hydra/*.yaml, multirun.yaml", "", 16 * MiB),
     "llmexp.rundir.tracking:read_run_file": Reader(RECORD, "mlflow_run.json", fields=MLFLOW_RUN),
-    "llmexp.rundir.lock:lock_pid": Reader(RECORD, ".llmexp.lock (the run's or sweeper's pid)", max_bytes=KiB),
-    "llmexp.rundir.study:read_journal": Reader(RECORD, "study.journal (a search's optuna journal)", max_bytes=None),
-    "llmexp.sweep.local:read_outcome": Reader(RECORD, ".llmexp/<N>.outcome.json (a local job's outcome)",
-                                              fields=JOB_OUTCOME),
-    "llmexp.sweep.local:read_pickle": Reader(RECORD, ".llmexp/<N>.job.pkl, <N>.return.pkl (a local job's "
-                                             "spec and another app's return)", max_bytes=None),
+    "llmexp.rundir.lock:lock_pid": Reader(RECORD, ".llmexp.lock", max_bytes=KiB),
+    "llmexp.rundir.study:read_journal": Reader(RECORD, "study.journal", max_bytes=None),
+    "llmexp.sweep.local:read_outcome": Reader(RECORD, ".llmexp/<N>.outcome.json", fields=JOB_OUTCOME),
+    "llmexp.sweep.local:read_pickle": Reader(RECORD, ".llmexp/<N>.job.pkl, <N>.return.pkl", max_bytes=None),
     "llmexp.checkpoint.store:read_manifest": Reader(RECORD, "checkpoints/step_<N>/manifest.json", duty=CHECKPOINT),
-    "llmexp.checkpoint.serialize:load_tensors": Reader(RECORD, "checkpoints/step_<N>/*.safetensors", duty=CHECKPOINT,
-                                                       max_bytes=None),
-    "llmexp.checkpoint.serialize:load_state": Reader(RECORD, "checkpoints/step_<N>/*.pt", duty=CHECKPOINT,
-                                                     max_bytes=None),
-    "llmexp.checkpoint.dcp:read_metadata": Reader(RECORD, "checkpoints/step_<N>/dcp/.metadata", duty=CHECKPOINT,
-                                                  max_bytes=None),
+    "llmexp.checkpoint.serialize:load_tensors": Reader(RECORD, "checkpoints/step_<N>/*.safetensors", duty=CHECKPOINT),
+    "llmexp.checkpoint.serialize:load_state": Reader(RECORD, "checkpoints/step_<N>/*.pt", duty=CHECKPOINT),
+    "llmexp.checkpoint.dcp:read_metadata": Reader(RECORD, "checkpoints/step_<N>/dcp/.metadata", duty=CHECKPOINT),
     "llmexp.train.resume:_read_trainer_state": Reader(RECORD, "checkpoints/step_<N>/trainer_state.json",
-                                                     duty=CHECKPOINT, max_bytes=64 * MiB),
+                                                     duty=CHECKPOINT),
 }
 """Every reader of a file, by `module:qualname`."""
 
@@ -177,14 +156,10 @@ class Damaged(ValueError):
 _said: set[str] = set()
 
 
-def skipped(what: str) -> None:
-    """A record's one line saying what was skipped."""
-    _once(logging.WARNING, f"llmexp: skipped {what}")
-
-
-def _once(level: int, line: str) -> None:
-    """A line said once per process: a `--watch` redraws, a cache is read again, without repeating it."""
-    if line not in _said:
+def skipped(what: str, level: int = logging.WARNING) -> None:
+    """A record's one line saying what was skipped (a cache's, at INFO), once per process: a `--watch` redraws, a
+    cache is read again, without repeating it."""
+    if (line := f"llmexp: skipped {what}" if level == logging.WARNING else f"llmexp: {what}") not in _said:
         _said.add(line)
         log.log(level, line)
 
@@ -214,14 +189,12 @@ def reader(fn: F) -> F:
                 raise UserError(f"{path}: no such file; point the setting at {entry.fix or 'an existing file'}"
                                 ) from None
             return None
-        except (Damaged, OSError, UnicodeError, RecursionError) as err:
-            damage = err if isinstance(err, Damaged) else Damaged(path, why_unreadable(err))
+        except (Damaged, OSError) as err:
+            damage = err if isinstance(err, Damaged) else Damaged(path, f"cannot be read ({err.strerror or err})")
         if entry.kind == INPUT:
             raise UserError(f"{damage}; {entry.fix and f'it must be {entry.fix}'}".rstrip("; ")) from None
-        if entry.kind == CACHE:
-            _once(logging.INFO, f"llmexp: {damage}; {entry.fix}")
-        else:
-            skipped(str(damage))
+        skipped(f"{damage}; {entry.fix}" if entry.kind == CACHE else str(damage),
+                logging.INFO if entry.kind == CACHE else logging.WARNING)
         return None
 
     return read  # type: ignore[return-value]
@@ -248,22 +221,11 @@ def _checked(path: Path, fn: Callable[..., Any], value: Any) -> Any:
     return value if entry.fields is None else fields_of(path, value, entry.fields, strict=entry.kind != RECORD)
 
 
-def why_unreadable(err: BaseException) -> str:
-    """An OSError (or a decode error) as the reason a file cannot be read."""
-    if isinstance(err, OSError):
-        return f"cannot be read ({err.strerror or type(err).__name__})"
-    if isinstance(err, RecursionError):
-        return "nested too deeply to read"
-    return f"cannot be read ({type(err).__name__}: {err})"
-
-
 # ----------------------------------------------------------------------------- bytes and text
 
 
-def _what(mode: int) -> str:
-    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
-            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else
-            "not a regular file")
+_NOT_FILES = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device",
+              stat.S_IFSOCK: "a socket"}
 
 
 @contextmanager
@@ -274,7 +236,7 @@ def open_regular(path: Path | str) -> Iterator[IO[bytes]]:
     with os.fdopen(fd, "rb") as f:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise Damaged(path, f"it is {_what(mode)}, not a file")
+            raise Damaged(path, f"it is {_NOT_FILES.get(stat.S_IFMT(mode), 'not a regular file')}, not a file")
         yield f
 
 
@@ -366,12 +328,8 @@ def parse_yaml(text: str, path: Path | str) -> Any:
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         raise Damaged(path, f"not YAML ({err.problem or err.context})", mark.line + 1 if mark else None) from None
-    except ValueError:  # (an integer of more digits than Python converts)
-        raise Damaged(path, f"a number of more than {sys.get_int_max_str_digits()} digits, more than Python reads"
-                      ) from None
-    except (yaml.YAMLError, RecursionError) as err:
-        raise Damaged(path, f"not YAML ({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''})"
-                      ) from None
+    except (yaml.YAMLError, RecursionError, ValueError) as err:  # ValueError: an integer longer than Python reads
+        raise Damaged(path, f"not YAML ({type(err).__name__}: {(str(err).splitlines() or [''])[0][:120]})") from None
     if _too_deep(value):
         raise Damaged(path, f"YAML nested deeper than {MAX_DEPTH} levels")
     return value
