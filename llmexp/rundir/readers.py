@@ -320,15 +320,19 @@ def parse_json(text: str, path: Path | str, line: int | None = None) -> Any:
 
 
 def parse_yaml(text: str, path: Path | str) -> Any:
-    """YAML (the safe loader: plain data only), or Damaged naming the line."""
+    """YAML as OmegaConf reads it (YAML 1.2 numbers: `1e-3` is a float; plain data, interpolations as strings), or
+    Damaged naming the line."""
     import yaml
+    from omegaconf import OmegaConf
 
     try:
-        value = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        value = OmegaConf.to_container(OmegaConf.create(text), resolve=False) if text.strip() else None
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         raise Damaged(path, f"not YAML ({err.problem or err.context})", mark.line + 1 if mark else None) from None
-    except (yaml.YAMLError, RecursionError, ValueError) as err:  # ValueError: an integer longer than Python reads
+    except RecursionError:
+        raise Damaged(path, f"YAML nested deeper than {MAX_DEPTH} levels") from None
+    except Exception as err:  # an integer longer than Python reads, a key OmegaConf refuses ...
         raise Damaged(path, f"not YAML ({type(err).__name__}: {(str(err).splitlines() or [''])[0][:120]})") from None
     if _too_deep(value):
         raise Damaged(path, f"YAML nested deeper than {MAX_DEPTH} levels")
