@@ -22,7 +22,6 @@ No torch at import time: this module sits beside the config path.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -36,7 +35,7 @@ from typing import Any, TypeVar
 from llmexp.checkpoint.serialize import CorruptCheckpoint
 from llmexp.rundir.files import DiskFull as DiskFull  # what a full disk during a save raises (re-exported)
 from llmexp.rundir.files import fsync_path, replace_dir, staged_dir
-from llmexp.rundir.readers import Damaged, MiB, open_regular, parse_json, read_text
+from llmexp.rundir.readers import Damaged, MiB, file_sha256, parse_json, read_text
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -56,20 +55,15 @@ T = TypeVar("T")
 # ----------------------------------------------------------------------------- file system
 
 
-def _sha256(path: Path) -> str:
-    with open_regular(path) as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def _sha256_all(paths: list[Path]) -> list[str]:
     """Hash files in parallel: hashlib releases the GIL, and a 7B run's checkpoint (weights,
     Adam moments, per-rank ZeRO shards) is tens of GB in several files."""
     if len(paths) < 2:
-        return [_sha256(p) for p in paths]
+        return [file_sha256(p) for p in paths]
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=min(4, len(paths), os.cpu_count() or 1)) as pool:
-        return list(pool.map(_sha256, paths))
+        return list(pool.map(file_sha256, paths))
 
 
 def _files_under(root: Path) -> dict[str, Path]:

@@ -27,7 +27,7 @@ import numpy as np
 from filelock import FileLock
 
 from llmexp.rundir.files import staged_dir
-from llmexp.rundir.readers import Damaged, load_json, open_regular, reader
+from llmexp.rundir.readers import Damaged, file_sha256, load_json, reader
 
 COMPLETE_MARKER = "meta.json"
 """Written last inside an entry; an entry without it is not an entry."""
@@ -37,15 +37,6 @@ def hash_obj(obj: Any) -> str:
     """A short stable hash of JSON-able data (dict order does not matter)."""
     text = json.dumps(obj, sort_keys=True, default=str, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:20]
-
-
-def hash_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
-    """The sha256 of a file's bytes (user data is keyed by content, not by mtime)."""
-    digest = hashlib.sha256()
-    with open_regular(path) as f:
-        while chunk := f.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def save_array(directory: Path, name: str, array: np.ndarray) -> None:
@@ -82,7 +73,7 @@ FILES_KEY = "files"
 
 def file_digests(entry: Path) -> dict[str, list[Any]]:
     """[size, sha256] of every file of an entry (but its marker), by path relative to the entry."""
-    return {str(p.relative_to(entry)): [p.stat().st_size, hash_file(p)]
+    return {str(p.relative_to(entry)): [p.stat().st_size, file_sha256(p)]
             for p in sorted(entry.rglob("*")) if p.is_file() and p.name != COMPLETE_MARKER}
 
 
@@ -94,7 +85,7 @@ def damage(entry: Path, meta: dict[str, Any]) -> str | None:
         try:
             if path.stat().st_size != size:
                 return f"{name} is {path.stat().st_size} bytes, {size} were written"
-            if hash_file(path) != digest:
+            if file_sha256(path) != digest:
                 return f"{name} changed since it was written (sha256)"
         except OSError as err:
             return f"{name} cannot be read ({os.strerror(err.errno or 0) or err})"

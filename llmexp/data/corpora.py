@@ -21,10 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmexp.data.cache import hash_file
 from llmexp.errors import UserError
 from llmexp.rundir import readers
-from llmexp.rundir.readers import Damaged, entry_of, parse_json, reader
+from llmexp.rundir.readers import Damaged, entry_of, file_sha256, parse_json, reader
 
 Record = dict[str, Any]
 
@@ -315,8 +314,8 @@ def user_corpus(d: Any) -> Corpus:
     else:
         train_files = [require_file(d.train_file, "data.train_file")]
         eval_files = [require_file(d.eval_file, "data.eval_file")] if d.eval_file else []
-    train_fp = [hash_file(f) for f in train_files]
-    fp = {"kind": d.name, "train": train_fp, "eval": [hash_file(f) for f in eval_files],
+    train_fp = [file_sha256(f) for f in train_files]
+    fp = {"kind": d.name, "train": train_fp, "eval": [file_sha256(f) for f in eval_files],
           "eval_fraction": None if eval_files else d.eval_fraction, "max_examples": d.max_examples}
 
     def read(files: list[Path]) -> list[Record]:

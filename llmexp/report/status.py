@@ -239,26 +239,17 @@ def render(path: Path, table: list[Row], width: int = 160) -> str:
     return "\n".join(lines)
 
 
-def _seconds(text: str) -> float:
-    """A positive, finite number of seconds (argparse: anything else is exit 2 naming the flag)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and 0 < value <= 86400):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds in (0, 86400]")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m llmexp.status",
                                      description="Where a run, or every job of a sweep, stands.")
     parser.add_argument("dir", type=Path, help="a run directory or a sweep directory")
-    parser.add_argument("--watch", nargs="?", const=2.0, type=_seconds, metavar="SECONDS",
+    parser.add_argument("--watch", nargs="?", const=2.0, type=float, metavar="SECONDS",
                         help="redraw the table in place every SECONDS (default 2) until Ctrl-C")
-    parser.add_argument("--scheduler-timeout", type=_seconds, default=SCHEDULER_TIMEOUT_S, metavar="SECONDS",
+    parser.add_argument("--scheduler-timeout", type=float, default=SCHEDULER_TIMEOUT_S, metavar="SECONDS",
                         help=f"how long squeue and sacct may take (default {SCHEDULER_TIMEOUT_S:g}); past it: ?")
     args = parser.parse_args(argv)
+    if not all(0 < s <= 86400 for s in (args.watch or 1, args.scheduler_timeout)):  # (not inf, not nan)
+        parser.error("--watch and --scheduler-timeout take a number of seconds in (0, 86400]")
     sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]  # (a directory named in bytes)
     if not (is_run_dir(args.dir) or is_sweep_dir(args.dir)):
         print(f"llmexp.status: error: {args.dir} is neither a run directory (metrics.jsonl, summary.json, .hydra/) "

@@ -1,19 +1,17 @@
 """Every file llmexp reads, listed in one place with its kind, and the primitives its readers share.
 
-Each kind of file owes the user something different when it is damaged:
+What a damaged file of each kind owes the user:
 - INPUT, a user's file (data, task files, a GGUF model, a config file): a UserError (exit 2) naming the file, the
   line where there is one, and the fix; nothing is written.
-- CACHE, a file llmexp made to save time (lr_find.json, the matmul verdicts, the ceilings, a data cache entry): a
-  miss, made again, with one info line at most; never trusted.
-- RECORD, a file a run or sweep wrote (metrics.jsonl, summary.json, job_status.json, ...): what is damaged is
-  skipped, with one line saying what; a reader never hangs (a FIFO) nor fills memory (a link to /dev/zero).
+- CACHE, a file llmexp made to save time: a miss, made again, with one info line at most; never trusted.
+- RECORD, a file a run or sweep wrote: what is damaged is skipped, with one line saying what; no reader hangs (a
+  FIFO) or fills memory (a link to /dev/zero).
 
-A reader is a function whose first argument is the file's path, registered in `READERS` under its
-`module:qualname` and decorated with `@reader`, which gives it its kind's duty (an unregistered `@reader` fails at
-import). A reader whose damage its caller handles (a checkpoint file: `CorruptCheckpoint`, the next checkpoint
-tried; a data cache array: `data.cache.cached` rebuilds the entry) is registered with that caller as its `duty`.
-tests/test_readers.py feeds every registered reader damaged files, and fails on a file read anywhere else in
-llmexp/ or hydra_plugins/ (`OTHER_OPENS` lists the opens that read no file's content, and why). No torch here.
+A reader takes the file's path; it is registered in `READERS` under its `module:qualname` and decorated `@reader`,
+which gives it its kind's duty (an unregistered `@reader` fails at import). A reader whose damage its caller handles
+(a checkpoint: `CorruptCheckpoint`; a token cache array: `data.cache.cached`) names that caller as its `duty`.
+tests/test_readers.py feeds every `@reader` damaged files and fails on a file read anywhere else in llmexp/ or
+hydra_plugins/ (`OTHER_OPENS`: opens that parse no file's content, and why). No torch here.
 """
 
 from __future__ import annotations
@@ -132,8 +130,6 @@ OTHER_OPENS: dict[str, str] = {
     "llmexp.config.derived:cpu_has_fast_bf16": "/proc/cpuinfo, the kernel's word on the CPU",
     "llmexp.monitor.throughput:peak_rss_mb": "/proc/self/status, the kernel's word on this process",
     "llmexp.config.validation:_default_option": "llmexp's own conf/config.yaml, installed with the package",
-    "llmexp.data.cache:hash_file": "hashes a file's bytes (a regular file: `open_regular`); parses nothing",
-    "llmexp.checkpoint.store:_sha256": "hashes a checkpoint file's bytes (`open_regular`); parses nothing",
     "llmexp.train.resume:base_model_fingerprint": "hashes a local base's config.json (an input that "
                                                   "`config.paths.read_model_json` checked)",
     "llmexp.checkpoint.dcp:safe_planner.<locals>.SafePlanner.load_bytes": "bytes DCP read from a checkpoint "
@@ -238,6 +234,14 @@ def open_regular(path: Path | str) -> Iterator[IO[bytes]]:
         if not stat.S_ISREG(mode):
             raise Damaged(path, f"it is {_NOT_FILES.get(stat.S_IFMT(mode), 'not a regular file')}, not a file")
         yield f
+
+
+def file_sha256(path: Path | str) -> str:
+    """The sha256 of a regular file's bytes (a cache key from user data, a check of a cache entry or checkpoint)."""
+    import hashlib
+
+    with open_regular(path) as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _size(n: int) -> str:
