@@ -6,6 +6,7 @@ One token cache per test session keeps the stdlib tokenizer from being trained m
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -13,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +142,20 @@ def paced_env(pause_s: float) -> dict[str, str]:
     training for minutes, gets a window of known length, whatever else the machine runs, for little CPU."""
     return {"PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "pace"), str(REPO)]),
             "LLMEXP_TEST_STEP_PAUSE_S": str(pause_s)}
+
+
+@contextlib.contextmanager
+def as_nobody() -> Iterator[None]:
+    """Run as `nobody` (euid 65534) for a moment: tests run as root, which reads a mode-000 file and writes in a
+    read-only directory, so this drops that power to meet the kernel's own PermissionError (not root: a no-op)."""
+    if os.geteuid() != 0:
+        yield
+        return
+    os.seteuid(65534)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
 
 
 def run_cli(args: list[str], cwd: Path | None = None, env: dict[str, str] | None = None,

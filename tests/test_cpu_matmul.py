@@ -100,9 +100,9 @@ def test_off_the_path_a_routed_linear_is_f_linear() -> None:
 
 
 def test_the_verdict_is_probed_once_per_machine_and_a_damaged_cache_is_probed_again(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Two runs on one machine take the same path (a timing near the threshold would otherwise flip it, and the
-    losses' last bits with it); a cache that is not the probe's verdicts is a miss, with a warning."""
+    losses' last bits with it); a cache that is not the probe's verdicts is a miss, with one info line."""
     faster = cpu_matmul.MatmulPath("onednn", "1.3x", 1.3, 1e-7)
     slower = cpu_matmul.MatmulPath("torch", "1.1x", 1.1, 1e-7)
     verdicts = iter([faster, slower])
@@ -111,8 +111,10 @@ def test_the_verdict_is_probed_once_per_machine_and_a_damaged_cache_is_probed_ag
     first = cpu_matmul.probe_once(cache, 256, 64, 128)
     assert first.onednn and cpu_matmul.probe_once(cache, 256, 64, 128) == first  # the second probe never ran
     cache.write_text('{"k": {"path": "gpu"}}')
-    assert not cpu_matmul.probe_once(cache, 256, 64, 128).onednn  # probed again: the second verdict
-    assert "probed again" in capsys.readouterr().err
+    with caplog.at_level("INFO", logger="llmexp.readers"):
+        assert not cpu_matmul.probe_once(cache, 256, 64, 128).onednn  # probed again: the second verdict
+    assert [r.getMessage() for r in caplog.records] == [f"llmexp: {cache}: k has no reason; the matmul path is "
+                                                        "probed again"]
 
 
 @needs_op

@@ -39,7 +39,13 @@ def _jsonl(path: Path, rows: list[Any]) -> Path:
 def test_task_files_name_the_file_line_and_record(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(MC_ITEMS[0]) + "\n\n{not json\n")
-    with pytest.raises(UserError, match=rf"{bad}:3: malformed JSON line"):
+    with pytest.raises(UserError, match=rf"{bad}:3: malformed JSON"):
+        read_choice_items(bad, "eval.multiple_choice.x.file")
+    bad.write_text(json.dumps(MC_ITEMS[0]) + '\n{"context": "c", "choices": ["a"], "answer": 1' + "0" * 6000 + "}\n")
+    with pytest.raises(UserError, match=rf"{bad}:2: a number of more than 4300 digits"):  # not a traceback
+        read_choice_items(bad, "eval.multiple_choice.x.file")
+    bad.write_bytes(json.dumps(MC_ITEMS[0]).encode() + b'\n{"context": "caf\xe9", "choices": ["a"], "answer": 0}\n')
+    with pytest.raises(UserError, match=rf"{bad}:2: it is not UTF-8 text"):  # not read as U+FFFD
         read_choice_items(bad, "eval.multiple_choice.x.file")
     cases = [({"context": "c", "choices": [], "answer": 0}, "`choices` must be a non-empty list"),
              ({"context": "c", "choices": ["a", "b"], "answer": 2}, r"`answer` must be .* in \[0, 1\]"),

@@ -5,6 +5,7 @@ headers that must be refused (empty, not GGUF, truncated, an architecture transf
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -81,9 +82,24 @@ def test_the_header_reader_finds_the_architecture_and_refuses_what_is_not_gguf(t
     (tmp_path / "empty.gguf").write_bytes(b"")
     (tmp_path / "model.safetensors.gguf").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
     (tmp_path / "cut.gguf").write_bytes(tiny_gguf.read_bytes()[:30])
+    data = tiny_gguf.read_bytes()
+    (tmp_path / "half.gguf").write_bytes(data[:len(data) // 2])  # a download cut in half: its tensors end early
+    reader = gguf.GGUFReader(tiny_gguf)
+    field = reader.tensors[0].field
+    at = field.offset + sum(int(part.nbytes) for part in field.parts[:4])  # the first tensor's type
+    for name, kind in (("unknown-type.gguf", 99), ("q8_1.gguf", gguf.GGMLQuantizationType.Q8_1)):
+        (tmp_path / name).write_bytes(data[:at] + struct.pack("<I", kind) + data[at + 4:])
+    # a header whose one metadata value nests 5,000 arrays (it took Python's recursion limit, naming no file)
+    nested = struct.pack("<Q", 9) + b"general.x" + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 5000
+    (tmp_path / "deep.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + nested + struct.pack("<IQI", 4, 1, 0))
     expected = {"missing.gguf": "no such file", "empty.gguf": "is empty",
-                "model.safetensors.gguf": "is not a GGUF file (it starts with b'\\x08\\x00\\x00\\x00', not b'GGUF')",
-                "cut.gguf": "is not a GGUF file (its header ends early (a truncated file?))"}
+                "model.safetensors.gguf": "it is not a GGUF file (it starts with b'\\x08\\x00\\x00\\x00', not "
+                                          "b'GGUF')",
+                "cut.gguf": "cut.gguf: it is damaged or cut short",
+                "half.gguf": "half.gguf: it is damaged or cut short",
+                "unknown-type.gguf": "(99) is not a valid GGMLQuantizationType",
+                "q8_1.gguf": "its tensors of type Q8_1 cannot be dequantised",
+                "deep.gguf": "deep.gguf: its header is damaged (metadata nested too deeply to read)"}
     for name, says in expected.items():
         problem = gguf_file_problem(tmp_path / name)
         assert problem is not None and problem.startswith("model.gguf_file: ") and says in problem, problem

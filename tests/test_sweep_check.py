@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from llmexp.errors import UserError
+from llmexp.rundir.read import TrialResult, sweep_exit_code
 from llmexp.rundir.study import check_journal, study_journal
-from llmexp.sweep.jobs import TrialResult, sweep_exit_code
 from tests.conftest import TINY, run_cli
 
 SEARCH = ["--multirun", "sweep=tpe", "lr=tag(log,interval(1e-5,1e-2))"]

@@ -104,7 +104,8 @@ class GridSweeper(_LaunchingSweeper):
         import logging
         from pathlib import Path
 
-        from llmexp.sweep.jobs import TrialResult, exit_for_results, job_dir_of, objective, read_result
+        from llmexp.rundir.read import TrialResult, read_result
+        from llmexp.sweep.jobs import exit_for_results, job_dir_of, objective
 
         try:
             returns = self._grid(arguments)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from llmexp.checkpoint.serialize import CorruptCheckpoint
+from llmexp.rundir.readers import open_regular
 
 METADATA_FILE = ".metadata"
 
@@ -60,7 +61,7 @@ def read_metadata(directory: Path, rank: int | None = None) -> Any:
 
     file = Path(directory) / (METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
     try:
-        with open(file, "rb") as f:
+        with open_regular(file) as f:
             metadata = MetadataUnpickler(f).load()
     except Exception as err:  # UnpicklingError (refused), EOFError (truncated), OSError, ...
         first_line = (str(err).strip().splitlines() or [""])[0][:300]

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmexp.errors import UserError
+from llmexp.rundir.readers import open_regular
 
 if TYPE_CHECKING:
     import torch
@@ -70,7 +71,8 @@ def load_tensors(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     try:
-        return load_file(str(path), device=device)
+        with open_regular(path):  # (a FIFO would block the reader)
+            return load_file(str(path), device=device)
     except Exception as err:  # SafetensorError, OSError, ...: all mean "this file is bad"
         raise _corrupt(Path(path), err) from None
 
@@ -116,7 +118,8 @@ def load_state(path: Path) -> Any:
     import torch
 
     try:
-        return torch.load(str(path), map_location="cpu", weights_only=True)
+        with open_regular(path) as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
     except Exception as err:  # UnpicklingError (unsafe), RuntimeError (bad zip), EOFError, ...
         raise _corrupt(Path(path), err) from None
 

@@ -22,7 +22,6 @@ No torch at import time: this module sits beside the config path.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -36,6 +35,7 @@ from typing import Any, TypeVar
 from llmexp.checkpoint.serialize import CorruptCheckpoint
 from llmexp.rundir.files import DiskFull as DiskFull  # what a full disk during a save raises (re-exported)
 from llmexp.rundir.files import fsync_path, replace_dir, staged_dir
+from llmexp.rundir.readers import Damaged, MiB, file_sha256, parse_json, read_text
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -55,20 +55,15 @@ T = TypeVar("T")
 # ----------------------------------------------------------------------------- file system
 
 
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def _sha256_all(paths: list[Path]) -> list[str]:
     """Hash files in parallel: hashlib releases the GIL, and a 7B run's checkpoint (weights,
     Adam moments, per-rank ZeRO shards) is tens of GB in several files."""
     if len(paths) < 2:
-        return [_sha256(p) for p in paths]
+        return [file_sha256(p) for p in paths]
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=min(4, len(paths), os.cpu_count() or 1)) as pool:
-        return list(pool.map(_sha256, paths))
+        return list(pool.map(file_sha256, paths))
 
 
 def _files_under(root: Path) -> dict[str, Path]:
@@ -130,10 +125,10 @@ def read_manifest(path: Path) -> dict[str, Any]:
     """The parsed manifest of a checkpoint dir; CorruptCheckpoint if it is missing or malformed."""
     file = Path(path) / MANIFEST
     try:
-        manifest = json.loads(file.read_text())
+        manifest = parse_json(read_text(file, 64 * MiB), file)
     except FileNotFoundError:
         raise CorruptCheckpoint(f"{file}: missing; the checkpoint is incomplete") from None
-    except (OSError, ValueError) as err:
+    except (OSError, Damaged) as err:
         raise CorruptCheckpoint(f"{file}: unreadable manifest ({err})") from None
     ok = (isinstance(manifest, dict) and isinstance(manifest.get("files"), dict)
           and isinstance(manifest.get("step"), int))
@@ -268,11 +263,10 @@ def _displaced_dirs(root: Path) -> list[tuple[Path, int]]:
         if match is None or path.is_symlink() or not path.is_dir():
             continue
         try:
-            manifest = json.loads((path / MANIFEST).read_text())
-        except (OSError, ValueError):
+            read_manifest(path)
+        except CorruptCheckpoint:
             continue  # not ours to judge: kept
-        if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) and "step" in manifest:
-            found.append((path, int(match.group(1))))
+        found.append((path, int(match.group(1))))
     return found
 
 

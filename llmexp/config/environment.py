@@ -14,6 +14,7 @@ from typing import Any
 from llmexp.config.derived import global_batch_problem, parse_batch_size, world_size_from_env
 from llmexp.config.paths import directory_errors, path_errors
 from llmexp.errors import UserError
+from llmexp.rundir.readers import open_regular
 
 
 def check_environment(cfg: Any) -> None:
@@ -96,7 +97,7 @@ def _sqlite_errors(uri: str, db: Path) -> list[str]:
     if not db.is_file():
         return [f"logger.tracking_uri={uri}: {db} is not a file; {fix}"]
     try:
-        with open(db, "rb") as f:
+        with open_regular(db) as f:
             head = f.read(len(SQLITE_HEADER))
     except OSError as err:
         return [f"logger.tracking_uri={uri}: cannot read {db} ({err.strerror}); {fix}"]

@@ -1,76 +1,48 @@
-"""`model.gguf_file` checked before anything loads: the file is there, it is a GGUF file, and transformers can load
-its architecture. The header is read here in plain Python (magic, version, then the metadata up to
-`general.architecture`, which llama.cpp writes first), so the check costs no torch import and no pass over the file.
+"""`model.gguf_file` checked before anything loads: the file is there, it is a whole GGUF file whose every tensor
+transformers can dequantise, and transformers can load its architecture. The file is read here as transformers will
+read it (the gguf package's `GGUFReader`, which maps it, and its `dequantize` on each tensor type), so a truncated
+download or a damaged header is refused naming the file, not found out by a traceback at load time. No torch.
 """
 
 from __future__ import annotations
 
-import struct
 from pathlib import Path
-from typing import BinaryIO
+
+from llmexp.errors import UserError
+from llmexp.rundir.readers import Damaged, open_regular, reader
 
 MAGIC = b"GGUF"
 NOT_CAUSAL_LM = ("general", "tokenizer", "t5", "umt5")
 """Keys of transformers' GGUF config table that are not architectures a causal LM loads from (t5: seq2seq)."""
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_STRING, _ARRAY = 8, 9
-MAX_KEYS = 4096
-"""Metadata entries read before giving up on finding the architecture (llama.cpp writes it first)."""
 
 
-class GgufHeaderError(ValueError):
-    """The file is not a GGUF file this reader understands; the message says what was found."""
-
-
+@reader
 def read_architecture(path: Path) -> str:
-    """`general.architecture` of a GGUF file (raises GgufHeaderError, OSError)."""
-    with open(path, "rb") as f:
-        magic = f.read(4)
-        if magic != MAGIC:
-            raise GgufHeaderError(f"it starts with {magic!r}, not {MAGIC!r}" if magic else "it is empty")
-        order = "<" if struct.unpack("<I", _read(f, 4))[0] < 1 << 16 else ">"  # a big-endian file's version
-        f.seek(4)
-        version = struct.unpack(order + "I", _read(f, 4))[0]
-        width = "I" if version == 1 else "Q"  # GGUF v1 counted in 32 bits
-        _tensors, keys = struct.unpack(order + width * 2, _read(f, struct.calcsize(width) * 2))
-        for _ in range(min(keys, MAX_KEYS)):
-            key = _string(f, order, width)
-            kind = struct.unpack(order + "I", _read(f, 4))[0]
-            if key == "general.architecture" and kind == _STRING:
-                return _string(f, order, width)
-            _skip(f, order, width, kind)
-    raise GgufHeaderError("its metadata has no general.architecture")
+    """`general.architecture` of a GGUF file, read whole: its header, and every tensor's type (one gguf can
+    dequantise) and extent (inside the file)."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGUFReader, dequantize
 
-
-def _read(f: BinaryIO, n: int) -> bytes:
-    data = f.read(n)
-    if len(data) != n:
-        raise GgufHeaderError("its header ends early (a truncated file?)")
-    return data
-
-
-def _string(f: BinaryIO, order: str, width: str) -> str:
-    (length,) = struct.unpack(order + width, _read(f, struct.calcsize(width)))
-    if length > 1 << 20:
-        raise GgufHeaderError(f"a metadata string claims {length:,} bytes")
-    return _read(f, length).decode("utf-8", errors="replace")
-
-
-def _skip(f: BinaryIO, order: str, width: str, kind: int) -> None:
-    if kind in _SCALARS:
-        _read(f, struct.calcsize(_SCALARS[kind]))
-    elif kind == _STRING:
-        _string(f, order, width)
-    elif kind == _ARRAY:
-        item = struct.unpack(order + "I", _read(f, 4))[0]
-        (count,) = struct.unpack(order + width, _read(f, struct.calcsize(width)))
-        if item in _SCALARS:
-            f.seek(count * struct.calcsize(_SCALARS[item]), 1)
-        else:
-            for _ in range(count):
-                _skip(f, order, width, item)
-    else:
-        raise GgufHeaderError(f"unknown metadata value type {kind}")
+    with open_regular(path) as f:  # (np.memmap would wait on a FIFO)
+        if (magic := f.read(4)) != MAGIC:
+            raise Damaged(path, f"it is not a GGUF file (it starts with {magic!r}, not {MAGIC!r})")
+    try:
+        gguf = GGUFReader(path)
+        field = gguf.fields.get("general.architecture")
+        arch = field.contents() if field is not None else None
+    except RecursionError:
+        raise Damaged(path, "its header is damaged (metadata nested too deeply to read)") from None
+    except Exception as err:  # ValueError, KeyError, ...: whatever the bytes made the reader do
+        raise Damaged(path, f"it is damaged or cut short ({type(err).__name__}: {str(err)[:200]})") from None
+    if not isinstance(arch, str):
+        raise Damaged(path, "its metadata has no general.architecture")
+    for kind in {t.tensor_type for t in gguf.tensors}:
+        try:
+            dequantize(np.zeros((1, GGML_QUANT_SIZES[kind][1]), np.uint8), kind)
+        except NotImplementedError:
+            raise Damaged(path, f"its tensors of type {kind.name} cannot be dequantised by gguf (re-quantise the "
+                          "model, e.g. to Q8_0 or Q4_K_M, with llama.cpp)") from None
+    return arch
 
 
 def loadable_architectures() -> list[str]:
@@ -94,14 +66,12 @@ def gguf_file_problem(path: Path, key: str = "model.gguf_file") -> str | None:
         return f"{key}: no such file {path}; {fix}"
     if path.stat().st_size == 0:
         return f"{key}: {path} is empty; {fix}"
-    try:
-        arch = read_architecture(path)
-    except GgufHeaderError as err:
-        return f"{key}: {path} is not a GGUF file ({err}); {fix}"
-    except OSError as err:
-        return f"{key}: cannot read {path} ({err.strerror}); {fix}"
     if importlib.util.find_spec("gguf") is None:
         return f"{key} needs the gguf package: pip install 'llmexp[gguf]' (or pip install gguf)"
+    try:
+        arch = read_architecture(path)
+    except UserError as err:
+        return f"{key}: {err}"
     import transformers
 
     known = loadable_architectures()

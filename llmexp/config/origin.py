@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from llmexp.rundir.readers import load_yaml, reader
+
 
 def origin_of(loader: Any, cfg: Any, overrides: list[str]) -> Any:
     """`key -> origin` for a config composed by `loader` (a Hydra ConfigLoader) from `overrides`."""
@@ -58,20 +60,24 @@ def _setting_source(sources: list[tuple[str, str]], default: Any, key: str) -> s
     return where
 
 
+@reader
+def read_config_yaml(path: Path) -> Any:
+    """A config YAML file as plain data (Hydra composed it already: read again to say where a value came from)."""
+    return load_yaml(path, read_config_yaml)
+
+
 def _read(schema: str, path: str, config_path: str) -> tuple[str, Any] | None:
     """(where, plain content) of `config_path` in one config source, or None when it does not hold it."""
-    import yaml
-
     location = path.split("://", 1)[-1]
     if schema == "file":
         file = Path(location) / f"{config_path}.yaml"
-        return (str(file), yaml.safe_load(file.read_text())) if file.is_file() else None
+        return (str(file), read_config_yaml(file)) if file.is_file() else None
     if schema == "pkg":  # (only trusted packages get here: `cli.hydra_internals.guard_package_sources`)
         from importlib import resources
 
         module, _, below = location.partition("/")
         entry = resources.files(module).joinpath(*[p for p in below.split("/") if p], f"{config_path}.yaml")
-        return (f"pkg://{location}/{config_path}", yaml.safe_load(entry.read_text())) if entry.is_file() else None
+        return (f"pkg://{location}/{config_path}", read_config_yaml(Path(str(entry)))) if entry.is_file() else None
     if schema == "structured":
         from hydra.core.config_store import ConfigStore
         from omegaconf import OmegaConf

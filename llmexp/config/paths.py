@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import glob
-import json
 import os
 import stat
 from collections.abc import Callable
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+from llmexp.rundir.readers import load_json, reader
 
 HF_BUILDERS = ("parquet", "arrow", "json", "csv", "text")
 """`data.path` values that name one of the `datasets` file builders: `data.data_files` says which files."""
@@ -130,12 +131,10 @@ def _local_dir(key: str, value: Any, what: str) -> tuple[Path | None, str | None
     return None, (f"{_shown(key, value)}: no such directory; point it at {what}" if local else None)
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+@reader
+def read_model_json(path: Path) -> dict[str, Any] | None:
+    """A model's or tokenizer's JSON file (config.json, adapter_config.json, tokenizer_config.json)."""
+    return load_json(path, read_model_json)
 
 
 def model_dir_problem(key: str, path: Path, trust_remote_code: bool) -> str | None:
@@ -146,7 +145,7 @@ def model_dir_problem(key: str, path: Path, trust_remote_code: bool) -> str | No
     names = {p.name for p in path.iterdir()}
     if "config.json" not in names:
         if "adapter_config.json" in names:
-            base = (_read_json(path / "adapter_config.json") or {}).get("base_model_name_or_path") or "<its base>"
+            base = (read_model_json(path / "adapter_config.json") or {}).get("base_model_name_or_path") or "<its base>"
             return (f"{shown}: is a peft adapter (adapter_config.json), not a model; set {key}={base} (its base "
                     "model) with peft=lora to train an adapter, or merge this one into its base first "
                     "(PeftModel.from_pretrained(base, DIR).merge_and_unload().save_pretrained(OUT)) and set "
@@ -154,9 +153,7 @@ def model_dir_problem(key: str, path: Path, trust_remote_code: bool) -> str | No
         if (path / "model" / "config.json").is_file():
             return f"{shown}: is a run directory, not a model; did you mean {key}={path / 'model'}?"
         return f"{shown}: holds no config.json, so it is not a model directory (save_pretrained writes one)"
-    config = _read_json(path / "config.json")
-    if config is None:
-        return f"{shown}: its config.json is not a JSON object; write the model again with save_pretrained"
+    config = read_model_json(path / "config.json") or {}
     safetensors = any(n.endswith(".safetensors") or n == "model.safetensors.index.json" for n in names)
     pickled = sorted(n for n in names if n.endswith(PICKLED_WEIGHTS) or n.endswith(".bin.index.json"))
     if not safetensors:
@@ -201,7 +198,8 @@ def tokenizer_problem(cfg: Any, key: str, value: Any) -> str | None:
         return why
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         return f"{_shown(key, value)}: holds no tokenizer ({', '.join(TOKENIZER_FILES)}); save one with save_pretrained"
-    config = _read_json(path / "tokenizer_config.json") or {}
+    file = path / "tokenizer_config.json"
+    config = (read_model_json(file) if file.exists() else None) or {}
     return code_problem(key, path, config, False, None)
 
 

@@ -27,6 +27,7 @@ import numpy as np
 from filelock import FileLock
 
 from llmexp.rundir.files import staged_dir
+from llmexp.rundir.readers import Damaged, file_sha256, load_json, reader
 
 COMPLETE_MARKER = "meta.json"
 """Written last inside an entry; an entry without it is not an entry."""
@@ -36,15 +37,6 @@ def hash_obj(obj: Any) -> str:
     """A short stable hash of JSON-able data (dict order does not matter)."""
     text = json.dumps(obj, sort_keys=True, default=str, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:20]
-
-
-def hash_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
-    """The sha256 of a file's bytes (user data is keyed by content, not by mtime)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def save_array(directory: Path, name: str, array: np.ndarray) -> None:
@@ -59,13 +51,14 @@ def save_json(path: Path, obj: Any) -> None:
         json.dump(obj, f, indent=1, sort_keys=True)
 
 
-def load_meta(entry: Path) -> dict[str, Any] | None:
-    """The entry's metadata, or None when the entry is absent, incomplete, or its marker is unreadable."""
-    try:
-        meta = json.loads((entry / COMPLETE_MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # missing, not a directory, not JSON, not UTF-8
-        return None
-    return meta if isinstance(meta, dict) else None
+@reader
+def load_meta(marker: Path) -> dict[str, Any] | None:
+    """An entry's metadata (its `meta.json`), or None when the entry is absent or incomplete; a cache: a marker that
+    cannot be read is a miss."""
+    meta = load_json(marker, load_meta)
+    if not all(isinstance(f, list) and len(f) == 2 for f in meta.get(FILES_KEY, {}).values()):
+        raise Damaged(marker, f"its {FILES_KEY} are not [size, sha256] pairs")
+    return meta
 
 
 def warn(message: str) -> None:
@@ -80,7 +73,7 @@ FILES_KEY = "files"
 
 def file_digests(entry: Path) -> dict[str, list[Any]]:
     """[size, sha256] of every file of an entry (but its marker), by path relative to the entry."""
-    return {str(p.relative_to(entry)): [p.stat().st_size, hash_file(p)]
+    return {str(p.relative_to(entry)): [p.stat().st_size, file_sha256(p)]
             for p in sorted(entry.rglob("*")) if p.is_file() and p.name != COMPLETE_MARKER}
 
 
@@ -92,7 +85,7 @@ def damage(entry: Path, meta: dict[str, Any]) -> str | None:
         try:
             if path.stat().st_size != size:
                 return f"{name} is {path.stat().st_size} bytes, {size} were written"
-            if hash_file(path) != digest:
+            if file_sha256(path) != digest:
                 return f"{name} changed since it was written (sha256)"
         except OSError as err:
             return f"{name} cannot be read ({os.strerror(err.errno or 0) or err})"
@@ -102,10 +95,10 @@ def damage(entry: Path, meta: dict[str, Any]) -> str | None:
 def _verified(entry: Path) -> dict[str, Any] | None:
     """The meta of a whole, unchanged entry; None when there is none. A damaged one is warned about (the caller
     rebuilds it)."""
-    meta = load_meta(entry)
+    meta = load_meta(entry / COMPLETE_MARKER)  # (a damaged marker is a miss, said once)
     if meta is None:
-        if entry.exists():
-            warn(f"the cache entry {entry} has no readable {COMPLETE_MARKER}; rebuilding it")
+        if entry.is_dir() and not (entry / COMPLETE_MARKER).exists():
+            warn(f"the cache entry {entry} has no {COMPLETE_MARKER}; rebuilding it")
         return None
     if problem := damage(entry, meta):
         warn(f"the cache entry {entry} is damaged ({problem}); rebuilding it")
@@ -127,7 +120,8 @@ def get_or_build(root: Path, kind: str, key: str,
     lock_path = Path(root).expanduser() / "locks" / f"{kind}-{key}.lock"
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(lock_path):
-        meta = None if rebuild else load_meta(entry)  # another process may have built it while we waited
+        # another process may have built it while we waited
+        meta = None if rebuild else load_meta(entry / COMPLETE_MARKER)
         if meta is not None and damage(entry, meta) is None:
             return entry, meta, True
         for stale in entry.parent.glob(f".{key}.tmp-*"):  # left by a killed builder; we hold the lock

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmexp.data.cache import hash_file
 from llmexp.errors import UserError
+from llmexp.rundir import readers
+from llmexp.rundir.readers import Damaged, entry_of, file_sha256, parse_json, reader
 
 Record = dict[str, Any]
 
@@ -82,9 +83,23 @@ def limit(names: list[str], max_examples: int | None) -> list[str]:
     return [n for n in names if n in keep]
 
 
+@reader
 def read_text(path: Path) -> str:
-    """A file's text; undecodable bytes are replaced rather than fatal."""
-    return path.read_text(encoding="utf-8", errors="replace")
+    """A user's text file (data=text): UTF-8, or exit 2 naming the line of the first byte that is not."""
+    return readers.read_text(path, entry_of(read_text).max_bytes)
+
+
+@reader
+def read_source(path: Path) -> str:
+    """A Python source file of the stdlib corpus, decoded as Python decodes it (PEP 263: UTF-8 unless it says)."""
+    import io
+    import tokenize
+
+    data = readers.read_bytes(path, entry_of(read_source).max_bytes)
+    try:
+        return data.decode(tokenize.detect_encoding(io.BytesIO(data).readline)[0])
+    except (SyntaxError, UnicodeDecodeError, LookupError) as err:
+        raise Damaged(path, f"not Python source ({err})") from None
 
 
 # ---------------------------------------------------------------- user files
@@ -148,32 +163,17 @@ def check_record(rec: Any, where: str) -> Record:
     raise UserError(f"{where}: the record has none of the known fields; expected {KNOWN_FIELDS} (found: {found})")
 
 
+@reader
 def read_json_records(path: Path) -> list[Record]:
     """Records of a JSON list or a JSONL file, validated; errors name the file and line."""
-    text = read_text(path)
-    stripped = text.lstrip()
-    if stripped.startswith("["):
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise UserError(f"{path}:{err.lineno}: malformed JSON ({err.msg}, column {err.colno})") from None
-        except RecursionError:  # Python's parser recurses once per level of nesting
-            raise UserError(f"{path}: JSON nested too deeply to parse (over {sys.getrecursionlimit()} levels); "
-                            "records are flat objects of `text`, `prompt` + `completion`, or `messages`") from None
+    text = readers.read_text(path, entry_of(read_json_records).max_bytes)
+    if text.lstrip().startswith("["):
+        items = parse_json(text, path)
         return [check_record(rec, f"{path}: record {i}") for i, rec in enumerate(items)]
-    records = []
+    records: list[Record] = []
     for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:  # (a record just inside the limit can still overflow in check_record's json.dumps)
-            records.append(check_record(json.loads(line), f"{path}:{lineno}: record {len(records)}"))
-        except json.JSONDecodeError as err:
-            raise UserError(f"{path}:{lineno}: malformed JSON line ({err.msg}, column {err.colno}); "
-                            "expected one JSON object per line (JSONL) or one JSON list") from None
-        except RecursionError:
-            raise UserError(f"{path}:{lineno}: JSON nested too deeply to parse (over {sys.getrecursionlimit()} "
-                            "levels); a record is a flat object of `text`, `prompt` + `completion`, or `messages`"
-                            ) from None
+        if line.strip():
+            records.append(check_record(parse_json(line, path, lineno), f"{path}:{lineno}: record {len(records)}"))
     return records
 
 
@@ -204,7 +204,7 @@ def split_text(texts: list[str], eval_fraction: float) -> tuple[list[str], list[
 def _docstring_pairs(root: str, rel: str, max_doc_chars: int) -> list[Record]:
     """signature -> docstring pairs of one module's public functions and methods."""
     try:
-        tree = ast.parse(read_text(Path(root) / rel))
+        tree = ast.parse(read_source(Path(root) / rel))
     except (SyntaxError, ValueError):
         return []
     pairs: list[Record] = []
@@ -298,13 +298,13 @@ def stdlib_corpus(d: Any) -> Corpus:
 
     def load() -> tuple[list[Record], list[Record]]:
         if d.name == "stdlib":
-            return ([{"text": read_text(root / r)} for r in train], [{"text": read_text(root / r)} for r in held])
+            return ([{"text": read_source(root / r)} for r in train], [{"text": read_source(root / r)} for r in held])
         return _first_pairs(whole_train, d.max_examples, int(d.num_proc)), stdlib_sft_records(held, int(d.num_proc))
 
     # stdlib_sft shares the stdlib tokenizer: both are trained on the stdlib's train files
     bpe_files = train if d.name == "stdlib" else whole_train
     return Corpus(d.name, fp, {**base, "kind": "stdlib", "train": files_signature(root, bpe_files)}, load,
-                  lambda: (read_text(root / r) for r in bpe_files))
+                  lambda: (read_source(root / r) for r in bpe_files))
 
 
 def user_corpus(d: Any) -> Corpus:
@@ -314,8 +314,8 @@ def user_corpus(d: Any) -> Corpus:
     else:
         train_files = [require_file(d.train_file, "data.train_file")]
         eval_files = [require_file(d.eval_file, "data.eval_file")] if d.eval_file else []
-    train_fp = [hash_file(f) for f in train_files]
-    fp = {"kind": d.name, "train": train_fp, "eval": [hash_file(f) for f in eval_files],
+    train_fp = [file_sha256(f) for f in train_files]
+    fp = {"kind": d.name, "train": train_fp, "eval": [file_sha256(f) for f in eval_files],
           "eval_fraction": None if eval_files else d.eval_fraction, "max_examples": d.max_examples}
 
     def read(files: list[Path]) -> list[Record]:

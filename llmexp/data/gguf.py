@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmexp.config.gguf import gguf_file_problem, local_gguf
-from llmexp.data.cache import get_or_build, hash_file, hash_obj
+from llmexp.data.cache import get_or_build, hash_obj
 from llmexp.data.hub import hub_reachable
 from llmexp.errors import UserError
+from llmexp.rundir.readers import file_sha256
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -44,7 +45,7 @@ def gguf_path(cfg: DictConfig) -> Path:
 
 @functools.cache
 def _file_hash(path: Path, size: int, mtime_ns: int) -> str:
-    return hash_file(path)
+    return file_sha256(path)
 
 
 def gguf_key(path: Path, **extra: Any) -> str:

@@ -6,12 +6,12 @@ line, a record with empty choices or an answer index out of range names the file
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from llmexp.errors import UserError
+from llmexp.rundir.readers import Damaged, entry_of, parse_json, read_lines, reader
 
 
 @dataclass(frozen=True)
@@ -31,20 +31,17 @@ class GenerateItem:
     target: str
 
 
+@reader
 def _json_lines(path: Path, key: str) -> list[tuple[int, Any]]:
     """(line number, parsed value) of every non-blank line of a JSONL file; errors name the file and line."""
     if not path.is_file():
-        raise UserError(f"{key}={path}: no such file (resolved to {path.expanduser().resolve()})")
+        raise UserError(f"{key}={path}: no such file, or not a file (resolved to {path.absolute()})")
     out = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            out.append((lineno, json.loads(line)))
-        except (json.JSONDecodeError, RecursionError) as err:
-            why = f"{err.msg}, column {err.colno}" if isinstance(err, json.JSONDecodeError) else "nested too deeply"
-            raise UserError(f"{path}:{lineno}: malformed JSON line ({why}); {key} must hold one JSON object "
-                            "per line (JSONL)") from None
+    for lineno, line in read_lines(path, entry_of(_json_lines).max_line_bytes):
+        if isinstance(line, Damaged):
+            raise line
+        if line.strip():
+            out.append((lineno, parse_json(line, path, lineno)))
     if not out:
         raise UserError(f"{key}={path}: the file holds no records; add one JSON object per line")
     return out

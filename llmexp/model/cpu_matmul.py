@@ -20,7 +20,6 @@ and equal to torch's result. Without the op (another torch build), `probe` says 
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -33,6 +32,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from llmexp.data.cache import warn
+from llmexp.rundir.readers import Damaged, load_json, reader
 
 MIN_SPEEDUP = 1.15
 """oneDNN is taken only when its best time beats torch's by this much: below it the gain is within the probe's
@@ -177,12 +177,12 @@ def probe_once(cache: Path, rows: int, in_features: int, out_features: int) -> M
     """`probe`'s verdict, measured once per machine, shape and thread count and kept in `cache` (a JSON object in
     data.cache_dir): a timing near `MIN_SPEEDUP` would otherwise flip between runs, and with it the last bits of
     every loss (a resumed run, or an lr=find run against a plain one, would not be bitwise the same). A damaged
-    entry is a miss: probed again, with a warning."""
+    cache is a miss: probed again."""
     from llmexp.rundir.files import write_json_atomic
 
     key = f"{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}|{min(rows, PROBE_MAX_ROWS)}x" \
           f"{in_features}x{out_features}|{torch.get_num_threads()} thread(s)"
-    known = _cached_paths(cache)
+    known = read_verdicts(cache) or {}
     if key in known:
         return known[key]
     path = probe(rows, in_features, out_features)
@@ -194,21 +194,13 @@ def probe_once(cache: Path, rows: int, in_features: int, out_features: int) -> M
     return path
 
 
-def _cached_paths(cache: Path) -> dict[str, MatmulPath]:
-    try:
-        data = json.loads(cache.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as err:
-        warn(f"{cache} cannot be read ({type(err).__name__}); the matmul path is probed again")
-        return {}
-    good = {k: MatmulPath(**v) for k, v in (data.items() if isinstance(data, dict) else [])
-            if isinstance(v, dict) and set(v) == {"path", "reason", "speedup", "max_rel_diff"}
-            and v["path"] in ("onednn", "torch") and isinstance(v["reason"], str)
-            and isinstance(v["speedup"], int | float) and not isinstance(v["speedup"], bool)}
-    if not isinstance(data, dict) or len(good) < len(data):
-        warn(f"{cache}: entries that are not a probe's verdict were dropped; the matmul path is probed again")
-    return good
+@reader
+def read_verdicts(cache: Path) -> dict[str, MatmulPath]:
+    """The verdicts kept in `cache`; a cache: anything but a probe's verdicts is a miss, probed again."""
+    data = load_json(cache, read_verdicts)
+    if bad := [k for k, v in data.items() if v["path"] not in ("onednn", "torch") or len(v) != 4]:
+        raise Damaged(cache, f"{bad[0]} is {data[bad[0]]!r:.200}, not a probe's verdict")
+    return {k: MatmulPath(**v) for k, v in data.items()}
 
 
 def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from llmexp.monitor.records import numbers, run_name_from_overrides
-from llmexp.rundir.read import load_json
+from llmexp.rundir.read import load_summary
 from llmexp.rundir.redact import scrub, scrub_text
 from llmexp.rundir.tracking import (
     LOCAL_ARTIFACTS,
@@ -345,7 +345,7 @@ class MlflowSink:
         if self.sender is None:
             return
         sender, self.sender = self.sender, None
-        summary = load_json(self.run_dir / "summary.json") or {}
+        summary = load_summary(self.run_dir) or {}
         status = str(summary.get("status") or "failed")
         sender.add([], {"llmexp.status": status, **finding_tags(summary.get("findings") or [])})
         sender.stop()

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from omegaconf import DictConfig, OmegaConf
 
 from llmexp.monitor.records import numbers, run_name_from_overrides
-from llmexp.rundir.read import load_json, swept_keys
+from llmexp.rundir.read import load_summary, swept_keys
 from llmexp.rundir.redact import scrub, scrub_text  # one definition of a secret, shared by every writer
 
 _log = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ class TensorBoardSink:
 
     def _write_hparams(self) -> None:
         """One HParams session per run; a resumed run's replaces the one its earlier attempt wrote."""
-        summary = load_json(self.run_dir / "summary.json") or {}
+        summary = load_summary(self.run_dir) or {}
         metrics = {f"hparam/{k}": float(v) for k in HPARAM_METRICS
                    if isinstance(v := summary.get(k), int | float) and math.isfinite(v)}
         if not metrics:  # no summary (a crash): nothing to compare

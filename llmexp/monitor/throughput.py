@@ -3,7 +3,6 @@ MFU of each logged step, peak memory and RSS."""
 
 from __future__ import annotations
 
-import json
 import math
 import resource
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 import torch
 
 from llmexp.data.cache import warn
+from llmexp.rundir.readers import Damaged, load_json, reader
 
 
 def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
@@ -149,26 +149,15 @@ class Mfu:
         return note
 
 
+@reader
 def load_ceilings(path: Path) -> dict[str, float]:
-    """The matmul ceilings cached in `path` (`peak_tflops.json` in data.cache_dir: key -> TFLOP/s), verified on
-    read: a file that is not a JSON object, or an entry that is not a positive finite number, is a cache miss:
-    dropped with a warning and measured again, never a crash or a negative MFU."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as err:  # a directory, unreadable, not JSON, not UTF-8
-        warn(f"{path} cannot be read ({type(err).__name__}); the matmul ceiling is measured again")
-        return {}
-    if not isinstance(data, dict):
-        warn(f"{path} holds a {type(data).__name__}, not an object of ceilings; they are measured again")
-        return {}
-    good = {str(k): float(v) for k, v in data.items()
-            if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0}
-    if bad := sorted(set(data) - set(good)):
-        warn(f"{path}: {len(bad)} entry(ies) are not a positive number of TFLOP/s ({bad[0]!r}: {data[bad[0]]!r}); "
-              "dropped, the matmul ceiling is measured again")
-    return good
+    """The matmul ceilings cached in `path` (`peak_tflops.json` in data.cache_dir: key -> TFLOP/s). A cache: a
+    file that is not an object of positive finite numbers is a miss, measured again, never a crash or a negative
+    MFU."""
+    data = load_json(path, load_ceilings)
+    if bad := [k for k, v in data.items() if not (math.isfinite(v) and v > 0)]:
+        raise Damaged(path, f"{bad[0]}: {data[bad[0]]!r} is not a positive number of TFLOP/s")
+    return {k: float(v) for k, v in data.items()}
 
 
 def save_ceilings(path: Path, ceilings: dict[str, float]) -> None:

@@ -4,8 +4,10 @@
     python -m llmexp.report SWEEP_DIR    # sweep_summary.json, sweep_report.md, sweep_curves.png
                                          # (+ sweep_search.png for sweep=random|tpe); also mid-sweep
 
-Exit codes: 0 written, 1 a sweep with failed or unfinished (running) jobs (a pruned trial counts as ended),
-2 not a run or sweep directory.
+Exit codes: for a sweep, the sweep's own (`rundir.read.sweep_exit_code`, as the sweeper ends with: 0 every job
+ended by itself, a diverged one included; 3 none completed and one diverged; 1 a job did not end by itself, or runs
+still); for a run 0; 1 a report that cannot be written (report.md a directory, a read-only directory); 2 not a run
+or sweep directory.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from pathlib import Path
 
 from llmexp.report.run import write_run_report
 from llmexp.report.sweep import write_sweep_report
-from llmexp.rundir.read import is_run_dir, is_sweep_dir
+from llmexp.rundir.files import unwritable
+from llmexp.rundir.read import is_run_dir, is_sweep_dir, read_result, sweep_exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,16 +28,21 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m llmexp.report RUN_DIR|SWEEP_DIR", file=sys.stderr)
         return 2
     path = Path(args[0])
-    if is_sweep_dir(path) and not (path / "metrics.jsonl").exists():
-        summary = write_sweep_report(path)
-        rec = summary["recommendation"]
-        print(f"wrote {path / 'sweep_report.md'}: {summary['num_jobs']} jobs {summary['status_counts']}")
-        print(f"recommended: {rec['settings']} ({rec['reason']})" if rec else "no recommendation")
-        return 0 if summary["all_finished"] else 1
-    if is_run_dir(path):
-        write_run_report(path)
-        print(f"wrote {path / 'report.md'} and {path / 'curves.png'}")
-        return 0
+    sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]  # (a directory named in bytes)
+    try:
+        if is_sweep_dir(path) and not (path / "metrics.jsonl").exists():
+            summary = write_sweep_report(path)
+            rec = summary["recommendation"]
+            print(f"wrote {path / 'sweep_report.md'}: {summary['num_jobs']} jobs {summary['status_counts']}")
+            print(f"recommended: {rec['settings']} ({rec['reason']})" if rec else "no recommendation")
+            return sweep_exit_code([read_result(Path(j["dir"]), j["metric"]) for j in summary["jobs"]])
+        if is_run_dir(path):
+            write_run_report(path)
+            print(f"wrote {path / 'report.md'} and {path / 'curves.png'}")
+            return 0
+    except OSError as err:
+        print(f"llmexp.report: error: {unwritable(path, err)}", file=sys.stderr)
+        return 1
     print(f"llmexp.report: error: {path} is neither a run directory (metrics.jsonl, summary.json, .hydra/) "
           "nor a sweep directory (multirun.yaml, job subdirectories)", file=sys.stderr)
     return 2

@@ -16,7 +16,8 @@ from typing import TextIO
 from llmexp.monitor.detectors import is_open
 from llmexp.report.findings import finding_state, run_findings
 from llmexp.report.run import write_run_report
-from llmexp.rundir.read import is_run_dir, is_sweep_dir, load_json, load_records
+from llmexp.rundir.files import unwritable
+from llmexp.rundir.read import is_run_dir, is_sweep_dir, load_records, load_summary
 
 EXIT_HEALTHY, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
 _COLOURS = {"error": "\033[31m", "warning": "\033[33m", "info": "\033[36m", "ok": "\033[32m"}
@@ -52,16 +53,20 @@ def format_findings(findings: list[dict], paint: Paint = lambda text, style: tex
 def diagnose_run(run_dir: Path) -> tuple[int, str]:
     """(exit code, text to print) for one run directory; rewrites its report."""
     records = load_records(run_dir)
-    summary = load_json(run_dir / "summary.json") or {}
+    summary = load_summary(run_dir) or {}
     findings = run_findings(run_dir, records)
-    write_run_report(run_dir, findings)
+    try:
+        write_run_report(run_dir, findings)
+        wrote = f"wrote {run_dir / 'report.md'}"
+    except OSError as err:  # the diagnosis stands without its report
+        wrote = f"report.md not written: {unwritable(run_dir, err)}"
     paint = _painter(sys.stdout)
     status = summary.get("status", "no summary.json (killed, or still running)")
     steps = max((int(r["step"]) for r in records if r.get("event") == "train"), default=0)
     header = f"{paint(str(run_dir), 'bold')}: status {status}, {steps} steps, {len(records)} metric records"
     counts = {s: sum(f["severity"] == s and is_open(f) for f in findings) for s in ("error", "warning", "info")}
     verdict = ", ".join(f"{n} {s}" for s, n in counts.items())
-    text = "\n".join([header, format_findings(findings, paint), f"{verdict}; wrote {run_dir / 'report.md'}"])
+    text = "\n".join([header, format_findings(findings, paint), f"{verdict}; {wrote}"])
     return (EXIT_ERRORS if counts["error"] else EXIT_HEALTHY), text
 
 
@@ -78,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llmexp.doctor: error: {run_dir} is not a run directory (no metrics.jsonl, summary.json "
               f"or .hydra/config.yaml).{hint}", file=sys.stderr)
         return EXIT_USAGE
+    sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]  # (a directory named in bytes)
     code, text = diagnose_run(run_dir)
     print(text)
     return code

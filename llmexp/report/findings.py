@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from llmexp.monitor.detectors import DETECTOR_KINDS, reconcile, settings_from_config
-from llmexp.rundir.read import load_config, load_json, load_records
+from llmexp.rundir.read import load_config, load_records, load_summary
 
 
 def run_findings(run_dir: Path, records: list[dict] | None = None) -> list[dict]:
@@ -15,7 +15,7 @@ def run_findings(run_dir: Path, records: list[dict] | None = None) -> list[dict]
     superseded), plus any of summary.json's of a kind the detectors do not produce."""
     run_dir = Path(run_dir)
     records = load_records(run_dir) if records is None else records
-    summary = load_json(run_dir / "summary.json") or {}
+    summary = load_summary(run_dir) or {}
     if not records:
         return [f for f in summary.get("findings", []) if isinstance(f, dict)]
     lr, precision = summary.get("lr"), summary.get("precision")  # what the run resolved `auto` to

@@ -25,6 +25,11 @@ def _pyplot() -> Any:
     return plt
 
 
+def _shown(title: str) -> str:
+    """A title from a directory's name, whose bytes may not be UTF-8: escaped, as Python prints them."""
+    return title.encode("utf-8", "backslashreplace").decode()
+
+
 def _save(fig: Any, path: Path) -> None:
     try:
         with atomic_file(Path(path), "wb") as f:
@@ -165,7 +170,8 @@ def plot_run(records: list[dict], findings: list[dict], path: Path, title: str =
         ax.grid(alpha=0.25)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     worst = next((s for s in ("error", "warning", "info") if any(f["severity"] == s for f in findings)), None)
-    fig.suptitle(f"{title}  ·  {len(findings)} finding(s)" + (f", worst: {worst}" if worst else ""), fontsize=11)
+    fig.suptitle(f"{_shown(title)}  ·  {len(findings)} finding(s)" + (f", worst: {worst}" if worst else ""),
+                 fontsize=11)
     fig.tight_layout()
     _save(fig, path)
 
@@ -263,7 +269,7 @@ def plot_sweep(jobs: list[dict], curves: dict[str, list[dict]], varying: list[st
     axes[1].legend(fontsize=7, loc="upper right")
     if len(varying) >= 2:
         _heatmap(axes[2], jobs, varying)
-    fig.suptitle(title, fontsize=11)
+    fig.suptitle(_shown(title), fontsize=11)
     fig.tight_layout()
     _save(fig, path)
 
@@ -365,7 +371,7 @@ def plot_search(search: dict[str, Any], path: Path, title: str = "") -> None:
         ax.grid(alpha=0.25)
         ax.set_ylabel("eval loss")
     counts = search["counts"]
-    fig.suptitle(f"{title}  ·  {search['sampler']} + {search['pruner']}: {counts['complete']} complete, "
+    fig.suptitle(f"{_shown(title)}  ·  {search['sampler']} + {search['pruner']}: {counts['complete']} complete, "
                  f"{counts['pruned']} pruned, {counts['fail']} failed, {counts['running']} running", fontsize=11)
     fig.tight_layout()
     _save(fig, path)

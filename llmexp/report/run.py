@@ -18,7 +18,7 @@ from llmexp.report.findings import finding_state, run_findings
 from llmexp.report.formats import fmt, fmt_rate
 from llmexp.report.tasks import tasks_markdown
 from llmexp.rundir.files import write_text_atomic
-from llmexp.rundir.read import last_value, load_config, load_json, load_overrides, load_records
+from llmexp.rundir.read import last_value, load_config, load_overrides, load_records, load_summary
 
 # ----- the run report ----------------------------------------------------------------------------
 
@@ -163,7 +163,7 @@ def write_run_report(run_dir: Path, findings: list[Finding] | list[dict] | None 
     else:
         found = [f.to_dict() if isinstance(f, Finding) else dict(f) for f in findings]
     cfg = load_config(run_dir)
-    text = run_report_markdown(run_dir, records, load_json(run_dir / "summary.json"), found, cfg,
+    text = run_report_markdown(run_dir, records, load_summary(run_dir), found, cfg,
                                load_overrides(run_dir))
     clip = (cfg.get("train") or {}).get("max_grad_norm")
     plot_run(records, found, run_dir / "curves.png", title=run_dir.resolve().name,

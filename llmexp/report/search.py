@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from llmexp.report.formats import fmt
-from llmexp.rundir.read import load_config, load_json
+from llmexp.rundir.read import load_config, load_summary
+from llmexp.rundir.readers import read_yaml
 from llmexp.rundir.study import study_journal
 
 PRUNED = "pruned"
@@ -40,12 +41,7 @@ def load_study(sweep_dir: Path) -> tuple[Any | None, str | None]:
 def search_setup(sweep_dir: Path, jobs: list[dict]) -> dict[str, Any]:
     """sweep.name, pruner, n_trials, seed, parallel and train.max_steps as the sweep was started with
     (`multirun.yaml`, else the first job's `.hydra/config.yaml`)."""
-    import yaml
-
-    try:
-        config = yaml.safe_load((Path(sweep_dir) / "multirun.yaml").read_text())
-    except (OSError, yaml.YAMLError):
-        config = None
+    config = read_yaml(Path(sweep_dir) / "multirun.yaml")
     if not isinstance(config, dict) or not isinstance(config.get("sweep"), dict):
         config = load_config(Path(jobs[0]["dir"])) if jobs else {}
     sweep = config.get("sweep") if isinstance(config.get("sweep"), dict) else {}
@@ -135,7 +131,7 @@ def search_summary(sweep_dir: Path, study: Any, jobs: list[dict]) -> dict[str, A
     for row in rows:
         job = by_name.get(str(row["number"]))
         # A live (or interrupted) trial's job has no summary.json yet: it is running, not failed.
-        if job is not None and row["state"] == RUNNING and load_json(Path(job["dir"]) / "summary.json") is None:
+        if job is not None and row["state"] == RUNNING and load_summary(Path(job["dir"])) is None:
             job["status"], job["error"] = RUNNING, None
     setup = search_setup(sweep_dir, jobs)
     counts = {s: sum(r["state"] == s for r in rows) for s in ("complete", PRUNED, "fail", RUNNING)}

@@ -10,7 +10,9 @@ A job's status: `running` while a process holds its run directory's lock (or SLU
 it starts (`requeued` when SLURM queued it again after a checkpoint), then what the run wrote to
 summary.json (`completed`, `early_stopped`, `pruned`, `diverged`, `failed`, `preempted`) or, when the
 launcher knows more, its verdict (`cancelled`, `timeout`, `killed`); `killed` also for a run directory whose
-process is gone without a summary.
+process is gone without a summary; `not_started` for a local job still waiting when its sweeper is gone (killed: no
+process holds the sweep directory's lock), which the sweep's command, run again, starts. Damaged files are skipped,
+each said in one line on stderr.
 
 Exit codes: 0 the table was shown, 2 DIR is neither a run nor a sweep directory.
 """
@@ -29,7 +31,16 @@ from pathlib import Path
 from typing import Any
 
 from llmexp.rundir.lock import lock_holder
-from llmexp.rundir.read import is_run_dir, is_sweep_dir, job_dirs, load_json, load_overrides, load_records
+from llmexp.rundir.read import (
+    is_run_dir,
+    is_sweep_dir,
+    job_dirs,
+    load_job_status,
+    load_overrides,
+    load_records,
+    load_summary,
+    read_slurm_jobs,
+)
 
 SCHEDULER_TIMEOUT_S = 0.7
 """What the scheduler may take to answer (squeue and sacct run side by side); past it the column says `?`."""
@@ -124,7 +135,8 @@ def _ended(run_dir: Path, summary: dict | None) -> bool:
         return True
 
 
-def _status(run_dir: Path, summary: dict | None, verdict: dict, records: list[dict], state: str | None) -> str:
+def _status(run_dir: Path, summary: dict | None, verdict: dict, records: list[dict], state: str | None,
+            sweeper: bool) -> str:
     """What the job is doing now, or how it ended (see the module docstring)."""
     if verdict.get("status") == "cancelled":  # the launcher's word, final: SLURM may still say RUNNING as it tidies up
         return "cancelled"
@@ -142,17 +154,18 @@ def _status(run_dir: Path, summary: dict | None, verdict: dict, records: list[di
     if state and state != "?" and (final := SACCT_STATUS.get(state)):
         return final
     if ended in WAITING:
-        return "queued"
+        return "queued" if sweeper or ended == "submitted" else "not_started"  # (SLURM queues without a sweeper)
     return "killed" if records else "queued"
 
 
-def job_row(run_dir: Path, shown: str, slurm_id: str | None, states: dict[str, str]) -> Row:
-    """A run directory's line: its files, and the scheduler's word on its SLURM job."""
-    records, summary = load_records(run_dir), load_json(run_dir / "summary.json")
-    verdict = load_json(run_dir / "job_status.json") or {}
+def job_row(run_dir: Path, shown: str, slurm_id: str | None, states: dict[str, str], sweeper: bool = True) -> Row:
+    """A run directory's line: its files, and the scheduler's word on its SLURM job; `sweeper`: the sweep's
+    sweeper is alive."""
+    records, summary = load_records(run_dir), load_summary(run_dir)
+    verdict = load_job_status(run_dir)
     slurm_id = slurm_id or verdict.get("job_id")
     state = states.get(slurm_id) if slurm_id else None
-    status = _status(run_dir, summary, verdict, records, state)
+    status = _status(run_dir, summary, verdict, records, state, sweeper)
     trains = [r for r in records if r.get("event") == "train"]
     evals = [v for r in records if r.get("event") == "eval" and (v := _finite(r.get("eval_loss"))) is not None]
     start = next((r for r in reversed(records) if r.get("event") == "start"), {})
@@ -182,11 +195,12 @@ def rows(path: Path, scheduler_timeout_s: float = SCHEDULER_TIMEOUT_S) -> list[R
     """The table's lines for a run directory or a sweep directory."""
     path = Path(path)
     dirs = job_dirs(path) if is_sweep_dir(path) and not (path / "metrics.jsonl").exists() else [path]
-    slurm = {str(k): str(v) for k, v in ((load_json(path / "slurm_jobs.json") or {}).get("jobs") or {}).items()}
-    verdict_ids = [str(j) for d in dirs if (j := (load_json(d / "job_status.json") or {}).get("job_id"))]
+    slurm = {str(k): str(v) for k, v in ((read_slurm_jobs(path / "slurm_jobs.json") or {}).get("jobs") or {}).items()}
+    verdict_ids = [str(j) for d in dirs if (j := load_job_status(d).get("job_id"))]
     states = scheduler_states(sorted(set(slurm.values()) | set(verdict_ids)), scheduler_timeout_s)
     shown = _varying({d.name: load_overrides(d) for d in dirs})
-    return [job_row(d, shown[d.name], slurm.get(d.name), states) for d in dirs]
+    sweeper = dirs == [path] or lock_holder(path) is not None
+    return [job_row(d, shown[d.name], slurm.get(d.name), states, sweeper) for d in dirs]
 
 
 def _fmt(value: float | None) -> str:
@@ -234,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scheduler-timeout", type=float, default=SCHEDULER_TIMEOUT_S, metavar="SECONDS",
                         help=f"how long squeue and sacct may take (default {SCHEDULER_TIMEOUT_S:g}); past it: ?")
     args = parser.parse_args(argv)
+    if not all(0 < s <= 86400 for s in (args.watch or 1, args.scheduler_timeout)):  # (not inf, not nan)
+        parser.error("--watch and --scheduler-timeout take a number of seconds in (0, 86400]")
+    sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]  # (a directory named in bytes)
     if not (is_run_dir(args.dir) or is_sweep_dir(args.dir)):
         print(f"llmexp.status: error: {args.dir} is neither a run directory (metrics.jsonl, summary.json, .hydra/) "
               "nor a sweep directory (multirun.yaml, job subdirectories)", file=sys.stderr)

@@ -22,7 +22,17 @@ from llmexp.report.findings import run_findings
 from llmexp.report.formats import fmt, fmt_rate
 from llmexp.report.search import PRUNED, load_study, search_markdown, search_summary
 from llmexp.rundir.files import write_text_atomic
-from llmexp.rundir.read import FINISHED, job_dirs, last_value, load_config, load_json, load_overrides, load_records
+from llmexp.rundir.lock import lock_holder
+from llmexp.rundir.read import (
+    FINISHED,
+    job_dirs,
+    last_value,
+    load_config,
+    load_job_status,
+    load_overrides,
+    load_records,
+    load_summary,
+)
 from llmexp.rundir.tasks import final_tasks, metric_value
 
 log = logging.getLogger(__name__)
@@ -55,8 +65,8 @@ def _param_dict(overrides: list[str]) -> dict[str, str]:
 
 def collect_job(job_dir: Path) -> dict[str, Any]:
     """One sweep job's entry: overrides, status, final metrics, findings and loss stability."""
-    records, summary = load_records(job_dir), load_json(job_dir / "summary.json")
-    job_status = load_json(job_dir / "job_status.json") or {}
+    records, summary = load_records(job_dir), load_summary(job_dir)
+    job_status = load_job_status(job_dir)
     overrides = load_overrides(job_dir)
     entry: dict[str, Any] = {"job": job_dir.name, "dir": str(job_dir), "overrides": overrides,
                              "params": _param_dict(overrides)}
@@ -64,9 +74,11 @@ def collect_job(job_dir: Path) -> dict[str, Any]:
         # The launcher writes job_status.json only when it knows more than the trainer (e.g. SLURM cancelled it).
         entry["status"] = job_status.get("status") or summary.get("status", "unknown")
         entry["error"] = job_status.get("error")
+    elif lock_holder(job_dir) is not None:  # mid-sweep: its process holds the run directory
+        entry["status"], entry["error"] = "running", None
     else:
         entry["status"] = job_status.get("status", "failed")
-        entry["error"] = job_status.get("error") or "no summary.json: the job was killed, crashed, or is still running"
+        entry["error"] = job_status.get("error") or "no summary.json: the job was killed or crashed"
     for key, event, rec_key in (("step", "train", "step"), ("train_loss", "train", "loss"),
                                 ("train_ppl", "train", "ppl"), ("eval_loss", "eval", "eval_loss"),
                                 ("eval_ppl", "eval", "eval_ppl"), ("tokens_per_sec", "train", "tokens_per_sec")):

@@ -31,7 +31,8 @@ def atomic_file(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+        # (text: a path named in bytes that are not UTF-8 is written escaped, as Python prints it)
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8", "errors": "backslashreplace"})) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
@@ -51,6 +52,11 @@ def write_json_atomic(path: Path, obj: object) -> None:
     import json
 
     write_text_atomic(path, json.dumps(obj, indent=2, default=str))
+
+
+def unwritable(directory: Path, err: OSError) -> str:
+    """What a report tool says when it cannot write in `directory` (read-only, a directory named report.md)."""
+    return f"cannot write in {directory} ({err.strerror or type(err).__name__}: {err.filename2 or err.filename})"
 
 
 # ----------------------------------------------------------------------------- a full disk
@@ -147,7 +153,7 @@ def replace_dir(tmp: Path, final: Path, *, aside: Path | None = None,
         os.replace(tmp, final)
         return
     if _exchange(tmp, final):  # now `tmp` holds the old copy
-        shutil.rmtree(tmp)
+        _remove(tmp)
         return
     old = aside or final.with_name(f".{final.name}.old-{os.getpid()}")
     os.replace(final, old)
@@ -156,7 +162,12 @@ def replace_dir(tmp: Path, final: Path, *, aside: Path | None = None,
     except BaseException:
         os.replace(old, final)  # put the old copy back
         raise
-    shutil.rmtree(old)
+    _remove(old)
+
+
+def _remove(path: Path) -> None:
+    """Delete what a publish replaced: a directory, or a plain file where one stood (a damaged cache entry)."""
+    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
 
 
 Replace = Callable[[Path, Path], None]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from llmexp.rundir.readers import Damaged, entry_of, read_text, reader
+
 LOCK_NAME = ".llmexp.lock"
 
 
@@ -47,14 +49,19 @@ def _lock(directory: Path, what: str, key: str) -> None:
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        try:
-            holder = path.read_text().strip() or "unknown"
-        except OSError:
-            holder = "unknown"
-        raise UserError(f"{directory} is in use by another llmexp {what} (pid {holder}); wait for it to end, or "
-                        f"choose another directory with {key}=...") from None
+        raise UserError(f"{directory} is in use by another llmexp {what} (pid {lock_pid(path) or 'unknown'}); wait "
+                        f"for it to end, or choose another directory with {key}=...") from None
     path.write_text(f"{os.getpid()}\n")
     _held_locks[str(path.resolve())] = lock
+
+
+@reader
+def lock_pid(path: Path) -> int | None:
+    """The pid a lock file holds (whether or not that process still holds the lock), or None."""
+    text = read_text(path, entry_of(lock_pid).max_bytes).strip()
+    if text and not (text.isdigit() and len(text) <= 9):  # (empty: the holder has not written its pid yet)
+        raise Damaged(path, f"holds {text[:20]!r}, not a pid")
+    return int(text) if text else None
 
 
 def lock_holder(run_dir: Path) -> int | None:
@@ -66,13 +73,15 @@ def lock_holder(run_dir: Path) -> int | None:
     path = Path(run_dir) / LOCK_NAME
     try:
         st = path.stat()
-        pid = int(path.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
+    except OSError:
         return None
+    pid = lock_pid(path)  # (None: a holder that has not written it yet, or a lock taken by filelock alone)
     try:
         with open("/proc/locks") as f:
             locks = f.read()
     except OSError:
+        if pid is None:
+            return None
         try:
             os.kill(pid, 0)
         except ProcessLookupError:

@@ -7,74 +7,175 @@ Pure functions of what a run (or sweep) directory holds: `metrics.jsonl`, `summa
 
 from __future__ import annotations
 
-import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from llmexp.errors import EXIT_DIVERGED, EXIT_ERROR, EXIT_OK, EXIT_USER
+from llmexp.rundir.readers import (
+    METRIC,
+    Damaged,
+    check_fields,
+    entry_of,
+    load_json,
+    parse_json,
+    read_lines,
+    read_yaml,
+    reader,
+    skipped,
+)
+from llmexp.rundir.tasks import metric_value
 
 FINISHED = ("completed", "early_stopped")
 """Statuses of a run that ended as intended."""
 
 
-# ----- reading a run directory -----------------------------------------------------------------
+# ----- reading a run directory (each file's reader is registered in `llmexp.rundir.readers`) -------------------
 
-def load_records(run_dir: Path) -> list[dict]:
-    """The records of metrics.jsonl; a torn last line (a killed run) is skipped, not fatal."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text(errors="replace").splitlines():
+@reader
+def read_metrics(path: Path) -> list[dict]:
+    """The records of metrics.jsonl, each with an integer `step`; a line that is not one (a torn last line of a
+    killed run, damage) is skipped, and the skipped lines are counted in one line."""
+    records: list[dict] = []
+    bad: list[Damaged] = []
+    number = 0
+    for number, line in read_lines(path, entry_of(read_metrics).max_line_bytes):
         try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict) and "step" in rec:
-            records.append(rec)
+            if isinstance(line, Damaged):
+                raise line
+            if line.strip():
+                rec, problems = check_fields(parse_json(line, path, number), METRIC)
+                if rec is None or problems:
+                    raise Damaged(path, f"not a record: {problems[0]}", number)
+                records.append(rec)
+        except Damaged as err:
+            bad.append(err)
+    if bad:
+        skipped(f"{len(bad)} of {number} lines of {path} (line {bad[0].line}: {bad[0].why})")
     return records
 
 
-def load_json(path: Path) -> dict | None:
-    """A JSON object from disk, or None when it is missing or unreadable."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):  # also a file of bytes that are not text (UnicodeDecodeError)
-        return None
-    return data if isinstance(data, dict) else None
+@reader
+def read_summary(path: Path) -> dict | None:
+    """summary.json: what the trainer wrote as the run ended."""
+    return load_json(path, read_summary)
+
+
+@reader
+def read_job_status(path: Path) -> dict | None:
+    """job_status.json: the launcher's verdict on a job, when it knows more than the trainer."""
+    return load_json(path, read_job_status)
+
+
+@reader
+def read_slurm_jobs(path: Path) -> dict | None:
+    """slurm_jobs.json: a SLURM sweep's job ids by job number."""
+    return load_json(path, read_slurm_jobs)
+
+
+def load_records(run_dir: Path) -> list[dict]:
+    return read_metrics(Path(run_dir) / "metrics.jsonl") or []
+
+
+def load_summary(run_dir: Path) -> dict | None:
+    return read_summary(Path(run_dir) / "summary.json")
+
+
+def load_job_status(run_dir: Path) -> dict:
+    return read_job_status(Path(run_dir) / "job_status.json") or {}
 
 
 def load_config(run_dir: Path) -> dict:
     """`.hydra/config.yaml` as plain data (interpolations left as strings); {} when absent."""
-    import yaml
-
-    try:
-        data = yaml.safe_load((Path(run_dir) / ".hydra" / "config.yaml").read_text())
-    except (OSError, yaml.YAMLError):
-        return {}
+    data = read_yaml(Path(run_dir) / ".hydra" / "config.yaml")
     return data if isinstance(data, dict) else {}
 
 
 def load_overrides(run_dir: Path) -> list[str]:
     """The command-line overrides of a run (`.hydra/overrides.yaml`), else those in summary.json."""
-    import yaml
-
-    try:
-        data = yaml.safe_load((Path(run_dir) / ".hydra" / "overrides.yaml").read_text())
-    except (OSError, yaml.YAMLError):
-        data = (load_json(Path(run_dir) / "summary.json") or {}).get("overrides")
     from llmexp.rundir.redact import scrub_overrides
 
+    data = read_yaml(Path(run_dir) / ".hydra" / "overrides.yaml")
+    if not isinstance(data, list):
+        data = (load_summary(run_dir) or {}).get("overrides")
     return scrub_overrides([str(o) for o in data]) if isinstance(data, list) else []
 
 
+# ----- how a sweep's jobs ended, and what the sweep exits with ------------------------------------------
+
+INTERRUPTED = ("preempted", "cancelled", "submitted")
+"""Run statuses of a job that did not end by itself: a search's trial stays RUNNING in the study, and a rerun
+of the sweep resumes it."""
+
+
+@dataclass
+class TrialResult:
+    """What a trial's run directory says about how it ended."""
+
+    status: str
+    """completed, pruned, failed, or running (no end yet: interrupted, or still going)."""
+    value: float | None = None
+    step: int | None = None
+    reason: str | None = None
+    user_error: bool = False
+    """The trial exited 2: a mistake in the config or data, which every other trial would repeat."""
+
+
+def read_result(job_dir: Path, metric: str = "eval_loss") -> TrialResult:
+    """A trial's result from its run directory: summary.json, and job_status.json when the launcher wrote one;
+    its value is `metric` (`sweep.metric`: `eval_loss`, `eval_ppl` or `tasks/<name>/<metric>`) at the end.
+
+    A run whose doctor found an error (non_finite, divergence) or that diverged is `failed` with that
+    finding as its reason: a result about the region, not a crash."""
+    summary = load_summary(job_dir) or {}
+    verdict = load_job_status(job_dir)
+    status = verdict.get("status") or summary.get("status")
+    if status is None or status in INTERRUPTED:
+        return TrialResult("running")
+    step = summary.get("step")
+    errors = [f for f in summary.get("findings", []) if f.get("severity") == "error"]
+    if errors or status == "diverged":
+        reason = f"{errors[0]['kind']}: {errors[0]['message']}" if errors else "the run diverged"
+        return TrialResult("failed", step=step, reason=reason)
+    if status == "pruned":
+        return TrialResult("pruned", step=step)
+    value = metric_value(metric, summary, [])
+    if status in FINISHED and value is not None:
+        return TrialResult("completed", value=value, step=step)
+    reason = verdict.get("error") or (f"ended {status} without a finite {metric}" if status in FINISHED
+                                      else f"ended {status}")
+    return TrialResult("crashed", step=step, reason=str(reason), user_error=verdict.get("exit_code") == EXIT_USER)
+
+
+def sweep_exit_code(results: Sequence[TrialResult]) -> int:
+    """The exit code of a sweep, grid or search alike, from how each job ended (`read_result`).
+
+    A sweep asks a question of its jobs, and a diverged lr is an answer (the lr is too high) that the
+    report shows; so the code says whether the sweep got its answers, not whether each job trained:
+    1 (EXIT_ERROR) when a job did not end by itself (a crash, a kill, a cancel, a time limit, a preemption,
+    never started): the sweep is incomplete, and the same command continues it; else 3 (EXIT_DIVERGED) when
+    no job completed and one diverged or failed a doctor's error check: nothing in the space trains; else 0.
+    (2 is a mistake found before launch, or one that every trial would repeat.)
+    """
+    statuses = [r.status for r in results]
+    if not statuses or any(s in ("crashed", "running") for s in statuses):
+        return EXIT_ERROR
+    if "completed" not in statuses and "failed" in statuses:
+        return EXIT_DIVERGED
+    return EXIT_OK
+
+
 def is_run_dir(path: Path) -> bool:
-    path = Path(path)
-    return any((path / name).exists() for name in ("metrics.jsonl", "summary.json", ".hydra/config.yaml"))
+    """Whether `path` holds a run's files (or something in their place: a damaged run is still a run)."""
+    return any(os.path.lexists(Path(path) / name) for name in ("metrics.jsonl", "summary.json", ".hydra/config.yaml"))
 
 
 def job_dirs(sweep_dir: Path) -> list[Path]:
     """Job subdirectories of a sweep, in job-number order (non-numeric names after, by name)."""
     found = [p for p in Path(sweep_dir).iterdir()
-             if p.is_dir() and (is_run_dir(p) or (p / "job_status.json").is_file())]
+             if p.is_dir() and (is_run_dir(p) or os.path.lexists(p / "job_status.json"))]
     return sorted(found, key=lambda p: (0, int(p.name), "") if p.name.isdigit() else (1, 0, p.name))
 
 
@@ -94,14 +195,12 @@ def last_value(records: list[dict], event: str, key: str) -> Any:
 def swept_keys(sweep_dir: Path) -> list[str]:
     """The keys a sweep varies (`lr=1e-4,3e-4`, `lr=tag(log,interval(...))`, `optimizer=adamw,lion`), in the
     order given, read from the command its `multirun.yaml` recorded with Hydra's own override parser."""
-    import yaml
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
     try:
-        data = yaml.safe_load((Path(sweep_dir) / "multirun.yaml").read_text())
-        task = data["hydra"]["overrides"]["task"]
+        task = read_yaml(Path(sweep_dir) / "multirun.yaml")["hydra"]["overrides"]["task"]
         overrides = OverridesParser.create().parse_overrides([str(o) for o in task])
-    except (OSError, yaml.YAMLError, KeyError, TypeError, HydraException):
+    except (KeyError, TypeError, HydraException):
         return []
     return [o.get_key_element().lstrip("+~") for o in overrides if o.is_sweep_override()]

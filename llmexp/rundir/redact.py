@@ -142,9 +142,10 @@ def scrub_yaml_file(path: Path) -> bool:
     """
     from omegaconf import OmegaConf
 
-    if not path.is_file():
+    from llmexp.rundir.readers import read_yaml
+
+    if (data := read_yaml(path)) is None:
         return False
-    data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     clean = scrub_overrides(data) if isinstance(data, list) and all(isinstance(x, str) for x in data) else scrub(data)
     if clean == data:
         return False

@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from llmexp.rundir.readers import read_bytes, reader
+
 STUDY_NAME = "llmexp"
 """The optuna study's name inside `study_journal`."""
 
@@ -45,25 +47,33 @@ def check_journal(sweep_dir: Path) -> None:
 
     Every line must be a complete JSON object with one of optuna's operation codes, and the whole must replay.
     optuna itself skips a last line cut short, and then appends after it, which damages the file for good; a
-    line of garbage raises deep inside optuna. The file is read under optuna's own lock, so a trial left
-    running by an earlier sweeper cannot be caught half-way through a write."""
-    from optuna.storages.journal import JournalFileSymlinkLock
-
+    line of garbage raises deep inside optuna."""
     path = study_journal(sweep_dir)
     if not path.exists() and not path.is_symlink():
         return
     if not path.is_file():
         raise damaged(path, "it is not a file")
-    lock = JournalFileSymlinkLock(str(path))
-    lock.acquire()
-    try:
-        data = path.read_bytes()
-    finally:
-        lock.release()
+    data = read_journal(path)
+    if data is None:
+        raise damaged(path, "it cannot be read")
     if problem := _journal_problem(data):
         raise damaged(path, problem)
     if data:
         load_study(Path(sweep_dir))  # replays it: a UserError when optuna cannot
+
+
+@reader
+def read_journal(path: Path) -> bytes:
+    """study.journal's bytes, read under optuna's own lock (a trial left running by an earlier sweeper cannot be
+    caught half-way through a write)."""
+    from optuna.storages.journal import JournalFileSymlinkLock
+
+    lock = JournalFileSymlinkLock(str(path))
+    lock.acquire()
+    try:
+        return read_bytes(path, None)
+    finally:
+        lock.release()
 
 
 def _journal_problem(data: bytes) -> str | None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from llmexp.rundir.files import write_json_atomic
-from llmexp.rundir.read import load_json
+from llmexp.rundir.readers import load_json, reader
 
 MLFLOW_RUN_FILE = "mlflow_run.json"
 LOCAL_DB = "mlflow.db"
@@ -34,10 +34,15 @@ def local_db_dir(tracking_uri: str) -> Path | None:
 
 def read_mlflow_run(directory: Path) -> dict[str, str] | None:
     """The MLflow run recorded in `directory` ({tracking_uri, experiment_id, run_id}), or None."""
-    data = load_json(Path(directory) / MLFLOW_RUN_FILE)
-    if not data or not all(isinstance(data.get(k), str) and data[k] for k in ("tracking_uri", "run_id")):
+    data = read_run_file(Path(directory) / MLFLOW_RUN_FILE)
+    if not data or not all(data.get(k) for k in ("tracking_uri", "run_id")):
         return None
     return {k: str(data.get(k) or "") for k in ("tracking_uri", "experiment_id", "run_id")}
+
+
+@reader
+def read_run_file(path: Path) -> dict | None:
+    return load_json(path, read_run_file)
 
 
 def write_mlflow_run(directory: Path, tracking_uri: str, experiment_id: str, run_id: str, **extra: Any) -> None:

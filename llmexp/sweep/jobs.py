@@ -27,8 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from llmexp.config.tree import register_resolvers
 from llmexp.errors import EXIT_USER
 from llmexp.rundir.files import write_json_atomic, write_text_atomic
-from llmexp.rundir.read import FINISHED, load_json
-from llmexp.rundir.tasks import metric_value
+from llmexp.rundir.read import FINISHED, TrialResult, load_job_status, load_summary, sweep_exit_code
 from llmexp.sweep.tracking import close_parent, open_parent
 
 T = TypeVar("T")
@@ -97,7 +96,7 @@ def objective(config: Any) -> tuple[str | None, str]:
 def exit_2_on_user_error(action: Callable[..., T], *args: Any) -> T:
     """`action(*args)`, a user's mistake inside a launcher or sweeper (Hydra would print it as a traceback and
     exit 1) printed as one line and exit 2, as the CLI prints its own."""
-    from llmexp.errors import EXIT_USER, UserError
+    from llmexp.errors import UserError
 
     try:
         return action(*args)
@@ -174,7 +173,7 @@ def compose_job(launcher: Any, overrides: list[str], num: int) -> Any:
 
 def run_status(job_dir: Path) -> str | None:
     """The status the trainer wrote to `summary.json`, or None when there is none (yet)."""
-    status = (load_json(Path(job_dir) / "summary.json") or {}).get("status")
+    status = (load_summary(job_dir) or {}).get("status")
     return str(status) if status else None
 
 
@@ -246,7 +245,6 @@ def _check_job(spec: JobSpec) -> JobOutcome | None:
 
 def _task_error(code: int) -> str:
     """What a job that returned `code` says in its record: a user error's own message, when it was one."""
-    from llmexp.errors import EXIT_USER
     from llmexp.train.task import last_user_error
 
     message = last_user_error() if code == EXIT_USER else None
@@ -280,7 +278,7 @@ def ended_before(spec: JobSpec) -> JobOutcome | None:
                         "hydra.sweep.dir")
     _wait_for_holder(spec.job_dir)
     status = run_status(spec.job_dir)
-    verdict = (load_json(spec.job_dir / "job_status.json") or {}).get("status", status)
+    verdict = load_job_status(spec.job_dir).get("status", status)
     if status not in ENDED or verdict != status:
         return None
     return JobOutcome(spec.num, status, STATUS_EXIT[status], None)
@@ -290,7 +288,7 @@ def _wait_for_holder(job_dir: Path, poll_s: float = 2.0) -> None:
     """Block while another process holds the run directory's lock (`paths.lock_run_dir`)."""
     from filelock import FileLock, Timeout
 
-    from llmexp.rundir.lock import LOCK_NAME
+    from llmexp.rundir.lock import LOCK_NAME, lock_pid
 
     lock_path = job_dir / LOCK_NAME
     if not lock_path.exists():
@@ -299,7 +297,7 @@ def _wait_for_holder(job_dir: Path, poll_s: float = 2.0) -> None:
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        log.info(f"  {job_dir} is still running from an earlier launch (pid {lock_path.read_text().strip()}); "
+        log.info(f"  {job_dir} is still running from an earlier launch (pid {lock_pid(lock_path)}); "
                  "waiting for it to end")
         lock.acquire(poll_interval=poll_s)
     lock.release()
@@ -315,70 +313,6 @@ def split_ended(specs: Sequence[JobSpec]) -> tuple[list[JobSpec], dict[int, JobO
 
 
 # ----------------------------------------------------------------------------- how a job ended, and the sweep
-
-INTERRUPTED = ("preempted", "cancelled", "submitted")
-"""Run statuses of a job that did not end by itself: a search's trial stays RUNNING in the study, and a rerun
-of the sweep resumes it."""
-
-
-@dataclass
-class TrialResult:
-    """What a trial's run directory says about how it ended."""
-
-    status: str
-    """completed, pruned, failed, or running (no end yet: interrupted, or still going)."""
-    value: float | None = None
-    step: int | None = None
-    reason: str | None = None
-    user_error: bool = False
-    """The trial exited 2: a mistake in the config or data, which every other trial would repeat."""
-
-
-def read_result(job_dir: Path, metric: str = "eval_loss") -> TrialResult:
-    """A trial's result from its run directory: summary.json, and job_status.json when the launcher wrote one;
-    its value is `metric` (`sweep.metric`: `eval_loss`, `eval_ppl` or `tasks/<name>/<metric>`) at the end.
-
-    A run whose doctor found an error (non_finite, divergence) or that diverged is `failed` with that
-    finding as its reason: a result about the region, not a crash."""
-    summary = load_json(job_dir / "summary.json") or {}
-    verdict = load_json(job_dir / "job_status.json") or {}
-    status = verdict.get("status") or summary.get("status")
-    if status is None or status in INTERRUPTED:
-        return TrialResult("running")
-    step = summary.get("step")
-    errors = [f for f in summary.get("findings", []) if f.get("severity") == "error"]
-    if errors or status == "diverged":
-        reason = f"{errors[0]['kind']}: {errors[0]['message']}" if errors else "the run diverged"
-        return TrialResult("failed", step=step, reason=reason)
-    if status == "pruned":
-        return TrialResult("pruned", step=step)
-    value = metric_value(metric, summary, [])
-    if status in FINISHED and value is not None:
-        return TrialResult("completed", value=value, step=step)
-    reason = verdict.get("error") or (f"ended {status} without a finite {metric}" if status in FINISHED
-                                      else f"ended {status}")
-    return TrialResult("crashed", step=step, reason=str(reason), user_error=verdict.get("exit_code") == EXIT_USER)
-
-
-def sweep_exit_code(results: Sequence[TrialResult]) -> int:
-    """The exit code of a sweep, grid or search alike, from how each job ended (`read_result`).
-
-    A sweep asks a question of its jobs, and a diverged lr is an answer (the lr is too high) that the
-    report shows; so the code says whether the sweep got its answers, not whether each job trained:
-    1 (EXIT_ERROR) when a job did not end by itself (a crash, a kill, a cancel, a time limit, a preemption,
-    never started): the sweep is incomplete, and the same command continues it; else 3 (EXIT_DIVERGED) when
-    no job completed and one diverged or failed a doctor's error check: nothing in the space trains; else 0.
-    (2 is a mistake found before launch, or one that every trial would repeat.)
-    """
-    from llmexp.errors import EXIT_DIVERGED, EXIT_ERROR, EXIT_OK
-
-    statuses = [r.status for r in results]
-    if not statuses or any(s in ("crashed", "running") for s in statuses):
-        return EXIT_ERROR
-    if "completed" not in statuses and "failed" in statuses:
-        return EXIT_DIVERGED
-    return EXIT_OK
-
 
 # ----------------------------------------------------------------------------- recording
 

@@ -27,7 +27,6 @@ The launcher's process imports neither torch nor submitit (a warm job's process 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import multiprocessing
 import os
@@ -38,12 +37,13 @@ import subprocess
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmexp.errors import UserError
 from llmexp.rundir.files import atomic_file, write_json_atomic
+from llmexp.rundir.readers import Damaged, load_json, read_bytes, reader
 from llmexp.sweep.jobs import (
     JobOutcome,
     JobSpec,
@@ -159,13 +159,27 @@ def trains(task_function: Any) -> bool:
 
 def _job_return(spec: JobSpec, outcome: JobOutcome, work: Path) -> JobReturn:
     """Another app's job: the JobReturn its process pickled, or a FAILED one saying how the process ended."""
+    returned = read_pickle(work / f"{spec.num}.return.pkl")
+    return returned or failed_return(spec, outcome.error or f"job #{spec.num} ended {outcome.status}")
+
+
+@reader
+def read_pickle(path: Path) -> Any:
+    """A pickle this launcher or its job process wrote (a job's spec, another app's JobReturn)."""
     import cloudpickle
 
+    data = read_bytes(path, None)
     try:
-        with open(work / f"{spec.num}.return.pkl", "rb") as f:
-            return cloudpickle.load(f)
-    except (OSError, EOFError, cloudpickle.pickle.UnpicklingError):
-        return failed_return(spec, outcome.error or f"job #{spec.num} ended {outcome.status}")
+        return cloudpickle.loads(data)
+    except Exception as err:  # UnpicklingError, EOFError, AttributeError ...: whatever the bytes made pickle do
+        raise Damaged(path, f"not a whole pickle ({type(err).__name__})") from None
+
+
+@reader
+def read_outcome(path: Path) -> JobOutcome:
+    """A job process's own outcome, which `main` writes as the job ends."""
+    data = load_json(path, read_outcome)
+    return JobOutcome(**{f.name: data[f.name] for f in fields(JobOutcome) if f.name in data})
 
 
 def _dump_job(path: Path, payload: tuple) -> None:
@@ -245,9 +259,8 @@ def _stop_all(running: Sequence[_Running], stop: StopRequest, grace_s: float = 1
 def _collect(job: _Running) -> JobOutcome:
     """The child's own outcome, or one inferred from how the process ended."""
     num, code = job.spec.num, job.proc.returncode
-    try:
-        outcome = JobOutcome(**json.loads(job.outcome_path.read_text()))
-    except (OSError, ValueError, TypeError):
+    outcome = read_outcome(job.outcome_path)
+    if outcome is None:
         if code is not None and code < 0:
             sig = signal.Signals(-code)
             status = "cancelled" if sig in _STOP_SIGNALS else "killed" if sig == signal.SIGKILL else "failed"
@@ -349,11 +362,10 @@ def _warm_main(args: list[str], log_path: str, env: dict[str, str]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The job process: `python -m llmexp.sweep.local JOB_PICKLE OUTCOME_JSON`."""
-    import cloudpickle
-
     job_path, outcome_path = (sys.argv[1:] if argv is None else list(argv))[:2]
-    with open(job_path, "rb") as f:
-        spec, task_function, hydra_context, state, extras = cloudpickle.load(f)
+    if (job := read_pickle(Path(job_path))) is None:
+        return 1
+    spec, task_function, hydra_context, state, extras = job
     if extras:
         outcome = execute(spec, task_function, hydra_context, state)
     else:

@@ -33,16 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 from llmexp.config.schema import SearchSweepConfig
 from llmexp.errors import EXIT_ERROR, UserError
+from llmexp.rundir.read import TrialResult, read_result
 from llmexp.rundir.study import STUDY_NAME, journal_storage, make_pruner
-from llmexp.sweep.jobs import (
-    StopRequest,
-    TrialResult,
-    exit_for_results,
-    job_dir_of,
-    objective,
-    read_result,
-    write_report,
-)
+from llmexp.sweep.jobs import StopRequest, exit_for_results, job_dir_of, objective, write_report
 from llmexp.sweep.space import finite_grid, search_space, trial_overrides
 from llmexp.sweep.tracking import close_parent
 

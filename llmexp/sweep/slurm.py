@@ -58,7 +58,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from llmexp.config.tree import register_resolvers
 from llmexp.errors import UserError
 from llmexp.rundir.files import write_json_atomic
-from llmexp.rundir.read import load_json
+from llmexp.rundir.read import read_slurm_jobs
 from llmexp.sweep.jobs import (
     JobOutcome,
     JobSpec,
@@ -235,7 +235,7 @@ def launch_slurm(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
         log.info(f"Submitted {len(jobs)} jobs to SLURM as array {jobs[0].job_id.split('_')[0]}: {sweep_dir}")
         return other_app_returns(specs, jobs)
     ids = {s.num: j.job_id for s, j in zip(specs, jobs, strict=True)}
-    earlier = (load_json(sweep_dir / "slurm_jobs.json") or {}).get("jobs", {})  # a search submits batch by batch
+    earlier = (read_slurm_jobs(sweep_dir / "slurm_jobs.json") or {}).get("jobs", {})  # a search submits batch by batch
     write_json_atomic(sweep_dir / "slurm_jobs.json", {"jobs": {**earlier, **{str(k): v for k, v in ids.items()}},
                                                       "submitit_folder": str(folder)})
     log.info(f"Submitted {len(jobs)} jobs to SLURM as array {jobs[0].job_id.split('_')[0]}: {sweep_dir}")

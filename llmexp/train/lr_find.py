@@ -23,6 +23,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from llmexp.config.validation import is_lr_find
 from llmexp.model.rng import rng_untouched
 from llmexp.rundir.files import write_json_atomic
-from llmexp.rundir.read import load_json
+from llmexp.rundir.readers import Damaged, load_json, reader
 
 if TYPE_CHECKING:
     from llmexp.train.runtime import Runtime
@@ -133,6 +134,17 @@ def _say(rt: Runtime, line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
+@reader
+def read_lr_find(path: Path) -> dict[str, Any]:
+    """lr_find.json of an earlier launch in this run directory. A cache: a pick no range test could have made (not
+    a number between the test's first and last lr, over 10) is a miss, and the test runs again."""
+    saved = load_json(path, read_lr_find)
+    lr, first, last = saved["suggestion"], saved["lr_find_start"], saved["lr_find_end"]
+    if not (0 < first < last < math.inf and first / 10 * (1 - 1e-9) <= lr <= last / 10 * (1 + 1e-9)):
+        raise Damaged(path, f"its suggestion {lr!r} is not an lr a test from {first!r} to {last!r} could pick")
+    return saved
+
+
 def _same_test(saved: dict[str, Any] | None, cfg: DictConfig) -> bool:
     t = cfg.train
     return bool(saved) and "suggestion" in saved and all(  # type: ignore[operator]
@@ -155,7 +167,7 @@ def found_lr(cfg: DictConfig, rt: Runtime, vocab_size: int, train_ds: Any, data_
     """lr_find.json's result: read back from an earlier launch in this directory, else tested now (and
     lr_find.json and lr_find.png written by rank 0)."""
     path = rt.run_dir / "lr_find.json"
-    saved = load_json(path)
+    saved = read_lr_find(path)
     if _same_test(saved, cfg):
         _say(rt, f"lr_find: reusing {path}: lr {saved['suggestion']:.4g}")  # type: ignore[index]
         return saved  # type: ignore[return-value]

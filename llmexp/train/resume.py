@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 from llmexp.checkpoint import dcp, serialize
 from llmexp.checkpoint import store as ckpt
 from llmexp.errors import UserError
+from llmexp.rundir.readers import Damaged, MiB, parse_json, read_bytes, read_text
 from llmexp.train.state import LoopState, Run, RunDescription
 
 if TYPE_CHECKING:
@@ -108,8 +109,8 @@ def _read_trainer_state(file: Path) -> dict[str, Any]:
     """trainer_state.json, checked against LoopState: a file that verifies but does not fit
     (invalid JSON, an unknown key, a value of the wrong type) is a CorruptCheckpoint naming it."""
     try:
-        payload = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as err:
+        payload = parse_json(read_text(file, 64 * MiB), file)
+    except (OSError, Damaged) as err:
         raise ckpt.CorruptCheckpoint(f"{file}: not valid JSON ({err})") from None
     if not (isinstance(payload, dict) and isinstance(payload.get("state"), dict)
             and isinstance(payload.get("history"), list) and all(isinstance(r, dict) for r in payload["history"])):
@@ -225,7 +226,7 @@ def base_model_fingerprint(cfg: DictConfig) -> str:
         parts.append(f"{m.gguf_file}:{gguf.stat().st_size if gguf.is_file() else 'hub'}")
     elif directory.is_dir():
         config = directory / "config.json"
-        parts.append(config.read_text(errors="replace") if config.is_file() else "")
+        parts.append(read_bytes(config, None).decode(errors="replace") if config.is_file() else "")
         parts += sorted(f"{f.name}:{f.stat().st_size}" for f in directory.iterdir()
                         if f.suffix in (".safetensors", ".bin") and f.is_file())
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
@@ -337,10 +338,10 @@ def saved_auto_batch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         return None
     found = ckpt.list_checkpoints(run_dir / "checkpoints") if choice == "auto" else [Path(choice)]
     try:
-        state = json.loads((found[-1] / TRAINER_STATE).read_text())["state"] if found else {}
-    except (OSError, ValueError, KeyError, TypeError):
+        state = _read_trainer_state(found[-1] / TRAINER_STATE)["state"] if found else {}
+    except ckpt.CorruptCheckpoint:
         return None
-    saved = state.get("batch_size_auto") if isinstance(state, dict) else None
+    saved = state.get("batch_size_auto")
     return saved if isinstance(saved, dict) and saved else None
 
 

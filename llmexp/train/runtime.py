@@ -116,7 +116,7 @@ class Runtime:
 
     def _ceilings(self) -> dict[str, float]:
         """The cached ceilings, verified on read: a damaged entry is measured again, with a warning."""
-        return load_ceilings(Path(self.cfg.data.cache_dir) / "peak_tflops.json")
+        return load_ceilings(Path(self.cfg.data.cache_dir) / "peak_tflops.json") or {}
 
     def _keep_ceiling(self, value: float) -> None:
         """The highest ceiling measured on idle cores is the one kept: busy cores only ever lower it."""
