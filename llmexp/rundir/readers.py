@@ -130,6 +130,7 @@ OTHER_OPENS: dict[str, str] = {
     "llmexp.config.derived:cpu_has_fast_bf16": "/proc/cpuinfo, the kernel's word on the CPU",
     "llmexp.monitor.throughput:peak_rss_mb": "/proc/self/status, the kernel's word on this process",
     "llmexp.config.validation:_default_option": "llmexp's own conf/config.yaml, installed with the package",
+    "llmexp.config.tree:option_names": "llmexp's own conf/<group>/*.yaml, installed with the package",
     "llmexp.train.resume:base_model_fingerprint": "hashes a local base's config.json (an input that "
                                                   "`config.paths.read_model_json` checked)",
     "llmexp.checkpoint.dcp:safe_planner.<locals>.SafePlanner.load_bytes": "bytes DCP read from a checkpoint "
