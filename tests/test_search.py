@@ -153,7 +153,8 @@ def _run_dir(path: Path, summary: dict | None, job_status: dict | None = None) -
 
 
 def test_read_result_classifies_each_way_a_trial_ends(tmp_path: Path) -> None:
-    error = {"kind": "non_finite", "severity": "error", "message": "loss is nan at step 7", "step": 7}
+    error = {"kind": "non_finite", "severity": "error", "message": "loss is nan at step 7", "advice": "lower the lr",
+             "step": 7}
     cases = {
         "done": ({"status": "completed", "eval_loss": 3.5, "step": 20, "findings": []}, None),
         "pruned": ({"status": "pruned", "eval_loss": 5.0, "step": 9, "findings": []}, {"status": "pruned"}),

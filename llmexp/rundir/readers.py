@@ -168,7 +168,7 @@ def reader(fn: F) -> F:
     """Give a registered reader its kind's duty: a missing file is None (an INPUT's is a UserError); a damaged
     one is a UserError naming the file and line (INPUT), a miss with one info line (CACHE), or None with one
     line saying what was skipped (RECORD)."""
-    name = f"{fn.__module__}:{fn.__qualname__}"
+    name = _name_of(fn)
     entry = READERS.get(name)
     if entry is None or entry.duty is not None:
         raise RuntimeError(f"{name} is not a registered reader: add it to llmexp.rundir.readers.READERS")
@@ -199,7 +199,16 @@ def reader(fn: F) -> F:
 
 def entry_of(fn: Callable[..., Any]) -> Reader:
     """A reader's registry entry."""
-    return READERS[f"{fn.__module__}:{fn.__qualname__}"]
+    return READERS[_name_of(fn)]
+
+
+def _name_of(fn: Callable[..., Any]) -> str:
+    """A function's registry name. A module run by `python -m` (a job process: `llmexp.sweep.local`) is named
+    `__main__` there; its spec keeps the importable name the registry knows it by."""
+    module = fn.__module__
+    if module == "__main__" and (spec := getattr(sys.modules["__main__"], "__spec__", None)) is not None:
+        module = spec.name
+    return f"{module}:{fn.__qualname__}"
 
 
 def load_json(path: Path, fn: Callable[..., Any]) -> Any:
