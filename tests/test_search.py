@@ -73,6 +73,8 @@ def test_lr_scales_with_batch_size_from_the_smallest_or_a_given_base() -> None:
     assert scale_lr(jobs, "none", None, None) == jobs
     with pytest.raises(UserError, match="lr=auto cannot be scaled"):
         scale_lr(unswept, "sqrt", None, "auto")
+    with pytest.raises(UserError, match=r"e\.g\. batch_size=4,8,16$"):  # a batch size's example, not an lr's
+        scale_lr(grid_jobs(parse("lr=1e-3", "batch_size=4,big"), []), "sqrt", None, None)
     with pytest.raises(UserError, match="does not vary"):
         scale_lr(grid_jobs(parse("lr=1e-3,2e-3"), []), "sqrt", None, None)
 

@@ -138,8 +138,8 @@ def _number(text: str | None, key: str) -> float:
     try:
         return float(str(text))
     except ValueError:
-        raise UserError(f"sweep.lr_scaling needs a number for {key}, got {text!r}; e.g. {key}=3e-4 "
-                        "(lr=auto cannot be scaled)") from None
+        example = "lr=3e-4 (lr=auto cannot be scaled)" if key == "lr" else f"{key}=4,8,16"
+        raise UserError(f"sweep.lr_scaling needs a number for {key}, got {text!r}; e.g. {example}") from None
 
 
 # ----------------------------------------------------------------------------- the search space
