@@ -154,7 +154,7 @@ def _runtime(precision: str = "fp32", device: str = "cpu") -> Any:
 ])
 def test_where_a_run_takes_which_path(overrides: list[str], precision: str, expected: str | None,
                                       tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from llmexp.train.runtime import cpu_matmul_path
+    from llmexp.train.setup import cpu_matmul_path
 
     monkeypatch.setattr(cpu_matmul, "probe",
                         lambda rows, k, n: cpu_matmul.MatmulPath("onednn", f"probe {rows} {k} {n}"))

@@ -8,7 +8,7 @@ the smoothed loss passes 4x its minimum or is not finite (diverged). The pick is
 the smoothed loss's minimum, divided by 10 (the minimum itself is already at the edge of divergence). The
 steepest-descent lr is recorded beside it.
 
-The test leaves no trace in the run: its model, optimizer and engine are set up by `runtime.describe` as the
+The test leaves no trace in the run: its model, optimizer and engine are set up by `setup.describe` as the
 run's own are (at the test's first lr), stepped through the same `Engine` calls as the loop's, then dropped
 and released from Accelerate (`free_memory`); every RNG (python, numpy, torch, CUDA) is restored afterwards;
 the data sampler is a pure function of (seed, step); fp16's loss scaler is the throwaway engine's own. The run
@@ -96,9 +96,9 @@ def range_test(cfg: DictConfig, rt: Runtime, vocab_size: int, train_ds: Any, dat
 
 def _throwaway_run(cfg: DictConfig, rt: Runtime, vocab_size: int, train_ds: Any, data_fingerprint: str,
                    steps: int) -> Run:
-    """The run's engine, model and optimizer, set up as the run's own (`runtime.describe`), logging nothing."""
+    """The run's engine, model and optimizer, set up as the run's own (`setup.describe`), logging nothing."""
     from llmexp.monitor.logger import MetricsLogger
-    from llmexp.train.runtime import describe
+    from llmexp.train.setup import describe
     from llmexp.train.state import Run
 
     desc, engine, model, optimizer = describe(cfg, rt, vocab_size, train_ds, data_fingerprint)

@@ -22,12 +22,11 @@ if TYPE_CHECKING:
     from llmexp.train.engines.base import Engine
     from llmexp.train.pruning import TrialPruning
     from llmexp.train.runtime import Runtime
-    from llmexp.train.tasks import TaskSuite
 
 
 @dataclass(frozen=True)
 class RunDescription:
-    """What set-up resolved for this run, once, before the first step (`runtime.describe`): the loop, the
+    """What set-up resolved for this run, once, before the first step (`setup.describe`): the loop, the
     checkpoints and the summary read it, nothing writes it."""
 
     precision: Precision
@@ -107,8 +106,6 @@ class Run:
     """In a search with a pruner: this job's trial, which each eval reports to (`llmexp.train.pruning`)."""
     resumed_from_world_size: int | None = None
     """The number of processes that saved the checkpoint this run resumed from (None: not resumed)."""
-    tasks: TaskSuite | None = None
-    """The downstream tasks each eval scores (`llmexp.train.tasks`, the `eval` group); None with eval=loss."""
     tokenizer: Any = None
     """The run's tokenizer: the tasks and the samples encode with it."""
     window: ThroughputWindow = field(default_factory=ThroughputWindow)

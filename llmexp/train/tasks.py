@@ -3,7 +3,7 @@
     read_task_files(cfg)        before anything loads: a bad task file exits 2 with nothing written
     build_suite(...)            once, after the data: the demo items, the extra held-out sets, the harness index
                                 (None with eval=loss: the run scores no task)
-    run_tasks(run, step, ...)   at every eval: each task on this rank's share, summed over the ranks,
+    run_tasks(suite, run, ...)  at every eval: each task on this rank's share, summed over the ranks,
                                 one `eval_task` record per task (rank 0 logs)
 
 The scorers are `llmexp.evals`'; this module only splits the work between ranks and adds it up. Every rank
@@ -118,11 +118,10 @@ def _demo_items(cfg: DictConfig) -> list[ChoiceItem]:
     return items
 
 
-def run_tasks(run: Run, step: int, loss_of: Callable[[TokenDataset], float]) -> list[dict[str, Any]]:
-    """Every task of `run.tasks` at this eval, logged as one `eval_task` record each; returns the records (every
+def run_tasks(suite: TaskSuite, run: Run, step: int, loss_of: Callable[[TokenDataset], float]) -> list[dict[str, Any]]:
+    """Every task of `suite` at this eval, logged as one `eval_task` record each; returns the records (every
     rank). `loss_of` is the loop's own held-out loss, which scores the extra held-out sets."""
-    suite, tokenizer = run.tasks, run.tokenizer
-    assert suite is not None
+    tokenizer = run.tokenizer
     records = []
     for name, ds in suite.perplexity.items():
         start = time.perf_counter()

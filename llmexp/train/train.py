@@ -10,7 +10,7 @@
 Each eval scores the held-out loss and the downstream tasks of the `eval` group (`tasks.run_tasks`). `lr=find`
 runs its range test before set-up (`lr_find.settle_lr`) and the run then starts afresh at its pick.
 
-Everything that decides *what* to do lives in components: set-up (`runtime.describe`, resolved once into a
+Everything that decides *what* to do lives in components: set-up (`setup.describe`, resolved once into a
 `RunDescription` the loop only reads), the schedule (`schedule.lr_at`), the anomaly policy (`anomaly.judge_step`),
 the detectors (`monitor`), the sampler (`TokenDataset.step_indices`), the step engine (`engines`: plain,
 DeepSpeed or FSDP), checkpoint I/O (`resume`, `finish`). The loop only calls them in the right order, and writes
@@ -38,10 +38,11 @@ from llmexp.train.finish import finish_run
 from llmexp.train.preemption import PreemptionSignal
 from llmexp.train.pruning import TrialPruning, sweep_value
 from llmexp.train.resume import load_resume_state, rollback, save_state_checkpoint
-from llmexp.train.runtime import describe, setup_runtime, start_facts
+from llmexp.train.runtime import setup_runtime
 from llmexp.train.schedule import lr_at
+from llmexp.train.setup import describe, start_facts
 from llmexp.train.state import LoopState, Run
-from llmexp.train.tasks import build_suite, read_task_files, run_tasks
+from llmexp.train.tasks import TaskSuite, build_suite, read_task_files, run_tasks
 
 
 @dataclass
@@ -79,8 +80,8 @@ def _train(cfg: DictConfig, preempt: PreemptionSignal) -> RunResult:
     desc, engine, model, optimizer = describe(cfg, rt, len(tokenizer), train_ds, fingerprint,
                                               lr_found=found is not None)
     log = rt.logger(desc.max_steps)
+    suite = build_suite(cfg, tokenizer, task_files, rt.is_main)  # eval=loss: None
     run = Run(cfg, rt, desc, engine, model, optimizer, log, train_data=train_ds, tokenizer=tokenizer,
-              tasks=build_suite(cfg, tokenizer, task_files, rt.is_main),  # eval=loss: None
               pruning=TrialPruning.for_job(cfg, rt.is_main))  # a search's trial reports its evals to the study
     resumed = load_resume_state(run)
     run.state = state = resumed.state if resumed else LoopState()
@@ -105,7 +106,7 @@ def _train(cfg: DictConfig, preempt: PreemptionSignal) -> RunResult:
     while status == "completed" and state.step < max_steps:
         step = state.step
         due = step % cfg.train.eval_steps == 0 and state.last_eval_step != step
-        if due and (stop := evaluate_and_record(run, eval_ds, step)):
+        if due and (stop := evaluate_and_record(run, eval_ds, suite, step)):
             # pruned: stopped as a preemption stops, with a checkpoint (a search may resume it by hand)
             status = stop if stop == "early_stopped" or save_state_checkpoint(run) else "failed"
             break
@@ -149,7 +150,7 @@ def _train(cfg: DictConfig, preempt: PreemptionSignal) -> RunResult:
             break
     # Still inside the signal guard: a late SIGTERM only sets the flag, and the run finishes.
     if status in ("completed", "early_stopped") and state.last_eval_step != state.step:
-        evaluate_and_record(run, eval_ds, state.step, may_stop=False)
+        evaluate_and_record(run, eval_ds, suite, state.step, may_stop=False)
     if status in ("completed", "early_stopped") and cfg.train.sample_prompts:
         samples.record(run, tokenizer, state.step)
     summary = finish_run(run, tokenizer, status)
@@ -210,7 +211,8 @@ def evaluate(run: Run, eval_ds: data_lib.TokenDataset) -> float:
     return loss_sum / max(count, 1.0)
 
 
-def evaluate_and_record(run: Run, eval_ds: data_lib.TokenDataset, step: int, may_stop: bool = True) -> str | None:
+def evaluate_and_record(run: Run, eval_ds: data_lib.TokenDataset, suite: TaskSuite | None, step: int,
+                        may_stop: bool = True) -> str | None:
     """Eval (the held-out loss, then the `eval` group's tasks), log it, track the best; the status that ends the run
     at this eval (`early_stopped` by patience, `pruned` by a search's pruner on `sweep.metric`), or None."""
     cfg, state = run.cfg, run.state
@@ -221,7 +223,7 @@ def evaluate_and_record(run: Run, eval_ds: data_lib.TokenDataset, step: int, may
     state.last_eval_step = step
     record = {"event": "eval", "step": step, "eval_loss": eval_loss, "eval_ppl": safe_exp(eval_loss)}
     run.log.log(record)
-    task_records = run_tasks(run, step, lambda ds: evaluate(run, ds)) if run.tasks else []
+    task_records = run_tasks(suite, run, step, lambda ds: evaluate(run, ds)) if suite else []
     value = sweep_value(cfg, record, task_records) if run.rt.is_main else math.nan  # harness tasks: rank 0's
     report_findings(run)
     if math.isfinite(eval_loss) and eval_loss < state.best_eval_loss:

@@ -1,0 +1,170 @@
+"""A run's set-up, once the process (`runtime.Runtime`) and the data are known: `describe` resolves the batch
+plan (batch_size=auto settled by `autobatch` before any engine exists), the step engine (`llmexp.train.engines`),
+the model and optimizer, the lr, the matmul ceiling and the monitor settings, frozen into the `RunDescription`
+the loop reads; `start_facts` is the `start` record that describes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from omegaconf import DictConfig
+
+from llmexp.config.derived import BF16_EMULATION_ADVICE, BatchPlan, make_plan, parse_batch_size
+from llmexp.model import build
+from llmexp.monitor.detectors import MonitorSettings
+from llmexp.monitor.throughput import flops_per_token
+from llmexp.train.state import RunDescription
+
+if TYPE_CHECKING:
+    from llmexp.model.cpu_matmul import MatmulPath
+    from llmexp.train.engines.base import Engine
+    from llmexp.train.runtime import Runtime
+
+
+def describe(cfg: DictConfig, rt: Runtime, vocab_size: int, train_data: Any, data_fingerprint: str,
+             lr_found: bool = False) -> tuple[RunDescription, Engine, torch.nn.Module, Any]:
+    """Resolve everything the loop reads, once, in the order it depends on: the batch plan (batch_size=auto
+    probes here, before any engine exists), the engine, the model and optimizer (whose size sets lr=auto and
+    the FLOPs per token), the matmul ceiling, the monitor settings. Returns the frozen description with the
+    engine, the prepared model and the optimizer. `lr_found`: `cfg.lr` is lr=find's pick (`lr_source: find`)."""
+    from llmexp.train.schedule import warmup_steps_for
+
+    plan, auto_batch = _batch_plan(cfg, rt, vocab_size, train_data)
+    engine = _engine(cfg, rt, plan)
+    model, optimizer, built = _build(cfg, rt, engine, vocab_size, plan.micro * cfg.data.max_length)
+    max_steps = plan.max_steps(len(train_data))
+    monitor = MonitorSettings.for_run(finetune=bool(cfg.model.name_or_path), max_grad_norm=cfg.train.max_grad_norm,
+                                      precision=rt.precision.name, lr=built.lr)
+    desc = RunDescription(
+        precision=rt.precision, plan=plan, auto_batch=auto_batch, lr=built.lr,
+        lr_source="find" if lr_found else built.lr_source,
+        monitor=monitor, max_steps=max_steps,
+        warmup_steps=warmup_steps_for(max_steps, cfg.train.warmup_ratio, cfg.train.warmup_steps),
+        num_params=built.num_params, total_params=built.total_params, flops_per_token=built.flops_per_token,
+        peak_tflops=built.peak_tflops, mfu_note=built.mfu_note, data_fingerprint=data_fingerprint,
+        data_seed=cfg.train.seed_data if cfg.train.seed_data is not None else cfg.seed, started=rt.started,
+        model_facts=built.model_facts)
+    return desc, engine, model, optimizer
+
+
+def _batch_plan(cfg: DictConfig, rt: Runtime, vocab_size: int, train_data: Any) -> tuple[BatchPlan, Any]:
+    """The batch plan; batch_size=auto settles its micro-batch first (the choice a checkpoint holds, else the
+    estimate's upper bound and a probe step: `autobatch.choose_batch_size`)."""
+    if parse_batch_size(cfg.batch_size) is not None:
+        return make_plan(cfg, rt.world), None
+    from llmexp.train.autobatch import choose_batch_size
+    from llmexp.train.resume import saved_auto_batch
+
+    choice = choose_batch_size(cfg, rt, vocab_size, len(train_data), saved_auto_batch(cfg, rt.run_dir))
+    return make_plan(cfg, rt.world, micro=choice.chosen), choice
+
+
+def _engine(cfg: DictConfig, rt: Runtime, plan: BatchPlan) -> Engine:
+    from llmexp.train.engines.plain import PlainEngine
+
+    if cfg.deepspeed.stage > 0:
+        from llmexp.train.engines.deepspeed import DeepSpeedEngine
+
+        return DeepSpeedEngine(rt.accelerator, rt.precision.name, plan, cfg.deepspeed.stage)
+    if cfg.fsdp.name != "none":
+        from llmexp.train.engines.fsdp import FsdpEngine
+
+        return FsdpEngine(rt.accelerator, rt.precision.name, plan, cfg.fsdp.name, cfg.fsdp.cpu_offload)
+    return PlainEngine(rt.accelerator, rt.precision.name, cfg.precision.init_scale, cfg.precision.growth_interval,
+                       trainable_only=cfg.peft.name != "none")  # adapters: checkpoints hold only the trainable
+
+
+@dataclass(frozen=True)
+class _Built:
+    """What building the model decides: its size, and through it lr=auto and MFU's FLOPs and ceiling."""
+
+    num_params: int
+    total_params: int
+    flops_per_token: float
+    peak_tflops: float | None
+    mfu_note: str | None
+    lr: float
+    lr_source: str
+    model_facts: dict[str, Any]
+
+
+def _build(cfg: DictConfig, rt: Runtime, engine: Engine, vocab_size: int,
+           micro_tokens: int) -> tuple[torch.nn.Module, Any, _Built]:
+    """Model (wrapped with its loss) and optimizer, prepared for this device, and what their size decides."""
+    from llmexp.model.facts import model_facts
+    from llmexp.model.loss import CausalLMLoss
+    from llmexp.train.schedule import resolve_lr
+
+    torch.manual_seed(cfg.seed)  # same init on every rank
+    lm = build.build_model(cfg, vocab_size, rt.precision.name)
+    matmul = cpu_matmul_path(cfg, rt, lm, micro_tokens)
+    facts = model_facts(cfg, lm) | ({"cpu_matmul": matmul.record()} if matmul else {})
+    total, c = build.count_params(lm, trainable_only=False), lm.config
+    peak_tflops, mfu_note = (cfg.train.peak_tflops, None) if cfg.train.peak_tflops else rt.measure_peak()
+    lr, lr_source = resolve_lr(cfg, total)
+    # Every weight takes part in forward and backward (6N); with adapters the frozen weights need no
+    # weight gradient (4N), which this count leaves in: MFU is then a slight overestimate.
+    built = _Built(num_params=build.count_params(lm), total_params=total,
+                   flops_per_token=flops_per_token(total, c.num_hidden_layers, c.hidden_size, cfg.data.max_length),
+                   peak_tflops=peak_tflops, mfu_note=mfu_note, lr=lr, lr_source=lr_source, model_facts=facts)
+    loss_model = CausalLMLoss(lm)
+    if matmul is not None and matmul.onednn:
+        from llmexp.model.cpu_matmul import route
+
+        route(lm)
+        loss_model.head_mm_t = matmul.matmul_t()
+    model = engine.shard(loss_model)  # FSDP: before the optimizer sees the parameters
+    optimizer = build.build_optimizer(cfg, model, lr, rt.device.type)
+    model, optimizer = engine.prepare(model, optimizer)
+    if rt.compiles:
+        model = torch.compile(model)
+    return model, optimizer, built
+
+
+def cpu_matmul_path(cfg: DictConfig, rt: Runtime, lm: torch.nn.Module, micro_tokens: int) -> MatmulPath | None:
+    """Where this run's fp32 matmuls go on a CPU (`llmexp.model.cpu_matmul`); None off the CPU or outside fp32
+    (bf16 autocast runs on oneDNN already; emulated bf16 owns its matmuls)."""
+    from llmexp.model.cpu_matmul import MatmulPath, probe_once, widest_linear
+
+    if rt.device.type != "cpu" or rt.precision.name != "fp32":
+        return None
+    why_not = ("train.cpu_matmul=torch" if cfg.train.cpu_matmul == "torch"
+               else "train.compile=true: inductor chooses the kernels" if cfg.train.compile
+               else f"fsdp={cfg.fsdp.name} wraps the layers" if cfg.fsdp.name != "none"
+               else f"deepspeed={cfg.deepspeed.name} wraps the layers" if cfg.deepspeed.stage > 0 else None)
+    if why_not:
+        return MatmulPath("torch", why_not)
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    shape = widest_linear(lm, skip=head)
+    if not shape:
+        return MatmulPath("torch", "the model has no nn.Linear layer")
+    return probe_once(Path(cfg.data.cache_dir) / "cpu_matmul.json", micro_tokens, *shape)
+
+
+def start_facts(cfg: DictConfig, rt: Runtime, desc: RunDescription) -> dict[str, Any]:
+    """The `start` record: the console header prints it, and the detectors turn `bf16_emulated` and `mfu_note`
+    into findings."""
+    facts: dict[str, Any] = {
+        "lr_chosen": desc.lr, "lr_source": desc.lr_source, "num_params": desc.num_params,
+        "global_batch_size": desc.plan.global_batch, "gradient_accumulation_steps": desc.plan.accum,
+        "precision": desc.precision.name, "run_dir": str(rt.run_dir), "model": cfg.model.name,
+        "model_path": cfg.model.name_or_path, "data": cfg.data.name, "max_length": cfg.data.max_length,
+        "max_steps": desc.max_steps, "batch_size": desc.plan.micro, "world_size": desc.plan.world,
+        "fsdp": cfg.fsdp.name, "optimizer": cfg.optimizer.name, "scheduler": cfg.scheduler.name,
+        "precision_requested": desc.precision.requested, "device": rt.device.type, "peak_tflops": desc.peak_tflops}
+    if desc.auto_batch:
+        facts["batch_size_auto"] = desc.auto_batch.record()
+    if desc.precision.warning:
+        compile_note = ("; train.compile=true is not applied: torch.compile traces nothing under the emulation"
+                        if cfg.train.compile and not rt.compiles else "")
+        facts.update(bf16_emulated=desc.precision.warning + compile_note, bf16_advice=BF16_EMULATION_ADVICE)
+    if desc.precision.bf16_slowdown is not None:
+        facts.update(bf16_emulation=desc.precision.emulate_bf16, bf16_slowdown=desc.precision.bf16_slowdown)
+    if desc.mfu_note:
+        facts["mfu_note"] = desc.mfu_note
+    facts.update(desc.model_facts, total_params=desc.total_params)
+    return facts
