@@ -1,11 +1,12 @@
 """The training loop, top to bottom.
 
-    setup (process, data, then the frozen run description: batch plan, engine, model, optimizer, lr)
-    -> (resume) -> for each step:
-        [eval] [samples] -> micro-batches (forward, backward) -> unscale -> grad norm + clip
-        -> non-finite / spike check BEFORE the optimizer step -> optimizer step -> zero_grad
-        -> [log] [save] [preempt?]
-    -> final eval and samples -> model/ -> summary.json -> report
+    _train   setup (process, data, then the frozen run description: batch plan, engine, model, optimizer, lr)
+    _start   -> (resume) -> the start record
+    _loop    -> for each step:
+                [eval] [samples] -> micro-batches (forward, backward) -> unscale -> grad norm + clip
+                -> non-finite / spike check BEFORE the optimizer step -> optimizer step -> zero_grad
+                -> [log] [save] [preempt?]
+    _finish  -> final eval and samples -> model/ -> summary.json -> report
 
 Each eval scores the held-out loss and the downstream tasks of the `eval` group (`tasks.run_tasks`). `lr=find`
 runs its range test before set-up (`lr_find.settle_lr`) and the run then starts afresh at its pick.
@@ -67,7 +68,7 @@ def train(cfg: DictConfig, preempt: PreemptionSignal | None = None) -> RunResult
 
 
 def _train(cfg: DictConfig, preempt: PreemptionSignal) -> RunResult:
-    """`train` inside its signal guard: set up, resume, loop, finish."""
+    """`train` inside its signal guard: set up, start (or resume), loop, finish."""
     task_files = read_task_files(cfg)  # before anything loads: a bad task file is exit 2 with nothing written
     rt = setup_runtime(cfg)
     tokenizer = load_tokenizer(cfg)
@@ -83,6 +84,15 @@ def _train(cfg: DictConfig, preempt: PreemptionSignal) -> RunResult:
     suite = build_suite(cfg, tokenizer, task_files, rt.is_main)  # eval=loss: None
     run = Run(cfg, rt, desc, engine, model, optimizer, log, train_data=train_ds, tokenizer=tokenizer,
               pruning=TrialPruning.for_job(cfg, rt.is_main))  # a search's trial reports its evals to the study
+    status = _start(run, data_stats, preempt)
+    status = _loop(run, eval_ds, suite, preempt, status)
+    return _finish(run, eval_ds, suite, status)
+
+
+def _start(run: Run, data_stats: dict[str, Any], preempt: PreemptionSignal) -> str:
+    """The loop state (a checkpoint's, or a fresh one) and the `start` record; the status the loop starts with:
+    `completed` (go on), `failed` (no room for the start checkpoint) or `preempted` (a signal during start-up)."""
+    cfg, rt, desc, train_ds = run.cfg, run.rt, run.desc, run.train_data
     resumed = load_resume_state(run)
     run.state = state = resumed.state if resumed else LoopState()
     run.resumed_from_world_size = resumed.world_size if resumed else None
@@ -92,17 +102,26 @@ def _train(cfg: DictConfig, preempt: PreemptionSignal) -> RunResult:
     status = "completed"
     if cfg.train.on_anomaly == "rollback" and state.step == 0 and not save_state_checkpoint(run):
         status = "failed"  # the disk is full (reported); the start checkpoint is what a rollback goes back to
-    log.log({"event": "start", "step": state.step, **start_facts(cfg, rt, desc), **data_stats})
+    run.log.log({"event": "start", "step": state.step, **start_facts(cfg, rt, desc), **data_stats})
+    if rt.any_rank(preempt.requested):  # a signal during start-up: this is the first step boundary
+        status = "preempted"
+    return status
 
-    def schedule(step: int) -> float:
-        s = cfg.scheduler
-        return state.lr_scale * lr_at(step, name=s.name, peak_lr=desc.lr, max_steps=desc.max_steps,
+
+def lr_now(run: Run, step: int) -> float:
+    """The scheduler's lr at `step`, times the loop state's scale (each rollback lowers it)."""
+    s, desc = run.cfg.scheduler, run.desc
+    return run.state.lr_scale * lr_at(step, name=s.name, peak_lr=desc.lr, max_steps=desc.max_steps,
                                       warmup_steps=desc.warmup_steps, min_lr_ratio=s.min_lr_ratio,
                                       decay_ratio=s.decay_ratio)
 
-    window, max_steps = run.window, desc.max_steps
-    if rt.any_rank(preempt.requested):  # a signal during start-up: this is the first step boundary
-        status = "preempted"
+
+def _loop(run: Run, eval_ds: data_lib.TokenDataset, suite: TaskSuite | None, preempt: PreemptionSignal,
+          status: str) -> str:
+    """The steps, from the loop state's step to max_steps (while `status` stays `completed`); returns the status
+    the run ends with. Only the loop state is written here."""
+    cfg, rt, desc, state, log, window = run.cfg, run.rt, run.desc, run.state, run.log, run.window
+    engine, model, optimizer, max_steps = run.engine, run.model, run.optimizer, desc.max_steps
     while status == "completed" and state.step < max_steps:
         step = state.step
         due = step % cfg.train.eval_steps == 0 and state.last_eval_step != step
@@ -111,11 +130,11 @@ def _train(cfg: DictConfig, preempt: PreemptionSignal) -> RunResult:
             status = stop if stop == "early_stopped" or save_state_checkpoint(run) else "failed"
             break
         if samples.due(cfg.train, step, max_steps):
-            samples.record(run, tokenizer, step)  # on a forked RNG: training is bitwise unchanged
+            samples.record(run, run.tokenizer, step)  # on a forked RNG: training is bitwise unchanged
         for group in optimizer.param_groups:
-            group["lr"] = schedule(step)
+            group["lr"] = lr_now(run, step)
         window.begin()
-        loss_sum, n_targets, n_tokens = forward_backward(run, train_ds)
+        loss_sum, n_targets, n_tokens = forward_backward(run, run.train_data)
         if engine.steps_first:  # DeepSpeed measures (and clips) the gradients only inside its own step
             engine.step(optimizer)
         grad_norm = engine.clip(model, optimizer, cfg.train.max_grad_norm)  # fp16: unscaled first
@@ -148,12 +167,19 @@ def _train(cfg: DictConfig, preempt: PreemptionSignal) -> RunResult:
         if rt.any_rank(preempt.requested):  # every rank must agree: saving is collective
             status = "preempted" if saved or save_state_checkpoint(run) else "failed"
             break
-    # Still inside the signal guard: a late SIGTERM only sets the flag, and the run finishes.
+    return status
+
+
+def _finish(run: Run, eval_ds: data_lib.TokenDataset, suite: TaskSuite | None, status: str) -> RunResult:
+    """A run that ended by itself gets its last eval and samples; then every run its final checkpoint, model/,
+    summary.json and report (`finish.finish_run`). Still inside the signal guard: a late SIGTERM only sets the
+    flag, and the run finishes."""
+    state = run.state
     if status in ("completed", "early_stopped") and state.last_eval_step != state.step:
         evaluate_and_record(run, eval_ds, suite, state.step, may_stop=False)
-    if status in ("completed", "early_stopped") and cfg.train.sample_prompts:
-        samples.record(run, tokenizer, state.step)
-    summary = finish_run(run, tokenizer, status)
+    if status in ("completed", "early_stopped") and run.cfg.train.sample_prompts:
+        samples.record(run, run.tokenizer, state.step)
+    summary = finish_run(run, run.tokenizer, status)
     return RunResult(status=summary["status"], step=state.step, summary=summary)  # a full disk: failed
 
 
