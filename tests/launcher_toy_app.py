@@ -25,7 +25,7 @@ def task(cfg: DictConfig) -> int:
         raise RuntimeError("toy job failure")
     if mode == "usererror":
         from llmexp.errors import UserError
-        from llmexp.train.task import user_error_exit
+        from llmexp.train.guarded import user_error_exit
 
         return user_error_exit(UserError("toy: data.train_file=/nowhere.jsonl does not exist; fix the path"))
     if mode == "kill":

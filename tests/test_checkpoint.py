@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +36,6 @@ from llmexp.checkpoint.serialize import (
     save_tensors,
 )
 from llmexp.checkpoint.store import (
-    find_resume_checkpoint,
     list_checkpoints,
     load_with_fallback,
     rotate,
@@ -47,6 +47,12 @@ from llmexp.rundir import files as rundir_files
 from llmexp.train.preemption import PreemptionSignal
 
 FILES = ("model.safetensors", "optimizer.pt", "sub/rng_rank0.pt", "meta.json")
+
+
+def find_resume_checkpoint(root: Path, warn: Callable[[str], None]) -> Path | None:
+    """The checkpoint a resume picks: `load_with_fallback` with a load that reads nothing."""
+    found = load_with_fallback(root, lambda path: None, warn)
+    return found[0] if found else None
 
 
 def _writer(step: int, fail_after: int | None = None):
@@ -181,6 +187,7 @@ def test_sigkill_during_save_keeps_previous(tmp_path: Path) -> None:
     before = _state(root)
     code = f"""
 import time
+from collections.abc import Callable
 from pathlib import Path
 from llmexp.checkpoint.store import save_checkpoint
 def write(tmp):

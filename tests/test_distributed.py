@@ -53,7 +53,7 @@ CPU_ACCELERATE = ["accelerate.commands.launch", "--cpu", "--num_processes=2", "-
 
 def _first_launcher() -> list[str]:
     """`accelerate launch --cpu --num_processes 2` once the CLI relaunches it as 2 ranks
-    (`distributed.maybe_relaunch`, called first in `llmexp.__main__.cli`), else torchrun."""
+    (`relaunch.maybe_relaunch`, called first in `llmexp.__main__.cli`), else torchrun."""
     import llmexp.__main__ as entry
 
     return CPU_ACCELERATE if "maybe_relaunch" in Path(entry.__file__).read_text() else TORCHRUN
@@ -177,7 +177,7 @@ def test_deepspeed_config_agrees_with_the_loop() -> None:
 
 
 def test_relaunch_turns_accelerate_cpu_multiprocess_into_torchrun() -> None:
-    from llmexp.train.distributed import relaunch_argv
+    from llmexp.cli.relaunch import relaunch_argv
 
     parent = ["/usr/bin/python", "/usr/bin/accelerate", "launch", "--cpu", "--num_processes", "2", "-m", "llmexp"]
     env = {"ACCELERATE_USE_CPU": "True"}

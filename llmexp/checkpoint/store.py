@@ -306,23 +306,6 @@ def _warn_links(root: Path, warn: Callable[[str], None]) -> None:
                  f"(a later save of step {_step_of(path)} moves the link aside)")
 
 
-def find_resume_checkpoint(root: Path, warn: Callable[[str], None]) -> Path | None:
-    """The newest checkpoint that verifies in full, or None if there is none.
-
-    Every newer one that fails (or a `step_<N>` dir without a manifest) is reported through
-    `warn` with the name of the bad file, then skipped.
-    """
-    _warn_links(Path(root), warn)
-    for path in reversed(_step_dirs(Path(root))):
-        try:
-            verify_checkpoint(path, full=True)
-        except CorruptCheckpoint as err:
-            warn(f"checkpoint {path.name} is unusable, falling back to an older one: {err}")
-            continue
-        return path
-    return None
-
-
 def load_with_fallback(root: Path, load: Callable[[Path], T], warn: Callable[[str], None]) -> tuple[Path, T] | None:
     """Verify and `load` the newest good checkpoint, falling back past any that fail.
 

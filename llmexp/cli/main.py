@@ -5,7 +5,7 @@
     -> a run: composed with Hydra's Compose API, checked, validated, checked against this machine, its directory
        locked; a sweep: every job composed and checked
     -> `@hydra.main` (Hydra's own flow: its composition, callbacks, logging, run directory, sweeper, launcher),
-       whose task is `task`; sweep jobs are checked again by llmexp's launchers and in each job's process
+       whose task is `run_job`; sweep jobs are checked again by llmexp's launchers and in each job's process
 
 So nothing a config names runs, and no directory is created, for a refused or invalid config. `--cfg`,
 `--info` and `--shell-completion` go to `@hydra.main` directly: they instantiate nothing. Nothing heavy is
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 _task_started = False
 
 
-def task(cfg: DictConfig) -> int:
+def run_job(cfg: DictConfig) -> int:
     """Hydra's task function: validate, then train. In a sweep it returns the exit code."""
     global _task_started
     _task_started = True
@@ -38,7 +38,7 @@ def task(cfg: DictConfig) -> int:
     from hydra.types import RunMode
 
     from llmexp.rundir.lock import lock_run_dir
-    from llmexp.train.task import run_guarded, user_error_exit  # (light: the trainer is imported later)
+    from llmexp.train.guarded import run_guarded, user_error_exit  # (light: the trainer is imported later)
 
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         return run_guarded(cfg)  # (llmexp's launchers locked the job's directory)
@@ -50,10 +50,10 @@ def task(cfg: DictConfig) -> int:
 
 
 def hydra_main() -> None:
-    """Hydra's `@hydra.main` on `task`, reading `sys.argv` as Hydra always does."""
+    """Hydra's `@hydra.main` on `run_job`, reading `sys.argv` as Hydra always does."""
     import hydra
 
-    hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(task)()
+    hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(run_job)()
 
 
 def _refuse_rerun(args: argparse.Namespace) -> None:
@@ -74,7 +74,7 @@ def _preflight(args: argparse.Namespace, args_parser: argparse.ArgumentParser) -
     from llmexp.cli import compose
 
     config_name = args.config_name if args.config_name is not None else "config"
-    with compose.initialized(task, args, str(conf_dir())):
+    with compose.initialized(run_job, args, str(conf_dir())):
         if args.help or args.hydra_help:  # (--hydra-help composes Hydra's node alone, as Hydra does)
             cfg = compose.compose_checked(None if args.hydra_help and not args.help else config_name, args.overrides)
             print(compose.help_text(cfg, args_parser, hydra_help=not args.help, resolve=args.resolve))
@@ -92,7 +92,7 @@ def _preflight(args: argparse.Namespace, args_parser: argparse.ArgumentParser) -
 def cli() -> None:
     """Entry point. Hydra exits 1 on a compose error; that is a user's mistake, so exit 2."""
     from llmexp.cli.argv import check_args
-    from llmexp.train.distributed import maybe_relaunch
+    from llmexp.cli.relaunch import maybe_relaunch
 
     maybe_relaunch()  # `accelerate launch --cpu --num_processes N`: start the N ranks before Hydra runs
 

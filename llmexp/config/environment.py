@@ -1,7 +1,7 @@
 """What depends on this machine and launch, checked after `validate` and before anything loads: the world
 size against the global batch, files and directories that must exist.
 
-It runs in the CLI before Hydra runs, and again in `train.task.run_guarded` for sweep jobs. `validate`
+It runs in the CLI before Hydra runs, and again in `train.guarded.run_guarded` for sweep jobs. `validate`
 stays a pure function of the config, so a config validates on any machine.
 """
 

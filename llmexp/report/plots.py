@@ -143,8 +143,8 @@ def plot_run(records: list[dict], findings: list[dict], path: Path, title: str =
              max_grad_norm: float | None = None) -> None:
     """curves.png: loss (train and eval), lr, grad norm and throughput, with findings marked; and a panel of
     the task metrics when the run scored tasks (`eval`)."""
-    from llmexp.report.tasks import tasks_panel
-    from llmexp.rundir.tasks import task_records
+    from llmexp.report.task_section import tasks_panel
+    from llmexp.rundir.task_metrics import task_records
 
     plt = _pyplot()
     with_tasks = bool(task_records(records))

@@ -16,7 +16,7 @@ from typing import Any
 from llmexp.monitor.detectors import ERROR, Finding, is_open, worst_severity
 from llmexp.report.findings import finding_state, run_findings
 from llmexp.report.formats import fmt, fmt_rate
-from llmexp.report.tasks import tasks_markdown
+from llmexp.report.task_section import tasks_markdown
 from llmexp.rundir.files import write_text_atomic
 from llmexp.rundir.read import last_value, load_config, load_overrides, load_records, load_summary
 

@@ -33,7 +33,7 @@ from llmexp.rundir.read import (
     load_records,
     load_summary,
 )
-from llmexp.rundir.tasks import final_tasks, metric_value
+from llmexp.rundir.task_metrics import final_tasks, metric_value
 
 log = logging.getLogger(__name__)
 

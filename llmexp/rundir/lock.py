@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from llmexp.rundir.readers import Damaged, entry_of, read_text, reader
@@ -53,6 +54,22 @@ def _lock(directory: Path, what: str, key: str) -> None:
                         f"for it to end, or choose another directory with {key}=...") from None
     path.write_text(f"{os.getpid()}\n")
     _held_locks[str(path.resolve())] = lock
+
+
+def wait_for_lock(run_dir: Path, waiting: Callable[[int | None], None], poll_s: float = 2.0) -> None:
+    """Block while another process holds `run_dir`'s lock; `waiting(pid)` is called once first when one does."""
+    from filelock import FileLock, Timeout
+
+    path = Path(run_dir) / LOCK_NAME
+    if not path.exists():
+        return
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        waiting(lock_pid(path))
+        lock.acquire(poll_interval=poll_s)
+    lock.release()
 
 
 @reader

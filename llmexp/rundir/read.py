@@ -26,7 +26,7 @@ from llmexp.rundir.readers import (
     reader,
     skipped,
 )
-from llmexp.rundir.tasks import metric_value
+from llmexp.rundir.task_metrics import metric_value
 
 FINISHED = ("completed", "early_stopped")
 """Statuses of a run that ended as intended."""

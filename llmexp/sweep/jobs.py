@@ -233,7 +233,7 @@ def _check_job(spec: JobSpec) -> JobOutcome | None:
     from llmexp.config.security import check_config
     from llmexp.errors import UserError
     from llmexp.rundir.lock import lock_run_dir
-    from llmexp.train.task import last_user_error, user_error_exit
+    from llmexp.train.guarded import last_user_error, user_error_exit
 
     try:
         check_config(spec.config)
@@ -245,7 +245,7 @@ def _check_job(spec: JobSpec) -> JobOutcome | None:
 
 def _task_error(code: int) -> str:
     """What a job that returned `code` says in its record: a user error's own message, when it was one."""
-    from llmexp.train.task import last_user_error
+    from llmexp.train.guarded import last_user_error
 
     message = last_user_error() if code == EXIT_USER else None
     return message or f"the task exited with code {code}"
@@ -266,6 +266,7 @@ def ended_before(spec: JobSpec) -> JobOutcome | None:
     to another sweep, which is refused rather than mixed into this one's report.
     """
     from llmexp.errors import STATUS_EXIT, UserError
+    from llmexp.rundir.lock import wait_for_lock
     from llmexp.rundir.read import load_overrides
     from llmexp.rundir.redact import scrub_overrides
 
@@ -276,31 +277,13 @@ def ended_before(spec: JobSpec) -> JobOutcome | None:
         raise UserError(f"{spec.job_dir} holds a job of another sweep ({' '.join(recorded)}), not this sweep's job "
                         f"#{spec.num} ({' '.join(spec.overrides)}); rerun that sweep's command, or pick a new "
                         "hydra.sweep.dir")
-    _wait_for_holder(spec.job_dir)
+    wait_for_lock(spec.job_dir, lambda pid: log.info(f"  {spec.job_dir} is still running from an earlier launch "
+                                                     f"(pid {pid}); waiting for it to end"))
     status = run_status(spec.job_dir)
     verdict = load_job_status(spec.job_dir).get("status", status)
     if status not in ENDED or verdict != status:
         return None
     return JobOutcome(spec.num, status, STATUS_EXIT[status], None)
-
-
-def _wait_for_holder(job_dir: Path, poll_s: float = 2.0) -> None:
-    """Block while another process holds the run directory's lock (`paths.lock_run_dir`)."""
-    from filelock import FileLock, Timeout
-
-    from llmexp.rundir.lock import LOCK_NAME, lock_pid
-
-    lock_path = job_dir / LOCK_NAME
-    if not lock_path.exists():
-        return
-    lock = FileLock(str(lock_path))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        log.info(f"  {job_dir} is still running from an earlier launch (pid {lock_pid(lock_path)}); "
-                 "waiting for it to end")
-        lock.acquire(poll_interval=poll_s)
-    lock.release()
 
 
 def split_ended(specs: Sequence[JobSpec]) -> tuple[list[JobSpec], dict[int, JobOutcome]]:

@@ -16,7 +16,7 @@ from llmexp.report.run import write_run_report
 from llmexp.rundir.files import DiskFull, staged_dir, write_json_atomic
 from llmexp.rundir.read import last_value
 from llmexp.rundir.redact import scrub
-from llmexp.rundir.tasks import final_tasks
+from llmexp.rundir.task_metrics import final_tasks
 from llmexp.train.resume import save_state_checkpoint
 from llmexp.train.state import Run
 

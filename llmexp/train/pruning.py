@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from llmexp.rundir.study import SEARCHES, load_study, make_pruner
-from llmexp.rundir.tasks import metric_at
+from llmexp.rundir.task_metrics import metric_at
 
 
 @dataclass

@@ -6,7 +6,6 @@ the loop reads; `start_facts` is the `start` record that describes it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,18 +35,16 @@ def describe(cfg: DictConfig, rt: Runtime, vocab_size: int, train_data: Any, dat
     plan, auto_batch = _batch_plan(cfg, rt, vocab_size, train_data)
     engine = _engine(cfg, rt, plan)
     model, optimizer, built = _build(cfg, rt, engine, vocab_size, plan.micro * cfg.data.max_length)
+    if lr_found:
+        built["lr_source"] = "find"
     max_steps = plan.max_steps(len(train_data))
     monitor = MonitorSettings.for_run(finetune=bool(cfg.model.name_or_path), max_grad_norm=cfg.train.max_grad_norm,
-                                      precision=rt.precision.name, lr=built.lr)
+                                      precision=rt.precision.name, lr=built["lr"])
     desc = RunDescription(
-        precision=rt.precision, plan=plan, auto_batch=auto_batch, lr=built.lr,
-        lr_source="find" if lr_found else built.lr_source,
-        monitor=monitor, max_steps=max_steps,
+        precision=rt.precision, plan=plan, auto_batch=auto_batch, monitor=monitor, max_steps=max_steps,
         warmup_steps=warmup_steps_for(max_steps, cfg.train.warmup_ratio, cfg.train.warmup_steps),
-        num_params=built.num_params, total_params=built.total_params, flops_per_token=built.flops_per_token,
-        peak_tflops=built.peak_tflops, mfu_note=built.mfu_note, data_fingerprint=data_fingerprint,
-        data_seed=cfg.train.seed_data if cfg.train.seed_data is not None else cfg.seed, started=rt.started,
-        model_facts=built.model_facts)
+        data_fingerprint=data_fingerprint, started=rt.started,
+        data_seed=cfg.train.seed_data if cfg.train.seed_data is not None else cfg.seed, **built)
     return desc, engine, model, optimizer
 
 
@@ -78,23 +75,10 @@ def _engine(cfg: DictConfig, rt: Runtime, plan: BatchPlan) -> Engine:
                        trainable_only=cfg.peft.name != "none")  # adapters: checkpoints hold only the trainable
 
 
-@dataclass(frozen=True)
-class _Built:
-    """What building the model decides: its size, and through it lr=auto and MFU's FLOPs and ceiling."""
-
-    num_params: int
-    total_params: int
-    flops_per_token: float
-    peak_tflops: float | None
-    mfu_note: str | None
-    lr: float
-    lr_source: str
-    model_facts: dict[str, Any]
-
-
 def _build(cfg: DictConfig, rt: Runtime, engine: Engine, vocab_size: int,
-           micro_tokens: int) -> tuple[torch.nn.Module, Any, _Built]:
-    """Model (wrapped with its loss) and optimizer, prepared for this device, and what their size decides."""
+           micro_tokens: int) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
+    """Model (wrapped with its loss) and optimizer, prepared for this device, and the `RunDescription` fields
+    their size decides: the parameter counts, through them lr=auto and MFU's FLOPs and ceiling, the model facts."""
     from llmexp.model.facts import model_facts
     from llmexp.model.loss import CausalLMLoss
     from llmexp.train.schedule import resolve_lr
@@ -108,9 +92,9 @@ def _build(cfg: DictConfig, rt: Runtime, engine: Engine, vocab_size: int,
     lr, lr_source = resolve_lr(cfg, total)
     # Every weight takes part in forward and backward (6N); with adapters the frozen weights need no
     # weight gradient (4N), which this count leaves in: MFU is then a slight overestimate.
-    built = _Built(num_params=build.count_params(lm), total_params=total,
-                   flops_per_token=flops_per_token(total, c.num_hidden_layers, c.hidden_size, cfg.data.max_length),
-                   peak_tflops=peak_tflops, mfu_note=mfu_note, lr=lr, lr_source=lr_source, model_facts=facts)
+    built = dict(num_params=build.count_params(lm), total_params=total,
+                 flops_per_token=flops_per_token(total, c.num_hidden_layers, c.hidden_size, cfg.data.max_length),
+                 peak_tflops=peak_tflops, mfu_note=mfu_note, lr=lr, lr_source=lr_source, model_facts=facts)
     loss_model = CausalLMLoss(lm)
     if matmul is not None and matmul.onednn:
         from llmexp.model.cpu_matmul import route

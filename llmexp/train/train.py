@@ -8,7 +8,7 @@
                 -> [log] [save] [preempt?]
     _finish  -> final eval and samples -> model/ -> summary.json -> report
 
-Each eval scores the held-out loss and the downstream tasks of the `eval` group (`tasks.run_tasks`). `lr=find`
+Each eval scores the held-out loss and the downstream tasks of the `eval` group (`eval_suite.run_tasks`). `lr=find`
 runs its range test before set-up (`lr_find.settle_lr`) and the run then starts afresh at its pick.
 
 Everything that decides *what* to do lives in components: set-up (`setup.describe`, resolved once into a
@@ -35,6 +35,7 @@ from llmexp.monitor.logger import safe_exp
 from llmexp.monitor.throughput import peak_memory_mb
 from llmexp.train import lr_find, samples
 from llmexp.train.anomaly import judge_step, report_findings
+from llmexp.train.eval_suite import TaskSuite, build_suite, read_task_files, run_tasks
 from llmexp.train.finish import finish_run
 from llmexp.train.preemption import PreemptionSignal
 from llmexp.train.pruning import TrialPruning, sweep_value
@@ -43,7 +44,6 @@ from llmexp.train.runtime import setup_runtime
 from llmexp.train.schedule import lr_at
 from llmexp.train.setup import describe, start_facts
 from llmexp.train.state import LoopState, Run
-from llmexp.train.tasks import TaskSuite, build_suite, read_task_files, run_tasks
 
 
 @dataclass
@@ -58,7 +58,7 @@ class RunResult:
 def train(cfg: DictConfig, preempt: PreemptionSignal | None = None) -> RunResult:
     """Train one run described by a composed, validated config. Writes the run directory.
 
-    SIGTERM, SIGUSR2 and Ctrl-C are caught from the start by `preempt`, the caller's guard (`task.run_guarded`
+    SIGTERM, SIGUSR2 and Ctrl-C are caught from the start by `preempt`, the caller's guard (`guarded.run_guarded`
     enters it before the trainer is even imported), or by one entered here for a direct call: one during
     start-up stops the run at its first step boundary, before the loop, with status `preempted` and a summary."""
     if preempt is not None:

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from llmexp.config.schema import PerplexitySetConfig
 from llmexp.evals import score
 from llmexp.evals.items import ChoiceItem, GenerateItem, read_choice_items, read_generate_items
-from llmexp.rundir.tasks import TASK_EVENT
+from llmexp.rundir.task_metrics import TASK_EVENT
 
 if TYPE_CHECKING:
     from llmexp.data.datasets import TokenDataset

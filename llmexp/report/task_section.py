@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from llmexp.report.formats import fmt
-from llmexp.rundir.tasks import task_history, task_records
+from llmexp.rundir.task_metrics import task_history, task_records
 
 SHOWN_STEPS = 12
 """Columns of a task's table at most: the first, the last and evenly spaced steps between."""
