@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 from llmexp.checkpoint.serialize import CorruptCheckpoint
 from llmexp.rundir.files import DiskFull as DiskFull  # what a full disk during a save raises (re-exported)
 from llmexp.rundir.files import fsync_path, replace_dir, staged_dir
+from llmexp.rundir.lock import pid_alive
 from llmexp.rundir.readers import Damaged, MiB, file_sha256, parse_json, read_text
 
 FORMAT_VERSION = 1
@@ -83,16 +84,6 @@ def _host() -> str:
 
 def _tmp_dir(root: Path, tag: str) -> Path:
     return root / f".tmp-{tag}-{_host()}-{os.getpid()}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
 
 
 def _remove_tree(path: Path, step: int) -> None:
@@ -291,7 +282,7 @@ def _remove_stale_tmp(root: Path) -> list[Path]:
 
 def _is_stale(path: Path, pid: int, host: str) -> bool:
     if host == _host():
-        return pid != os.getpid() and not _pid_alive(pid)
+        return pid != os.getpid() and not pid_alive(pid)
     try:
         return time.time() - path.stat().st_mtime > FOREIGN_TMP_STALE_S
     except FileNotFoundError:

@@ -47,9 +47,7 @@ def _flag_value(args: list[str], flag: str) -> int | None:
 
 
 def maybe_relaunch() -> None:
-    """Called first by the CLI: a worker of a multi-process launch ends with its launcher (`watch_launcher`),
-    and `accelerate launch --cpu --num_processes N` becomes N ranks (this process becomes their torchrun, and
-    ends with accelerate: `end_with_parent`)."""
+    """Called first by the CLI (see the module's docstring); this process becomes the N ranks' torchrun."""
     if "LOCAL_RANK" in os.environ:  # torchrun, accelerate and deepspeed set it in every worker they start
         watch_launcher()
         return

@@ -213,11 +213,6 @@ class Precision:
     bf16_slowdown: float | None = None
     """The bf16 path's matmul time over fp32's, measured on this CPU at set-up (None where not measured)."""
 
-    @property
-    def emulated(self) -> bool:
-        """The run computes in bf16 on hardware that does not have it natively."""
-        return self.name == "bf16" and self.bf16 == "emulated"
-
 
 def precision_on(requested: str, device_type: str) -> Precision:
     """`precision.name` resolved for this device, with the bf16 facts that go with it."""

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmexp.monitor.console import format_duration
 from llmexp.rundir.lock import lock_holder
 from llmexp.rundir.read import (
     is_run_dir,
@@ -208,11 +209,7 @@ def _fmt(value: float | None) -> str:
 
 
 def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "–"
-    seconds = round(seconds)
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else \
-        f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+    return "–" if seconds is None else format_duration(seconds)
 
 
 def render(path: Path, table: list[Row], width: int = 160) -> str:

@@ -72,6 +72,17 @@ def wait_for_lock(run_dir: Path, waiting: Callable[[int | None], None], poll_s: 
     lock.release()
 
 
+def pid_alive(pid: int) -> bool:
+    """A process with this pid exists on this host (someone else's included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
 @reader
 def lock_pid(path: Path) -> int | None:
     """The pid a lock file holds (whether or not that process still holds the lock), or None."""
@@ -97,15 +108,7 @@ def lock_holder(run_dir: Path) -> int | None:
         with open("/proc/locks") as f:
             locks = f.read()
     except OSError:
-        if pid is None:
-            return None
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            return pid
-        return pid
+        return pid if pid is not None and pid_alive(pid) else None
     node = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     holders = [int(fields[4]) for fields in (line.split() for line in locks.splitlines())
                if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == node]

@@ -25,13 +25,6 @@ BLOWUP_FACTOR = 3.0
 detector has enough history (an absurd lr wrecks the weights in one or two steps)."""
 
 
-def is_anomalous(state: LoopState, loss: float, grad_norm: float, settings: MonitorSettings) -> bool:
-    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        return True
-    recent = state.recent_losses
-    return is_spike(recent, loss, settings) or (bool(recent) and loss > BLOWUP_FACTOR * min(recent))
-
-
 def judge_step(train: DictConfig, state: LoopState, loss: float, grad_norm: float, *, fp16: bool, stepped: bool,
                settings: MonitorSettings, log: MetricsLogger) -> str:
     """ok (take the step), skipped, rollback or diverged, by `train.on_anomaly`.
@@ -43,8 +36,9 @@ def judge_step(train: DictConfig, state: LoopState, loss: float, grad_norm: floa
         if stepped:  # DeepSpeed's scaler skipped it (GradScaler's skips are counted where it steps)
             state.skipped_steps += 1
         return "ok"  # an fp16 overflow: the loss scaler skips this step and lowers the scale itself
-    finite = math.isfinite(loss) and math.isfinite(grad_norm)
-    if (stepped and finite) or not is_anomalous(state, loss, grad_norm, settings):
+    finite, recent = math.isfinite(loss) and math.isfinite(grad_norm), state.recent_losses
+    if finite and (stepped or not (is_spike(recent, loss, settings)
+                                   or (bool(recent) and loss > BLOWUP_FACTOR * min(recent)))):
         state.recent_losses = [*state.recent_losses, loss][-settings.window:]
         state.consecutive_anomalies = 0
         return "ok"

@@ -158,19 +158,11 @@ def settle_lr(cfg: DictConfig, rt: Runtime, vocab_size: int, train_ds: Any, data
     None). Before the run's own set-up, which then starts afresh."""
     if not is_lr_find(cfg.lr):
         return cfg, None
-    found = found_lr(cfg, rt, vocab_size, train_ds, data_fingerprint, forward_backward)
-    return with_lr(cfg, found["suggestion"]), found
-
-
-def found_lr(cfg: DictConfig, rt: Runtime, vocab_size: int, train_ds: Any, data_fingerprint: str,
-             forward_backward: ForwardBackward) -> dict[str, Any]:
-    """lr_find.json's result: read back from an earlier launch in this directory, else tested now (and
-    lr_find.json and lr_find.png written by rank 0)."""
-    path = rt.run_dir / "lr_find.json"
+    path = rt.run_dir / "lr_find.json"  # an earlier launch's result in this directory, else the test now
     saved = read_lr_find(path)
     if _same_test(saved, cfg):
         _say(rt, f"lr_find: reusing {path}: lr {saved['suggestion']:.4g}")  # type: ignore[index]
-        return saved  # type: ignore[return-value]
+        return with_lr(cfg, saved["suggestion"]), saved  # type: ignore[index]
     result = range_test(cfg, rt, vocab_size, train_ds, data_fingerprint, forward_backward)
     if rt.is_main:
         write_json_atomic(path, result)
@@ -182,7 +174,7 @@ def found_lr(cfg: DictConfig, rt: Runtime, vocab_size: int, train_ds: Any, data_
             _say(rt, f"warning: could not plot lr_find.png: {err!r}")
     _say(rt, f"lr_find: suggested lr {result['suggestion']:.4g} ({result['stopped']}; minimum at "
              f"{result['lr_min_loss']:.3g}); {path}")
-    return result
+    return with_lr(cfg, result["suggestion"]), result
 
 
 def with_lr(cfg: DictConfig, lr: float) -> DictConfig:

@@ -17,7 +17,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -181,21 +181,16 @@ def _apply_payload(run: Run, payload: dict[str, Any], path: Path) -> LoopState:
     """Load a checked payload into the model, optimizer, RNGs and scaler. A failure now would
     leave them half-loaded, so it ends the run (exit 2) rather than fall back or start fresh."""
     try:
-        return _apply(run, payload)
+        run.engine.load_state(run.model, run.optimizer, payload)
+        if payload["rng"] is not None:
+            serialize.restore_rng(payload["rng"])
+        run.engine.load_scaler_state(payload["scaler"])
+        return LoopState(**payload["trainer"]["state"])
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AssertionError) as err:
         raise ckpt.CorruptCheckpoint(
             f"{path}: passed its checks but could not be loaded ({type(err).__name__}: "
             f"{(str(err).strip().splitlines() or [''])[0][:300]}); resume from an older one with "
             "train.resume=<its path>, or start over with train.resume=never") from None
-
-
-def _apply(run: Run, payload: dict[str, Any]) -> LoopState:
-    engine = run.engine
-    engine.load_state(run.model, run.optimizer, payload)
-    if payload["rng"] is not None:
-        serialize.restore_rng(payload["rng"])
-    engine.load_scaler_state(payload["scaler"])
-    return LoopState(**payload["trainer"]["state"])
 
 
 def resume_key(cfg: DictConfig, desc: RunDescription) -> dict[str, Any]:
@@ -345,16 +340,9 @@ def saved_auto_batch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     return saved if isinstance(saved, dict) and saved else None
 
 
-@dataclass(frozen=True)
-class Resumed:
-    """Where a resumed run starts: the checkpoint's loop state, and how many processes saved it."""
-
-    state: LoopState
-    world_size: int | None
-
-
-def load_resume_state(run: Run) -> Resumed | None:
-    """Resume per `train.resume`: auto (newest good checkpoint here), never, or a path; None: start afresh."""
+def load_resume_state(run: Run) -> LoopState | None:
+    """Resume per `train.resume`: auto (newest good checkpoint here), never, or a path: the checkpoint's loop state
+    (`run.resumed_from_world_size` says how many processes saved it); None: start afresh."""
     if run.cfg.train.resume == "never":
         _set_aside(run.rt, run.log)
         return None
@@ -367,10 +355,11 @@ def load_resume_state(run: Run) -> Resumed | None:
     saved_world = ckpt.read_manifest(path).get("extra", {}).get("resume_key", {}).get("world_size")
     _check_world_size(run, saved_world)
     state = _apply_payload(run, payload, path)
+    run.resumed_from_world_size = saved_world
     run.log.reset_history(payload["trainer"]["history"])
     run.log.log({"event": "resume", "step": state.step, "checkpoint": str(path), "world_size": run.desc.plan.world,
                  "resumed_from_world_size": saved_world})
-    return Resumed(state, saved_world)
+    return state
 
 
 def rollback(run: Run) -> None:

@@ -67,22 +67,18 @@ class Runtime:
         known = self._ceilings()
         if self.ceiling_key() in known:
             return float(known[self.ceiling_key()]), None
-        value, cores_were_ours = measure_ceiling(self.device, self._ceiling_dtype())
-        if not cores_were_ours:  # too low to use or keep: measured again next run
+        value, kept = self._measure()
+        if not kept:  # too low to use or keep: measured again next run
             return None, (f"the matmul ceiling ({value:.3g} TFLOPS) was measured while other processes "
                           "shared the CPU cores, so it is too low and any MFU divided by it too high")
-        self._keep_ceiling(value)
         return value, None
 
     def remeasure_peak(self) -> float | None:
         """The ceiling measured now, when an MFU came out implausibly high (`monitor.throughput.Mfu`): the cached
         one was probably measured on busy cores (nothing told). A higher one replaces it in the cache; None when
         the cores are shared now too."""
-        value, cores_were_ours = measure_ceiling(self.device, self._ceiling_dtype())
-        if not cores_were_ours:
-            return None
-        self._keep_ceiling(value)
-        return value
+        value, kept = self._measure()
+        return value if kept else None
 
     @property
     def compiles(self) -> bool:
@@ -103,12 +99,15 @@ class Runtime:
         """The cached ceilings, verified on read: a damaged entry is measured again, with a warning."""
         return load_ceilings(Path(self.cfg.data.cache_dir) / "peak_tflops.json") or {}
 
-    def _keep_ceiling(self, value: float) -> None:
-        """The highest ceiling measured on idle cores is the one kept: busy cores only ever lower it."""
-        known = self._ceilings()
-        key = self.ceiling_key()
-        known[key] = max(value, known.get(key, 0.0))
-        save_ceilings(Path(self.cfg.data.cache_dir) / "peak_tflops.json", known)
+    def _measure(self) -> tuple[float, bool]:
+        """(the ceiling measured now, whether it was kept): the highest measured on idle cores is the one kept,
+        busy cores only ever lower it."""
+        value, cores_were_ours = measure_ceiling(self.device, self._ceiling_dtype())
+        if cores_were_ours:
+            known = self._ceilings()
+            known[self.ceiling_key()] = max(value, known.get(self.ceiling_key(), 0.0))
+            save_ceilings(Path(self.cfg.data.cache_dir) / "peak_tflops.json", known)
+        return value, cores_were_ours
 
     def logger(self, max_steps: int) -> MetricsLogger:
         sinks = make_sinks(self.cfg, self.run_dir) if self.is_main else []

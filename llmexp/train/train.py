@@ -93,9 +93,7 @@ def _start(run: Run, data_stats: dict[str, Any], preempt: PreemptionSignal) -> s
     """The loop state (a checkpoint's, or a fresh one) and the `start` record; the status the loop starts with:
     `completed` (go on), `failed` (no room for the start checkpoint) or `preempted` (a signal during start-up)."""
     cfg, rt, desc, train_ds = run.cfg, run.rt, run.desc, run.train_data
-    resumed = load_resume_state(run)
-    run.state = state = resumed.state if resumed else LoopState()
-    run.resumed_from_world_size = resumed.world_size if resumed else None
+    run.state = state = load_resume_state(run) or LoopState()
     state.batch_size_auto = desc.auto_batch.record() if desc.auto_batch else {}  # checkpoints keep the choice
     train_ds.restore(state.data_state)  # a stream continues at its checkpoint's window; the cached data is stateless
     state.num_examples = len(train_ds)  # 0 for a stream: its length is unknown
