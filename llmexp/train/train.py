@@ -117,7 +117,7 @@ def _train(cfg: DictConfig, preempt: PreemptionSignal) -> RunResult:
         loss_sum, n_targets, n_tokens = forward_backward(run, train_ds)
         if engine.steps_first:  # DeepSpeed measures (and clips) the gradients only inside its own step
             engine.step(optimizer)
-        grad_norm = engine.clip(model, optimizer, cfg.train.max_grad_norm)  # fp16: unscaled first
+        grad_norm = engine.clip(model, optimizer, cfg.train.max_grad_norm, loss_sum.device)  # fp16: unscaled first
         loss, grad_norm = torch.stack([rt.reduce_sum(loss_sum) / n_targets,
                                        grad_norm.float().reshape(())]).tolist()  # the step's one host sync
         # Non-finite or spiking: the policy decides BEFORE the weights change (DeepSpeed: after, its step is taken).
