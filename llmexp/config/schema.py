@@ -473,7 +473,8 @@ class TrainConfig:
     weight_decay: float = key(0.01, Range(low=0), "Decoupled weight decay (matrices only, unless the optimizer says "
                               "otherwise).")
     logging_steps: int = key(10, Range(low=1), "Steps between train metric lines.")
-    eval_steps: int = key(100, Range(low=1), "Steps between evals (also at step 0 and at the end).")
+    eval_steps: int = key(100, Range(low=1), "Steps between evals (also at the end, and at step 0 when it is at "
+                          "most `max_steps`).")
     eval_batches: int = key(16, Range(low=1, also=(-1,), note="(-1 evaluates the whole eval set)"), "Batches of "
                             "`batch_size` per eval; -1 evaluates the whole eval set.")
     sample_prompts: list[str] = key([], TextList(Text(nullable=False, max_len=10_000, one_line=False)), "Prompts "
