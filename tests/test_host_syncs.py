@@ -55,14 +55,16 @@ class StallCounter(TorchDispatchMode):
 
 @pytest.fixture(scope="module")
 def counted_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[collections.Counter[str]]]:
-    """The default tiny path, logging only at its end, with eval_steps beyond max_steps: each step's stalls, between
+    """The default tiny path as a benchmark arm runs it (no final save), logging only at its end, with eval_steps
+    beyond max_steps: each step's stalls, between
     two `advance` calls of the logger (once a step), so the first step (set-up) and the last (its log) stay out."""
     from llmexp.monitor.logger import MetricsLogger
     from llmexp.train.train import train
 
     run_dir = tmp_path_factory.mktemp("syncs")
     cfg = compose([*TINY, f"train.max_steps={STEPS}", "train.logging_steps=1000", "train.eval_steps=1000",
-                   "train.save_steps=0", "train.peak_tflops=1", "train.cpu_matmul=torch"], run_dir)
+                   "train.save_steps=0", "train.peak_tflops=1", "train.cpu_matmul=torch", "train.save_final=false"],
+                  run_dir)
     counter, marks = StallCounter(), []
     advance = MetricsLogger.advance
 
@@ -108,3 +110,11 @@ def test_the_next_micro_batch_is_read_before_this_one_runs_backward(tmp_path: Pa
         assert train(cfg).status == "completed"
     steps = events[:len(events) - events[::-1].index("backward")]  # the final eval's reads come after
     assert steps[-8:] == ["read", "read", "backward", "backward"] * 2, events
+
+
+def test_save_final_false_writes_no_final_checkpoint_or_model(counted_run: Any) -> None:
+    """train.save_final=false (the benchmarks' arms, the GPU kit): the run completes with its summary and report, and
+    writes neither the final checkpoint nor model/ (a 1B model's ~17 GB)."""
+    run_dir, _ = counted_run
+    assert (run_dir / "summary.json").exists() and read_metrics(run_dir, "eval")
+    assert not (run_dir / "model").exists() and not list(run_dir.glob("checkpoints/step_*"))

@@ -490,6 +490,8 @@ class TrainConfig:
     save_steps: int = key(100, Range(low=0, note="(0: only at the end)"), "Steps between checkpoints; 0 saves only "
                           "at the end and on preemption.")
     save_total_limit: int = key(2, Range(low=1), "Checkpoints kept (the best one is kept in addition).")
+    save_final: bool = key(True, FLAG, "Write the final checkpoint and `model/` when the run ends; false writes "
+                           "neither (benchmarks: a 1B model's are ~17 GB).")
     resume: str = key("auto", PathRule("checkpoint"), "auto (newest complete checkpoint in the run directory), "
                       "never, or a checkpoint path.")
     resume_data_mismatch: str = key("error", Choice(("error", "warn")), "A resume whose data fingerprint (corpus, "
