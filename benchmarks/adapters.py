@@ -3,7 +3,7 @@ frozen-weight bytes, optimizer-state bytes, peak memory and tokens/s.
 
     python benchmarks/adapters.py                  # ~32M-parameter Llama on this CPU: a few minutes
     python benchmarks/adapters.py --quick          # a 2.2M-parameter Llama, 3 steps: ~1 minute (tests run it)
-    python benchmarks/adapters.py --size 1b    # ~1B parameters, on a GPU (step 4 of benchmarks/gpu/run.sh)
+    python benchmarks/adapters.py --size 1b    # ~1B parameters, on a GPU (the GPU check's step 4 runs --size mid)
 
 A Llama-architecture model is built from its config class (random weights: speed and memory do not
 depend on the values) and written with save_pretrained, with a byte-level BPE tokenizer of the same
@@ -79,6 +79,9 @@ SIZES: dict[str, Size] = {
     # model ran at ~25 tokens/s there, 40 s a step)
     "cpu": Size({"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8, "num_attention_heads": 8,
                  "num_key_value_heads": 4}, 4, 128, 100),
+    # ~0.27B parameters, the GPU check's mid model (its step 4: the three arms fit its time there)
+    "mid": Size({"hidden_size": 1024, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 8,
+                 "intermediate_size": 4096, "max_position_embeddings": 2048}, 8, 1024, None),
     # ~1.0B parameters, benchmarks/throughput.py's `--model 1b` (a GPU)
     "1b": Size({"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
                 "intermediate_size": 8192, "max_position_embeddings": 2048}, 8, 1024, None),

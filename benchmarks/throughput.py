@@ -7,8 +7,10 @@
     (d) compile  llmexp with train.compile=true (its compile step is reported apart)
 
 The work: the `tiny` model, micro-batch 8 x 256 tokens, bf16 autocast, AdamW, grad clipping at 1.0.
-Each round runs every arm once, in a rotated order, plus a bf16 matmul ceiling for MFU; the
-first `--warmup` steps of every arm are not timed. Ratios to (a) are paired within each round.
+Each round measures a bf16 matmul ceiling for MFU first (a round cut short keeps it), then runs every arm once, in a
+rotated order; the first `--warmup` steps of every arm are not timed, and llmexp's arms write no final checkpoint
+(`train.save_final=false`). Ratios to (a) are paired within each round. On a GPU the datasheet's dense bf16 peak
+(`llmexp.monitor.throughput.DATASHEET_TFLOPS`) gives a second MFU, the one other frameworks print.
 
     python benchmarks/throughput.py                       # 3 rounds x (10 warm-up + 30 timed steps)
     python benchmarks/throughput.py --rounds 5 --steps 60
@@ -87,6 +89,16 @@ def device_type() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def datasheet_tflops() -> float | None:
+    """This GPU's dense bf16 peak from its datasheet (llmexp's table), None on a CPU or an unlisted card."""
+    import torch
+
+    from llmexp.monitor.throughput import datasheet_peak
+
+    sheet = datasheet_peak(torch.cuda.get_device_name(), torch.bfloat16) if torch.cuda.is_available() else None
+    return sheet[1] if sheet else None
 
 
 def stamp() -> float:
@@ -187,7 +199,7 @@ def llmexp_overrides(warmup: int, steps: int, compile_model: bool, model_name: s
             f"data.max_length={SEQ_LEN}", f"lr={LR}", f"train.max_steps={total}",
             f"train.warmup_steps={max(1, total // 20)}", f"train.logging_steps={math.gcd(warmup, steps)}",
             "train.eval_steps=1000000", "train.eval_batches=1", "train.save_steps=0", "train.resume=never",
-            "train.peak_tflops=1", f"train.compile={str(compile_model).lower()}"]
+            "train.peak_tflops=1", f"train.compile={str(compile_model).lower()}", "train.save_final=false"]
 
 
 def run_arm(arm: str, warmup: int, steps: int, threads: int = 0, model_name: str = "tiny",
@@ -226,7 +238,7 @@ def run_rounds(arms: list[str], rounds: int, warmup: int, steps: int, threads: i
     for r in range(rounds):
         round_rates: dict[str, float] = {}
         per_round.append(round_rates)
-        for arm in [*rotated(arms, r), "ceiling"]:
+        for arm in ["ceiling", *rotated(arms, r)]:  # the ceiling first: a compile arm cut short cannot cost it
             res = run_arm(arm, warmup, steps, threads, model_name, max_examples)
             if res.returncode != 0 or not res.data:
                 print(f"round {r + 1}: {arm} failed (exit {res.returncode}):\n{res.tail}", file=sys.stderr)
@@ -279,19 +291,22 @@ def mfu_value(rate: float, model: dict[str, Any], ceiling_tflops: float) -> floa
 def figures(results: dict[str, Any], arms: list[str], args: argparse.Namespace) -> dict[str, Any]:
     """The figures so far as plain JSON: per arm the rates of each round, the paired ratios to (a), MFU."""
     ceiling = results["ceilings"].median()
+    sheet = datasheet_tflops()
     out: dict[str, Any] = {
         "model": args.model, "seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH, "warmup": args.warmup,
         "steps": args.steps, "rounds": args.rounds, "device": device_type(),
         "num_params": results["model"].get("num_params"), "ceiling_tflops": results["ceilings"].values,
         "compile_s": results["compile_s"].values, "per_round": results["per_round"],
-        "failures": results["failures"], "arms": {}}
+        "failures": results["failures"], "datasheet_tflops": sheet, "arms": {}}
     for arm in arms:
         rate = results["rates"][arm].median()
         out["arms"][arm] = {
             "label": LABELS[arm], "tokens_per_sec": results["rates"][arm].values,
             "ratio_to_raw": results["ratios"][arm].values, "peak_rss_mb": results["rss"][arm].values,
             "peak_gpu_mem_mb": results["gpu_mem"][arm].values,
-            "mfu": mfu_value(rate, results["model"], ceiling) if results["rates"][arm].values else None}
+            "mfu": mfu_value(rate, results["model"], ceiling) if results["rates"][arm].values else None,
+            "mfu_datasheet": mfu_value(rate, results["model"], sheet) if sheet and results["rates"][arm].values
+            else None}
     return out
 
 

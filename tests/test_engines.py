@@ -1,9 +1,14 @@
 """The step engines' one protocol (`llmexp.train.engines.base.Engine`): each engine implements all of it, none
 inherits from another, and DeepSpeed's step is called a step (it clips inside it, so `clip` reports its norm).
-On stand-in accelerators: nothing collective runs."""
+On stand-in accelerators: nothing collective runs.
+
+The loss lives on the accelerator, the gradients (FSDP's CPU offload) or the norm (DeepSpeed's float) may not: the
+contract tests put the loss on the meta device and the gradients on the CPU, so that a norm returned on the wrong
+device fails here, on a CPU, as it would on the first step on a GPU."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +21,7 @@ from llmexp.train.engines.fsdp import FsdpEngine
 from llmexp.train.engines.plain import PlainEngine
 
 PLAN = BatchPlan(micro=4, accum=2, world=1, fixed_steps=4, epochs=1.0)
+CPU, META = torch.device("cpu"), torch.device("meta")
 
 
 def _engines() -> list[object]:
@@ -44,8 +50,75 @@ def test_deepspeed_steps_first_and_clip_reports_the_norm_of_that_step() -> None:
         engine.step(None)
     for _ in range(PLAN.accum):
         engine.backward(torch.zeros(()))
-    assert engine.step(None) is True and float(engine.clip(None, None, 1.0)) == 2.5  # type: ignore[arg-type]
+    assert engine.step(None) is True and float(engine.clip(None, None, 1.0, CPU)) == 2.5  # type: ignore[arg-type]
     applied["value"] = False
     for _ in range(PLAN.accum):
         engine.backward(torch.zeros(()))
-    assert engine.step(None) is False and float(engine.clip(None, None, 1.0)) == float("inf")  # type: ignore[arg-type]
+    assert engine.step(None) is False and float(engine.clip(None, None, 1.0, CPU)) == float("inf")  # type: ignore[arg-type]
+
+
+def _stand_in_deepspeed(norm: float) -> SimpleNamespace:
+    ds = SimpleNamespace(step=lambda: None, get_global_grad_norm=lambda: norm,
+                         optimizer=SimpleNamespace(overflow=False), was_step_applied=lambda: True,
+                         backward=lambda loss, scale_wrt_gas: None,
+                         set_gradient_accumulation_boundary=lambda flag: None)
+    return SimpleNamespace(deepspeed_engine_wrapped=SimpleNamespace(engine=ds), device=CPU)
+
+
+def _engine_with_cpu_grads(kind: str) -> tuple[object, torch.nn.Module, torch.optim.Optimizer]:
+    """An engine, a model whose gradients are on the CPU, and its optimizer, each as the loop holds them."""
+    model = torch.nn.Linear(4, 3)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    accelerator = SimpleNamespace(device=CPU, clip_grad_norm_=torch.nn.utils.clip_grad_norm_)
+    engine: object = {"plain": lambda: PlainEngine(accelerator, "fp32", 1.0, 1),
+                      "deepspeed": lambda: DeepSpeedEngine(_stand_in_deepspeed(3.5), "fp32", PLAN, 2),
+                      "fsdp": lambda: FsdpEngine(accelerator, "fp32", PLAN, "full_shard", True)}[kind]()
+    return engine, model, optimizer
+
+
+@pytest.mark.parametrize("kind", ["plain", "deepspeed", "fsdp"])
+def test_clip_returns_the_norm_on_the_loss_device(kind: str) -> None:
+    """The loop's step (`train.py`): the norm is stacked with the loss for one host read. The loss on the meta device
+    and the gradients on the CPU stand for a CUDA loss beside CPU gradients (FSDP's offload) or DeepSpeed's float
+    norm: stacking a norm left on the CPU raises, as the first DeepSpeed step on a GPU did."""
+    engine, model, optimizer = _engine_with_cpu_grads(kind)
+    loss_sum = torch.zeros((), device=META)
+    assert isinstance(engine, Engine)
+    if engine.steps_first:
+        for _ in range(PLAN.accum):
+            engine.backward(loss_sum)
+        assert engine.step(optimizer) is True
+    norm = engine.clip(model, optimizer, 1.0, loss_sum.device)
+    assert norm.device == META and norm.shape == ()
+    assert torch.stack([loss_sum / 4, norm.float().reshape(())]).device == META  # the loop's one host read
+    if not engine.steps_first:
+        assert engine.step(optimizer) is True
+    cpu_norm = engine.clip(model, optimizer, 0.0, CPU)  # and on the CPU it is the norm itself
+    assert cpu_norm.device == CPU and math.isfinite(float(cpu_norm)) and float(cpu_norm) > 0
+
+
+def test_fsdp_cpu_offload_opens_a_group_that_carries_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fsdp.cpu_offload=true on CUDA: the grad norm is reduced on the CPU, which NCCL cannot do. The default group of a
+    plain `python -m llmexp` and the mesh's groups (under torchrun Accelerate has opened an NCCL-only default
+    group) are `cuda:nccl,cpu:gloo`; without offload, NCCL alone as before. CUDA is patched in: nothing is opened."""
+    import torch.distributed as dist
+    import torch.distributed.device_mesh as device_mesh
+
+    from llmexp.train.engines import fsdp
+
+    opened: list[str] = []
+    meshes: list[object] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend: opened.append(backend))
+    monkeypatch.setattr(device_mesh, "init_device_mesh", lambda *a, **kw: meshes.append(kw.get("backend_override")))
+    monkeypatch.setattr("llmexp.train.distributed.single_process_env", lambda: None)
+    for offload in (True, False):
+        fsdp.ensure_process_group(offload)
+        for strategy in ("full_shard", "hybrid_shard"):
+            accelerator = SimpleNamespace(device=torch.device("cuda"))
+            FsdpEngine(accelerator, "bf16", PLAN, strategy, offload)._mesh()
+    assert opened == ["cuda:nccl,cpu:gloo", "nccl"]
+    both = "cuda:nccl,cpu:gloo"
+    assert meshes == [{"shard": both}, {"replicate": both, "shard": both}, None, None]

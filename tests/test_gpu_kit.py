@@ -80,19 +80,27 @@ def test_size_check_lists_the_wheels_and_fails_over_the_limit_or_on_two_versions
     assert "two versions of omegaconf" in capsys.readouterr().err
 
 
-def plan(*args: str) -> tuple[list[str], int]:
+PLAN_LIMIT_S = 432
+"""80% of the nine minutes a run may take: a slower day still ends, and a second try fits the 15 of device time."""
+
+
+def plan(*args: str) -> tuple[list[str], int, dict[str, tuple[int, int]]]:
+    """(the steps, the total budget, each step's (budget, estimate)) that `run.sh --plan` prints."""
     out = subprocess.run(["bash", str(KIT / "run.sh"), "--plan", *args], capture_output=True, text=True, check=True)
     lines = out.stdout.splitlines()
     steps = lines[0].split(";")[0].removeprefix("steps: ").split()
-    total = int(next(line for line in lines if line.strip().startswith("total")).split()[1])
-    return steps, total
+    rows = {line.split()[0]: (int(line.split()[1]), int(line.split("estimate ")[1].split()[0])) for line in lines[1:]}
+    return steps, rows.pop("total")[0], rows
 
 
-def test_the_plan_fits_nine_minutes_and_quick_runs_steps_1_2_and_4() -> None:
-    steps, total = plan()
-    assert steps == [str(i) for i in range(1, 9)] and total <= 540  # the budgets, the install included
-    steps, total = plan("--quick")
-    assert steps == ["1", "2", "4"] and total <= 540
+def test_the_plan_has_margin_and_quick_runs_steps_1_2_and_4() -> None:
+    """Each step's own estimate is at most 80% of its budget, and the budgets, the install included, add up to at
+    most 432 s (issue 41, item 8: step 2's 170 s against 155 s would have lost the ceiling and the paired ratio)."""
+    for args, expected in (((), [str(i) for i in range(1, 9)]), (("--quick",), ["1", "2", "4"])):
+        steps, total, rows = plan(*args)
+        assert steps == expected and total <= PLAN_LIMIT_S and total == sum(b for b, _ in rows.values())
+        tight = {k: (budget, estimate) for k, (budget, estimate) in rows.items() if estimate > 0.8 * budget}
+        assert not tight, f"estimates above 80% of their budgets (budget, estimate): {tight}"
     assert plan("--steps", "5,7")[0] == ["5", "7"]
 
 
@@ -106,10 +114,12 @@ def kit(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.
 @pytest.mark.slow  # every step for real: ~26 fresh processes, ~150 s of CPU time (5-10 min on a loaded 2-core CPU)
 def test_tiny_cpu_run_records_every_step_ok(tmp_path: Path) -> None:
     result = kit(tmp_path)
-    assert result.returncode == 0, result.stdout[-5000:]
     report = json.loads((tmp_path / "out" / "gpu.json").read_text())
     steps = report["steps"]
-    assert {k: s["status"] for k, s in steps.items()} == {k: "ok" for k in ["install", *map(str, range(1, 9))]}
+    failed = {k: f"{s['status']}: {str(s.get('error'))[-1500:]}" for k, s in steps.items() if s["status"] != "ok"}
+    assert not failed, f"steps not ok: {sorted(failed)}\n" + "\n".join(f"step {k}: {e}" for k, e in failed.items())
+    assert result.returncode == 0, result.stdout[-5000:]
+    assert set(steps) == {"install", *map(str, range(1, 9))}
     # rewritten after every step: each start and record is an event of the file written then
     events = [(e["event"], e["step"]) for e in report["events"]]
     assert events == [("init", None), ("record", "install"),
@@ -119,6 +129,8 @@ def test_tiny_cpu_run_records_every_step_ok(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "kit.log").exists()
     f = {k: s["figures"] for k, s in steps.items()}
     assert f["1"]["adamw8bit"]["status"] == "completed" and f["1"]["adamw8bit"]["optimizer"] == "adamw8bit"
+    assert set(f["1"]["adamw8bit"]["syncs"]) == {"sync_warnings", "synchronize_calls", "synchronize_s"}  # probe.py
+    assert f["3"]["attention_kernels"] and f["3"]["syncs"] is not None  # one profiled step of the fused arm
     assert [j["status"] for j in f["1"]["multirun"]["jobs"]] == ["completed", "completed"]
     assert all(f["2"]["arms"][a]["tokens_per_sec"][0] > 0 for a in ("raw", "llmexp"))
     assert f["3"]["first_loss_diff"] < 1e-4  # both loss paths compute the same loss (fp32)

@@ -33,6 +33,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 BASE_MODEL = Path(__file__).with_name("base_model.py")
+PROBE = Path(__file__).with_name("probe.py")
 PY = sys.executable
 EXIT_TIMEOUT = 124  # what `timeout` returns: run.sh reads both alike
 
@@ -53,6 +54,8 @@ class Profile:
     """Overrides for runs whose subject is not the model's size (the headline commands, kill and resume)."""
     headline: tuple[str, ...]
     """Appended to the headline commands: nothing on a GPU (they run as written)."""
+    multirun: tuple[str, ...]
+    """Appended to the multirun, whose subject is the launcher placing its jobs: shorter jobs, no final save."""
     auto: tuple[str, ...]
     """Appended to the batch_size=auto run."""
     mid_model: dict[str, int]
@@ -83,12 +86,13 @@ class Profile:
 
 
 RUN = ("train.eval_steps=1000000", "train.eval_batches=1", "train.save_steps=0", "train.resume=never",
-       "train.logging_steps=1")
-"""Every measured run: no evals or checkpoints inside the timed steps, one train record a step."""
+       "train.logging_steps=1", "train.save_final=false")
+"""Every measured run: no evals (none at step 0 either: eval_steps is beyond the run) or checkpoints inside the timed
+steps, no final checkpoint or model/, one train record a step."""
 MID_FIELDS = {"hidden_size": 1024, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 8,
               "intermediate_size": 4096, "vocab_size": 8192, "max_position_embeddings": 2048}
 """0.27B parameters with the default tokenizer's vocabulary (a from-config run trains its BPE to model.vocab_size:
-8192 is the one step 1 has cached). Steps 2 and 4 use their scripts' ~1B model."""
+8192 is the one step 1 has cached). Step 2 uses its script's ~1B model, step 4 its script's `mid` size (this one)."""
 TINY_FIELDS = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
                "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 64}
 """tests/conftest.py's TINY model: one tokenizer (vocabulary 512) for every step of the tiny path."""
@@ -102,6 +106,7 @@ GPU = Profile(
     name="gpu",
     small=(),  # the tiny model as configured: llmexp's default run
     headline=(),
+    multirun=("train.max_steps=50", "train.save_final=false"),
     auto=(),
     mid_model=MID_FIELDS,
     mid_data=("data.max_length=2048",),
@@ -109,7 +114,7 @@ GPU = Profile(
     precision="bf16",
     timed=(3, 8),  # ~0.4 s a step of 8 x 2048 tokens at ~40k tokens/s: 8 timed steps are ~3 s of work
     throughput=("--model", "1b", "--seq-len", "2048", "--micro-batch", "8", "--warmup", "3", "--steps", "8"),
-    adapters=("--size", "1b", "--arms", "full,lora,qlora", "--warmup", "3", "--steps", "8"),
+    adapters=("--size", "mid", "--arms", "full,lora,qlora", "--warmup", "3", "--steps", "8"),
     resume=(200, 50, 70),  # tiny model steps take ~15 ms on a GPU: the kill lands in a 130-step window
     reruns=2,
     head_vocab=32000,  # Llama-2's (the seed's model): the head is ~12% of the matmuls, fp32 logits 2 GB a step
@@ -119,6 +124,7 @@ TINY = Profile(
     small=(*fields_overrides(TINY_FIELDS), "data.max_length=64", "data.max_examples=60", "batch_size=4",
            "train.eval_batches=1", "train.peak_tflops=1"),  # a peak given: no ceiling measured at start
     headline=("train.max_steps=2",),
+    multirun=("train.max_steps=2", "train.save_final=false"),
     auto=("train.global_batch_size=8",),  # candidates 8, 4, 2, 1: a small probe (the cap is the global batch)
     mid_model=TINY_FIELDS,
     mid_data=("data.max_length=64", "data.max_examples=60", "train.peak_tflops=1"),
@@ -325,15 +331,17 @@ def step_headline(ctx: Ctx) -> None:
     """`python -m llmexp optimizer=adamw8bit precision=bf16` as written, then a two-job `--multirun lr=...`
     through the local launcher (on one GPU the second job waits for the first)."""
     p, rec = ctx.profile, ctx.record
-    run_dir = ctx.dir / "adamw8bit"
-    proc = ctx.llmexp(["optimizer=adamw8bit", "precision=bf16", *p.small, *p.headline], run_dir, "adamw8bit")
-    single = {**run_figures(run_dir, warmup=1), "exit": proc.returncode, "wall_s": round(proc.seconds, 1)}
+    run_dir, probe = ctx.dir / "adamw8bit", ctx.dir / "adamw8bit_probe.json"
+    proc = ctx.llmexp(["optimizer=adamw8bit", "precision=bf16", *p.small, *p.headline], run_dir, "adamw8bit",
+                      prefix=(PY, str(PROBE), str(probe), "--"))  # `python -m llmexp` in a watched process
+    single = {**run_figures(run_dir, warmup=1), "exit": proc.returncode, "wall_s": round(proc.seconds, 1),
+              "syncs": probed(probe).get("median")}
     evals = records(run_dir, "eval")
     single["eval_ppl_first_last"] = [evals[0].get("eval_ppl"), evals[-1].get("eval_ppl")] if evals else None
     rec.figures["adamw8bit"] = single
     rec.save()
     sweep_dir = ctx.dir / "sweep"
-    sweep = ctx.run([PY, "-m", "llmexp", "--multirun", "lr=1e-5,3e-5", *p.small, *p.headline,
+    sweep = ctx.run([PY, "-m", "llmexp", "--multirun", "lr=1e-5,3e-5", *p.small, *p.multirun,
                      f"hydra.sweep.dir={sweep_dir}"], "multirun")
     summary_path = sweep_dir / "sweep_summary.json"
     jobs = json.loads(summary_path.read_text()).get("jobs", []) if summary_path.exists() else []
@@ -353,8 +361,10 @@ def step_headline(ctx: Ctx) -> None:
         f"`python -m llmexp optimizer=adamw8bit precision=bf16`: exit {proc.returncode}, {single['status']}, "
         f"{single['steps']} steps on {single['device']} in {single['wall_s']} s; eval ppl {fmt(ppl[0])} → "
         f"{fmt(ppl[1])}; {fmt(single['tokens_per_sec'])} tokens/s; peak memory {fmt(single['peak_mem_mb'])} MiB.",
+        sync_line(single["syncs"], "bitsandbytes' per-parameter `torch.cuda.synchronize()` included"),
         f"`python -m llmexp --multirun lr=1e-5,3e-5`: exit {sweep.returncode} in {sweep.seconds:.1f} s; jobs: "
         + "; ".join(f"#{j['job']} lr={j['lr']} {j['status']} on {j['device']}" for j in rec.figures["multirun"]["jobs"])
+        + f" (each `{' '.join(p.multirun)}`: the launcher is the subject)"
         + (f". Launcher: {' / '.join(launcher)}" if launcher else ""),
     ]
     ok = proc.returncode == 0 and single["status"] == "completed" and sweep.returncode == 0 and len(jobs) == 2 \
@@ -391,7 +401,8 @@ def throughput_lines(rec: Record, figs: dict[str, Any]) -> None:
         rows.append([a["label"], fmt(statistics.median(a["tokens_per_sec"])) if a["tokens_per_sec"] else "–",
                      " / ".join(fmt(v) for v in a["tokens_per_sec"]),
                      f"{statistics.median(ratios):.3f}× ({' / '.join(f'{r:.3f}' for r in ratios)})" if ratios else "–",
-                     fmt(a["mfu"], ".1%"),
+                     fmt(a["mfu"], ".1%") + (f" ({fmt(a.get('mfu_datasheet'), '.1%')} of the datasheet)"
+                                              if a.get("mfu_datasheet") is not None else ""),
                      fmt(max(a["peak_gpu_mem_mb"]) if a["peak_gpu_mem_mb"] else None)])
     pairs = [r["llmexp"] / r["hf"] for r in figs["per_round"] if r.get("llmexp") and r.get("hf")]
     compile_pairs = [r["compile"] / r["llmexp"] for r in figs["per_round"] if r.get("compile") and r.get("llmexp")]
@@ -400,7 +411,8 @@ def throughput_lines(rec: Record, figs: dict[str, Any]) -> None:
         f"{figs['model']} model ({fmt(figs['num_params'])} parameters), micro-batch {figs['micro_batch']} × "
         f"{figs['seq_len']}, bf16 autocast, AdamW, {figs['warmup']} warm-up + {figs['steps']} timed steps per arm, "
         f"{done} of {figs['rounds']} rounds complete, on {figs['device']}; bf16 matmul ceiling "
-        f"{' / '.join(f'{c:.3g}' for c in figs['ceiling_tflops'])} TFLOP/s (measured in each round).",
+        f"{' / '.join(f'{c:.3g}' for c in figs['ceiling_tflops'])} TFLOP/s (measured first in each round); "
+        f"datasheet dense bf16 peak {fmt(figs.get('datasheet_tflops'), '.0f', ' TFLOP/s')}.",
         "",
         *table(["arm", "tokens/s (median)", "per round", "ratio to (a), paired", "MFU", "peak GPU memory (MiB)"],
                rows),
@@ -439,11 +451,19 @@ def step_fused_head(ctx: Ctx) -> None:
     base = [*p.mid_data, f"batch_size={p.mid_batch}", f"precision={p.precision}",
             f"train.max_steps={warmup + timed}", *RUN]  # the model's fields come from its config.json
     for arm, model in (("fused", fused), ("own", own)):
-        run_dir = ctx.dir / arm
-        proc = ctx.llmexp([f"model.name_or_path={model}", *base], run_dir, arm)
+        run_dir, probe = ctx.dir / arm, ctx.dir / f"{arm}_probe.json"
+        # the fused arm runs watched: its stalls a step, and a profile of one warm-up step (left out of tokens/s)
+        prefix = (PY, str(PROBE), str(probe), "--profile-step", str(max(1, warmup - 1)), "--") if arm == "fused" \
+            else (PY, "-m", "llmexp")
+        proc = ctx.llmexp([f"model.name_or_path={model}", *base], run_dir, arm, prefix=prefix)
         need(proc, f"the {arm} arm")
         losses = [r["loss"] for r in records(run_dir, "train")]
         rec.figures[arm] = {**run_figures(run_dir, warmup), "first_loss": losses[0] if losses else None}
+        if arm == "fused":
+            watched = probed(probe)
+            rec.figures["syncs"] = watched.get("median")
+            rec.figures["attention_kernels"] = watched.get("attention_kernels")
+            rec.figures["kernels"] = watched.get("kernels")
         prune(run_dir)
         rec.save()
     shutil.rmtree(own)
@@ -465,9 +485,30 @@ def step_fused_head(ctx: Ctx) -> None:
         f"Fused / own: tokens/s {fmt(rec.figures['speed_ratio'], '.3f', '×')}, peak memory "
         f"{fmt(rec.figures['memory_ratio'], '.3f', '×')}; the step-1 losses differ by "
         f"{rec.figures['first_loss_diff']:.2e} (same weights, same batch).",
+        "", sync_line(rec.figures.get("syncs"), "the fused arm"),
+        "Attention in one profiled warm-up step of the fused arm (kernel, calls, ms): "
+        + ("; ".join(f"`{k['name']}` {k['calls']}× {k['ms']:.2f}" for k in rec.figures.get("attention_kernels") or [])
+           or "none recorded") + ".",
     ]
     rec.verdict = (f"fused head {fmt(rec.figures['speed_ratio'], '.2f', '×')} the speed at "
                    f"{fmt(rec.figures['memory_ratio'], '.2f', '×')} the memory")
+
+
+def probed(path: Path) -> dict[str, Any]:
+    """What benchmarks/gpu/probe.py wrote about a watched run ({} if it wrote nothing)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def sync_line(median: dict[str, Any] | None, what: str) -> str:
+    """The stalls a step of a watched run (medians over its steps after the first)."""
+    if not median:
+        return f"Stalls a step ({what}): not recorded."
+    return (f"Stalls a step ({what}; medians after step 1): {median['sync_warnings']:.0f} synchronizing CUDA "
+            f"operations (`torch.cuda.set_sync_debug_mode('warn')`), {median['synchronize_calls']:.0f} "
+            f"`torch.cuda.synchronize()` calls taking {1000 * median['synchronize_s']:.1f} ms.")
 
 
 def tokenizer_dir(ctx: Ctx) -> Path:
@@ -476,7 +517,8 @@ def tokenizer_dir(ctx: Ctx) -> Path:
         if (candidate / "tokenizer.json").exists():
             return candidate
     run_dir = ctx.work / "tokenizer"
-    need(ctx.llmexp([*ctx.profile.small, "train.max_steps=1", *RUN, "precision=fp32"], run_dir, "tokenizer"),
+    need(ctx.llmexp([*ctx.profile.small, "train.max_steps=1", *RUN, "train.save_final=true", "precision=fp32"],
+                    run_dir, "tokenizer"),
          "the run that makes a tokenizer")
     return run_dir / "model"
 
@@ -485,8 +527,9 @@ def tokenizer_dir(ctx: Ctx) -> Path:
 
 
 def step_adapters(ctx: Ctx) -> None:
-    """benchmarks/adapters.py: full fine-tuning, peft=lora and peft=qlora on one saved ~1B Llama, each a fresh
-    `python -m llmexp`; its base is kept for step 6's estimates."""
+    """benchmarks/adapters.py: full fine-tuning, peft=lora and peft=qlora on one saved ~0.27B Llama (`--size mid`:
+    a 1B's three arms do not fit the time), each a fresh `python -m llmexp`; its base is kept for step 6's
+    estimates."""
     rec, base = ctx.record, ctx.dir / "base"
     shutil.rmtree(base, ignore_errors=True)
     env = {**ctx.env(), "TMPDIR": str(ctx.dir)}
@@ -518,7 +561,7 @@ def step_adapters(ctx: Ctx) -> None:
 
 
 def step_fsdp(ctx: Ctx) -> None:
-    """The ~1B model through the plain engine and through `fsdp=full_shard` on one process (torch's launcher,
+    """The ~0.27B model through the plain engine and through `fsdp=full_shard` on one process (torch's launcher,
     a one-process group): the path runs, and what sharding over one process costs."""
     p, rec = ctx.profile, ctx.record
     warmup, timed = p.timed
@@ -596,7 +639,7 @@ OOM = re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)
 
 
 def step_auto_batch(ctx: Ctx) -> None:
-    """`batch_size=auto` on the ~1B model: the chosen micro-batch trains (it fits), and twice it does not
+    """`batch_size=auto` on the ~0.27B model: the chosen micro-batch trains (it fits), and twice it does not
     (so it is at least half the largest that fits), unless the probe already saw twice it fail or the
     candidates stop at it (the train set, or 1024)."""
     p, rec = ctx.profile, ctx.record

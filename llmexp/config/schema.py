@@ -473,7 +473,8 @@ class TrainConfig:
     weight_decay: float = key(0.01, Range(low=0), "Decoupled weight decay (matrices only, unless the optimizer says "
                               "otherwise).")
     logging_steps: int = key(10, Range(low=1), "Steps between train metric lines.")
-    eval_steps: int = key(100, Range(low=1), "Steps between evals (also at step 0 and at the end).")
+    eval_steps: int = key(100, Range(low=1), "Steps between evals (also at the end, and at step 0 when it is at "
+                          "most `max_steps`).")
     eval_batches: int = key(16, Range(low=1, also=(-1,), note="(-1 evaluates the whole eval set)"), "Batches of "
                             "`batch_size` per eval; -1 evaluates the whole eval set.")
     sample_prompts: list[str] = key([], TextList(Text(nullable=False, max_len=10_000, one_line=False)), "Prompts "
@@ -489,6 +490,8 @@ class TrainConfig:
     save_steps: int = key(100, Range(low=0, note="(0: only at the end)"), "Steps between checkpoints; 0 saves only "
                           "at the end and on preemption.")
     save_total_limit: int = key(2, Range(low=1), "Checkpoints kept (the best one is kept in addition).")
+    save_final: bool = key(True, FLAG, "Write the final checkpoint and `model/` when the run ends; false writes "
+                           "neither (benchmarks: a 1B model's are ~17 GB).")
     resume: str = key("auto", PathRule("checkpoint"), "auto (newest complete checkpoint in the run directory), "
                       "never, or a checkpoint path.")
     resume_data_mismatch: str = key("error", Choice(("error", "warn")), "A resume whose data fingerprint (corpus, "

@@ -16,13 +16,46 @@ from llmexp.data.cache import warn
 from llmexp.rundir.readers import Damaged, load_json, reader
 
 
-def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the weights plus the attention scores and values.
+def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: int,
+                    trainable: int | None = None) -> float:
+    """Training FLOPs per token: 6N for the weights plus the attention scores and values; a frozen weight (LoRA's
+    base) 4N: its forward and the gradient it passes on, no gradient of its own. `trainable`: None, all of them.
 
     Attention adds 2 (QK^T and AV) x 2 (mul+add) x 3 (fwd+bwd) x layers x seq x hidden = 12 L T d
     (the PaLM paper's accounting, no causal discount).
     """
-    return 6.0 * num_params + 12.0 * num_layers * seq_len * hidden_size
+    trained = num_params if trainable is None else trainable
+    return 4.0 * num_params + 2.0 * trained + 12.0 * num_layers * seq_len * hidden_size
+
+
+DATASHEET_TFLOPS: tuple[tuple[str, str, float], ...] = (
+    (r"H200", "H200", 989.0), (r"H100.*PCIe", "H100 PCIe", 756.0), (r"H100.*(SXM|HBM3)", "H100 SXM", 989.0),
+    (r"A100", "A100", 312.0), (r"L40S", "L40S", 362.0), (r"\bL4\b", "L4", 121.0), (r"\bA10\b", "A10", 125.0),
+    (r"RTX 4090", "RTX 4090", 165.0))
+"""(pattern of `torch.cuda.get_device_name`, card, dense bf16/fp16 tensor-core TFLOP/s of its datasheet): the peak
+torchtitan and llm-foundry divide by, so that an MFU compares across frameworks. A card not listed (H100 NVL, A10G,
+...) gets the measured ceiling."""
+
+
+def datasheet_peak(device_name: str, dtype: torch.dtype | None) -> tuple[str, float] | None:
+    """(card, dense TFLOP/s) for a known GPU training in bf16 or fp16; None otherwise (fp32, a CPU, an unknown card)."""
+    import re
+
+    if dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return next(((card, tflops) for pattern, card, tflops in DATASHEET_TFLOPS if re.search(pattern, device_name)),
+                None)
+
+
+def mfu_peak(device: torch.device, dtype: torch.dtype | None, measured: float | None
+             ) -> tuple[float | None, dict[str, object]]:
+    """(the peak MFU divides by, the `start` record's facts on it): a known GPU's datasheet peak in bf16/fp16, with the
+    measured ceiling beside it as `measured_tflops`; elsewhere (a CPU, fp32, an unknown card) the measured ceiling,
+    named so."""
+    sheet = datasheet_peak(torch.cuda.get_device_name(device) if device.type == "cuda" else device.type, dtype)
+    if sheet is None:
+        return measured, {"peak_tflops_source": "measured matmul ceiling", "measured_tflops": measured}
+    return sheet[1], {"peak_tflops_source": f"datasheet: {sheet[0]}, dense", "measured_tflops": measured}
 
 
 def measure_peak_tflops(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -> float:

@@ -68,7 +68,7 @@ def finish_run(run: Run, tokenizer: Any, status: str) -> dict[str, Any]:
     A full disk on the way turns the status into `failed` (exit 1); summary.json is still
     written if there is room for it."""
     rt, log = run.rt, run.log
-    if status in ("completed", "early_stopped"):
+    if status in ("completed", "early_stopped") and run.cfg.train.save_final:
         status = _save_final(run, tokenizer, status)
     summary = build_summary(run, status)
     if rt.is_main:

@@ -116,7 +116,7 @@ def _rising_lr(run: Run, train_ds: Any, forward_backward: ForwardBackward) -> tu
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum, n_targets, _ = forward_backward(run, train_ds)
-        engine.clip(run.model, optimizer, t.max_grad_norm)  # fp16: unscaled first
+        engine.clip(run.model, optimizer, t.max_grad_norm, loss_sum.device)  # fp16: unscaled first
         loss = float(rt.reduce_sum(loss_sum) / n_targets)
         smoothed = smooth([*(c["loss"] for c in curve), loss])[-1]
         curve.append({"step": step, "lr": lr, "loss": loss, "smoothed": smoothed})

@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 from llmexp.config.derived import BF16_EMULATION_ADVICE, BatchPlan, make_plan, parse_batch_size
 from llmexp.model import build
 from llmexp.monitor.detectors import MonitorSettings
-from llmexp.monitor.throughput import flops_per_token
+from llmexp.monitor.throughput import flops_per_token, mfu_peak
 from llmexp.train.state import RunDescription
 
 if TYPE_CHECKING:
@@ -88,12 +88,15 @@ def _build(cfg: DictConfig, rt: Runtime, engine: Engine, vocab_size: int,
     matmul = cpu_matmul_path(cfg, rt, lm, micro_tokens)
     facts = model_facts(cfg, lm) | ({"cpu_matmul": matmul.record()} if matmul else {})
     total, c = build.count_params(lm, trainable_only=False), lm.config
-    peak_tflops, mfu_note = (cfg.train.peak_tflops, None) if cfg.train.peak_tflops else rt.measure_peak()
+    measured, mfu_note = (cfg.train.peak_tflops, None) if cfg.train.peak_tflops else rt.measure_peak()
+    peak_tflops, peak_facts = ((measured, {"peak_tflops_source": "train.peak_tflops"}) if cfg.train.peak_tflops
+                               else mfu_peak(rt.device, build.autocast_dtype(rt.precision.name), measured))
+    facts |= peak_facts  # the start record names the peak MFU divides by, the measured ceiling beside it
     lr, lr_source = resolve_lr(cfg, total)
-    # Every weight takes part in forward and backward (6N); with adapters the frozen weights need no
-    # weight gradient (4N), which this count leaves in: MFU is then a slight overestimate.
+    # 6N FLOPs a token for trained weights; frozen ones (an adapter's base) 4N: they get no weight gradient
     built = dict(num_params=build.count_params(lm), total_params=total,
-                 flops_per_token=flops_per_token(total, c.num_hidden_layers, c.hidden_size, cfg.data.max_length),
+                 flops_per_token=flops_per_token(total, c.num_hidden_layers, c.hidden_size, cfg.data.max_length,
+                                                 trainable=build.count_params(lm)),
                  peak_tflops=peak_tflops, mfu_note=mfu_note, lr=lr, lr_source=lr_source, model_facts=facts)
     loss_model = CausalLMLoss(lm)
     if matmul is not None and matmul.onednn:

@@ -123,6 +123,7 @@ def _loop(run: Run, eval_ds: data_lib.TokenDataset, suite: TaskSuite | None, pre
     while status == "completed" and state.step < max_steps:
         step = state.step
         due = step % cfg.train.eval_steps == 0 and state.last_eval_step != step
+        due = due and (step > 0 or cfg.train.eval_steps <= max_steps)  # step 0 only when evals fall inside the run
         if due and (stop := evaluate_and_record(run, eval_ds, suite, step)):
             # pruned: stopped as a preemption stops, with a checkpoint (a search may resume it by hand)
             status = stop if stop == "early_stopped" or save_state_checkpoint(run) else "failed"
@@ -135,9 +136,11 @@ def _loop(run: Run, eval_ds: data_lib.TokenDataset, suite: TaskSuite | None, pre
         loss_sum, n_targets, n_tokens = forward_backward(run, run.train_data)
         if engine.steps_first:  # DeepSpeed measures (and clips) the gradients only inside its own step
             engine.step(optimizer)
-        grad_norm = engine.clip(model, optimizer, cfg.train.max_grad_norm)  # fp16: unscaled first
+        grad_norm = engine.clip(model, optimizer, cfg.train.max_grad_norm, loss_sum.device)  # fp16: unscaled first
+        # The step's one host read, on purpose, and read now, not a step late: skip and rollback veto this step's
+        # optimizer step on its own loss and norm, so both must be on the host before it (stacked: one read).
         loss, grad_norm = torch.stack([rt.reduce_sum(loss_sum) / n_targets,
-                                       grad_norm.float().reshape(())]).tolist()  # the step's one host sync
+                                       grad_norm.float().reshape(())]).tolist()
         # Non-finite or spiking: the policy decides BEFORE the weights change (DeepSpeed: after, its step is taken).
         verdict = judge_step(cfg.train, state, loss, grad_norm, fp16=desc.precision.name == "fp16",
                              stepped=engine.steps_first, settings=desc.monitor, log=log)
@@ -194,15 +197,22 @@ def forward_backward(run: Run, train_ds: data_lib.TokenDataset | stream_lib.Stre
     n_targets = max(1, train_ds.num_targets(indices))
     loss_sum = torch.zeros((), device=rt.device)
     n_tokens = 0
+
+    def fetch(micro: int) -> dict[str, torch.Tensor]:  # pinned on CUDA: the copy does not wait on the host
+        batch = train_ds.get_batch(data_lib.micro_batch(indices, rt.rank, plan.world, micro, plan.micro))
+        pin = rt.device.type == "cuda"
+        return {k: (v.pin_memory() if pin else v).to(rt.device, non_blocking=True) for k, v in batch.items()}
+
+    batch = fetch(0)
     for micro in range(plan.accum):
-        batch_idx = data_lib.micro_batch(indices, rt.rank, plan.world, micro, plan.micro)
-        batch = {k: v.to(rt.device, non_blocking=True) for k, v in train_ds.get_batch(batch_idx).items()}
         n_tokens += batch["input_ids"].numel()
         # DDP averages gradients over ranks, so scale by world / n_targets to get the global mean.
         sync = nullcontext() if micro == plan.accum - 1 else engine.no_sync(model)
         with rt.emulation():  # emulated bf16 (CPUs without it): backward's matmuls are bf16 too
             with sync, rt.autocast():
                 micro_sum = model(**batch)
+            if micro + 1 < plan.accum:  # the next micro-batch, read and copied while the device runs this forward
+                batch = fetch(micro + 1)
             engine.backward(micro_sum * (plan.world / n_targets))
         loss_sum += micro_sum.detach()
     return loss_sum, n_targets, n_tokens * plan.world

@@ -4,7 +4,7 @@ engine (`plain.py`: one process or DDP), DeepSpeed ZeRO (`deepspeed.py`) and FSD
 The loop (`llmexp.train.train`) calls, for every optimizer step:
 
     engine.backward(loss)                   each micro-batch (fp16: through the loss scaler)
-    engine.clip(model, optimizer, norm)     the pre-clip global grad norm (inf/nan if non-finite)
+    engine.clip(model, optimizer, norm, d)  the pre-clip global grad norm (inf/nan if non-finite), on device d
     engine.step(optimizer)                  the optimizer step, when the anomaly policy says ok
     optimizer.zero_grad()
 
@@ -58,9 +58,10 @@ class Engine(Protocol):
 
     def backward(self, loss: torch.Tensor) -> None: ...
 
-    def clip(self, model: torch.nn.Module, optimizer: Any, max_norm: float) -> torch.Tensor:
+    def clip(self, model: torch.nn.Module, optimizer: Any, max_norm: float, device: torch.device) -> torch.Tensor:
         """The gradients' pre-clip global norm (inf or nan when non-finite), after clipping them to `max_norm`
-        (0: no clipping)."""
+        (0: no clipping), as a 0-d tensor on `device` (the loss's: the loop stacks the two), wherever the
+        gradients live (DeepSpeed's norm is a float, FSDP's CPU offload keeps it on the CPU)."""
         ...
 
     def step(self, optimizer: Any) -> bool:

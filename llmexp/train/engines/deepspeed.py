@@ -87,9 +87,9 @@ class DeepSpeedEngine:
         self.last_norm = math.inf if skipped or norm is None else float(norm)
         return not skipped
 
-    def clip(self, model: torch.nn.Module, optimizer: Any, max_norm: float) -> torch.Tensor:
+    def clip(self, model: torch.nn.Module, optimizer: Any, max_norm: float, device: torch.device) -> torch.Tensor:
         """The pre-clip norm of the step `step` just took (DeepSpeed clipped there); inf when it skipped it."""
-        return torch.tensor(self.last_norm)
+        return torch.tensor(self.last_norm, device=device)
 
     def loss_scale(self) -> float | None:
         return float(self._ds.optimizer.loss_scale) if self.precision == "fp16" else None

@@ -46,7 +46,18 @@ DCP_DIR = "dcp"
 """The directory inside `checkpoints/step_<N>/` that holds the DCP checkpoint."""
 
 
-def ensure_process_group() -> None:
+OFFLOAD_BACKEND = "cuda:nccl,cpu:gloo"
+"""fsdp.cpu_offload keeps the gradients, and so the grad norm clip reduces, on the CPU, which NCCL cannot carry:
+gloo takes the CPU tensors (torchtitan opens the same group for its CPU offload)."""
+
+
+def backend(cpu_offload: bool) -> str:
+    if not torch.cuda.is_available():
+        return "gloo"
+    return OFFLOAD_BACKEND if cpu_offload else "nccl"
+
+
+def ensure_process_group(cpu_offload: bool = False) -> None:
     """fully_shard needs a process group even for one process: give a plain `python -m llmexp` one."""
     import torch.distributed as dist
 
@@ -54,7 +65,7 @@ def ensure_process_group() -> None:
 
     if not dist.is_initialized():
         single_process_env()
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend(cpu_offload))
 
 
 class FsdpEngine:
@@ -79,20 +90,23 @@ class FsdpEngine:
         from torch.distributed.device_mesh import init_device_mesh
 
         device = self.accelerator.device.type
+        # Accelerate opened an NCCL-only default group under torchrun: the mesh's own groups carry CPU tensors too
+        names = ("shard",) if self.strategy != "hybrid_shard" else ("replicate", "shard")
+        override = {n: OFFLOAD_BACKEND for n in names} if backend(self.cpu_offload) == OFFLOAD_BACKEND else None
         if self.strategy != "hybrid_shard":
-            return init_device_mesh(device, (self.plan.world,), mesh_dim_names=("shard",))
+            return init_device_mesh(device, (self.plan.world,), mesh_dim_names=names, backend_override=override)
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.plan.world))
         if self.plan.world % per_node:
             raise UserError(f"fsdp=hybrid_shard shards within a node: {self.plan.world} processes do not split into "
                             f"nodes of LOCAL_WORLD_SIZE={per_node}; use fsdp=full_shard")
-        return init_device_mesh(device, (self.plan.world // per_node, per_node),
-                                mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(device, (self.plan.world // per_node, per_node), mesh_dim_names=names,
+                                backend_override=override)
 
     def shard(self, model: torch.nn.Module) -> torch.nn.Module:
         """fully_shard each decoder layer (transformers' `_no_split_modules`), then the root."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-        ensure_process_group()
+        ensure_process_group(self.cpu_offload)
         lm = model.lm  # type: ignore[attr-defined]  # CausalLMLoss
         mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if self.precision == "bf16" else MixedPrecisionPolicy())
@@ -127,13 +141,13 @@ class FsdpEngine:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def clip(self, model: torch.nn.Module, optimizer: Any, max_norm: float) -> torch.Tensor:
+    def clip(self, model: torch.nn.Module, optimizer: Any, max_norm: float, device: torch.device) -> torch.Tensor:
         """The global pre-clip norm over the sharded gradients (a DTensor, made whole), and the clip."""
         import math
 
         limit = max_norm if max_norm > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], limit)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).to(device)  # offload: on the CPU
 
     def step(self, optimizer: Any) -> bool:
         optimizer.step()  # (fp16, which would need a sharded loss scaler, is refused by validation)

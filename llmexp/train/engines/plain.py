@@ -45,13 +45,13 @@ class PlainEngine:
     def backward(self, loss: torch.Tensor) -> None:
         self.accelerator.backward(self.scaler.scale(loss) if self.scaler is not None else loss)
 
-    def clip(self, model: torch.nn.Module, optimizer: Any, max_norm: float) -> torch.Tensor:
+    def clip(self, model: torch.nn.Module, optimizer: Any, max_norm: float, device: torch.device) -> torch.Tensor:
         """Unscale fp16 grads, then clip to `max_norm` (0: no clipping); returns the pre-clip global norm."""
         if self.scaler is not None:
             self.scaler.unscale_(inner_optimizer(optimizer))
         limit = max_norm if max_norm > 0 else math.inf
         norm = self.accelerator.clip_grad_norm_(model.parameters(), limit)
-        return norm if isinstance(norm, torch.Tensor) else torch.tensor(float(norm or 0.0))
+        return (norm if isinstance(norm, torch.Tensor) else torch.tensor(float(norm or 0.0))).to(device)
 
     def step(self, optimizer: Any) -> bool:
         """`optimizer.step()`; in fp16 through the scaler, which skips a step whose grads overflowed (False)."""
