@@ -53,7 +53,7 @@ CONFIG_CHANGED=0
 write_configs() {
   mkdir -p "$ETC" "$LOG" "$PIDS" /var/spool/slurmctld /var/spool/slurmd
   local cpus mem_kb real_mb
-  cpus=$(nproc)
+  cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc obeys both: a test's OMP_NUM_THREADS=1 is not the node
   mem_kb=$(awk '/MemTotal/ {print $2}' /proc/meminfo)
   real_mb=$((mem_kb * 9 / 10 / 1024))   # above ~90% of MemTotal slurmd reports low memory and the node drains
   write_if_changed "$ETC/slurm.conf" 644 <<CONF
@@ -139,11 +139,11 @@ start_slurm() {
   if ! sacctmgr -n -P list cluster format=cluster | grep -qx "$CLUSTER"; then
     sacctmgr -i add cluster "$CLUSTER" >/dev/null
   fi
-  if ! alive "$PIDS/slurmctld.pid"; then
-    log "starting slurmctld"; /usr/sbin/slurmctld
-  elif ((CONFIG_CHANGED)); then
-    log "config changed: scontrol reconfigure"; scontrol reconfigure || true
+  if ((CONFIG_CHANGED)); then  # a node's CPUs or memory changed: slurmctld takes that only on a restart
+    log "config changed: restarting slurmctld and slurmd"
+    stop_pidfile slurmd "$PIDS/slurmd.pid"; stop_pidfile slurmctld "$PIDS/slurmctld.pid"
   fi
+  if ! alive "$PIDS/slurmctld.pid"; then log "starting slurmctld"; /usr/sbin/slurmctld; fi
   wait_for "slurmctld" scontrol ping
   if ! alive "$PIDS/slurmd.pid"; then log "starting slurmd"; /usr/sbin/slurmd; fi
 }
