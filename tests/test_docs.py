@@ -145,6 +145,7 @@ def composer(tmp_path_factory: pytest.TempPathFactory) -> Any:
     cache: dict[tuple[str, ...], Any] = {}
 
     def composed(overrides: list[str]) -> Any:
+        overrides = [o for o in overrides if not o.startswith("hydra.run.dir=")]  # (replaced by run_dir below)
         key = tuple(overrides)
         if key not in cache:
             cfg = compose("config", overrides=[*overrides, f"hydra.run.dir={run_dir}"], return_hydra_config=True)
