@@ -4,10 +4,10 @@ PYTHON ?= python
 CONSTRAINTS ?= constraints-cpu.txt
 PIP_CONSTRAINTS = $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 
-.PHONY: install cluster deepspeed-ops bytecode test lint bench
+.PHONY: install cluster deepspeed-ops bytecode test lint bench docs
 
 install:
-	$(PYTHON) -m pip install -q $(PIP_CONSTRAINTS) -e '.[test]'
+	$(PYTHON) -m pip install -q $(PIP_CONSTRAINTS) -e '.[test,docs]'
 
 cluster:
 	bash launch/slurm-local.sh up
@@ -22,13 +22,17 @@ deepspeed-ops:
 # tried for the quarter of the CPU that sits idle while the SLURM unit waits on the scheduler, cost more than it
 # filled: 2,372 core-seconds against 2,141, 20.3 min against 19.5.) A CPU without native bf16 needs no pass of its
 # own: the tests of that path simulate it (LLMEXP_ASSUME_NO_BF16=1, LLMEXP_BF16_EMULATION=1) on every CPU.
-test: install cluster deepspeed-ops bytecode
+test: install cluster deepspeed-ops bytecode docs
 	$(PYTHON) -m pytest -n 2 --dist loadgroup --no-loadscope-reorder
 
 # llmexp's bytecode, compiled once: where PYTHONDONTWRITEBYTECODE is set (this machine and CI set it), every process
 # the tests start would compile the ~120 modules it imports again (~0.15 s of CPU a training run, some 500 processes).
 bytecode:
 	$(PYTHON) -m compileall -q llmexp hydra_plugins
+
+# The documentation site (mkdocs.yml, docs/): a dead link fails the build; it takes seconds.
+docs:
+	$(PYTHON) -m mkdocs build --strict -d site
 
 lint:
 	$(PYTHON) -m ruff check .
