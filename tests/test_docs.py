@@ -27,13 +27,6 @@ DIR_COMMANDS = {"llmexp.doctor", "llmexp.report", "llmexp.status"}  # they take 
 RUN_FLAGS = {"--multirun", "-m", "--help", "-h", "--resolve", "--info", "--hydra-help"}
 FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p"}
 LEAVES = {"lr", "batch_size", "seed"}  # the top-level keys that are values, not groups
-CONF_ROT = {  # examples in llmexp/conf's own comments that fail the check; fix them there, then drop them here
-    "eval=multiple_choice ++eval.multiple_choice={arc:": "the option's own `mc` task keeps no file",
-    "data=hf data.mix=[...]": "`[...]` is a placeholder, not a mixture",
-    "experiment=sft_demo model.name_or_path=outputs/<date>/<time>/model": "`<date>` cannot be parsed by Hydra",
-}
-
-
 def test_reference_is_fresh() -> None:
     sys.path.insert(0, str(ROOT / "tools"))
     import docs_reference
@@ -213,13 +206,6 @@ def check_command(module: str, args: list[str], composer: Any) -> None:
 @pytest.mark.parametrize(("where", "module", "args", "error"), COMMANDS,
                          ids=[f"{w} {m} {' '.join(a)}"[:120] for w, m, a, _ in COMMANDS])
 def test_command_composes(where: str, module: str, args: list[str], error: str | None, composer: Any) -> None:
-    rot = [why for start, why in CONF_ROT.items() if " ".join(args).startswith(start)]
-    if rot and where.startswith("docs/reference/groups.md"):
-        try:
-            check_command(module, args, composer)
-        except Exception:
-            pytest.xfail(f"llmexp/conf: {rot[0]}")
-        pytest.fail(f"{where}: fixed in llmexp/conf; remove it from CONF_ROT")
     if error is None:
         try:
             check_command(module, args, composer)

@@ -143,10 +143,7 @@ def groups_page() -> str:
         lines += [f"## {group}", ""]
         if group in defaults:
             lines += [f"Default: `{group}={defaults[group]}`.", ""]
-        try:
-            names = option_names(group)
-        except AttributeError:  # experiment files set `experiment:` to a string (option_names reads a node)
-            names = tuple(p.stem for p in sorted((conf / group).glob("*.yaml")))
+        names = option_names(group)
         for path in sorted((conf / group).glob("*.yaml")):
             prose, examples = opening_comment(path)
             lines += [f"### `{group}={path.stem}`", "", prose or "(no comment)", ""]

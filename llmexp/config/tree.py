@@ -37,6 +37,6 @@ def option_names(group: str) -> tuple[str, ...]:
     for path in sorted((conf_dir() / group).glob("*.yaml")):
         text = path.read_text()
         data = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}  # (C: ~10x faster)
-        node = data.get(group) or {} if text.startswith("# @package _global_") else data
-        names.append(str(node.get("name", path.stem)))
+        node = (data.get(group) or {}) if text.startswith("# @package _global_") else data
+        names.append(str(node.get("name", path.stem)) if isinstance(node, dict) else path.stem)
     return tuple(dict.fromkeys(names))
