@@ -57,6 +57,17 @@ def test_default_run_metrics_follow_the_contract(default_run: Path) -> None:
 
 
 @pytest.mark.slow
+def test_every_field_the_run_writes_is_in_the_metrics_reference(default_run: Path) -> None:
+    """docs/reference/metrics.md, written by hand, cannot fall behind what a run records (issue 39)."""
+    reference = (Path(__file__).parents[1] / "docs" / "reference" / "metrics.md").read_text()
+    records = [json.loads(line) for line in (default_run / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((default_run / "summary.json").read_text())
+    fields = {(r["event"], k) for r in records for k in r} | {("summary.json", k) for k in summary}
+    missing = sorted(f"{where}: {k}" for where, k in fields if f"`{k}`" not in reference)
+    assert not missing, f"add these to docs/reference/metrics.md: {missing}"
+
+
+@pytest.mark.slow
 def test_saved_model_reloads_with_the_same_eval_loss(default_run: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
