@@ -17,6 +17,51 @@ from llmexp.errors import UserError
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
+WIDTH_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+"""The sizes `model.width_mult` multiplies. The head size (hidden_size / num_attention_heads) stays fixed: heads
+scale with the width, as muP's width scaling assumes (Tensor Programs V, section 8)."""
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """The sizes a model built from `model.*` has: the fields times `model.width_mult`. Everything that builds,
+    estimates or checks such a model reads them here, so the sweep axis needs no hand-zipping of four keys."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def mup_width_mult(self, base_width: int) -> float:
+        """muP's width multiplier m: this width over the one where muP equals standard."""
+        return self.hidden_size / base_width
+
+
+def width_problems(m: Any) -> list[str]:
+    """`model.width_mult`'s rule between keys: it scales models built from the fields, to whole sizes."""
+    mult = float(m.width_mult)
+    if mult == 1.0:
+        return []
+    if m.name_or_path:
+        return [f"model.width_mult: {mult:g} scales a model built from the fields; model.name_or_path="
+                f"{m.name_or_path} loads a pretrained one, whose sizes are fixed: drop model.width_mult"]
+    broken = [f"{k}={m[k]} x {mult:g} = {m[k] * mult:g}" for k in WIDTH_KEYS if not float(m[k] * mult).is_integer()]
+    if broken:
+        return [f"model.width_mult: {mult:g} gives sizes that are not whole numbers ({'; '.join(broken)}); "
+                "pick a factor that gives whole sizes, e.g. model.width_mult=2"]
+    return []
+
+
+def model_sizes(m: Any) -> ModelSizes:
+    """The sizes of the model `model.*` describes (`model.width_mult` applied); checked by `width_problems`."""
+    mult = float(m.width_mult)
+    return ModelSizes(**{k: round(m[k] * mult) for k in WIDTH_KEYS})
+
+
 MIX_ROUND = 1000
 """Training examples per round of a `data.mix`: each round holds every source's quota exactly."""
 

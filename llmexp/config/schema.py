@@ -61,6 +61,16 @@ class ModelConfig:
     tie_word_embeddings: bool = key(False, FLAG, "Share the input embedding with the output head.")
     attention_dropout: float = key(0.0, FRACTION, "Dropout on attention probabilities (a remedy for overfitting).")
     gradient_checkpointing: bool = key(False, FLAG, "Recompute activations in backward to save memory.")
+    width_mult: float = key(1.0, POSITIVE, "Scale hidden_size, intermediate_size, num_attention_heads and "
+                            "num_key_value_heads by this factor, the head size fixed (a sweep axis: "
+                            "model.width_mult=1,2,4); each scaled size must be a whole number. Models built from "
+                            "the fields only.")
+    parametrization: str = key("standard", Choice(("standard", "mup")), "standard, or mup (maximal update "
+                               "parametrization, Tensor Programs V): init, lr and logits scaled with the width so a "
+                               "config tuned at `mup_base_width` carries over to wider models. Models built from "
+                               "the fields only, without adapters.")
+    mup_base_width: int = key(256, Range(low=1), "mup: the hidden_size at which mup equals standard (the width "
+                              "the hyperparameters were tuned at).")
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from llmexp.config.derived import parse_batch_size
+from llmexp.config.derived import model_sizes, parse_batch_size, width_problems
 from llmexp.config.keys import MIRRORS, leaf_for, leaves, leaves_of
 from llmexp.config.rules import FRACTION
 from llmexp.errors import UserError
@@ -236,12 +236,18 @@ def _validate_groups(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet
     _validate_mix(d, errors)
     if d.streaming:
         _validate_streaming(cfg, errors, bad)
-    heads = {"model.hidden_size", "model.num_attention_heads", "model.num_key_value_heads"}
-    if m.name_or_path is None and not bad & heads:
-        _check(errors, m.hidden_size % m.num_attention_heads == 0, "model.hidden_size",
-               f"{m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}")
-        _check(errors, m.num_attention_heads % m.num_key_value_heads == 0, "model.num_key_value_heads",
-               f"{m.num_key_value_heads} must divide model.num_attention_heads={m.num_attention_heads}")
+    heads = {"model.hidden_size", "model.num_attention_heads", "model.num_key_value_heads", "model.width_mult",
+             "model.intermediate_size"}
+    width = [] if bad & heads else width_problems(m)
+    errors.extend(width)
+    if m.name_or_path is None and not bad & heads and not width:
+        sizes = model_sizes(m)  # what is built: the fields times model.width_mult
+        _check(errors, sizes.hidden_size % sizes.num_attention_heads == 0, "model.hidden_size",
+               f"{sizes.hidden_size} is not divisible by model.num_attention_heads={sizes.num_attention_heads}")
+        _check(errors, sizes.num_attention_heads % sizes.num_key_value_heads == 0, "model.num_key_value_heads",
+               f"{sizes.num_key_value_heads} must divide model.num_attention_heads={sizes.num_attention_heads}")
+    if m.parametrization == "mup":
+        _validate_mup(cfg, errors)
     if m.name_or_path is None and not bad & {"data.max_length", "model.max_position_embeddings"}:
         _check(errors, d.max_length <= m.max_position_embeddings, "data.max_length",
                f"{d.max_length} exceeds model.max_position_embeddings={m.max_position_embeddings}")
@@ -256,6 +262,22 @@ def _validate_groups(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet
     _validate_lr_find(cfg, errors, bad)
     if (problem := tracking_uri_problem(cfg.logger.tracking_uri)) is not None:
         errors.append(problem)
+
+
+def _validate_mup(cfg: DictConfig, errors: list[str]) -> None:
+    """What model.parametrization=mup cannot do: its init and per-layer lrs are set up for a model it builds."""
+    m = cfg.model
+    _check(errors, not m.name_or_path, "model.parametrization",
+           f"mup sets up a model's init and multipliers as it builds it; model.name_or_path={m.name_or_path} is "
+           "pretrained (its weights already chose): use model.parametrization=standard, or drop model.name_or_path")
+    _check(errors, cfg.peft.name == "none", "model.parametrization",
+           f"mup scales the lrs of a model trained whole; peft={cfg.peft.name} trains adapters on a frozen base: "
+           "use model.parametrization=standard with peft, or peft=none with mup")
+    # muP's readout is its own matrix, 1/width on its input and its own lr; tied to the embedding, one tensor
+    # would need both rules (the mup package's MuSharedReadout), which the Granite layout does not offer.
+    _check(errors, not m.tie_word_embeddings, "model.tie_word_embeddings",
+           "true cannot be used with model.parametrization=mup (the output head needs its own init and lr); "
+           "use model.tie_word_embeddings=false")
 
 
 def _validate_fsdp(cfg: DictConfig, errors: list[str]) -> None:

@@ -60,21 +60,43 @@ def build_model(cfg: DictConfig, vocab_size: int, precision: str = "fp32") -> Pr
         if not four_bit:  # a 4-bit model keeps its own config: it carries the quantization_config
             model.config = config
             model.float()
+    elif m.parametrization == "mup":
+        model = _mup_model(m, vocab_size)
     else:
-        config = LlamaConfig(
-            vocab_size=vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-            num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
-            num_key_value_heads=m.num_key_value_heads, max_position_embeddings=m.max_position_embeddings,
-            rope_theta=m.rope_theta, tie_word_embeddings=m.tie_word_embeddings,
-            attention_dropout=m.attention_dropout, attn_implementation="sdpa",
-        )
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(LlamaConfig(**_field_kwargs(m, vocab_size)))
     if cfg.peft.name != "none":
         if not four_bit and (dtype := autocast_dtype(precision)) is not None:
             model.to(dtype)  # a frozen base needs no fp32 master copy: half the memory; the adapters stay fp32
         return add_adapters(cfg, model, four_bit)
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    return model
+
+
+def _field_kwargs(m: DictConfig, vocab_size: int) -> dict[str, Any]:
+    """The config of a model built from `model.*`, its sizes times `model.width_mult` (`derived.model_sizes`)."""
+    from llmexp.config.derived import model_sizes
+
+    sizes = model_sizes(m)
+    return dict(vocab_size=vocab_size, hidden_size=sizes.hidden_size, intermediate_size=sizes.intermediate_size,
+                num_hidden_layers=m.num_hidden_layers, num_attention_heads=sizes.num_attention_heads,
+                num_key_value_heads=sizes.num_key_value_heads, max_position_embeddings=m.max_position_embeddings,
+                rope_theta=m.rope_theta, tie_word_embeddings=m.tie_word_embeddings,
+                attention_dropout=m.attention_dropout, attn_implementation="sdpa")
+
+
+def _mup_model(m: DictConfig, vocab_size: int) -> PreTrainedModel:
+    """model.parametrization=mup: Granite (Llama's layout with muP's multipliers), its init rescaled
+    (`llmexp.model.mup`). At model.mup_base_width it is the standard Llama, weight for weight."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    from llmexp.config.derived import model_sizes
+    from llmexp.model.mup import granite_multipliers, rescale_init
+
+    sizes = model_sizes(m)
+    model = GraniteForCausalLM(GraniteConfig(**_field_kwargs(m, vocab_size),
+                                             **granite_multipliers(sizes, m.mup_base_width)))
+    rescale_init(model, sizes.mup_width_mult(m.mup_base_width))
     return model
 
 
@@ -169,6 +191,16 @@ def param_groups(model: torch.nn.Module, weight_decay: float, decay_all: bool) -
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def optimizer_groups(cfg: DictConfig, model: torch.nn.Module) -> list[dict[str, Any]]:
+    """The param groups: muP's per-part groups (each with its `lr_mult`), or the standard two."""
+    if cfg.model.parametrization == "mup" and not cfg.model.name_or_path:
+        from llmexp.config.derived import model_sizes
+        from llmexp.model.mup import mup_groups
+
+        return mup_groups(cfg, model, model_sizes(cfg.model).mup_width_mult(cfg.model.mup_base_width))
+    return param_groups(model, cfg.train.weight_decay, cfg.optimizer.decay_norms_and_biases)
+
+
 def build_optimizer(cfg: DictConfig, model: torch.nn.Module, lr: float, device_type: str) -> torch.optim.Optimizer:
     """The allow-listed optimizer class with only the arguments its constructor accepts."""
     import torch
@@ -187,12 +219,17 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module, lr: float, device_t
     if "fused" in accepted and o.name == "adamw":
         kwargs["fused"] = True  # one kernel per step instead of a loop over tensors; CPU and CUDA both have it
     kwargs.update(dict(o.kwargs))
-    groups = param_groups(model, cfg.train.weight_decay, o.decay_norms_and_biases)
+    groups = optimizer_groups(cfg, model)
     try:
-        return cls(groups, lr=lr, **kwargs)
+        optimizer = cls(groups, lr=lr, **kwargs)
     except (ValueError, TypeError) as err:  # torch and bitsandbytes check their arguments: e.g. eps < 0
         raise UserError(f"optimizer: {target} rejected its arguments {kwargs} ({err}); "
                         "fix optimizer.* or optimizer.kwargs.*") from err
+    from llmexp.model.mup import lr_mult
+
+    for group in optimizer.param_groups:  # muP's per-part lrs from the start (the trainer sets them each step)
+        group["lr"] = lr * lr_mult(group)
+    return optimizer
 
 
 def count_params(model: torch.nn.Module, trainable_only: bool = True) -> int:

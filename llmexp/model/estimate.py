@@ -46,7 +46,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from llmexp.config.derived import parse_batch_size
+from llmexp.config.derived import model_sizes, parse_batch_size
 
 MiB = 2**20
 NF4_BYTES_PER_PARAM = 0.5 + 0.127 / 8
@@ -112,9 +112,11 @@ def meta_model(cfg: DictConfig) -> Any:
     elif m.name_or_path and _has_local_config(m.name_or_path):
         config = AutoConfig.from_pretrained(m.name_or_path, trust_remote_code=m.trust_remote_code)
     else:  # from the fields (model=llama2-7b lists the hub model's fields for exactly this)
-        config = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-                             num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
-                             num_key_value_heads=m.num_key_value_heads,
+        sizes = model_sizes(m)  # model.width_mult applied
+        config = LlamaConfig(vocab_size=m.vocab_size, hidden_size=sizes.hidden_size,
+                             intermediate_size=sizes.intermediate_size, num_hidden_layers=m.num_hidden_layers,
+                             num_attention_heads=sizes.num_attention_heads,
+                             num_key_value_heads=sizes.num_key_value_heads,
                              max_position_embeddings=m.max_position_embeddings,
                              tie_word_embeddings=m.tie_word_embeddings)
     with torch.device("meta"):
@@ -175,8 +177,9 @@ def activation_bytes(cfg: DictConfig, precision: str, micro_batch: int) -> float
     from llmexp.model.loss import CHUNK_TOKENS
 
     m, tokens = cfg.model, micro_batch * cfg.data.max_length
-    d, i, layers = m.hidden_size, m.intermediate_size, m.num_hidden_layers
-    kv_dim = d // m.num_attention_heads * m.num_key_value_heads
+    sizes = model_sizes(m)  # model.width_mult applied
+    d, i, layers = sizes.hidden_size, sizes.intermediate_size, m.num_hidden_layers
+    kv_dim = sizes.head_dim * sizes.num_key_value_heads
     half = 2 if precision in ("bf16", "fp16") else 4
     fp32_elems = 4 * d  # residual inputs and norm outputs
     mm_elems = 3 * d + 2 * kv_dim + 4 * i  # q, k, v, attention out, o_proj in, the MLP's four

@@ -32,6 +32,12 @@ def model_facts(cfg: DictConfig, lm: nn.Module) -> dict[str, Any]:
         "vocab_size": config.vocab_size, "context_length": getattr(config, "max_position_embeddings", None),
         "model_params": count_params(lm, trainable_only=False) - adapter_params,
         "trainable_params": count_params(lm)}
+    if not cfg.model.name_or_path:  # built from the fields: the sizes as built (model.width_mult applied)
+        facts["model_shape"] = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+                                "num_attention_heads": config.num_attention_heads,
+                                "num_key_value_heads": config.num_key_value_heads,
+                                "width_mult": float(cfg.model.width_mult),
+                                "parametrization": cfg.model.parametrization}
     if cfg.model.name_or_path and cfg.model.gguf_file:
         facts["gguf_dtype"] = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(
             str(next(base.parameters()).dtype).removeprefix("torch."), "fp32")

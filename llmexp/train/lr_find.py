@@ -33,6 +33,7 @@ from llmexp.config.validation import is_lr_find
 from llmexp.model.rng import rng_untouched
 from llmexp.rundir.files import write_json_atomic
 from llmexp.rundir.readers import Damaged, load_json, reader
+from llmexp.train.schedule import set_lr
 
 if TYPE_CHECKING:
     from llmexp.train.runtime import Runtime
@@ -113,8 +114,7 @@ def _rising_lr(run: Run, train_ds: Any, forward_backward: ForwardBackward) -> tu
     curve: list[dict[str, Any]] = []
     for step in range(steps):
         lr = lr_at(step, steps, first, last)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(optimizer, lr)  # muP's per-part factors too: the curve is over the base lr, as a run sets it
         loss_sum, n_targets, _ = forward_backward(run, train_ds)
         engine.clip(run.model, optimizer, t.max_grad_norm, loss_sum.device)  # fp16: unscaled first
         loss = float(rt.reduce_sum(loss_sum) / n_targets)

@@ -202,7 +202,8 @@ def resume_key(cfg: DictConfig, desc: RunDescription) -> dict[str, Any]:
             "batch_size": plan.micro, "world_size": plan.world, "seed": cfg.seed,
             "optimizer": cfg.optimizer.name, "scheduler": cfg.scheduler.name, "precision": desc.precision.name,
             "data": desc.data_fingerprint, "peft": cfg.peft.name, "base_model": base_model_fingerprint(cfg),
-            "fsdp": cfg.fsdp.name}
+            "fsdp": cfg.fsdp.name,
+            "parametrization": cfg.model.parametrization}
 
 
 def base_model_fingerprint(cfg: DictConfig) -> str:

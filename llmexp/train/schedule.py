@@ -1,6 +1,7 @@
 """Learning-rate schedules as pure functions of the step, the seed's lr-by-size rule, and the peak lr.
 
-The trainer sets `group["lr"] = lr_at(step, ...)` before every optimizer step, so the schedule
+The trainer sets each group's lr to `lr_at(step, ...)` (times the group's muP factor: `set_lr`) before every
+optimizer step, so the schedule
 holds no state: resuming at step k gives exactly the lr of step k (cf. transformers #34053), and
 nothing is handed to `accelerator.prepare` (which would step it once per process, accelerate #2318).
 """
@@ -8,12 +9,26 @@ nothing is handed to `accelerator.prepare` (which would step it once per process
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from llmexp.config.validation import configured_lr
+from llmexp.model.mup import lr_mult
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
+
+def set_lr(optimizer: Any, lr: float) -> None:
+    """Set every param group's lr to `lr` times the group's own factor (`lr_mult`: muP's per-part lrs, 1 for
+    a standard run). The one place the trainer and the lr range test set the lr."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * lr_mult(group)
+
+
+def base_lr(optimizer: Any) -> float:
+    """The lr `set_lr` was last given (the schedule's, which the metrics log), from the first group."""
+    group = optimizer.param_groups[0]
+    return group["lr"] / lr_mult(group)
+
 
 # The seed's table (section 2.2): parameter count -> recommended peak lr for pretraining.
 LR_BY_SIZE: tuple[tuple[float, float], ...] = ((1e9, 3e-4), (7e9, 2e-4), (70e9, 1e-4), (math.inf, 7e-5))

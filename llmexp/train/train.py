@@ -41,7 +41,7 @@ from llmexp.train.preemption import PreemptionSignal
 from llmexp.train.pruning import TrialPruning, sweep_value
 from llmexp.train.resume import load_resume_state, rollback, save_state_checkpoint
 from llmexp.train.runtime import setup_runtime
-from llmexp.train.schedule import lr_at
+from llmexp.train.schedule import base_lr, lr_at, set_lr
 from llmexp.train.setup import describe, start_facts
 from llmexp.train.state import LoopState, Run
 
@@ -130,8 +130,7 @@ def _loop(run: Run, eval_ds: data_lib.TokenDataset, suite: TaskSuite | None, pre
             break
         if samples.due(cfg.train, step, max_steps):
             samples.record(run, run.tokenizer, step)  # on a forked RNG: training is bitwise unchanged
-        for group in optimizer.param_groups:
-            group["lr"] = lr_now(run, step)
+        set_lr(optimizer, lr_now(run, step))
         window.begin()
         loss_sum, n_targets, n_tokens = forward_backward(run, run.train_data)
         if engine.steps_first:  # DeepSpeed measures (and clips) the gradients only inside its own step
@@ -279,7 +278,7 @@ def train_record(run: Run, loss: float, grad_norm: float) -> dict[str, Any]:
     state, plan = run.state, run.desc.plan
     tokens_per_sec = run.window.take()
     record = {"event": "train", "step": state.step, "loss": loss, "ppl": safe_exp(loss),
-              "lr": run.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm, "tokens_per_sec": tokens_per_sec,
+              "lr": base_lr(run.optimizer), "grad_norm": grad_norm, "tokens_per_sec": tokens_per_sec,
               "mfu": run.mfu(tokens_per_sec), "mem_mb": peak_memory_mb(run.rt.device),
               "epoch": state.step * plan.global_batch / state.num_examples if state.num_examples else None,
               "time_s": run.desc.elapsed(), "skipped_steps": state.skipped_steps}
