@@ -152,3 +152,38 @@ def test_a_mup_run_writes_its_run_dir_and_resumes(tmp_path: Path) -> None:
     saved = torch.load(sorted(run_dir.glob("checkpoints/*/optimizer.pt"))[-1], weights_only=False)
     assert [(g["mup_part"], g["lr_mult"]) for g in saved["param_groups"]] == [
         ("hidden", 0.5), ("head", 1.0), ("embedding", 1.0), ("vector", 1.0)]
+
+
+def test_coord_check_logits_stay_flat_under_mup_and_grow_under_standard(tmp_path: Path) -> None:
+    """muP's own check, as `python -m llmexp.coord_check` runs it (widths 1 and 4 of its small model, 4 Adam steps
+    at lr 1e-2): the logits' coordinate size after the steps is about the same at both widths under mup
+    (widest / narrowest < 2) and clearly larger at the wider one under standard (> 3)."""
+    from llmexp.cli.coord_check import SMALL_MODEL
+    from llmexp.train.coord_check import CheckSettings, coord_check
+
+    cfg = compose([*SMALL_MODEL, "batch_size=4"], tmp_path)
+    settings = CheckSettings(widths=(1.0, 4.0), steps=4, lr=1e-2, batch=4, seq_len=32, seed=0)
+    result = coord_check(cfg, settings, ("standard", "mup"), torch.device("cpu"))
+    mup, std = result["runs"]["mup"]["growth"], result["runs"]["standard"]["growth"]
+    assert mup["logits"] < 2 and std["logits"] > 3, (mup, std)
+    assert std["mlp"] > 3 * mup["mlp"] and std["attention"] > 3 * mup["attention"], (mup, std)
+    assert [c["step"] for c in result["runs"]["mup"]["curves"]["4"]] == [0, 1, 2, 3]
+
+
+def test_the_coord_check_command_writes_its_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The command (its `main`, in this process: a subprocess would import torch again) writes coord_check.json
+    and .png and prints their paths and each group's growth; a width that gives no whole sizes is exit 2."""
+    import json
+
+    from llmexp.cli.coord_check import main
+
+    out = tmp_path / "cc"
+    assert main(["--widths", "1,2", "--steps", "2", "--out", str(out), "model.parametrization=mup",
+                 "model.num_hidden_layers=1", "batch_size=2", "data.max_length=16"]) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote {out / 'coord_check.json'}" in printed and f"wrote {out / 'coord_check.png'}" in printed
+    result = json.loads((out / "coord_check.json").read_text())
+    assert list(result["runs"]) == ["mup"] and result["hidden_sizes"] == {"1": 64, "2": 128}
+    assert (out / "coord_check.png").stat().st_size > 0
+    assert main(["--widths", "1,1.3", "--out", str(out)]) == 2
+    assert "model.width_mult" in capsys.readouterr().err

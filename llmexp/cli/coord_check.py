@@ -1,0 +1,123 @@
+"""`python -m llmexp.coord_check [--widths 1,2,4,8] [--steps 5] [--out DIR] [overrides]`: muP's coordinate
+check (`llmexp.train.coord_check`). The config composes as `python -m llmexp OVERRIDES` would, on top of a small
+model (`SMALL_MODEL`: seconds on a CPU; your overrides win); each width is that model at `model.width_mult=W`. It
+checks the parametrization the overrides name (`model.parametrization=mup`), else both, writes coord_check.json
+and coord_check.png to DIR and prints each layer group's growth from the narrowest width to the widest: about 1
+under mup, growing with the width under standard."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+SMALL_MODEL = ("model.hidden_size=64", "model.num_attention_heads=2", "model.num_key_value_heads=2",
+               "model.intermediate_size=172", "model.num_hidden_layers=2", "model.vocab_size=1024",
+               "model.mup_base_width=64", "model.max_position_embeddings=64", "data.max_length=64", "batch_size=8")
+"""The check's base model (width_mult 1), 64 wide with heads of 32; at width 8 it is 512 wide (~7M parameters)."""
+CHECK_LR = 1e-2
+"""The lr when the config's is not a number (lr=auto, lr=find): a few Adam steps at it move the coordinates
+visibly, so a parametrization that lets them grow with the width shows it (the mup package's examples use ~1e-2)."""
+PARAMETRIZATIONS = ("standard", "mup")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m llmexp.coord_check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--widths", default="1,2,4,8", help="width multipliers, comma-separated (default 1,2,4,8)")
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps per width (default 5)")
+    parser.add_argument("--out", default="outputs/coord_check", help="output directory")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m llmexp")
+    return parser
+
+
+def _widths(text: str) -> tuple[float, ...]:
+    from llmexp.errors import UserError
+
+    try:
+        widths = tuple(sorted({float(w) for w in text.split(",") if w.strip()}))
+    except ValueError:
+        widths = ()
+    if len(widths) < 2 or widths[0] <= 0:
+        raise UserError(f"--widths {text}: give two or more positive width multipliers, e.g. --widths 1,2,4,8")
+    return widths
+
+
+def _settings(cfg: Any, args: argparse.Namespace) -> Any:
+    from llmexp.config.validation import parse_lr
+    from llmexp.errors import UserError
+    from llmexp.train.coord_check import CheckSettings
+
+    if args.steps < 1:
+        raise UserError(f"--steps {args.steps}: must be >= 1, e.g. --steps 5")
+    try:
+        lr = parse_lr(cfg.lr) or CHECK_LR
+    except (TypeError, ValueError):
+        lr = CHECK_LR  # lr=find: the check has no range test of its own
+    batch = cfg.batch_size if isinstance(cfg.batch_size, int) else 8
+    return CheckSettings(widths=_widths(args.widths), steps=args.steps, lr=float(lr), batch=batch,
+                         seq_len=int(cfg.data.max_length), seed=int(cfg.seed))
+
+
+def _validated(cfg: Any, widths: tuple[float, ...], parametrizations: tuple[str, ...]) -> None:
+    """Every config the check builds passes `validate` (each width: whole sizes; mup: its refusals)."""
+    from llmexp.config.validation import validate
+    from llmexp.train.coord_check import at_width
+
+    for name in parametrizations:
+        for width in widths:
+            validate(at_width(cfg, width, name))
+
+
+def _table(result: dict[str, Any]) -> str:
+    groups = result["groups"]
+    lines = [f"{'':<10}" + "".join(f"{g:>11}" for g in groups) + "   (coordinate size, widest / narrowest width, "
+             "last step)"]
+    for name, run in result["runs"].items():
+        lines.append(f"{name:<10}" + "".join(f"{run['growth'][g]:>11.2f}" for g in groups))
+    return "\n".join(lines)
+
+
+def run(argv: list[str]) -> int:
+    """Parse, compose, check every config, run the check, write and print; raises UserError for a mistake."""
+    import torch
+
+    from llmexp.cli.estimate import compose
+    from llmexp.report.coord_check import plot_coord_check
+    from llmexp.rundir.files import write_json_atomic
+    from llmexp.train.coord_check import coord_check
+
+    args = _parser().parse_args(argv)
+    named = [o.split("=", 1)[1] for o in args.overrides if o.startswith("model.parametrization=")]
+    parametrizations = tuple(named[-1:]) or PARAMETRIZATIONS
+    cfg = compose([*SMALL_MODEL, *args.overrides])
+    settings = _settings(cfg, args)
+    _validated(cfg, settings.widths, parametrizations)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    hidden = [round(cfg.model.hidden_size * w) for w in settings.widths]
+    print(f"coord check: {', '.join(parametrizations)} at hidden sizes {hidden}, {settings.steps} steps of "
+          f"{cfg.optimizer.name} at lr {settings.lr:g} on {device.type}", file=sys.stderr, flush=True)
+    result = coord_check(cfg, settings, parametrizations, device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "coord_check.json", result)
+    plot_coord_check(result, out / "coord_check.png")
+    print(_table(result))
+    print(f"wrote {out / 'coord_check.json'}\nwrote {out / 'coord_check.png'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command: exit 0 done, 2 a user's mistake (a bad override, width or refused combination)."""
+    from llmexp.errors import EXIT_USER, UserError
+
+    try:
+        return run(list(sys.argv[1:] if argv is None else argv))
+    except UserError as err:
+        print(f"llmexp.coord_check: error: {err}", file=sys.stderr)
+        return EXIT_USER
+    except Exception as err:  # Hydra's override and compose errors
+        if type(err).__module__.split(".")[0] not in ("hydra", "omegaconf"):
+            raise
+        print(f"llmexp.coord_check: error: {err}", file=sys.stderr)
+        return EXIT_USER
