@@ -155,19 +155,20 @@ def test_a_mup_run_writes_its_run_dir_and_resumes(tmp_path: Path) -> None:
 
 
 def test_coord_check_logits_stay_flat_under_mup_and_grow_under_standard(tmp_path: Path) -> None:
-    """muP's own check, as `python -m llmexp.coord_check` runs it (widths 1 and 4 of its small model, 4 Adam steps
-    at lr 1e-2): the logits' coordinate size after the steps is about the same at both widths under mup
-    (widest / narrowest < 2) and clearly larger at the wider one under standard (> 3)."""
+    """muP's own check, as `python -m llmexp.coord_check` runs it (widths 1 and 4 of its small model, 5 Adam steps
+    at lr 3e-3): the logits' coordinate size after the steps is about the same at both widths under mup
+    (widest / narrowest < 2; 0.98-1.15 over seeds 0-2) and clearly larger at the wider one under standard
+    (3.4-5.2 over those seeds); the hidden outputs grow too under standard."""
     from llmexp.cli.coord_check import SMALL_MODEL
     from llmexp.train.coord_check import CheckSettings, coord_check
 
     cfg = compose([*SMALL_MODEL, "batch_size=4"], tmp_path)
-    settings = CheckSettings(widths=(1.0, 4.0), steps=4, lr=1e-2, batch=4, seq_len=32, seed=0)
+    settings = CheckSettings(widths=(1.0, 4.0), steps=5, lr=3e-3, batch=4, seq_len=32, seed=0)
     result = coord_check(cfg, settings, ("standard", "mup"), torch.device("cpu"))
     mup, std = result["runs"]["mup"]["growth"], result["runs"]["standard"]["growth"]
-    assert mup["logits"] < 2 and std["logits"] > 3, (mup, std)
+    assert mup["logits"] < 2 and std["logits"] > 2.5 and std["logits"] > 2 * mup["logits"], (mup, std)
     assert std["mlp"] > 3 * mup["mlp"] and std["attention"] > 3 * mup["attention"], (mup, std)
-    assert [c["step"] for c in result["runs"]["mup"]["curves"]["4"]] == [0, 1, 2, 3]
+    assert [c["step"] for c in result["runs"]["mup"]["curves"]["4"]] == [0, 1, 2, 3, 4]
 
 
 def test_the_coord_check_command_writes_its_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
