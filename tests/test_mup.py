@@ -179,7 +179,7 @@ def test_the_coord_check_command_writes_its_files(tmp_path: Path, capsys: pytest
     from llmexp.cli.coord_check import main
 
     out = tmp_path / "cc"
-    assert main(["--widths", "1,2", "--steps", "2", "--out", str(out), "model.parametrization=mup",
+    assert main(["model.parametrization=mup", "--widths", "1,2", "--steps", "2", "--out", str(out),
                  "model.num_hidden_layers=1", "batch_size=2", "data.max_length=16"]) == 0
     printed = capsys.readouterr().out
     assert f"wrote {out / 'coord_check.json'}" in printed and f"wrote {out / 'coord_check.png'}" in printed
@@ -188,3 +188,13 @@ def test_the_coord_check_command_writes_its_files(tmp_path: Path, capsys: pytest
     assert (out / "coord_check.png").stat().st_size > 0
     assert main(["--widths", "1,1.3", "--out", str(out)]) == 2
     assert "model.width_mult" in capsys.readouterr().err
+
+
+def test_the_coord_check_help_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "llmexp.coord_check", "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "--widths" in done.stdout
+    assert not [line for line in done.stderr.splitlines() if line.rstrip().endswith("| torch")]

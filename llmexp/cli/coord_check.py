@@ -80,6 +80,7 @@ def _table(result: dict[str, Any]) -> str:
 
 def run(argv: list[str]) -> int:
     """Parse, compose, check every config, run the check, write and print; raises UserError for a mistake."""
+    args = _parser().parse_intermixed_args(argv)  # --help before torch is imported; flags among overrides
     import torch
 
     from llmexp.cli.estimate import compose
@@ -87,7 +88,6 @@ def run(argv: list[str]) -> int:
     from llmexp.rundir.files import write_json_atomic
     from llmexp.train.coord_check import coord_check
 
-    args = _parser().parse_args(argv)
     named = [o.split("=", 1)[1] for o in args.overrides if o.startswith("model.parametrization=")]
     parametrizations = tuple(named[-1:]) or PARAMETRIZATIONS
     cfg = compose([*SMALL_MODEL, *args.overrides])
