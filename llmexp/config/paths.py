@@ -20,6 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from llmexp.config.task_code import code_in_task_dir
 from llmexp.rundir.readers import load_json, reader
 
 HF_BUILDERS = ("parquet", "arrow", "json", "csv", "text")
@@ -275,7 +276,11 @@ def task_dir_problem(cfg: Any, key: str, value: Any) -> str | None:
         return problem or f"{_shown(key, value)}: no such directory (looked at {path.absolute()}); point it at {what}"
     if not any(p.is_file() for p in path.rglob("*.yaml")):
         return f"{_shown(key, value)}: holds no task YAML (*.yaml); add one, or point it at {what}"
-    return None
+    if cfg.eval.lm_eval.trust_code or not (code := code_in_task_dir(path)):
+        return None
+    more = f" (and {len(code) - 1} more)" if len(code) > 1 else ""
+    return (f"{_shown(key, value)}: its task YAMLs would run Python code: {code[0]}{more}; set "
+            "eval.lm_eval.trust_code=true if you trust the folder's author, or remove the code")
 
 
 def task_file_errors(cfg: Any) -> list[str]:

@@ -418,6 +418,9 @@ class LmEvalConfig:
                            "names of tasks in `include_path`.")
     include_path: str | None = key(None, PathRule("task_dir"), "A directory of task YAMLs (offline: `dataset_path: "
                                    "json` with `dataset_kwargs.data_files`).")
+    trust_code: bool = key(False, FLAG, "Let the task YAMLs of `include_path` run Python: `!function` tags "
+                           "(theirs and their `include:`s'), Jinja templates that reach past the document's fields. "
+                           "Off: such a folder is refused before the run starts.")
     include_defaults: bool = key(True, FLAG, "Also index the harness's built-in tasks (~15,000; ~25 s at the start "
                                  "of a run).")
     limit: int | None = key(None, Range(low=1, note="(or null for every document)"), "Score at most this many "
