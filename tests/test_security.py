@@ -626,3 +626,24 @@ def test_a_plain_task_folder_and_the_harness_own_tasks_need_no_trust(tmp_path: P
     (folder / "bad.yaml").write_text("task: b\ndoc_to_text: [unclosed\n")
     with pytest.raises(UserError, match=r"bad\.yaml:3"):
         code_in_task_dir(folder)
+
+
+SECRET_NAMES = ["logger.project", "logger.entity", "logger.tags=[ok,${oc.env:MY_SERVICE_TOKEN}]", "logger.experiment",
+                "hydra.job.name", "--multirun hydra.sweep.subdir"]
+
+
+@pytest.mark.parametrize("where", SECRET_NAMES)
+def test_a_secret_in_a_name_is_refused_without_echoing_it(where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           cli_refusal) -> None:
+    """Issue 40, security 2: names are shown in clear (a tracker's project, tags and experiment; the job's log file;
+    every job directory, and with it the sweep's records), so a secret in one is refused before anything is
+    written, and the refusal does not repeat it. The secret here is not token-shaped: only its variable's name
+    (`*_TOKEN`) says it is one."""
+    canary = "canary-name-value-48151623"
+    monkeypatch.setenv("MY_SERVICE_TOKEN", canary)
+    monkeypatch.chdir(tmp_path)
+    flags, _, key = where.rpartition(" ")
+    override = key if "=" in key else f"{key}=pre-${{oc.env:MY_SERVICE_TOKEN}}"
+    code, err = cli_refusal([*flags.split(), override, "logger=wandb" if "logger" in key else "logger=jsonl"])
+    assert code == 2 and "holds a secret" in err and key.split("=")[0] in err, err
+    assert canary not in err and not list(tmp_path.iterdir())

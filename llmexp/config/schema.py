@@ -323,15 +323,16 @@ class LoggerConfig:
     """Metric sinks besides `metrics.jsonl` and the console, which are always on."""
 
     name: str = key("jsonl", Choice(group="logger"), "jsonl, wandb, tensorboard or mlflow.")
-    project: str = key("llmexp", Text(nullable=False, max_len=128, forbid="/\\#?%:"),  # what wandb refuses
-                       "wandb: project.")
-    entity: str | None = key(None, OPTIONAL, "wandb: entity (team).")
+    project: str = key("llmexp", Text(nullable=False, max_len=128, forbid="/\\#?%:", public=True),
+                       "wandb: project.")  # (max_len and forbid: what wandb refuses)
+    entity: str | None = key(None, Text(public=True), "wandb: entity (team).")
     mode: str = key("auto", Choice(("auto", "online", "offline", "disabled")), "wandb: online, offline, or auto "
                     "(offline without WANDB_API_KEY).")
     init_timeout_s: float = key(10.0, POSITIVE, "wandb, mlflow: seconds a start may take to reach the server; past "
                                 "it the run logs locally instead (wandb offline, mlflow to the local store; one "
                                 "warning).")
-    tags: list[str] = key([], TextList(Text(nullable=False, max_len=64)), "wandb: tags.")  # wandb refuses longer
+    tags: list[str] = key([], TextList(Text(nullable=False, max_len=64, public=True)),
+                          "wandb: tags.")  # (wandb refuses longer)
     tracking_uri: str | None = key(None, Special(
         "null, or an MLflow server, SQLite or Databricks URI without credentials",
         ("file:///tmp/mlruns", "ftp://x", "http://u:p@h:5000")),
@@ -339,7 +340,7 @@ class LoggerConfig:
         "(sqlite:///path/mlflow.db); null: a SQLite store in the run directory, or the sweep directory for a sweep's "
         "jobs, which needs no server. Credentials go in MLFLOW_TRACKING_TOKEN or MLFLOW_TRACKING_USERNAME/PASSWORD, "
         "never in the URI.")
-    experiment: str = key("llmexp", Text(nullable=False, max_len=256),  # MLflow's SQL stores: a VARCHAR(256)
+    experiment: str = key("llmexp", Text(nullable=False, max_len=256, public=True),  # MLflow SQL: VARCHAR(256)
                           "mlflow: the experiment the run (or the sweep's parent run) is logged to; created when "
                           "missing.")
     log_model: bool = key(False, FLAG, "mlflow: also upload the final `model/` directory as the run's `model` "
