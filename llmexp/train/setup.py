@@ -13,6 +13,7 @@ import torch
 from omegaconf import DictConfig
 
 from llmexp.config.derived import BF16_EMULATION_ADVICE, BatchPlan, make_plan, parse_batch_size
+from llmexp.errors import UserError
 from llmexp.model import build
 from llmexp.monitor.detectors import MonitorSettings
 from llmexp.monitor.throughput import flops_per_token, mfu_peak
@@ -85,6 +86,7 @@ def _build(cfg: DictConfig, rt: Runtime, engine: Engine, vocab_size: int,
 
     torch.manual_seed(cfg.seed)  # same init on every rank
     lm = build.build_model(cfg, vocab_size, rt.precision.name)
+    _check_vocab(cfg, lm, vocab_size)
     matmul = cpu_matmul_path(cfg, rt, lm, micro_tokens)
     facts = model_facts(cfg, lm) | ({"cpu_matmul": matmul.record()} if matmul else {})
     total, c = build.count_params(lm, trainable_only=False), lm.config
@@ -110,6 +112,16 @@ def _build(cfg: DictConfig, rt: Runtime, engine: Engine, vocab_size: int,
     if rt.compiles:
         model = torch.compile(model)
     return model, optimizer, built
+
+
+def _check_vocab(cfg: DictConfig, lm: torch.nn.Module, vocab_size: int) -> None:
+    """A tokenizer with more tokens than the model has embedding rows: its top ids would index out of range at the
+    first forward (an IndexError deep in torch), so it is refused here, before any step."""
+    rows = lm.get_input_embeddings().num_embeddings
+    if vocab_size > rows:
+        raise UserError(f"data.tokenizer={cfg.data.tokenizer}: its {vocab_size} tokens outnumber the {rows} "
+                        f"embedding rows of model.name_or_path={cfg.model.name_or_path}; use the model's own "
+                        "tokenizer (data.tokenizer=null) or one made for it")
 
 
 def cpu_matmul_path(cfg: DictConfig, rt: Runtime, lm: torch.nn.Module, micro_tokens: int) -> MatmulPath | None:
