@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -193,12 +195,16 @@ def bad(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     two = make_sweep(tmp_path / "two", {1_000_000: 1e-3}, lrs=[1e-3, 3e-3])
     damaged = make_sweep(tmp_path / "damaged", {1_000_000: 1e-3})
     (damaged / "2" / "summary.json").write_text('{"status": "compl')
+    diverged = make_sweep(tmp_path / "diverged", {1_000_000: 1e-3}, lrs=[])
+    for i, lr in enumerate((1e-2, 3e-2, 1e-1)):
+        make_job(diverged / str(i), 1_000_000, lr, None, status="diverged")
     mixed = make_sweep(tmp_path / "mixed", {1_000_000: 1e-3})
     make_sweep(mixed, {4_000_000: 1e-3}, parametrization="mup", start=10)
     return {"not a sweep": (plain, "is not a sweep directory"),
             "unfinished": (unfinished, "no finished job with an eval loss"),
             "two lrs": (two, "2 lr(s) with an eval loss (0.001, 0.003); a parabola needs at least 3"),
             "damaged": (damaged, f"{damaged / '2' / 'summary.json'}: damaged"),
+            "all diverged": (diverged, "diverged: sweep lower lrs (the lowest here, 0.01, is still too high)"),
             "mixed": (mixed, "mix model.parametrization=mup and standard")}
 
 
@@ -219,8 +225,9 @@ def real_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """lr x hidden size, 3 x 2, a few steps each: the files a real sweep leaves."""
     sweep = tmp_path_factory.mktemp("fit") / "sweep"
     tiny = [o for o in TINY if not o.startswith("model.hidden_size=")]
-    proc = run_cli(["--multirun", *tiny, "lr=1e-3,3e-3,1e-2", "model.hidden_size=64,128", "precision=fp32",
-                    f"train.max_steps={STEPS}", f"train.eval_steps={STEPS}", "train.save_steps=0",
+    # two jobs at a time: each is mostly its process starting (imports), one thread each
+    proc = run_cli(["--multirun", *tiny, "cluster.max_parallel=2", "lr=1e-3,3e-3,1e-2", "model.hidden_size=64,128",
+                    "precision=fp32", f"train.max_steps={STEPS}", f"train.eval_steps={STEPS}", "train.save_steps=0",
                     "train.warmup_steps=1", f"hydra.sweep.dir={sweep}"], env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return sweep
@@ -243,3 +250,11 @@ def test_bad_input_from_the_command_line(tmp_path: Path) -> None:
     proc = run_cli([str(tmp_path)], module="llmexp.fit")
     assert proc.returncode == 2 and "is not a sweep directory" in proc.stderr and "Traceback" not in proc.stderr
     assert not os.path.exists(tmp_path / "fit.json")
+
+
+def test_the_fit_never_imports_torch(tmp_path: Path) -> None:
+    sweep = make_sweep(tmp_path / "s", LAW)
+    code = (f"import sys; from llmexp.cli.fit import main; rc = main([{str(sweep)!r}]); "
+            "assert rc == 0 and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr

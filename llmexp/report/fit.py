@@ -287,7 +287,10 @@ def collect(sweep_dirs: list[Path]) -> tuple[list[Job], list[dict[str, str]]]:
                 left_out.append({"job": str(job_dir), "why": job})
             else:
                 jobs.append(job)
-    if not any(j.loss is not None for j in jobs):
+    if jobs and all(j.loss is None for j in jobs):
+        raise UserError(f"every finished job in {', '.join(map(str, sweep_dirs))} diverged: sweep lower lrs (the "
+                        f"lowest here, {min(j.lr for j in jobs):.3g}, is still too high)")
+    if not jobs:
         raise UserError(f"no finished job with an eval loss in {', '.join(map(str, sweep_dirs))}; wait for the "
                         f"sweep to end (python -m llmexp.status {sweep_dirs[0]}), or run it again to finish it")
     return jobs, left_out
