@@ -12,7 +12,8 @@ import pytest
 
 from tests.conftest import REPO
 
-ENTRY_POINTS = ("llmexp.__main__", "llmexp.doctor", "llmexp.estimate", "llmexp.status", "llmexp.lr_find")
+ENTRY_POINTS = ("llmexp.__main__", "llmexp.doctor", "llmexp.estimate", "llmexp.status", "llmexp.lr_find",
+                "llmexp.fit")
 """`python -m llmexp[.X]` needs a module at llmexp/X.py: each is three lines handing over to its command in `cli/`
 (or `report/`), so it belongs to the cli layer."""
 
