@@ -146,6 +146,9 @@ class PrecisionConfig:
                     "(bf16 where fast, else fp32).")
     init_scale: float = key(65536.0, POSITIVE, "fp16: the first loss scale.")
     growth_interval: int = key(2000, Range(low=1), "fp16: steps without overflow before the loss scale doubles.")
+    tf32: bool = key(True, FLAG, "CUDA: fp32 matmuls and convolutions in TF32 (Ampere and later; several times the "
+                     "fp32 rate, a 10-bit mantissa), as nanoGPT and torchtitan run them; false for bitwise "
+                     "comparisons with plain fp32. A CPU is untouched.")
 
 
 @dataclass

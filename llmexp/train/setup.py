@@ -155,6 +155,8 @@ def start_facts(cfg: DictConfig, rt: Runtime, desc: RunDescription) -> dict[str,
         "max_steps": desc.max_steps, "batch_size": desc.plan.micro, "world_size": desc.plan.world,
         "fsdp": cfg.fsdp.name, "optimizer": cfg.optimizer.name, "scheduler": cfg.scheduler.name,
         "precision_requested": desc.precision.requested, "device": rt.device.type, "peak_tflops": desc.peak_tflops}
+    if rt.device.type == "cuda":
+        facts["tf32"] = bool(cfg.precision.tf32)
     if desc.auto_batch:
         facts["batch_size_auto"] = desc.auto_batch.record()
     if desc.precision.warning:
