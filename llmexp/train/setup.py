@@ -100,6 +100,8 @@ def _build(cfg: DictConfig, rt: Runtime, engine: Engine, vocab_size: int,
                  flops_per_token=flops_per_token(total, c.num_hidden_layers, c.hidden_size, cfg.data.max_length,
                                                  trainable=build.count_params(lm)),
                  peak_tflops=peak_tflops, mfu_note=mfu_note, lr=lr, lr_source=lr_source, model_facts=facts)
+    if rt.compiles:
+        compile_blocks(lm)
     loss_model = CausalLMLoss(lm)
     if matmul is not None and matmul.onednn:
         from llmexp.model.cpu_matmul import route
@@ -109,9 +111,20 @@ def _build(cfg: DictConfig, rt: Runtime, engine: Engine, vocab_size: int,
     model = engine.shard(loss_model)  # FSDP: before the optimizer sees the parameters
     optimizer = build.build_optimizer(cfg, model, lr, rt.device.type)
     model, optimizer = engine.prepare(model, optimizer)
-    if rt.compiles:
-        model = torch.compile(model)
     return model, optimizer, built
+
+
+def compile_blocks(lm: torch.nn.Module) -> int:
+    """torch.compile each decoder block in place (`nn.Module.compile`: parameter names unchanged), as torchtitan
+    does. The model around the blocks stays eager, so transformers decides the attention mask and SDPA its kernel
+    there: compiling the whole model made transformers build a full boolean mask while tracing (no flash path, K/V
+    repeated) and put the loss head's chunks in the graph. The blocks are the classes transformers names as never
+    to be split (`_no_split_modules`); a model that names none is compiled whole. Returns how many were compiled."""
+    kinds = set(getattr(lm, "_no_split_modules", None) or ())
+    blocks = [m for m in lm.modules() if type(m).__name__ in kinds]
+    for block in blocks or [lm]:
+        block.compile()
+    return len(blocks)
 
 
 def _check_vocab(cfg: DictConfig, lm: torch.nn.Module, vocab_size: int) -> None:
