@@ -73,6 +73,7 @@ MLFLOW_RUN = {"tracking_uri": Need(str), "experiment_id": str, "run_id": Need(st
 LR_FIND = {"suggestion": Need(float), "lr_find_steps": Need(int), "lr_find_start": Need(float),
            "lr_find_end": Need(float)}
 MATMUL_VERDICT = {"path": Need(str), "reason": Need(str), "speedup": Need(float), "max_rel_diff": Need(float | None)}
+TOKENIZER_JSON = {"model": {"vocab": Need(dict | list)}, "added_tokens": [{"id": Need(int)}]}
 CHECKPOINT = "llmexp.train.resume:load_with_fallback"
 TOKEN_CACHE = "llmexp.data.cache:cached"
 
@@ -91,6 +92,9 @@ READERS: dict[str, Reader] = {  # module:qualname -> Reader
                                                      "YAML in lm-evaluation-harness's task format", 16 * MiB),
     "llmexp.config.paths:read_model_json": Reader(INPUT, "a model's config.json, adapter_config.json, "
                                                   "tokenizer_config.json", "a JSON object", 16 * MiB, None, {str: Any}),
+    "llmexp.config.paths:read_tokenizer_size": Reader(INPUT, "a tokenizer's tokenizer.json", "a tokenizers JSON "
+                                                      "file (save_pretrained writes one)", 256 * MiB,
+                                                      fields=TOKENIZER_JSON),
     "llmexp.config.environment:_sqlite_errors": Reader(INPUT, "logger.tracking_uri's SQLite file",
                                                        duty="llmexp.config.validation:validate"),
     # ----- caches
