@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -50,6 +48,7 @@ from common import (
     llama_config,
     llmexp_tokens_per_sec,
     load_average,
+    machine,
     markdown_table,
     publish,
     rotated,
@@ -176,15 +175,6 @@ def frozen_bytes(base: Path, arm: str, precision: str) -> int:
     return sum(p.numel() * p.element_size() for p in frozen)
 
 
-def device_name() -> str:
-    """The GPU the runs see, else the CPU model."""
-    import torch
-
-    if torch.cuda.is_available():
-        return f"GPU: {torch.cuda.get_device_name(0)}"
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor() or "unknown")
-    return f"CPU: {model}, {os.cpu_count()} cores"
 
 
 def worker_prepare(base: Path, size: Size, arms: list[str], precision: str) -> dict[str, Any]:
@@ -192,7 +182,7 @@ def worker_prepare(base: Path, size: Size, arms: list[str], precision: str) -> d
     because a child's peak RSS (ru_maxrss) starts from its parent's at fork, exec or not."""
     total = write_base(base, size)
     prepare_data(base, size)
-    return {"total": total, "device": device_name(),
+    return {"total": total, "device": machine(),
             "frozen_bytes": {arm: frozen_bytes(base, arm, precision) for arm in arms}}
 
 

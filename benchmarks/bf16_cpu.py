@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PY, Series, load_average, markdown_table, publish, rotated, run_process, utc_now
+from common import PY, Series, load_average, machine, markdown_table, publish, rotated, run_process, utc_now
 
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 ARMS = ("fp32", "bf16", "emulated")
@@ -121,17 +121,6 @@ def worker(arm: str, warmup: int, steps: int, threads: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ the paired run
-def cpu_facts() -> tuple[str, str]:
-    """(model name, which of avx512f / avx512_bf16 / amx_bf16 the CPU flags have), from /proc/cpuinfo as lscpu."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown", "unknown"
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
-                "unknown")
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    marks = [f"{flag} {'yes' if flag in flags else 'no'}" for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")]
-    return name, ", ".join(marks)
 
 
 def run_arm(env_name: str, arm: str, threads: int, warmup: int, steps: int) -> dict[str, Any]:
@@ -184,7 +173,6 @@ def collect(envs: list[str], threads: list[int], rounds: int, warmup: int, steps
 
 
 def report(facts: dict[str, Any], args: argparse.Namespace) -> str:
-    name, flags = cpu_facts()
     rows = []
     for cell in facts["cells"]:
         env_name, n_threads, arm = cell
@@ -211,7 +199,7 @@ def report(facts: dict[str, Any], args: argparse.Namespace) -> str:
     caveat = (" **The cores were oversubscribed during this run (1-minute load above the core count): wall times "
               "and multi-thread CPU times (which count spinning at barriers) are distorted; the 1-thread CPU "
               "columns are the figures to use.**" if busy else "")
-    return (f"Measured {utc_now()} on {name} ({flags}), torch {facts.get('torch', '')}; {args.rounds} round(s), "
+    return (f"Measured {utc_now()} on {machine()}, torch {facts.get('torch', '')}; {args.rounds} round(s), "
             f"{args.warmup} warm-up + {args.steps} timed steps an arm ({args.slow_steps} for bf16 under the AVX2 "
             f"reproduction); tiny model, micro-batch {BATCH} x {SEQ}, AdamW, fused loss head. `avx2` is the "
             f"reproduction of an AVX2-only CPU: {', '.join(f'{k}={v}' for k, v in AVX2_ENV.items())}, set before "

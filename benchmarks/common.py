@@ -82,6 +82,26 @@ def load_average() -> str:
     return f"{one:.1f} / {five:.1f} / {fifteen:.1f} (1/5/15 min, {os.cpu_count()} cores)"
 
 
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+"""The flags that decide a CPU's matmul speed in fp32 and bf16: every result names which the CPU has."""
+
+
+def machine() -> str:
+    """What a result was measured on: the GPU the runs see, else the CPU's model, its cores and its CPU_FLAGS."""
+    import torch
+
+    if torch.cuda.is_available():
+        return f"GPU: {torch.cuda.get_device_name(0)}"
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    field_of = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in lines) if v}
+    flags = set(field_of.get("flags", "").split())
+    marks = ", ".join(f"{flag} {'yes' if flag in flags else 'no'}" for flag in CPU_FLAGS)
+    return f"CPU: {field_of.get('model name', 'unknown')}, {os.cpu_count()} cores; {marks}"
+
+
 def utc_now() -> str:
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
 

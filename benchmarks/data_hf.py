@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PY, load_average, markdown_table, publish, rotated, run_process, utc_now
+from common import PY, load_average, machine, markdown_table, publish, rotated, run_process, utc_now
 
 ARMS = ["llmexp", "hf"]
 SHARD_BYTES = 32 * 10**6
@@ -194,11 +194,6 @@ def check_tokens(work: Path, block: int, llm: dict[str, Any], hf: dict[str, Any]
             "blocks_differ_by_tails_only": 0 <= llm["blocks"] - hf["blocks"] <= hf["batches"]}
 
 
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def versions() -> str:
@@ -240,7 +235,7 @@ def table(rounds: list[dict[str, dict[str, Any]]], mb: float, rows: int, args: a
     loaded = max(float(load_at_start.split()[0]), float(load_at_end.split()[0])) > (os.cpu_count() or 1)
     note = (" The machine was loaded (other jobs shared its cores): absolute figures are below an idle "
             "machine's; the paired speed-ups are the figures to compare." if loaded else "")
-    header = (f"Measured {utc_now()} on {cpu_model()}; {versions()}. Load average at the start "
+    header = (f"Measured {utc_now()} on {machine()}; {versions()}. Load average at the start "
               f"{load_at_start}, at the end {load_at_end}.{note}\n\n"
               f"Corpus: {mb:.1f} MB of text ({rows:,} parquet rows: the stdlib's .py files, copied until "
               f"{args.mb:g} MB), {tokens:,} tokens (byte-level BPE, vocab 8192, the same for both), blocks of "

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PY, load_average, markdown_table, publish, run_process, utc_now
+from common import PY, load_average, machine, markdown_table, publish, run_process, utc_now
 
 GRID = ["4e-4", "8e-4", "1.6e-3", "3.2e-3"]
 """A factor 2 apart, around the default run's known best (README: 8e-4 ended lowest of 3e-4, 6e-4, 8e-4, 1e-3)."""
@@ -38,13 +37,6 @@ QUICK_DEMO = ["eval.demo_items=40"]
 QUICK_GRID = ["4e-4", "1.6e-3"]
 
 
-def cpu_facts() -> str:
-    """The CPU's model name (lscpu) and whether it has AVX512 and AVX512-BF16 (/proc/cpuinfo)."""
-    name = next((line.split(":", 1)[1].strip() for line in subprocess.run(
-        ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name")), "?")
-    flags = set(Path("/proc/cpuinfo").read_text().split())
-    return (f"{name}, {subprocess.run(['nproc'], capture_output=True, text=True).stdout.strip()} cores, "
-            f"AVX512 {'yes' if 'avx512f' in flags else 'no'}, AVX512-BF16 {'yes' if 'avx512_bf16' in flags else 'no'}")
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
@@ -132,7 +124,7 @@ def lr_report(lr: dict[str, Any]) -> str:
 
 
 def report(parts: list[str], started: str, load_start: str) -> str:
-    head = (f"# In-loop task evals and lr=find, measured ({started}; {cpu_facts()}; load average at the start "
+    head = (f"# In-loop task evals and lr=find, measured ({started}; {machine()}; load average at the start "
             f"{load_start}, at the end {load_average()})\n")
     return "\n".join([head, *parts])
 

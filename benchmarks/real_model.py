@@ -64,7 +64,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pretrained
-from common import PY, REPO, Series, load_average, markdown_table, publish, rotated, run_process, utc_now
+from common import PY, REPO, Series, load_average, machine, markdown_table, publish, rotated, run_process, utc_now
 
 ARMS = ("full", "hf_full", "lora", "hf_lora", "full_torchmm", "lora_torchmm", "compile_lora", "compile_full")
 DEFAULT_ARMS = ("full", "hf_full", "full_torchmm", "lora", "hf_lora", "lora_torchmm", "compile_lora")
@@ -322,16 +322,6 @@ def run_rounds(arms: list[str], model_dir: Path, data: tuple[Path, Path], args: 
     return {"per_round": per_round, "loads": loads}
 
 
-def cpu_facts() -> str:
-    flags: set[str] = set()
-    model = platform.processor() or "unknown"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            model = line.split(":", 1)[1].strip()
-        elif line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-    return f"{model}, {os.cpu_count()} cores; " + ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in wanted)
 
 
 def versions() -> str:
@@ -387,7 +377,7 @@ def loss_check(results: dict[str, Any]) -> str:
 
 
 def render(results: dict[str, Any], arms: list[str], args: argparse.Namespace, model: dict[str, Any]) -> str:
-    head = (f"Measured {utc_now()} on {cpu_facts()}; {versions()}. Model: {model['package']} {model['version']}, "
+    head = (f"Measured {utc_now()} on {machine()}; {versions()}. Model: {model['package']} {model['version']}, "
             f"{model['file']} ({model['gguf_name']}, {model['architecture']}, {model['num_params'] / 1e6:.1f}M "
             f"parameters, vocabulary {model['vocab_size']:,}, context {model['context_length']:,}, "
             f"{model['license']}), dequantised to fp32. {args.rounds} round(s) of {args.warmup} warm-up + "

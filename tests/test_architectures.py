@@ -147,13 +147,14 @@ def test_cli_fine_tunes_a_local_qwen2_directory(tmp_path: Path) -> None:
     """End to end: `python -m llmexp model.name_or_path=<a Qwen2 save_pretrained dir>`; model/ loads back."""
     from llmexp.data.tokenizer import train_bpe
 
+    corpus = [f"def f{i}(x):\n    return x * {i}\n" for i in range(200)]
     directory = save_tiny("qwen2", tmp_path / "qwen2")
-    train_bpe([f"def f{i}(x):\n    return x * {i}\n" for i in range(200)], VOCAB).save_pretrained(directory)
+    train_bpe(corpus, VOCAB).save_pretrained(directory)
     run_dir = tmp_path / "run"
-    result = run_cli([f"model.name_or_path={directory}", "data.max_length=32", "data.max_examples=40",
-                      "batch_size=4", "train.max_steps=3", "train.eval_steps=3", "train.eval_batches=1",
-                      "train.save_steps=0", "train.logging_steps=1", "precision=fp32", "lr=1e-3",
-                      f"hydra.run.dir={run_dir}"], env={"HF_HUB_OFFLINE": "1"})
+    args = [f"model.name_or_path={directory}", "data.max_length=32", "data.max_examples=40", "batch_size=4",
+            "train.max_steps=3", "train.eval_steps=3", "train.eval_batches=1", "train.save_steps=0",
+            "train.logging_steps=1", "precision=fp32", "lr=1e-3"]
+    result = run_cli([*args, f"hydra.run.dir={run_dir}"], env={"HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [r["loss"] for r in read_metrics(run_dir, "train")]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
@@ -161,6 +162,25 @@ def test_cli_fine_tunes_a_local_qwen2_directory(tmp_path: Path) -> None:
     assert reloaded.config.model_type == "qwen2"
     start = tf.AutoModelForCausalLM.from_pretrained(directory)
     assert not torch.equal(reloaded.model.layers[0].mlp.up_proj.weight, start.model.layers[0].mlp.up_proj.weight)
+    train_bpe(corpus * 4 + [f"v{i} w{i * 7}" for i in range(600)], 2 * VOCAB).save_pretrained(tmp_path / "big")
+    too_big = run_cli([*args, f"data.tokenizer={tmp_path / 'big'}", f"hydra.run.dir={tmp_path / 'big-run'}"],
+                      env={"HF_HUB_OFFLINE": "1"})  # (issue 40: was an IndexError at the first forward)
+    assert too_big.returncode == 2 and "embedding rows" in too_big.stderr, too_big.stderr[-3000:]
+    assert "Traceback" not in too_big.stderr and not (tmp_path / "big-run").exists()  # refused before it
+
+
+def test_a_tokenizer_larger_than_the_built_model_is_refused_before_the_first_step() -> None:
+    """The check as the run starts, for what no file tells beforehand (a hub model, a GGUF base)."""
+    from omegaconf import OmegaConf
+
+    from llmexp.errors import UserError
+    from llmexp.train.setup import _check_vocab
+    from tests.conftest import tiny_llama
+
+    cfg = OmegaConf.create({"data": {"tokenizer": "tok"}, "model": {"name_or_path": "org/model"}})
+    _check_vocab(cfg, tiny_llama(), 512)
+    with pytest.raises(UserError, match="its 513 tokens outnumber the 512 embedding rows"):
+        _check_vocab(cfg, tiny_llama(), 513)
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))

@@ -23,7 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGES = [*sorted(DOCS.rglob("*.md")), ROOT / "README.md"]
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.M | re.S)
-DIR_COMMANDS = {"llmexp.doctor", "llmexp.report", "llmexp.status"}  # they take a directory, not overrides
+DIR_COMMANDS = {"llmexp.doctor": set(), "llmexp.report": set(), "llmexp.status": {"--watch", "--scheduler-timeout"},
+                "llmexp.fit": {"--target-params", "--out"}}
+"""Commands that take a directory, not overrides, and their flags."""
 RUN_FLAGS = {"--multirun", "-m", "--help", "-h", "--resolve", "--info", "--hydra-help"}
 FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p"}
 LEAVES = {"lr", "batch_size", "seed"}  # the top-level keys that are values, not groups
@@ -162,7 +164,7 @@ def check_command(module: str, args: list[str], composer: Any) -> None:
         raise AssertionError(f"no module {module}")
     if module in DIR_COMMANDS:
         flags = [a for a in args if a.startswith("-")]
-        assert set(flags) <= {"--watch", "--scheduler-timeout"}, f"{module} has no flag {flags}"
+        assert set(flags) <= DIR_COMMANDS[module], f"{module} has no flag {flags}"
         return
     if module == "llmexp.estimate":
         args = [a for a in args if not a.startswith("world_size=")]

@@ -122,3 +122,22 @@ def test_fsdp_cpu_offload_opens_a_group_that_carries_cpu_tensors(monkeypatch: py
     assert opened == ["cuda:nccl,cpu:gloo", "nccl"]
     both = "cuda:nccl,cpu:gloo"
     assert meshes == [{"shard": both}, {"replicate": both, "shard": both}, None, None]
+
+
+def test_tf32_is_set_on_the_cuda_backends_alone() -> None:
+    """Issue 41, item 3: `precision.tf32` sets CUDA's fp32 matmuls and convolutions to TF32 (or IEEE), and leaves
+    oneDNN's CPU matmuls as they were (`torch.set_float32_matmul_precision` would reach them too)."""
+    from llmexp.train.runtime import use_tf32
+
+    before = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision,
+              torch.backends.mkldnn.matmul.fp32_precision)
+    try:
+        use_tf32(True)
+        assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) == ("tf32",
+                                                                                                         "tf32")
+        use_tf32(False)
+        assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) == ("ieee",
+                                                                                                         "ieee")
+        assert torch.backends.mkldnn.matmul.fp32_precision == before[2]
+    finally:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = before[:2]

@@ -17,7 +17,7 @@ import torch
 from llmexp.errors import UserError
 from llmexp.evals import score
 from llmexp.evals.items import ChoiceItem, read_choice_items, read_generate_items
-from tests.conftest import TINY, compose, read_metrics, run_cli
+from tests.conftest import TINY, Launched, compose, read_metrics, run_cli
 
 MC_ITEMS = [
     {"context": "The capital of France is", "choices": ["Paris", "Berlin", "a small dog"], "answer": 0},
@@ -69,7 +69,24 @@ def test_a_bad_task_file_exits_2_with_nothing_written(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"{path}:2: record 1: `answer`" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
-    assert not any((run_dir / name).exists() for name in ("metrics.jsonl", "summary.json", "model", "checkpoints"))
+    assert not run_dir.exists()  # read before the run directory is made (issue 40, task files)
+
+
+def test_bad_eval_inputs_are_refused_before_any_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          cli_refusal) -> None:
+    """A sweep's task file is read before the sweep directory exists, and the harness's task names (an index of
+    `include_path` alone) before the run directory does; a good task folder passes to the launch."""
+    monkeypatch.chdir(tmp_path)
+    bad = _jsonl(tmp_path / "mc.jsonl", [MC_ITEMS[0], {"context": "x", "choices": ["a"], "answer": 3}])
+    code, err = cli_refusal(["--multirun", f"++eval.multiple_choice={{mc: {{file: '{bad}'}}}}", "lr=1e-3,2e-3"])
+    assert code == 2 and f"{bad}:2: record 1: `answer`" in err, err
+    tasks = _task_dir(tmp_path, _jsonl(tmp_path / "items.jsonl", MC_ITEMS))
+    harness = ["eval=lm_eval", f"eval.lm_eval.include_path={tasks}", "eval.lm_eval.include_defaults=false"]
+    code, err = cli_refusal([*harness, "eval.lm_eval.tasks=[no_such_task]"])
+    assert code == 2 and f"no_such_task not found in {tasks};" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["items.jsonl", "mc.jsonl", "tasks"]
+    with pytest.raises(Launched):
+        cli_refusal([*harness, "eval.lm_eval.tasks=[llmexp_mc]"])
 
 
 # ----------------------------------------------------------------------------- the scorer against the harness

@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import REPO
 
 ENTRY_POINTS = ("llmexp.__main__", "llmexp.doctor", "llmexp.estimate", "llmexp.status", "llmexp.lr_find",
-                "llmexp.coord_check")
+                "llmexp.fit", "llmexp.coord_check")
 """`python -m llmexp[.X]` needs a module at llmexp/X.py: each is three lines handing over to its command in `cli/`
 (or `report/`), so it belongs to the cli layer."""
 

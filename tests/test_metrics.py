@@ -41,6 +41,19 @@ def test_a_ceiling_measured_beside_busy_processes_is_not_trusted() -> None:
     assert not trusted
 
 
+def test_the_ceiling_probe_is_large_enough_for_every_thread_in_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 40: at 1024 oneDNN's AMX bf16 kernel runs on one thread, the ceiling read ~40% low and the share test
+    failed on an idle machine; with native bf16 the probe is 2048 (emulated bf16 and fp32 stay at 1024)."""
+    from llmexp.config.derived import cpu_has_fast_bf16
+    from llmexp.monitor.throughput import probe_size
+
+    cpu = torch.device("cpu")
+    assert probe_size(cpu, torch.bfloat16) == (2048 if cpu_has_fast_bf16() else 1024)
+    assert probe_size(cpu, torch.float32) == probe_size(cpu, torch.float16) == 1024
+    monkeypatch.setenv("LLMEXP_ASSUME_NO_BF16", "1")
+    assert probe_size(cpu, torch.bfloat16) == 1024
+
+
 def test_mfu_is_never_above_one_hundred_percent(tmp_path: Path) -> None:
     """A ceiling far too low (train.peak_tflops, as a busy machine would measure it) would give MFU in the
     thousands: MFU is logged as null instead, the reason is said once, and summary.json has no number."""

@@ -148,6 +148,8 @@ def _bad_text(rule: Text) -> st.SearchStrategy[Any]:
     bad = [st.sampled_from(["", "   "]), st.just("x" * (rule.max_len + 1))]  # empty, huge
     if rule.one_line:
         bad.append(st.sampled_from(["a\nb", "line\r"]))
+    if rule.public:  # a name shown in clear: a token-shaped value is a secret
+        bad.append(st.just("hf_" + "x" * 30))
     return st.one_of(bad)
 
 

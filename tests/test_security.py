@@ -18,6 +18,7 @@ from llmexp.config import security
 from llmexp.errors import UserError
 from llmexp.rundir import redact
 from llmexp.rundir.names import safe_name
+from tests.conftest import Launched
 from tests.test_bad_input import run_llmexp
 
 # ---------------------------------------------------------------- secrets
@@ -565,3 +566,84 @@ def test_every_private_hydra_api_llmexp_imports_is_listed_and_still_there() -> N
     assert used and used <= listed, sorted(used - listed)
     for module, name in sorted(listed):
         assert hasattr(importlib.import_module(module), name), f"Hydra no longer has {module}.{name}"
+
+
+# ---------------------------------------------------------------- code in a harness task folder
+
+CANARY_MODULE = "import pathlib\npathlib.Path({path!r}).write_text('ran')\ndef process(docs):\n    return docs\n"
+
+
+def _task_folder(root: Path, body: str, canary: Path) -> Path:
+    """A harness task folder whose `utils.py` writes `canary` when imported."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "utils.py").write_text(CANARY_MODULE.format(path=str(canary)))
+    (root / "t.yaml").write_text("task: t\ndataset_path: json\noutput_type: multiple_choice\n" + body)
+    return root
+
+
+def _harness_args(folder: Path, *extra: str) -> list[str]:
+    return ["eval=lm_eval", "eval.lm_eval.tasks=[t]", f"eval.lm_eval.include_path={folder}",
+            "eval.lm_eval.include_defaults=false", *extra]
+
+
+@pytest.mark.parametrize(("body", "named"), [
+    ("process_docs: !function utils.process\n", "t.yaml:4: `process_docs: !function utils.process`"),
+    ("include: ../elsewhere/base.yaml\n", "base.yaml:1: `process_docs: !function utils.process`"),
+    ("doc_to_text: \"{{ lipsum.__globals__['os'].popen('true').read() }}\"\n", "reads the private attribute"),
+    ("doc_to_text: \"{{ question|attr('__class__') }}\"\n", "uses the attr filter"),
+], ids=["function", "include-chain", "jinja-globals", "jinja-attr"])
+def test_a_task_folder_runs_no_code_without_trust_code(body: str, named: str, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch, cli_refusal) -> None:
+    """Issue 40, security 1: a `!function` (in the folder's YAML or in one it includes from elsewhere) or a Jinja
+    template that reaches Python is refused before anything is written, naming the file, line and the opt-in key;
+    the canary module never runs. With `eval.lm_eval.trust_code=true` the same command is not refused."""
+    canary = tmp_path / "CANARY"
+    _task_folder(tmp_path / "elsewhere", "", canary).joinpath("base.yaml").write_text(
+        "process_docs: !function utils.process\n")
+    folder = _task_folder(tmp_path / "tasks", body, canary)
+    monkeypatch.chdir(tmp_path)
+    code, err = cli_refusal(_harness_args(folder))
+    assert code == 2 and named in err and "eval.lm_eval.trust_code=true" in err, err
+    assert not canary.exists() and not (tmp_path / "outputs").exists()
+    with pytest.raises(Launched):  # trusted: past every check, to the launch
+        cli_refusal(_harness_args(folder, "eval.lm_eval.trust_code=true"))
+    assert not canary.exists()  # checking never imports the module
+
+
+def test_a_plain_task_folder_and_the_harness_own_tasks_need_no_trust(tmp_path: Path) -> None:
+    """Field reads in templates are data, and an `include:` of a YAML in the installed harness's task tree is code
+    the user installed (not followed); a damaged task YAML is named with its line."""
+    import lm_eval
+
+    from llmexp.config.task_code import code_in_task_dir
+
+    installed = next(Path(lm_eval.__file__).parent.joinpath("tasks").rglob("*.yaml"))
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    (folder / "t.yaml").write_text(f"task: t\ninclude: {installed}\ndoc_to_text: \"{{{{question}}}} {{{{ "
+                                   "choices.text[0] }}\"\ndoc_to_target: \"{{answerKey}}\"\n")
+    assert code_in_task_dir(folder) == []
+    (folder / "bad.yaml").write_text("task: b\ndoc_to_text: [unclosed\n")
+    with pytest.raises(UserError, match=r"bad\.yaml:3"):
+        code_in_task_dir(folder)
+
+
+SECRET_NAMES = ["logger.project", "logger.entity", "logger.tags=[ok,${oc.env:MY_SERVICE_TOKEN}]", "logger.experiment",
+                "hydra.job.name", "--multirun hydra.sweep.subdir"]
+
+
+@pytest.mark.parametrize("where", SECRET_NAMES)
+def test_a_secret_in_a_name_is_refused_without_echoing_it(where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           cli_refusal) -> None:
+    """Issue 40, security 2: names are shown in clear (a tracker's project, tags and experiment; the job's log file;
+    every job directory, and with it the sweep's records), so a secret in one is refused before anything is
+    written, and the refusal does not repeat it. The secret here is not token-shaped: only its variable's name
+    (`*_TOKEN`) says it is one."""
+    canary = "canary-name-value-48151623"
+    monkeypatch.setenv("MY_SERVICE_TOKEN", canary)
+    monkeypatch.chdir(tmp_path)
+    flags, _, key = where.rpartition(" ")
+    override = key if "=" in key else f"{key}=pre-${{oc.env:MY_SERVICE_TOKEN}}"
+    code, err = cli_refusal([*flags.split(), override, "logger=wandb" if "logger" in key else "logger=jsonl"])
+    assert code == 2 and "holds a secret" in err and key.split("=")[0] in err, err
+    assert canary not in err and not list(tmp_path.iterdir())

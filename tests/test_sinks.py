@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from llmexp.errors import UserError
 from llmexp.monitor.sinks import TensorBoardSink, WandbSink, run_name_from_overrides, wandb_mode
 from llmexp.rundir.redact import REDACTED, is_secret_key, scrub
-from tests.conftest import TINY
+from tests.conftest import TINY, as_nobody
 
 CANARY = "CANARY-7f3a9-do-not-leak"
 
@@ -208,3 +209,17 @@ def test_wandb_without_a_server_falls_back_to_offline(tmp_path: Path) -> None:
     steps = [json.loads(i.value_json) for r in log if r.WhichOneof("record_type") == "history"
              for i in r.history.item if "/".join(i.nested_key) == "trainer/step" or i.key == "trainer/step"]
     assert 2 in steps
+
+
+def test_a_tensorboard_path_that_cannot_take_event_files_is_named(tmp_path: Path) -> None:
+    """Issue 40: a file where `tensorboard/` belongs, or a run directory this user cannot write, is a UserError
+    naming the path and the fix (was a traceback)."""
+    (tmp_path / "file" / "tensorboard").parent.mkdir()
+    (tmp_path / "file" / "tensorboard").write_text("not a directory")
+    with pytest.raises(UserError, match=r"file/tensorboard \(.*\); remove or rename"):
+        TensorBoardSink(tmp_path / "file")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    tmp_path.chmod(0o755)
+    with as_nobody(), pytest.raises(UserError, match=r"locked/tensorboard \(Permission denied\)"):
+        TensorBoardSink(locked)

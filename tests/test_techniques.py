@@ -226,6 +226,28 @@ def test_compile_trains_and_reports_compile_time_apart(tmp_path: Path) -> None:
     assert losses_compiled == pytest.approx(losses_eager, rel=1e-3)  # same math, other kernels
 
 
+def test_compile_is_per_block_with_one_graph_and_no_mask_for_packed_batches() -> None:
+    """Issue 41, item 5: `train.compile` compiles each decoder block (torchtitan's way), the model around them
+    eager. A packed batch reaches the blocks with no materialised mask (SDPA's causal path), a block traces as one
+    graph with no break, and the compiled model computes the eager model's loss."""
+    from llmexp.train.setup import compile_blocks
+    from tests.conftest import tiny_llama
+
+    lm, seen = tiny_llama(), []
+    block = lm.model.layers[0]
+    hook = block.register_forward_pre_hook(lambda _, args, kwargs: seen.append((args, kwargs)), with_kwargs=True)
+    ids = torch.randint(0, 512, (2, 32))
+    eager = lm(input_ids=ids, labels=ids).loss
+    hook.remove()
+    args, kwargs = seen[0]
+    assert kwargs.get("attention_mask") is None, "a packed batch got a materialised mask"
+    explained = torch._dynamo.explain(block)(*args, **kwargs)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    assert compile_blocks(lm) == len(lm.model.layers)
+    assert lm(input_ids=ids, labels=ids).loss.item() == pytest.approx(eager.item(), rel=1e-4)
+    assert all(name.startswith("model.") or name.startswith("lm_head.") for name in lm.state_dict())  # unrenamed
+
+
 def test_compile_is_not_applied_under_the_bf16_emulation_and_no_time_is_set_aside(tmp_path: Path,
                                                                                    monkeypatch: pytest.MonkeyPatch
                                                                                    ) -> None:

@@ -51,11 +51,13 @@ def check_run(config_name: str | None, overrides: list[str]) -> None:
     from llmexp.config.environment import check_environment
     from llmexp.config.validation import validate
     from llmexp.rundir.lock import lock_run_dir
+    from llmexp.sweep.check import check_eval_inputs
 
     cfg = compose_checked(config_name, overrides)
     HydraConfig.instance().set_config(_with_output_dir(cfg))  # for ${hydra:...} in the job's values
     validate(cfg)
     check_environment(cfg)
+    check_eval_inputs(cfg)
     lock_run_dir(str(cfg.hydra.run.dir))
 
 

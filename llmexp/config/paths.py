@@ -20,7 +20,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from llmexp.rundir.readers import load_json, reader
+from llmexp.config.task_code import code_in_task_dir
+from llmexp.rundir.readers import Damaged, load_json, reader
 
 HF_BUILDERS = ("parquet", "arrow", "json", "csv", "text")
 """`data.path` values that name one of the `datasets` file builders: `data.data_files` says which files."""
@@ -200,7 +201,38 @@ def tokenizer_problem(cfg: Any, key: str, value: Any) -> str | None:
         return f"{_shown(key, value)}: holds no tokenizer ({', '.join(TOKENIZER_FILES)}); save one with save_pretrained"
     file = path / "tokenizer_config.json"
     config = (read_model_json(file) if file.exists() else None) or {}
-    return code_problem(key, path, config, False, None)
+    return code_problem(key, path, config, False, None) or vocab_problem(cfg, key, path)
+
+
+def vocab_problem(cfg: Any, key: str, tokenizer_dir: Path) -> str | None:
+    """A tokenizer with more ids than a local model has embedding rows (its top ids would index out of range at
+    the first forward), when both say their sizes in files: the tokenizer's tokenizer.json, the model's config.json.
+    (A hub model or a GGUF file is checked as the run starts, against the model as built.)"""
+    m = cfg.model
+    model_config = Path(str(m.name_or_path)).expanduser() / "config.json" if m.name_or_path else None
+    if model_config is None or m.gguf_file or not model_config.is_file():
+        return None
+    rows = (read_model_json(model_config) or {}).get("vocab_size")
+    if not isinstance(rows, int) or not (tokenizer_dir / "tokenizer.json").is_file():
+        return None
+    ids = read_tokenizer_size(tokenizer_dir / "tokenizer.json")
+    if ids <= rows:
+        return None
+    return (f"{key}={tokenizer_dir}: its {ids} token ids outnumber the {rows} embedding rows of "
+            f"model.name_or_path={m.name_or_path}; use the model's own tokenizer ({key}=null) or one made for it")
+
+
+@reader
+def read_tokenizer_size(path: Path) -> int:
+    """The ids a tokenizer.json hands out: one past the highest of its vocabulary's (a mapping token -> id, or a
+    Unigram model's list) and its added tokens'."""
+    data = load_json(path, read_tokenizer_size)
+    if "model" not in data:
+        raise Damaged(path, "it has no model (and so no vocabulary)")
+    vocab = data["model"]["vocab"]
+    ids = [i for i in vocab.values() if isinstance(i, int)] if isinstance(vocab, dict) else [len(vocab) - 1]
+    ids += [token["id"] for token in data.get("added_tokens") or []]
+    return max(ids, default=-1) + 1
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
@@ -275,7 +307,11 @@ def task_dir_problem(cfg: Any, key: str, value: Any) -> str | None:
         return problem or f"{_shown(key, value)}: no such directory (looked at {path.absolute()}); point it at {what}"
     if not any(p.is_file() for p in path.rglob("*.yaml")):
         return f"{_shown(key, value)}: holds no task YAML (*.yaml); add one, or point it at {what}"
-    return None
+    if cfg.eval.lm_eval.trust_code or not (code := code_in_task_dir(path)):
+        return None
+    more = f" (and {len(code) - 1} more)" if len(code) > 1 else ""
+    return (f"{_shown(key, value)}: its task YAMLs would run Python code: {code[0]}{more}; set "
+            "eval.lm_eval.trust_code=true if you trust the folder's author, or remove the code")
 
 
 def task_file_errors(cfg: Any) -> list[str]:

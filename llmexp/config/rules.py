@@ -115,16 +115,22 @@ class Text:
     one_line: bool = True
     forbid: str = ""
     """Characters it may not hold (what the tool it is passed to refuses)."""
+    public: bool = False
+    """Shown in clear (a tracker's project or tags, a name in a path): a value holding a secret is refused, as the
+    run's files are redacted but names are not."""
 
     def describe(self) -> str:
         none_of = f", none of {' '.join(self.forbid)}" if self.forbid else ""
-        text = f"{'line of ' if self.one_line else ''}text (at most {self.max_len} characters{none_of})"
+        text = f"{'line of ' if self.one_line else ''}text (at most {self.max_len} characters{none_of}"
+        text += ", no secret)" if self.public else ")"
         return f"a {text}, or null" if self.nullable else f"a non-empty {text}"
 
     def problem(self, key: str, value: Any, default: Any = None) -> str | None:
         if value is None:
             return None if self.nullable else f"{key}: must be set"
         text = str(value)
+        if self.public and holds_secret(text):  # first: no other message may echo it
+            return f"{key}: {SECRET_IN_NAME}"
         if not text.strip():
             return f"{key}: must not be empty" + ("; leave it out (null) instead" if self.nullable else "")
         if len(text) > self.max_len:
@@ -135,6 +141,17 @@ class Text:
             return (f"{key}: {text!r} holds {' '.join(found)}; it may hold none of {' '.join(self.forbid)}"
                     + (f"; e.g. {key}={default}" if default else ""))
         return None
+
+
+SECRET_IN_NAME = ("holds a secret (an API key or token, e.g. from ${oc.env:...}); it is shown in clear (file names, "
+                  "the tracker's pages), so give it a plain name")
+
+
+def holds_secret(text: str) -> bool:
+    """Whether a name holds a secret: a credential-named variable's value or a token-shaped string."""
+    from llmexp.rundir.redact import scrub_text
+
+    return scrub_text(text) != text
 
 
 LABEL = Text(nullable=False)

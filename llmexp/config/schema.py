@@ -156,6 +156,9 @@ class PrecisionConfig:
                     "(bf16 where fast, else fp32).")
     init_scale: float = key(65536.0, POSITIVE, "fp16: the first loss scale.")
     growth_interval: int = key(2000, Range(low=1), "fp16: steps without overflow before the loss scale doubles.")
+    tf32: bool = key(True, FLAG, "CUDA: fp32 matmuls and convolutions in TF32 (Ampere and later; several times the "
+                     "fp32 rate, a 10-bit mantissa), as nanoGPT and torchtitan run them; false for bitwise "
+                     "comparisons with plain fp32. A CPU is untouched.")
 
 
 @dataclass
@@ -333,15 +336,16 @@ class LoggerConfig:
     """Metric sinks besides `metrics.jsonl` and the console, which are always on."""
 
     name: str = key("jsonl", Choice(group="logger"), "jsonl, wandb, tensorboard or mlflow.")
-    project: str = key("llmexp", Text(nullable=False, max_len=128, forbid="/\\#?%:"),  # what wandb refuses
-                       "wandb: project.")
-    entity: str | None = key(None, OPTIONAL, "wandb: entity (team).")
+    project: str = key("llmexp", Text(nullable=False, max_len=128, forbid="/\\#?%:", public=True),
+                       "wandb: project.")  # (max_len and forbid: what wandb refuses)
+    entity: str | None = key(None, Text(public=True), "wandb: entity (team).")
     mode: str = key("auto", Choice(("auto", "online", "offline", "disabled")), "wandb: online, offline, or auto "
                     "(offline without WANDB_API_KEY).")
     init_timeout_s: float = key(10.0, POSITIVE, "wandb, mlflow: seconds a start may take to reach the server; past "
                                 "it the run logs locally instead (wandb offline, mlflow to the local store; one "
                                 "warning).")
-    tags: list[str] = key([], TextList(Text(nullable=False, max_len=64)), "wandb: tags.")  # wandb refuses longer
+    tags: list[str] = key([], TextList(Text(nullable=False, max_len=64, public=True)),
+                          "wandb: tags.")  # (wandb refuses longer)
     tracking_uri: str | None = key(None, Special(
         "null, or an MLflow server, SQLite or Databricks URI without credentials",
         ("file:///tmp/mlruns", "ftp://x", "http://u:p@h:5000")),
@@ -349,7 +353,7 @@ class LoggerConfig:
         "(sqlite:///path/mlflow.db); null: a SQLite store in the run directory, or the sweep directory for a sweep's "
         "jobs, which needs no server. Credentials go in MLFLOW_TRACKING_TOKEN or MLFLOW_TRACKING_USERNAME/PASSWORD, "
         "never in the URI.")
-    experiment: str = key("llmexp", Text(nullable=False, max_len=256),  # MLflow's SQL stores: a VARCHAR(256)
+    experiment: str = key("llmexp", Text(nullable=False, max_len=256, public=True),  # MLflow SQL: VARCHAR(256)
                           "mlflow: the experiment the run (or the sweep's parent run) is logged to; created when "
                           "missing.")
     log_model: bool = key(False, FLAG, "mlflow: also upload the final `model/` directory as the run's `model` "
@@ -428,6 +432,9 @@ class LmEvalConfig:
                            "names of tasks in `include_path`.")
     include_path: str | None = key(None, PathRule("task_dir"), "A directory of task YAMLs (offline: `dataset_path: "
                                    "json` with `dataset_kwargs.data_files`).")
+    trust_code: bool = key(False, FLAG, "Let the task YAMLs of `include_path` run Python: `!function` tags "
+                           "(theirs and their `include:`s'), Jinja templates that reach past the document's fields. "
+                           "Off: such a folder is refused before the run starts.")
     include_defaults: bool = key(True, FLAG, "Also index the harness's built-in tasks (~15,000; ~25 s at the start "
                                  "of a run).")
     limit: int | None = key(None, Range(low=1, note="(or null for every document)"), "Score at most this many "

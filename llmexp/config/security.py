@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from llmexp.config.rules import SECRET_IN_NAME, holds_secret
 from llmexp.errors import UserError
 
 if TYPE_CHECKING:
@@ -258,7 +259,9 @@ def config_problems(cfg: DictConfig) -> list[tuple[str, str]]:
             if subdir is None:
                 return problems
             job_dir = os.path.realpath(os.path.join(sweep_dir, str(subdir)))
-            if outside_problem(job_dir, sweep_dir):
+            if holds_secret(str(subdir)):  # it names the job's directory, and with it every record of the job
+                problems.append(("hydra.sweep.subdir", SECRET_IN_NAME))
+            elif outside_problem(job_dir, sweep_dir):
                 problems.append(("hydra.sweep.subdir", f"puts a job in {job_dir}, outside the sweep directory "
                                  f"{os.path.realpath(sweep_dir)}; build subdirs from safe names, e.g. "
                                  "hydra.sweep.subdir='${llmexp_safe:${hydra.job.override_dirname}}'"))
@@ -378,7 +381,9 @@ def _derived_path_problems(hydra: dict[str, Any], job_dir: str) -> list[tuple[st
     if subdir is not None and (problem := path_problem(str(subdir)) or outside_problem(str(subdir), job_dir)):
         problems.append(("hydra.output_subdir", f"{subdir!r} {problem}" if problem[0] != "'" else problem))
     name = str((hydra.get("job") or {}).get("name"))
-    if problem := path_problem(name) or outside_problem(f"{name}.log", job_dir):
+    if holds_secret(name):  # it names the job's log file
+        problems.append(("hydra.job.name", SECRET_IN_NAME))
+    elif problem := path_problem(name) or outside_problem(f"{name}.log", job_dir):
         problems.append(("hydra.job.name", f"{name!r} {problem}" if problem[0] != "'" else problem))
     return problems
 

@@ -37,14 +37,26 @@ def task_manager(include_path: str | None, include_defaults: bool) -> Any:
     return TaskManager(include_path=include_path, include_defaults=include_defaults)
 
 
-def check_tasks(manager: Any, names: list[str], include_path: str | None) -> None:
+def check_tasks(manager: Any, names: list[str], include_path: str | None, include_defaults: bool) -> None:
     """Every named task is one the index knows; else a UserError naming it and where the harness looked."""
     known = set(manager.all_tasks)
     missing = [n for n in names if n not in known]
     if missing:
-        where = f"{include_path} and the built-in tasks" if include_path else "the built-in tasks"
+        where = " and ".join([*([include_path] if include_path else []),
+                              *(["the built-in tasks"] if include_defaults else [])])
         raise UserError(f"eval.lm_eval.tasks: {', '.join(missing)} not found in {where}; check the names "
                         "(lm-eval ls tasks), or set eval.lm_eval.include_path to a directory of task YAMLs")
+
+
+def check_before_start(lm: Any) -> None:
+    """`eval.lm_eval` before anything is written: the harness installed and, when only `include_path` is indexed
+    (seconds), every task named there. The built-in index takes ~25 s to build, so with `include_defaults` the
+    names are checked as the run starts, before its first step."""
+    if not lm.tasks:
+        return
+    require_harness()
+    if not lm.include_defaults:
+        check_tasks(task_manager(lm.include_path, False), list(lm.tasks), lm.include_path, False)
 
 
 def evaluate(lm: Any, tokenizer: Any, manager: Any, names: list[str], *, batch_size: int, max_length: int,

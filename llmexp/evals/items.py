@@ -6,12 +6,15 @@ line, a record with empty choices or an answer index out of range names the file
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmexp.errors import UserError
 from llmexp.rundir.readers import Damaged, entry_of, parse_json, read_lines, reader
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 
 @dataclass(frozen=True)
@@ -107,3 +110,21 @@ def read_generate_items(path: str | Path, key: str, max_items: int | None = None
     path = Path(path).expanduser()
     items = [generate_item(v, _where(path, n, i)) for i, (n, v) in enumerate(_json_lines(path, key))]
     return items[:max_items] if max_items is not None else items
+
+
+@dataclass
+class TaskFiles:
+    """The items of every file-based task, read and checked before the data loads."""
+
+    choice: dict[str, list[ChoiceItem]] = field(default_factory=dict)
+    generate: dict[str, list[GenerateItem]] = field(default_factory=dict)
+
+
+def read_task_files(cfg: DictConfig) -> TaskFiles:
+    """Parse and check every task file (UserError naming the file, line or record)."""
+    ev = cfg.eval
+    return TaskFiles(
+        choice={str(n): read_choice_items(t.file, f"eval.multiple_choice.{n}.file", t.max_items)
+                for n, t in ev.multiple_choice.items()},
+        generate={str(n): read_generate_items(t.file, f"eval.generate.{n}.file", t.max_items)
+                  for n, t in ev.generate.items()})

@@ -165,7 +165,14 @@ class TensorBoardSink:
 
         self.run_dir = Path(run_dir)
         self.log_dir = self.run_dir / "tensorboard"
-        self.writer: Any = SummaryWriter(log_dir=str(self.log_dir))
+        try:
+            self.writer: Any = SummaryWriter(log_dir=str(self.log_dir))
+        except OSError as err:  # a file where the directory belongs, a directory without write permission
+            from llmexp.errors import UserError
+
+            raise UserError(f"logger=tensorboard: cannot write its event files in {self.log_dir} "
+                            f"({err.strerror or err}); remove or rename what is there, or pick another logger"
+                            ) from None
         self.hparams = hparams
 
     def log(self, record: dict[str, Any]) -> None:

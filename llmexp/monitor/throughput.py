@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from llmexp.config.derived import cpu_has_fast_bf16
 from llmexp.data.cache import warn
 from llmexp.rundir.readers import Damaged, load_json, reader
 
@@ -58,9 +59,20 @@ def mfu_peak(device: torch.device, dtype: torch.dtype | None, measured: float | 
     return sheet[1], {"peak_tflops_source": f"datasheet: {sheet[0]}, dense", "measured_tflops": measured}
 
 
+def probe_size(device: torch.device, dtype: torch.dtype) -> int:
+    """The side of the square matmuls that measure the ceiling: large enough that every thread works. A GPU needs
+    ~1 TFLOP per matmul to hide launch overhead. On a CPU, oneDNN's AMX bf16 kernel runs 1024x1024 on one thread
+    (1.60 TFLOPS, half the cores' CPU time) and 2048x2048 on all of them (2.56 TFLOPS; 2-core Xeon with AMX).
+    Without native bf16 (and in fp16) a CPU's 16-bit matmul is slow enough (~1 s at 1024) to keep every thread
+    busy at 1024 already, and 2048 would take 8x as long."""
+    if device.type == "cuda":
+        return 8192
+    return 2048 if dtype == torch.bfloat16 and cpu_has_fast_bf16() else 1024
+
+
 def measure_peak_tflops(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -> float:
     """A matmul ceiling for MFU, measured here: large square matmuls in the training dtype."""
-    n = 8192 if device.type == "cuda" else 1024  # a GPU needs ~1 TFLOP per matmul to hide launch overhead
+    n = probe_size(device, dtype)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     warm_up = time.perf_counter()

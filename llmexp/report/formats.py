@@ -21,3 +21,11 @@ def fmt(value: Any, digits: int = 4) -> str:
 def fmt_rate(value: Any) -> str:
     """A throughput (tokens/s): whole numbers with thousands separators read at a glance."""
     return f"{value:,.0f}" if isinstance(value, int | float) and math.isfinite(value) else fmt(value)
+
+
+def fmt_params(n: float) -> str:
+    """A parameter or token count at a glance: 147.8K, 1.3B."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.0f}"

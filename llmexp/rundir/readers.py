@@ -73,6 +73,7 @@ MLFLOW_RUN = {"tracking_uri": Need(str), "experiment_id": str, "run_id": Need(st
 LR_FIND = {"suggestion": Need(float), "lr_find_steps": Need(int), "lr_find_start": Need(float),
            "lr_find_end": Need(float)}
 MATMUL_VERDICT = {"path": Need(str), "reason": Need(str), "speedup": Need(float), "max_rel_diff": Need(float | None)}
+TOKENIZER_JSON = {"model": {"vocab": Need(dict | list)}, "added_tokens": [{"id": Need(int)}]}
 CHECKPOINT = "llmexp.train.resume:load_with_fallback"
 TOKEN_CACHE = "llmexp.data.cache:cached"
 
@@ -87,8 +88,13 @@ READERS: dict[str, Reader] = {  # module:qualname -> Reader
     "llmexp.config.gguf:read_architecture": Reader(INPUT, "model.gguf_file", "a whole .gguf file from llama.cpp (or "
                                                    "drop model.gguf_file to load the directory's safetensors)", None),
     "llmexp.config.origin:read_config_yaml": Reader(INPUT, "a config YAML", "YAML", 16 * MiB),
+    "llmexp.config.task_code:read_task_yaml": Reader(INPUT, "a harness task YAML (eval.lm_eval.include_path)",
+                                                     "YAML in lm-evaluation-harness's task format", 16 * MiB),
     "llmexp.config.paths:read_model_json": Reader(INPUT, "a model's config.json, adapter_config.json, "
                                                   "tokenizer_config.json", "a JSON object", 16 * MiB, None, {str: Any}),
+    "llmexp.config.paths:read_tokenizer_size": Reader(INPUT, "a tokenizer's tokenizer.json", "a tokenizers JSON "
+                                                      "file (save_pretrained writes one)", 256 * MiB,
+                                                      fields=TOKENIZER_JSON),
     "llmexp.config.environment:_sqlite_errors": Reader(INPUT, "logger.tracking_uri's SQLite file",
                                                        duty="llmexp.config.validation:validate"),
     # ----- caches
@@ -305,7 +311,7 @@ def read_lines(path: Path | str, max_line_bytes: int | None) -> Iterator[tuple[i
 # ----------------------------------------------------------------------------- JSON and YAML
 
 
-def _too_deep(value: Any) -> bool:
+def too_deep(value: Any) -> bool:
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
@@ -328,7 +334,7 @@ def parse_json(text: str, path: Path | str, line: int | None = None) -> Any:
     except ValueError:  # an integer of more digits than Python converts
         raise Damaged(path, f"a number of more than {sys.get_int_max_str_digits()} digits, more than Python reads",
                       line) from None
-    if text.count("[") + text.count("{") > MAX_DEPTH and _too_deep(value):
+    if text.count("[") + text.count("{") > MAX_DEPTH and too_deep(value):
         raise Damaged(path, f"JSON nested too deeply to parse (over {MAX_DEPTH} levels)", line)
     return value
 
@@ -348,7 +354,7 @@ def parse_yaml(text: str, path: Path | str) -> Any:
         raise Damaged(path, f"YAML nested deeper than {MAX_DEPTH} levels") from None
     except Exception as err:  # an integer longer than Python reads, a key OmegaConf refuses ...
         raise Damaged(path, f"not YAML ({type(err).__name__}: {(str(err).splitlines() or [''])[0][:120]})") from None
-    if _too_deep(value):
+    if too_deep(value):
         raise Damaged(path, f"YAML nested deeper than {MAX_DEPTH} levels")
     return value
 

@@ -27,6 +27,7 @@ from llmexp.sweep.space import edge_values, probe_job, search_space
 
 if TYPE_CHECKING:
     from hydra.core.override_parser.types import Override
+    from omegaconf import DictConfig
 
 Labelled = list[tuple[str, Any]]
 """(how a message names the job, its composed config)."""
@@ -62,6 +63,16 @@ def edge_configs(overrides: Sequence[Override], compose: Callable[[list[str]], A
     return configs
 
 
+def check_eval_inputs(cfg: DictConfig) -> None:
+    """What the `eval` group reads, before anything is written: every task file parsed and checked (file, line,
+    record), the harness and its task names (`harness.check_before_start`)."""
+    from llmexp.evals.harness import check_before_start
+    from llmexp.evals.items import read_task_files
+
+    read_task_files(cfg)
+    check_before_start(cfg.eval.lm_eval)
+
+
 def check_configs(configs: Labelled, on_this_machine: bool) -> None:
     """`validate` and the machine's checks on every config, then the sweep's one objective (`objective_problem`);
     one UserError listing what fails, shared problems once. On SLURM (`on_this_machine` false) only the
@@ -74,6 +85,8 @@ def check_configs(configs: Labelled, on_this_machine: bool) -> None:
         try:
             validate(cfg)
             (check_environment if on_this_machine else check_directories)(cfg)
+            if on_this_machine:
+                check_eval_inputs(cfg)
         except UserError as err:
             failures[label] = _problems(err)
     if not failures:

@@ -1,6 +1,5 @@
 """Downstream tasks at every eval (`eval` config group): what the loop calls besides the held-out loss.
 
-    read_task_files(cfg)        before anything loads: a bad task file exits 2 with nothing written
     build_suite(...)            once, after the data: the demo items, the extra held-out sets, the harness index
                                 (None with eval=loss: the run scores no task)
     run_tasks(suite, run, ...)  at every eval: each task on this rank's share, summed over the ranks,
@@ -26,21 +25,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from llmexp.config.schema import PerplexitySetConfig
 from llmexp.evals import score
-from llmexp.evals.items import ChoiceItem, GenerateItem, read_choice_items, read_generate_items
+from llmexp.evals.items import ChoiceItem, GenerateItem, TaskFiles
 from llmexp.rundir.task_metrics import TASK_EVENT
 
 if TYPE_CHECKING:
     from llmexp.data.datasets import TokenDataset
     from llmexp.train.runtime import Runtime
     from llmexp.train.state import Run
-
-
-@dataclass
-class TaskFiles:
-    """The items of every file-based task, read and checked before the data loads."""
-
-    choice: dict[str, list[ChoiceItem]] = field(default_factory=dict)
-    generate: dict[str, list[GenerateItem]] = field(default_factory=dict)
 
 
 @dataclass
@@ -56,16 +47,6 @@ class TaskSuite:
 
     def __bool__(self) -> bool:
         return bool(self.choice or self.generate or self.perplexity or self.harness is not None)
-
-
-def read_task_files(cfg: DictConfig) -> TaskFiles:
-    """Parse and check every task file (UserError naming the file, line or record)."""
-    ev = cfg.eval
-    return TaskFiles(
-        choice={str(n): read_choice_items(t.file, f"eval.multiple_choice.{n}.file", t.max_items)
-                for n, t in ev.multiple_choice.items()},
-        generate={str(n): read_generate_items(t.file, f"eval.generate.{n}.file", t.max_items)
-                  for n, t in ev.generate.items()})
 
 
 def perplexity_cfg(cfg: DictConfig, entry: DictConfig) -> DictConfig:
@@ -101,7 +82,7 @@ def build_suite(cfg: DictConfig, tokenizer: Any, files: TaskFiles, is_main: bool
 
         lm = ev.lm_eval
         suite.harness = harness.task_manager(lm.include_path, lm.include_defaults)
-        harness.check_tasks(suite.harness, list(lm.tasks), lm.include_path)
+        harness.check_tasks(suite.harness, list(lm.tasks), lm.include_path, lm.include_defaults)
     return suite if suite else None  # (a harness-only suite is rank 0's: the others wait at the next collective)
 
 

@@ -59,6 +59,8 @@ class Runtime:
             raise RuntimeError(f"Accelerate runs {self.accelerator.num_processes} processes, but WORLD_SIZE says "
                                f"{self.world}: start multi-process runs with torchrun or accelerate launch")
         self.device = self.accelerator.device
+        if self.device.type == "cuda":
+            use_tf32(cfg.precision.tf32)
         self.rank, self.is_main = self.accelerator.process_index, self.accelerator.is_main_process
 
     def measure_peak(self) -> tuple[float | None, str | None]:
@@ -151,6 +153,13 @@ class Runtime:
 
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(tensor, reduction="sum") if self.world > 1 else tensor
+
+
+def use_tf32(on: bool) -> None:
+    """TF32 for CUDA's fp32 matmuls and convolutions, or IEEE fp32 (torch's own default). Set on the CUDA backends
+    alone: `torch.set_float32_matmul_precision` would reach oneDNN's CPU matmuls too."""
+    torch.backends.cuda.matmul.fp32_precision = "tf32" if on else "ieee"
+    torch.backends.cudnn.conv.fp32_precision = "tf32" if on else "ieee"
 
 
 def setup_runtime(cfg: DictConfig) -> Runtime:

@@ -13,6 +13,7 @@ import torch
 from omegaconf import DictConfig
 
 from llmexp.config.derived import BF16_EMULATION_ADVICE, BatchPlan, make_plan, parse_batch_size
+from llmexp.errors import UserError
 from llmexp.model import build
 from llmexp.monitor.detectors import MonitorSettings
 from llmexp.monitor.throughput import flops_per_token, mfu_peak
@@ -85,6 +86,7 @@ def _build(cfg: DictConfig, rt: Runtime, engine: Engine, vocab_size: int,
 
     torch.manual_seed(cfg.seed)  # same init on every rank
     lm = build.build_model(cfg, vocab_size, rt.precision.name)
+    _check_vocab(cfg, lm, vocab_size)
     matmul = cpu_matmul_path(cfg, rt, lm, micro_tokens)
     facts = model_facts(cfg, lm) | ({"cpu_matmul": matmul.record()} if matmul else {})
     total, c = build.count_params(lm, trainable_only=False), lm.config
@@ -98,6 +100,8 @@ def _build(cfg: DictConfig, rt: Runtime, engine: Engine, vocab_size: int,
                  flops_per_token=flops_per_token(total, c.num_hidden_layers, c.hidden_size, cfg.data.max_length,
                                                  trainable=build.count_params(lm)),
                  peak_tflops=peak_tflops, mfu_note=mfu_note, lr=lr, lr_source=lr_source, model_facts=facts)
+    if rt.compiles:
+        compile_blocks(lm)
     loss_model = CausalLMLoss(lm)
     if matmul is not None and matmul.onednn:
         from llmexp.model.cpu_matmul import route
@@ -107,9 +111,30 @@ def _build(cfg: DictConfig, rt: Runtime, engine: Engine, vocab_size: int,
     model = engine.shard(loss_model)  # FSDP: before the optimizer sees the parameters
     optimizer = build.build_optimizer(cfg, model, lr, rt.device.type)
     model, optimizer = engine.prepare(model, optimizer)
-    if rt.compiles:
-        model = torch.compile(model)
     return model, optimizer, built
+
+
+def compile_blocks(lm: torch.nn.Module) -> int:
+    """torch.compile each decoder block in place (`nn.Module.compile`: parameter names unchanged), as torchtitan
+    does. The model around the blocks stays eager, so transformers decides the attention mask and SDPA its kernel
+    there: compiling the whole model made transformers build a full boolean mask while tracing (no flash path, K/V
+    repeated) and put the loss head's chunks in the graph. The blocks are the classes transformers names as never
+    to be split (`_no_split_modules`); a model that names none is compiled whole. Returns how many were compiled."""
+    kinds = set(getattr(lm, "_no_split_modules", None) or ())
+    blocks = [m for m in lm.modules() if type(m).__name__ in kinds]
+    for block in blocks or [lm]:
+        block.compile()
+    return len(blocks)
+
+
+def _check_vocab(cfg: DictConfig, lm: torch.nn.Module, vocab_size: int) -> None:
+    """A tokenizer with more tokens than the model has embedding rows: its top ids would index out of range at the
+    first forward (an IndexError deep in torch), so it is refused here, before any step."""
+    rows = lm.get_input_embeddings().num_embeddings
+    if vocab_size > rows:
+        raise UserError(f"data.tokenizer={cfg.data.tokenizer}: its {vocab_size} tokens outnumber the {rows} "
+                        f"embedding rows of model.name_or_path={cfg.model.name_or_path}; use the model's own "
+                        "tokenizer (data.tokenizer=null) or one made for it")
 
 
 def cpu_matmul_path(cfg: DictConfig, rt: Runtime, lm: torch.nn.Module, micro_tokens: int) -> MatmulPath | None:
@@ -143,6 +168,8 @@ def start_facts(cfg: DictConfig, rt: Runtime, desc: RunDescription) -> dict[str,
         "max_steps": desc.max_steps, "batch_size": desc.plan.micro, "world_size": desc.plan.world,
         "fsdp": cfg.fsdp.name, "optimizer": cfg.optimizer.name, "scheduler": cfg.scheduler.name,
         "precision_requested": desc.precision.requested, "device": rt.device.type, "peak_tflops": desc.peak_tflops}
+    if rt.device.type == "cuda":
+        facts["tf32"] = bool(cfg.precision.tf32)
     if desc.auto_batch:
         facts["batch_size_auto"] = desc.auto_batch.record()
     if desc.precision.warning:

@@ -31,11 +31,12 @@ from omegaconf import DictConfig
 from llmexp.data import datasets as data_lib
 from llmexp.data import stream as stream_lib
 from llmexp.data.tokenizer import load_tokenizer
+from llmexp.evals.items import read_task_files
 from llmexp.monitor.logger import safe_exp
 from llmexp.monitor.throughput import peak_memory_mb
 from llmexp.train import lr_find, samples
 from llmexp.train.anomaly import judge_step, report_findings
-from llmexp.train.eval_suite import TaskSuite, build_suite, read_task_files, run_tasks
+from llmexp.train.eval_suite import TaskSuite, build_suite, run_tasks
 from llmexp.train.finish import finish_run
 from llmexp.train.preemption import PreemptionSignal
 from llmexp.train.pruning import TrialPruning, sweep_value

@@ -131,12 +131,11 @@ class FsdpEngine:
     @contextmanager
     def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
         """Accumulate unsharded gradients; the last micro-batch reduce-scatters them once."""
-        inner: Any = getattr(model, "_orig_mod", model)
-        inner.set_requires_gradient_sync(False)
+        model.set_requires_gradient_sync(False)  # type: ignore[operator]
         try:
             yield
         finally:
-            inner.set_requires_gradient_sync(True)
+            model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -158,7 +157,7 @@ class FsdpEngine:
 
     # ------------------------------------------------------------------ checkpoints
     def lm(self, model: torch.nn.Module) -> torch.nn.Module:
-        return getattr(model, "_orig_mod", model).lm
+        return model.lm  # type: ignore[return-value]
 
     def full_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         return None  # a checkpoint's weights are in dcp/, written by `optimizer_writer`
@@ -170,8 +169,7 @@ class FsdpEngine:
         """The full weights gathered to rank 0 on the CPU (collective); {} on the other ranks."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        state = get_model_state_dict(getattr(model, "_orig_mod", model),
-                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return {k.removeprefix("lm."): v for k, v in state.items()}
 
     def _state(self, optimizer: Any) -> dict[str, Any]:

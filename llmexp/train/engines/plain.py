@@ -68,9 +68,8 @@ class PlainEngine:
 
     # ------------------------------------------------------------------ checkpoints
     def lm(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The Hugging Face model inside the compile / DDP / loss wrappers."""
-        inner = getattr(model, "_orig_mod", model)  # torch.compile
-        return getattr(inner, "module", inner).lm  # DistributedDataParallel
+        """The Hugging Face model inside the DDP / loss wrappers."""
+        return getattr(model, "module", model).lm  # DistributedDataParallel
 
     def full_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         return None  # every rank holds them whole

@@ -1,0 +1,132 @@
+"""What Python a folder of harness task YAMLs (`eval.lm_eval.include_path`) would run, found before it runs.
+
+lm-evaluation-harness runs code from a task YAML in two ways: a `!function utils.process_docs` tag imports the
+module beside the YAML (or any importable one) and calls it, and an `include:` pulls in another YAML, whose tags
+count the same. Its Jinja templates (`doc_to_text: "{{question}}"`) render in a non-sandboxed Jinja environment, so
+a template that reaches a private attribute (`{{ lipsum.__globals__ }}`), the `attr` filter or one of Jinja's own
+global objects can run code too. Each such place is code the user did not install: it runs only when they opt in
+(`eval.lm_eval.trust_code=true`). YAMLs inside the installed harness's own task tree are code the user installed,
+like any package: an `include:` of one is not followed.
+
+Nothing here imports the harness or runs a template: YAML is composed with PyYAML's safe loader (a tag is recorded,
+never constructed) and templates are parsed, not rendered, by Jinja.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from llmexp.rundir.readers import MAX_DEPTH, Damaged, entry_of, read_text, reader, too_deep
+
+JINJA_GLOBALS = frozenset({"lipsum", "cycler", "joiner", "namespace", "self"})
+"""Objects every template of a default Jinja environment can reach, each a way to Python's globals."""
+
+
+class _Code:
+    """A `!function` tag: what it names and where."""
+
+    def __init__(self, name: str, line: int) -> None:
+        self.name, self.line = name, line
+
+
+def _loader() -> type:
+    import yaml
+
+    class TaskLoader(yaml.SafeLoader):
+        """The safe loader plus the harness's `!function` tag, recorded (never imported)."""
+
+    def function(loader: yaml.SafeLoader, node: yaml.Node) -> _Code:
+        return _Code(str(loader.construct_scalar(node)), node.start_mark.line + 1)
+
+    TaskLoader.add_constructor("!function", function)
+    return TaskLoader
+
+
+@reader
+def read_task_yaml(path: Path) -> Any:
+    """A harness task YAML as data, its `!function` tags as `_Code` markers (None for an empty file)."""
+    import yaml
+
+    text = read_text(path, entry_of(read_task_yaml).max_bytes)
+    try:
+        return _within_depth(path, yaml.load(text, Loader=_loader()))  # the safe loader, plus one tag recorded
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        raise Damaged(path, f"not YAML ({err.problem or err.context})", mark.line + 1 if mark else None) from None
+    except yaml.YAMLError as err:  # an unknown tag without a mark, ...
+        raise Damaged(path, f"not YAML ({(str(err).splitlines() or [''])[0][:120]})") from None
+    except RecursionError:
+        raise Damaged(path, f"YAML nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as err:  # an integer longer than Python reads
+        raise Damaged(path, f"not YAML ({(str(err).splitlines() or [''])[0][:120]})") from None
+
+
+def _within_depth(path: Path, value: Any) -> Any:
+    if too_deep(value):
+        raise Damaged(path, f"YAML nested deeper than {MAX_DEPTH} levels")
+    return value
+
+
+def code_in_task_dir(folder: Path) -> list[str]:
+    """`file:line: what` for each place a task YAML under `folder` (or a YAML it includes) would run code."""
+    found: list[str] = []
+    seen: set[Path] = set()
+    for path in sorted([*folder.rglob("*.yaml"), *folder.rglob("*.yml")]):
+        _scan(path, seen, found)
+    return found
+
+
+def _scan(path: Path, seen: set[Path], found: list[str]) -> None:
+    path = path.resolve()
+    if path in seen or _installed(path):
+        return
+    seen.add(path)
+    data = read_task_yaml(path)
+    for where, value in _leaves(data):
+        if isinstance(value, _Code):
+            found.append(f"{path}:{value.line}: `{where}: !function {value.name}` imports and runs Python")
+        elif isinstance(value, str) and (why := _template_code(value)):
+            found.append(f"{path}: `{where}` is a Jinja template that {why}")
+    includes = data.get("include") if isinstance(data, dict) else None
+    for include in includes if isinstance(includes, list) else [includes] if includes else []:
+        if isinstance(include, str):
+            _scan(Path(include) if Path(include).is_absolute() else path.parent / include, seen, found)
+
+
+def _leaves(value: Any, where: str = "") -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        return [leaf for k, v in value.items() for leaf in _leaves(v, f"{where}.{k}" if where else str(k))]
+    if isinstance(value, list):
+        return [leaf for i, v in enumerate(value) for leaf in _leaves(v, f"{where}[{i}]")]
+    return [(where, value)]
+
+
+def _template_code(text: str) -> str | None:
+    """Why a Jinja template could run code (None: it only reads the document's fields)."""
+    if "{{" not in text and "{%" not in text:
+        return None
+    from jinja2 import Environment, TemplateSyntaxError, nodes
+
+    try:
+        tree = Environment().parse(text)
+    except TemplateSyntaxError:
+        return None  # the harness will refuse it; it runs nothing
+    for node in tree.find_all((nodes.Getattr, nodes.Getitem, nodes.Filter, nodes.Name)):
+        if isinstance(node, nodes.Getattr) and node.attr.startswith("_"):
+            return f"reads the private attribute {node.attr}"
+        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and str(node.arg.value)[:1] == "_":
+            return f"reads the private item {node.arg.value}"
+        if isinstance(node, nodes.Filter) and node.name == "attr":
+            return "uses the attr filter"
+        if isinstance(node, nodes.Name) and node.name in JINJA_GLOBALS:
+            return f"reaches Jinja's global {node.name}"
+    return None
+
+
+def _installed(path: Path) -> bool:
+    """Whether `path` lies in the installed harness's own task tree (code the user installed)."""
+    spec = importlib.util.find_spec("lm_eval")
+    roots = [Path(p).resolve() / "tasks" for p in (spec.submodule_search_locations or [])] if spec else []
+    return any(path.is_relative_to(root) for root in roots)

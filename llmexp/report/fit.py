@@ -1,0 +1,539 @@
+"""`python -m llmexp.fit SWEEP_DIR [SWEEP_DIR ...] [--target-params N] [--out DIR]`: the best lr per model size
+from the jobs of finished sweeps (grid or search, local or SLURM), and the power law that carries it across sizes.
+
+Per size (parameter count, the start record's `model_params`): the vertex of a parabola fitted in log(lr) through the
+final eval losses near the grid's minimum, with a 95% interval, or a flag when the minimum is at the grid's edge;
+across sizes: best_lr = a * N^b (and best batch, where batch_size was swept); with --target-params, the lr there.
+Writes fit.json and fit.png (`llmexp.report.fit_plot`) and prints a table. Reads run directories only through
+`llmexp.rundir.read`; no torch. Exit codes: 0 written, 2 input it cannot fit (the message names the dir or file and
+the fix), nothing written then.
+
+Every x is a natural log (of an lr, a batch size, a parameter count): a loss is close to a parabola in log(lr) near
+its minimum (and far from one away from it: a too-high lr diverges steeply, a too-low one rises slowly), and an
+optimum that scales with size is a straight line in log-log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from llmexp.errors import EXIT_OK, EXIT_USER, UserError
+from llmexp.report.formats import fmt, fmt_params
+from llmexp.rundir.files import write_json_atomic
+from llmexp.rundir.read import (
+    FINISHED,
+    is_sweep_dir,
+    job_dirs,
+    load_config,
+    load_job_status,
+    load_records,
+    load_summary,
+)
+
+WINDOW_DECADES = 1.0
+"""The parabola is fitted through the grid's minimum and its neighbours within this many decades of it (always the
+two nearest, so a coarse 10x grid still fits): near enough that the loss is parabolic in log(lr)."""
+DRAWS = 2000
+"""Bootstrap draws: the 2.5% and 97.5% percentiles move by well under a grid step between seeds at this count."""
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
+"""Student's t, two-sided 95%, by degrees of freedom (between entries: the next lower dof's, the wider one)."""
+
+
+def t975(dof: int) -> float:
+    return T975[max(k for k in T975 if k <= dof)] if dof <= 30 else 1.96
+
+
+@dataclass
+class Vertex:
+    """The minimum of a loss curve over one swept axis (x = log of the value)."""
+
+    x_best: float | None
+    """The vertex's x; None where there is none (the minimum at the grid's edge, or no convex fit)."""
+    interval: tuple[float, float] | None
+    """95% interval of x_best (`vertex`); None when the points give no noise estimate."""
+    edge: str | None
+    """`low` or `high`: the grid's minimum is its lowest or highest value; None inside."""
+    grid_best: float
+    """The x of the lowest loss on the grid."""
+    window: list[int]
+    """Indices of the points the parabola was fitted through."""
+    coef: list[float] | None
+    """The parabola, highest power first (np.polyval); None without a fit."""
+    sigma: float | None
+    """The noise of one point's loss the interval assumed, and where it came from."""
+    sigma_source: str | None
+    draws: np.ndarray | None = field(default=None, repr=False)
+    """The bootstrap's vertices (for the law's interval across sizes); not written out."""
+
+
+def fit_window(xs: list[float], i_min: int, decades: float = WINDOW_DECADES) -> list[int]:
+    """The indices (xs sorted ascending) of the points near the minimum `i_min`: its immediate neighbours and any
+    further ones within `decades` of it."""
+    reach = decades * math.log(10)
+    return [i for i in range(len(xs)) if abs(i - i_min) <= 1 or abs(xs[i] - xs[i_min]) <= reach + 1e-12]
+
+
+def noise_sigma(ys: list[float], coef: np.ndarray, xs: list[float],
+                replicates: list[list[float]] | None) -> tuple[float | None, str | None]:
+    """The noise of the (mean) loss at one point: pooled over replicate seeds where a point has several runs (per run;
+    the caller divides by sqrt(runs)), else the fit's residuals when there are more points than the parabola's 3
+    coefficients; None otherwise (3 points fit exactly: they say nothing about their noise)."""
+    groups = [r for r in (replicates or []) if len(r) > 1]
+    if groups:
+        dof = sum(len(r) - 1 for r in groups)
+        ss = sum(float(np.sum((np.asarray(r) - np.mean(r)) ** 2)) for r in groups)
+        return math.sqrt(ss / dof), "replicate seeds"
+    if len(xs) > 3:
+        resid = np.asarray(ys) - np.polyval(coef, np.asarray(xs))
+        return math.sqrt(float(np.sum(resid ** 2)) / (len(xs) - 3)), "fit residuals"
+    return None, None
+
+
+def _minimisers(coef: np.ndarray, lo: float, hi: float) -> np.ndarray:
+    """The x in [lo, hi] where each parabola (columns of `coef`) is lowest: its vertex when convex (clipped to
+    the range), else the lower end point."""
+    a, b = coef[0], coef[1]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        vertex = np.clip(-b / (2 * a), lo, hi)
+    ends = np.where(np.polyval(coef, np.full(coef.shape[1], lo)) <= np.polyval(coef, np.full(coef.shape[1], hi)),
+                    lo, hi)
+    return np.where(a > 0, vertex, ends)
+
+
+def vertex(xs: list[float], ys: list[float], runs: list[int] | None = None,
+           replicates: list[list[float]] | None = None, seed: int = 0) -> Vertex:
+    """The x minimising a parabola fitted (least squares) through the points near the grid's minimum, with a 95%
+    interval. `xs` ascending and distinct, `ys` the mean loss at each, `runs` how many runs each mean is of,
+    `replicates` each point's individual losses (for the noise estimate).
+
+    The interval is a parametric bootstrap: each fitted point's loss is redrawn as the parabola's value there plus
+    Gaussian noise of `noise_sigma` / sqrt(runs), the parabola refitted, and its minimiser over the fitted points'
+    range taken (a draw that is not convex counts at its lower end): the 2.5% and 97.5% percentiles. A bootstrap
+    rather than the delta method because the vertex, -b / 2a, is far from linear in the fit when a is small."""
+    i_min = int(np.argmin(ys))
+    edge = "low" if i_min == 0 else "high" if i_min == len(xs) - 1 else None
+    if edge is not None or len(xs) < 3:
+        return Vertex(None, None, edge, xs[i_min], [i_min], None, None, None)
+    window = fit_window(xs, i_min)
+    wx, wy = [xs[i] for i in window], [ys[i] for i in window]
+    coef = np.polyfit(wx, wy, 2)
+    if coef[0] <= 0:  # a noisy grid whose lowest point is inside but the curve around it is not convex
+        return Vertex(None, None, None, xs[i_min], window, coef.tolist(), None, None)
+    x_best = float(-coef[1] / (2 * coef[0]))
+    reps = [replicates[i] for i in window] if replicates else None
+    sigma, source = noise_sigma(wy, coef, wx, reps)
+    if sigma is None or sigma == 0:
+        return Vertex(x_best, None, None, xs[i_min], window, coef.tolist(), sigma, source)
+    per_point = sigma / np.sqrt(np.asarray([runs[i] for i in window] if runs else [1] * len(window), dtype=float))
+    rng = np.random.default_rng(seed)
+    fitted = np.polyval(coef, np.asarray(wx))
+    ys_star = fitted[:, None] + per_point[:, None] * rng.standard_normal((len(wx), DRAWS))
+    draws = _minimisers(np.polyfit(wx, ys_star, 2), wx[0], wx[-1])
+    lo, hi = np.percentile(draws, [2.5, 97.5])
+    return Vertex(x_best, (float(lo), float(hi)), None, xs[i_min], window, coef.tolist(), sigma, source, draws)
+
+
+@dataclass
+class PowerLaw:
+    """y = a * n^b, fitted by least squares in log-log."""
+
+    a: float
+    b: float
+    b_interval: tuple[float, float] | None
+    interval_method: str | None
+    points: int
+    log_a: float = field(repr=False, default=0.0)
+    se_fit: tuple[float, float, float, int] | None = field(repr=False, default=None)
+    """(residual sd, mean log n, sum of squares of log n, dof): the OLS prediction interval's pieces."""
+    draws: np.ndarray | None = field(repr=False, default=None)
+    """(intercepts, slopes) of the law refitted to each bootstrap draw of the vertices."""
+
+    def at(self, n: float) -> tuple[float, tuple[float, float] | None]:
+        """The law's value at `n` with a 95% interval (of the law's mean there, not of one more run)."""
+        x = math.log(n)
+        value = math.exp(self.log_a + self.b * x)
+        if self.se_fit is not None:
+            s, mean, sxx, dof = self.se_fit
+            half = t975(dof) * s * math.sqrt(1 / self.points + (x - mean) ** 2 / sxx)
+            return value, (math.exp(self.log_a + self.b * x - half), math.exp(self.log_a + self.b * x + half))
+        if self.draws is not None:
+            lo, hi = np.percentile(self.draws[0] + self.draws[1] * x, [2.5, 97.5])
+            return value, (math.exp(lo), math.exp(hi))
+        return value, None
+
+
+def power_law(log_n: list[float], log_y: list[float], draws: list[np.ndarray | None] | None = None) -> PowerLaw:
+    """log y = log a + b log n by least squares. The interval on b (95%): from 3 points on, the slope's standard
+    error with Student's t (the scatter about the line holds every source of noise, the vertices' included); with
+    2 points the line goes through both, so it is the spread of slopes refitted to the vertices' own bootstrap
+    draws (`draws`, one array per point or None for a point without one); None when no point has draws."""
+    x, y = np.asarray(log_n, dtype=float), np.asarray(log_y, dtype=float)
+    b, log_a = np.polyfit(x, y, 1)
+    law = PowerLaw(math.exp(log_a), float(b), None, None, len(x), float(log_a))
+    if len(x) >= 3:
+        dof = len(x) - 2
+        s = math.sqrt(float(np.sum((y - (log_a + b * x)) ** 2)) / dof)
+        sxx = float(np.sum((x - x.mean()) ** 2))
+        half = t975(dof) * s / math.sqrt(sxx)
+        law.b_interval, law.interval_method = (float(b - half), float(b + half)), "ols t interval"
+        law.se_fit = (s, float(x.mean()), sxx, dof)
+    elif draws and any(d is not None for d in draws):
+        ys_star = np.stack([d if d is not None else np.full(DRAWS, v) for d, v in zip(draws, y, strict=True)])
+        slopes, intercepts = np.polyfit(x, ys_star, 1)
+        law.draws = np.stack([intercepts, slopes])
+        lo, hi = np.percentile(slopes, [2.5, 97.5])
+        law.b_interval, law.interval_method = (float(lo), float(hi)), "bootstrap of the vertices"
+    return law
+
+
+def grid_step(values: list[float]) -> float:
+    """The median ratio between neighbouring distinct grid values: the grid's resolution."""
+    vs = sorted(set(values))
+    return float(np.median([b / a for a, b in itertools.pairwise(vs)])) if len(vs) > 1 else 1.0
+
+
+# ----------------------------------------------------------------------------- the jobs of the sweeps
+
+DEEPSEEK_LR = (0.3118, -0.1250)
+"""DeepSeek LLM (2024, arXiv:2401.02954, section 3.1): eta_opt = 0.3118 * C^-0.1250, C the compute in FLOPs."""
+DEEPSEEK_BATCH = (0.2920, 0.3271)
+"""DeepSeek LLM (2024): B_opt = 0.2920 * C^0.3271, in tokens per step."""
+STANDARD, MUP = "standard", "mup"
+
+
+@dataclass
+class Job:
+    """What the fit needs of one finished job."""
+
+    dir: Path
+    params: int
+    lr: float
+    loss: float | None
+    """The final eval loss; None for a job that diverged (a lr too high: the curve's upper wall)."""
+    batch: int
+    """Sequences per optimizer step (global_batch_size)."""
+    context: int
+    tokens: float
+    """Tokens seen: steps x global batch x context (an upper bound for padded, unpacked data)."""
+    parametrization: str
+
+
+def _damaged(path: Path, why: str) -> UserError:
+    return UserError(f"{path}: {why}; run that job again, or move {path.parent} out of the sweep directory to fit "
+                     "without it")
+
+
+def _parametrization(config: dict) -> str:
+    """`model.parametrization` of a job's composed config. Read defensively: the key is newer than some runs, which
+    were all trained in the standard parametrization."""
+    model = config.get("model") if isinstance(config.get("model"), dict) else {}
+    value = model.get("parametrization")
+    return str(value) if isinstance(value, str) else STANDARD
+
+
+def _start_record(records: list[dict]) -> dict:
+    return next((r for r in records if r.get("event") == "start"), {})
+
+
+def read_job(job_dir: Path) -> Job | str:
+    """A finished job of a sweep, or why it is left out. A summary.json that is there but unreadable is an error
+    (its reader said what is wrong with it): fitting without it would quietly move the optimum."""
+    summary_path = job_dir / "summary.json"
+    summary = load_summary(job_dir)
+    if summary is None:
+        if os.path.lexists(summary_path):
+            raise _damaged(summary_path, "damaged (the line above says how)")
+        return "no summary.json (running, killed or crashed)"
+    status = load_job_status(job_dir).get("status") or summary.get("status")
+    if status not in (*FINISHED, "diverged"):
+        return f"status {status}"
+    start = _start_record(load_records(job_dir))
+    params = start.get("model_params", summary.get("total_params"))
+    lr = summary.get("lr", start.get("lr_chosen"))
+    batch, context, step = summary.get("global_batch_size"), start.get("max_length"), summary.get("step")
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in (params, lr, batch, context)):
+        raise _damaged(summary_path, "it (with metrics.jsonl's start record) names no model_params, lr, "
+                                     "global_batch_size or max_length")
+    loss = summary.get("eval_loss")
+    diverged = status == "diverged" or (isinstance(loss, float) and not math.isfinite(loss))
+    if loss is None and not diverged:
+        return "no eval loss (train.eval_steps off?)"
+    return Job(job_dir, int(params), float(lr), None if diverged else float(loss), int(batch), int(context),
+               float(step or 0) * batch * context, _parametrization(load_config(job_dir)))
+
+
+def collect(sweep_dirs: list[Path]) -> tuple[list[Job], list[dict[str, str]]]:
+    """The finished jobs of every sweep directory, and the others with why they are left out."""
+    jobs: list[Job] = []
+    left_out: list[dict[str, str]] = []
+    for sweep in sweep_dirs:
+        if not is_sweep_dir(sweep):
+            raise UserError(f"{sweep} is not a sweep directory (no multirun.yaml, no job subdirectories); point "
+                            "llmexp.fit at the directory `python -m llmexp --multirun` wrote (hydra.sweep.dir)")
+        for job_dir in job_dirs(sweep):
+            job = read_job(job_dir)
+            if isinstance(job, str):
+                left_out.append({"job": str(job_dir), "why": job})
+            else:
+                jobs.append(job)
+    if jobs and all(j.loss is None for j in jobs):
+        raise UserError(f"every finished job in {', '.join(map(str, sweep_dirs))} diverged: sweep lower lrs (the "
+                        f"lowest here, {min(j.lr for j in jobs):.3g}, is still too high)")
+    if not jobs:
+        raise UserError(f"no finished job with an eval loss in {', '.join(map(str, sweep_dirs))}; wait for the "
+                        f"sweep to end (python -m llmexp.status {sweep_dirs[0]}), or run it again to finish it")
+    return jobs, left_out
+
+
+# ----------------------------------------------------------------------------- one size
+
+def _means(jobs: list[Job]) -> tuple[list[float], list[float], list[int], list[list[float]]]:
+    """Per distinct lr (ascending): the lr, the mean loss over its runs (seeds, sweeps), the run count, the losses."""
+    by_lr: dict[float, list[float]] = {}
+    for j in jobs:
+        if j.loss is not None:
+            by_lr.setdefault(j.lr, []).append(j.loss)
+    lrs = sorted(by_lr)
+    return lrs, [float(np.mean(by_lr[lr])) for lr in lrs], [len(by_lr[lr]) for lr in lrs], [by_lr[lr] for lr in lrs]
+
+
+def _exp(value: float | None) -> float | None:
+    return None if value is None else math.exp(value)
+
+
+def _advice(axis: str, edge: str | None, best: float, above: list[float]) -> str | None:
+    """What to do about a minimum at the grid's edge."""
+    if edge == "low":
+        return f"{axis} grid too narrow, extend it down (its best is its lowest, {best:.3g})"
+    if edge == "high" and above:  # a higher lr diverged: the optimum lies between the two
+        return f"{axis} grid too narrow: add {axis}s between {best:.3g} and {min(above):.3g}, which diverged"
+    if edge == "high":
+        return f"{axis} grid too narrow, extend it up (its best is its highest, {best:.3g})"
+    return None
+
+
+def lr_fit(jobs: list[Job], where: str) -> tuple[dict[str, Any], Vertex]:
+    """The best lr of one size's jobs (one batch size): the points, the parabola and its vertex."""
+    lrs, losses, runs, reps = _means(jobs)
+    if len(lrs) < 3:
+        raise UserError(f"{where}: {len(lrs)} lr(s) with an eval loss ({', '.join(f'{lr:.3g}' for lr in lrs)}); a "
+                        "parabola needs at least 3: sweep lr at this size over 3 or more values ~3x apart around "
+                        "the expected best (e.g. lr=1e-3,3e-3,1e-2)")
+    v = vertex([math.log(lr) for lr in lrs], losses, runs, reps)
+    diverged = sorted({j.lr for j in jobs if j.loss is None})
+    best = math.exp(v.grid_best)
+    advice = _advice("lr", v.edge, best, [d for d in diverged if d > best])
+    if v.edge is None and v.x_best is None:
+        advice = "the losses around the grid's best are not convex (noise?): add seeds or a finer grid"
+    points = [{"lr": lr, "loss": loss, "runs": n} for lr, loss, n in zip(lrs, losses, runs, strict=True)]
+    return {"points": points, "diverged_lrs": diverged, "fitted": [lrs[i] for i in v.window], "coef": v.coef,
+            "best_lr": _exp(v.x_best), "interval": [math.exp(x) for x in v.interval] if v.interval else None,
+            "noise": v.sigma, "noise_from": v.sigma_source, "grid_best_lr": best, "edge": v.edge,
+            "advice": advice}, v
+
+
+def batch_fit(jobs: list[Job]) -> tuple[dict[str, Any] | None, list[Job]]:
+    """Where batch_size was swept at this size: the best batch (a parabola in log(batch) through each batch's best
+    loss over its lrs), and the jobs at the grid's best batch, whose lrs the lr fit uses (the best lr moves with the
+    batch). Without a batch sweep: None and every job."""
+    batches = sorted({j.batch for j in jobs if j.loss is not None})
+    if len(batches) < 2:
+        return None, jobs
+    best_loss = [min(j.loss for j in jobs if j.batch == b and j.loss is not None) for b in batches]
+    v = vertex([math.log(b) for b in batches], best_loss)
+    grid_best = batches[int(np.argmin(best_loss))]
+    context = jobs[0].context
+    fit = {"points": [{"batch": b, "best_loss": loss} for b, loss in zip(batches, best_loss, strict=True)],
+           "best_batch": _exp(v.x_best), "interval": [math.exp(x) for x in v.interval] if v.interval else None,
+           "grid_best_batch": grid_best, "edge": v.edge, "context": context,
+           "best_batch_tokens": None if v.x_best is None else math.exp(v.x_best) * context,
+           "advice": _advice("batch_size", v.edge, grid_best, []) if len(batches) > 2 else
+           "2 batch sizes: the best is the grid's, without a vertex; sweep 3 or more"}
+    return fit, [j for j in jobs if j.batch == grid_best]
+
+
+def deepseek(params: float, tokens: float) -> dict[str, float]:
+    """DeepSeek LLM's optimal lr and batch (tokens) at the compute C ~ 6 N D of `params` trained on `tokens`."""
+    compute = 6.0 * params * tokens
+    return {"compute": compute, "lr": DEEPSEEK_LR[0] * compute ** DEEPSEEK_LR[1],
+            "batch_tokens": DEEPSEEK_BATCH[0] * compute ** DEEPSEEK_BATCH[1]}
+
+
+def size_fit(params: int, jobs: list[Job], seed_lr: Callable[[float], float] | None) -> tuple[dict[str, Any], Vertex]:
+    """Everything about one model size."""
+    batch, at_batch = batch_fit(jobs)
+    where = f"the {fmt_params(params)}-parameter jobs ({jobs[0].dir.parent}" + \
+        (f", batch {at_batch[0].batch})" if batch else ")")
+    lr, v = lr_fit(at_batch, where)
+    tokens = float(np.median([j.tokens for j in at_batch]))
+    out = {"params": params, "jobs": len(jobs), "tokens_seen": tokens, "batch_size": at_batch[0].batch, **lr,
+           "batch": batch, "deepseek": deepseek(params, tokens),
+           "seed_table_lr": seed_lr(params) if seed_lr else None}
+    return out, v
+
+
+# ----------------------------------------------------------------------------- across sizes
+
+def _law_dict(law: PowerLaw | None, what: str, why_none: str | None) -> dict[str, Any]:
+    if law is None:
+        return {"fitted": False, "why": why_none}
+    return {"fitted": True, "formula": f"{what} = a * N^b", "a": law.a, "b": law.b, "b_interval": law.b_interval,
+            "interval_method": law.interval_method, "sizes": law.points}
+
+
+def lr_law(sizes: list[dict], vertices: list[Vertex]) -> tuple[PowerLaw | None, str | None]:
+    """best_lr = a * N^b over the sizes with a vertex (an edge has none: its best lr is only bounded)."""
+    used = [(s, v) for s, v in zip(sizes, vertices, strict=True) if v.x_best is not None]
+    if len(used) < 2:
+        return None, f"{len(used)} size(s) with a best lr; a law needs 2 or more (fix the edge flags above)"
+    return power_law([math.log(s["params"]) for s, _ in used], [v.x_best for _, v in used],
+                     [v.draws for _, v in used]), None
+
+
+def batch_law(sizes: list[dict]) -> tuple[PowerLaw | None, str | None]:
+    """best batch = a * N^b over the sizes where batch_size was swept and has a vertex."""
+    used = [s for s in sizes if s["batch"] and s["batch"]["best_batch"] is not None]
+    if len(used) < 2:
+        return None, "batch_size was not swept at 2 or more sizes with a best batch inside the grid"
+    return power_law([math.log(s["params"]) for s in used], [math.log(s["batch"]["best_batch"]) for s in used]), None
+
+
+def mup_transfer(sizes: list[dict], jobs: list[Job]) -> dict[str, Any]:
+    """Under muP the best lr should not move with size: by what factor it did, against the grid's resolution (a
+    move within one grid step is what the grid can see as flat)."""
+    best = [s["best_lr"] for s in sizes if s["best_lr"] is not None]
+    step = grid_step([j.lr for j in jobs])
+    if len(best) < 2:
+        return {"moved_by": None, "grid_step": step, "flat": None, "best_lr": best[0] if best else None,
+                "note": f"{len(best)} size(s) with a best lr: nothing to compare (fix the edge flags above)"}
+    moved = max(best) / min(best)
+    flat = moved <= step * 1.0001
+    return {"moved_by": moved, "grid_step": step, "flat": flat, "best_lr": math.exp(float(np.mean(np.log(best)))),
+            "range": [min(best), max(best)],
+            "note": f"muP: the best lr moved by a factor {moved:.2g} across {len(best)} sizes; "
+                    + (f"within one grid step (x{step:.2g}): flat, as muP intends, so it transfers" if flat else
+                       f"more than one grid step (x{step:.2g}): not flat; check the sizes share the base width "
+                       "and the muP settings")}
+
+
+def target(n: float, law: PowerLaw | None, mup: dict[str, Any] | None) -> dict[str, Any]:
+    """The lr at `n` parameters: the law's (standard), or the sizes' shared optimum (muP: it transfers)."""
+    if mup is not None:
+        return {"params": n, "lr": mup["best_lr"], "interval": mup.get("range"), "from": "muP transfer (the "
+                "geometric mean of the sizes' best lrs; interval: their range)"}
+    if law is None:
+        return {"params": n, "lr": None, "interval": None, "from": "no law fitted"}
+    lr, interval = law.at(n)
+    return {"params": n, "lr": lr, "interval": list(interval) if interval else None, "from": "the power law"}
+
+
+def fit_sweeps(sweep_dirs: list[Path], target_params: float | None = None,
+               seed_lr: Callable[[float], float] | None = None) -> tuple[dict[str, Any], list[Vertex]]:
+    """fit.json's content (and each size's vertex, for the plot); raises UserError on input it cannot fit."""
+    jobs, left_out = collect(sweep_dirs)
+    kinds = sorted({j.parametrization for j in jobs})
+    if len(kinds) > 1:
+        raise UserError(f"the jobs mix model.parametrization={' and '.join(kinds)}; their best lrs follow different "
+                        "rules: fit each parametrization's sweeps separately")
+    by_size: dict[int, list[Job]] = {}
+    for j in jobs:
+        by_size.setdefault(j.params, []).append(j)
+    fits = [size_fit(n, by_size[n], seed_lr) for n in sorted(by_size)]
+    sizes, vertices = [f[0] for f in fits], [f[1] for f in fits]
+    mup = mup_transfer(sizes, jobs) if kinds == [MUP] else None
+    law, why = (None, "muP: the best lr is not expected to scale with size") if mup else lr_law(sizes, vertices)
+    blaw, bwhy = batch_law(sizes)
+    result = {"sweep_dirs": [str(d) for d in sweep_dirs], "loss": "final eval_loss (mean over runs at one lr)",
+              "parametrization": kinds[0], "sizes": sizes, "lr_law": _law_dict(law, "best_lr", why),
+              "batch_law": _law_dict(blaw, "best_batch", bwhy), "mup": mup,
+              "target": target(target_params, law, mup) if target_params else None,
+              "deepseek_llm": {"lr": {"a": DEEPSEEK_LR[0], "b": DEEPSEEK_LR[1]},
+                               "batch_tokens": {"a": DEEPSEEK_BATCH[0], "b": DEEPSEEK_BATCH[1]},
+                               "against": "compute C ~ 6 * N * D in FLOPs, D the tokens the jobs saw"},
+              "left_out": left_out}
+    return result, vertices
+
+
+# ----------------------------------------------------------------------------- the command
+
+def _interval(values: list[float] | tuple[float, float] | None) -> str:
+    return f"[{fmt(values[0], 2)}, {fmt(values[1], 2)}]" if values else "[no interval: 3 points fit exactly]"
+
+
+def table(result: dict[str, Any]) -> str:
+    """The printed summary: a row per size, the law, the target."""
+    rows = [f"{'size':<5} {'params':>8}  {'best lr [95% interval]':<44} {'points':>6}  edge"]
+    for i, s in enumerate(result["sizes"], 1):
+        best = f"{fmt(s['best_lr'], 3)} {_interval(s['interval'])}" if s["best_lr"] else \
+            f"– (grid's best {fmt(s['grid_best_lr'], 3)})"
+        rows.append(f"{i:<5} {fmt_params(s['params']):>8}  {best:<44} {len(s['points']):>6}  "
+                    f"{s['advice'] or '–'}")
+        if s["batch"]:
+            b = s["batch"]
+            rows.append(f"{'':<5} {'':>8}  best batch {fmt(b['best_batch'], 3)} (grid's {b['grid_best_batch']}; lrs "
+                        f"fitted at it)  {b['advice'] or ''}")
+    rows.append(_law_line("lr", result["lr_law"]))
+    if result["batch_law"]["fitted"]:
+        rows.append(_law_line("batch", result["batch_law"]))
+    if result["mup"]:
+        rows.append(result["mup"]["note"])
+    if t := result["target"]:
+        rows.append(f"at N = {fmt_params(t['params'])}: lr {fmt(t['lr'], 3)} {_interval(t['interval'])} ({t['from']})"
+                    if t["lr"] else f"at N = {fmt_params(t['params'])}: no lr ({t['from']})")
+    if result["left_out"]:
+        rows.append(f"left out: {len(result['left_out'])} job(s) (fit.json's left_out says why)")
+    return "\n".join(rows)
+
+
+def _law_line(what: str, law: dict[str, Any]) -> str:
+    if not law["fitted"]:
+        return f"{what} law: none ({law['why']})"
+    interval = (f", b in [{law['b_interval'][0]:.3g}, {law['b_interval'][1]:.3g}] ({law['interval_method']})"
+                if law["b_interval"] else ", no interval on b")
+    return f"{what} law: best_{what} = {law['a']:.3g} * N^{law['b']:.3f}{interval}; {law['sizes']} sizes"
+
+
+def parse_count(text: str) -> float:
+    """A parameter count: 1e9, 1000000000, 7B, 125M, 1.5T."""
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}.get(text[-1:].upper(), 1.0)
+    value = float(text[:-1] if scale != 1.0 else text) * scale
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(text)
+    return value
+
+
+def main(argv: list[str] | None = None, seed_lr: Callable[[float], float] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m llmexp.fit",
+                                     description="The best lr per model size, and its power law across sizes.")
+    parser.add_argument("sweep_dirs", type=Path, nargs="+", metavar="SWEEP_DIR", help="finished sweep directories")
+    parser.add_argument("--target-params", type=parse_count, metavar="N",
+                        help="extrapolate the best lr to N parameters (1e9, 7B, 125M)")
+    parser.add_argument("--out", type=Path, metavar="DIR", help="where fit.json and fit.png go (the first SWEEP_DIR)")
+    args = parser.parse_args(argv)
+    sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]  # (a directory named in bytes)
+    out = args.out or args.sweep_dirs[0]
+    try:
+        result, _ = fit_sweeps(args.sweep_dirs, args.target_params, seed_lr)
+        out.mkdir(parents=True, exist_ok=True)
+        result["files"] = {"json": str(out / "fit.json"), "png": str(out / "fit.png")}
+        from llmexp.report.fit_plot import plot_fit
+
+        plot_fit(result, out / "fit.png", seed_lr)
+        write_json_atomic(out / "fit.json", result)
+    except (UserError, OSError) as err:
+        print(f"llmexp.fit: error: {err}", file=sys.stderr)
+        return EXIT_USER
+    print(table(result))
+    print(f"wrote {result['files']['json']} and {result['files']['png']}")
+    return EXIT_OK
