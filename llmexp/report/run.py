@@ -55,7 +55,9 @@ def _parameters(summary: dict[str, Any]) -> str:
 
 _SETTINGS = (
     ("model", ("model", "name")), ("model path", ("model", "name_or_path")), ("hidden size", ("model", "hidden_size")),
-    ("layers", ("model", "num_hidden_layers")), ("lr", ("lr",)), ("batch size (per device)", ("batch_size",)),
+    ("width multiplier (x hidden size, intermediate size, heads)", ("model", "width_mult")),
+    ("parametrization", ("model", "parametrization")), ("layers", ("model", "num_hidden_layers")), ("lr", ("lr",)),
+    ("batch size (per device)", ("batch_size",)),
     ("gradient accumulation", ("train", "gradient_accumulation_steps")),
     ("global batch size", ("train", "global_batch_size")), ("max steps", ("train", "max_steps")),
     ("precision", ("precision", "name")), ("optimizer", ("optimizer", "name")),
