@@ -67,6 +67,20 @@ def test_mup_scales_hidden_init_and_logits_with_the_width(tmp_path: Path) -> Non
     assert stds["lm_head.weight"] == pytest.approx(0.02, rel=0.05)
 
 
+def test_width_mult_scales_the_standard_model_and_its_estimate(tmp_path: Path) -> None:
+    """model.width_mult=2 on the standard model: the four sizes doubled, the head size kept, and the meta-device
+    count (`python -m llmexp.estimate`, batch_size=auto) the same as the built model's."""
+    from llmexp.model.build import count_params
+    from llmexp.model.estimate import count_params_meta
+
+    cfg = _cfg(tmp_path, "model.width_mult=2")
+    model = _built(cfg)
+    c = model.config
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads) == (128, 256, 4, 4)
+    assert count_params_meta(cfg) == count_params(model, trainable_only=False)
+
+
 @pytest.mark.parametrize(("optimizer", "expected"), [
     # MuAdam: hidden lr / m and weight decay x m; the rest as standard
     ("adamw", {"hidden": (0.25, 0.4), "head": (1.0, 0.1), "embedding": (1.0, 0.0), "vector": (1.0, 0.0)}),
