@@ -131,7 +131,9 @@ class CausalLMLoss(nn.Module):
             fp32_cpu = compute_dtype == torch.float32 and hidden.device.type == "cpu"
             return LinearCrossEntropy.apply(hidden, head.weight, targets, compute_dtype, torch.is_grad_enabled(),
                                             self.head_mm_t if fp32_cpu else torch_mm_t)
-        # calling the head module, not reading its weight: a ZeRO-3 hook gathers it first
+        # As in the fused head, an ignored row adds exactly 0 even if its hidden state is NaN/inf. Calling the
+        # head module, not reading its weight: a ZeRO-3 hook gathers it first.
+        hidden = hidden.where((targets != IGNORE_INDEX)[:, None], 0)
         return _reduce(_token_losses(lambda a, b: head(hidden[a:b]), targets), labels.shape, per_row)
 
 
@@ -182,16 +184,13 @@ def fused_head_problem(lm: nn.Module) -> str | None:
 
 
 def _compute_dtype(hidden: torch.Tensor, head: nn.Module) -> torch.dtype | None:
-    """The matmul dtype of the fused head, or None where autograd's path is the right one:
-
-    under torch.compile (inductor fuses that path itself), fp16 (the unscaled softmax gradient
-    would underflow before the loss scale is applied), a head with a bias, or a weight that a
-    ZeRO-3 hook must gather first (calling the module does that; reading `.weight` does not).
+    """The matmul dtype of the fused head, or None where autograd's path is the right one: fp16 (the
+    unscaled softmax gradient would underflow before the loss scale is applied), a head with a bias, or a
+    weight that a ZeRO-3 hook must gather first (calling the module does that; reading `.weight` does not).
+    torch.compile traces the fused head too (one graph, fixed shapes), and it keeps no logits for backward.
     """
     weight = getattr(head, "weight", None)
-    if torch.compiler.is_compiling() or getattr(head, "bias", None) is not None or weight is None:
-        return None
-    if hasattr(weight, "ds_id") or weight.dim() != 2:
+    if getattr(head, "bias", None) is not None or weight is None or hasattr(weight, "ds_id") or weight.dim() != 2:
         return None
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
