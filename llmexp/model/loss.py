@@ -7,10 +7,11 @@ global batch's token count, known up front from the deterministic sampler.
 
 Why our own head: HF's forward materialises (B, L, V) logits and Accelerate then casts them to
 fp32 (`convert_outputs_to_fp32`); cross-entropy then runs log-softmax forward and backward over
-an fp32 copy. We run the decoder, project only the target positions, in chunks, and fuse the
-projection with the loss (`LinearCrossEntropy`): per chunk one softmax in fp32 gives both the
-loss and d loss / d logits (softmax - one-hot), so the logits are never kept for backward and
-never copied to fp32 as a whole. On CPU the loss part of the head takes about 4x less time.
+an fp32 copy. We run the decoder, project every position in chunks, and fuse the projection with
+the loss (`LinearCrossEntropy`): per chunk one softmax in fp32 gives both the loss and d loss / d logits
+(softmax - one-hot), so the logits are never kept for backward and never copied to fp32 as a whole. On
+CPU the loss part of the head takes about 4x less time. Positions without a target (prompt, padding)
+are masked, not dropped: fixed shapes, so torch.compile sees one graph and no step waits on the host.
 """
 
 from __future__ import annotations
