@@ -101,3 +101,41 @@ def test_far_off_predictions_stay_finite_and_exact() -> None:
                                        [hidden, weight])
     # atol: a gradient of ~0 next to ones of 200 is float32 rounding (+-1e-6), and its sign varies by CPU kernel
     assert torch.allclose(hidden.grad, ref_h, atol=1e-5) and torch.allclose(weight.grad, ref_w, atol=1e-5)
+
+
+def _nan_where_no_target(labels: torch.Tensor) -> Any:
+    """A forward hook on the decoder: NaN (and one inf) in the hidden states of the positions without a target."""
+    no_target = F.pad(labels[:, 1:], (0, 1), value=-100) == -100
+
+    def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
+        poison = torch.full_like(output.last_hidden_state, float("nan"))
+        poison[0, 0] = float("inf")
+        output.last_hidden_state = output.last_hidden_state.where(~no_target[..., None], poison)
+        return output
+    return hook
+
+
+@pytest.mark.parametrize("chunk_tokens", [4096, 64])  # one chunk; one a row
+@pytest.mark.parametrize("fused", [True, False])  # the fused head; autograd's path (fp16, a bias, ZeRO-3)
+def test_rows_without_a_target_add_exactly_zero_even_when_their_hidden_state_is_nan(
+        chunk_tokens: int, fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The head keeps every position (fixed shapes): one without a target must add 0 to the loss and to every
+    gradient also where its hidden state is NaN or inf (0 * NaN is NaN: it is masked with where())."""
+    monkeypatch.setattr(loss_lib, "CHUNK_TOKENS", chunk_tokens)
+    if not fused:
+        monkeypatch.setattr(loss_lib, "_compute_dtype", lambda hidden, head: None)
+    lm = tiny_llama(num_attention_heads=2)
+    ref_loss, ref_grads = _loss_and_grads(_reference_sum, copy.deepcopy(lm), torch.float32)
+    poisoned = copy.deepcopy(lm)
+    poisoned.model.register_forward_hook(_nan_where_no_target(_batch()[1]))
+    ours_loss, ours_grads = _loss_and_grads(lambda m, x, y: CausalLMLoss(m)(x, y), poisoned, torch.float32)
+    assert ours_loss == pytest.approx(ref_loss, rel=1e-6)
+    for ref, ours in zip(ref_grads, ours_grads, strict=True):
+        assert torch.isfinite(ours).all() and torch.allclose(ours, ref, rtol=1e-4, atol=1e-7)
+
+
+def test_the_loss_head_is_one_graph_for_torch_compile() -> None:
+    """No boolean compaction of the target rows: torch.compile sees no data-dependent shape and breaks no graph."""
+    input_ids, labels = _batch()
+    explained = torch._dynamo.explain(CausalLMLoss(tiny_llama(num_attention_heads=2)))(input_ids, labels)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons

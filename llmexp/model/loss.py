@@ -7,10 +7,11 @@ global batch's token count, known up front from the deterministic sampler.
 
 Why our own head: HF's forward materialises (B, L, V) logits and Accelerate then casts them to
 fp32 (`convert_outputs_to_fp32`); cross-entropy then runs log-softmax forward and backward over
-an fp32 copy. We run the decoder, project only the target positions, in chunks, and fuse the
-projection with the loss (`LinearCrossEntropy`): per chunk one softmax in fp32 gives both the
-loss and d loss / d logits (softmax - one-hot), so the logits are never kept for backward and
-never copied to fp32 as a whole. On CPU the loss part of the head takes about 4x less time.
+an fp32 copy. We run the decoder, project every position in chunks, and fuse the projection with
+the loss (`LinearCrossEntropy`): per chunk one softmax in fp32 gives both the loss and d loss / d logits
+(softmax - one-hot), so the logits are never kept for backward and never copied to fp32 as a whole. On
+CPU the loss part of the head takes about 4x less time. Positions without a target (prompt, padding)
+are masked, not dropped: fixed shapes, so torch.compile sees one graph and no step waits on the host.
 """
 
 from __future__ import annotations
@@ -57,23 +58,25 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_hidden = torch.empty_like(hidden) if grad_h else None
             grad_weight = None
             for start in range(0, hidden.shape[0], CHUNK_TOKENS):
-                h = hidden[start:start + CHUNK_TOKENS].to(compute_dtype)
                 t = targets[start:start + CHUNK_TOKENS]
+                keep = t != IGNORE_INDEX
+                # where(), not a multiply: an ignored row's hidden state may be NaN/inf (a fully masked row), and
+                # must add exactly 0 to the loss and gradients. Masked, not dropped: the shapes stay fixed.
+                h = hidden[start:start + CHUNK_TOKENS].where(keep[:, None], 0).to(compute_dtype)
+                t = t.where(keep, 0)
                 logits = mm_t(h, w)
                 lse = _logsumexp_fp32(logits)
                 target_logit = logits.gather(1, t[:, None]).squeeze(1).float()
-                total = total + (lse - target_logit).sum()
+                total = total + (lse - target_logit).where(keep, 0).sum()
                 if needs_grad:
                     grad_logits = torch.softmax(logits, dim=1)  # computed in fp32, stored in compute_dtype
-                    rows = torch.arange(t.shape[0], device=t.device)
-                    grad_logits[rows, t] = (torch.exp(target_logit - lse) - 1.0).to(compute_dtype)  # - one_hot
+                    one_hot_term = (torch.exp(target_logit - lse) - 1.0).to(compute_dtype)  # p_target - 1
+                    grad_logits.scatter_(1, t[:, None], one_hot_term[:, None])
                     if grad_hidden is not None:
-                        grad_hidden[start:start + CHUNK_TOKENS] = mm_t(grad_logits, w.t())
-                    if grad_w:  # the first chunk writes it: no (V, d) zero-fill and add
+                        grad_hidden[start:start + CHUNK_TOKENS] = mm_t(grad_logits, w.t()).where(keep[:, None], 0)
+                    if grad_w:  # an ignored row's h is 0, so it adds nothing here; the first chunk writes the sum
                         chunk_grad = mm_t(grad_logits.t(), h.t()).float()
                         grad_weight = chunk_grad if grad_weight is None else grad_weight.add_(chunk_grad)
-            if grad_w and grad_weight is None:  # no target in this micro-batch
-                grad_weight = torch.zeros_like(weight, dtype=torch.float32)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total
@@ -112,50 +115,39 @@ class CausalLMLoss(nn.Module):
                 position_ids: torch.Tensor | None = None, per_row: bool = False) -> torch.Tensor:
         """The loss summed over every target token; `per_row`: a (batch,) tensor of each row's sum instead
         (task scoring: minus the log-likelihood of each row's continuation), without gradients."""
-        targets = labels[:, 1:]
-        keep = targets != IGNORE_INDEX
+        # Every position keeps its row, the last one (and any prompt or padding) with target -100: masked, not
+        # compacted, so the shapes do not depend on the labels and nothing waits for the host (issue 41, item 4).
+        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).flatten()
         # use_cache=False: no KV cache in training, and with one transformers ignores packed position_ids
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                   "use_cache": False}
-        if per_row:
-            return self._row_sums(inputs, targets, keep)
         if not self.split:
-            logits = self.lm(**inputs).logits[:, :-1]
-            return F.cross_entropy(logits[keep].float(), targets[keep], reduction="sum")
+            logits = self.lm(**inputs).logits.flatten(0, 1)
+            return _reduce(_token_losses(lambda a, b: logits[a:b], targets), labels.shape, per_row)
         causal = causal_lm(self.lm)
-        hidden = causal.model(**inputs).last_hidden_state
-        hidden, flat_targets = hidden[:, :-1][keep], targets[keep]
+        hidden = causal.model(**inputs).last_hidden_state.flatten(0, 1)
         head = causal.lm_head
-        compute_dtype = _compute_dtype(hidden, head)
+        compute_dtype = None if per_row else _compute_dtype(hidden, head)
         if compute_dtype is not None:
             fp32_cpu = compute_dtype == torch.float32 and hidden.device.type == "cpu"
-            return LinearCrossEntropy.apply(hidden, head.weight, flat_targets, compute_dtype, torch.is_grad_enabled(),
+            return LinearCrossEntropy.apply(hidden, head.weight, targets, compute_dtype, torch.is_grad_enabled(),
                                             self.head_mm_t if fp32_cpu else torch_mm_t)
-        total = hidden.new_zeros((), dtype=torch.float32)
-        for start in range(0, hidden.shape[0], CHUNK_TOKENS):
-            logits = head(hidden[start:start + CHUNK_TOKENS])
-            total = total + F.cross_entropy(logits.float(), flat_targets[start:start + CHUNK_TOKENS], reduction="sum")
-        return total
+        # As in the fused head, an ignored row adds exactly 0 even if its hidden state is NaN/inf. Calling the
+        # head module, not reading its weight: a ZeRO-3 hook gathers it first.
+        hidden = hidden.where((targets != IGNORE_INDEX)[:, None], 0)
+        return _reduce(_token_losses(lambda a, b: head(hidden[a:b]), targets), labels.shape, per_row)
 
-    def _row_sums(self, inputs: dict[str, Any], targets: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """Each row's cross-entropy sum over its target tokens, in fp32 (through the model's own forward where
-        the fused head would not be exact). Through this module's forward, so DDP and FSDP hooks run."""
-        rows = torch.arange(targets.shape[0], device=targets.device)[:, None].expand_as(targets)[keep]
-        flat_targets = targets[keep]
-        sums = torch.zeros(targets.shape[0], device=targets.device)
-        if flat_targets.numel() == 0:
-            return sums
-        if self.split:
-            causal = causal_lm(self.lm)
-            hidden = causal.model(**inputs).last_hidden_state[:, :-1][keep]
-            logits_of = lambda a, b: causal.lm_head(hidden[a:b])  # noqa: E731
-        else:
-            all_logits = self.lm(**inputs).logits[:, :-1][keep]
-            logits_of = lambda a, b: all_logits[a:b]  # noqa: E731
-        per_token = torch.cat([F.cross_entropy(logits_of(a, a + CHUNK_TOKENS).float(),
-                                               flat_targets[a:a + CHUNK_TOKENS], reduction="none")
-                               for a in range(0, flat_targets.shape[0], CHUNK_TOKENS)])
-        return sums.index_add_(0, rows, per_token)
+
+def _token_losses(logits_of: Callable[[int, int], torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+    """Each position's fp32 cross-entropy (0 where its target is -100), from `logits_of(start, stop)` in chunks
+    of CHUNK_TOKENS positions: the fp32 copy of the logits is one chunk's, never the whole batch's."""
+    return torch.cat([F.cross_entropy(logits_of(a, a + CHUNK_TOKENS).float(), targets[a:a + CHUNK_TOKENS],
+                                      ignore_index=IGNORE_INDEX, reduction="none")
+                      for a in range(0, targets.shape[0], CHUNK_TOKENS)])
+
+
+def _reduce(token_losses: torch.Tensor, shape: torch.Size, per_row: bool) -> torch.Tensor:
+    return token_losses.view(shape).sum(1) if per_row else token_losses.sum()
 
 
 FUSED_HEAD_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "smollm3")
@@ -193,16 +185,13 @@ def fused_head_problem(lm: nn.Module) -> str | None:
 
 
 def _compute_dtype(hidden: torch.Tensor, head: nn.Module) -> torch.dtype | None:
-    """The matmul dtype of the fused head, or None where autograd's path is the right one:
-
-    under torch.compile (inductor fuses that path itself), fp16 (the unscaled softmax gradient
-    would underflow before the loss scale is applied), a head with a bias, or a weight that a
-    ZeRO-3 hook must gather first (calling the module does that; reading `.weight` does not).
+    """The matmul dtype of the fused head, or None where autograd's path is the right one: fp16 (the
+    unscaled softmax gradient would underflow before the loss scale is applied), a head with a bias, or a
+    weight that a ZeRO-3 hook must gather first (calling the module does that; reading `.weight` does not).
+    torch.compile traces the fused head too (one graph, fixed shapes), and it keeps no logits for backward.
     """
     weight = getattr(head, "weight", None)
-    if torch.compiler.is_compiling() or getattr(head, "bias", None) is not None or weight is None:
-        return None
-    if hasattr(weight, "ds_id") or weight.dim() != 2:
+    if getattr(head, "bias", None) is not None or weight is None or hasattr(weight, "ds_id") or weight.dim() != 2:
         return None
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
