@@ -126,6 +126,8 @@ class CausalLMLoss(nn.Module):
             return _reduce(_token_losses(lambda a, b: logits[a:b], targets), labels.shape, per_row)
         causal = causal_lm(self.lm)
         hidden = causal.model(**inputs).last_hidden_state.flatten(0, 1)
+        if divisor := LOGIT_DIVISORS.get(causal.config.model_type):
+            hidden = hidden / getattr(causal.config, divisor)
         head = causal.lm_head
         compute_dtype = None if per_row else _compute_dtype(hidden, head)
         if compute_dtype is not None:
@@ -150,10 +152,14 @@ def _reduce(token_losses: torch.Tensor, shape: torch.Size, per_row: bool) -> tor
     return token_losses.view(shape).sum(1) if per_row else token_losses.sum()
 
 
-FUSED_HEAD_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "smollm3")
-"""Model types whose logits are exactly `lm_head(model(...).last_hidden_state)`: checked against each
-architecture's modelling code (tests/test_architectures.py). Anything else, e.g. Gemma 2's soft-capped
-logits, Cohere's logit scale or Granite's logit divisor, or a type added later, uses its own forward."""
+FUSED_HEAD_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "smollm3", "granite")
+"""Model types whose logits are exactly `lm_head(model(...).last_hidden_state)` (Granite's divided by
+`logits_scaling`: `LOGIT_DIVISORS`): checked against each architecture's modelling code
+(tests/test_architectures.py). Anything else, e.g. Gemma 2's soft-capped logits, Cohere's logit scale, or a type
+added later, uses its own forward."""
+LOGIT_DIVISORS = {"granite": "logits_scaling"}
+"""Model types whose logits are the head's divided by a config field (muP's output multiplier, `model.mup`): the
+fused head takes the hidden state divided by it, the same logits since the head is linear without a bias."""
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling",
                     "output_multiplier_scale")
 """Config fields that change logits after the head: set on any model, they rule the fused head out."""
@@ -177,7 +183,7 @@ def fused_head_problem(lm: nn.Module) -> str | None:
     if not (hasattr(lm, "model") and isinstance(getattr(lm, "lm_head", None), nn.Linear)):
         return "no decoder + linear lm_head split"
     for name in LOGIT_TRANSFORMS:
-        if getattr(config, name, None) not in (None, 0, 1, 1.0):
+        if name != LOGIT_DIVISORS.get(model_type) and getattr(config, name, None) not in (None, 0, 1, 1.0):
             return f"the config's {name}={getattr(config, name)} transforms the logits (soft-capping or scaling)"
     if lm.lm_head.bias is not None:
         return "the lm_head has a bias"
