@@ -51,7 +51,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 LONG_FIRST = ("slurm", "tests/test_distributed.py", "tests/test_fsdp.py", "tests/test_resume.py",
-              "tests/test_gpu_kit.py", "tests/test_techniques.py", "tests/test_search.py", "tests/test_deepspeed.py")
+              "tests/test_gpu_kit.py", "tests/test_supervision.py", "tests/test_techniques.py",
+              "tests/test_search.py", "tests/test_deepspeed.py", "tests/test_mlflow.py", "tests/test_launcher_local.py",
+              "tests/test_estimate.py")
 """Units of work handed out first under xdist, the long ones (measured: `pytest --durations=0`), so that no long
 unit starts last and ends the run on one worker while the other waits. The two-process units come right after
 `slurm`, which mostly waits on the scheduler: their runs fill the core it leaves idle. Only the order depends on
