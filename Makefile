@@ -6,8 +6,13 @@ PIP_CONSTRAINTS = $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 
 .PHONY: install cluster deepspeed-ops bytecode test lint bench docs
 
+# pip builds the editable install in a fresh environment of its build backend (~7 s) unless that backend
+# (pyproject.toml's build-system.requires) is installed already; then it uses it.
+BUILD_DEPS_HERE = $(shell $(PYTHON) -c "import setuptools, wheel; print(int(setuptools.__version__.split('.')[0]) >= 68)" 2>/dev/null)
+NO_ISOLATION = $(if $(filter True,$(BUILD_DEPS_HERE)),--no-build-isolation,)
+
 install:
-	$(PYTHON) -m pip install -q $(PIP_CONSTRAINTS) -e '.[test,docs]'
+	$(PYTHON) -m pip install -q $(PIP_CONSTRAINTS) $(NO_ISOLATION) -e '.[test,docs]'
 
 cluster:
 	bash launch/slurm-local.sh up
