@@ -100,6 +100,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seeds", default="0", help="seeds, comma-separated")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--jobs", type=int, default=2, help="jobs at a time (cluster.max_parallel)")
+    parser.add_argument("--work", help="where the sweeps go (kept; a rerun with the same one resumes them)")
     parser.add_argument("--out", default="transfer.md", help="file under benchmarks/results ('' for none)")
     parser.add_argument("--quick", action="store_true", help="x1,x2,x4, 5 lrs, 40 steps: the path, not the figure")
     args = parser.parse_args()
@@ -111,11 +112,12 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     started, load_start = utc_now(), load_average()
-    with tempfile.TemporaryDirectory(prefix="llmexp-transfer-") as tmp:
-        fits = {name: fit(sweep(Path(tmp), name, args)) for name in PARAMETRIZATIONS}
-        if args.out:  # the fits' pictures beside the table
-            for name in PARAMETRIZATIONS:
-                shutil.copyfile(Path(tmp) / name / "fit.png", RESULTS / f"transfer_{name}.png")
+    work = Path(args.work or tempfile.mkdtemp(prefix="llmexp-transfer-"))  # kept: a sweep is minutes of runs
+    print(f"sweeps in {work}", file=sys.stderr)
+    fits = {name: fit(sweep(work, name, args)) for name in PARAMETRIZATIONS}
+    if args.out:  # the fits' pictures beside the table
+        for name in PARAMETRIZATIONS:
+            shutil.copyfile(work / name / "fit.png", RESULTS / f"transfer_{name}.png")
     head = (f"# muTransfer in miniature\n\nMeasured {started} on {machine()}; load average {load_start} at the start, "
             f"{load_average()} at the end. Widths {BASE_WIDTH} x ({args.width_mults}), head size 64, 2 layers, "
             f"{args.lrs} lrs a factor 2 apart up to {args.top_lr:g}, seeds {args.seeds}, {args.steps} steps of 8 x "

@@ -258,3 +258,16 @@ def test_the_fit_never_imports_torch(tmp_path: Path) -> None:
             "assert rc == 0 and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_an_interval_to_one_side_of_its_vertex_is_drawn(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A noisy size's bootstrap interval can miss its vertex (benchmarks/transfer.py met one): the picture is still
+    drawn, the bar stopping at the vertex (was matplotlib's "'yerr' must not contain negative values")."""
+    from llmexp.report.fit_plot import plot_fit
+
+    rc, _, _ = fit([make_sweep(tmp_path / "a", dict(list(LAW.items())[:2])), "--out", tmp_path / "fit"], capsys)
+    result = json.loads((tmp_path / "fit" / "fit.json").read_text())
+    best = result["sizes"][0]["best_lr"]
+    result["sizes"][0]["interval"] = [best * 1.2, best * 1.5]
+    plot_fit(result, tmp_path / "one-sided.png", None)
+    assert rc == 0 and (tmp_path / "one-sided.png").stat().st_size > 10_000

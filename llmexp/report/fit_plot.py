@@ -51,8 +51,9 @@ def _lr_panel(ax: Any, result: dict, seed_lr: Callable[[float], float] | None) -
     sizes, law, target = result["sizes"], result["lr_law"], result["target"]
     ns = _span(sizes, target)
     with_best = [s for s in sizes if s["best_lr"] is not None]
-    lo = [s["best_lr"] - s["interval"][0] if s["interval"] else 0.0 for s in with_best]
-    hi = [s["interval"][1] - s["best_lr"] if s["interval"] else 0.0 for s in with_best]
+    # (a noisy size's bootstrap interval may lie to one side of its vertex: the bar then stops at the vertex)
+    lo = [max(0.0, s["best_lr"] - s["interval"][0]) if s["interval"] else 0.0 for s in with_best]
+    hi = [max(0.0, s["interval"][1] - s["best_lr"]) if s["interval"] else 0.0 for s in with_best]
     ax.errorbar([s["params"] for s in with_best], [s["best_lr"] for s in with_best], yerr=[lo, hi], fmt="o",
                 color="#1f77b4", capsize=3, label="best lr (vertex)", zorder=3)
     edges = [s for s in sizes if s["best_lr"] is None]
