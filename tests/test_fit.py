@@ -62,6 +62,13 @@ def test_minimum_at_the_grids_edge_has_no_vertex(best: float, edge: str) -> None
     assert v.edge == edge and v.x_best is None and v.coef is None
 
 
+def test_a_vertex_past_the_fitted_points_is_an_edge() -> None:
+    """A skewed curve whose grid minimum is inside but whose parabola bottoms out below the lowest lr (measured by
+    benchmarks/transfer.py at width 256, 60 steps): no vertex is claimed, the grid is flagged to extend down."""
+    v = vertex(logs([1e-3, 2e-3, 4e-3, 8e-3]), [6.743, 6.722, 6.920, 6.974])
+    assert v.x_best is None and v.interval is None and v.edge == "low"
+
+
 def test_power_law_exponent_is_recovered_with_an_interval() -> None:
     rng = np.random.default_rng(1)
     ns = [1e6, 4e6, 1.6e7, 6.4e7, 2.6e8]

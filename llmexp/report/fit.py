@@ -131,6 +131,9 @@ def vertex(xs: list[float], ys: list[float], runs: list[int] | None = None,
     if coef[0] <= 0:  # a noisy grid whose lowest point is inside but the curve around it is not convex
         return Vertex(None, None, None, xs[i_min], window, coef.tolist(), None, None)
     x_best = float(-coef[1] / (2 * coef[0]))
+    if not wx[0] <= x_best <= wx[-1]:  # extrapolated past the points: the grid has not bracketed the optimum
+        edge = "low" if x_best < wx[0] else "high"
+        return Vertex(None, None, edge, xs[i_min], window, coef.tolist(), None, None)
     reps = [replicates[i] for i in window] if replicates else None
     sigma, source = noise_sigma(wy, coef, wx, reps)
     if sigma is None or sigma == 0:
