@@ -13,7 +13,7 @@ width, and muP's best loss at the widest width is no worse than the standard par
 The base model is EleutherAI's nanoGPT-mup transfer template in small: head size 64 fixed (one head at width 64,
 heads grow with the width), 2 layers, vocabulary 8192, sequence 128, batch 8, AdamW, warm-up + cosine over
 `--steps`. Writes benchmarks/results/transfer.md and each parametrization's fit picture,
-benchmarks/results/transfer_<standard|mup>.png.
+docs/assets/transfer_<standard|mup>.png (the tune-small-train-big tutorial shows them).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PY, RESULTS, load_average, machine, markdown_table, publish, run_process, utc_now
+from common import PY, REPO, load_average, machine, markdown_table, publish, run_process, utc_now
 
 BASE_WIDTH = 64
 BASE = [f"model.hidden_size={BASE_WIDTH}", "model.num_attention_heads=1", "model.num_key_value_heads=1",
@@ -35,6 +35,7 @@ BASE = [f"model.hidden_size={BASE_WIDTH}", "model.num_attention_heads=1", "model
         "data.max_length=128", "batch_size=8", "optimizer=adamw", "scheduler=cosine", "train.save_steps=0",
         "train.save_final=false", "train.eval_batches=8", "train.logging_steps=50"]
 PARAMETRIZATIONS = ("standard", "mup")
+ASSETS = REPO / "docs" / "assets"
 
 
 def lr_grid(count: int, top: float) -> list[float]:
@@ -115,9 +116,9 @@ def main() -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="llmexp-transfer-"))  # kept: a sweep is minutes of runs
     print(f"sweeps in {work}", file=sys.stderr)
     fits = {name: fit(sweep(work, name, args)) for name in PARAMETRIZATIONS}
-    if args.out:  # the fits' pictures beside the table
+    if args.out:  # the fits' pictures, which the tune-small-train-big tutorial shows
         for name in PARAMETRIZATIONS:
-            shutil.copyfile(work / name / "fit.png", RESULTS / f"transfer_{name}.png")
+            shutil.copyfile(work / name / "fit.png", ASSETS / f"transfer_{name}.png")
     head = (f"# muTransfer in miniature\n\nMeasured {started} on {machine()}; load average {load_start} at the start, "
             f"{load_average()} at the end. Widths {BASE_WIDTH} x ({args.width_mults}), head size 64, 2 layers, "
             f"{args.lrs} lrs a factor 2 apart up to {args.top_lr:g}, seeds {args.seeds}, {args.steps} steps of 8 x "
