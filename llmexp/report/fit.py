@@ -40,9 +40,12 @@ from llmexp.rundir.read import (
     load_summary,
 )
 
-WINDOW_DECADES = 1.0
+WINDOW_DECADES = 0.5
 """The parabola is fitted through the grid's minimum and its neighbours within this many decades of it (always the
-two nearest, so a coarse 10x grid still fits): near enough that the loss is parabolic in log(lr)."""
+two nearest, so a coarse grid still fits): near enough that the loss is parabolic in log(lr). A loss curve is skewed
+(steep below the optimum, flat above it): fitted over a whole decade of a factor-2 grid, the vertex landed 2x above
+the grid's best (benchmarks/transfer.py, 2-core AMD EPYC Zen 3); half a decade keeps a factor-2 or 3x grid to the
+minimum and its two neighbours, and a sqrt(2) grid to seven points."""
 DRAWS = 2000
 """Bootstrap draws: the 2.5% and 97.5% percentiles move by well under a grid step between seeds at this count."""
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
