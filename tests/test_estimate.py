@@ -96,13 +96,9 @@ def test_precision_resolves_as_the_trainer_resolves_it(no_bf16: str, requested: 
 
     monkeypatch.setenv("LLMEXP_ASSUME_NO_BF16", no_bf16)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    derived.cpu_has_fast_bf16.cache_clear()
-    try:
-        assert resolved_precision(requested) == expected
-        assert derived.resolve_precision(requested, "cpu") == expected
-        assert (derived.bf16_emulation_warning(expected, "cpu") is not None) == (no_bf16 == "1" and expected == "bf16")
-    finally:
-        derived.cpu_has_fast_bf16.cache_clear()
+    assert resolved_precision(requested) == expected
+    assert derived.resolve_precision(requested, "cpu") == expected
+    assert (derived.bf16_emulation_warning(expected, "cpu") is not None) == (no_bf16 == "1" and expected == "bf16")
 
 
 @pytest.mark.parametrize(("overrides", "precision", "per_param", "shards"), [

@@ -281,14 +281,8 @@ def test_bf16_runs_emulated_on_a_cpu_without_native_bf16_and_says_so(tmp_path: P
 
 
 def test_auto_precision_is_fp32_without_native_bf16(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from llmexp.config import derived
-
     monkeypatch.setenv("LLMEXP_ASSUME_NO_BF16", "1")
-    derived.cpu_has_fast_bf16.cache_clear()
-    try:
-        summary = _train(["precision=auto", "train.max_steps=2", "train.eval_steps=100", "train.save_steps=0"],
-                         tmp_path / "auto")
-    finally:
-        derived.cpu_has_fast_bf16.cache_clear()
+    summary = _train(["precision=auto", "train.max_steps=2", "train.eval_steps=100", "train.save_steps=0"],
+                     tmp_path / "auto")
     assert summary["precision"] == "fp32"
     assert not [f for f in summary["findings"] if f["kind"] == "bf16_emulated"]

@@ -181,14 +181,17 @@ def auto_batch_candidates(cfg: DictConfig, world: int, num_examples: int) -> lis
     return chain
 
 
-@cache
 def cpu_has_fast_bf16() -> bool:
     """True when the CPU has native bf16 dot products (AVX512-BF16 or AMX).
 
-    LLMEXP_ASSUME_NO_BF16=1 answers False: it simulates older hardware (tests, reproductions).
+    LLMEXP_ASSUME_NO_BF16=1 answers False: it simulates older hardware (tests, reproductions). Read on every call,
+    outside the cache of the CPU's flags, so that setting it takes effect at once.
     """
-    if os.environ.get("LLMEXP_ASSUME_NO_BF16") == "1":
-        return False
+    return os.environ.get("LLMEXP_ASSUME_NO_BF16") != "1" and _cpu_flags_have_bf16()
+
+
+@cache
+def _cpu_flags_have_bf16() -> bool:
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
