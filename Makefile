@@ -27,7 +27,11 @@ deepspeed-ops:
 # tried for the quarter of the CPU that sits idle while the SLURM unit waits on the scheduler, cost more than it
 # filled: 2,372 core-seconds against 2,141, 20.3 min against 19.5.) A CPU without native bf16 needs no pass of its
 # own: the tests of that path simulate it (LLMEXP_ASSUME_NO_BF16=1, LLMEXP_BF16_EMULATION=1) on every CPU.
-test: install cluster deepspeed-ops bytecode docs
+# The cluster's packages and daemons come up beside pip's install (each keeps about one core busy: ~15 s saved on a
+# fresh machine); the rest needs the installed packages.
+test:
+	$(MAKE) -j2 install cluster
+	$(MAKE) deepspeed-ops bytecode docs
 	$(PYTHON) -m pytest -n 2 --dist loadgroup --no-loadscope-reorder
 
 # llmexp's bytecode, compiled once: where PYTHONDONTWRITEBYTECODE is set (this machine and CI set it), every process
