@@ -57,7 +57,9 @@ def test_the_range_test_writes_its_curve_and_its_pick(runs: dict[str, Any]) -> N
     assert curve[0]["lr"] == pytest.approx(1e-7)
     ratios = [b["lr"] / a["lr"] for a, b in itertools.pairwise(curve)]
     assert all(r == pytest.approx(10 ** (8 / 11)) for r in ratios)  # exponential from 1e-7 to 10 over 12 steps
-    assert picked["suggestion"] == pytest.approx(picked["lr_min_loss"] / 10) and "Smith 2015" in picked["rule"]
+    assert picked["rule"] == "steep" and set(picked["picks"]) == {"minimum", "steep", "valley"}
+    assert picked["suggestion"] == picked["picks"]["steep"] <= picked["lr_min_loss"]  # the steepest fall is before
+    assert picked["picks"]["minimum"] == pytest.approx(picked["lr_min_loss"] / 10)
     assert [c["smoothed"] for c in curve] == pytest.approx(smooth([c["loss"] for c in curve]))
     assert (find_dir / "lr_find.png").stat().st_size > 5_000
 
@@ -72,12 +74,36 @@ def test_lr_find_only_stops_after_the_range_test(tmp_path: Path) -> None:
     assert not (run_dir / "metrics.jsonl").exists()
 
 
-def test_the_pick_is_the_minimum_over_ten_and_the_steepest_descent_is_before_it() -> None:
-    lrs = [10 ** (-6 + i / 2) for i in range(10)]
-    smoothed = [5.0, 4.9, 4.5, 3.0, 2.5, 2.4, 2.6, 4.0, math.inf, math.nan]
-    got = suggest(lrs, smoothed)
-    assert got["lr_min_loss"] == lrs[5] and got["suggestion"] == pytest.approx(lrs[5] / 10)
-    assert got["lr_steepest"] == lrs[2]  # 4.5 -> 3.0 is the largest drop per decade
+def test_a_rerun_reads_lr_find_json_unless_the_rule_changed(tmp_path: Path) -> None:
+    """A resume or requeue reads the earlier test's result; another `train.lr_find_rule` tests again."""
+    from llmexp.train.train import train
+
+    run_dir, only = tmp_path / "only", [*BASE, "lr=find", "train.lr_find_only=true", "train.lr_find_steps=6"]
+    train(compose(only, run_dir))
+    first = (run_dir / "lr_find.json").read_bytes()
+    (run_dir / "lr_find.json").write_text(json.dumps({**json.loads(first), "suggestion": 1e-6}))  # a marker
+    assert train(compose(only, run_dir)).summary["suggestion"] == 1e-6  # read, not tested again
+    again = train(compose([*only, "train.lr_find_rule=minimum"], run_dir)).summary
+    assert again["rule"] == "minimum" and again["suggestion"] == pytest.approx(again["lr_min_loss"] / 10)
+
+
+def test_each_rule_reads_its_pick_off_the_same_curve() -> None:
+    lrs = [10 ** (-6 + i / 2) for i in range(12)]
+    # a fall from index 1 to 7 with a bump at 3 (noise the valley rule must see past), then the divergence
+    smoothed = [5.0, 5.1, 4.9, 4.95, 4.0, 3.0, 2.6, 2.4, 2.9, 4.0, math.inf, math.nan]
+    got = suggest(lrs, smoothed, "valley")
+    assert got["lr_min_loss"] == lrs[7] and got["picks"]["minimum"] == pytest.approx(lrs[7] / 10)
+    assert got["picks"]["steep"] == lrs[4]  # 4.0 -> 3.0 is the largest drop per half decade
+    assert got["picks"]["valley"] == lrs[3]  # the longest fall: 0, 2, 4, 5, 6, 7 (the bumps skipped); half-way 3
+    assert got["suggestion"] == got["picks"]["valley"] and got["rule"] == "valley"
+    assert suggest(lrs, smoothed, "minimum")["suggestion"] == pytest.approx(lrs[7] / 10)
+
+
+def test_a_curve_that_never_falls_picks_within_it() -> None:
+    """A rising curve (the first lr already too high): every rule still names an lr of the test, none past it."""
+    lrs = [10 ** (-3 + i / 2) for i in range(6)]
+    got = suggest(lrs, [2.0, 2.5, 3.0, 4.0, 6.0, 9.0], "steep")
+    assert got["picks"] == {"minimum": pytest.approx(lrs[0] / 10), "steep": lrs[0], "valley": lrs[0]}
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

@@ -533,12 +533,17 @@ class TrainConfig:
                                 "order; null uses the top-level `seed`.")
     merge_adapter: bool = key(False, FLAG, "With peft: also write the base model with the adapters merged in to "
                               "`model/merged/`.")
-    lr_find_steps: int = key(100, Range(low=5, high=100_000), "lr=find: steps of the range test, the lr rising "
-                             "exponentially from lr_find_start to lr_find_end.")
+    lr_find_steps: int = key(200, Range(low=5, high=100_000), "lr=find: steps of the range test, the lr rising "
+                             "exponentially from lr_find_start to lr_find_end (fastai's 100 leave the smoothing "
+                             "~4 decades behind the lr: benchmarks/results/lr_finder.md).")
     lr_find_start: float = key(1e-7, Range(low=1e-12, high=1), "lr=find: the first lr of the range test (below "
                                "1e-12 a step is lost in fp32 rounding; a subnormal start overflows the lr's rise).")
     lr_find_end: float = key(10.0, Range(low=0, high=1e3, low_open=True), "lr=find: the lr the range test would "
                              "reach at its last step (it stops earlier when the loss diverges).")
+    lr_find_rule: str = key("steep", Choice(options=("steep", "minimum", "valley")), "lr=find: how the pick is read "
+                            "off the curve: steep (the smoothed loss's steepest descent; the default, closest to a "
+                            "grid's best in benchmarks/results/lr_finder.md), minimum (the lr at its minimum / 10), "
+                            "valley (half-way along its longest fall).")
     lr_find_only: bool = key(False, FLAG, "lr=find: stop after the range test, without training (`python -m "
                              "llmexp.lr_find` sets it).")
 

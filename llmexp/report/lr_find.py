@@ -1,4 +1,4 @@
-"""lr_find.png: an lr range test's loss against the lr (log scale), with its pick and the minimum marked."""
+"""lr_find.png: an lr range test's loss against the lr (log scale), with each rule's pick and the minimum marked."""
 
 from __future__ import annotations
 
@@ -10,17 +10,19 @@ from llmexp.report.plots import _pyplot, _save
 
 
 def plot_lr_find(result: dict[str, Any], path: Path) -> None:
-    """The raw and smoothed losses of `lr_find.json`'s curve; vertical lines at the pick and the minimum."""
+    """The raw and smoothed losses of `lr_find.json`'s curve; vertical lines at each rule's pick and the minimum."""
     plt = _pyplot()
     curve = [c for c in result["curve"] if math.isfinite(c["loss"])]
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     lrs = [c["lr"] for c in curve]
     ax.plot(lrs, [c["loss"] for c in curve], color="#9ecae1", lw=1, label="loss (one step)")
     ax.plot(lrs, [c["smoothed"] for c in curve], color="#1f77b4", lw=2, label="smoothed")
-    ax.axvline(result["suggestion"], color="#d62728", ls="--", label=f"pick {result['suggestion']:.3g} (minimum / 10)")
-    ax.axvline(result["lr_min_loss"], color="#7f7f7f", ls=":", label=f"minimum {result['lr_min_loss']:.3g}")
-    if result.get("lr_steepest"):
-        ax.axvline(result["lr_steepest"], color="#2ca02c", ls=":", label=f"steepest {result['lr_steepest']:.3g}")
+    styles = {"minimum": "#d62728", "steep": "#2ca02c", "valley": "#9467bd"}
+    for name, lr in result["picks"].items():
+        picked = name == result["rule"]
+        ax.axvline(lr, color=styles[name], ls="--" if picked else ":", lw=2 if picked else 1,
+                   label=f"{name} {lr:.3g}" + (" (the pick)" if picked else ""))
+    ax.axvline(result["lr_min_loss"], color="#7f7f7f", ls=":", label=f"smoothed minimum {result['lr_min_loss']:.3g}")
     smoothed = [c["smoothed"] for c in curve]
     low, high = min(min(smoothed), min(c["loss"] for c in curve)), smoothed[0]  # the divergence stays off-scale
     ax.set_ylim(low - 0.1 * (high - low + 1e-9), max(high, low) + 0.3 * (high - low + 1e-9))
