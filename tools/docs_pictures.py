@@ -64,7 +64,7 @@ def main() -> int:
     llmexp(work, "run", "llmexp", [*TINY, *steps, f"hydra.run.dir={work / 'run'}"])
     copy(work / "run" / "curves.png", "run_curves.png")
 
-    llmexp(work, "lr_find", "llmexp.lr_find", [*TINY, "train.lr_find_steps=80", f"hydra.run.dir={work / 'lr_find'}"])
+    llmexp(work, "lr_find", "llmexp.lr_find", [*TINY, f"hydra.run.dir={work / 'lr_find'}"])
     copy(work / "lr_find" / "lr_find.png", "lr_find.png")
 
     llmexp(work, "grid", "llmexp", ["--multirun", *TINY, *steps, "lr=3e-4,1e-3,3e-3,1e-2", "cluster.max_parallel=2",
