@@ -2,9 +2,10 @@
 its ZeRO-2 and its CPU Adam here). Its ops are compiled once into a persistent cache
 (~/.cache/llmexp/torch_extensions, or TORCH_EXTENSIONS_DIR): minutes the first time.
 
-What must hold: the engine's accumulation and loss scaling agree with the loop's token-normalised
-loss (ZeRO-2 with accumulation gives the plain run's losses), the loss falls, a checkpoint holds
-every rank's ZeRO shard loadable without pickle, and a resumed run continues exactly.
+What must hold (for a muP model, whose parameter groups carry their own lrs): the engine's accumulation
+and loss scaling agree with the loop's token-normalised loss (ZeRO-2 with accumulation gives the plain
+run's losses), the loss falls, a checkpoint holds every rank's ZeRO shard loadable without pickle, and a
+resumed run continues exactly.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from tests.conftest import TINY, read_metrics, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.deepspeed]
 
+# muP at twice its base width: its parameter groups' own lrs (hidden matrices at lr / 2) must reach DeepSpeed's
+# optimizer. A lost factor would show in the rel=1e-5 checks below: doubling every group's lr moves this plain
+# run's step-6 loss by 1.1%.
 RUN = [*TINY, "precision=fp32", "lr=1e-3", "train.max_steps=6", "train.eval_steps=3", "train.save_steps=3",
-       "train.peak_tflops=1", "train.warmup_steps=1"]
+       "train.peak_tflops=1", "train.warmup_steps=1", "model.parametrization=mup", "model.mup_base_width=32"]
 
 
 def _losses(run_dir: Path, after_resume: bool = False) -> dict[int, float]:
