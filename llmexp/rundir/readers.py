@@ -133,7 +133,7 @@ READERS: dict[str, Reader] = {  # module:qualname -> Reader
 OTHER_OPENS: dict[str, str] = {
     "llmexp.rundir.files:fsync_path": "opens a file or directory to fsync it; reads nothing",
     "llmexp.rundir.lock:lock_holder": "/proc/locks, the kernel's table of locks",
-    "llmexp.config.derived:cpu_has_fast_bf16": "/proc/cpuinfo, the kernel's word on the CPU",
+    "llmexp.config.derived:_cpu_flags_have_bf16": "/proc/cpuinfo, the kernel's word on the CPU",
     "llmexp.monitor.throughput:peak_rss_mb": "/proc/self/status, the kernel's word on this process",
     "llmexp.config.validation:_default_option": "llmexp's own conf/config.yaml, installed with the package",
     "llmexp.config.tree:option_names": "llmexp's own conf/<group>/*.yaml, installed with the package",
