@@ -105,6 +105,25 @@ def test_per_group_lr_follows_the_optimizer(optimizer: str, expected: dict[str, 
     assert base_lr(opt) == pytest.approx(2e-3)
 
 
+def test_lr_auto_under_mup_is_the_base_widths(tmp_path: Path) -> None:
+    """lr=auto reads the seed's table at the base width's size (muP then scales it per layer), not at the widened
+    model's: a 6.7B-parameter widening of a ~42M base gets the < 1B row (3e-4), standard the 1-7B row (2e-4)."""
+    from llmexp.model.estimate import count_params_meta
+    from llmexp.train.schedule import base_width_params, resolve_lr
+
+    cfg = _cfg(tmp_path, "model.parametrization=mup", "model.width_mult=4")
+    base = _cfg(tmp_path, "model.parametrization=standard", "model.width_mult=1")
+    assert base_width_params(cfg) == count_params_meta(base) < count_params_meta(cfg)  # the count, Llama's layout
+    big = ["model.hidden_size=4096", "model.num_attention_heads=32", "model.num_key_value_heads=32",
+           "model.intermediate_size=11008", "model.num_hidden_layers=32", "model.vocab_size=32000",
+           "model.mup_base_width=256", "lr=auto", "data.pretrain_lr=null"]
+    widened = compose([*TINY, *big, "model.parametrization=mup"], tmp_path)
+    assert 3e7 < base_width_params(widened) < 1e9 < count_params_meta(widened)
+    assert resolve_lr(widened, count_params_meta(widened)) == (3e-4, "auto")
+    standard = compose([*TINY, *big], tmp_path)
+    assert resolve_lr(standard, count_params_meta(standard)) == (2e-4, "auto")
+
+
 def test_standard_groups_have_no_factor(tmp_path: Path) -> None:
     from llmexp.model.build import build_optimizer
     from llmexp.train.schedule import base_lr, set_lr

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from llmexp.config.derived import model_sizes
 from llmexp.config.validation import configured_lr
 from llmexp.model.mup import lr_mult
 
@@ -97,4 +98,18 @@ def resolve_lr(cfg: DictConfig, num_params: int) -> tuple[float, str]:
         return configured
     if cfg.peft.name != "none":
         return auto_adapter_lr(num_params), "auto-adapter"
+    if cfg.model.parametrization == "mup":  # muP's lr is the base width's, which it then scales per layer
+        return auto_lr(base_width_params(cfg), finetune=False), "auto"
     return auto_lr(num_params, finetune=bool(cfg.model.name_or_path)), "auto"
+
+
+def base_width_params(cfg: DictConfig) -> int:
+    """Parameters of the model at `model.mup_base_width`, where muP is the standard parametrization: the size
+    whose lr the seed's table gives, and muP carries to the wider model. Counted from the sizes (Llama's layout,
+    as muP's Granite has it; untied, as muP requires), since a base width need not split into whole heads."""
+    m = cfg.model
+    sizes = model_sizes(m)
+    h, shrink = m.mup_base_width, m.mup_base_width / sizes.hidden_size
+    kv = sizes.num_key_value_heads * sizes.hidden_size / sizes.num_attention_heads * shrink  # k and v widths
+    block = 2 * h * h + 2 * h * kv + 3 * h * sizes.intermediate_size * shrink + 2 * h  # q, o; k, v; the MLP; norms
+    return round(2 * m.vocab_size * h + m.num_hidden_layers * block + h)  # embedding and head; the final norm
