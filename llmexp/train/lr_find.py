@@ -13,7 +13,7 @@ longest stretch over which the smoothed loss keeps falling (fastai's default sin
 The defaults, 200 steps and `steep`, are the measured best (benchmarks/lr_finder.py, two models, two seeds, against
 a sqrt(2)-spaced grid of 150-step runs): the EMA lags ~49 steps, 4 decades of lr at fastai's 100 steps, so the
 smoothed minimum sits far above the one-step losses' and `minimum` landed 1.3-3.5x from the grid's best at 100
-steps and 2-30x at 200; `valley` follows the range (its pick moved 9x when the start moved 100x); `steep` at 200
+steps and 12-30x at 200; `valley` follows the range (its pick moved 9x when the start moved 100x); `steep` at 200
 steps landed within 1.4x in three runs of four and 2.1x in the fourth.
 
 The test leaves no trace in the run: its model, optimizer and engine are set up by `setup.describe` as the
