@@ -182,7 +182,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seeds", default="0,1", help="the range tests' seeds (the grid runs seed 0)")
     parser.add_argument("--jobs", type=int, default=2, help="grid jobs at a time (cluster.max_parallel)")
     parser.add_argument("--models", default=",".join(MODELS), help="which of: " + ", ".join(MODELS))
-    parser.add_argument("--work", help="where the runs go (kept; a rerun with the same one resumes the grids)")
+    parser.add_argument("--work", help="where the runs go (kept; a rerun with the same one reads the finished range "
+                                           "tests and grid jobs, and resumes the rest)")
     parser.add_argument("--out", default="lr_finder.md", help="file under benchmarks/results ('' for none)")
     parser.add_argument("--quick", action="store_true", help="the default model, 5 lrs, 30 steps, one seed: the path")
     args = parser.parse_args()
