@@ -116,7 +116,7 @@ def _cfg(*overrides: str):
     (["deepspeed=zero2", "deepspeed.offload_param=cpu"], "needs ZeRO stage 3"),
     (["deepspeed=zero2_offload", "optimizer=sgd"], "no DeepSpeed CPU implementation"),
     (["deepspeed=zero2_offload", "optimizer=lion"], None),
-    (["deepspeed=zero2", "train.compile=true"], "train.compile"),
+    (["deepspeed=zero2", "train.compile=true"], None),  # blocks compiled before the engine wraps the model
     (["deepspeed=none", "train.compile=true"], None),
     (["deepspeed=zero2", "precision=fp16", "precision.init_scale=1000"], "power"),
     pytest.param(["deepspeed=zero2", "precision=fp16"], "no fp16", marks=pytest.mark.skipif(

@@ -54,9 +54,6 @@ def _validate_deepspeed(cfg: Any, errors: list[str]) -> None:
     _check(errors, ds.offload_param == "none" or ds.stage == 3, "deepspeed.offload_param",
            f"{ds.offload_param} needs ZeRO stage 3 (got stage {ds.stage}); use deepspeed=zero3 "
            "deepspeed.offload_param=cpu")
-    _check(errors, not (ds.stage > 0 and cfg.train.compile), "train.compile",
-           "true is not supported with deepspeed: the engine wraps the module; use train.compile=false or "
-           "deepspeed=none")
     _check(errors, ds.stage == 0 or cfg.precision.name != "fp16" or _is_power_of_two(cfg.precision.init_scale),
            "precision.init_scale", f"{cfg.precision.init_scale}: DeepSpeed's loss scale starts at a power of two; "
            "use e.g. precision.init_scale=65536")
