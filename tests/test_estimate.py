@@ -147,3 +147,20 @@ def test_fsdp_estimate_is_within_tolerance_of_the_measured_per_rank_peak() -> No
     for r in rows:
         assert r["state_mb"] == pytest.approx(r["state_estimate_mb"], rel=0.01), r
         assert abs(r["error"]) <= TOLERANCE, r
+
+
+def test_a_pretrained_models_activations_come_from_its_own_config(tmp_path: Path) -> None:
+    """A local model's sizes are its config.json's, not the `model.*` fields' (model=tiny's defaults stay in the
+    composed config): the GPU check measured a 0.27B model 56% above an estimate that used tiny's sizes."""
+    from transformers import LlamaConfig
+
+    from llmexp.model.estimate import activation_bytes
+
+    sizes = {"hidden_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 320, "vocab_size": 1000}
+    LlamaConfig(**sizes, max_position_embeddings=256).save_pretrained(tmp_path)
+    pretrained = compose([f"model.name_or_path={tmp_path}", "data.max_length=64", "batch_size=2"])
+    same_fields = compose([*(f"model.{k}={v}" for k, v in sizes.items()), "data.max_length=64", "batch_size=2"])
+    assert pretrained.model.hidden_size != 128  # the fields still describe model=tiny
+    assert activation_bytes(pretrained, "bf16", 2) == activation_bytes(same_fields, "bf16", 2)
+    assert activation_bytes(pretrained, "bf16", 2) != activation_bytes(compose(["data.max_length=64"]), "bf16", 2)

@@ -98,29 +98,33 @@ class AdapterFacts:
     """Elements of the adapted layers' inputs per token (all layers), which LoRA's dropout copies."""
 
 
-def meta_model(cfg: DictConfig) -> Any:
-    """The configured model built on the meta device: shapes without memory."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+def model_config(cfg: DictConfig) -> Any:
+    """The configured model's transformers config: a local model's (its GGUF metadata's, or its config.json), else
+    one built from the `model.*` fields (model=llama2-7b lists the hub model's fields for exactly this)."""
+    from transformers import AutoConfig, LlamaConfig
 
     from llmexp.config.gguf import local_gguf
 
     m = cfg.model
     gguf = local_gguf(str(m.name_or_path), str(m.gguf_file)) if m.name_or_path and m.gguf_file else None
     if gguf is not None and gguf.is_file():  # the GGUF metadata's config (its tensors are not read)
-        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    elif m.name_or_path and _has_local_config(m.name_or_path):
-        config = AutoConfig.from_pretrained(m.name_or_path, trust_remote_code=m.trust_remote_code)
-    else:  # from the fields (model=llama2-7b lists the hub model's fields for exactly this)
-        sizes = model_sizes(m)  # model.width_mult applied
-        config = LlamaConfig(vocab_size=m.vocab_size, hidden_size=sizes.hidden_size,
-                             intermediate_size=sizes.intermediate_size, num_hidden_layers=m.num_hidden_layers,
-                             num_attention_heads=sizes.num_attention_heads,
-                             num_key_value_heads=sizes.num_key_value_heads,
-                             max_position_embeddings=m.max_position_embeddings,
-                             tie_word_embeddings=m.tie_word_embeddings)
+        return AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if m.name_or_path and _has_local_config(m.name_or_path):
+        return AutoConfig.from_pretrained(m.name_or_path, trust_remote_code=m.trust_remote_code)
+    sizes = model_sizes(m)  # model.width_mult applied
+    return LlamaConfig(vocab_size=m.vocab_size, hidden_size=sizes.hidden_size,
+                       intermediate_size=sizes.intermediate_size, num_hidden_layers=m.num_hidden_layers,
+                       num_attention_heads=sizes.num_attention_heads, num_key_value_heads=sizes.num_key_value_heads,
+                       max_position_embeddings=m.max_position_embeddings, tie_word_embeddings=m.tie_word_embeddings)
+
+
+def meta_model(cfg: DictConfig) -> Any:
+    """The configured model built on the meta device: shapes without memory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(model_config(cfg))
 
 
 def count_params_meta(cfg: DictConfig) -> int:
@@ -177,9 +181,11 @@ def activation_bytes(cfg: DictConfig, precision: str, micro_batch: int) -> float
     from llmexp.model.loss import CHUNK_TOKENS
 
     m, tokens = cfg.model, micro_batch * cfg.data.max_length
-    sizes = model_sizes(m)  # model.width_mult applied
-    d, i, layers = sizes.hidden_size, sizes.intermediate_size, m.num_hidden_layers
-    kv_dim = sizes.head_dim * sizes.num_key_value_heads
+    c = model_config(cfg)  # a pretrained model's own sizes, not the `model.*` fields' (those describe a new one)
+    d, layers, vocab = c.hidden_size, c.num_hidden_layers, c.vocab_size
+    i = getattr(c, "intermediate_size", None) or 4 * d  # GPT-2-style configs leave it to the 4x default
+    heads = c.num_attention_heads
+    kv_dim = (getattr(c, "head_dim", None) or d // heads) * (getattr(c, "num_key_value_heads", None) or heads)
     half = 2 if precision in ("bf16", "fp16") else 4
     fp32_elems = 4 * d  # residual inputs and norm outputs
     mm_elems = 3 * d + 2 * kv_dim + 4 * i  # q, k, v, attention out, o_proj in, the MLP's four
@@ -189,7 +195,7 @@ def activation_bytes(cfg: DictConfig, precision: str, micro_batch: int) -> float
     else:
         layer_bytes = tokens * layers * per_layer_token
     head_tokens = min(tokens, CHUNK_TOKENS)
-    logits_bytes = 3 * head_tokens * m.vocab_size * 4  # fp32 logits, softmax and its gradient, one chunk
+    logits_bytes = 3 * head_tokens * vocab * 4  # fp32 logits, softmax and its gradient, one chunk
     # Backward's working set on top of what is saved: one layer's activation gradients (MLP-sized).
     working_bytes = tokens * (4 * i + 2 * d) * 4
     return float(layer_bytes + tokens * 4 * 2 * d + logits_bytes + working_bytes)  # + final norm in/out
