@@ -30,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import PY, REPO, load_average, machine, markdown_table, publish, run_process, utc_now
 from transfer import fit
 
+from llmexp.train.lr_find import RULES  # the rules lr_find.json records a pick for
+
 SCHEDULE = ["data.max_length=128", "batch_size=8", "optimizer=adamw", "scheduler=cosine", "train.save_steps=0",
             "train.save_final=false", "train.eval_batches=8", "train.logging_steps=50"]
 MODELS = {"default (width 256)": [], "wide (width 512)": ["model.width_mult=2"]}
@@ -39,7 +41,6 @@ TESTS = {"100 steps, 1e-7 to 10": ["train.lr_find_steps=100", "train.lr_find_sta
 """The range tests: fastai's and Lightning's range at 100 steps (their default), at 200, and 200 steps on half the
 decades: the smoothing's lag (~49 steps) spans 4, 2 and 1.2 decades of lr."""
 LANDS = 1.5
-RULES = ("minimum", "steep", "valley")
 PICTURE = REPO / "docs" / "assets" / "lr_finder.png"
 
 
