@@ -243,6 +243,13 @@ def peak_rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def process_age_s() -> float:
+    """Seconds since this process started: its imports included, which no timer inside it can see."""
+    import psutil
+
+    return time.time() - psutil.Process().create_time()
+
+
 def rss_mb() -> float:
     """This process's resident memory now."""
     import psutil

@@ -16,7 +16,7 @@ from llmexp.config.derived import BF16_EMULATION_ADVICE, BatchPlan, make_plan, p
 from llmexp.errors import UserError
 from llmexp.model import build
 from llmexp.monitor.detectors import MonitorSettings
-from llmexp.monitor.throughput import flops_per_token, mfu_peak
+from llmexp.monitor.throughput import flops_per_token, mfu_peak, process_age_s
 from llmexp.train.state import RunDescription
 
 if TYPE_CHECKING:
@@ -167,7 +167,9 @@ def start_facts(cfg: DictConfig, rt: Runtime, desc: RunDescription) -> dict[str,
         "model_path": cfg.model.name_or_path, "data": cfg.data.name, "max_length": cfg.data.max_length,
         "max_steps": desc.max_steps, "batch_size": desc.plan.micro, "world_size": desc.plan.world,
         "fsdp": cfg.fsdp.name, "optimizer": cfg.optimizer.name, "scheduler": cfg.scheduler.name,
-        "precision_requested": desc.precision.requested, "device": rt.device.type, "peak_tflops": desc.peak_tflops}
+        "precision_requested": desc.precision.requested, "device": rt.device.type, "peak_tflops": desc.peak_tflops,
+        # Where a run's first minute goes: set-up (model, data, engine, ceiling) and, before it, the imports
+        "setup_s": round(desc.elapsed(), 2), "process_s": round(process_age_s(), 2)}
     if rt.device.type == "cuda":
         facts["tf32"] = bool(cfg.precision.tf32)
     if desc.auto_batch:
