@@ -129,10 +129,11 @@ def prepare_data(base: Path, size: Size) -> None:
     build_datasets(cfg, load_tokenizer(cfg))
 
 
-def arm_overrides(arm: str, base: Path, size: Size, steps: int, precision: str) -> list[str]:
+def arm_overrides(arm: str, base: Path, size: Size, steps: int, precision: str, save: bool = True) -> list[str]:
+    # one checkpoint, at the end: its optimizer.pt is measured; without it (--no-save) no file is written at all
+    saves = [f"train.save_steps={steps}"] if save else ["train.save_steps=0", "train.save_final=false"]
     return [f"model.name_or_path={base}", f"peft={PEFT[arm]}", f"precision={precision}", *data_overrides(size),
-            f"batch_size={size.batch_size}", f"train.max_steps={steps}", "train.logging_steps=1",
-            f"train.save_steps={steps}",  # one checkpoint, at the end: its optimizer.pt is measured
+            f"batch_size={size.batch_size}", f"train.max_steps={steps}", "train.logging_steps=1", *saves,
             "train.eval_steps=1000000", "train.eval_batches=1",
             "train.peak_tflops=1000000"]  # skips measuring the matmul ceiling; this table shows no MFU
 
@@ -148,11 +149,11 @@ def optimizer_state_bytes(checkpoint: Path) -> int:
 
 
 def run_arm(arm: str, base: Path, size: Size, warmup: int, steps: int, precision: str,
-            env: dict[str, str]) -> dict[str, Any]:
+            env: dict[str, str], save: bool = True) -> dict[str, Any]:
     """One llmexp run of `arm` in a fresh process; its figures, or {} (and the log's tail) on failure."""
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
-        overrides = arm_overrides(arm, base, size, warmup + steps, precision)
+        overrides = arm_overrides(arm, base, size, warmup + steps, precision, save)
         res = run_process([PY, "-m", "llmexp", *overrides, f"hydra.run.dir={run_dir}"], env=env)
         if res.returncode != 0:
             print(f"{arm}: llmexp failed (exit {res.returncode}):\n{res.tail}", file=sys.stderr)
@@ -162,7 +163,8 @@ def run_arm(arm: str, base: Path, size: Size, warmup: int, steps: int, precision
         return {"bf16_emulated": bool(start.get("bf16_emulated")),
                 "trainable": summary["num_params"], "total": summary["total_params"],
                 "peak_mem_mb": summary["peak_mem_mb"], "tokens_per_sec": llmexp_tokens_per_sec(run_dir, warmup),
-                "optimizer_bytes": optimizer_state_bytes(run_dir / "checkpoints" / f"step_{warmup + steps}")}
+                "optimizer_bytes": optimizer_state_bytes(run_dir / "checkpoints" / f"step_{warmup + steps}")
+                if save else None}
 
 
 def frozen_bytes(base: Path, arm: str, precision: str) -> int:
@@ -206,8 +208,8 @@ def render(results: dict[str, dict[str, Any]], rates: dict[str, Series], paired:
         rows.append([f"`peft={PEFT[arm]}`" + (" (full fine-tuning)" if arm == "full" else ""),
                      f"{r['trainable']:,}" + ratio(r["trainable"], full.get("trainable"), "{:.4f}"),
                      f"{r['frozen_bytes'] / 2**20:,.1f}",
-                     f"{r['optimizer_bytes'] / 2**20:,.2f}" + ratio(r["optimizer_bytes"], full.get("optimizer_bytes"),
-                                                                   "{:.4f}"),
+                     "–" if r["optimizer_bytes"] is None else f"{r['optimizer_bytes'] / 2**20:,.2f}"
+                     + ratio(r["optimizer_bytes"], full.get("optimizer_bytes"), "{:.4f}"),
                      f"{r['peak_mem_mb']:,.0f}" + ratio(r["peak_mem_mb"], full.get("peak_mem_mb"), "{:.2f}"),
                      f"{rate:,.0f}{paired_ratio}"])
     return markdown_table(["arm", "trainable params", "frozen weights (MiB)", "optimizer state (MiB)",
@@ -228,6 +230,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     parser.add_argument("--keep-base", type=Path, default=None, help="write the base model here and keep it")
+    parser.add_argument("--no-save", dest="save", action="store_false",
+                        help="no checkpoint or model/ (seconds at 0.27B): the optimizer-state column stays empty")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--base", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -255,7 +259,7 @@ def main() -> None:
         for r in range(args.rounds):
             round_rates = {}
             for arm in [a for a in rotated(arms, r) if a not in failed]:
-                figures = run_arm(arm, base, size, args.warmup, args.steps, args.precision, env)
+                figures = run_arm(arm, base, size, args.warmup, args.steps, args.precision, env, args.save)
                 if not figures:  # the others still run: one broken arm must not hide the rest
                     failed.append(arm)
                     continue
@@ -278,7 +282,8 @@ def main() -> None:
         header += (" This CPU has no native bf16 (AVX512-BF16 or AMX): torch emulates it, so these tokens/s are"
                    " far below what the same CPU does in fp32; the parameter and byte columns do not depend on it.")
     if args.json:
-        overrides = {arm: arm_overrides(arm, base, size, args.warmup + args.steps, args.precision) for arm in arms}
+        overrides = {arm: arm_overrides(arm, base, size, args.warmup + args.steps, args.precision, args.save)
+                     for arm in arms}
         print(json.dumps({"total_params": total, "arms": done, "failed": failed, "overrides": overrides}))
     if done:
         if args.out:

@@ -135,9 +135,24 @@ def render(report: dict[str, Any], work: Path) -> str:
         lines += ["", f"## {key}. {s.get('title', '')}", "", f"Status: {s['status']}."]
         if s.get("lines"):
             lines += ["", *s["lines"]]
+        if s.get("sub_runs"):
+            lines += ["", seconds_line(s["sub_runs"])]
         if s.get("error"):
             lines += ["", "Error (the log's tail):", "", "```", s["error"].strip(), "```"]
     return "\n".join(lines)
+
+
+def seconds_line(sub_runs: dict[str, dict[str, Any]]) -> str:
+    """Where the step's seconds went, sub-run by sub-run: what the next resizing of the budgets reads."""
+    def one(name: str, t: dict[str, Any]) -> str:
+        wall, imports, setup, run = (t.get(k) for k in ("wall_s", "imports_s", "setup_s", "run_s"))
+        if None in (imports, setup, run):
+            return f"{name} {wall}"
+        return (f"{name} {wall} (imports {imports:.1f}, set-up {setup:.1f}, steps and end {run - setup:.1f}, "
+                f"the rest {wall - imports - run:.1f})")
+
+    return ("Seconds per sub-run (wall; an llmexp run's imports, set-up, steps and end, and the rest: the "
+            "interpreter, Hydra, the exit): " + "; ".join(one(name, t) for name, t in sub_runs.items()) + ".")
 
 
 # ---------------------------------------------------------------- the commands
@@ -165,7 +180,7 @@ def recorded(args: argparse.Namespace) -> dict[str, Any]:
     found = step_record(args.work, args.step)
     entry = {"status": status_of(args.rc), "rc": args.rc, "seconds": round(args.seconds, 1), "budget_s": args.budget,
              "title": found.get("title", TITLES.get(args.step, "")), "verdict": found.get("verdict", ""),
-             "figures": found.get("figures", {}), "lines": found.get("lines", [])}
+             "figures": found.get("figures", {}), "lines": found.get("lines", []), "sub_runs": found.get("seconds", {})}
     if args.rc != 0:
         entry["error"] = log_tail(args.log) if args.log else ""
         entry["verdict"] = entry["verdict"] or entry["status"]

@@ -1,67 +1,71 @@
 #!/usr/bin/env bash
-# The GPU check: every claim that needs a GPU, in one command on a lent GPU machine (an H200 with Python 3.12,
-# torch 2.11+cu130 and no network), under 9 minutes with the install. Prepare the wheels first, on a machine
-# with network: bash benchmarks/gpu/prepare.sh (benchmarks/gpu/README.md: how to call it through the device tool).
-#   bash benchmarks/gpu/run.sh OUT                   # steps 1-8, one throughput round
-#   bash benchmarks/gpu/run.sh OUT --quick           # steps 1, 2 and 4, two throughput rounds
+# The GPU check: every claim that needs a GPU, on a lent GPU machine (an H200 with Python 3.12, torch 2.11+cu130
+# and no network), in two calls of at most 432 s each. Prepare the wheels first, on a machine with network:
+# bash benchmarks/gpu/prepare.sh (benchmarks/gpu/README.md: how to call it through the device tool).
+#   bash benchmarks/gpu/run.sh OUT                   # part a: steps 1 and 2 (never measured on a GPU, or in part)
+#   bash benchmarks/gpu/run.sh OUT --part b          # part b: steps 8, 4, 6, 7, 3 (the second call)
+#   bash benchmarks/gpu/run.sh OUT --all             # steps 1-8 (~700 s: more than one call can hold)
 #   bash benchmarks/gpu/run.sh OUT --steps 5,7       # some steps only (a second try at the ones that failed)
-#   bash benchmarks/gpu/run.sh OUT --cpu --tiny      # the same path on a CPU, tiny model (tests/test_gpu_kit.py)
-#   bash benchmarks/gpu/run.sh OUT --plan [--quick]  # print the steps and their budgets, run nothing
+#   bash benchmarks/gpu/run.sh OUT --cpu --tiny      # every step on a CPU, tiny model (tests/test_gpu_kit.py)
+#   bash benchmarks/gpu/run.sh OUT --plan [...]      # print the steps and their budgets, run nothing
 # It installs .whl/*.whl into /tmp/site (no network), then runs each step as `benchmarks/gpu/steps.py N`, time-boxed
 # (the step keeps what it measured when its budget runs out; `timeout` is the backstop), and rewrites OUT/gpu.md
 # and OUT/gpu.json after every step, so a run cut short still reports. A step that fails records its error and
 # the run goes on. OUT/kit.log has the whole output. The runs' directories go to KIT_WORK (default: /dev/shm,
-# if it has 40 GiB free; else $TMPDIR, or /tmp).
+# if it has 40 GiB free; else $TMPDIR, or /tmp); a second call on the still-warm machine finds the first's caches.
 # Env: KIT_BUDGET_<N>=seconds (a step's budget), KIT_ROUNDS (step 2's rounds), KIT_FAIL_STEP=N (tests),
 # PYTHON (default python3), KIT_INSTALL=1 (install the wheels on --cpu too).
 set -uo pipefail  # no -e: a failing step is recorded, and the next one runs
 
-# Seconds on one H200: what each step is estimated to take, sized from published anchors (not yet measured on a
-# GPU): a ~1B Llama in bf16 trains at ~40k tokens/s on an H100/H200 (~0.4 s a step of 8 x 2048 tokens); a fresh
-# process with torch, transformers and CUDA starts in ~5 s; llmexp builds a 1B model on the CPU in ~8 s, a 0.27B
-# one in ~3 s; benchmark runs write no final checkpoint (train.save_final=false) and, with train.eval_steps beyond
-# the run, no step-0 eval; a cold torch.compile of the 1B takes ~60 s whole, ~20 s per decoder block (issue 41,
-# item 5). Each budget is at least its estimate / 0.8 (tests/test_gpu_kit.py), and they add up to at most 432 s:
-# 80% of the 9 minutes, so that a run on a slower day still ends, and a second try fits the 15 minutes.
+# Seconds on one H200, from its first run (2026-12-04, benchmarks/results/gpu.md: a cold machine, then warm
+# reruns). Every process there spent ~16-25 s outside its steps (imports, CUDA, building the model on the CPU;
+# the runs now record `process_s` and `setup_s`, so the next run says which), so a step costs about its
+# processes, not its steps. Measured: install 6-11; 3: 73 (4 processes); 4: 106 (the base, 3 arms, each saving a
+# 4 GB checkpoint: --no-save now); 5: 55 (2 processes); 6: 12; 7: 40; 2: 139 for the ceiling and its first three
+# arms. Not measured (counted from those): 1, 8 and step 2's compile arm. Each budget is at least its estimate
+# / 0.8 and each part's budgets add up to at most 432 s (tests/test_gpu_kit.py): with a machine's start (~60 s)
+# both parts fit the 15 minutes, and either leaves room to rerun a failed step.
 declare -A ESTIMATE=(
-    [install]=8  # 4 wheels, 3.8 MiB, into /tmp/site, and the machine's facts (nvidia-smi, torch)
-    [1]=43   # the default run as written (250 tiny steps, BPE and tokenising the stdlib ~10 s), watched by probe.py:
-             # ~25 s; the 2-job multirun, 50 steps each with no final save, one job at a time: ~2 x 9 s
-    [2]=115  # one round: the matmul ceiling ~5 s, hand-written loop ~15 s, HF Trainer ~20 s, llmexp ~20 s,
-             # llmexp + compile ~20 + 35 s (per-block compile and the final eval's graph); a whole-model compile
-             # (~60 s + its eval graph) may be cut by the budget: it runs last, the other figures are kept
-    [3]=24   # writing a 0.32B base (the 0.27B with vocabulary 32000) ~5 s; two 11-step runs of it ~9 s each
-    [4]=41   # benchmarks/adapters.py --size mid (0.27B): the base and its data ~12 s; full ~11, lora ~8, qlora ~10
-    [5]=24   # the 0.27B model, plain and fsdp=full_shard (torch's launcher, one process): ~12 s each
-    [6]=8    # `python -m llmexp.estimate` for the three arms, in one process (meta device)
-    [7]=35   # batch_size=auto on the 0.27B model at 2048 tokens (a probe step, 2 steps): ~20 s; twice its choice,
-             # one step until out of memory: ~15 s
-    [8]=36   # 200 steps of the tiny model, ~15 ms each: two uninterrupted runs, one killed, its resume: ~9 s each
+    [install]=11  # 4 wheels, 3.8 MiB, into /tmp/site, and the machine's facts (nvidia-smi, torch): 11 s cold
+    [1]=105  # the default run as written (250 tiny steps; BPE and tokenising the stdlib ~15 s on a cold cache),
+             # watched by probe.py: ~50 s; the 2-job multirun, one job at a time: the launcher ~8 s + 2 x ~24 s
+    [2]=220  # one round: the ceiling, hand-written loop, HF Trainer, llmexp: 139 s measured; llmexp + compile
+             # ~80 s (a process ~22 s, the 1B built ~8 s, the per-block compile ~40 s, its steps)
+    [3]=55   # 73 s measured with a run that made the tokenizer: step 1's is reused (one process fewer)
+    [4]=85   # 106 s measured with a checkpoint and model/ per arm: --no-save writes neither
+    [5]=55   # measured
+    [6]=12   # measured (one process: the estimates of step 4's three arms)
+    [7]=40   # measured: batch_size=auto (probe + 2 steps), then one step at twice its choice
+    [8]=95   # four tiny runs (two uninterrupted, one killed, its resume): 200 steps at ~12 ms, a process ~22 s
 )
-declare -A BUDGET=([install]=10 [1]=55 [2]=144 [3]=30 [4]=52 [5]=30 [6]=15 [7]=44 [8]=45)
-QUICK_STEP2=263  # two rounds, the second compiles warm: ~210 s estimated
-ALL_STEPS=(1 2 3 4 5 6 7 8)
-QUICK_STEPS=(1 2 4)
+declare -A BUDGET=([install]=14 [1]=132 [2]=275 [3]=69 [4]=107 [5]=69 [6]=15 [7]=50 [8]=119)
+declare -A PARTS=([a]="1 2" [b]="8 4 6 7 3" [all]="1 2 3 4 5 6 7 8")
+# Part b: step 8 was never measured; 4, 6 and 7 re-check what the first run found (LoRA's speed, the estimate's
+# fix, batch_size=auto's margin); 3 re-checks the fused head. Step 5 (FSDP2 on one process, measured) only
+# with --all or --steps 5.
 
-out="" quick=0 cpu=0 tiny=0 plan=0 steps=()
+out="" cpu=0 tiny=0 plan=0 steps=() part=a
 while [ $# -gt 0 ]; do
     case "$1" in
-        --quick) quick=1 ;;
+        --part) shift; part="${1:-}" ;;
+        --all) part=all ;;
         --cpu) cpu=1 ;;
         --tiny) tiny=1 ;;
         --plan) plan=1 ;;
         --steps) shift; IFS=, read -r -a steps <<< "${1:-}" ;;
-        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
         -*) echo "run.sh: unknown option $1" >&2; exit 2 ;;
         *) out="$1" ;;
     esac
     shift
 done
+[ -n "${PARTS[$part]:-}" ] || { echo "run.sh: no part '$part' (a, b, all)" >&2; exit 2; }
 if [ ${#steps[@]} -eq 0 ]; then
-    if [ "$quick" = 1 ]; then steps=("${QUICK_STEPS[@]}"); else steps=("${ALL_STEPS[@]}"); fi
+    read -r -a steps <<< "${PARTS[$part]}"
+    # --cpu --tiny: every step (the test runs the whole path), whatever the part
+    [ "$tiny" = 1 ] && [ "$part" = a ] && read -r -a steps <<< "${PARTS[all]}"
 fi
-rounds="${KIT_ROUNDS:-$([ "$quick" = 1 ] && echo 2 || echo 1)}"
-[ "$quick" = 1 ] && BUDGET[2]=$QUICK_STEP2
+rounds="${KIT_ROUNDS:-1}"
 for s in "${steps[@]}"; do
     [ -n "${BUDGET[$s]:-}" ] || { echo "run.sh: no step $s (steps are 1-8)" >&2; exit 2; }
 done
@@ -80,14 +84,13 @@ if [ "$plan" = 1 ]; then
     est_total=0
     for key in install "${steps[@]}"; do
         est="${ESTIMATE[$key]}"
-        [ "$key" = 2 ] && [ "$quick" = 1 ] && est=210
         est_total=$((est_total + est))
         printf '  %-8s %5s s  (estimate %s s)\n' "$key" "${BUDGET[$key]}" "$est"
     done
     printf '  %-8s %5s s  (estimate %s s)\n' total "$total" "$est_total"
     exit 0
 fi
-[ -n "$out" ] || { echo "usage: run.sh OUT [--quick] [--steps 1,2] [--cpu --tiny] [--plan]" >&2; exit 2; }
+[ -n "$out" ] || { echo "usage: run.sh OUT [--part a|b|all] [--steps 1,2] [--cpu --tiny] [--plan]" >&2; exit 2; }
 
 t0=$(date +%s)
 cd "$(dirname "$0")/../.."
