@@ -56,8 +56,11 @@ from common import (
     utc_now,
 )
 
-ARMS = ("full", "lora", "qlora")
-PEFT = {"full": "none", "lora": "lora", "qlora": "qlora"}
+ARMS = ("full", "lora", "qlora")  # the default arms; `lora_compiled` on request (a GPU: see EXTRA)
+PEFT = {"full": "none", "lora": "lora", "qlora": "qlora", "lora_compiled": "lora"}
+EXTRA = {"lora_compiled": ["train.compile=true"]}
+"""An arm's overrides besides `peft`: on a GPU a small model's eager LoRA step is host-bound (it dispatches twice the
+ops of full fine-tuning, benchmarks/ops_per_step.py); the per-block compile fuses the adapters' small ops."""
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,8 @@ def prepare_data(base: Path, size: Size) -> None:
 def arm_overrides(arm: str, base: Path, size: Size, steps: int, precision: str, save: bool = True) -> list[str]:
     # one checkpoint, at the end: its optimizer.pt is measured; without it (--no-save) no file is written at all
     saves = [f"train.save_steps={steps}"] if save else ["train.save_steps=0", "train.save_final=false"]
-    return [f"model.name_or_path={base}", f"peft={PEFT[arm]}", f"precision={precision}", *data_overrides(size),
+    return [f"model.name_or_path={base}", f"peft={PEFT[arm]}", *EXTRA.get(arm, []), f"precision={precision}",
+            *data_overrides(size),
             f"batch_size={size.batch_size}", f"train.max_steps={steps}", "train.logging_steps=1", *saves,
             "train.eval_steps=1000000", "train.eval_batches=1",
             "train.peak_tflops=1000000"]  # skips measuring the matmul ceiling; this table shows no MFU
@@ -205,7 +209,8 @@ def render(results: dict[str, dict[str, Any]], rates: dict[str, Series], paired:
     for arm, r in results.items():
         rate = rates[arm].median()
         paired_ratio = f" ({paired[arm].median():.2f}×)" if paired[arm].values and arm != "full" else ""
-        rows.append([f"`peft={PEFT[arm]}`" + (" (full fine-tuning)" if arm == "full" else ""),
+        rows.append([f"`peft={PEFT[arm]}`" + (" (full fine-tuning)" if arm == "full" else "")
+                     + "".join(f" `{o}`" for o in EXTRA.get(arm, [])),
                      f"{r['trainable']:,}" + ratio(r["trainable"], full.get("trainable"), "{:.4f}"),
                      f"{r['frozen_bytes'] / 2**20:,.1f}",
                      "–" if r["optimizer_bytes"] is None else f"{r['optimizer_bytes'] / 2**20:,.2f}"
@@ -220,7 +225,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="cpu")
     parser.add_argument("--quick", action="store_true", help="--size tiny --warmup 1 --steps 2 --out '' (a test)")
-    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of full,lora,qlora")
+    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated, of full,lora,qlora,lora_compiled")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=1, help="steps left out of tokens/s")
     parser.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")

@@ -32,13 +32,14 @@ declare -A ESTIMATE=(
     [2]=220  # one round: the ceiling, hand-written loop, HF Trainer, llmexp: 139 s measured; llmexp + compile
              # ~80 s (a process ~22 s, the 1B built ~8 s, the per-block compile ~40 s, its steps)
     [3]=55   # 73 s measured with a run that made the tokenizer: step 1's is reused (one process fewer)
-    [4]=85   # 106 s measured with a checkpoint and model/ per arm: --no-save writes neither
+    [4]=120  # 106 s measured with a checkpoint and model/ per arm: --no-save writes neither; a fourth arm,
+             # lora compiled: a process ~22 s and a cold per-block compile of the 0.27B ~15 s
     [5]=55   # measured
     [6]=12   # measured (one process: the estimates of step 4's three arms)
     [7]=40   # measured: batch_size=auto (probe + 2 steps), then one step at twice its choice
     [8]=95   # four tiny runs (two uninterrupted, one killed, its resume): 200 steps at ~12 ms, a process ~22 s
 )
-declare -A BUDGET=([install]=14 [1]=132 [2]=275 [3]=69 [4]=107 [5]=69 [6]=15 [7]=50 [8]=119)
+declare -A BUDGET=([install]=14 [1]=132 [2]=275 [3]=69 [4]=150 [5]=69 [6]=15 [7]=50 [8]=119)
 declare -A PARTS=([a]="1 2" [b]="8 4 6 7 3" [all]="1 2 3 4 5 6 7 8")
 # Part b: step 8 was never measured; 4, 6 and 7 re-check what the first run found (LoRA's speed, the estimate's
 # fix, batch_size=auto's margin); 3 re-checks the fused head. Step 5 (FSDP2 on one process, measured) only
