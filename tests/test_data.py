@@ -279,6 +279,14 @@ def test_a_cache_entry_records_its_files(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- SFT records: masking and packing
 
+
+def real_tokens(ds: Any, idx: np.ndarray, batch: dict[str, Any]) -> Any:
+    """(B, L) bool: the rows' own tokens, the right padding False (each row's length from the dataset's offsets)."""
+    import torch
+
+    lengths = torch.from_numpy(ds.offsets[idx + 1] - ds.offsets[idx])
+    return torch.arange(batch["input_ids"].shape[1]) < lengths[:, None]
+
 PAIRS = [{"prompt": f"Q: what is {i} plus {i}?\nA:", "completion": f" {2 * i}, because {i}+{i}={2 * i}."}
          for i in range(12)]
 
@@ -290,11 +298,12 @@ def test_prompt_completion_loss_on_completion_only(tmp_path: Path, tok: Any) -> 
     assert stats["data_mode"] == "padded" and len(ds) == 12 and len(held) == 3
     idx = np.array([3, 10])
     batch = ds.get_batch(idx)
+    real = real_tokens(ds, idx, batch)
     for row, i in enumerate(idx):
         assert label_text(tok, batch, row) == PAIRS[i]["completion"] + tok.eos_token
-        ids = batch["input_ids"][row][batch["attention_mask"][row].bool()].tolist()
+        ids = batch["input_ids"][row][real[row]].tolist()
         assert tok.decode(ids) == PAIRS[i]["prompt"] + PAIRS[i]["completion"] + tok.eos_token
-    assert (batch["labels"][batch["attention_mask"] == 0] == -100).all()
+    assert (batch["labels"][~real] == -100).all() and "attention_mask" not in batch  # right padding: none needed
     assert ds.num_targets(idx) == int((batch["labels"][:, 1:] != -100).sum())
 
 
@@ -399,8 +408,9 @@ def test_stdlib_sft_pairs_hold_out_files(session_cache: Path, tok: Any) -> None:
     ds, held, stats = data.build_datasets(cfg, tok)
     assert stats["data_mode"] == "padded" and len(ds) == 40 and len(held) > 10
     batch = held.get_batch(np.arange(4))
+    real = real_tokens(held, np.arange(4), batch)
     for row in range(4):
-        text = tok.decode(batch["input_ids"][row][batch["attention_mask"][row].bool()].tolist())
+        text = tok.decode(batch["input_ids"][row][real[row]].tolist())
         assert text.split(":", 1)[0][2:] in held_files  # "# <file>: name" -- eval pairs come from held-out files
         assert label_text(tok, batch, row).endswith('"""\n' + tok.eos_token)
 
@@ -411,8 +421,8 @@ def test_text_records_padded_or_packed(tmp_path: Path, tok: Any) -> None:
     short_eval = write_jsonl(tmp_path / "eval.jsonl", rows[:1])  # fewer tokens than one block
     padded, _, stats = data.build_datasets(json_cfg(tmp_path / "cache", train, short_eval), tok)
     batch = padded.get_batch(np.array([0, 9]))
-    assert stats["data_mode"] == "padded" and "attention_mask" in batch
-    real = batch["attention_mask"].bool()
+    assert stats["data_mode"] == "padded" and "attention_mask" not in batch
+    real = real_tokens(padded, np.array([0, 9]), batch)
     assert (batch["labels"][real] == batch["input_ids"][real]).all() and (batch["labels"][~real] == -100).all()
     assert tok.decode(batch["input_ids"][0][real[0]].tolist()) == rows[0]["text"] + tok.eos_token
     packed, held, stats = data.build_datasets(json_cfg(tmp_path / "cache", train, short_eval, "data.packing=true"), tok)

@@ -139,3 +139,32 @@ def test_the_loss_head_is_one_graph_for_torch_compile() -> None:
     input_ids, labels = _batch()
     explained = torch._dynamo.explain(CausalLMLoss(tiny_llama(num_attention_heads=2)))(input_ids, labels)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def test_a_right_padded_batch_needs_no_mask_and_reaches_attention_without_one() -> None:
+    """Padded rows (data_mode `padded`) come without an attention_mask (issue 41, item 3): padding sits after each
+    row's tokens, so causal attention already hides it and its targets are -100. The loss and every gradient equal
+    those with the mask, and the blocks see no materialised mask (SDPA's causal, flash-class path on a GPU)."""
+    lm = tiny_llama()
+    gen = torch.Generator().manual_seed(2)
+    lengths = torch.tensor([64, 40, 23, 51])
+    real = torch.arange(64) < lengths[:, None]
+    input_ids = torch.randint(0, 512, (4, 64), generator=gen).where(real, 0)
+    labels = input_ids.where(real, -100)
+    head = CausalLMLoss(lm)
+
+    def loss_and_grads(mask: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        lm.zero_grad()
+        total = head(input_ids, labels, attention_mask=mask)
+        total.backward()
+        return total.detach(), [p.grad.clone() for p in lm.parameters()]
+
+    seen: list[Any] = []
+    hook = lm.model.layers[0].register_forward_pre_hook(lambda _, a, kw: seen.append(kw), with_kwargs=True)
+    without, grads_without = loss_and_grads(None)
+    hook.remove()
+    with_mask, grads_with = loss_and_grads(real.long())
+    assert seen[0].get("attention_mask") is None, "a right-padded batch got a materialised mask"
+    torch.testing.assert_close(without, with_mask, rtol=1e-6, atol=0)
+    for a, b in zip(grads_without, grads_with, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)  # other kernels; a leak would be ~1e-2

@@ -71,12 +71,13 @@ def _build(cfg: Any) -> tuple[Any, Any]:
 
 
 def _rows(ds: Any, idx: np.ndarray) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """(input_ids, labels) of each row, padding cut off."""
+    """(input_ids, labels) of each row, the right padding cut off: it ends at the row's last target (a row keeps
+    no example without one, and its own tokens run to its end)."""
     batch = ds.get_batch(idx)
-    mask = batch.get("attention_mask")
     out = []
     for r in range(len(idx)):
-        n = int(mask[r].sum()) if mask is not None else batch["input_ids"].shape[1]
+        targets = (batch["labels"][r] != -100).nonzero()
+        n = int(targets[-1]) + 1 if len(targets) else 0
         out.append((tuple(batch["input_ids"][r, :n].tolist()), tuple(batch["labels"][r, :n].tolist())))
     return out
 

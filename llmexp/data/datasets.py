@@ -8,7 +8,8 @@
 Examples are cut one of three ways, chosen from the records and `data.packing`:
 - `lm_packed`: `text` records joined with eos and cut into full blocks of `max_length`
   (pretraining; the last partial block of the train split is dropped and reported);
-- `padded`: one example per row, truncated to `max_length`, padded per batch (with an attention mask);
+- `padded`: one example per row, truncated to `max_length`, padded on the right per batch (no attention mask:
+  causal attention already keeps each token from the padding after it);
 - `sft_packed`: whole SFT examples packed into rows of at most `max_length`, each with its own
   `position_ids` starting at 0, which the model's attention turns into block-diagonal masks.
 
@@ -174,8 +175,11 @@ class TokenDataset:
         return int(self.row_targets[np.asarray(indices)].sum())
 
     def get_batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
-        """input_ids and labels (B, L) int64, aligned (the loss shifts); attention_mask only when
-        rows are padded; position_ids for packed SFT rows."""
+        """input_ids and labels (B, L) int64, aligned (the loss shifts); position_ids for packed SFT rows.
+
+        Never an attention_mask: rows are padded on the right, so under causal attention no real token can see
+        the padding (it comes after), and the padding's own targets are -100. A mask would change no loss, but
+        transformers would build a dense (B, 1, L, L) mask from it and SDPA would leave its flash path."""
         import torch
 
         indices = np.asarray(indices, dtype=np.int64)
@@ -196,9 +200,7 @@ class TokenDataset:
                 positions[row, b - a:] = np.arange(width - (b - a))  # padding: a segment of its own
         batch = {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels)}
         if positions is not None:
-            batch["position_ids"] = torch.from_numpy(positions)  # no attention_mask: it would disable packing
-        elif (ends - starts != width).any():
-            batch["attention_mask"] = torch.from_numpy(np.arange(width) < (ends - starts)[:, None]).long()
+            batch["position_ids"] = torch.from_numpy(positions)
         return batch
 
 
