@@ -170,18 +170,20 @@ def _has_local_config(path: str) -> bool:
     return (Path(path) / "config.json").is_file()
 
 
-def activation_bytes(cfg: DictConfig, precision: str, micro_batch: int) -> float:
+def activation_bytes(cfg: DictConfig, precision: str, micro_batch: int, model: Any = None) -> float:
     """What autograd keeps for one micro-batch (per device).
 
     Per token and Llama layer (elements): the block input and its RMSNorm output (2d), q and k after
     RoPE, v (d + 2 kv_dim), the attention output and o_proj's input (2d), the second residual
     input and norm output (2d), and in the SwiGLU MLP gate, silu(gate), up and their product (4i).
-    Matmul outputs are 16-bit under autocast, norms and residuals stay fp32.
+    Matmul outputs are 16-bit under autocast, norms and residuals stay fp32. `model`: the model's transformers
+    config (default: `model_config(cfg)`, which reads a local model's config.json or GGUF header).
     """
     from llmexp.model.loss import CHUNK_TOKENS
 
     m, tokens = cfg.model, micro_batch * cfg.data.max_length
-    c = model_config(cfg)  # a pretrained model's own sizes, not the `model.*` fields' (those describe a new one)
+    # a pretrained model's own sizes, not the `model.*` fields' (those describe a new one)
+    c = model if model is not None else model_config(cfg)
     d, layers, vocab = c.hidden_size, c.num_hidden_layers, c.vocab_size
     i = getattr(c, "intermediate_size", None) or 4 * d  # GPT-2-style configs leave it to the 4x default
     heads = c.num_attention_heads
@@ -207,17 +209,19 @@ def _state_bytes_per_param(opt: DictConfig) -> float:
 
 def estimate(cfg: DictConfig, *, num_params: int, precision: str, world: int,
              adapters: AdapterFacts | None = None, micro_batch: int | None = None,
-             units: FsdpUnits | None = None, shards: int | None = None) -> MemoryEstimate:
+             units: FsdpUnits | None = None, shards: int | None = None, model: Any = None) -> MemoryEstimate:
     """The per-device memory of one configuration (see the module docstring for the accounting).
 
     `micro_batch` replaces `batch_size` (which may be `auto`: 1 then); under FSDP `units` (default: read
-    off the meta model) and `shards` (default: world; hybrid_shard: LOCAL_WORLD_SIZE) may be given."""
+    off the meta model) and `shards` (default: world; hybrid_shard: LOCAL_WORLD_SIZE) may be given; so may
+    `model`, the model's transformers config (default: `model_config(cfg)`)."""
     micro = micro_batch or parse_batch_size(cfg.batch_size) or 1
+    model = model if model is not None else model_config(cfg)
     if adapters is not None:
-        return _estimate_adapters(cfg, num_params, precision, adapters, micro)
+        return _estimate_adapters(cfg, num_params, precision, adapters, micro, model)
     if cfg.fsdp.name != "none":
         return _estimate_fsdp(cfg, num_params, precision, micro, units or fsdp_units(cfg),
-                              shards or fsdp_shards(cfg.fsdp.name, world))
+                              shards or fsdp_shards(cfg.fsdp.name, world), model)
     ds, opt = cfg.deepspeed, cfg.optimizer
     zero = ds.stage if ds.stage > 0 else 0
     half_module = zero > 0 and precision in ("bf16", "fp16")  # DeepSpeed keeps 16-bit module weights
@@ -237,7 +241,7 @@ def estimate(cfg: DictConfig, *, num_params: int, precision: str, world: int,
     if ds.offload_param != "none" and zero >= 3:
         cpu, weights = cpu + weights, 0.0
     return MemoryEstimate(num_params=num_params, weights=weights, gradients=gradients, optimizer=optimizer,
-                          activations=activation_bytes(cfg, precision, micro), cpu_offloaded=cpu)
+                          activations=activation_bytes(cfg, precision, micro, model), cpu_offloaded=cpu)
 
 
 def fsdp_shards(strategy: str, world: int) -> int:
@@ -248,7 +252,7 @@ def fsdp_shards(strategy: str, world: int) -> int:
 
 
 def _estimate_fsdp(cfg: DictConfig, num_params: int, precision: str, micro: int, units: FsdpUnits,
-                   shards: int) -> MemoryEstimate:
+                   shards: int, model: Any) -> MemoryEstimate:
     """FSDP2: fp32 shards of parameters, gradients and optimizer state, plus the gathered units."""
     n = float(num_params)
     compute_b = 2.0 if precision in ("bf16", "fp16") else 4.0  # FSDP's param_dtype: the autocast dtype
@@ -261,11 +265,12 @@ def _estimate_fsdp(cfg: DictConfig, num_params: int, precision: str, micro: int,
     if cfg.fsdp.cpu_offload:
         cpu, weights, gradients, optimizer = weights + gradients + optimizer, 0.0, 0.0, 0.0
     return MemoryEstimate(num_params=num_params, weights=weights, gradients=gradients, optimizer=optimizer,
-                          activations=activation_bytes(cfg, precision, micro), cpu_offloaded=cpu, gathered=gathered)
+                          activations=activation_bytes(cfg, precision, micro, model), cpu_offloaded=cpu,
+                          gathered=gathered)
 
 
 def _estimate_adapters(cfg: DictConfig, num_params: int, precision: str, adapters: AdapterFacts,
-                       micro: int) -> MemoryEstimate:
+                       micro: int, model: Any) -> MemoryEstimate:
     """LoRA / QLoRA on one process (DeepSpeed is refused with adapters): frozen base, trained adapters."""
     opt, n_a = cfg.optimizer, float(adapters.trainable)
     state_b = _state_bytes_per_param(opt)
@@ -278,7 +283,7 @@ def _estimate_adapters(cfg: DictConfig, num_params: int, precision: str, adapter
         weights += n_a * 2.0
     tokens = micro * cfg.data.max_length
     dropout_copies = tokens * adapters.dropout_elems_per_token * (2 if autocast else 4)
-    activations = activation_bytes(cfg, precision, micro) + dropout_copies
+    activations = activation_bytes(cfg, precision, micro, model) + dropout_copies
     return MemoryEstimate(num_params=num_params, weights=weights, gradients=n_a * 4.0, optimizer=n_a * state_b,
                           activations=activations, cpu_offloaded=0.0, trainable_params=adapters.trainable)
 
@@ -334,6 +339,7 @@ def largest_fitting(cfg: DictConfig, candidates: list[int], budget: float, **kwa
     host's, i.e. on CPU) fits `budget`; the smallest candidate when none does (the probe decides then).
     `kwargs` go to `estimate` (num_params, precision, world, adapters, units)."""
     on_cpu = kwargs.pop("on_cpu", True)
+    kwargs.setdefault("model", model_config(cfg))  # read once (a GGUF's header), not once per candidate
     for micro in sorted(candidates, reverse=True):
         est = estimate(cfg, micro_batch=micro, **kwargs)
         if est.total + (est.cpu_offloaded if on_cpu else 0.0) <= budget:
