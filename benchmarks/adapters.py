@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmexp.config.tree import compose_config
 from llmexp.rundir.read import load_records
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,7 +45,6 @@ from common import (
     PY,
     RESULTS,
     Series,
-    compose,
     llama_config,
     llmexp_tokens_per_sec,
     load_average,
@@ -99,7 +99,7 @@ def tokenizer_for(vocab_size: int) -> Any:
     from llmexp.data.tokenizer import train_bpe, trained_tokenizer
 
     if vocab_size == 8192:
-        return trained_tokenizer(compose([]))
+        return trained_tokenizer(compose_config([]))
     return train_bpe([f"def f{i}(x):\n    return x * {i}\n" for i in range(200)], vocab_size)
 
 
@@ -128,7 +128,7 @@ def prepare_data(base: Path, size: Size) -> None:
     from llmexp.data.datasets import build_datasets
     from llmexp.data.tokenizer import load_tokenizer
 
-    cfg = compose([f"model.name_or_path={base}", *data_overrides(size)])
+    cfg = compose_config([f"model.name_or_path={base}", *data_overrides(size)])
     build_datasets(cfg, load_tokenizer(cfg))
 
 
@@ -175,7 +175,7 @@ def frozen_bytes(base: Path, arm: str, precision: str) -> int:
     """Bytes of the frozen parameters of the model llmexp builds for `arm` (4-bit ones as packed)."""
     from llmexp.model import build
 
-    cfg = compose([f"model.name_or_path={base}", f"peft={PEFT[arm]}"])
+    cfg = compose_config([f"model.name_or_path={base}", f"peft={PEFT[arm]}"])
     model = build.build_model(cfg, 0, precision)  # the vocabulary comes from the saved config
     frozen = {id(p): p for p in model.parameters() if not p.requires_grad}.values()
     return sum(p.numel() * p.element_size() for p in frozen)

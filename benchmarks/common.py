@@ -127,29 +127,6 @@ def rotated(items: list[str], round_index: int) -> list[str]:
     return items[k:] + items[:k]
 
 
-def compose(overrides: list[str], run_dir: Path | None = None) -> Any:
-    """The config `python -m llmexp OVERRIDES` would get, composed in this process: without a run directory, or,
-    with `run_dir`, as `hydra.run.dir=RUN_DIR` with HydraConfig set, so that `llmexp.train.train.train` runs."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import open_dict
-
-    from llmexp.config.schema import register_configs
-    from llmexp.config.tree import conf_dir, register_resolvers
-
-    register_configs()
-    register_resolvers()
-    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
-        if run_dir is None:
-            return hydra_compose("config", overrides=overrides)
-        cfg = hydra_compose("config", overrides=[*overrides, f"hydra.run.dir={run_dir}"], return_hydra_config=True)
-    with open_dict(cfg):
-        cfg.hydra.runtime.output_dir = str(run_dir)
-    HydraConfig.instance().set_config(cfg)
-    return cfg
-
-
 def tiny_model_fields() -> dict[str, Any]:
     """The `tiny` model's fields, read from llmexp/conf/model/tiny.yaml so every arm builds the same model."""
     from omegaconf import OmegaConf

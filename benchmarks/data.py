@@ -22,18 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-
-def compose(*overrides: str) -> Any:
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from llmexp.config.schema import register_configs
-    from llmexp.config.tree import conf_dir, register_resolvers
-
-    register_configs()
-    register_resolvers()
-    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
-        return hydra_compose("config", overrides=list(overrides))
+from llmexp.config.tree import compose_config
 
 
 def bench_tokenise(texts: list[str], tok: Any, block: int, num_proc: int) -> None:
@@ -142,7 +131,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as cache:
         extra = [f"data.max_examples={args.files}"] if args.files else []
-        cfg = compose(f"data.cache_dir={cache}", *extra)
+        cfg = compose_config([f"data.cache_dir={cache}", *extra])
         tok = load_tokenizer(cfg)
         train_files = split_by_hash(stdlib_files(), float(cfg.data.eval_fraction))[0][: args.files]
         texts = [read_text(Path(stdlib_root()) / f) for f in train_files]

@@ -106,14 +106,14 @@ def save_tokenizer(files: list[Path], out: Path, sample_mb: float = 4.0) -> None
 
 def arm_llmexp(work: Path, files: list[Path], block: int) -> dict[str, Any]:
     import datasets  # noqa: F401  imported before the clock starts, as in the datasets.map arm
-    from data import compose  # benchmarks/data.py: Hydra composition of llmexp's config
 
+    from llmexp.config.tree import compose_config
     from llmexp.data.datasets import build_datasets
     from llmexp.data.tokenizer import load_tokenizer
 
-    cfg = compose("data=hf", "data.path=parquet", "data.data_files=[" + ",".join(f"'{f}'" for f in files) + "]",
-                  "data.eval_split='train[:1]'", "data.packing=true", f"data.max_length={block}",
-                  f"data.tokenizer={work / 'tokenizer'}", f"data.cache_dir={work / 'llmexp_cache'}")
+    cfg = compose_config(["data=hf", "data.path=parquet", "data.data_files=[" + ",".join(f"'{f}'" for f in files) + "]",
+                          "data.eval_split='train[:1]'", "data.packing=true", f"data.max_length={block}",
+                          f"data.tokenizer={work / 'tokenizer'}", f"data.cache_dir={work / 'llmexp_cache'}"])
     tok = load_tokenizer(cfg)
     start = time.perf_counter()
     train, _, stats = build_datasets(cfg, tok)

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from common import llama_config, load_average, markdown_table, publish, utc_now
-from data import compose  # benchmarks/data.py: the config as the CLI composes it
+
+from llmexp.config.tree import compose_config
 
 
 def _write_corpus(root: Path, files: int) -> tuple[Path, Path, int]:
@@ -76,12 +77,12 @@ def main() -> None:
         common = ["data=hf", "data.path=parquet", f"data.data_files={parquet}", f"data.tokenizer={tok_dir}",
                   "data.max_length=256", "batch_size=8", "train.max_steps=1000", f"data.cache_dir={tmp}/cache",
                   "data.packing=true", "data.stream_eval_rows=10"]
-        cfg = compose(*common)
+        cfg = compose_config(common)
         tok = load_tokenizer(cfg)
         start = time.perf_counter()
         cached = build_datasets(cfg, tok)[0]
         build_s = time.perf_counter() - start
-        stream_cfg = compose(*common, "data.streaming=true", f"data.shuffle_window={args.window}")
+        stream_cfg = compose_config([*common, "data.streaming=true", f"data.shuffle_window={args.window}"])
         stream = build_stream_datasets(stream_cfg, tok)[0]
         torch.manual_seed(0)
         model = LlamaForCausalLM(llama_config(vocab_size=len(tok)))

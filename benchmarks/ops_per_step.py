@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.common import compose, machine, markdown_table, publish, utc_now
+from benchmarks.common import machine, markdown_table, publish, utc_now
+from llmexp.config.tree import compose_config
 
 ARMS = {"full": ["peft=none"], "lora": ["peft=lora"], "lora, dropout 0": ["peft=lora", "peft.lora_dropout=0"]}
 
@@ -47,7 +48,7 @@ def ops_in_one_step(overrides: list[str], layers: int, run_dir: Path) -> collect
     from llmexp.monitor.logger import MetricsLogger
     from llmexp.train.train import train
 
-    cfg = compose([*overrides, f"model.num_hidden_layers={layers}", "model.hidden_size=64",
+    cfg = compose_config([*overrides, f"model.num_hidden_layers={layers}", "model.hidden_size=64",
                    "model.intermediate_size=128", "model.num_attention_heads=2", "model.num_key_value_heads=2",
                    "data.max_length=64", "data.max_examples=40", "batch_size=2", "precision=bf16", "train.max_steps=4",
                    "train.logging_steps=1000", "train.eval_steps=1000", "train.save_steps=0", "train.peak_tflops=1",

@@ -22,11 +22,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from llmexp.config.tree import compose_config
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     PY,
     Series,
-    compose,
     llmexp_tokens_per_sec,
     load_average,
     markdown_table,
@@ -53,7 +54,7 @@ def worker_state(name: str, steps: int) -> dict[str, Any]:
 
     from llmexp.model import build
 
-    cfg = compose(OPTIMIZERS[name])
+    cfg = compose_config(OPTIMIZERS[name])
     torch.manual_seed(0)
     model = build.build_model(cfg, cfg.model.vocab_size)
     optimizer = build.build_optimizer(cfg, model, LR.get(name, 3e-4), "cpu")

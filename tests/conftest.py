@@ -171,23 +171,9 @@ def run_cli(args: list[str], cwd: Path | None = None, env: dict[str, str] | None
 def compose(overrides: list[str], run_dir: Path) -> Any:
     """The config `python -m llmexp OVERRIDES hydra.run.dir=RUN_DIR` would get, with HydraConfig set,
     so tests can call `llmexp.train.train.train(cfg)` in-process."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import open_dict
+    from llmexp.config.tree import compose_config
 
-    from llmexp.config.schema import register_configs
-    from llmexp.config.tree import conf_dir, register_resolvers
-
-    register_configs()
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        cfg = hydra_compose("config", overrides=[*overrides, f"hydra.run.dir={run_dir}"], return_hydra_config=True)
-    with open_dict(cfg):
-        cfg.hydra.runtime.output_dir = str(run_dir)
-    HydraConfig.instance().set_config(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return cfg
+    return compose_config(overrides, run_dir)
 
 
 def tiny_llama(num_attention_heads: int = 4) -> Any:

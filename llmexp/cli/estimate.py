@@ -29,17 +29,10 @@ from llmexp.model.estimate import (
 
 def compose(overrides: list[str]) -> DictConfig:
     """The config `python -m llmexp OVERRIDES` would train with (validated), without a run dir."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from llmexp.config.schema import register_configs
-    from llmexp.config.tree import conf_dir, register_resolvers
+    from llmexp.config.tree import compose_config
     from llmexp.config.validation import validate
 
-    register_configs()
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        cfg = hydra_compose("config", overrides=overrides)
+    cfg = compose_config(overrides)
     validate(cfg)
     return cfg
 
