@@ -19,15 +19,17 @@ def _train_cfg(global_batch: int | None) -> SimpleNamespace:
 
 
 @pytest.mark.parametrize(("global_batch", "world", "examples", "expected"), [
-    (None, 1, 0, [1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1]),  # no cap but the search's own
-    (None, 2, 60, [16, 8, 4, 2, 1]),                               # 30 examples per process: powers of two below
-    (24, 2, 0, [12, 6, 3, 1]),                                     # divisors of the 12 per process, halving
-    (16, 1, 5, [4, 2, 1]),                                         # both caps: a divisor of 16 within 5 examples
+    (None, 1, 0, [1024, 768, 512, 384, 256, 192, 128, 96, 64, 48, 32, 24, 16, 12, 8, 6, 4, 3, 2, 1]),  # the cap only
+    (None, 2, 60, [24, 16, 12, 8, 6, 4, 3, 2, 1]),                  # 30 examples per process: 24 the largest below
+    (24, 2, 0, [12, 6, 4, 3, 2, 1]),                                # divisors of the 12 per process
+    (16, 1, 5, [4, 2, 1]),                                          # both caps: a divisor of 16 within 5 examples
+    (7, 1, 0, [7, 1]),                                              # a prime share: itself or 1
 ])
-def test_candidates_halve_and_respect_the_global_batch_and_the_data(global_batch: int | None, world: int,
-                                                                    examples: int, expected: list[int]) -> None:
+def test_candidates_step_by_at_most_3_4_and_respect_the_global_batch_and_the_data(
+        global_batch: int | None, world: int, examples: int, expected: list[int]) -> None:
     got = auto_batch_candidates(_train_cfg(global_batch), world, examples)
     assert got == expected
+    assert all(b <= a * 3 // 4 for a, b in zip(got, got[1:], strict=False))  # never a step of less than 4/3
     if global_batch is not None:
         assert all(global_batch // world % m == 0 for m in got)
 

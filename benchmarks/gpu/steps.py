@@ -660,10 +660,14 @@ OOM = re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)
 
 
 def step_auto_batch(ctx: Ctx) -> None:
-    """`batch_size=auto` on the ~0.27B model: the chosen micro-batch trains (it fits), and twice it does not fit
-    the memory budget it was chosen for (out of memory, or a peak above the budget: so the choice is at least half
-    the largest that fits), unless the probe already saw twice it fail or the candidates stop at it (the train
-    set, or 1024)."""
+    """`batch_size=auto` on the ~0.27B model: the chosen micro-batch trains (it fits), and the next candidate up (at
+    most 3/2 of it) does not fit the memory budget it was chosen for (out of memory, or a peak above the budget: so
+    the choice leaves at most a third of the budget unused), unless the probe already saw it fail or the candidates
+    stop at the choice (the train set, the global batch, or 1024)."""
+    from types import SimpleNamespace
+
+    from llmexp.config.derived import auto_batch_candidates
+
     p, rec = ctx.profile, ctx.record
     base = [*p.mid, f"precision={p.precision}", *RUN]
     run_dir = ctx.dir / "auto"
@@ -675,41 +679,43 @@ def step_auto_batch(ctx: Ctx) -> None:
     rec.figures["auto"] = {**auto, **run_figures(run_dir, warmup=1)}
     prune(run_dir)
     rec.save()
-    examples = int(start.get("data_train_examples") or 0)
-    global_batch = next((int(o.split("=")[1]) for o in p.auto if o.startswith("train.global_batch_size=")), 1024)
-    cap = min(1024, examples or 1024, global_batch)
-    first = 1 << (cap.bit_length() - 1)  # the largest candidate: README's cap (1024, the train set, the global batch)
-    probed_fail = any(e.get("micro") == 2 * chosen and not e.get("fits") for e in auto.get("probed", []))
-    double: dict[str, Any] = {"micro": 2 * chosen}
-    if probed_fail:
-        double["fits"], double["how"] = False, "the probe itself ran out of memory at it"
-    elif 2 * chosen > first:
-        double["fits"], double["how"] = None, f"not a candidate (the candidates start at {first})"
+    global_batch = next((int(o.split("=")[1]) for o in p.auto if o.startswith("train.global_batch_size=")), None)
+    candidates = auto_batch_candidates(SimpleNamespace(train=SimpleNamespace(global_batch_size=global_batch)), 1,
+                                       int(start.get("data_train_examples") or 0))
+    bigger = [m for m in candidates if m > chosen]
+    rec.figures["next"] = up = {"micro": bigger[-1] if bigger else None}
+    if not bigger:
+        up["fits"], up["how"] = None, f"none: the candidates start at {candidates[0]}"
+    elif any(e.get("micro") == up["micro"] and not e.get("fits") for e in auto.get("probed", [])):
+        up["fits"], up["how"] = False, "the probe itself ran out of memory at it"
     elif ctx.cpu:
-        double["fits"], double["how"] = None, "not tried: a CPU has no out-of-memory error (the kernel kills)"
+        up["fits"], up["how"] = None, "not tried: a CPU has no out-of-memory error (the kernel kills)"
     else:
-        twice = ctx.llmexp([f"batch_size={2 * chosen}", *base, "train.max_steps=1"], ctx.dir / "double", "double")
-        peak, budget = summary(ctx.dir / "double").get("peak_mem_mb"), auto.get("budget_mb")
-        # The promise is the budget (a share of the free memory, a margin kept), not the card: a run at twice
-        # the choice that completes above the budget still confirms the choice.
-        double["peak_mem_mb"] = peak
-        double["fits"] = twice.returncode == 0 and not (peak and budget and peak > budget)
-        double["how"] = "a run at it: " + (
-            f"completed at peak {fmt(peak)} MiB, above the {fmt(budget)} MiB budget" if twice.returncode == 0
-            and not double["fits"] else f"completed at peak {fmt(peak)} MiB" if twice.returncode == 0 else
-            "out of memory" if OOM.search(twice.output) else f"exit {twice.returncode}")
-        prune(ctx.dir / "double")
-    rec.figures["double"] = double
+        _run_next_candidate(ctx, base, up, auto.get("budget_mb"))
     fits = rec.figures["auto"]["status"] == "completed"
-    holds = fits and double["fits"] is not True
+    holds = fits and up["fits"] is not True
     rec.lines = [f"`python -m llmexp batch_size=auto` ({fmt(rec.figures['auto'].get('total_params'))} parameters, "
                  f"precision={p.precision}): chose {chosen} (upper bound {auto.get('upper_bound')}, budget "
                  f"{fmt(auto.get('budget_mb'))} MiB, probed {auto.get('probed')}, {auto.get('search_s')} s); the run "
                  f"{rec.figures['auto']['status']} at peak {fmt(rec.figures['auto']['peak_mem_mb'])} MiB.",
-                 f"Twice that, {2 * chosen}: {double['how']}."]
-    rec.verdict = ("holds: the choice fits and twice it does not fit the budget" if holds and double["fits"] is False
-                   else "the choice fits; " + double["how"] if holds else
-                   "does not hold: " + ("the choice failed" if not fits else "twice the choice fits the budget too"))
+                 f"The next candidate up, {up['micro']}: {up['how']}."]
+    rec.verdict = ("holds: the choice fits and the next candidate up does not fit the budget"
+                   if holds and up["fits"] is False else "the choice fits; " + up["how"] if holds else
+                   "does not hold: " + ("the choice failed" if not fits else "the next candidate fits the budget too"))
+
+
+def _run_next_candidate(ctx: Ctx, base: list[str], up: dict[str, Any], budget: float | None) -> None:
+    """One step at the next candidate up; whether it kept within the budget. The promise is the budget (a share of
+    the free memory, a margin kept), not the card: a run that completes above the budget still confirms the choice."""
+    run = ctx.llmexp([f"batch_size={up['micro']}", *base, "train.max_steps=1"], ctx.dir / "next", "next")
+    peak = summary(ctx.dir / "next").get("peak_mem_mb")
+    up["peak_mem_mb"] = peak
+    up["fits"] = run.returncode == 0 and not (peak and budget and peak > budget)
+    up["how"] = "a run at it: " + (
+        f"completed at peak {fmt(peak)} MiB, above the {fmt(budget)} MiB budget" if run.returncode == 0
+        and not up["fits"] else f"completed at peak {fmt(peak)} MiB" if run.returncode == 0 else
+        "out of memory" if OOM.search(run.output) else f"exit {run.returncode}")
+    prune(ctx.dir / "next")
 
 
 # ---------------------------------------------------------------- 8: kill -9 and resume

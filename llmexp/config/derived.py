@@ -160,7 +160,9 @@ on any device (the matmuls are long saturated), and a search needs an upper end.
 
 
 def auto_batch_candidates(cfg: DictConfig, world: int, num_examples: int) -> list[int]:
-    """The micro-batches batch_size=auto may pick, largest first, each at most half the one before.
+    """The micro-batches batch_size=auto may pick, largest first, each at most 3/4 of the one before: powers of two
+    and the sizes halfway between (3 x a power of two: 48 between 32 and 64), so that a choice leaves at most a
+    quarter of the budget unused where halving could leave half of it.
 
     Capped at the global batch per process when `train.global_batch_size` is set (the global batch stays
     fixed, so the micro-batch must divide its per-process share: accumulation makes up the rest), and at the
@@ -172,12 +174,11 @@ def auto_batch_candidates(cfg: DictConfig, world: int, num_examples: int) -> lis
         cap = min(cap, per_process)
     if num_examples > 0:
         cap = min(cap, max(1, math.ceil(num_examples / world)))
-    fits = (lambda m: per_process % m == 0) if per_process is not None else (lambda m: m & (m - 1) == 0)
-    chain, size = [], cap
-    while size >= 1:
-        size = next(m for m in range(size, 0, -1) if fits(m))
-        chain.append(size)
-        size //= 2
+    fits = ((lambda m: per_process % m == 0) if per_process is not None
+            else (lambda m: m & (m - 1) == 0 or (m % 3 == 0 and (m // 3) & (m // 3 - 1) == 0)))
+    chain = [next(m for m in range(cap, 0, -1) if fits(m))]
+    while chain[-1] > 1:
+        chain.append(next(m for m in range(chain[-1] * 3 // 4, 0, -1) if fits(m)))
     return chain
 
 
