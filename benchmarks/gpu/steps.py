@@ -685,7 +685,7 @@ def step_auto_batch(ctx: Ctx) -> None:
     bigger = [m for m in candidates if m > chosen]
     rec.figures["next"] = up = {"micro": bigger[-1] if bigger else None}
     if not bigger:
-        up["fits"], up["how"] = None, f"none: the candidates start at {candidates[0]}"
+        up["fits"], up["how"] = None, f"no candidate is larger (they start at {candidates[0]})"
     elif any(e.get("micro") == up["micro"] and not e.get("fits") for e in auto.get("probed", [])):
         up["fits"], up["how"] = False, "the probe itself ran out of memory at it"
     elif ctx.cpu:
@@ -698,7 +698,7 @@ def step_auto_batch(ctx: Ctx) -> None:
                  f"precision={p.precision}): chose {chosen} (upper bound {auto.get('upper_bound')}, budget "
                  f"{fmt(auto.get('budget_mb'))} MiB, probed {auto.get('probed')}, {auto.get('search_s')} s); the run "
                  f"{rec.figures['auto']['status']} at peak {fmt(rec.figures['auto']['peak_mem_mb'])} MiB.",
-                 f"The next candidate up, {up['micro']}: {up['how']}."]
+                 f"The next candidate up, {up['micro']}: {up['how']}." if bigger else f"Above it: {up['how']}."]
     rec.verdict = ("holds: the choice fits and the next candidate up does not fit the budget"
                    if holds and up["fits"] is False else "the choice fits; " + up["how"] if holds else
                    "does not hold: " + ("the choice failed" if not fits else "the next candidate fits the budget too"))
