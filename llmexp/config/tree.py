@@ -1,4 +1,4 @@
-"""Where llmexp's Hydra config tree lives, and the resolvers its YAML files use."""
+"""Where llmexp's Hydra config tree lives, the resolvers its YAML files use, and the tree composed in-process."""
 
 from __future__ import annotations
 
