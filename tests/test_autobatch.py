@@ -3,6 +3,7 @@ on resume (the resumed run probes nothing and continues with the same micro-batc
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,7 +30,7 @@ def test_candidates_step_by_at_most_3_4_and_respect_the_global_batch_and_the_dat
         global_batch: int | None, world: int, examples: int, expected: list[int]) -> None:
     got = auto_batch_candidates(_train_cfg(global_batch), world, examples)
     assert got == expected
-    assert all(b <= a * 3 // 4 for a, b in zip(got, got[1:], strict=False))  # never a step of less than 4/3
+    assert all(b <= a * 3 // 4 for a, b in itertools.pairwise(got))  # never a step of less than 4/3
     if global_batch is not None:
         assert all(global_batch // world % m == 0 for m in got)
 

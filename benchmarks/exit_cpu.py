@@ -1,0 +1,84 @@
+"""The CPU a run's process spends after its last line: the interpreter's exit, with and without `gc.freeze`.
+
+    python benchmarks/exit_cpu.py                  # 4 rounds of both arms, a tiny default run each
+    python benchmarks/exit_cpu.py --rounds 1 --out ''
+
+At exit CPython runs full garbage collections over every object the process holds; with torch and transformers
+loaded that is most of a second of CPU or more, spent for nothing, at the end of every run and every sweep job.
+llmexp's process entries freeze those objects first (`llmexp.cli.main.settle_for_exit`). Both arms are the same
+tiny run (llmexp/conf/model/tiny.yaml, 2 steps) through `llmexp.cli.main`: `cli` (as before: no freeze) and `main`
+(the entry point since). Each child reports its CPU seconds at its last atexit handler; the parent reads the
+child's whole CPU from `os.wait4`: the difference is the exit's. Arms alternate; the ratio is paired per round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import PY, REPO, load_average, machine, markdown_table, publish, utc_now
+
+ARMS = ("cli", "main")
+CHILD = """
+import atexit, os, resource, sys
+def report():  # registered first, so it runs last of the atexit handlers: just before finalization
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    print(f"CPU_AT_EXIT {r.ru_utime + r.ru_stime}", file=sys.stderr)
+atexit.register(report)
+import llmexp.cli.main as entry
+sys.argv = ["llmexp", *sys.argv[1:]]
+getattr(entry, os.environ["EXIT_ARM"])()
+"""
+RUN = ["model=tiny", "train.max_steps=2", "train.eval_steps=2", "train.eval_batches=2", "data.max_examples=60"]
+
+
+def exit_cpu_s(arm: str, work: Path) -> float:
+    """CPU seconds the child spent after its atexit handlers ran: the interpreter's finalization."""
+    run_dir = work / f"{arm}-{len(list(work.iterdir()))}"
+    env = {**os.environ, "EXIT_ARM": arm, "PYTHONPATH": str(REPO)}
+    err_path = work / f"{run_dir.name}.err"
+    with open(err_path, "w") as err_file:
+        proc = subprocess.Popen([PY, "-c", CHILD, *RUN, f"hydra.run.dir={run_dir}"], env=env,
+                                stdout=subprocess.DEVNULL, stderr=err_file)
+        _, status, usage = os.wait4(proc.pid, 0)  # the child's own CPU, which Popen.wait does not give
+    err = err_path.read_text()
+    line = next((ln for ln in err.splitlines() if ln.startswith("CPU_AT_EXIT")), None)
+    if os.waitstatus_to_exitcode(status) != 0 or line is None:
+        raise SystemExit(f"the {arm} arm exited {os.waitstatus_to_exitcode(status)}:\n{err[-3000:]}")
+    return usage.ru_utime + usage.ru_stime - float(line.split()[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--out", default="exit_cpu.md", help="file under benchmarks/results ('' for none)")
+    args = parser.parse_args()
+    started, load_start = utc_now(), load_average()
+    seconds: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    with tempfile.TemporaryDirectory(prefix="llmexp-exit-") as tmp:
+        for round_index in range(args.rounds):
+            for arm in ARMS if round_index % 2 == 0 else ARMS[::-1]:
+                seconds[arm].append(exit_cpu_s(arm, Path(tmp)))
+                print(f"round {round_index + 1}: {arm} {seconds[arm][-1]:.2f} s of CPU at exit", file=sys.stderr)
+    ratios = [m / c for c, m in zip(seconds["cli"], seconds["main"], strict=True)]
+    saved_s = statistics.median(seconds["cli"]) - statistics.median(seconds["main"])
+    rows = [[arm, f"{statistics.median(seconds[arm]):.2f}", " / ".join(f"{s:.2f}" for s in seconds[arm])]
+            for arm in ARMS]
+    text = "\n".join([
+        "# CPU spent by a run's process after its last line", "",
+        f"Measured {started} on {machine()}; load average {load_start} at the start, {load_average()} at the end. "
+        f"A tiny default run (2 steps), {args.rounds} rounds, arms alternating.", "",
+        markdown_table(["entry", "CPU s at exit (median)", "each round"], rows), "",
+        f"- `main` (gc.freeze first) / `cli` (no freeze): {statistics.median(ratios):.2f}x the exit's CPU "
+        f"(median of {len(ratios)} paired rounds): {saved_s:.2f} s of CPU saved a process"])
+    publish(text, args.out)
+
+
+if __name__ == "__main__":
+    main()
