@@ -105,13 +105,13 @@ def test_the_requeues_own_sigterm_does_not_fail_the_requeue(
 
 
 LATE_WARNING = """
-import os, signal, sys
-from llmexp.sweep.slurm import ignore_late_warnings
+import gc, os, signal, sys
+from llmexp.sweep.slurm import job_over
 signal.signal(signal.SIGUSR2, lambda *_: sys.exit(7))  # stands in for submitit's handler: it would requeue
 if sys.argv[1] == "finished":
-    ignore_late_warnings()
+    job_over()
 os.kill(os.getpid(), signal.SIGUSR2)  # the time-limit warning, a few seconds after the job's last step
-print("exited as it finished")
+print("exited as it finished; frozen", gc.get_freeze_count() > 0)
 """
 
 
@@ -121,4 +121,4 @@ def test_a_warning_after_the_outcome_is_final_changes_nothing(outcome: str, code
     nor kill it on its way out (SLURM recorded such a completed job FAILED). While it runs, the handler acts."""
     done = subprocess.run([sys.executable, "-c", LATE_WARNING, outcome], capture_output=True, text=True, timeout=120)
     assert done.returncode == code, done.stderr[-2000:]
-    assert ("exited as it finished" in done.stdout) == (code == 0)
+    assert ("exited as it finished; frozen True" in done.stdout) == (code == 0)  # and left out of the exit's GC

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import sys
 
-from llmexp.cli.main import cli
+from llmexp.cli.main import main as llmexp_main
 
 
 def main() -> None:
     # before the user's own overrides, so that theirs (train.lr_find_steps=..., a run directory) follow as usual
     sys.argv[1:1] = ["lr=find", "train.lr_find_only=true"]
-    cli()
+    llmexp_main()

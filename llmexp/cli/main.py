@@ -15,6 +15,7 @@ imported here: `--help` and `--cfg job` never import torch. Exit codes: 0 finish
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -128,6 +129,24 @@ def cli() -> None:
                   file=sys.stderr)
             sys.exit(EXIT_USER)
         raise
+
+
+def main() -> None:
+    """The process's entry point (`python -m llmexp`, the `llmexp` script, `python -m llmexp.lr_find`): `cli`,
+    then `settle_for_exit` however it ends. Tests call `cli` in their own process, which goes on."""
+    try:
+        cli()
+    finally:
+        settle_for_exit()
+
+
+def settle_for_exit() -> None:
+    """Called as the process ends. CPython's finalization then runs several full garbage collections over every
+    object the process holds: with torch and transformers loaded, over a second of CPU at the end of every run,
+    for nothing (a tiny run's exit: 1.50 s of CPU, 0.19 s with this; benchmarks/exit_cpu.py, 2-core AMD EPYC).
+    Freezing them (`gc.freeze`) leaves them out of those collections; atexit handlers and module teardown run as
+    before."""
+    gc.freeze()
 
 
 def _reported(step: object) -> None:

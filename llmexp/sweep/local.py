@@ -27,6 +27,7 @@ The launcher's process imports neither torch nor submitit (a warm job's process 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import multiprocessing
 import os
@@ -394,4 +395,6 @@ def _run_other_app(spec: JobSpec, task_function: Any, hydra_context: Any, state:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    gc.freeze()  # the job is over: see llmexp.cli.main.settle_for_exit (a warm job's fork exits with os._exit)
+    sys.exit(code)

@@ -42,6 +42,7 @@ variables; only rank 0 writes `.hydra/` and decides about requeueing.
 
 from __future__ import annotations
 
+import gc
 import logging
 import shutil
 import signal
@@ -133,7 +134,7 @@ class SlurmJob(submitit.helpers.Checkpointable):
                 spec = JobSpec(spec.num, spec.overrides, _with(spec.config, "hydra.output_subdir", None), spec.job_dir)
         if not self.extras:
             result = run_task(spec, self.launcher.task_function, self.launcher.hydra_context, self.singleton_state)
-            ignore_late_warnings()
+            job_over()
             return result
         outcome = execute(spec, self.launcher.task_function, self.launcher.hydra_context, self.singleton_state)
         outcome.job_id = env.job_id
@@ -141,7 +142,7 @@ class SlurmJob(submitit.helpers.Checkpointable):
             outcome = _requeue_or_stop(outcome, requeue_handler)
         if env.global_rank == 0:  # for `cluster.wait=false`: nobody else may be watching
             record_outcome(spec, outcome)
-        ignore_late_warnings()
+        job_over()
         return outcome.to_json()
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
@@ -168,6 +169,13 @@ def slurm_state(job_id: str) -> str:
     except (OSError, subprocess.SubprocessError):
         return ""
     return out.strip().splitlines()[0] if out.strip() else ""
+
+
+def job_over() -> None:
+    """The job's outcome is final and submitit's process ends once it has saved it: late warnings ignored, and the
+    objects the job made left out of the interpreter's collections at exit (`llmexp.cli.main.settle_for_exit`)."""
+    ignore_late_warnings()
+    gc.freeze()
 
 
 def ignore_late_warnings() -> None:
