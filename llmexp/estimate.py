@@ -3,6 +3,10 @@
 import sys
 
 from llmexp.cli.estimate import main
+from llmexp.cli.main import settle_for_exit
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    finally:
+        settle_for_exit()

@@ -4,6 +4,10 @@
 import sys
 
 from llmexp.cli.fit import main
+from llmexp.cli.main import settle_for_exit
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    finally:
+        settle_for_exit()

@@ -126,6 +126,9 @@ runpy.run_module(module, run_name="__main__", alter_sys=True)  # as -m runs it
 @pytest.mark.parametrize(("module", "args", "frozen"), [
     ("llmexp", ["--help"], True),                         # python -m llmexp (and the llmexp script: the same main)
     ("llmexp.lr_find", ["--help"], True),
+    ("llmexp.estimate", ["--help"], True),
+    ("llmexp.coord_check", ["--help"], True),
+    ("llmexp.fit", ["--help"], True),
     ("llmexp.sweep.local", ["/nonexistent.pkl", "/nonexistent.json"], True),  # a sweep's job in a fresh process
     ("in-process", ["--help"], False),                    # `cli` called by a test: its process goes on
 ])

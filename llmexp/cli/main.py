@@ -133,7 +133,8 @@ def cli() -> None:
 
 def main() -> None:
     """The process's entry point (`python -m llmexp`, the `llmexp` script, `python -m llmexp.lr_find`): `cli`,
-    then `settle_for_exit` however it ends. Tests call `cli` in their own process, which goes on."""
+    then `settle_for_exit` however it ends (as the other entries that import torch do: estimate, coord_check,
+    fit). Tests call `cli` in their own process, which goes on."""
     try:
         cli()
     finally:
