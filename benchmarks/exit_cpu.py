@@ -1,14 +1,16 @@
-"""The CPU a run's process spends after its last line: the interpreter's exit, with and without `gc.freeze`.
+"""A run's process CPU, whole and after its last line, through llmexp's process entry or without its GC settings.
 
     python benchmarks/exit_cpu.py                  # 4 rounds of both arms, a tiny default run each
     python benchmarks/exit_cpu.py --rounds 1 --out ''
 
 At exit CPython runs full garbage collections over every object the process holds; with torch and transformers
-loaded that is most of a second of CPU or more, spent for nothing, at the end of every run and every sweep job.
-llmexp's process entries freeze those objects first (`llmexp.cli.main.settle_for_exit`). Both arms are the same
-tiny run (llmexp/conf/model/tiny.yaml, 2 steps) through `llmexp.cli.main`: `cli` (as before: no freeze) and `main`
-(the entry point since). Each child reports its CPU seconds at its last atexit handler; the parent reads the
-child's whole CPU from `os.wait4`: the difference is the exit's. Arms alternate; the ratio is paired per round.
+loaded that is over a second of CPU, spent for nothing, at the end of every run and every sweep job; and while
+they are imported, a collection every 700 new objects re-scans the ones already made. llmexp's process entry
+(`llmexp.cli.main.run_entry`) raises the collection thresholds (`GC_THRESHOLDS`) and freezes the objects before
+the exit (`settle_for_exit`). Both arms are the same tiny run (llmexp/conf/model/tiny.yaml, 2 steps) through
+`llmexp.cli.main`: `cli` (neither) and `main` (the entry). Each child reports its CPU seconds at its last atexit
+handler; the parent reads the child's whole CPU from `os.wait4`: the difference is the exit's. Arms alternate;
+ratios are paired per round.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ getattr(entry, os.environ["EXIT_ARM"])()
 RUN = ["model=tiny", "train.max_steps=2", "train.eval_steps=2", "train.eval_batches=2", "data.max_examples=60"]
 
 
-def exit_cpu_s(arm: str, work: Path) -> float:
-    """CPU seconds the child spent after its atexit handlers ran: the interpreter's finalization."""
+def process_cpu_s(arm: str, work: Path) -> tuple[float, float]:
+    """(the child's whole CPU seconds, those after its atexit handlers ran: the interpreter's finalization)."""
     run_dir = work / f"{arm}-{len(list(work.iterdir()))}"
     env = {**os.environ, "EXIT_ARM": arm, "PYTHONPATH": str(REPO)}
     err_path = work / f"{run_dir.name}.err"
@@ -51,7 +53,8 @@ def exit_cpu_s(arm: str, work: Path) -> float:
     line = next((ln for ln in err.splitlines() if ln.startswith("CPU_AT_EXIT")), None)
     if os.waitstatus_to_exitcode(status) != 0 or line is None:
         raise SystemExit(f"the {arm} arm exited {os.waitstatus_to_exitcode(status)}:\n{err[-3000:]}")
-    return usage.ru_utime + usage.ru_stime - float(line.split()[1])
+    total = usage.ru_utime + usage.ru_stime
+    return total, total - float(line.split()[1])
 
 
 def main() -> None:
@@ -60,23 +63,27 @@ def main() -> None:
     parser.add_argument("--out", default="exit_cpu.md", help="file under benchmarks/results ('' for none)")
     args = parser.parse_args()
     started, load_start = utc_now(), load_average()
-    seconds: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    whole: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    at_exit: dict[str, list[float]] = {arm: [] for arm in ARMS}
     with tempfile.TemporaryDirectory(prefix="llmexp-exit-") as tmp:
         for round_index in range(args.rounds):
             for arm in ARMS if round_index % 2 == 0 else ARMS[::-1]:
-                seconds[arm].append(exit_cpu_s(arm, Path(tmp)))
-                print(f"round {round_index + 1}: {arm} {seconds[arm][-1]:.2f} s of CPU at exit", file=sys.stderr)
-    ratios = [m / c for c, m in zip(seconds["cli"], seconds["main"], strict=True)]
-    saved_s = statistics.median(seconds["cli"]) - statistics.median(seconds["main"])
-    rows = [[arm, f"{statistics.median(seconds[arm]):.2f}", " / ".join(f"{s:.2f}" for s in seconds[arm])]
-            for arm in ARMS]
+                total, exiting = process_cpu_s(arm, Path(tmp))
+                whole[arm].append(total)
+                at_exit[arm].append(exiting)
+                print(f"round {round_index + 1}: {arm} {total:.2f} s of CPU, {exiting:.2f} s at exit", file=sys.stderr)
+    med = statistics.median
+    rows = [[arm, f"{med(whole[arm]):.2f}", f"{med(at_exit[arm]):.2f}",
+             " / ".join(f"{t:.2f} ({e:.2f})" for t, e in zip(whole[arm], at_exit[arm], strict=True))] for arm in ARMS]
+    paired = [m / c for c, m in zip(whole["cli"], whole["main"], strict=True)]
     text = "\n".join([
-        "# CPU spent by a run's process after its last line", "",
+        "# A run's process CPU: llmexp's process entry against none", "",
         f"Measured {started} on {machine()}; load average {load_start} at the start, {load_average()} at the end. "
         f"A tiny default run (2 steps), {args.rounds} rounds, arms alternating.", "",
-        markdown_table(["entry", "CPU s at exit (median)", "each round"], rows), "",
-        f"- `main` (gc.freeze first) / `cli` (no freeze): {statistics.median(ratios):.2f}x the exit's CPU "
-        f"(median of {len(ratios)} paired rounds): {saved_s:.2f} s of CPU saved a process"])
+        markdown_table(["entry", "CPU s (median)", "of it at exit (median)", "each round: all (at exit)"], rows), "",
+        f"- `main` / `cli`: {med(paired):.2f}x the process's CPU (median of {len(paired)} paired rounds), "
+        f"{med(whole['cli']) - med(whole['main']):.2f} s saved a process, "
+        f"{med(at_exit['cli']) - med(at_exit['main']):.2f} s of it at exit"])
     publish(text, args.out)
 
 

@@ -1,12 +1,7 @@
 """`python -m llmexp.coord_check [overrides]`: an entry point; the command is `llmexp.cli.coord_check`."""
 
-import sys
-
 from llmexp.cli.coord_check import main
-from llmexp.cli.main import settle_for_exit
+from llmexp.cli.main import run_entry
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    finally:
-        settle_for_exit()
+    run_entry(main)

@@ -1,12 +1,7 @@
 """`python -m llmexp.estimate [overrides]`: an entry point; the command is `llmexp.cli.estimate`."""
 
-import sys
-
 from llmexp.cli.estimate import main
-from llmexp.cli.main import settle_for_exit
+from llmexp.cli.main import run_entry
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    finally:
-        settle_for_exit()
+    run_entry(main)

@@ -1,13 +1,8 @@
 """`python -m llmexp.fit SWEEP_DIR ... [--target-params N] [--out DIR]`: an entry point; the command is
 `llmexp.cli.fit`."""
 
-import sys
-
 from llmexp.cli.fit import main
-from llmexp.cli.main import settle_for_exit
+from llmexp.cli.main import run_entry
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    finally:
-        settle_for_exit()
+    run_entry(main)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from llmexp.cli.main import GC_THRESHOLDS
 from tests.test_bad_input import CASES, REPO, run_llmexp
 
 _WRITES_NOTHING = [c for c in CASES if c[0] != "bf16_unsupported"]  # (bf16 now runs emulated: not a mistake)
@@ -111,9 +112,10 @@ def test_help_and_cfg_compose_once_and_import_no_torch(args: list[str], tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
-_FROZEN_AT_EXIT = """
+_GC_AT_EXIT = """
 import atexit, gc, runpy, sys
-atexit.register(lambda: print("FROZEN", gc.get_freeze_count() > 0, file=sys.stderr))  # runs after the module's end
+atexit.register(lambda: print("FROZEN", gc.get_freeze_count() > 0, "THRESHOLD", gc.get_threshold()[0],
+                              file=sys.stderr))  # runs after the module's end
 module = sys.argv[1]
 sys.argv = [module, *sys.argv[2:]]
 if module == "in-process":
@@ -121,24 +123,27 @@ if module == "in-process":
     cli()
 runpy.run_module(module, run_name="__main__", alter_sys=True)  # as -m runs it
 """
+_TUNED = GC_THRESHOLDS[0]
+_DEFAULT = 700  # CPython's
 
 
-@pytest.mark.parametrize(("module", "args", "frozen"), [
-    ("llmexp", ["--help"], True),                         # python -m llmexp (and the llmexp script: the same main)
-    ("llmexp.lr_find", ["--help"], True),
-    ("llmexp.estimate", ["--help"], True),
-    ("llmexp.coord_check", ["--help"], True),
-    ("llmexp.fit", ["--help"], True),
-    ("llmexp.sweep.local", ["/nonexistent.pkl", "/nonexistent.json"], True),  # a sweep's job in a fresh process
-    ("in-process", ["--help"], False),                    # `cli` called by a test: its process goes on
+@pytest.mark.parametrize(("module", "args", "frozen", "threshold"), [
+    ("llmexp", ["--help"], True, _TUNED),  # python -m llmexp (and the llmexp script: the same main)
+    ("llmexp.lr_find", ["--help"], True, _TUNED),
+    ("llmexp.estimate", ["--help"], True, _TUNED),
+    ("llmexp.coord_check", ["--help"], True, _TUNED),
+    ("llmexp.fit", ["--help"], True, _TUNED),
+    ("llmexp.sweep.local", ["/nonexistent.pkl", "/nonexistent.json"], True, _DEFAULT),  # a sweep's fresh job
+    ("in-process", ["--help"], False, _DEFAULT),  # `cli` called by a test: its process goes on as it was
 ])
-def test_a_process_entry_freezes_its_objects_before_the_interpreter_ends(module: str, args: list[str], frozen: bool,
-                                                                         tmp_path: Path) -> None:
-    """At exit CPython runs full garbage collections over every object the process holds: ~1.6 s of CPU at the end
-    of a run with torch and transformers loaded (benchmarks/exit_cpu.py measures it). Each process entry freezes
-    them first (`gc.freeze`: left out of those collections); `cli` in someone else's process does not."""
-    proc = run_llmexp([module, *args], tmp_path, code=_FROZEN_AT_EXIT)
-    assert f"FROZEN {frozen}" in proc.stderr, proc.stderr[-2000:]
+def test_a_process_entry_tunes_the_collector_and_freezes_its_objects_before_the_interpreter_ends(
+        module: str, args: list[str], frozen: bool, threshold: int, tmp_path: Path) -> None:
+    """At exit CPython runs full garbage collections over every object the process holds: over a second of CPU at
+    the end of a run with torch and transformers loaded, and their imports ran a collection every 700 new objects
+    (benchmarks/exit_cpu.py measures both). Each process entry raises the thresholds and freezes the objects
+    before the exit; `cli` in someone else's process does neither."""
+    proc = run_llmexp([module, *args], tmp_path, code=_GC_AT_EXIT)
+    assert f"FROZEN {frozen} THRESHOLD {threshold}" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_a_run_composes_its_config_once(tmp_path: Path) -> None:

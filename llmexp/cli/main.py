@@ -18,7 +18,8 @@ from __future__ import annotations
 import gc
 import os
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NoReturn
 
 from omegaconf import DictConfig
 
@@ -132,19 +133,32 @@ def cli() -> None:
 
 
 def main() -> None:
-    """The process's entry point (`python -m llmexp`, the `llmexp` script, `python -m llmexp.lr_find`): `cli`,
-    then `settle_for_exit` however it ends (as the other entries that import torch do: estimate, coord_check,
-    fit). Tests call `cli` in their own process, which goes on."""
+    """The process's entry point (`python -m llmexp`, the `llmexp` script, `python -m llmexp.lr_find`). Tests call
+    `cli` in their own process, which goes on."""
+    run_entry(cli)
+
+
+def run_entry(command: Callable[[], int | None]) -> NoReturn:
+    """A process entry that imports torch (`main`; estimate, coord_check, fit): `command` under `GC_THRESHOLDS`,
+    exiting with its code; however it ends, `settle_for_exit` first."""
+    gc.set_threshold(*GC_THRESHOLDS)
     try:
-        cli()
+        sys.exit(command())
     finally:
         settle_for_exit()
+
+
+GC_THRESHOLDS = (10_000, 10, 10)
+"""The process's garbage-collection thresholds (CPython's default: 700, 10, 10). Importing torch and transformers
+makes millions of objects, and at the default a collection ran every 700 of them, re-scanning the ones already made:
+~0.8 s of CPU a process (benchmarks/exit_cpu.py, 2-core AMD EPYC). A training step makes few Python objects, so
+memory does not notice."""
 
 
 def settle_for_exit() -> None:
     """Called as the process ends. CPython's finalization then runs several full garbage collections over every
     object the process holds: with torch and transformers loaded, over a second of CPU at the end of every run,
-    for nothing (a tiny run's exit: 1.50 s of CPU, 0.19 s with this; benchmarks/exit_cpu.py, 2-core AMD EPYC).
+    for nothing (a tiny run's exit: 1.66 s of CPU, 0.20 s with this; benchmarks/exit_cpu.py, 2-core AMD EPYC).
     Freezing them (`gc.freeze`) leaves them out of those collections; atexit handlers and module teardown run as
     before."""
     gc.freeze()
