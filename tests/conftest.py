@@ -7,6 +7,7 @@ One token cache per test session keeps the stdlib tokenizer from being trained m
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import random
@@ -37,6 +38,11 @@ def pytest_configure(config: pytest.Config) -> None:
     each spin two OpenMP threads oversubscribe a 2-core machine, and OpenMP's spin-waiting then burns the
     cores (a test run through the CLI was measured ~20% slower even on an overloaded machine). Tests that
     need their own thread count set it in the environment they pass."""
+    # The collector's thresholds of llmexp's own process entries (`llmexp.cli.main.run_entry`): the tests import
+    # torch and transformers and train in-process too.
+    from llmexp.cli.main import GC_THRESHOLDS
+
+    gc.set_threshold(*GC_THRESHOLDS)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         # Likewise torch.compile's pool of compile processes (one per core, each importing torch): compiling in the
