@@ -1,10 +1,11 @@
 """muTransfer in miniature (issue 38): does the best lr of a narrow model hold for a wide one?
 
-For each parametrization (standard, muP) one real sweep, `python -m llmexp --multirun`, over model.width_mult x lr
-(x seed) on the default data with one fixed schedule, then `python -m llmexp.fit` on it: per width the best lr (the
-vertex of a parabola in log lr, not the grid's argmin) and the loss at the grid's best; across widths by how many
-factor-2 steps the best lr moved. Goal (Tensor Programs V): under muP it moves by at most one step across 16x of
-width, and muP's best loss at the widest width is no worse than the standard parametrization's.
+For each parametrization (standard, muP) and seed one real sweep, `python -m llmexp --multirun`, over
+model.width_mult x lr on the default data with one fixed schedule, then `python -m llmexp.fit` on the seeds' sweeps
+(a point's loss is the mean over the seeds): per width the best lr (the vertex of a parabola in log lr, not the
+grid's argmin) and the loss at the grid's best; across widths by how many factor-2 steps the best lr moved.
+Goal (Tensor Programs V): under muP it moves by at most one step across 16x of width, and muP's best
+loss at the widest width is no worse than the standard parametrization's.
 
     python benchmarks/transfer.py                     # widths 64..512 (x1..x8), 8 lrs a factor 2 apart, 1 seed
     python benchmarks/transfer.py --width-mults 1,2,4,8,16 --seeds 0,1,2    # the issue's 64..1024, 3 seeds
@@ -43,35 +44,42 @@ def lr_grid(count: int, top: float) -> list[float]:
     return [top / 2 ** i for i in reversed(range(count))]
 
 
-def sweep(out: Path, parametrization: str, args: argparse.Namespace) -> Path:
-    """One parametrization's sweep over width x lr x seed; its directory."""
-    sweep_dir = out / parametrization
+def sweep(out: Path, parametrization: str, seed: str, args: argparse.Namespace) -> Path:
+    """One parametrization's sweep over width x lr at one seed; its directory. A sweep a seed (not `seed=0,1,2` in
+    one): a finished seed's jobs keep their numbers when a seed is added, so a rerun with more seeds reuses them."""
+    sweep_dir = out / parametrization / f"seed{seed}"
     lrs = ",".join(f"{lr:.4g}" for lr in lr_grid(args.lrs, args.top_lr))
     cmd = [PY, "-m", "llmexp", "--multirun", *BASE, f"model.parametrization={parametrization}",
-           f"model.width_mult={args.width_mults}", f"lr={lrs}", f"seed={args.seeds}",
+           f"model.width_mult={args.width_mults}", f"lr={lrs}", f"seed={seed}",
            f"train.max_steps={args.steps}", f"train.eval_steps={args.steps}", f"cluster.max_parallel={args.jobs}",
            f"hydra.sweep.dir={sweep_dir}"]
     result = run_process(cmd, timeout_s=24 * 3600)
     if result.returncode not in (0, 1):  # 1: a job diverged or failed; the fit says which lrs are missing
-        raise SystemExit(f"the {parametrization} sweep exited {result.returncode}:\n{result.tail}")
+        raise SystemExit(f"the {parametrization} sweep (seed {seed}) exited {result.returncode}:\n{result.tail}")
     return sweep_dir
 
 
-def fit(sweep_dir: Path) -> dict:
-    result = run_process([PY, "-m", "llmexp.fit", str(sweep_dir)], timeout_s=600)
+def fit(sweep_dirs: list[Path], out: Path) -> dict:
+    """`llmexp.fit` over one parametrization's sweeps (its seeds pooled: a point's loss is the mean over them)."""
+    result = run_process([PY, "-m", "llmexp.fit", *map(str, sweep_dirs), "--out", str(out)], timeout_s=600)
     if result.returncode != 0:
-        raise SystemExit(f"llmexp.fit {sweep_dir} exited {result.returncode}:\n{result.tail}")
-    return json.loads((sweep_dir / "fit.json").read_text())
+        raise SystemExit(f"llmexp.fit on {out} exited {result.returncode}:\n{result.tail}")
+    return json.loads((out / "fit.json").read_text())
 
 
 def width_rows(fits: dict[str, dict]) -> list[list[str]]:
+    """A row a width: its best lr (with the fit's bootstrap interval, where seeds gave it the loss's noise), the
+    grid's best, the best loss (a mean over the seeds) and the noise of one run's loss."""
     rows = []
     for name, result in fits.items():
         for size in result["sizes"]:
-            best, grid_best = size["best_lr"], size["grid_best_lr"]
+            best, grid_best, interval, noise = size["best_lr"], size["grid_best_lr"], size["interval"], size["noise"]
             loss = min(p["loss"] for p in size["points"])
-            rows.append([name, f"{size['params'] / 1e6:.2f}M", f"{best:.3g}" if best else f"edge ({size['edge']})",
-                         f"{grid_best:.3g}", f"{loss:.4f}"])
+            shown = f"{best:.3g}" if best else f"edge ({size['edge']})"
+            if best and interval:
+                shown += f" [{interval[0]:.3g}, {interval[1]:.3g}]"
+            rows.append([name, f"{size['params'] / 1e6:.2f}M", shown, f"{grid_best:.3g}", f"{loss:.4f}",
+                         f"{noise:.4f}" if noise else "–"])
     return rows
 
 
@@ -115,7 +123,8 @@ def main() -> None:
     started, load_start = utc_now(), load_average()
     work = Path(args.work or tempfile.mkdtemp(prefix="llmexp-transfer-"))  # kept: a sweep is minutes of runs
     print(f"sweeps in {work}", file=sys.stderr)
-    fits = {name: fit(sweep(work, name, args)) for name in PARAMETRIZATIONS}
+    fits = {name: fit([sweep(work, name, seed, args) for seed in args.seeds.split(",")], work / name)
+            for name in PARAMETRIZATIONS}
     if args.out:  # the fits' pictures, which the tune-small-train-big tutorial shows
         for name in PARAMETRIZATIONS:
             shutil.copyfile(work / name / "fit.png", ASSETS / f"transfer_{name}.png")
@@ -123,7 +132,8 @@ def main() -> None:
             f"{load_average()} at the end. Widths {BASE_WIDTH} x ({args.width_mults}), head size 64, 2 layers, "
             f"{args.lrs} lrs a factor 2 apart up to {args.top_lr:g}, seeds {args.seeds}, {args.steps} steps of 8 x "
             "128 tokens (warm-up + cosine), AdamW, the default data.\n")
-    table = markdown_table(["parametrization", "params", "best lr (vertex)", "grid's best lr", "best loss"],
+    table = markdown_table(["parametrization", "params", "best lr (vertex) [95% interval]", "grid's best lr",
+                            "best loss (mean)", "loss noise (sd a run)"],
                            width_rows(fits))
     publish("\n".join([head, table, "", *verdict(fits)]), args.out)
 
