@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmexp.config.tree import compose_config
+from llmexp.config.schema import compose_config
 from llmexp.rundir.read import load_records
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

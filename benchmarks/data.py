@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llmexp.config.tree import compose_config
+from llmexp.config.schema import compose_config
 
 
 def bench_tokenise(texts: list[str], tok: Any, block: int, num_proc: int) -> None:

@@ -107,7 +107,7 @@ def save_tokenizer(files: list[Path], out: Path, sample_mb: float = 4.0) -> None
 def arm_llmexp(work: Path, files: list[Path], block: int) -> dict[str, Any]:
     import datasets  # noqa: F401  imported before the clock starts, as in the datasets.map arm
 
-    from llmexp.config.tree import compose_config
+    from llmexp.config.schema import compose_config
     from llmexp.data.datasets import build_datasets
     from llmexp.data.tokenizer import load_tokenizer
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from common import llama_config, load_average, markdown_table, publish, utc_now
 
-from llmexp.config.tree import compose_config
+from llmexp.config.schema import compose_config
 
 
 def _write_corpus(root: Path, files: int) -> tuple[Path, Path, int]:

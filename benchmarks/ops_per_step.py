@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.common import machine, markdown_table, publish, utc_now
-from llmexp.config.tree import compose_config
+from llmexp.config.schema import compose_config
 
 ARMS = {"full": ["peft=none"], "lora": ["peft=lora"], "lora, dropout 0": ["peft=lora", "peft.lora_dropout=0"]}
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llmexp.config.tree import compose_config
+from llmexp.config.schema import compose_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (

@@ -7,7 +7,6 @@ One token cache per test session keeps the stdlib tokenizer from being trained m
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
 import random
@@ -38,11 +37,11 @@ def pytest_configure(config: pytest.Config) -> None:
     each spin two OpenMP threads oversubscribe a 2-core machine, and OpenMP's spin-waiting then burns the
     cores (a test run through the CLI was measured ~20% slower even on an overloaded machine). Tests that
     need their own thread count set it in the environment they pass."""
-    # The collector's thresholds of llmexp's own process entries (`llmexp.cli.main.run_entry`): the tests import
-    # torch and transformers and train in-process too.
-    from llmexp.cli.main import GC_THRESHOLDS
+    # The collector's thresholds of llmexp's own processes (`llmexp.process`): the tests import torch and
+    # transformers and train in-process too.
+    from llmexp.process import tune_collector
 
-    gc.set_threshold(*GC_THRESHOLDS)
+    tune_collector()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         # Likewise torch.compile's pool of compile processes (one per core, each importing torch): compiling in the
@@ -177,7 +176,7 @@ def run_cli(args: list[str], cwd: Path | None = None, env: dict[str, str] | None
 def compose(overrides: list[str], run_dir: Path) -> Any:
     """The config `python -m llmexp OVERRIDES hydra.run.dir=RUN_DIR` would get, with HydraConfig set,
     so tests can call `llmexp.train.train.train(cfg)` in-process."""
-    from llmexp.config.tree import compose_config
+    from llmexp.config.schema import compose_config
 
     return compose_config(overrides, run_dir)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from llmexp.cli.main import GC_THRESHOLDS
+from llmexp.process import GC_THRESHOLDS
 from tests.test_bad_input import CASES, REPO, run_llmexp
 
 _WRITES_NOTHING = [c for c in CASES if c[0] != "bf16_unsupported"]  # (bf16 now runs emulated: not a mistake)
@@ -133,7 +133,7 @@ _DEFAULT = 700  # CPython's
     ("llmexp.estimate", ["--help"], True, _TUNED),
     ("llmexp.coord_check", ["--help"], True, _TUNED),
     ("llmexp.fit", ["--help"], True, _TUNED),
-    ("llmexp.sweep.local", ["/nonexistent.pkl", "/nonexistent.json"], True, _DEFAULT),  # a sweep's fresh job
+    ("llmexp.sweep.local", ["/nonexistent.pkl", "/nonexistent.json"], True, _TUNED),  # a sweep's fresh job
     ("in-process", ["--help"], False, _DEFAULT),  # `cli` called by a test: its process goes on as it was
 ])
 def test_a_process_entry_tunes_the_collector_and_freezes_its_objects_before_the_interpreter_ends(

@@ -29,7 +29,7 @@ from llmexp.model.estimate import (
 
 def compose(overrides: list[str]) -> DictConfig:
     """The config `python -m llmexp OVERRIDES` would train with (validated), without a run dir."""
-    from llmexp.config.tree import compose_config
+    from llmexp.config.schema import compose_config
     from llmexp.config.validation import validate
 
     cfg = compose_config(overrides)

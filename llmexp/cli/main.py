@@ -15,7 +15,6 @@ imported here: `--help` and `--cfg job` never import torch. Exit codes: 0 finish
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from omegaconf import DictConfig
 
 from llmexp.config.tree import conf_dir, register_resolvers
 from llmexp.errors import EXIT_USER, UserError
+from llmexp.process import settle_for_exit, tune_collector
 
 if TYPE_CHECKING:
     import argparse
@@ -139,29 +139,13 @@ def main() -> None:
 
 
 def run_entry(command: Callable[[], int | None]) -> NoReturn:
-    """A process entry that imports torch (`main`; estimate, coord_check, fit): `command` under `GC_THRESHOLDS`,
-    exiting with its code; however it ends, `settle_for_exit` first."""
-    gc.set_threshold(*GC_THRESHOLDS)
+    """A process entry that imports torch (`main`; estimate, coord_check, fit): `command` with the collector tuned
+    for it, exiting with its code; however it ends, settled for the exit first (`llmexp.process`)."""
+    tune_collector()
     try:
         sys.exit(command())
     finally:
         settle_for_exit()
-
-
-GC_THRESHOLDS = (10_000, 10, 10)
-"""The process's garbage-collection thresholds (CPython's default: 700, 10, 10). Importing torch and transformers
-makes millions of objects, and at the default a collection ran every 700 of them, re-scanning the ones already made:
-~0.8 s of CPU a process (benchmarks/exit_cpu.py, 2-core AMD EPYC). A training step makes few Python objects, so
-memory does not notice."""
-
-
-def settle_for_exit() -> None:
-    """Called as the process ends. CPython's finalization then runs several full garbage collections over every
-    object the process holds: with torch and transformers loaded, over a second of CPU at the end of every run,
-    for nothing (a tiny run's exit: 1.66 s of CPU, 0.20 s with this; benchmarks/exit_cpu.py, 2-core AMD EPYC).
-    Freezing them (`gc.freeze`) leaves them out of those collections; atexit handlers and module teardown run as
-    before."""
-    gc.freeze()
 
 
 def _reported(step: object) -> None:

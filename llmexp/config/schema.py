@@ -10,6 +10,7 @@ them. This module imports no torch: it sits on the `--help` path.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -585,6 +586,30 @@ def register_configs() -> None:
 
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
+
+
+def compose_config(overrides: list[str], run_dir: Path | None = None) -> Any:
+    """The config `python -m llmexp OVERRIDES` would get, composed in this process (not validated: see
+    `validation.validate`). With `run_dir`, as `hydra.run.dir=RUN_DIR`, with Hydra's config set and the directory
+    made, as `@hydra.main` does before its task runs: `llmexp.train.train.train(cfg)` then runs in-process (tests,
+    benchmarks, a notebook)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from llmexp.config.tree import conf_dir, register_resolvers
+
+    register_configs()
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        if run_dir is None:
+            return compose("config", overrides=list(overrides))
+        cfg = compose("config", overrides=[*overrides, f"hydra.run.dir={run_dir}"], return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(run_dir)
+    HydraConfig.instance().set_config(cfg)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    return cfg
 
 
 def to_container(cfg: DictConfig) -> dict[str, Any]:

@@ -27,7 +27,6 @@ The launcher's process imports neither torch nor submitit (a warm job's process 
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import multiprocessing
 import os
@@ -43,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmexp.errors import UserError
+from llmexp.process import settle_for_exit, tune_collector
 from llmexp.rundir.files import atomic_file, write_json_atomic
 from llmexp.rundir.readers import Damaged, load_json, read_bytes, reader
 from llmexp.sweep.jobs import (
@@ -394,7 +394,9 @@ def _run_other_app(spec: JobSpec, task_function: Any, hydra_context: Any, state:
                       None if ok else f"{type(ret._return_value).__name__}: {ret._return_value}")
 
 
-if __name__ == "__main__":
-    code = main()
-    gc.freeze()  # the job is over: see llmexp.cli.main.settle_for_exit (a warm job's fork exits with os._exit)
-    sys.exit(code)
+if __name__ == "__main__":  # a job in a fresh process (a warm job's fork ends with multiprocessing's os._exit)
+    tune_collector()
+    try:
+        sys.exit(main())
+    finally:
+        settle_for_exit()

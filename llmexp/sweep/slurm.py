@@ -42,7 +42,6 @@ variables; only rank 0 writes `.hydra/` and decides about requeueing.
 
 from __future__ import annotations
 
-import gc
 import logging
 import shutil
 import signal
@@ -58,6 +57,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from llmexp.config.tree import register_resolvers
 from llmexp.errors import UserError
+from llmexp.process import settle_for_exit, tune_collector
 from llmexp.rundir.files import write_json_atomic
 from llmexp.rundir.read import read_slurm_jobs
 from llmexp.sweep.jobs import (
@@ -118,6 +118,7 @@ class SlurmJob(submitit.helpers.Checkpointable):
         """llmexp's task (`is_llmexp_config`): an outcome dict, resume on requeue; else Hydra's JobReturn."""
 
     def __call__(self) -> Any:
+        tune_collector()  # submitit's process, before the job imports torch
         requeue_handler = signal.getsignal(signal.SIGUSR2)  # submitit's, installed before this call
         env = submitit.JobEnvironment()
         if self.spec.config is None:  # composed here, not at submission (see compose_jobs)
@@ -173,9 +174,9 @@ def slurm_state(job_id: str) -> str:
 
 def job_over() -> None:
     """The job's outcome is final and submitit's process ends once it has saved it: late warnings ignored, and the
-    objects the job made left out of the interpreter's collections at exit (`llmexp.cli.main.settle_for_exit`)."""
+    process settled for its exit (`llmexp.process`)."""
     ignore_late_warnings()
-    gc.freeze()
+    settle_for_exit()
 
 
 def ignore_late_warnings() -> None:
