@@ -40,4 +40,3 @@ def option_names(group: str) -> tuple[str, ...]:
         node = (data.get(group) or {}) if text.startswith("# @package _global_") else data
         names.append(str(node.get("name", path.stem)) if isinstance(node, dict) else path.stem)
     return tuple(dict.fromkeys(names))
-
