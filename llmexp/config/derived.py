@@ -162,7 +162,7 @@ on any device (the matmuls are long saturated), and a search needs an upper end.
 def auto_batch_candidates(cfg: DictConfig, world: int, num_examples: int) -> list[int]:
     """The micro-batches batch_size=auto may pick, largest first, each at most 3/4 of the one before: powers of two
     and the sizes halfway between (3 x a power of two: 48 between 32 and 64), so that a choice leaves at most a
-    quarter of the budget unused where halving could leave half of it.
+    third of the budget unused where halving could leave half of it.
 
     Capped at the global batch per process when `train.global_batch_size` is set (the global batch stays
     fixed, so the micro-batch must divide its per-process share: accumulation makes up the rest), and at the

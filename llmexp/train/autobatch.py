@@ -1,6 +1,6 @@
 """`batch_size=auto`: the largest micro-batch that fits in memory, found before the run's model is built.
 
-    candidates (`config.derived.auto_batch_candidates`: halving, capped by the global batch per process
+    candidates (`config.derived.auto_batch_candidates`: steps of at most 3/4, capped by the global batch per process
       and the train set) -> upper bound: the largest whose estimate (`llmexp.model.estimate`) fits the budget
       (a share of CUDA's free memory, or of the available RAM split between this host's processes)
     -> probe, largest first: one real forward + backward + optimizer step of a throwaway model
