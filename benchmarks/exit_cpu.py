@@ -6,7 +6,7 @@
 At exit CPython runs full garbage collections over every object the process holds; with torch and transformers
 loaded that is over a second of CPU, spent for nothing, at the end of every run and every sweep job; and while
 they are imported, a collection every 700 new objects re-scans the ones already made. llmexp's process entry
-(`llmexp.cli.main.run_entry`, `llmexp/process.py`) raises the collection thresholds and freezes the objects before
+(`llmexp.process.run_entry`) raises the collection thresholds and freezes the objects before
 the exit (`settle_for_exit`). Both arms are the same tiny run (llmexp/conf/model/tiny.yaml, 2 steps) through
 `llmexp.cli.main`: `cli` (neither) and `main` (the entry). Each child reports its CPU seconds at its last atexit
 handler; the parent reads the child's whole CPU from `os.wait4`: the difference is the exit's. Arms alternate;

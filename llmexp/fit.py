@@ -2,7 +2,7 @@
 `llmexp.cli.fit`."""
 
 from llmexp.cli.fit import main
-from llmexp.cli.main import run_entry
+from llmexp.process import run_entry
 
 if __name__ == "__main__":
     run_entry(main)

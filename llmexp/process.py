@@ -1,10 +1,14 @@
 """How an llmexp process uses Python's garbage collector: from its start (`tune_collector`) to its end
-(`settle_for_exit`). Every process entry calls both: the CLI's (`llmexp.cli.main.run_entry`) and a sweep's job
-in a fresh process or on SLURM. `benchmarks/exit_cpu.py` measures what they save."""
+(`settle_for_exit`). Every process entry calls both, through `run_entry` (the CLI's commands, a sweep's job in a
+fresh process) or on its own (a SLURM job, inside submitit's process). `benchmarks/exit_cpu.py` measures what they
+save."""
 
 from __future__ import annotations
 
 import gc
+import sys
+from collections.abc import Callable
+from typing import NoReturn
 
 GC_THRESHOLDS = (10_000, 10, 10)
 """The process's garbage-collection thresholds (CPython's default: 700, 10, 10). Importing torch and transformers
@@ -23,3 +27,13 @@ def settle_for_exit() -> None:
     for nothing (a tiny run's exit: 1.66 s of CPU, 0.20 s with this; 2-core AMD EPYC). Freezing them (`gc.freeze`)
     leaves them out of those collections; atexit handlers and module teardown run as before."""
     gc.freeze()
+
+
+def run_entry(command: Callable[[], int | None]) -> NoReturn:
+    """A process entry that imports torch: `command` with the collector tuned for it, exiting with its code; however
+    it ends, settled for the exit first."""
+    tune_collector()
+    try:
+        sys.exit(command())
+    finally:
+        settle_for_exit()

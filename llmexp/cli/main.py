@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
 from llmexp.config.tree import conf_dir, register_resolvers
 from llmexp.errors import EXIT_USER, UserError
-from llmexp.process import settle_for_exit, tune_collector
+from llmexp.process import run_entry
 
 if TYPE_CHECKING:
     import argparse
@@ -136,16 +135,6 @@ def main() -> None:
     """The process's entry point (`python -m llmexp`, the `llmexp` script, `python -m llmexp.lr_find`). Tests call
     `cli` in their own process, which goes on."""
     run_entry(cli)
-
-
-def run_entry(command: Callable[[], int | None]) -> NoReturn:
-    """A process entry that imports torch (`main`; estimate, coord_check, fit): `command` with the collector tuned
-    for it, exiting with its code; however it ends, settled for the exit first (`llmexp.process`)."""
-    tune_collector()
-    try:
-        sys.exit(command())
-    finally:
-        settle_for_exit()
 
 
 def _reported(step: object) -> None:

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmexp.errors import UserError
-from llmexp.process import settle_for_exit, tune_collector
+from llmexp.process import run_entry
 from llmexp.rundir.files import atomic_file, write_json_atomic
 from llmexp.rundir.readers import Damaged, load_json, read_bytes, reader
 from llmexp.sweep.jobs import (
@@ -395,8 +395,4 @@ def _run_other_app(spec: JobSpec, task_function: Any, hydra_context: Any, state:
 
 
 if __name__ == "__main__":  # a job in a fresh process (a warm job's fork ends with multiprocessing's os._exit)
-    tune_collector()
-    try:
-        sys.exit(main())
-    finally:
-        settle_for_exit()
+    run_entry(main)
