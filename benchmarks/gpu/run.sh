@@ -2,7 +2,7 @@
 # The GPU check: every claim that needs a GPU, on a lent GPU machine (an H200 with Python 3.12, torch 2.11+cu130
 # and no network), in two calls of at most 432 s each. Prepare the wheels first, on a machine with network:
 # bash benchmarks/gpu/prepare.sh (benchmarks/gpu/README.md: how to call it through the device tool).
-#   bash benchmarks/gpu/run.sh OUT                   # part a: steps 1 and 2 (never measured on a GPU, or in part)
+#   bash benchmarks/gpu/run.sh OUT                   # part a: steps 1 and 2 (the headline commands, throughput)
 #   bash benchmarks/gpu/run.sh OUT --part b          # part b: steps 8, 4, 6, 7, 3 (the second call)
 #   bash benchmarks/gpu/run.sh OUT --all             # steps 1-8 (~700 s: more than one call can hold)
 #   bash benchmarks/gpu/run.sh OUT --steps 5,7       # some steps only (a second try at the ones that failed)
@@ -17,33 +17,29 @@
 # PYTHON (default python3), KIT_INSTALL=1 (install the wheels on --cpu too).
 set -uo pipefail  # no -e: a failing step is recorded, and the next one runs
 
-# Seconds on one H200, from its first run (2026-12-04, benchmarks/results/gpu.md: a cold machine, then warm
-# reruns). Every process there spent ~16-25 s outside its steps (imports, CUDA, building the model on the CPU;
-# the runs now record `process_s` and `setup_s`, so the next run says which), so a step costs about its
-# processes, not its steps. Measured: install 6-11; 3: 73 (4 processes); 4: 106 (the base, 3 arms, each saving a
-# 4 GB checkpoint: --no-save now); 5: 55 (2 processes); 6: 12; 7: 40; 2: 139 for the ceiling and its first three
-# arms. Not measured (counted from those): 1, 8 and step 2's compile arm. Each budget is at least its estimate
-# / 0.8 and each part's budgets add up to at most 432 s (tests/test_gpu_kit.py): with a machine's start (~60 s)
-# both parts fit the 15 minutes, and either leaves room to rerun a failed step.
+# Seconds on one H200 (benchmarks/results/gpu.md): its second lease (2026-12-04 16:47) ran part a (204 s) and
+# part b (311 s) at these budgets, every step measured; step 6, then at 15 s, ran out at four arms and took 12 s
+# alone. Every process there spends ~13-25 s outside its steps (imports ~6, set-up 5-18: CUDA, building the
+# model on the CPU; the runs record `process_s` and `setup_s`), so a step costs about its processes. Each budget
+# is at least its estimate / 0.8 and each part's budgets add up to at most 432 s (tests/test_gpu_kit.py): with
+# a machine's start (~30-60 s) both parts fit the 15 minutes, and either leaves room to rerun a failed step.
 declare -A ESTIMATE=(
-    [install]=11  # 4 wheels, 3.8 MiB, into /tmp/site, and the machine's facts (nvidia-smi, torch): 11 s cold
-    [1]=105  # the default run as written (250 tiny steps; BPE and tokenising the stdlib ~15 s on a cold cache),
-             # watched by probe.py: ~50 s; the 2-job multirun, one job at a time: the launcher ~8 s + 2 x ~24 s
-    [2]=220  # one round: the ceiling, hand-written loop, HF Trainer, llmexp: 139 s measured; llmexp + compile
-             # ~80 s (a process ~22 s, the 1B built ~8 s, the per-block compile ~40 s, its steps)
-    [3]=55   # 73 s measured with a run that made the tokenizer: step 1's is reused (one process fewer)
-    [4]=120  # 106 s measured with a checkpoint and model/ per arm: --no-save writes neither; a fourth arm,
-             # lora compiled: a process ~22 s and a cold per-block compile of the 0.27B ~15 s
-    [5]=55   # measured
-    [6]=12   # measured (one process: the estimates of step 4's three arms)
-    [7]=40   # measured: batch_size=auto (probe + 2 steps), then one step at twice its choice
-    [8]=95   # four tiny runs (two uninterrupted, one killed, its resume): 200 steps at ~12 ms, a process ~22 s
+    [install]=7   # 4 wheels, 3.9 MiB, into /tmp/site, and the machine's facts (nvidia-smi, torch): 6-11 s
+    [1]=70   # measured 69: the default run as written under probe.py 35 s (250 steps in 8.5 of them), the 2-job
+             # multirun one job at a time 34 s
+    [2]=125  # measured 124: one round of the ceiling, hand-written loop, HF Trainer, llmexp and llmexp compiled
+    [3]=60   # measured 59 (the base model written, then two runs; step 1's tokenizer reused)
+    [4]=120  # measured 118: four arms (full, lora, qlora, lora compiled), --no-save
+    [5]=55   # measured in the first lease (2 processes)
+    [6]=15   # measured 12 warm: one process estimating step 4's four arms
+    [7]=40   # measured 38: batch_size=auto (probe + 2 steps), then one step at the next candidate up
+    [8]=75   # measured 74: four tiny runs (two uninterrupted, one killed, its resume)
 )
-declare -A BUDGET=([install]=14 [1]=132 [2]=275 [3]=69 [4]=150 [5]=69 [6]=15 [7]=50 [8]=119)
+declare -A BUDGET=([install]=14 [1]=132 [2]=275 [3]=75 [4]=150 [5]=69 [6]=25 [7]=50 [8]=110)
 declare -A PARTS=([a]="1 2" [b]="8 4 6 7 3" [all]="1 2 3 4 5 6 7 8")
-# Part b: step 8 was never measured; 4, 6 and 7 re-check what the first run found (LoRA's speed, the estimate's
-# fix, batch_size=auto's margin); 3 re-checks the fused head. Step 5 (FSDP2 on one process, measured) only
-# with --all or --steps 5.
+# Part a: what a user sees first (the README's commands, throughput against HF Trainer). Part b: kill -9 and
+# resume, the adapters, the estimate, batch_size=auto's margin, the fused head. Step 5 (FSDP2 on one process,
+# measured in the first lease) only with --all or --steps 5.
 
 out="" cpu=0 tiny=0 plan=0 steps=() part=a
 while [ $# -gt 0 ]; do
