@@ -1,0 +1,151 @@
+"""What an attention mask costs a training step: the same batch with no mask, a padding mask, and packed rows.
+
+    python benchmarks/attention_mask.py                          # tiny model on this machine's CPU
+    python benchmarks/attention_mask.py --size mid --seq-len 2048 --out attention_mask_gpu.md   # on a GPU
+
+llmexp passes no mask for padded rows (one example a row, padded on the right: causal attention already hides
+the padding, and its targets are -100), so SDPA can take its flash-class kernels; a padding mask makes transformers
+build a dense (B, 1, L, L) one. Packed SFT rows (position ids restarting at each example) still get a dense
+block-diagonal mask (docs/explanation/gpu-path.md). Three arms on the same tokens, one forward and backward a step:
+
+- `causal`: no mask (llmexp's padded and pretraining rows), the baseline;
+- `padding_mask`: an attention mask with zeros after each row's length (what a padded batch costs elsewhere);
+- `packed`: position ids restarting at each example's start (llmexp's `sft_packed` rows).
+
+Prints tokens/s (every position of the batch counted), the ratio to `causal` paired within each round, peak
+memory on CUDA, and the loss of `causal` against `padding_mask` on the same batch (the targets after a row's
+length are -100, so the two must agree: tests/test_loss.py checks it exactly on a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from common import llama_config, load_average, machine, markdown_table, publish, rotated, utc_now
+
+# The GPU check's 0.27B model (benchmarks/adapters.py's "mid"), vocabulary 8192
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": {},
+    "mid": {"hidden_size": 1024, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 8,
+            "intermediate_size": 4096, "vocab_size": 8192, "max_position_embeddings": 2048},
+}
+ARMS = ["causal", "padding_mask", "packed"]
+
+
+def make_batch(batch: int, seq_len: int, vocab: int, device: Any) -> dict[str, Any]:
+    """Tokens, each row's length (50-100% of the row, so a quarter of positions are padding on average), the
+    padding mask, targets (-100 after the length) and packed position ids (examples of 64-512 tokens)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (batch, seq_len), generator=gen)
+    lengths = torch.randint(seq_len // 2, seq_len + 1, (batch,), generator=gen)
+    keep = torch.arange(seq_len)[None, :] < lengths[:, None]
+    labels = ids.masked_fill(~keep, -100)
+    positions = torch.empty(batch, seq_len, dtype=torch.long)
+    for row in range(batch):
+        start = 0
+        while start < seq_len:
+            size = int(torch.randint(64, 513, (1,), generator=gen))
+            end = min(seq_len, start + size)
+            positions[row, start:end] = torch.arange(end - start)
+            start = end
+    tensors = {"input_ids": ids, "labels": labels, "mask": keep.long(), "position_ids": positions}
+    return {name: t.to(device) for name, t in tensors.items()}
+
+
+def arm_inputs(arm: str, b: dict[str, Any]) -> dict[str, Any]:
+    """The model's inputs for one arm. use_cache=False as in llmexp's loss: with a KV cache transformers ignores
+    packed position ids (its masking_utils checks for packing only without one), and `packed` would run causal."""
+    common = {"input_ids": b["input_ids"], "use_cache": False}
+    if arm == "causal":
+        return {**common, "labels": b["labels"]}
+    if arm == "padding_mask":
+        return {**common, "labels": b["labels"], "attention_mask": b["mask"]}
+    return {**common, "labels": b["input_ids"], "position_ids": b["position_ids"]}
+
+
+def step_fn(model: Any, inputs: dict[str, Any], dtype: Any, device: Any) -> Callable[[], float]:
+    import torch
+
+    def step() -> float:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss = model(**inputs).loss
+        loss.backward()
+        return float(loss.detach())  # the one read of the step: it waits for the device
+
+    return step
+
+
+def timed(step: Callable[[], float], warmup: int, steps: int) -> float:
+    for _ in range(warmup):
+        step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - start) / steps
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--precision", choices=["bf16", "fp32"], default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--out", default="", help="file under benchmarks/results/ ('' prints only)")
+    return p.parse_args()
+
+
+def main() -> None:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    args = parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    fields = {**SIZES[args.size], "max_position_embeddings": max(args.seq_len, SIZES[args.size].get(
+        "max_position_embeddings", 0))}
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_config(**fields)).to(device)
+    batch = make_batch(args.batch, args.seq_len, model.config.vocab_size, device)
+    steps = {arm: step_fn(model, arm_inputs(arm, batch), dtype, device) for arm in ARMS}
+    losses = {arm: steps[arm]() for arm in ARMS[:2]}
+    seconds: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    peak_mb: dict[str, float] = {}
+    for r in range(args.rounds):
+        for arm in rotated(ARMS, r):
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            seconds[arm].append(timed(steps[arm], args.warmup, args.steps))
+            if device.type == "cuda":
+                peak_mb[arm] = torch.cuda.max_memory_allocated() / 2**20
+        print(f"round {r + 1}: " + ", ".join(f"{a} {seconds[a][-1] * 1e3:.1f} ms" for a in ARMS), flush=True)
+    tokens = args.batch * args.seq_len
+    rows = []
+    for arm in ARMS:
+        paired = statistics.median(c / a for c, a in zip(seconds["causal"], seconds[arm], strict=True))
+        rows.append([f"`{arm}`", f"{tokens / statistics.median(seconds[arm]):,.0f}", f"{paired:.3f}×",
+                     f"{peak_mb[arm]:,.0f}" if arm in peak_mb else "–"])
+    params = sum(p.numel() for p in model.parameters())
+    text = (f"# What an attention mask costs a step\n\nMeasured {utc_now()} on {machine()}: a random-init Llama of "
+            f"{params:,} parameters, micro-batch {args.batch} × {args.seq_len}, {precision}"
+            f"{' autocast' if precision == 'bf16' else ''}, one forward and backward a step; {args.rounds} round(s) "
+            f"of {args.warmup} warm-up + {args.steps} timed steps per arm, rotated. torch {torch.__version__}. Load "
+            f"average at the end: {load_average()}.\n\n"
+            + markdown_table(["arm", "tokens/s (median)", "speed vs `causal` (paired)", "peak memory (MiB)"], rows)
+            + f"\n\nThe same batch's loss, `causal` {losses['causal']:.6f} against `padding_mask` "
+            f"{losses['padding_mask']:.6f} (difference {abs(losses['causal'] - losses['padding_mask']):.2e}).\n")
+    publish(text, args.out)
+
+
+if __name__ == "__main__":
+    main()
