@@ -14,7 +14,8 @@ block-diagonal mask (docs/explanation/gpu-path.md). Three arms on the same token
 
 Prints tokens/s (every position of the batch counted), the ratio to `causal` paired within each round, peak
 memory on CUDA, and the loss of `causal` against `padding_mask` on the same batch (the targets after a row's
-length are -100, so the two must agree: tests/test_loss.py checks it exactly on a CPU).
+length are -100, so the two must agree: tests/test_loss.py checks it exactly on a CPU), and whether the packing
+isolated each example (else the `packed` arm measured nothing: a KV cache, say, makes transformers ignore it).
 """
 
 from __future__ import annotations
@@ -69,6 +70,21 @@ def arm_inputs(arm: str, b: dict[str, Any]) -> dict[str, Any]:
     return {**common, "labels": b["input_ids"], "position_ids": b["position_ids"]}
 
 
+def packing_leak(model: Any, batch: dict[str, Any], dtype: Any, device: Any) -> float:
+    """The largest logit difference between row 0's second example in its packed row and the same example alone:
+    ~0 (rounding) where the packing reached attention, order 1 where the example saw the one before it."""
+    import torch
+
+    starts = [*(batch["position_ids"][0] == 0).nonzero().flatten().tolist(), batch["position_ids"].shape[1]]
+    first, end = starts[1], starts[2]
+    inputs = arm_inputs("packed", batch)
+    with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        packed = model(input_ids=inputs["input_ids"][:1], position_ids=inputs["position_ids"][:1],
+                       use_cache=False).logits[0, first:end]
+        alone = model(input_ids=inputs["input_ids"][:1, first:end], use_cache=False).logits[0]
+    return float((packed.float() - alone.float()).abs().max())
+
+
 def step_fn(model: Any, inputs: dict[str, Any], dtype: Any, device: Any) -> Callable[[], float]:
     import torch
 
@@ -118,7 +134,9 @@ def main() -> None:
     model = LlamaForCausalLM(llama_config(**fields)).to(device)
     batch = make_batch(args.batch, args.seq_len, model.config.vocab_size, device)
     steps = {arm: step_fn(model, arm_inputs(arm, batch), dtype, device) for arm in ARMS}
-    losses = {arm: steps[arm]() for arm in ARMS[:2]}
+    losses = {arm: steps[arm]() for arm in ARMS}
+    leak = packing_leak(model, batch, dtype, device)
+    packing = "isolated each example" if leak < 0.1 else "DID NOT isolate the examples (the arm measured nothing)"
     seconds: dict[str, list[float]] = {arm: [] for arm in ARMS}
     peak_mb: dict[str, float] = {}
     for r in range(args.rounds):
@@ -143,7 +161,9 @@ def main() -> None:
             f"average at the end: {load_average()}.\n\n"
             + markdown_table(["arm", "tokens/s (median)", "speed vs `causal` (paired)", "peak memory (MiB)"], rows)
             + f"\n\nThe same batch's loss, `causal` {losses['causal']:.6f} against `padding_mask` "
-            f"{losses['padding_mask']:.6f} (difference {abs(losses['causal'] - losses['padding_mask']):.2e}).\n")
+            f"{losses['padding_mask']:.6f} (difference {abs(losses['causal'] - losses['padding_mask']):.2e}). `packed` "
+            f"{losses['packed']:.6f}; its packing {packing} (row 0's second example: largest logit difference "
+            f"{leak:.2e} packed against alone).\n")
     publish(text, args.out)
 
 
