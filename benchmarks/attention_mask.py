@@ -10,7 +10,10 @@ block-diagonal mask (docs/explanation/gpu-path.md). Three arms on the same token
 
 - `causal`: no mask (llmexp's padded and pretraining rows), the baseline;
 - `padding_mask`: an attention mask with zeros after each row's length (what a padded batch costs elsewhere);
-- `packed`: position ids restarting at each example's start (llmexp's `sft_packed` rows).
+- `packed`: position ids restarting at each example's start (llmexp's `sft_packed` rows), a dense
+  block-diagonal mask under SDPA;
+- `packed_flex` (CUDA only): the same rows under FlexAttention (`attn_implementation="flex_attention"`), whose
+  block mask skips the blocks across examples: the candidate for issue 41's flash-class packed SFT.
 
 Prints tokens/s (every position of the batch counted), the ratio to `causal` paired within each round, peak
 memory on CUDA, and the loss of `causal` against `padding_mask` on the same batch (the targets after a row's
@@ -34,7 +37,9 @@ SIZES: dict[str, dict[str, int]] = {
     "mid": {"hidden_size": 1024, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 8,
             "intermediate_size": 4096, "vocab_size": 8192, "max_position_embeddings": 2048},
 }
-ARMS = ["causal", "padding_mask", "packed"]
+ARMS = ["causal", "padding_mask", "packed", "packed_flex"]
+ARM_MODEL = {"causal": "sdpa", "padding_mask": "sdpa", "packed": "sdpa", "packed_flex": "flex_attention"}
+"""Each arm's attention implementation (transformers' `attn_implementation`)."""
 
 
 def make_batch(batch: int, seq_len: int, vocab: int, device: Any) -> dict[str, Any]:
@@ -67,7 +72,7 @@ def arm_inputs(arm: str, b: dict[str, Any]) -> dict[str, Any]:
         return {**common, "labels": b["labels"]}
     if arm == "padding_mask":
         return {**common, "labels": b["labels"], "attention_mask": b["mask"]}
-    return {**common, "labels": b["input_ids"], "position_ids": b["position_ids"]}
+    return {**common, "labels": b["input_ids"], "position_ids": b["position_ids"]}  # packed, packed_flex
 
 
 def packing_leak(model: Any, batch: dict[str, Any], dtype: Any, device: Any) -> float:
@@ -120,51 +125,77 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def main() -> None:
+def build_models(args: argparse.Namespace, device: Any) -> dict[str, Any]:
+    """One model per attention implementation, the same weights: SDPA always; FlexAttention on CUDA only (it has
+    no backward on a CPU, torch 2.13)."""
     import torch
     from transformers import LlamaForCausalLM
+
+    fields = {**SIZES[args.size], "max_position_embeddings": max(args.seq_len, SIZES[args.size].get(
+        "max_position_embeddings", 0))}
+    models = {}
+    for implementation in ("sdpa", "flex_attention") if device.type == "cuda" else ("sdpa",):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(llama_config(**fields))
+        model.set_attn_implementation(implementation)
+        models[implementation] = model.to(device)
+    return models
+
+
+def main() -> None:
+    import torch
 
     args = parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    fields = {**SIZES[args.size], "max_position_embeddings": max(args.seq_len, SIZES[args.size].get(
-        "max_position_embeddings", 0))}
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(llama_config(**fields)).to(device)
-    batch = make_batch(args.batch, args.seq_len, model.config.vocab_size, device)
-    steps = {arm: step_fn(model, arm_inputs(arm, batch), dtype, device) for arm in ARMS}
-    losses = {arm: steps[arm]() for arm in ARMS}
-    leak = packing_leak(model, batch, dtype, device)
-    packing = "isolated each example" if leak < 0.1 else "DID NOT isolate the examples (the arm measured nothing)"
-    seconds: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    models = build_models(args, device)
+    batch = make_batch(args.batch, args.seq_len, models["sdpa"].config.vocab_size, device)
+    arms = [arm for arm in ARMS if ARM_MODEL[arm] in models]
+    steps = {arm: step_fn(models[ARM_MODEL[arm]], arm_inputs(arm, batch), dtype, device) for arm in arms}
+    losses = {arm: steps[arm]() for arm in arms}  # the first call of each: FlexAttention compiles here
+    leaks = {arm: packing_leak(models[ARM_MODEL[arm]], batch, dtype, device) for arm in arms if "packed" in arm}
+    seconds: dict[str, list[float]] = {arm: [] for arm in arms}
     peak_mb: dict[str, float] = {}
     for r in range(args.rounds):
-        for arm in rotated(ARMS, r):
+        for arm in rotated(arms, r):
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             seconds[arm].append(timed(steps[arm], args.warmup, args.steps))
             if device.type == "cuda":
                 peak_mb[arm] = torch.cuda.max_memory_allocated() / 2**20
-        print(f"round {r + 1}: " + ", ".join(f"{a} {seconds[a][-1] * 1e3:.1f} ms" for a in ARMS), flush=True)
+        print(f"round {r + 1}: " + ", ".join(f"{a} {seconds[a][-1] * 1e3:.1f} ms" for a in arms), flush=True)
+    params = sum(p.numel() for p in models["sdpa"].parameters())
+    publish(render(args, precision, params, seconds, peak_mb, losses, leaks), args.out)
+
+
+def isolation(leak: float) -> str:
+    verdict = "isolated each example" if leak < 0.1 else "DID NOT isolate the examples (the arm measured nothing)"
+    return f"{verdict} (row 0's second example: largest logit difference {leak:.2e} packed against alone)"
+
+
+def render(args: argparse.Namespace, precision: str, params: int, seconds: dict[str, list[float]],
+           peak_mb: dict[str, float], losses: dict[str, float], leaks: dict[str, float]) -> str:
+    import torch
+
     tokens = args.batch * args.seq_len
     rows = []
-    for arm in ARMS:
-        paired = statistics.median(c / a for c, a in zip(seconds["causal"], seconds[arm], strict=True))
-        rows.append([f"`{arm}`", f"{tokens / statistics.median(seconds[arm]):,.0f}", f"{paired:.3f}×",
+    for arm, times in seconds.items():
+        paired = statistics.median(c / a for c, a in zip(seconds["causal"], times, strict=True))
+        rows.append([f"`{arm}`", ARM_MODEL[arm], f"{tokens / statistics.median(times):,.0f}", f"{paired:.3f}×",
                      f"{peak_mb[arm]:,.0f}" if arm in peak_mb else "–"])
-    params = sum(p.numel() for p in model.parameters())
-    text = (f"# What an attention mask costs a step\n\nMeasured {utc_now()} on {machine()}: a random-init Llama of "
+    packing = "; ".join(f"`{arm}` {losses[arm]:.6f}, {isolation(leak)}" for arm, leak in leaks.items())
+    skipped = "" if "packed_flex" in seconds else " `packed_flex` runs on CUDA only (no FlexAttention backward on CPU)."
+    return (f"# What an attention mask costs a step\n\nMeasured {utc_now()} on {machine()}: a random-init Llama of "
             f"{params:,} parameters, micro-batch {args.batch} × {args.seq_len}, {precision}"
             f"{' autocast' if precision == 'bf16' else ''}, one forward and backward a step; {args.rounds} round(s) "
             f"of {args.warmup} warm-up + {args.steps} timed steps per arm, rotated. torch {torch.__version__}. Load "
-            f"average at the end: {load_average()}.\n\n"
-            + markdown_table(["arm", "tokens/s (median)", "speed vs `causal` (paired)", "peak memory (MiB)"], rows)
+            f"average at the end: {load_average()}.{skipped}\n\n"
+            + markdown_table(["arm", "attention", "tokens/s (median)", "speed vs `causal` (paired)",
+                              "peak memory (MiB)"], rows)
             + f"\n\nThe same batch's loss, `causal` {losses['causal']:.6f} against `padding_mask` "
-            f"{losses['padding_mask']:.6f} (difference {abs(losses['causal'] - losses['padding_mask']):.2e}). `packed` "
-            f"{losses['packed']:.6f}; its packing {packing} (row 0's second example: largest logit difference "
-            f"{leak:.2e} packed against alone).\n")
-    publish(text, args.out)
+            f"{losses['padding_mask']:.6f} (difference {abs(losses['causal'] - losses['padding_mask']):.2e}). "
+            f"Packed: {packing}.\n")
 
 
 if __name__ == "__main__":
