@@ -10,6 +10,7 @@
 # process of `run.sh --cpu --tiny`, mapped to distributions, minus /work/.library/device/KINDS.md's list):
 #   hydra-core, omegaconf, antlr4-python3-runtime   every `python -m llmexp...` (Hydra composes the config)
 #   bitsandbytes                                   optimizer=adamw8bit (step 1), peft=qlora (steps 4, 6)
+#   liger-kernel                                   benchmarks/loss_head.py only (not a step), 0.9 MiB
 # Not carried, because no step imports them: optuna (only sweep=tpe/random and pruning import it; Hydra's
 # discovery of llmexp's sweeper plugin does not), datasets (only data=hf), submitit (only cluster=slurm),
 # deepspeed and wandb; the whole tiny path passed with those and their needs (alembic, sqlalchemy, colorlog,
@@ -25,6 +26,9 @@ dest=.whl
 limit_mib=40
 wheels=(hydra-core==1.3.8 omegaconf==2.3.1 bitsandbytes==0.50.2)
 sdist_only=(antlr4-python3-runtime==4.9.3)  # Hydra 1.3 pins antlr 4.9.*, published as an sdist only (pure Python)
+# Not imported by llmexp: benchmarks/loss_head.py's `liger` arm (issue 41: Liger's fused linear cross-entropy
+# where it measures faster than llmexp's head); its needs, torch and triton, are on the GPU machine.
+benchmark_only=(liger-kernel==0.8.5)
 platforms=(manylinux_2_35_x86_64 manylinux_2_34_x86_64 manylinux_2_31_x86_64 manylinux_2_28_x86_64
            manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64)
 
@@ -37,7 +41,7 @@ done
 rm -rf "$dest"
 mkdir -p "$dest"
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    "${platforms[@]/#/--platform=}" -d "$dest" "${wheels[@]}"
+    "${platforms[@]/#/--platform=}" -d "$dest" "${wheels[@]}" "${benchmark_only[@]}"
 # Built here from the sdist: pure Python, so the wheel is py3-none-any and installs on 3.12 as on 3.11.
 python3 -m pip wheel --quiet --no-deps --no-binary=:all: -w "$dest" "${sdist_only[@]}"
 for whl in "$dest"/*.whl; do

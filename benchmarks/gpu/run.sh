@@ -24,7 +24,7 @@ set -uo pipefail  # no -e: a failing step is recorded, and the next one runs
 # is at least its estimate / 0.8 and each part's budgets add up to at most 432 s (tests/test_gpu_kit.py): with
 # a machine's start (~30-60 s) both parts fit the 15 minutes, and either leaves room to rerun a failed step.
 declare -A ESTIMATE=(
-    [install]=7   # 4 wheels, 3.9 MiB, into /tmp/site, and the machine's facts (nvidia-smi, torch): 6-11 s
+    [install]=7   # 5 wheels, 4.7 MiB, into /tmp/site, and the machine's facts (nvidia-smi, torch): 6-11 s
     [1]=70   # measured 69: the default run as written under probe.py 35 s (250 steps in 8.5 of them), the 2-job
              # multirun one job at a time 34 s
     [2]=125  # measured 124: one round of the ceiling, hand-written loop, HF Trainer, llmexp and llmexp compiled
