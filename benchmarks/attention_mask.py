@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
-from common import llama_config, load_average, machine, markdown_table, publish, rotated, utc_now
+from common import llama_config, load_average, machine, markdown_table, paired_speed, publish, time_in_process, utc_now
 
 # The GPU check's 0.27B model (benchmarks/adapters.py's "mid"), vocabulary 8192
 SIZES: dict[str, dict[str, int]] = {
@@ -103,15 +102,6 @@ def step_fn(model: Any, inputs: dict[str, Any], dtype: Any, device: Any) -> Call
     return step
 
 
-def timed(step: Callable[[], float], warmup: int, steps: int) -> float:
-    for _ in range(warmup):
-        step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return (time.perf_counter() - start) / steps
-
-
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", choices=sorted(SIZES), default="tiny")
@@ -155,16 +145,7 @@ def main() -> None:
     steps = {arm: step_fn(models[ARM_MODEL[arm]], arm_inputs(arm, batch), dtype, device) for arm in arms}
     losses = {arm: steps[arm]() for arm in arms}  # the first call of each: FlexAttention compiles here
     leaks = {arm: packing_leak(models[ARM_MODEL[arm]], batch, dtype, device) for arm in arms if "packed" in arm}
-    seconds: dict[str, list[float]] = {arm: [] for arm in arms}
-    peak_mb: dict[str, float] = {}
-    for r in range(args.rounds):
-        for arm in rotated(arms, r):
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            seconds[arm].append(timed(steps[arm], args.warmup, args.steps))
-            if device.type == "cuda":
-                peak_mb[arm] = torch.cuda.max_memory_allocated() / 2**20
-        print(f"round {r + 1}: " + ", ".join(f"{a} {seconds[a][-1] * 1e3:.1f} ms" for a in arms), flush=True)
+    seconds, peak_mb = time_in_process(steps, args.rounds, args.warmup, args.steps)
     params = sum(p.numel() for p in models["sdpa"].parameters())
     publish(render(args, precision, params, seconds, peak_mb, losses, leaks), args.out)
 
@@ -181,8 +162,8 @@ def render(args: argparse.Namespace, precision: str, params: int, seconds: dict[
     tokens = args.batch * args.seq_len
     rows = []
     for arm, times in seconds.items():
-        paired = statistics.median(c / a for c, a in zip(seconds["causal"], times, strict=True))
-        rows.append([f"`{arm}`", ARM_MODEL[arm], f"{tokens / statistics.median(times):,.0f}", f"{paired:.3f}×",
+        rows.append([f"`{arm}`", ARM_MODEL[arm], f"{tokens / statistics.median(times):,.0f}",
+                     f"{paired_speed(seconds, arm, 'causal'):.3f}×",
                      f"{peak_mb[arm]:,.0f}" if arm in peak_mb else "–"])
     packing = "; ".join(f"`{arm}` {losses[arm]:.6f}, {isolation(leak)}" for arm, leak in leaks.items())
     skipped = "" if "packed_flex" in seconds else " `packed_flex` runs on CUDA only (no FlexAttention backward on CPU)."

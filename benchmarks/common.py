@@ -127,6 +127,37 @@ def rotated(items: list[str], round_index: int) -> list[str]:
     return items[k:] + items[:k]
 
 
+def time_in_process(steps: dict[str, Callable[[], Any]], rounds: int, warmup: int, timed: int,
+                    ) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Arms that run in this process (a kernel's variants, not whole runs): each round, each arm in rotated order
+    runs `warmup` then `timed` steps; its seconds a step per round, and its peak CUDA memory (none on a CPU). A
+    step must wait for the device itself (read a value back) for the seconds to count its work."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    seconds: dict[str, list[float]] = {arm: [] for arm in steps}
+    peak_mb: dict[str, float] = {}
+    for r in range(rounds):
+        for arm in rotated(list(steps), r):
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            for _ in range(warmup):
+                steps[arm]()
+            start = time.perf_counter()
+            for _ in range(timed):
+                steps[arm]()
+            seconds[arm].append((time.perf_counter() - start) / timed)
+            if cuda:
+                peak_mb[arm] = torch.cuda.max_memory_allocated() / 2**20
+        print(f"round {r + 1}: " + ", ".join(f"{a} {seconds[a][-1] * 1e3:.1f} ms" for a in steps), flush=True)
+    return seconds, peak_mb
+
+
+def paired_speed(seconds: dict[str, list[float]], arm: str, base: str) -> float:
+    """`arm`'s speed over `base`'s: the median over rounds of their ratio within each round."""
+    return statistics.median(b / a for b, a in zip(seconds[base], seconds[arm], strict=True))
+
+
 def tiny_model_fields() -> dict[str, Any]:
     """The `tiny` model's fields, read from llmexp/conf/model/tiny.yaml so every arm builds the same model."""
     from omegaconf import OmegaConf

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
-from common import load_average, machine, markdown_table, publish, rotated, utc_now
+from common import load_average, machine, markdown_table, paired_speed, publish, time_in_process, utc_now
 
 IGNORE_INDEX = -100
 
@@ -90,21 +90,8 @@ def main() -> None:
         return float(loss.detach()), hidden.grad
 
     results = {name: step(fn) for name, fn in fns.items()}
-    seconds: dict[str, list[float]] = {name: [] for name in fns}
-    peak_mb: dict[str, float] = {}
-    for r in range(args.rounds):
-        for name in rotated(list(fns), r):
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            for _ in range(args.warmup):
-                step(fns[name])
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                step(fns[name])
-            seconds[name].append((time.perf_counter() - start) / args.steps)
-            if device.type == "cuda":
-                peak_mb[name] = torch.cuda.max_memory_allocated() / 2**20
-        print(f"round {r + 1}: " + ", ".join(f"{n} {seconds[n][-1] * 1e3:.1f} ms" for n in fns), flush=True)
+    seconds, peak_mb = time_in_process({name: partial(step, fn) for name, fn in fns.items()}, args.rounds,
+                                       args.warmup, args.steps)
     publish(render(args, seconds, peak_mb, results), args.out)
 
 
@@ -116,9 +103,9 @@ def render(args: argparse.Namespace, seconds: dict[str, list[float]], peak_mb: d
     rows = []
     for name, times in seconds.items():
         loss, grad = results[name]
-        paired = statistics.median(p / t for p, t in zip(seconds["plain"], times, strict=True))
         grad_err = float((grad - ref_grad).abs().max() / ref_grad.abs().max())
-        rows.append([f"`{name}`", f"{args.tokens / statistics.median(times):,.0f}", f"{paired:.3f}×",
+        rows.append([f"`{name}`", f"{args.tokens / statistics.median(times):,.0f}",
+                     f"{paired_speed(seconds, name, 'plain'):.3f}×",
                      f"{peak_mb[name]:,.0f}" if name in peak_mb else "–", f"{loss - ref_loss:+.2e}", f"{grad_err:.1e}"])
     missing = "" if "liger" in seconds else " `liger` runs on CUDA where `liger-kernel` is installed: not here."
     return (f"# The loss head alone\n\nMeasured {utc_now()} on {machine()}: {args.tokens:,} positions a step, hidden "
