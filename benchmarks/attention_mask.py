@@ -24,11 +24,10 @@ isolated each example (else the `packed` arm measured nothing: a KV cache, say, 
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Callable
 from typing import Any
 
-from common import llama_config, load_average, machine, markdown_table, paired_speed, publish, time_in_process, utc_now
+from common import in_process_cells, in_process_header, llama_config, markdown_table, publish, time_in_process
 
 # The GPU check's 0.27B model (benchmarks/adapters.py's "mid"), vocabulary 8192
 SIZES: dict[str, dict[str, int]] = {
@@ -157,21 +156,14 @@ def isolation(leak: float) -> str:
 
 def render(args: argparse.Namespace, precision: str, params: int, seconds: dict[str, list[float]],
            peak_mb: dict[str, float], losses: dict[str, float], leaks: dict[str, float]) -> str:
-    import torch
-
     tokens = args.batch * args.seq_len
-    rows = []
-    for arm, times in seconds.items():
-        rows.append([f"`{arm}`", ARM_MODEL[arm], f"{tokens / statistics.median(times):,.0f}",
-                     f"{paired_speed(seconds, arm, 'causal'):.3f}×",
-                     f"{peak_mb[arm]:,.0f}" if arm in peak_mb else "–"])
+    rows = [[f"`{arm}`", ARM_MODEL[arm], *in_process_cells(seconds, peak_mb, arm, "causal", tokens)] for arm in seconds]
     packing = "; ".join(f"`{arm}` {losses[arm]:.6f}, {isolation(leak)}" for arm, leak in leaks.items())
     skipped = "" if "packed_flex" in seconds else " `packed_flex` runs on CUDA only (no FlexAttention backward on CPU)."
-    return (f"# What an attention mask costs a step\n\nMeasured {utc_now()} on {machine()}: a random-init Llama of "
-            f"{params:,} parameters, micro-batch {args.batch} × {args.seq_len}, {precision}"
-            f"{' autocast' if precision == 'bf16' else ''}, one forward and backward a step; {args.rounds} round(s) "
-            f"of {args.warmup} warm-up + {args.steps} timed steps per arm, rotated. torch {torch.__version__}. Load "
-            f"average at the end: {load_average()}.{skipped}\n\n"
+    what = (f"a random-init Llama of {params:,} parameters, micro-batch {args.batch} × {args.seq_len}, {precision}"
+            f"{' autocast' if precision == 'bf16' else ''}, one forward and backward a step")
+    return (f"# What an attention mask costs a step\n\n{in_process_header(what, args.rounds, args.warmup, args.steps)}"
+            f"{skipped}\n\n"
             + markdown_table(["arm", "attention", "tokens/s (median)", "speed vs `causal` (paired)",
                               "peak memory (MiB)"], rows)
             + f"\n\nThe same batch's loss, `causal` {losses['causal']:.6f} against `padding_mask` "

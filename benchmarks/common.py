@@ -158,6 +158,22 @@ def paired_speed(seconds: dict[str, list[float]], arm: str, base: str) -> float:
     return statistics.median(b / a for b, a in zip(seconds[base], seconds[arm], strict=True))
 
 
+def in_process_cells(seconds: dict[str, list[float]], peak_mb: dict[str, float], arm: str, base: str,
+                     per_step: float) -> list[str]:
+    """A table's cells for one arm of `time_in_process`: `per_step` units (tokens, positions) a second, the
+    speed over `base` paired within rounds, the peak CUDA memory (– on a CPU)."""
+    return [f"{per_step / statistics.median(seconds[arm]):,.0f}", f"{paired_speed(seconds, arm, base):.3f}×",
+            f"{peak_mb[arm]:,.0f}" if arm in peak_mb else "–"]
+
+
+def in_process_header(what: str, rounds: int, warmup: int, timed: int) -> str:
+    """The sentence above an in-process benchmark's table: when, on what, what ran, and how it was timed."""
+    import torch
+
+    return (f"Measured {utc_now()} on {machine()}: {what}; {rounds} round(s) of {warmup} warm-up + {timed} timed "
+            f"steps per arm, rotated. torch {torch.__version__}. Load average at the end: {load_average()}.")
+
+
 def tiny_model_fields() -> dict[str, Any]:
     """The `tiny` model's fields, read from llmexp/conf/model/tiny.yaml so every arm builds the same model."""
     from omegaconf import OmegaConf

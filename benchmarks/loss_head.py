@@ -17,12 +17,11 @@ autocast, as in a `precision=bf16` run; a quarter of the targets are -100 (promp
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from common import load_average, machine, markdown_table, paired_speed, publish, time_in_process, utc_now
+from common import in_process_cells, in_process_header, markdown_table, publish, time_in_process
 
 IGNORE_INDEX = -100
 
@@ -97,22 +96,17 @@ def main() -> None:
 
 def render(args: argparse.Namespace, seconds: dict[str, list[float]], peak_mb: dict[str, float],
            results: dict[str, tuple[float, Any]]) -> str:
-    import torch
-
     ref_loss, ref_grad = results["plain"]
     rows = []
-    for name, times in seconds.items():
+    for name in seconds:
         loss, grad = results[name]
         grad_err = float((grad - ref_grad).abs().max() / ref_grad.abs().max())
-        rows.append([f"`{name}`", f"{args.tokens / statistics.median(times):,.0f}",
-                     f"{paired_speed(seconds, name, 'plain'):.3f}×",
-                     f"{peak_mb[name]:,.0f}" if name in peak_mb else "–", f"{loss - ref_loss:+.2e}", f"{grad_err:.1e}"])
+        rows.append([f"`{name}`", *in_process_cells(seconds, peak_mb, name, "plain", args.tokens),
+                     f"{loss - ref_loss:+.2e}", f"{grad_err:.1e}"])
     missing = "" if "liger" in seconds else " `liger` runs on CUDA where `liger-kernel` is installed: not here."
-    return (f"# The loss head alone\n\nMeasured {utc_now()} on {machine()}: {args.tokens:,} positions a step, hidden "
-            f"{args.hidden}, vocabulary {args.vocab:,}, fp32 hidden states and weight, bf16 matmuls; a quarter of "
-            f"the targets ignored; one forward and backward a step, {args.rounds} round(s) of {args.warmup} warm-up "
-            f"+ {args.steps} timed steps per arm, rotated. torch {torch.__version__}. Load average at the end: "
-            f"{load_average()}.{missing}\n\n"
+    what = (f"{args.tokens:,} positions a step, hidden {args.hidden}, vocabulary {args.vocab:,}, fp32 hidden states "
+            "and weight, bf16 matmuls; a quarter of the targets ignored; one forward and backward a step")
+    return (f"# The loss head alone\n\n{in_process_header(what, args.rounds, args.warmup, args.steps)}{missing}\n\n"
             + markdown_table(["arm", "positions/s (median)", "speed vs `plain` (paired)", "peak memory (MiB)",
                               "loss − plain's", "hidden grad: largest error / largest value"], rows) + "\n")
 
