@@ -192,6 +192,19 @@ def test_mup_reports_how_far_the_optimum_moved(tmp_path: Path, capsys: pytest.Ca
     assert re.search(r"muP: the best lr moved by a factor 1\.[23] across 3 sizes; within one grid step", out), out
 
 
+@pytest.mark.parametrize(("sizes", "advice"), [({1_000_000: 3e-3}, "sweep a second width to see whether it moves"),
+                                               ({1_000_000: 3e-3, 4_000_000: 1e-1}, "fix the edge flags above")])
+def test_mup_with_one_best_lr_carries_it_and_says_what_would_compare(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], sizes: dict[int, float], advice: str) -> None:
+    """One proxy size is the usual muP workflow: its best lr is the target's, and the advice names what a second
+    size would add (or, where a size's best lay at the grid's edge, the flag to fix)."""
+    rc, out, _ = fit([make_sweep(tmp_path / "s", sizes, parametrization="mup"), "--target-params", "42M"], capsys)
+    assert rc == 0
+    assert f"1 size(s) with a best lr: nothing to compare ({advice})" in out, out
+    target = re.search(r"at N = 42M: lr (\S+)", out)
+    assert target and float(target.group(1)) == pytest.approx(3e-3, rel=0.05), out
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

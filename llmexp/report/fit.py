@@ -421,8 +421,9 @@ def mup_transfer(sizes: list[dict], jobs: list[Job]) -> dict[str, Any]:
     best = [s["best_lr"] for s in sizes if s["best_lr"] is not None]
     step = grid_step([j.lr for j in jobs])
     if len(best) < 2:
+        fix = "fix the edge flags above" if len(sizes) > len(best) else "sweep a second width to see whether it moves"
         return {"moved_by": None, "grid_step": step, "flat": None, "best_lr": best[0] if best else None,
-                "note": f"{len(best)} size(s) with a best lr: nothing to compare (fix the edge flags above)"}
+                "note": f"{len(best)} size(s) with a best lr: nothing to compare ({fix})"}
     moved = max(best) / min(best)
     flat = moved <= step * 1.0001
     return {"moved_by": moved, "grid_step": step, "flat": flat, "best_lr": math.exp(float(np.mean(np.log(best)))),
