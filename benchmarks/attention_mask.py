@@ -27,22 +27,19 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from adapters import SIZES as ADAPTER_SIZES
 from common import in_process_cells, in_process_header, llama_config, markdown_table, publish, time_in_process
 
-# The GPU check's 0.27B model (benchmarks/adapters.py's "mid"), vocabulary 8192
-SIZES: dict[str, dict[str, int]] = {
-    "tiny": {},
-    "mid": {"hidden_size": 1024, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 8,
-            "intermediate_size": 4096, "vocab_size": 8192, "max_position_embeddings": 2048},
-}
-ARMS = ["causal", "padding_mask", "packed", "packed_flex"]
+SIZES: dict[str, dict[str, int]] = {"tiny": {}, "mid": ADAPTER_SIZES["mid"].model}
+"""The tiny model as configured; the GPU check's 0.27B model (benchmarks/adapters.py's), the tiny one's vocabulary."""
 ARM_MODEL = {"causal": "sdpa", "padding_mask": "sdpa", "packed": "sdpa", "packed_flex": "flex_attention"}
 """Each arm's attention implementation (transformers' `attn_implementation`)."""
 
 
 def make_batch(batch: int, seq_len: int, vocab: int, device: Any) -> dict[str, Any]:
     """Tokens, each row's length (50-100% of the row, so a quarter of positions are padding on average), the
-    padding mask, targets (-100 after the length) and packed position ids (examples of 64-512 tokens)."""
+    padding mask, targets (-100 after the length) and packed position ids (examples of 64-512 tokens, at most half
+    a row)."""
     import torch
 
     gen = torch.Generator().manual_seed(0)
@@ -54,7 +51,8 @@ def make_batch(batch: int, seq_len: int, vocab: int, device: Any) -> dict[str, A
     for row in range(batch):
         start = 0
         while start < seq_len:
-            size = int(torch.randint(64, 513, (1,), generator=gen))
+            # at most half a row, so that every row packs two examples at least (packing_leak reads row 0's second)
+            size = int(torch.randint(min(64, seq_len // 4), min(512, seq_len // 2) + 1, (1,), generator=gen))
             end = min(seq_len, start + size)
             positions[row, start:end] = torch.arange(end - start)
             start = end
@@ -78,13 +76,12 @@ def packing_leak(model: Any, batch: dict[str, Any], dtype: Any, device: Any) -> 
     ~0 (rounding) where the packing reached attention, order 1 where the example saw the one before it."""
     import torch
 
-    starts = [*(batch["position_ids"][0] == 0).nonzero().flatten().tolist(), batch["position_ids"].shape[1]]
+    ids, positions = batch["input_ids"][:1], batch["position_ids"][:1]
+    starts = [*(positions[0] == 0).nonzero().flatten().tolist(), positions.shape[1]]
     first, end = starts[1], starts[2]
-    inputs = arm_inputs("packed", batch)
     with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-        packed = model(input_ids=inputs["input_ids"][:1], position_ids=inputs["position_ids"][:1],
-                       use_cache=False).logits[0, first:end]
-        alone = model(input_ids=inputs["input_ids"][:1, first:end], use_cache=False).logits[0]
+        packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, first:end]
+        alone = model(input_ids=ids[:, first:end], use_cache=False).logits[0]
     return float((packed.float() - alone.float()).abs().max())
 
 
@@ -140,7 +137,7 @@ def main() -> None:
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     models = build_models(args, device)
     batch = make_batch(args.batch, args.seq_len, models["sdpa"].config.vocab_size, device)
-    arms = [arm for arm in ARMS if ARM_MODEL[arm] in models]
+    arms = [arm for arm, implementation in ARM_MODEL.items() if implementation in models]
     steps = {arm: step_fn(models[ARM_MODEL[arm]], arm_inputs(arm, batch), dtype, device) for arm in arms}
     losses = {arm: steps[arm]() for arm in arms}  # the first call of each: FlexAttention compiles here
     leaks = {arm: packing_leak(models[ARM_MODEL[arm]], batch, dtype, device) for arm in arms if "packed" in arm}
