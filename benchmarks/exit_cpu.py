@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PY, REPO, load_average, machine, markdown_table, publish, utc_now
+from common import PY, REPO, load_average, machine, markdown_table, publish, rotated, utc_now
 
 ARMS = ("cli", "main")
 CHILD = """
@@ -67,7 +67,7 @@ def main() -> None:
     at_exit: dict[str, list[float]] = {arm: [] for arm in ARMS}
     with tempfile.TemporaryDirectory(prefix="llmexp-exit-") as tmp:
         for round_index in range(args.rounds):
-            for arm in ARMS if round_index % 2 == 0 else ARMS[::-1]:
+            for arm in rotated(list(ARMS), round_index):
                 total, exiting = process_cpu_s(arm, Path(tmp))
                 whole[arm].append(total)
                 at_exit[arm].append(exiting)

@@ -23,15 +23,13 @@ from typing import Any
 
 from common import in_process_cells, in_process_header, markdown_table, publish, time_in_process
 
-IGNORE_INDEX = -100
+from llmexp.model.loss import IGNORE_INDEX, LinearCrossEntropy
 
 
 def loss_fns(device: Any) -> dict[str, Callable[[Any, Any, Any], Any]]:
     """Each available arm: (hidden, weight, targets) -> the summed loss."""
     import torch
     import torch.nn.functional as F
-
-    from llmexp.model.loss import LinearCrossEntropy
 
     def plain(h: Any, w: Any, t: Any) -> Any:
         with torch.autocast(device.type, dtype=torch.bfloat16):
