@@ -27,12 +27,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, markdown_table, publish, utc_now
+from transfer import BASE_WIDTH, MODEL
 
 from llmexp.config.schema import compose_config
 
-BASE = ["model.hidden_size=64", "model.num_attention_heads=1", "model.num_key_value_heads=1",
-        "model.intermediate_size=172", "model.num_hidden_layers=2", "model.mup_base_width=64",
-        "model.parametrization=mup", "train.weight_decay=0.1"]
+BASE = [*MODEL, "model.parametrization=mup", "train.weight_decay=0.1"]
 OPTIMIZERS = {"adamw": "MuAdamW", "sgd": "MuSGD"}
 
 
@@ -107,7 +106,7 @@ def main() -> None:
     for optimizer in OPTIMIZERS:
         for width_mult in map(int, args.width_mults.split(",")):
             total, agree, diffs = compare(width_mult, optimizer)
-            rows.append([optimizer, f"{64 * width_mult} (x{width_mult})", str(total), str(agree)])
+            rows.append([optimizer, f"{BASE_WIDTH * width_mult} (x{width_mult})", str(total), str(agree)])
             all_diffs += diffs
     text = "\n".join([
         "# llmexp's muP against the mup package", "",

@@ -31,9 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import PY, REPO, load_average, machine, markdown_table, publish, run_process, utc_now
 
 BASE_WIDTH = 64
-BASE = [f"model.hidden_size={BASE_WIDTH}", "model.num_attention_heads=1", "model.num_key_value_heads=1",
-        "model.intermediate_size=172", "model.num_hidden_layers=2", f"model.mup_base_width={BASE_WIDTH}",
-        "data.max_length=128", "batch_size=8", "optimizer=adamw", "scheduler=cosine", "train.save_steps=0",
+MODEL = [f"model.hidden_size={BASE_WIDTH}", "model.num_attention_heads=1", "model.num_key_value_heads=1",
+         "model.intermediate_size=172", "model.num_hidden_layers=2", f"model.mup_base_width={BASE_WIDTH}"]
+"""The base-width model, head size 64 (mup_crosscheck.py checks llmexp's muP on it)."""
+BASE = [*MODEL, "data.max_length=128", "batch_size=8", "optimizer=adamw", "scheduler=cosine", "train.save_steps=0",
         "train.save_final=false", "train.eval_batches=8", "train.logging_steps=50"]
 PARAMETRIZATIONS = ("standard", "mup")
 ASSETS = REPO / "docs" / "assets"
