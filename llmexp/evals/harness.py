@@ -65,18 +65,13 @@ def evaluate(lm: Any, tokenizer: Any, manager: Any, names: list[str], *, batch_s
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    from llmexp.model.rng import rng_untouched
+    from llmexp.model.rng import eval_mode, rng_untouched
 
-    was_training = lm.training
-    lm.eval()
-    try:
-        with rng_untouched(device):
-            model = HFLM(pretrained=lm, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
-            out = simple_evaluate(model=model, tasks=list(names), task_manager=manager, limit=limit,
-                                  num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0, random_seed=None,
-                                  numpy_random_seed=None, torch_random_seed=None, fewshot_random_seed=0)
-    finally:
-        lm.train(was_training)
+    with eval_mode(lm), rng_untouched(device):
+        model = HFLM(pretrained=lm, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+        out = simple_evaluate(model=model, tasks=list(names), task_manager=manager, limit=limit,
+                              num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0, random_seed=None,
+                              numpy_random_seed=None, torch_random_seed=None, fewshot_random_seed=0)
     return metrics_of(out["results"] if out else {})
 
 

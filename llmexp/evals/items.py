@@ -6,15 +6,18 @@ line, a record with empty choices or an answer index out of range names the file
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from llmexp.errors import UserError
 from llmexp.rundir.readers import Damaged, entry_of, parse_json, read_lines, reader
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -48,10 +51,6 @@ def _json_lines(path: Path, key: str) -> list[tuple[int, Any]]:
     if not out:
         raise UserError(f"{key}={path}: the file holds no records; add one JSON object per line")
     return out
-
-
-def _where(path: Path, lineno: int, index: int) -> str:
-    return f"{path}:{lineno}: record {index}"
 
 
 def _text(rec: dict[str, Any], field: str, where: str, expected: str) -> str:
@@ -98,18 +97,19 @@ def generate_item(value: Any, where: str) -> GenerateItem:
     return GenerateItem(prompt, target)
 
 
-def read_choice_items(path: str | Path, key: str, max_items: int | None = None) -> list[ChoiceItem]:
-    """The items of a multiple_choice file (the first `max_items`), every record checked."""
+def _read_items(path: str | Path, key: str, max_items: int | None, item: Callable[[Any, str], T]) -> list[T]:
+    """The items of a task file (the first `max_items`), every record checked by `item`."""
     path = Path(path).expanduser()
-    items = [choice_item(v, _where(path, n, i)) for i, (n, v) in enumerate(_json_lines(path, key))]
+    items = [item(v, f"{path}:{n}: record {i}") for i, (n, v) in enumerate(_json_lines(path, key))]
     return items[:max_items] if max_items is not None else items
+
+
+def read_choice_items(path: str | Path, key: str, max_items: int | None = None) -> list[ChoiceItem]:
+    return _read_items(path, key, max_items, choice_item)
 
 
 def read_generate_items(path: str | Path, key: str, max_items: int | None = None) -> list[GenerateItem]:
-    """The items of a generate file (the first `max_items`), every record checked."""
-    path = Path(path).expanduser()
-    items = [generate_item(v, _where(path, n, i)) for i, (n, v) in enumerate(_json_lines(path, key))]
-    return items[:max_items] if max_items is not None else items
+    return _read_items(path, key, max_items, generate_item)
 
 
 @dataclass

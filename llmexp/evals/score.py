@@ -23,6 +23,7 @@ import torch
 
 from llmexp.evals.items import ChoiceItem, GenerateItem
 from llmexp.model.loss import IGNORE_INDEX
+from llmexp.model.rng import eval_mode
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,6 @@ class Shard:
 
     def mine(self, n: int) -> range:
         return range(self.rank, n, self.world)
-
-    def count(self, n: int, rank: int) -> int:
-        return len(range(rank, n, self.world))
 
 
 @dataclass(frozen=True)
@@ -107,23 +105,17 @@ def loglikelihoods(model: torch.nn.Module, requests: Sequence[Request], *, batch
     order = sorted(range(len(requests)), key=lambda i: -len(requests[i].context + requests[i].continuation))
     out = [math.nan] * len(requests)
     batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
-    total = max(len(batches), rounds or 0)
-    was_training = model.training
-    model.eval()
-    try:
-        for b in range(total):
+    with eval_mode(model):
+        for b in range(max(len(batches), rounds or 0)):
             chunk = batches[b] if b < len(batches) else (batches[0] if batches else None)
-            if chunk is None:  # lockstep with no work at all: a one-token forward keeps the collectives matched
-                batch = _batch([Request(0, 0, (pad_id,), (pad_id,))], max_length, pad_id)
-            else:
-                batch = _batch([requests[i] for i in chunk], max_length, pad_id)
+            # (lockstep with no work at all: a one-token forward keeps the collectives matched)
+            todo = [requests[i] for i in chunk] if chunk is not None else [Request(0, 0, (pad_id,), (pad_id,))]
+            batch = _batch(todo, max_length, pad_id)
             with autocast():
                 sums = model(**{k: v.to(device) for k, v in batch.items()}, per_row=True).float().cpu()
-            if b < len(batches) and chunk is not None:
+            if b < len(batches):
                 for row, i in enumerate(chunk):
                     out[i] = -float(sums[row])
-    finally:
-        model.train(was_training)
     return out
 
 
@@ -170,10 +162,8 @@ def greedy_completions(lm: Any, tokenizer: Any, prompts: Sequence[str], *, max_n
     A prompt keeps its last `max_length - max_new_tokens` tokens."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     keep = max(1, max_length - max_new_tokens)
-    was_training = lm.training
-    lm.eval()
     out: list[str] = []
-    try:
+    with eval_mode(lm):
         for s in range(0, len(prompts), batch_size):
             encoded = [tokenizer.encode(p)[-keep:] or [pad] for p in prompts[s:s + batch_size]]
             width = max(len(e) for e in encoded)
@@ -183,8 +173,6 @@ def greedy_completions(lm: Any, tokenizer: Any, prompts: Sequence[str], *, max_n
                 gen = lm.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                                   temperature=None, top_p=None, top_k=None, pad_token_id=pad)
             out += [cut_at_stop(tokenizer.decode(row[width:], skip_special_tokens=True), stop) for row in gen]
-    finally:
-        lm.train(was_training)
     return out
 
 

@@ -1,6 +1,6 @@
-"""Side computations on a model that must leave no trace in the run's random numbers: the lr range test
-(`train.lr_find`) and lm-evaluation-harness tasks (`evals.harness`) draw from every generator, and the run after
-them must be bitwise the run without them."""
+"""Side computations on a model that must leave no trace: the lr range test (`train.lr_find`) and
+lm-evaluation-harness tasks (`evals.harness`) draw from every generator, and the run after them must be bitwise
+the run without them; an eval leaves the model in the mode it found it in."""
 
 from __future__ import annotations
 
@@ -23,3 +23,14 @@ def rng_untouched(device: torch.device) -> Iterator[None]:
     finally:
         random.setstate(py_state)
         np.random.set_state(np_state)
+
+
+@contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """`model` in eval mode for the block, then back in the mode it was in."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
