@@ -42,7 +42,7 @@ class ModelSizes:
 
 
 def width_problems(m: Any) -> list[str]:
-    """`model.width_mult`'s rule between keys: it scales models built from the fields, to whole sizes."""
+    """`model.width_mult` scales a model built from the fields, to whole sizes."""
     mult = float(m.width_mult)
     if mult == 1.0:
         return []
@@ -57,9 +57,7 @@ def width_problems(m: Any) -> list[str]:
 
 
 def model_sizes(m: Any) -> ModelSizes:
-    """The sizes of the model `model.*` describes (`model.width_mult` applied); checked by `width_problems`."""
-    mult = float(m.width_mult)
-    return ModelSizes(**{k: round(m[k] * mult) for k in WIDTH_KEYS})
+    return ModelSizes(**{k: round(m[k] * float(m.width_mult)) for k in WIDTH_KEYS})
 
 
 MIX_ROUND = 1000
@@ -89,7 +87,7 @@ def mix_quotas(weights: list[float]) -> list[int]:
 
 
 def world_size_from_env() -> int:
-    """Processes in this launch, as torchrun / accelerate launch / SLURM tell every rank."""
+    """As torchrun / accelerate launch / SLURM tell every rank."""
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -124,10 +122,8 @@ class BatchPlan:
 
 
 def global_batch_problem(global_batch: int | None, micro: int, world: int, auto: bool = False) -> str | None:
-    """The rule of `train.global_batch_size`, and its one message: it must split into micro-batch x processes x
-    accumulation steps. With batch_size=auto (`auto`) the micro-batch is yet to be chosen among its divisors,
-    so the processes alone must divide it. None when it does (or is unset); the CLI's machine checks
-    (`config.environment`) and the batch plan both ask here."""
+    """`train.global_batch_size` must split into micro-batch x processes x accumulation steps. With batch_size=auto
+    (`auto`) the micro-batch is yet to be chosen among its divisors, so the processes alone must divide it."""
     if global_batch is None:
         return None
     per_step = world if auto else micro * world
@@ -183,11 +179,8 @@ def auto_batch_candidates(cfg: DictConfig, world: int, num_examples: int) -> lis
 
 
 def cpu_has_fast_bf16() -> bool:
-    """True when the CPU has native bf16 dot products (AVX512-BF16 or AMX).
-
-    LLMEXP_ASSUME_NO_BF16=1 answers False: it simulates older hardware (tests, reproductions). Read on every call,
-    outside the cache of the CPU's flags, so that setting it takes effect at once.
-    """
+    """True when the CPU has native bf16 dot products (AVX512-BF16 or AMX). LLMEXP_ASSUME_NO_BF16=1 answers False
+    (older hardware simulated), read on every call, outside the cache of the CPU's flags, so it takes effect at once."""
     return os.environ.get("LLMEXP_ASSUME_NO_BF16") != "1" and _cpu_flags_have_bf16()
 
 
@@ -201,12 +194,9 @@ def _cpu_flags_have_bf16() -> bool:
 
 
 def bf16_support(device_type: str) -> str:
-    """`native` (fast bf16 matmuls), `emulated` (torch runs bf16 in software or converts, slowly) or `none`.
-
-    Every x86/ARM CPU runs bf16 autocast, natively or emulated. On CUDA, Ampere and newer are native;
-    older GPUs are `emulated` when torch can create and compute bf16 tensors there (its own
-    `including_emulation` test), else `none`.
-    """
+    """`native` (fast bf16 matmuls), `emulated` (torch runs bf16 in software or converts, slowly) or `none`. Every
+    x86/ARM CPU runs bf16 autocast, natively or emulated; on CUDA, Ampere and newer are native, older GPUs `emulated`
+    when torch can compute bf16 there (its own `including_emulation` test)."""
     if device_type == "cpu":
         return "native" if cpu_has_fast_bf16() else "emulated"
     import torch
@@ -219,11 +209,8 @@ def bf16_support(device_type: str) -> str:
 
 
 def resolve_precision(name: str, device_type: str) -> str:
-    """bf16/fp16/fp32 for this device; `auto` picks bf16 where it is native (fast), else fp32.
-
-    `precision=bf16` runs wherever torch can run it; where bf16 is emulated the run warns (see
-    `bf16_emulation_warning`). Only a GPU on which torch cannot compute in bf16 at all is refused.
-    """
+    """bf16/fp16/fp32 for this device; `auto` picks bf16 where it is native (fast), else fp32. `precision=bf16`
+    runs wherever torch can run it (emulated: `bf16_emulation_warning`)."""
     support = bf16_support(device_type)
     if name == "auto":
         return "bf16" if support == "native" else "fp32"
