@@ -102,12 +102,9 @@ def find_targets(node: Any, path: str = "") -> list[tuple[str, Any]]:
     return found
 
 
-def target_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
-    """Every `_target_` in a job config (no `hydra` node) that llmexp would refuse, as error lines (syntactic:
-    `validate` runs this on any config; the CLI's `check_config` has resolved and checked them before)."""
-    from omegaconf import DictConfig, OmegaConf
-
-    data = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg
+def target_errors(data: Mapping[str, Any]) -> list[str]:
+    """Every `_target_` in a job config's plain data (`hydra` node skipped) that llmexp would refuse, as error lines
+    (syntactic: `validate` runs this on any config; the CLI's `check_config` has resolved and checked them before)."""
     return [f"{key}: {problem}" for key, value in find_targets(data)
             if not key.startswith("hydra.") and (problem := _job_target_problem(key, value))]
 
@@ -149,8 +146,7 @@ def _hydra_target_problem(key: str, value: object) -> str | None:
 
 
 def import_target(key: str, target: Any, base: type | None = None) -> Any:
-    """The class `target` names at `key` (llmexp.model.build): imported only once the name is one allowed there (the
-    check `validate` made), then compared with the allowed objects by identity (`check_located`)."""
+    """The class `target` names at `key`, imported only once the name is one allowed there, then `check_located`."""
     import importlib
 
     if problem := _job_target_problem(key, target):
@@ -165,9 +161,8 @@ def import_target(key: str, target: Any, base: type | None = None) -> Any:
 
 
 def check_located(obj: Any, target: str, key: str, base: type | None = None) -> None:
-    """After import: the object `target` resolved to must be one of the objects allowed at `key`
-    (`allowed_targets`), compared by identity, so that `torch.optim.X.os.system` style detours fail; with `base`,
-    also a subclass of it. A key where nothing is instantiated allows no object at all."""
+    """After import: the object `target` resolved to must be one of the objects allowed at `key` (by identity:
+    `_identity_problem`) and, with `base`, a subclass of it."""
     fix = "pick a class with its config group (e.g. optimizer=adamw)"
     if problem := _identity_problem(obj, target, key):
         raise UserError(f"{key}: {problem}; {fix}")
@@ -203,11 +198,11 @@ def _logging_problems(node: Any, key: str, base_dir: str, relative_to: str) -> l
 # ---------------------------------------------------------------- paths
 
 
-def path_problem(value: str, allow_absolute: bool = False) -> str | None:
+def path_problem(value: str) -> str | None:
     """Why a config value used as a path component or relative path could escape its parent, or None."""
     if "\x00" in value:
         return "contains a NUL byte"
-    if not allow_absolute and (value.startswith(("/", "~")) or re.match(r"^[A-Za-z]:[\\/]", value)):
+    if value.startswith(("/", "~")) or re.match(r"^[A-Za-z]:[\\/]", value):
         return "is an absolute path"
     if ".." in re.split(r"[\\/]", value):
         return "contains a '..' component"
@@ -230,24 +225,23 @@ def outside_problem(path: str, base_dir: str | Path, relative_to: str | Path | N
 
 
 def config_problems(cfg: DictConfig) -> list[tuple[str, str]]:
-    """Every (key, problem) of a config composed by Hydra (its `hydra` node included) that llmexp refuses.
-
-    The one security check, run on what Hydra composed from every source, before Hydra instantiates or
-    creates anything: `_target_`s (compared by identity with the allowed objects), logging classes and
-    files, `hydra.job.env_set`, and the paths Hydra derives, all after interpolation. `cfg` is not changed
-    (a copy is resolved), except that resolving `hydra.run.dir` / `hydra.sweep.dir` caches their values in it,
-    so Hydra later uses exactly the directories checked here.
-    """
+    """Every (key, problem) of a config composed by Hydra (its `hydra` node included) that llmexp refuses (the
+    module's docstring says what). `cfg` is not changed (a copy is resolved), except that resolving `hydra.run.dir` /
+    `hydra.sweep.dir` caches their values (their `${llmexp_run_id:}`) in it, so Hydra later uses exactly the
+    directories checked here."""
     import copy
 
     from hydra.types import RunMode
     from omegaconf import OmegaConf, open_dict, read_write
 
     problems: list[tuple[str, str]] = []
-    hydra_dirs = _resolved_dirs(cfg, problems)
-    if hydra_dirs is None:
+    dirs = {key: _resolve(cfg, key, problems) for key in ("hydra.run.dir", "hydra.sweep.dir")}
+    if None in dirs.values():
         return problems
-    run_dir, sweep_dir = hydra_dirs
+    problems += [(key, "contains a NUL byte") for key, value in dirs.items() if "\x00" in str(value)]
+    if problems:
+        return problems
+    run_dir, sweep_dir = (os.path.realpath(str(value)) for value in dirs.values())
     probe = copy.deepcopy(cfg)
     multirun = probe.hydra.mode == RunMode.MULTIRUN
     with read_write(probe.hydra), open_dict(probe.hydra):
@@ -281,17 +275,6 @@ def config_problems(cfg: DictConfig) -> list[tuple[str, str]]:
     return problems
 
 
-def _resolved_dirs(cfg: DictConfig, problems: list[tuple[str, str]]) -> tuple[str, str] | None:
-    """`hydra.run.dir` and `hydra.sweep.dir`, resolved on `cfg` itself (their `${llmexp_run_id:}` is cached there)."""
-    run_dir, sweep_dir = _resolve(cfg, "hydra.run.dir", problems), _resolve(cfg, "hydra.sweep.dir", problems)
-    if run_dir is None or sweep_dir is None:
-        return None
-    for key, value in (("hydra.run.dir", run_dir), ("hydra.sweep.dir", sweep_dir)):
-        if "\x00" in str(value):
-            problems.append((key, "contains a NUL byte"))
-    return (os.path.realpath(str(run_dir)), os.path.realpath(str(sweep_dir))) if not problems else None
-
-
 def _resolve(cfg: DictConfig, key: str, problems: list[tuple[str, str]]) -> Any:
     """The value at `key` with interpolations resolved; None (and a problem) when they cannot be."""
     from omegaconf import OmegaConf
@@ -308,7 +291,6 @@ def _resolve(cfg: DictConfig, key: str, problems: list[tuple[str, str]]) -> Any:
 
 
 def unresolved(err: Exception) -> str:
-    """The one message for a value whose interpolation does not resolve."""
     reason = str(getattr(err, "msg", err)).splitlines()[0]
     return (f"cannot resolve an interpolation ({reason}); fix the ${{...}} reference or set the environment "
             "variable it reads")
