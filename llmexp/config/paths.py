@@ -44,18 +44,15 @@ def _stat(path: Path) -> tuple[os.stat_result | None, str | None]:
         return None, f"cannot be read ({os.strerror(err.errno or 0) or err})"
 
 
-def _look(key: str, value: Any, what: str, directory: bool) -> tuple[Path, os.stat_result | None, str | None]:
+def _look(key: str, value: Any, what: str, directory: bool | None) -> tuple[Path, os.stat_result | None, str | None]:
     """The path `value` names, its stat (None: it does not exist), and why it will not do whatever it holds: it
-    cannot be looked at, or it is a directory where a file belongs (`directory` false) or the reverse."""
+    cannot be looked at, or it is a directory where a file belongs (`directory` false) or the reverse (None: either
+    will do)."""
     path = Path(str(value)).expanduser()
     found, why = _stat(path)
-    if found is not None and stat.S_ISDIR(found.st_mode) != directory:
+    if found is not None and directory is not None and stat.S_ISDIR(found.st_mode) != directory:
         why = "is a file, not a directory" if directory else "is a directory"
-    return path, found, why and f"{_shown(key, value)}: {why}; point it at {what}"
-
-
-def _shown(key: str, value: Any) -> str:
-    return f"{key}={value}"
+    return path, found, why and f"{key}={value}: {why}; point it at {what}"
 
 
 # ----------------------------------------------------------------------------- directories llmexp writes
@@ -67,7 +64,7 @@ def dir_out_problem(key: str, value: Any) -> str | None:
     path = Path(str(value)).expanduser()
     for place in (path, *path.absolute().parents):
         found, why = _stat(place)
-        subject = f"{_shown(key, value)}:" + ("" if place is path else f" its parent {place}")
+        subject = f"{key}={value}:" + ("" if place is path else f" its parent {place}")
         if why:
             return f"{subject} {why}; set {key} to a directory"
         if found is None:
@@ -78,7 +75,7 @@ def dir_out_problem(key: str, value: Any) -> str | None:
         if os.access(place, os.W_OK | os.X_OK):
             return None
         return f"{subject} is not writable by you" if place is path else \
-            f"{_shown(key, value)}: cannot be created, {place} is not writable by you"
+            f"{key}={value}: cannot be created, {place} is not writable by you"
     return None
 
 
@@ -91,35 +88,34 @@ def _input_file_problem(key: str, value: Any, what: str) -> str | None:
     if problem:
         return problem
     if found is None:
-        return f"{_shown(key, value)}: no such file (looked at {path.absolute()}); fix the path, or point it at {what}"
-    return None if found.st_size else f"{_shown(key, value)}: is empty (0 bytes); add records, or point it at {what}"
+        return f"{key}={value}: no such file (looked at {path.absolute()}); fix the path, or point it at {what}"
+    return None if found.st_size else f"{key}={value}: is empty (0 bytes); add records, or point it at {what}"
 
 
 def _text_source_problem(key: str, value: Any) -> str | None:
     """data=text: a non-empty file, a directory holding a file, or a glob that matches one."""
-    spec = str(value)
-    path = Path(spec).expanduser()
-    found, why = _stat(path)
-    if why:
-        return f"{_shown(key, value)}: {why}; point it at a text file, a directory of them, or a glob"
+    path, found, problem = _look(key, value, "a text file, a directory of them, or a glob", directory=None)
+    if problem:
+        return problem
     if found is not None and stat.S_ISDIR(found.st_mode):
         return None if any(p.is_file() for p in path.rglob("*")) else \
-            f"{_shown(key, value)}: is a directory with no file in it; add text files or point it elsewhere"
+            f"{key}={value}: is a directory with no file in it; add text files or point it elsewhere"
     if found is not None:
-        return None if found.st_size else f"{_shown(key, value)}: is empty (0 bytes); add text or point it elsewhere"
-    if any(Path(p).is_file() for p in glob.iglob(os.path.expanduser(spec), recursive=True)):
+        return None if found.st_size else f"{key}={value}: is empty (0 bytes); add text or point it elsewhere"
+    if any(Path(p).is_file() for p in glob.iglob(os.path.expanduser(str(value)), recursive=True)):
         return None
-    return (f"{_shown(key, value)}: no such file, directory or glob match (looked at {path.absolute()}); fix "
+    return (f"{key}={value}: no such file, directory or glob match (looked at {path.absolute()}); fix "
             f"the path or set {key}=path/to/{'train' if 'train' in key else 'eval'}.txt")
 
 
-def data_file_problem(cfg: Any, key: str, value: Any) -> str | None:
-    """`data.train_file` / `data.eval_file`: one JSON or JSONL file for data=json, text for data=text."""
-    if cfg.data.name == "json":
-        return _input_file_problem(key, value, f"a JSON or JSONL file, e.g. {key}=path/to/train.jsonl")
-    if cfg.data.name == "text":
-        return _text_source_problem(key, value)
-    return None
+def data_file_problem(cfg: Any, key: str, value: Any, kind: str | None = None) -> str | None:
+    """`data.train_file` / `data.eval_file`, or an extra held-out set's (of data kind `kind`): one JSON or JSONL file
+    for json, text for text."""
+    kind = kind or cfg.data.name
+    if kind == "json":
+        example = "held_out" if key.startswith("eval.") else "train"
+        return _input_file_problem(key, value, f"a JSON or JSONL file, e.g. {key}=path/to/{example}.jsonl")
+    return _text_source_problem(key, value) if kind == "text" else None
 
 
 def _local_dir(key: str, value: Any, what: str) -> tuple[Path | None, str | None]:
@@ -129,7 +125,7 @@ def _local_dir(key: str, value: Any, what: str) -> tuple[Path | None, str | None
     if problem or found is not None:
         return (None if problem else path), problem
     local = str(value).startswith((".", "/", "~")) or str(value).count("/") > 1
-    return None, (f"{_shown(key, value)}: no such directory; point it at {what}" if local else None)
+    return None, (f"{key}={value}: no such directory; point it at {what}" if local else None)
 
 
 @reader
@@ -198,7 +194,7 @@ def tokenizer_problem(cfg: Any, key: str, value: Any) -> str | None:
     if why or path is None:
         return why
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        return f"{_shown(key, value)}: holds no tokenizer ({', '.join(TOKENIZER_FILES)}); save one with save_pretrained"
+        return f"{key}={value}: holds no tokenizer ({', '.join(TOKENIZER_FILES)}); save one with save_pretrained"
     file = path / "tokenizer_config.json"
     config = (read_model_json(file) if file.exists() else None) or {}
     return code_problem(key, path, config, False, None) or vocab_problem(cfg, key, path)
@@ -247,13 +243,13 @@ def checkpoint_problem(cfg: Any, key: str, value: Any) -> str | None:
     path = Path(str(value)).expanduser()
     found, why = _stat(path)
     if why:
-        return f"{_shown(key, value)}: {why}; {fix}"
+        return f"{key}={value}: {why}; {fix}"
     if found is None or not stat.S_ISDIR(found.st_mode):
-        return f"{_shown(key, value)}: no such checkpoint directory; {fix}"
+        return f"{key}={value}: no such checkpoint directory; {fix}"
     if not (path / "manifest.json").is_file():
         steps = sorted(p.name for p in path.glob("step_*"))
         hint = f" (it holds {steps[-1]}: train.resume={path / steps[-1]}?)" if steps else ""
-        return f"{_shown(key, value)}: holds no manifest.json, so it is not an llmexp checkpoint{hint}; {fix}"
+        return f"{key}={value}: holds no manifest.json, so it is not an llmexp checkpoint{hint}; {fix}"
     return None
 
 
@@ -266,16 +262,16 @@ def hf_source_problem(cfg: Any, key: str, value: Any) -> str | None:
                ".to_parquet(FILE)), then set data.path=parquet data.data_files=FILE")
     name = str(value)
     if name.endswith(".py"):
-        return f"{_shown(key, value)}: is a dataset loading script (code); llmexp runs no code from data: {convert}"
+        return f"{key}={value}: is a dataset loading script (code); llmexp runs no code from data: {convert}"
     path, why = _local_dir(key, value, "a save_to_disk directory, a hub id, or a file builder (data.path=parquet "
                                        "data.data_files=FILE)")
     if why or path is None:
         return why
     if (path / f"{path.name}.py").is_file():
-        return (f"{_shown(key, value)}: needs its loading script {path.name}.py (code), which llmexp does not run: "
+        return (f"{key}={value}: needs its loading script {path.name}.py (code), which llmexp does not run: "
                 f"{convert}")
     if not any(p.is_file() for p in path.rglob("*")):
-        return f"{_shown(key, value)}: is a directory with no file in it; point it at a save_to_disk directory"
+        return f"{key}={value}: is a directory with no file in it; point it at a save_to_disk directory"
     return None
 
 
@@ -288,7 +284,7 @@ def hf_files_problem(cfg: Any, key: str, value: Any) -> str | None:
     specs = [value] if isinstance(value, str) else list(value.values()) if hasattr(value, "values") else value
     flat = [s for spec in specs for s in ([spec] if isinstance(spec, str) else list(spec))]
     if not flat or not all(isinstance(s, str) and s.strip() for s in flat):
-        return f"{_shown(key, value)}: must be a file, a glob, or a list of them; e.g. {key}=/data/train.parquet"
+        return f"{key}={value}: must be a file, a glob, or a list of them; e.g. {key}=/data/train.parquet"
     for spec in flat:
         base = Path(source).expanduser() if source not in HF_BUILDERS else Path()
         matches = [Path(p) for p in glob.iglob(str(base / os.path.expanduser(spec)), recursive=True)] or \
@@ -304,13 +300,13 @@ def task_dir_problem(cfg: Any, key: str, value: Any) -> str | None:
     what = "a directory of lm-evaluation-harness task YAMLs"
     path, found, problem = _look(key, value, what, directory=True)
     if problem or found is None:
-        return problem or f"{_shown(key, value)}: no such directory (looked at {path.absolute()}); point it at {what}"
+        return problem or f"{key}={value}: no such directory (looked at {path.absolute()}); point it at {what}"
     if not any(p.is_file() for p in path.rglob("*.yaml")):
-        return f"{_shown(key, value)}: holds no task YAML (*.yaml); add one, or point it at {what}"
+        return f"{key}={value}: holds no task YAML (*.yaml); add one, or point it at {what}"
     if cfg.eval.lm_eval.trust_code or not (code := code_in_task_dir(path)):
         return None
     more = f" (and {len(code) - 1} more)" if len(code) > 1 else ""
-    return (f"{_shown(key, value)}: its task YAMLs would run Python code: {code[0]}{more}; set "
+    return (f"{key}={value}: its task YAMLs would run Python code: {code[0]}{more}; set "
             "eval.lm_eval.trust_code=true if you trust the folder's author, or remove the code")
 
 
@@ -326,18 +322,12 @@ def task_file_errors(cfg: Any) -> list[str]:
             if task.file and (problem := _input_file_problem(key, task.file, f"a JSONL file of {shape} records")):
                 errors.append(problem)
     for name, entry in ev.perplexity.items():
-        errors += _held_out_set_errors(f"eval.perplexity.{name}", entry, str(entry.name or cfg.data.name))
+        data_kind = str(entry.name or cfg.data.name)
+        for field in ("train_file", "eval_file"):
+            key = f"eval.perplexity.{name}.{field}"
+            if entry[field] and (problem := data_file_problem(cfg, key, entry[field], data_kind)):
+                errors.append(problem)
     return errors
-
-
-def _held_out_set_errors(key: str, entry: Any, kind: str) -> list[str]:
-    """An extra held-out set's files, as `data.train_file` / `data.eval_file` of its data kind are checked."""
-    checks: dict[str, Callable[[str, Any], str | None]] = {
-        "json": lambda k, v: _input_file_problem(k, v, f"a JSON or JSONL file, e.g. {k}=path/to/held_out.jsonl"),
-        "text": _text_source_problem}
-    check = checks.get(kind)
-    values = {f"{key}.{field}": entry[field] for field in ("train_file", "eval_file") if entry[field]}
-    return [p for k, v in values.items() if check is not None and (p := check(k, v))]
 
 
 KIND_CHECKS: dict[str, Callable[[Any, str, Any], str | None]] = {
