@@ -12,11 +12,9 @@ import copy
 import os
 import string
 import textwrap
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from llmexp.cli.hydra_internals import compose_api_as_hydra_main
 from llmexp.config import security
 from llmexp.config.keys import KeyDoc, reference
 from llmexp.config.origin import origin_of
@@ -24,7 +22,7 @@ from llmexp.config.origin import origin_of
 
 def compose_checked(config_name: str | None, overrides: list[str], job_num: int | None = None) -> Any:
     """The config `@hydra.main` will compose from `overrides` (`hydra` node included), after the security check;
-    a sweep job's with its number (it names the job's directory). Within `initialized`."""
+    a sweep job's with its number (it names the job's directory). Within `compose_api_as_hydra_main`."""
     from hydra import compose
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import open_dict
@@ -37,16 +35,11 @@ def compose_checked(config_name: str | None, overrides: list[str], job_num: int 
     return cfg
 
 
-def initialized(task: Callable[..., Any], args: argparse.Namespace, default_config_path: str) -> Any:
-    """The Compose API initialized as `@hydra.main(config_path=default_config_path)` on `task` will be."""
-    config_path = args.config_path if args.config_path is not None else default_config_path
-    return compose_api_as_hydra_main(task, config_path, args.config_dir)
-
-
 def check_run(config_name: str | None, overrides: list[str]) -> None:
     """A run: checked, validated, checked against this machine, and its directory locked, before Hydra starts.
     `${llmexp_run_id:}` gives the same directory in `@hydra.main`'s own composition (one id per process)."""
     from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
 
     from llmexp.config.environment import check_environment
     from llmexp.config.validation import validate
@@ -54,21 +47,14 @@ def check_run(config_name: str | None, overrides: list[str]) -> None:
     from llmexp.sweep.check import check_eval_inputs
 
     cfg = compose_checked(config_name, overrides)
-    HydraConfig.instance().set_config(_with_output_dir(cfg))  # for ${hydra:...} in the job's values
+    probe = copy.deepcopy(cfg)  # with `hydra.runtime.output_dir` as Hydra's run_job will set it, for ${hydra:...}
+    with open_dict(probe.hydra):
+        probe.hydra.runtime.output_dir = os.path.abspath(str(cfg.hydra.run.dir))
+    HydraConfig.instance().set_config(probe)
     validate(cfg)
     check_environment(cfg)
     check_eval_inputs(cfg)
     lock_run_dir(str(cfg.hydra.run.dir))
-
-
-def _with_output_dir(cfg: Any) -> Any:
-    """A copy of a run's config with `hydra.runtime.output_dir` set as Hydra's run_job will set it."""
-    from omegaconf import open_dict
-
-    probe = copy.deepcopy(cfg)
-    with open_dict(probe.hydra):
-        probe.hydra.runtime.output_dir = os.path.abspath(str(cfg.hydra.run.dir))
-    return probe
 
 
 def check_sweep(config_name: str | None, overrides: list[str]) -> None:
@@ -82,8 +68,9 @@ def check_sweep(config_name: str | None, overrides: list[str]) -> None:
     from omegaconf import OmegaConf
 
     from llmexp.rundir.lock import lock_sweep_dir
-    from llmexp.sweep.check import check_configs, check_search_dir, edge_configs
-    from llmexp.sweep.jobs import swept_values
+    from llmexp.rundir.study import check_journal
+    from llmexp.sweep.check import check_configs, edge_configs
+    from llmexp.sweep.jobs import swept
     from llmexp.sweep.space import grid_jobs, lr_to_scale, probe_job, scale_lr
 
     loader = GlobalHydra.instance().config_loader()
@@ -95,24 +82,24 @@ def check_sweep(config_name: str | None, overrides: list[str]) -> None:
     probe = compose_checked(config_name, first, job_num=0)
     sweeper = probe.hydra.sweeper
     params = OmegaConf.to_container(sweeper.params) if sweeper.get("params") else {}
-    swept = parser.parse_overrides([*(f"{k}={v}" for k, v in params.items()), *(ov.input_line for ov in task)])  # type: ignore[union-attr]
+    asked = parser.parse_overrides([*(f"{k}={v}" for k, v in params.items()), *(ov.input_line for ov in task)])  # type: ignore[union-attr]
     local = not str(probe.hydra.launcher.get("_target_", "")).endswith(".SlurmLauncher")  # SLURM: files on the node
     sweep_dir = Path(str(probe.hydra.sweep.dir))
     if str(sweeper._target_).endswith(".SearchSweeper"):
         groups = _config_groups(loader.get_sources())
-        configs = edge_configs(swept, lambda job: compose_checked(config_name, [*hydra_overrides, *job], job_num=0),
+        configs = edge_configs(asked, lambda job: compose_checked(config_name, [*hydra_overrides, *job], job_num=0),
                                lambda key: key in groups)
         check_configs(configs, on_this_machine=local)
-        check_search_dir(sweep_dir)
+        check_journal(sweep_dir)  # a search that continues there must find its study journal readable
     else:  # Hydra's BasicSweeper or llmexp's GridSweeper (zip, lr scaling), the two SWEEPER_TARGETS allow
-        jobs = grid_jobs(swept, list(sweeper.get("zip") or []))
+        jobs = grid_jobs(asked, list(sweeper.get("zip") or []))
         jobs = scale_lr(jobs, str(sweeper.get("lr_scaling") or "none"), sweeper.get("base_batch_size"),
                         lr_to_scale(probe))
         def composed(num: int, job: list[str]) -> Any:  # (the first job is usually the probe itself)
             same = num == 0 and [*hydra_overrides, *job] == first
             return probe if same else compose_checked(config_name, [*hydra_overrides, *job], job_num=num)
 
-        check_configs([(f"job #{num} ({swept_values(job, jobs)})", composed(num, list(job)))
+        check_configs([(f"job #{num} ({swept(job, jobs)})", composed(num, list(job)))
                        for num, job in enumerate(jobs)], on_this_machine=local)
     lock_sweep_dir(str(sweep_dir))
 

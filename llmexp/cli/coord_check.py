@@ -113,11 +113,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return run(list(sys.argv[1:] if argv is None else argv))
-    except UserError as err:
-        print(f"llmexp.coord_check: error: {err}", file=sys.stderr)
-        return EXIT_USER
-    except Exception as err:  # Hydra's override and compose errors
-        if type(err).__module__.split(".")[0] not in ("hydra", "omegaconf"):
+    except Exception as err:  # a UserError, or Hydra's override and compose errors
+        if not isinstance(err, UserError) and type(err).__module__.split(".")[0] not in ("hydra", "omegaconf"):
             raise
         print(f"llmexp.coord_check: error: {err}", file=sys.stderr)
         return EXIT_USER

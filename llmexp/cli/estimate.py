@@ -40,7 +40,7 @@ def compose(overrides: list[str]) -> DictConfig:
 def main(argv: list[str] | None = None) -> int:
     """Print the estimate; `world_size=N` (default: WORLD_SIZE or 1) sets the number of processes."""
     from llmexp.config.derived import world_size_from_env
-    from llmexp.errors import EXIT_USER, UserError
+    from llmexp.errors import EXIT_USER
 
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
@@ -52,10 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         args.remove(arg)
     try:
         cfg = compose(args)
-    except UserError as err:
-        print(f"llmexp.estimate: error: {err}", file=sys.stderr)
-        return EXIT_USER
-    except Exception as err:  # Hydra's override and compose errors
+    except Exception as err:  # a UserError, or Hydra's override and compose errors
         print(f"llmexp.estimate: error: {err}", file=sys.stderr)
         return EXIT_USER
     precision = resolved_precision(cfg.precision.name)

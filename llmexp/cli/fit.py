@@ -7,10 +7,5 @@ from llmexp.report.fit import main as fit_main
 from llmexp.train.schedule import auto_lr
 
 
-def seed_lr(num_params: float) -> float:
-    """lr=auto's pick for pretraining a model of `num_params` from scratch."""
-    return auto_lr(int(num_params), finetune=False)
-
-
 def main(argv: list[str] | None = None) -> int:
-    return fit_main(argv, seed_lr=seed_lr)
+    return fit_main(argv, seed_lr=lambda num_params: auto_lr(int(num_params), finetune=False))

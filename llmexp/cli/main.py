@@ -50,19 +50,6 @@ def run_job(cfg: DictConfig) -> int:
     sys.exit(run_guarded(cfg))
 
 
-def hydra_main() -> None:
-    """Hydra's `@hydra.main` on `run_job`, reading `sys.argv` as Hydra always does."""
-    import hydra
-
-    hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(run_job)()
-
-
-def _refuse_rerun(args: argparse.Namespace) -> None:
-    if args.experimental_rerun is not None:
-        raise UserError(f"--experimental-rerun {args.experimental_rerun}: refused, it unpickles that file (code "
-                        "could run); rerun with the overrides in RUN_DIR/.hydra/overrides.yaml instead")
-
-
 def _runs(args: argparse.Namespace) -> bool:
     """The command runs the task (a run or a sweep), as `@hydra.main` will decide; the other commands
     (--cfg, --info, --shell-completion) instantiate nothing. Contradictory flags are Hydra's to report."""
@@ -73,9 +60,11 @@ def _runs(args: argparse.Namespace) -> bool:
 def _preflight(args: argparse.Namespace, args_parser: argparse.ArgumentParser) -> None:
     """Everything checked before `@hydra.main` runs (see the module's docstring); --help is answered here."""
     from llmexp.cli import compose
+    from llmexp.cli.hydra_internals import compose_api_as_hydra_main
 
     config_name = args.config_name if args.config_name is not None else "config"
-    with compose.initialized(run_job, args, str(conf_dir())):
+    config_path = args.config_path if args.config_path is not None else str(conf_dir())
+    with compose_api_as_hydra_main(run_job, config_path, args.config_dir):  # as `@hydra.main` will initialize
         if args.help or args.hydra_help:  # (--hydra-help composes Hydra's node alone, as Hydra does)
             cfg = compose.compose_checked(None if args.hydra_help and not args.help else config_name, args.overrides)
             print(compose.help_text(cfg, args_parser, hydra_help=not args.help, resolve=args.resolve))
@@ -101,6 +90,7 @@ def cli() -> None:
         sys.argv[1:] = check_args(sys.argv[1:])  # secrets become ${oc.env:LLMEXP_SECRET_<n>}
     except UserError as err:
         _exit_user(err)
+    import hydra
     from hydra import version
 
     from llmexp.cli.hydra_internals import args_parser, guard_package_sources
@@ -114,10 +104,12 @@ def cli() -> None:
     parser = args_parser()
     try:
         args = parser.parse_args()
-        _refuse_rerun(args)
+        if args.experimental_rerun is not None:
+            raise UserError(f"--experimental-rerun {args.experimental_rerun}: refused, it unpickles that file (code "
+                            "could run); rerun with the overrides in RUN_DIR/.hydra/overrides.yaml instead")
         if args.help or args.hydra_help or _runs(args):
             _reported(lambda: _preflight(args, parser))
-        hydra_main()
+        hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(run_job)()  # reads sys.argv
     except UserError as err:
         _exit_user(err)
     except BrokenPipeError:  # `python -m llmexp --help | head`: the reader left; no traceback (Python's own recipe)

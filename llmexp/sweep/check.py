@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmexp.errors import UserError
@@ -119,10 +118,3 @@ def _problems(err: UserError) -> list[str]:
     """The problem lines of a validation error (`invalid config:\\n  a\\n  b` -> [a, b])."""
     lines = [line.strip() for line in str(err).splitlines()]
     return lines[1:] if len(lines) > 1 and lines[0].endswith(":") else lines
-
-
-def check_search_dir(sweep_dir: Path) -> None:
-    """A search that continues in `sweep_dir` must find its study journal readable."""
-    from llmexp.rundir.study import check_journal
-
-    check_journal(sweep_dir)

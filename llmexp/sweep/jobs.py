@@ -1,15 +1,11 @@
-"""Sweep jobs, whatever runs them: composing them, running one, recording how it ended, the report.
+"""Sweep jobs, whatever runs them (`llmexp.sweep.local`: a process per job; `llmexp.sweep.slurm`: a job array).
 
-The launchers serve any Hydra app. For llmexp's own config (`is_llmexp_config`) a job runs through
-`execute` (the security check, the run-directory lock, an outcome read from `summary.json`) and the
-sweep ends with `finish_sweep`; any other app's job runs through `run_task`, as Hydra's basic
-launcher runs it, and its JobReturn goes back to Hydra unchanged.
-
-`llmexp.sweep.local` (`cluster=local`, a process per job) and `llmexp.sweep.slurm` (`cluster=slurm`, a
-job array) both pin the sweep directory with `compose_jobs`, run a job with `execute` (in the
-job's own process or on its node) and end the sweep with `finish_sweep`: every job that does not
-end `completed` gets `<job dir>/job_status.json`, the sweep report is written, and the command
-exits 1 if any job did not finish. Nothing here imports torch or submitit.
+Both launchers pin the sweep directory with `compose_jobs`. For llmexp's own config (`is_llmexp_config`) a job
+runs through `execute` (the security check, the run-directory lock, an outcome read from `summary.json`), in the
+job's own process or on its node, and the sweep ends with `finish_sweep`: every job that does not end `completed`
+gets `<job dir>/job_status.json`, the sweep report is written, and the command exits 1 if any job did not finish.
+Any other app's job runs through `run_task`, as Hydra's basic launcher runs it, and its JobReturn goes back to
+Hydra unchanged. Nothing here imports torch or submitit.
 """
 
 from __future__ import annotations
@@ -115,14 +111,15 @@ def compose_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
     leaves it to the node (`compose_job`); the job directory is then derived from the sweep config
     unless `hydra.sweep.subdir` names the overrides, which only a composition knows.
     """
-    from omegaconf import open_dict
+    from omegaconf import OmegaConf, open_dict
 
     global _launched
     _launched = True
     sweep_dir = Path(str(launcher.config.hydra.sweep.dir)).absolute()
     with open_dict(launcher.config):
         launcher.config.hydra.sweep.dir = str(sweep_dir)
-    compose = compose or subdir_names_overrides(launcher.config)
+    subdir = OmegaConf.to_container(launcher.config.hydra.sweep, resolve=False).get("subdir")  # type: ignore[union-attr]
+    compose = compose or "override" in str(subdir)  # e.g. `${hydra.job.override_dirname}`
     open_parent(launcher.config, sweep_dir)  # logger=mlflow: the jobs' runs nest under it
     specs = []
     for offset, overrides in enumerate(job_overrides):
@@ -131,13 +128,6 @@ def compose_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
         specs.append(JobSpec(num=num, overrides=list(overrides), config=cfg,
                              job_dir=job_dir_of(cfg if cfg is not None else launcher.config, num)))
     return specs
-
-
-def subdir_names_overrides(config: Any) -> bool:
-    """`hydra.sweep.subdir` is built from a job's overrides (e.g. `${hydra.job.override_dirname}`)."""
-    from omegaconf import OmegaConf
-
-    return "override" in str(OmegaConf.to_container(config.hydra.sweep, resolve=False).get("subdir"))
 
 
 def job_dir_of(config: Any, num: int) -> Path:
@@ -297,8 +287,6 @@ def split_ended(specs: Sequence[JobSpec]) -> tuple[list[JobSpec], dict[int, JobO
 
 # ----------------------------------------------------------------------------- how a job ended, and the sweep
 
-# ----------------------------------------------------------------------------- recording
-
 
 def record_outcome(spec: JobSpec, outcome: JobOutcome) -> None:
     """Leave `job_status.json` in the job dir of every job that did not complete or left no summary.json.
@@ -353,13 +341,8 @@ def job_returns(specs: Sequence[JobSpec], outcomes: Sequence[JobOutcome]) -> lis
     return returns
 
 
-def swept(spec: JobSpec, specs: Sequence[JobSpec]) -> str:
-    """A job's overrides that differ between jobs (`lr=0.001 batch_size=4`), for one-line logs."""
-    return swept_values(spec.overrides, [s.overrides for s in specs])
-
-
-def swept_values(job: Sequence[str], jobs: Sequence[Sequence[str]]) -> str:
-    """The overrides of `job` that differ between `jobs`, or all of them when none do."""
+def swept(job: Sequence[str], jobs: Sequence[Sequence[str]]) -> str:
+    """The overrides of `job` that differ between `jobs` (`lr=0.001 batch_size=4`), or all of them when none do."""
     varying = [o for o in job if any(o not in other for other in jobs)]
     return " ".join(varying or job)
 
@@ -374,13 +357,15 @@ def finish_sweep(specs: Sequence[JobSpec], outcomes: Sequence[JobOutcome], withi
         record_outcome(spec, outcome)
     sweep_dir = specs[0].job_dir.parent
     write_report(sweep_dir)
-    if not within_search:  # logger=mlflow: the sweep's parent run (a search ends its own)
-        close_parent(sweep_dir, ok=all(o.status in FINISHED for o in outcomes))
-    for spec, outcome in zip(specs, outcomes, strict=True) if not within_search else ():  # a search logs its own
+    if within_search:  # a search ends its own parent run, logs its trials and reads how each ended
+        return job_returns(specs, outcomes)
+    close_parent(sweep_dir, ok=all(o.status in FINISHED for o in outcomes))  # logger=mlflow: the sweep's parent run
+    jobs = [s.overrides for s in specs]
+    for spec, outcome in zip(specs, outcomes, strict=True):
         detail = f": {outcome.error}" if outcome.error and outcome.status not in FINISHED else ""
-        log.info(f"  #{spec.num} {outcome.status:<13} {swept(spec, specs)}{detail}")
+        log.info(f"  #{spec.num} {outcome.status:<13} {swept(spec.overrides, jobs)}{detail}")
     bad = [o for o in outcomes if o.status not in ENDED]
-    if bad and not within_search:
+    if bad:
         log.error(f"{len(bad)} of {len(outcomes)} jobs did not end by themselves; see {sweep_dir} (the same "
                   "command runs them again)")
         raise SystemExit(1)

@@ -127,6 +127,7 @@ class _Running:
 
 def launch_local(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[JobReturn]:
     """Hydra's `launch` for `hydra/launcher=llmexp_local`."""
+    import cloudpickle  # by value for functions defined in __main__ (python -m llmexp, test apps)
     from hydra.core.singleton import Singleton
 
     settings, extras = launcher.settings, is_llmexp_config(launcher.config)
@@ -137,7 +138,8 @@ def launch_local(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
     work.mkdir(parents=True, exist_ok=True)
     state = Singleton.get_state()
     for spec in specs:
-        _dump_job(work / f"{spec.num}.job.pkl", (spec, launcher.task_function, launcher.hydra_context, state, extras))
+        with atomic_file(work / f"{spec.num}.job.pkl", "wb") as f:
+            cloudpickle.dump((spec, launcher.task_function, launcher.hydra_context, state, extras), f)
     where = f"GPUs {sorted(set(s for s in slots if s))}" if slots[0] is not None else "CPU"
     log.info(f"Launching {len(specs)} jobs locally, {len(slots)} at a time on {where}: {specs[0].job_dir.parent}")
     to_run, outcomes = split_ended(specs) if extras else (specs, {})
@@ -181,13 +183,6 @@ def read_outcome(path: Path) -> JobOutcome:
     """A job process's own outcome, which `main` writes as the job ends."""
     data = load_json(path, read_outcome)
     return JobOutcome(**{f.name: data[f.name] for f in fields(JobOutcome) if f.name in data})
-
-
-def _dump_job(path: Path, payload: tuple) -> None:
-    import cloudpickle  # by value for functions defined in __main__ (python -m llmexp, test apps)
-
-    with atomic_file(path, "wb") as f:
-        cloudpickle.dump(payload, f)
 
 
 def _run_queue(specs: Sequence[JobSpec], slots: list[str | None], work: Path, warm: bool,

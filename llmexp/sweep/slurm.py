@@ -33,7 +33,7 @@ Timeout and preemption, and who handles which signal:
    the job just returns, so a `scancel` is never undone.
 4. A SIGUSR2 before the task starts (submitit loading the job) reaches submitit's handler
    directly: the job is requeued at once and resumes from its last checkpoint.
-5. Once the outcome is final, SIGUSR2 is ignored until the process exits (`ignore_late_warnings`).
+5. Once the outcome is final, SIGUSR2 is ignored until the process exits (`job_over`).
 
 Multi-task jobs (`tasks_per_node` > 1 or `nodes` > 1) run `SlurmJob` on every task (srun), each
 with MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE from SLURM's
@@ -173,19 +173,14 @@ def slurm_state(job_id: str) -> str:
 
 
 def job_over() -> None:
-    """The job's outcome is final and submitit's process ends once it has saved it: late warnings ignored, and the
-    process settled for its exit (`llmexp.process`)."""
-    ignore_late_warnings()
-    settle_for_exit()
-
-
-def ignore_late_warnings() -> None:
-    """The job's outcome is final: SIGUSR2 (the time-limit warning) is ignored from now to the process's exit.
-    It can change nothing any more, and it could do harm: submitit's handler would requeue a finished job, and
-    once Python has restored the default action on its way out (it does for every signal it handled, not for
-    an ignored one), the warning kills the process, so SLURM records a completed job FAILED (seen: the last
-    attempt of a requeued job finished a few seconds before its warning)."""
+    """The job's outcome is final and submitit's process ends once it has saved it: the process is settled for its
+    exit (`llmexp.process`), and SIGUSR2 (the time-limit warning) ignored until then. It can change nothing any
+    more, and it could do harm: submitit's handler would requeue a finished job, and once Python has restored the
+    default action on its way out (it does for every signal it handled, not for an ignored one), the warning kills
+    the process, so SLURM records a completed job FAILED (seen: the last attempt of a requeued job finished a few
+    seconds before its warning)."""
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    settle_for_exit()
 
 
 def _requeue_or_stop(outcome: JobOutcome, requeue_handler: Any) -> JobOutcome:
@@ -272,6 +267,7 @@ def wait_for_jobs(specs: Sequence[JobSpec], jobs: Sequence[submitit.Job], poll_s
     """Poll until every job has ended; one sacct call per poll covers the whole array."""
     outcomes: dict[int, JobOutcome] = {}
     remaining = dict(zip((s.num for s in specs), zip(specs, jobs, strict=True), strict=True))
+    swept_by_num = {s.num: swept(s.overrides, [o.overrides for o in specs]) for s in specs}
     try:
         while remaining:
             time.sleep(poll_s)
@@ -281,7 +277,7 @@ def wait_for_jobs(specs: Sequence[JobSpec], jobs: Sequence[submitit.Job], poll_s
                     outcomes[num] = collect(spec, job)
                     record_outcome(spec, outcomes[num])
                     del remaining[num]
-                    log.info(f"  #{num} ({job.job_id}) {outcomes[num].status}: {swept(spec, specs)}")
+                    log.info(f"  #{num} ({job.job_id}) {outcomes[num].status}: {swept_by_num[num]}")
     except KeyboardInterrupt:
         log.warning(f"stopped watching; {len(remaining)} jobs keep running on SLURM. "
                     f"Later: python -m llmexp.report {specs[0].job_dir.parent}")

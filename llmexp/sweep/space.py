@@ -48,10 +48,9 @@ def _axes(overrides: Sequence[Override]) -> dict[str, list[str]]:
     axes: dict[str, list[str]] = {}
     for override in overrides:
         key = override.get_key_element()
-        if not override.is_sweep_override():
-            axes[key] = [f"{key}={override.get_value_element_as_str()}"]
-        else:
-            axes[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
+        swept = override.is_sweep_override()
+        values = override.sweep_string_iterator() if swept else [override.get_value_element_as_str()]
+        axes[key] = [f"{key}={value}" for value in values]
     return axes
 
 
@@ -208,16 +207,10 @@ def probe_job(overrides: Sequence[Override]) -> list[str]:
     composed before the search starts, so that a typo fails before any trial runs."""
     from hydra.core.override_parser.types import Transformer
 
-    job = []
-    for override in overrides:
-        key = override.get_key_element()
-        if not override.is_sweep_override():
-            job.append(f"{key}={override.get_value_element_as_str()}")
-        elif override.is_interval_sweep():
-            job.append(f"{key}={edge_values(override)[0]}")
-        else:
-            job.append(f"{key}={next(iter(override.sweep_iterator(transformer=Transformer.encode)))}")
-    return job
+    first = {o.get_key_element(): edge_values(o)[0] if o.is_interval_sweep()
+             else next(iter(o.sweep_iterator(transformer=Transformer.encode)))
+             for o in overrides if o.is_sweep_override()}
+    return trial_overrides(first, overrides)
 
 
 def edge_values(override: Override) -> list[Any]:
@@ -239,8 +232,7 @@ def trial_overrides(params: dict[str, Any], overrides: Sequence[Override]) -> li
     job = []
     for override in overrides:
         key = override.get_key_element()
-        job.append(f"{key}={params[key]}" if override.is_sweep_override() else
-                   f"{key}={override.get_value_element_as_str()}")
+        job.append(f"{key}={params[key] if override.is_sweep_override() else override.get_value_element_as_str()}")
     return job
 
 
