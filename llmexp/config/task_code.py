@@ -15,6 +15,7 @@ never constructed) and templates are parsed, not rendered, by Jinja.
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +25,12 @@ JINJA_GLOBALS = frozenset({"lipsum", "cycler", "joiner", "namespace", "self"})
 """Objects every template of a default Jinja environment can reach, each a way to Python's globals."""
 
 
+@dataclass(frozen=True)
 class _Code:
     """A `!function` tag: what it names and where."""
 
-    def __init__(self, name: str, line: int) -> None:
-        self.name, self.line = name, line
+    name: str
+    line: int
 
 
 def _loader() -> type:
@@ -55,11 +57,9 @@ def read_task_yaml(path: Path) -> Any:
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         raise Damaged(path, f"not YAML ({err.problem or err.context})", mark.line + 1 if mark else None) from None
-    except yaml.YAMLError as err:  # an unknown tag without a mark, ...
-        raise Damaged(path, f"not YAML ({(str(err).splitlines() or [''])[0][:120]})") from None
     except RecursionError:
         raise Damaged(path, f"YAML nested deeper than {MAX_DEPTH} levels") from None
-    except ValueError as err:  # an integer longer than Python reads
+    except (yaml.YAMLError, ValueError) as err:  # an unknown tag without a mark, an integer longer than Python reads
         raise Damaged(path, f"not YAML ({(str(err).splitlines() or [''])[0][:120]})") from None
 
 
