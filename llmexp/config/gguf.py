@@ -52,15 +52,11 @@ def loadable_architectures() -> list[str]:
     return sorted(a for a in GGUF_CONFIG_MAPPING if a not in NOT_CAUSAL_LM)
 
 
-def _transformers_names(arch: str) -> set[str]:
-    """The names transformers may map a llama.cpp architecture to (qwen2moe -> qwen2_moe, gpt-oss -> gpt_oss)."""
-    return {arch, arch.replace("-", "_"), arch.replace("moe", "_moe")}
-
-
-def gguf_file_problem(path: Path, key: str = "model.gguf_file") -> str | None:
-    """Why `path` cannot be loaded as a GGUF model here (None: it can), naming `key`."""
+def gguf_file_problem(path: Path) -> str | None:
+    """Why `path` cannot be loaded as a GGUF model here, or None."""
     import importlib.util
 
+    key = "model.gguf_file"
     fix = "point it at a .gguf file from llama.cpp (or drop it to load the directory's safetensors)"
     if not path.is_file():
         return f"{key}: no such file {path}; {fix}"
@@ -75,7 +71,8 @@ def gguf_file_problem(path: Path, key: str = "model.gguf_file") -> str | None:
     import transformers
 
     known = loadable_architectures()
-    if not _transformers_names(arch) & set(known):
+    names = {arch, arch.replace("-", "_"), arch.replace("moe", "_moe")}  # qwen2moe -> qwen2_moe, gpt-oss -> gpt_oss
+    if not names & set(known):
         return (f"{key}: {path.name} holds a {arch!r} model, an architecture transformers {transformers.__version__} "
                 f"cannot load from GGUF; it loads {', '.join(known)}")
     return None
