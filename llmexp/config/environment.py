@@ -18,9 +18,8 @@ from llmexp.rundir.readers import open_regular
 
 
 def check_environment(cfg: Any) -> None:
-    """After `validate`, before anything loads: what depends on this machine and launch (the world size, every
-    file and directory the config names: `paths.path_errors`, the tracker's store). Raises one UserError listing
-    every problem."""
+    """Raise one UserError listing every problem of this config on this machine and launch (the world size, every
+    file and directory the config names: `paths.path_errors`, the tracker's store)."""
     errors = [*_batch_errors(cfg), *deepspeed_errors(cfg, gpu_visible()), *path_errors(cfg), *_tracking_errors(cfg)]
     if errors:
         raise UserError("cannot run this config here:\n  " + "\n  ".join(errors))
@@ -51,7 +50,7 @@ def deepspeed_errors(cfg: Any, cuda: bool) -> list[str]:
 
 
 def _batch_errors(cfg: Any) -> list[str]:
-    """`train.global_batch_size` against this launch's processes (`derived.global_batch_problem`)."""
+    """`train.global_batch_size` against this launch's processes."""
     global_batch = cfg.train.global_batch_size
     try:
         micro = parse_batch_size(cfg.batch_size)
