@@ -257,7 +257,7 @@ def config_problems(cfg: DictConfig) -> list[tuple[str, str]]:
                 problems.append(("hydra.sweep.subdir", SECRET_IN_NAME))
             elif outside_problem(job_dir, sweep_dir):
                 problems.append(("hydra.sweep.subdir", f"puts a job in {job_dir}, outside the sweep directory "
-                                 f"{os.path.realpath(sweep_dir)}; build subdirs from safe names, e.g. "
+                                 f"{sweep_dir}; build subdirs from safe names, e.g. "
                                  "hydra.sweep.subdir='${llmexp_safe:${hydra.job.override_dirname}}'"))
         probe.hydra.runtime.output_dir = job_dir
     hydra = _resolve_tree(probe.hydra, "hydra", problems)
