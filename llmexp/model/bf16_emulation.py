@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from llmexp.config.derived import Precision
+from llmexp.model.cpu_matmul import fastest_calls
 
 aten = torch.ops.aten
 
@@ -68,10 +69,6 @@ def _widen(x: Any) -> Any:
     return x.float() if _is_bf16(x) else x
 
 
-def _narrow(x: Any) -> Any:
-    return x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else x
-
-
 def _emulable(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     """True when the op would run a bf16 kernel: some operand is bf16 and none is fp16/fp64 (left to torch).
     fp32 operands beside bf16 ones are allowed: the attention backward takes an fp32 logsumexp."""
@@ -88,10 +85,8 @@ def _gemm(func: Any, args: Sequence[Any], kwargs: dict[str, Any], widen: Widen =
     kwargs = dict(kwargs)
     out = kwargs.pop("out", None)
     functional = func.overloadpacket.default if out is not None else func
-    result = _narrow(functional(*tree_map(widen, tuple(args)), **tree_map(widen, kwargs)))
-    if out is None:
-        return result
-    return out.copy_(result)
+    result = functional(*tree_map(widen, tuple(args)), **tree_map(widen, kwargs)).to(torch.bfloat16)
+    return result if out is None else out.copy_(result)
 
 
 def _inplace_gemm(func: Any, args: Sequence[Any], kwargs: dict[str, Any], widen: Widen = _widen) -> Any:
@@ -262,16 +257,10 @@ def _attention_bwd(func: Any, args: Sequence[Any], kwargs: dict[str, Any], widen
 Handler = Callable[[Any, Sequence[Any], dict[str, Any], Widen], Any]
 
 
-def _handlers() -> dict[Any, Handler]:
-    table: dict[Any, Handler] = {
-        getattr(aten, name): _gemm for name in _GEMMS if hasattr(aten, name)}
-    table.update({getattr(aten, name): _inplace_gemm for name in _INPLACE_GEMMS if hasattr(aten, name)})
-    table[_ATTENTION_FWD] = _attention_fwd
-    table[_ATTENTION_BWD] = _attention_bwd
-    return table
-
-
-_HANDLERS = _handlers()
+_HANDLERS: dict[Any, Handler] = {
+    **{getattr(aten, name): _gemm for name in _GEMMS if hasattr(aten, name)},
+    **{getattr(aten, name): _inplace_gemm for name in _INPLACE_GEMMS if hasattr(aten, name)},
+    _ATTENTION_FWD: _attention_fwd, _ATTENTION_BWD: _attention_bwd}
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
 
@@ -334,55 +323,29 @@ class Bf16Probe:
     """what the probe took."""
 
 
-def _cpu_seconds(fn: Callable[[], Any]) -> float:
-    """This thread's CPU time for one call: on one thread the work itself, however long other processes hold the
-    core (wall time is not: at load 10 on 2 cores, a 20 ms call is nearly always preempted)."""
-    start = time.thread_time()
-    fn()
-    return time.thread_time() - start
-
-
 def probe_bf16_slowdown(size: int = 256, budget_s: float = 0.25) -> Bf16Probe:
     """Time a size x size matmul in fp32, in torch's bf16 and emulated, alternating, for about `budget_s`, on one
     thread: the factors per core.
 
-    Robust to busy cores: one thread, timed in its own CPU seconds (a multi-threaded gemm on oversubscribed cores
-    waits at every barrier: at load 5 on 2 cores, 2 threads read torch's bf16 as 1.3x fp32's where it is ~50x;
-    wall time on one thread read 88-131x at load 10, as the slow calls were preempted), each arm keeps its best
-    call, and the rounds alternate the arms. 256 is large enough for MKL's sgemm to be efficient and small enough
-    that the slow bf16 gemm (~2 GFLOP/s) takes ~20 ms a call. The emulated arm is what `Bf16Emulation` runs for a
-    gemm (widen, fp32 gemm, round) without entering the mode, whose first entry imports torch._dynamo (~1 s).
+    Robust to busy cores (`cpu_matmul.fastest_calls`: at load 5 on 2 cores, 2 threads read torch's bf16 as 1.3x
+    fp32's where it is ~50x; wall time on one thread read 88-131x at load 10, as the slow calls were preempted).
+    256 is large enough for MKL's sgemm to be efficient and small enough that the slow bf16 gemm (~2 GFLOP/s) takes
+    ~20 ms a call. The emulated arm is what `Bf16Emulation` runs for a gemm (widen, fp32 gemm, round) without
+    entering the mode, whose first entry imports torch._dynamo (~1 s).
 
     torch's fallback bf16 gemm runs on one thread whatever `torch.get_num_threads()` says (measured: the same
     wall time with 1 and 2), so with T threads a run's bf16 matmuls are up to T times slower still than this.
     """
     start = time.perf_counter()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        best = _best_calls(size, budget_s, start)
-    finally:
-        torch.set_num_threads(threads)
-    fp32 = max(best["fp32"], 1e-9)
-    return Bf16Probe(best["bf16"] / fp32, best["emulated"] / fp32, time.perf_counter() - start)
-
-
-def _best_calls(size: int, budget_s: float, start: float) -> dict[str, float]:
-    """The shortest call of each arm over alternating rounds, until `budget_s` after `start`."""
     g = torch.Generator().manual_seed(0)
     a32, b32 = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
     a16, b16 = a32.bfloat16(), b32.bfloat16()
     arms: dict[str, Callable[[], Any]] = {"fp32": lambda: a32 @ b32, "bf16": lambda: a16 @ b16,
                                           "emulated": lambda: (a16.float() @ b16.float()).bfloat16()}
-    best = {name: float("inf") for name in arms}
     with torch.inference_mode():
-        for fn in arms.values():
-            fn()  # warm-up: first-call allocations, MKL and oneDNN set-up
-        while True:
-            for name, fn in arms.items():
-                best[name] = min(best[name], _cpu_seconds(fn))
-            if time.perf_counter() - start > budget_s:
-                return best
+        best = fastest_calls(arms, lambda rounds: time.perf_counter() - start <= budget_s)
+    fp32 = max(best["fp32"], 1e-9)
+    return Bf16Probe(best["bf16"] / fp32, best["emulated"] / fp32, time.perf_counter() - start)
 
 
 # ---------------------------------------------------------------------------------------------------- the decision

@@ -63,7 +63,7 @@ def build_model(cfg: DictConfig, vocab_size: int, precision: str = "fp32") -> Pr
     elif m.parametrization == "mup":
         model = _mup_model(m, vocab_size)
     else:
-        model = LlamaForCausalLM(LlamaConfig(**_field_kwargs(m, vocab_size)))
+        model = LlamaForCausalLM(LlamaConfig(**field_kwargs(m, vocab_size)))
     if cfg.peft.name != "none":
         if not four_bit and (dtype := autocast_dtype(precision)) is not None:
             model.to(dtype)  # a frozen base needs no fp32 master copy: half the memory; the adapters stay fp32
@@ -73,7 +73,7 @@ def build_model(cfg: DictConfig, vocab_size: int, precision: str = "fp32") -> Pr
     return model
 
 
-def _field_kwargs(m: DictConfig, vocab_size: int) -> dict[str, Any]:
+def field_kwargs(m: DictConfig, vocab_size: int) -> dict[str, Any]:
     """The config of a model built from `model.*`, its sizes times `model.width_mult` (`derived.model_sizes`)."""
     from llmexp.config.derived import model_sizes
 
@@ -94,7 +94,7 @@ def _mup_model(m: DictConfig, vocab_size: int) -> PreTrainedModel:
     from llmexp.model.mup import granite_multipliers, rescale_init
 
     sizes = model_sizes(m)
-    model = GraniteForCausalLM(GraniteConfig(**_field_kwargs(m, vocab_size),
+    model = GraniteForCausalLM(GraniteConfig(**field_kwargs(m, vocab_size),
                                              **granite_multipliers(sizes, m.mup_base_width)))
     rescale_init(model, sizes.mup_width_mult(m.mup_base_width))
     return model

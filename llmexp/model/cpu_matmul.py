@@ -128,17 +128,15 @@ class MatmulPath:
         return self.path == "onednn"
 
     def record(self) -> dict[str, Any]:
-        return {"path": self.path, "reason": self.reason, "speedup": self.speedup, "max_rel_diff": self.max_rel_diff}
+        return asdict(self)
 
     def matmul_t(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         return mm_t if self.onednn else torch_mm_t
 
 
 def probe(rows: int, in_features: int, out_features: int) -> MatmulPath:
-    """Time torch's and oneDNN's `x @ W.T` on the model's own shape, alternating, and check that forward, d input
-    and d weight agree. Timed on one thread in this thread's CPU seconds (best of `PROBE_ROUNDS`): the kernels'
-    speed per core, which is what differs between the two, and which neither other processes on the cores nor
-    OpenMP's waits for a descheduled thread distort (on a loaded 2-core machine wall-clock ratios came out 20x)."""
+    """Time torch's and oneDNN's `x @ W.T` on the model's own shape (`fastest_calls`, `PROBE_ROUNDS` rounds), and
+    check that forward, d input and d weight agree."""
     op = _op()
     if op is None:
         return MatmulPath("torch", f"torch.ops.mkldnn._linear_pointwise is not in torch {torch.__version__}")
@@ -153,17 +151,8 @@ def probe(rows: int, in_features: int, out_features: int) -> MatmulPath:
         return MatmulPath("torch", f"oneDNN's linear failed on this CPU ({str(err).splitlines()[0][:120]})")
     if not diff <= MAX_REL_DIFF:
         return MatmulPath("torch", f"oneDNN's result differs from torch's by {diff:.1e} (relative)", None, diff)
-    best = {"torch": float("inf"), "onednn": float("inf")}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for _ in range(PROBE_ROUNDS):
-            for name, fn in (("torch", torch_mm_t), ("onednn", mm_t)):
-                start = time.thread_time()
-                fn(x, w)
-                best[name] = min(best[name], time.thread_time() - start)
-    finally:
-        torch.set_num_threads(threads)
+    best = fastest_calls({"torch": lambda: torch_mm_t(x, w), "onednn": lambda: mm_t(x, w)},
+                         lambda rounds: rounds < PROBE_ROUNDS)
     speedup = best["torch"] / max(best["onednn"], 1e-9)
     shape = f"a {x.shape[0]} x {in_features} x {out_features} matmul"
     if speedup < MIN_SPEEDUP:
@@ -171,6 +160,29 @@ def probe(rows: int, in_features: int, out_features: int) -> MatmulPath:
                           f"{MIN_SPEEDUP}x", round(speedup, 2), diff)
     return MatmulPath("onednn", f"{speedup:.2f}x torch's speed on {shape} here, same results to {diff:.0e}",
                       round(speedup, 2), diff)
+
+
+def fastest_calls(arms: dict[str, Callable[[], Any]], more: Callable[[int], bool]) -> dict[str, float]:
+    """Each arm's shortest call, over rounds that alternate the arms (one, then more while `more(rounds run)`), after
+    one warm-up call each (first-call allocations, MKL and oneDNN set-up). On one thread, timed in this thread's CPU
+    seconds: the kernels' speed per core, which neither other processes on the cores nor OpenMP's waits for a
+    descheduled thread distort (on a loaded 2-core machine wall-clock ratios came out 20x)."""
+    best = dict.fromkeys(arms, float("inf"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for fn in arms.values():
+            fn()
+        rounds = 0
+        while rounds == 0 or more(rounds):
+            for name, fn in arms.items():
+                began = time.thread_time()
+                fn()
+                best[name] = min(best[name], time.thread_time() - began)
+            rounds += 1
+    finally:
+        torch.set_num_threads(threads)
+    return best
 
 
 def probe_once(cache: Path, rows: int, in_features: int, out_features: int) -> MatmulPath:
@@ -188,7 +200,7 @@ def probe_once(cache: Path, rows: int, in_features: int, out_features: int) -> M
     path = probe(rows, in_features, out_features)
     if path.speedup is not None:  # measured (not "the op is missing"): the same verdict for every later run
         try:
-            write_json_atomic(cache, {**{k: asdict(v) for k, v in known.items()}, key: asdict(path)})
+            write_json_atomic(cache, {**{k: v.record() for k, v in known.items()}, key: path.record()})
         except OSError as err:
             warn(f"{cache} cannot be written ({type(err).__name__}: {err}); the matmul path is probed again next run")
     return path

@@ -1,56 +1,36 @@
 """`python -m llmexp.estimate [overrides]`: the memory a run needs, before you start it.
 
-Per device, for the composed model, precision, optimizer, ZeRO stage and world size:
+Per device, for the composed model, precision, optimizer, ZeRO stage or FSDP strategy and world size: weights,
+gradients and optimizer state by their bytes per parameter, plus FSDP's gathered units (both explained in
+docs/how-to/fsdp-and-deepspeed.md), and the activations: what backward keeps per token and layer (Llama block,
+saved tensors counted from autograd's graph), plus the loss head's fp32 logits chunk; 1 layer's worth and the
+layer inputs under gradient checkpointing; plus backward's working set (one layer's activation gradients).
 
-    weights       fp32 master weights (4 B/param), plus autocast's 16-bit copies (2 B) in bf16/fp16;
-                  under DeepSpeed bf16/fp16 the module holds 16-bit weights (2 B) and the fp32
-                  master copy moves into the optimizer state
-    gradients     same dtype as the module's weights; ZeRO-2/3 keep 1/world of them
-    optimizer     adamw 8 B/param (two fp32 moments), adamw8bit/paged/lion8bit ~2 B (uint8 moments
-                  plus block-wise scales), lion 4 B, sgd 4 B with momentum (0 without); ZeRO 1-3
-                  keep 1/world; offload moves it (and the fp32 master) to CPU memory
-    activations   what backward keeps per token and layer (Llama block, saved tensors counted from
-                  autograd's graph), plus the loss head's fp32 logits chunk; 1 layer's worth and the
-                  layer inputs under gradient checkpointing; plus backward's working set (one
-                  layer's activation gradients)
+With adapters (`peft=lora` / `qlora`) only the adapters have gradients and optimizer state (4 B each for the fp32
+adapter weights, plus the optimizer's bytes). The frozen base is in the autocast dtype under lora (2 B/param in
+bf16/fp16, 4 B in fp32); under qlora every linear layer but the head is 4-bit NF4: 0.5 B/param plus 0.127 bits/param
+of constants with double quantisation (QLoRA paper, section 3), while embeddings, norms and the head stay fp32.
+LoRA's dropout keeps a copy of each adapted layer's input for backward.
 
-Under FSDP (`fsdp=full_shard / shard_grad_op / hybrid_shard`, FSDP2's `fully_shard` per decoder
-layer plus the root) each rank keeps 1/shards of the fp32 parameters, gradients and optimizer state
-(shards = world, or the processes of one node under hybrid_shard), and on top of that what is
-gathered while it runs (`gathered`), in the compute dtype (2 B under bf16/fp16, else 4 B): the
-root's parameters (embeddings, head, final norm: FSDP2 keeps the root gathered from forward to
-backward) and two layers' (the one running and the prefetched next), and as many unsharded
-gradients before their reduce-scatter; shard_grad_op keeps every layer gathered between forward and
-backward. `fsdp.cpu_offload=true` moves the sharded parameters, gradients and optimizer state to the
-host (`CPU (offloaded)`).
-
-With adapters (`peft=lora` / `qlora`) only the adapters have gradients and optimizer state (4 B
-each for the fp32 adapter weights, plus the optimizer's bytes). The frozen base is in the autocast
-dtype under lora (2 B/param in bf16/fp16, 4 B in fp32); under qlora every linear layer but the head
-is 4-bit NF4: 0.5 B/param plus 0.127 bits/param of constants with double quantisation (QLoRA paper,
-section 3), while embeddings, norms and the head stay fp32. LoRA's dropout keeps a copy of each
-adapted layer's input for backward.
-
-The parameter count comes from the model built on the meta device (no memory is allocated),
-so it is exact for `model=llama2-7b` too. The figures are the ZeRO paper's accounting
-(Rajbhandari et al. 2020) with our trainer's specifics; `benchmarks/memory.py` measures the
-real peak (`benchmarks/memory_fsdp.py` the per-rank peak under FSDP) and `tests/test_estimate.py`
-holds the estimate to both.
+The parameter count comes from the model built on the meta device (no memory is allocated), so it is exact for
+`model=llama2-7b` too. The figures are the ZeRO paper's accounting (Rajbhandari et al. 2020) with our trainer's
+specifics; `benchmarks/memory.py` measures the real peak (`benchmarks/memory_fsdp.py` the per-rank peak under FSDP)
+and `tests/test_estimate.py` holds the estimate to both.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
-from llmexp.config.derived import model_sizes, parse_batch_size
+from llmexp.config.derived import parse_batch_size
 
 MiB = 2**20
-NF4_BYTES_PER_PARAM = 0.5 + 0.127 / 8
-"""4-bit NF4 with double quantisation: half a byte plus 0.127 bits of constants per weight (QLoRA paper)."""
+NF4_BYTES_PER_PARAM = 0.5 + 0.127 / 8  # 4-bit NF4 with double quantisation (module docstring)
 STATE_BYTES_PER_PARAM = {"adamw": 8.0, "adamw8bit": 2.0, "paged_adamw8bit": 2.0, "lion": 4.0, "lion8bit": 1.0}
 """Optimizer state per parameter; 8-bit states are one byte per moment (+ <1% block scales)."""
 
@@ -104,18 +84,15 @@ def model_config(cfg: DictConfig) -> Any:
     from transformers import AutoConfig, LlamaConfig
 
     from llmexp.config.gguf import local_gguf
+    from llmexp.model.build import field_kwargs
 
     m = cfg.model
     gguf = local_gguf(str(m.name_or_path), str(m.gguf_file)) if m.name_or_path and m.gguf_file else None
     if gguf is not None and gguf.is_file():  # the GGUF metadata's config (its tensors are not read)
         return AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    if m.name_or_path and _has_local_config(m.name_or_path):
+    if m.name_or_path and (Path(m.name_or_path) / "config.json").is_file():
         return AutoConfig.from_pretrained(m.name_or_path, trust_remote_code=m.trust_remote_code)
-    sizes = model_sizes(m)  # model.width_mult applied
-    return LlamaConfig(vocab_size=m.vocab_size, hidden_size=sizes.hidden_size,
-                       intermediate_size=sizes.intermediate_size, num_hidden_layers=m.num_hidden_layers,
-                       num_attention_heads=sizes.num_attention_heads, num_key_value_heads=sizes.num_key_value_heads,
-                       max_position_embeddings=m.max_position_embeddings, tie_word_embeddings=m.tie_word_embeddings)
+    return LlamaConfig(**field_kwargs(m, m.vocab_size))
 
 
 def meta_model(cfg: DictConfig) -> Any:
@@ -162,12 +139,6 @@ def fsdp_units(cfg: DictConfig) -> FsdpUnits:
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     root = sum(p.numel() for key, p in unique.items() if key not in in_layers)
     return FsdpUnits(root=root, layer=sum(p.numel() for p in layers[0].parameters()), num_layers=len(layers))
-
-
-def _has_local_config(path: str) -> bool:
-    from pathlib import Path
-
-    return (Path(path) / "config.json").is_file()
 
 
 def activation_bytes(cfg: DictConfig, precision: str, micro_batch: int, model: Any = None) -> float:

@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmexp.data.datasets import IGNORE_INDEX
 from llmexp.model.cpu_matmul import torch_mm_t
 
 MatmulT = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """a, b -> a @ b.T: the fused head's three matmuls (`cpu_matmul.mm_t` where the run routes them to oneDNN)."""
-IGNORE_INDEX = -100
 CHUNK_TOKENS = 4096
 """Target positions projected at once: bounds the fp32 probabilities to CHUNK_TOKENS x vocab."""
 LSE_SLICE_VALUES = 1 << 19
