@@ -1,11 +1,9 @@
 """Every key that names a file or directory, checked against this machine before anything is written.
 
-One check per kind of path (`KIND_CHECKS`; which key is which: the `PathRule` on its schema field, plus
-`hydra.run.dir` / `hydra.sweep.dir`): a path is looked at once with `os.stat`, which follows symbolic links, so a
-missing path, a file where a directory belongs (and the reverse), an empty file, a part of the path that is a file
-and a link loop are each named with the key and the fix; so is what a directory must hold (a model directory its
-config and safetensors weights and no code it may not run, a `data=hf` source no loading script). The `eval` tasks'
-files: `task_file_errors`. Called by `environment.check_environment`. No torch, no transformers: plain files only.
+One check per kind of path (`KIND_CHECKS`; a key's kind is the `PathRule` on its schema field): a path is looked at
+once with `os.stat`, which follows symbolic links, so a missing path, a file where a directory belongs (and the
+reverse), an empty file, a part of the path that is a file and a link loop are each named with the key and the fix;
+so is what a directory must hold. No torch, no transformers: plain files only.
 """
 
 from __future__ import annotations
@@ -46,8 +44,7 @@ def _stat(path: Path) -> tuple[os.stat_result | None, str | None]:
 
 def _look(key: str, value: Any, what: str, directory: bool | None) -> tuple[Path, os.stat_result | None, str | None]:
     """The path `value` names, its stat (None: it does not exist), and why it will not do whatever it holds: it
-    cannot be looked at, or it is a directory where a file belongs (`directory` false) or the reverse (None: either
-    will do)."""
+    cannot be looked at, or it is a directory where a file belongs (`directory` false) or the reverse."""
     path = Path(str(value)).expanduser()
     found, why = _stat(path)
     if found is not None and directory is not None and stat.S_ISDIR(found.st_mode) != directory:

@@ -85,8 +85,7 @@ def _identity_problem(obj: object, target: str, key: str) -> str | None:
 
 
 def target_problem(target: object) -> str | None:
-    """Why `target` is no dotted class name (module.Class, identifiers, no dunders such as `__builtins__`), or None.
-    Purely syntactic: nothing is imported; interpolations and other strings are refused."""
+    """Why `target` is no dotted class name (module.Class, no dunders such as `__builtins__`), or None; syntactic."""
     if not isinstance(target, str) or not _TARGET_NAME.fullmatch(target) or "__" in target:
         return f"{target!r} is not a dotted class name (module.Class, no dunders)"
     return None
@@ -171,9 +170,8 @@ def check_located(obj: Any, target: str, key: str, base: type | None = None) -> 
 
 
 def _logging_problems(node: Any, key: str, base_dir: str, relative_to: str) -> list[tuple[str, str]]:
-    """A resolved `hydra.job_logging` / `hydra.hydra_logging` tree: only logging's own classes, no factories,
-    streams only stdout/stderr, files only inside `base_dir` (the run or sweep directory; relative file names
-    are taken from `relative_to`, the directory the job runs in)."""
+    """A resolved `hydra.job_logging` / `hydra.hydra_logging` tree; files only inside `base_dir` (relative names
+    taken from `relative_to`, the directory the job runs in)."""
     problems: list[tuple[str, str]] = []
     items = node.items() if isinstance(node, Mapping) else enumerate(node) if isinstance(node, list) else []
     for name, value in items:
@@ -385,10 +383,8 @@ _COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 def remote_code_errors(m: Any) -> list[str]:
-    """Remote code runs only when asked for, and then only at a pinned commit of a hub model.
-
-    Syntactic (no file system access): names starting with `/`, `.` or `~` are local directories,
-    the user's own files, which a revision cannot pin."""
+    """Remote code runs only when asked for, and then only at a pinned commit of a hub model. Names starting with
+    `/`, `.` or `~` are local directories, the user's own files, which a revision cannot pin."""
     if not m.trust_remote_code:
         return []
     name = str(m.name_or_path or "")
