@@ -1,15 +1,12 @@
 """A content-addressed cache of directories (tokenizers, token arrays) that is never half-written, and whose
 entries are verified on read.
 
-An entry is `<root>/<kind>/<key>/`. It is built in a sibling temp directory and renamed into
-place only when complete, so a reader sees either nothing or the whole entry. A per-key file
-lock serialises builders: of two sweep jobs that miss at once, one builds and the other waits,
-then finds the entry. Temp directories left by a killed builder are removed by the next one.
-
-An entry's `meta.json` lists the size and sha256 of each of its files, and a hit checks them (about
-a second per GB read) before the caller loads it (`cached`): a file truncated, altered, replaced or
-deleted since, or an entry its loader cannot read, is a cache miss, rebuilt under the lock with one
-warning naming the file, never a crash. No torch here.
+An entry `<root>/<kind>/<key>/` is built in a sibling temp directory and renamed into place complete
+(`rundir.files.staged_dir`). A per-key file lock serialises builders: of two sweep jobs that miss at once, one
+builds and the other waits, then finds the entry. An entry's `meta.json` lists the size and sha256 of each of its
+files, and a hit checks them (about a second per GB read): a file truncated, altered, replaced or deleted since,
+or an entry its loader cannot read (`cached`), is a miss, rebuilt under the lock with one warning naming the
+file, never a crash. No torch here.
 """
 
 from __future__ import annotations
@@ -45,12 +42,6 @@ def save_array(directory: Path, name: str, array: np.ndarray) -> None:
         np.save(f, array, allow_pickle=False)
 
 
-def save_json(path: Path, obj: Any) -> None:
-    """Write JSON (fsync'd with the entry)."""
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-
-
 @reader
 def load_meta(marker: Path) -> dict[str, Any] | None:
     """An entry's metadata (its `meta.json`), or None when the entry is absent or incomplete; a cache: a marker that
@@ -69,12 +60,6 @@ def warn(message: str) -> None:
 
 FILES_KEY = "files"
 """meta.json's record of the entry's files: relative path -> [size in bytes, sha256]."""
-
-
-def file_digests(entry: Path) -> dict[str, list[Any]]:
-    """[size, sha256] of every file of an entry (but its marker), by path relative to the entry."""
-    return {str(p.relative_to(entry)): [p.stat().st_size, file_sha256(p)]
-            for p in sorted(entry.rglob("*")) if p.is_file() and p.name != COMPLETE_MARKER}
 
 
 def damage(entry: Path, meta: dict[str, Any]) -> str | None:
@@ -108,11 +93,10 @@ def _verified(entry: Path) -> dict[str, Any] | None:
 
 def get_or_build(root: Path, kind: str, key: str,
                  build: Callable[[Path], dict[str, Any]], rebuild: bool = False) -> tuple[Path, dict[str, Any], bool]:
-    """Return (entry dir, its meta, cache hit?). A hit is verified (`damage`); on a miss, `build(tmp_dir)`
-    fills a temp dir and returns the meta, to which the files' sizes and sha256 are added; the dir is
-    renamed into place after the meta is written (`rundir.files.staged_dir`). If `build` raises, the temp dir is
-    removed and nothing is published (a full disk: DiskFull). `rebuild`: the entry exists but its loader could not
-    read it; build it again."""
+    """(entry dir, its meta, cache hit?). A hit is verified (`damage`); on a miss `build(tmp_dir)` fills a staging
+    directory and returns the meta, to which the files' sizes and sha256 are added, and the entry is published
+    (`rundir.files.staged_dir`: nothing if `build` raises; DiskFull on a full disk). `rebuild`: the entry's loader
+    could not read it; build it again."""
     entry = Path(root).expanduser() / kind / key
     meta = None if rebuild else _verified(entry)
     if meta is not None:
@@ -126,12 +110,12 @@ def get_or_build(root: Path, kind: str, key: str,
             return entry, meta, True
         for stale in entry.parent.glob(f".{key}.tmp-*"):  # left by a killed builder; we hold the lock
             shutil.rmtree(stale, ignore_errors=True)
-        # (a damaged entry, or a directory without its marker, in the way is not ours to trust: the publish
-        # replaces it)
+        # (a damaged entry, or a directory without its marker, is not ours to trust: the publish replaces it)
         with staged_dir(entry, staging=entry.parent / f".{key}.tmp-{os.getpid()}") as tmp:
             meta = build(tmp)
-            meta[FILES_KEY] = file_digests(tmp)
-            save_json(tmp / COMPLETE_MARKER, meta)
+            meta[FILES_KEY] = {str(p.relative_to(tmp)): [p.stat().st_size, file_sha256(p)]
+                               for p in sorted(tmp.rglob("*")) if p.is_file() and p.name != COMPLETE_MARKER}
+            (tmp / COMPLETE_MARKER).write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
     return entry, meta, False
 
 

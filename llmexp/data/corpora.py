@@ -53,11 +53,7 @@ def stdlib_files(root: Path | None = None) -> list[str]:
 
 def files_signature(root: Path, rel_paths: Iterable[str]) -> list[tuple[str, int, int]]:
     """(path, size, mtime_ns) per file: a cheap fingerprint for files that only change on upgrade."""
-    out = []
-    for rel in rel_paths:
-        st = os.stat(root / rel)
-        out.append((rel, st.st_size, st.st_mtime_ns))
-    return out
+    return [(rel, (st := os.stat(root / rel)).st_size, st.st_mtime_ns) for rel in rel_paths]
 
 
 def hash_fraction(text: str) -> float:
@@ -314,8 +310,7 @@ def user_corpus(d: Any) -> Corpus:
     else:
         train_files = [require_file(d.train_file, "data.train_file")]
         eval_files = [require_file(d.eval_file, "data.eval_file")] if d.eval_file else []
-    train_fp = [file_sha256(f) for f in train_files]
-    fp = {"kind": d.name, "train": train_fp, "eval": [file_sha256(f) for f in eval_files],
+    fp = {"kind": d.name, "train": [file_sha256(f) for f in train_files], "eval": [file_sha256(f) for f in eval_files],
           "eval_fraction": None if eval_files else d.eval_fraction, "max_examples": d.max_examples}
 
     def read(files: list[Path]) -> list[Record]:
@@ -332,8 +327,7 @@ def user_corpus(d: Any) -> Corpus:
         return hold_out(train, held, d, lambda n: f"data.train_file={d.train_file} has {n} record(s); cannot hold "
                         "out an eval set. Add records or set data.eval_file")
 
-    bpe_fp = {"kind": d.name, "train": train_fp, "eval_fraction": fp["eval_fraction"], "max_examples": d.max_examples}
-    return records_corpus(d.name, fp, bpe_fp, load)
+    return records_corpus(d.name, fp, {k: v for k, v in fp.items() if k != "eval"}, load)
 
 
 def hold_out(train: list[Record], held: list[Record] | None, d: Any,

@@ -26,9 +26,6 @@ from llmexp.config.paths import HF_BUILDERS
 from llmexp.data.corpora import Corpus, Record, check_record, hold_out, records_corpus
 from llmexp.errors import UserError
 
-BUILDERS = HF_BUILDERS
-"""`data.path` values that name one of datasets' file builders: `data.data_files` says which files."""
-
 ALPACA = ("instruction", "input", "output")
 
 
@@ -53,14 +50,14 @@ def load_split(d: Any, split: str, streaming: bool = False) -> Any:
 
     datasets.disable_progress_bars()
     path = str(d.path)
-    if path in BUILDERS and not d.data_files:
+    if path in HF_BUILDERS and not d.data_files:
         raise UserError(f"data.path={path} reads files: set data.data_files=/path/to/*.{path}")
     local = Path(path).expanduser()
     try:
         if local.is_dir() and ((local / "dataset_info.json").exists() or (local / "dataset_dict.json").exists()):
             table = _split_of(datasets.load_from_disk(str(local)), split, path)
             return table.to_iterable_dataset() if streaming else table
-        if not (path in BUILDERS or local.exists()) and not hub_reachable():
+        if not (path in HF_BUILDERS or local.exists()) and not hub_reachable():
             datasets.config.HF_HUB_OFFLINE = True  # read the local cache only, and fail at once when it is not there
         files = list(d.data_files) if d.data_files is not None and not isinstance(d.data_files, str) else d.data_files
         return datasets.load_dataset(path, name=d.config_name, data_files=files, split=split, streaming=streaming)

@@ -1,23 +1,19 @@
-"""`data.streaming=true` (data=hf): the train split read as training goes, never tokenised into the cache.
+"""`data.streaming=true` (data=hf): the train split read as training goes, never tokenised into the cache (what
+it does for the user: docs/how-to/data.md, "Streaming").
 
     train, eval, stats = build_stream_datasets(cfg, tokenizer)  # through llmexp.data.datasets.build_datasets
     idx = train.step_indices(seed, step, global_batch)         # arange(G): the rows of this step's batch
     batch = train.get_batch(micro_batch(idx, rank, world, micro, micro_batch_size))
 
-The global batch at step t is examples [t*G, (t+1)*G) of an endless stream of examples: the split's rows,
-read through `datasets` with `streaming=True` (a hub id, data files; a `save_to_disk` directory through
-`to_iterable_dataset()`), in windows of `data.shuffle_window` rows. Each window is permuted by an rng
-seeded by (seed, epoch, window), mapped to records with hub.py's columns, tokenised in one call and cut
-the way the cached path cuts (`llmexp.data.datasets.cut_examples`): full blocks for text, SFT rows
-otherwise. What does not fill a row yet (the packer's carry-over) goes on into the next window; when the
-split ends the next epoch starts, carry-over included. datasets' shuffle buffer is not used: its content
-is not part of `state_dict()`, so a resume through it could not be exact.
+The global batch at step t is examples [t*G, (t+1)*G) of an endless stream: the split's rows in windows of
+`data.shuffle_window` rows, each permuted by an rng seeded by (seed, epoch, window), mapped to records with
+hub.py's columns, tokenised in one call and cut by `llmexp.data.datasets.cut_examples`. What does not fill a row
+yet (the packer's carry-over) goes on into the next window, and into the next epoch. datasets' shuffle buffer is
+not used: its content is not part of `state_dict()`, so a resume through it could not be exact.
 
-Resume: at each window start the stream keeps a `WindowStart` (datasets' `state_dict()`, exact without a
-shuffle buffer; the carry-over; the example count). `position(step)` is the one that step's first example
-lies in (JSON, in the checkpoint's trainer state) and `restore` continues from it, reading at most one
-window again. Eval: `data.eval_split`, else the first `data.stream_eval_rows` rows of the split, which
-training skips; it is small and held in memory. Nothing of the train split goes to the token cache.
+Resume: at each window start the stream keeps a `WindowStart` (datasets' `state_dict()`, the carry-over, the
+example count); `position(step)` is the one that step's first example lies in (JSON, in the checkpoint's trainer
+state), and `restore` continues from it, reading at most one window again. The eval set is held in memory.
 """
 
 from __future__ import annotations
@@ -36,7 +32,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from llmexp.data.cache import hash_obj
-from llmexp.data.corpora import Record, check_record
+from llmexp.data.corpora import check_record, files_signature
 from llmexp.data.datasets import (
     FORMAT_VERSION,
     TokenDataset,
@@ -175,7 +171,8 @@ class StreamDataset:
             self._next_epoch(start)
             return
         order = np.random.default_rng([self._seed % 2**64, start.epoch, start.window]).permutation(len(rows))
-        recs = [self._record(rows[i], start, int(i)) for i in order]
+        where = f"{self.spec.where}: epoch {start.epoch}, window {start.window}"
+        recs = [check_record(to_record(rows[i], self.spec.columns), f"{where}, row {i}") for i in order]
         ids, masks = encode_records(self.spec.mode, recs, self.spec.tokenizer)
         ids = [np.asarray(c, np.int64) for c in start.carry] + ids
         if masks is not None:
@@ -198,10 +195,6 @@ class StreamDataset:
                 for _ in itertools.islice(self._reader, self.spec.skip_rows):
                     pass
         return list(itertools.islice(self._reader, self.spec.window))
-
-    def _record(self, row: dict[str, Any], start: WindowStart, i: int) -> Record:
-        where = f"{self.spec.where}: epoch {start.epoch}, window {start.window}, row {i}"
-        return check_record(to_record(row, self.spec.columns), where)
 
     def _next_epoch(self, end: WindowStart) -> None:
         if self._epoch_first == (end.epoch, end.examples) and (end.window == 0 or self.spec.mode != "lm_packed"):
@@ -313,7 +306,7 @@ def _local_files(d: Any) -> list[tuple[str, int, int]]:
         patterns += [str(p) for v in values for p in ([v] if isinstance(v, str) else v)]
     found = {Path(p) for pattern in patterns for p in glob.glob(str(Path(pattern).expanduser()), recursive=True)}
     paths = sorted(q for p in found for q in ([p] if p.is_file() else p.rglob("*")) if q.is_file())
-    return [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in paths]
+    return files_signature(Path(), [str(p) for p in paths])
 
 
 def stream_fingerprint(cfg: DictConfig, tok: Any) -> str:

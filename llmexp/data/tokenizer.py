@@ -30,7 +30,7 @@ BPE_VERSION = 1
 
 def hub_error(name: str, cause: BaseException | None = None, key: str = "model.name_or_path") -> UserError:
     """A UserError for a model/tokenizer name that is neither a loadable local directory nor reachable
-    on the hub: it names the model and says how to use a local path. `llmexp.model.build` can use it too."""
+    on the hub: it names the model and says how to use a local path."""
     reason = f" ({type(cause).__name__}: {str(cause).strip().splitlines()[0][:200]})" if cause else ""
     if name.startswith((".", "/", "~")) or Path(name).expanduser().exists():
         where = "is not a directory" if not Path(name).expanduser().exists() else "holds no loadable model/tokenizer"

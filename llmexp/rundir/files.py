@@ -18,13 +18,10 @@ FULL_DISK_FREE_BYTES = 1 << 20
 
 @contextmanager
 def atomic_file(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
-    """Open a file to be written so that readers see the old one or the new one, never half of one:
-    every llmexp file written in place (summary.json, report.md, plots, metrics.jsonl on resume, a
-    scrubbed `.hydra/` file, a job's pickle) goes through here.
-
-    A unique temp file beside the target (concurrent writers never share one) is fsync'd, then
-    renamed over it; on any failure the temp file is removed and the old file stays.
-    """
+    """`path` opened to be written in place: every llmexp file written in place (summary.json, report.md, plots,
+    metrics.jsonl on resume, a scrubbed `.hydra/` file, a job's pickle) goes through here. A unique temp file beside
+    it (concurrent writers never share one) is fsync'd, then renamed over it; on any failure the temp file is
+    removed and the old file stays."""
     import tempfile
 
     path = Path(path)
@@ -48,7 +45,6 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def write_json_atomic(path: Path, obj: object) -> None:
-    """JSON through write_text_atomic."""
     import json
 
     write_text_atomic(path, json.dumps(obj, indent=2, default=str))

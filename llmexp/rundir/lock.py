@@ -74,13 +74,9 @@ def wait_for_lock(run_dir: Path, waiting: Callable[[int | None], None], poll_s: 
 
 def pid_alive(pid: int) -> bool:
     """A process with this pid exists on this host (someone else's included)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
+    import psutil
+
+    return psutil.pid_exists(pid)
 
 
 @reader

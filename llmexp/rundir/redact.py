@@ -6,11 +6,8 @@ variables named like credentials (`WANDB_API_KEY`, `HF_TOKEN`, `*_TOKEN`, `*_KEY
 `*_PASSWORD`) are replaced by `REDACTED` wherever llmexp writes. A secret given on the command line
 never reaches Hydra: `redact_overrides` moves it into a private environment variable and leaves
 `${oc.env:LLMEXP_SECRET_<n>}` in its place, so `.hydra/`, Hydra's error messages and wandb's
-recorded argv only ever see the placeholder. `RedactRunFiles` (a Hydra callback, llmexp/conf/config.yaml)
-runs when a job starts: it scrubs `.hydra/*.yaml` once more, filters the job log (`llmexp.log`), and
-rewrites the job's `hydra.overrides.task` / `hydra.job.override_dirname` so that reading them
-(summary.json, run names) cannot resolve a placeholder back into the secret. Writers of run files
-call `scrub`. Nothing here imports torch.
+recorded argv only ever see the placeholder; the Hydra callback `RedactRunFiles` scrubs a job's own files as
+it starts. Writers of run files call `scrub`. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -21,6 +18,8 @@ import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from hydra.experimental.callback import Callback
 
 from llmexp.rundir.files import write_text_atomic
 
@@ -135,11 +134,8 @@ def install_log_filter(logger: logging.Logger | None = None) -> None:
 
 
 def scrub_yaml_file(path: Path) -> bool:
-    """Rewrite a YAML file (Hydra's config.yaml, hydra.yaml, overrides.yaml) with secrets redacted.
-
-    Interpolations stay as written. Returns True when something was redacted. Atomic: readers see
-    the old file or the new one.
-    """
+    """Rewrite a YAML file (Hydra's config.yaml, hydra.yaml, overrides.yaml) atomically with secrets redacted,
+    interpolations as written; True when something was redacted."""
     from omegaconf import OmegaConf
 
     from llmexp.rundir.readers import read_yaml
@@ -153,13 +149,7 @@ def scrub_yaml_file(path: Path) -> bool:
     return True
 
 
-try:  # the callback base class; Hydra is always installed, but keep this module importable without it
-    from hydra.experimental.callback import Callback as _HydraCallback
-except ImportError:  # pragma: no cover
-    _HydraCallback = object  # type: ignore[assignment,misc]
-
-
-class RedactRunFiles(_HydraCallback):  # type: ignore[misc,valid-type]
+class RedactRunFiles(Callback):
     """Hydra callback (llmexp/conf/config.yaml `hydra.callbacks`): when a job starts, after Hydra wrote
     `.hydra/`, redact secrets there and filter the job log (`llmexp.log`) from then on."""
 

@@ -41,8 +41,7 @@ def metric_value(metric: str, summary: dict | None, records: list[dict]) -> floa
         if value is None:
             value = next((r[metric] for r in reversed(records) if r.get("event") == "eval" and metric in r), None)
     else:
-        _, _, rest = metric.partition("/")
-        task, _, name = rest.partition("/")
+        task, _, name = metric.partition("/")[2].partition("/")
         tasks = summary.get("tasks") if isinstance(summary.get("tasks"), dict) else final_tasks(records)
         value = (tasks.get(task) or {}).get(name)
     return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
@@ -53,7 +52,6 @@ def metric_at(metric: str, eval_record: dict, step_tasks: list[dict]) -> float |
     if metric in ("eval_loss", "eval_ppl"):
         value = eval_record.get(metric)
     else:
-        _, _, rest = metric.partition("/")
-        task, _, name = rest.partition("/")
+        task, _, name = metric.partition("/")[2].partition("/")
         value = next((r["metrics"].get(name) for r in step_tasks if r.get("task") == task), None)
     return float(value) if isinstance(value, int | float) else None
