@@ -48,12 +48,10 @@ def _values(override: Any) -> list[Any]:
 def _override_errors(ov: Any, custom_tree: bool) -> list[str]:
     """Problems of one parsed override (see `check_args`)."""
     key, values = ov.key_or_group, _values(ov)
-    if ov.is_delete():
+    if ov.is_delete() or "/" in key or ov.package:
         return []
     if key == "_target_" or key.endswith("._target_") or key.startswith("hydra."):
         return []  # judged on the composed config, after interpolation (`security.config_problems`)
-    if "/" in key or key.startswith("hydra.") or ov.package:
-        return []
     options = group_options(key)
     if options is not None and not (ov.is_add() or ov.is_force_add()):
         return [e for e in (_option_error(key, v, options, custom_tree) for v in values if v is not None) if e]

@@ -59,10 +59,8 @@ def check_run(config_name: str | None, overrides: list[str]) -> None:
 
 def check_sweep(config_name: str | None, overrides: list[str]) -> None:
     """A sweep: every config it can run composed as the sweeper and launcher will compose it (Hydra's overrides,
-    then the job's), security-checked, and validated with the machine's checks (`llmexp.sweep.check`): each job
-    of a grid; a search's space and one config per value at its edges (its trials are not known yet). Then the
-    sweep directory is locked: one sweeper per sweep directory, as one run per run directory. All before Hydra
-    creates the sweep directory."""
+    then the job's), security-checked and judged (`llmexp.sweep.check`); then the sweep directory is locked: one
+    sweeper per sweep directory, as one run per run directory."""
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from llmexp.errors import EXIT_USER, UserError
+
 SMALL_MODEL = ("model.hidden_size=64", "model.num_attention_heads=2", "model.num_key_value_heads=2",
                "model.intermediate_size=172", "model.num_hidden_layers=2", "model.vocab_size=1024",
                "model.mup_base_width=64", "model.max_position_embeddings=64", "data.max_length=64", "batch_size=8")
@@ -32,8 +34,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _widths(text: str) -> tuple[float, ...]:
-    from llmexp.errors import UserError
-
     try:
         widths = tuple(sorted({float(w) for w in text.split(",") if w.strip()}))
     except ValueError:
@@ -45,7 +45,6 @@ def _widths(text: str) -> tuple[float, ...]:
 
 def _settings(cfg: Any, args: argparse.Namespace) -> Any:
     from llmexp.config.validation import parse_lr
-    from llmexp.errors import UserError
     from llmexp.train.coord_check import CheckSettings
 
     if args.steps < 1:
@@ -57,16 +56,6 @@ def _settings(cfg: Any, args: argparse.Namespace) -> Any:
     batch = cfg.batch_size if isinstance(cfg.batch_size, int) else 8
     return CheckSettings(widths=_widths(args.widths), steps=args.steps, lr=float(lr), batch=batch,
                          seq_len=int(cfg.data.max_length), seed=int(cfg.seed))
-
-
-def _validated(cfg: Any, widths: tuple[float, ...], parametrizations: tuple[str, ...]) -> None:
-    """Every config the check builds passes `validate` (each width: whole sizes; mup: its refusals)."""
-    from llmexp.config.validation import validate
-    from llmexp.train.coord_check import at_width
-
-    for name in parametrizations:
-        for width in widths:
-            validate(at_width(cfg, width, name))
 
 
 def _table(result: dict[str, Any]) -> str:
@@ -84,15 +73,18 @@ def run(argv: list[str]) -> int:
     import torch
 
     from llmexp.cli.estimate import compose
+    from llmexp.config.validation import validate
     from llmexp.report.coord_check import plot_coord_check
     from llmexp.rundir.files import write_json_atomic
-    from llmexp.train.coord_check import coord_check
+    from llmexp.train.coord_check import at_width, coord_check
 
     named = [o.split("=", 1)[1] for o in args.overrides if o.startswith("model.parametrization=")]
     parametrizations = tuple(named[-1:]) or PARAMETRIZATIONS
     cfg = compose([*SMALL_MODEL, *args.overrides])
     settings = _settings(cfg, args)
-    _validated(cfg, settings.widths, parametrizations)
+    for name in parametrizations:  # every config the check builds passes `validate` (whole sizes, mup's refusals)
+        for width in settings.widths:
+            validate(at_width(cfg, width, name))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     hidden = [round(cfg.model.hidden_size * w) for w in settings.widths]
     print(f"coord check: {', '.join(parametrizations)} at hidden sizes {hidden}, {settings.steps} steps of "
@@ -109,8 +101,6 @@ def run(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """The command: exit 0 done, 2 a user's mistake (a bad override, width or refused combination)."""
-    from llmexp.errors import EXIT_USER, UserError
-
     try:
         return run(list(sys.argv[1:] if argv is None else argv))
     except Exception as err:  # a UserError, or Hydra's override and compose errors

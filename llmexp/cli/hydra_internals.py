@@ -76,11 +76,8 @@ TRUSTED_PACKAGES: tuple[str, ...] = ("hydra", "hydra_plugins", "llmexp")
 
 
 class TrustedPackageSource(_PackageSource):  # type: ignore[misc,valid-type]
-    """Hydra's `pkg://` config source for llmexp's and Hydra's own packages only.
-
-    Reading `pkg://some.module` imports that module (its code runs) while Hydra composes, before any check
-    of the composed config could run; so a search path (`hydra.searchpath`, from the command line or a
-    primary config) may name only TRUSTED_PACKAGES. Installed by `guard_package_sources`."""
+    """Hydra's `pkg://` config source for TRUSTED_PACKAGES only, wherever a search path names it (`hydra.searchpath`,
+    from the command line or a primary config). Installed by `guard_package_sources`."""
 
     def __init__(self, provider: str, path: str) -> None:
         package = path.split("://", 1)[-1].replace("/", ".").strip(".")

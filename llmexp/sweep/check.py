@@ -37,7 +37,7 @@ def edge_configs(overrides: Sequence[Override], compose: Callable[[list[str]], A
     """A search's configs to check: the probe (every swept key at its first value), then the probe with one key
     at each of its other edge values. A config group's value is composed again; any other key's is set on a
     copy of the probe, as Hydra's override would set it (a categorical of 1,000 lrs costs milliseconds, not
-    1,000 compositions). `search_space` runs first, so a malformed space is refused before anything composes."""
+    1,000 compositions). A malformed space is refused before anything composes."""
     from omegaconf import OmegaConf, open_dict
     from omegaconf.errors import OmegaConfBaseException
 

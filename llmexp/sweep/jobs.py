@@ -199,46 +199,36 @@ def failed_return(spec: JobSpec, message: str) -> JobReturn:
 
 
 def execute(spec: JobSpec, task_function: Any, hydra_context: Any, singleton_state: Any) -> JobOutcome:
-    """Run one of llmexp's jobs in this process through Hydra's `run_job`; never raises for a failing task."""
+    """Run one of llmexp's jobs in this process through Hydra's `run_job`; never raises for a failing task.
+
+    The CLI's security check and the job directory's lock come first, in the job's own process (local) or on its
+    node (SLURM), before Hydra writes anything there; a refusal is this job's user error."""
     from hydra.core.utils import JobStatus
 
-    register_resolvers()
-    _enter(singleton_state)
-    if (refused := _check_job(spec)) is not None:
-        return refused
-    ret = _run_job(spec, task_function, hydra_context)
-    if ret.status == JobStatus.COMPLETED:
-        value = ret._return_value
-        code = value if isinstance(value, int) and not isinstance(value, bool) else 0
-        status = run_status(spec.job_dir) or ("completed" if code == 0 else "failed")
-        return JobOutcome(spec.num, status, code, None if code == 0 else _task_error(code))
-    err = ret._return_value
-    traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
-    return JobOutcome(spec.num, "failed", 1, f"{type(err).__name__}: {err}")
-
-
-def _check_job(spec: JobSpec) -> JobOutcome | None:
-    """The CLI's security check, in the job's own process (local) or on its node (SLURM), and the job
-    directory's lock, before Hydra writes anything there; a refusal is this job's user error."""
     from llmexp.config.security import check_config
     from llmexp.errors import UserError
     from llmexp.rundir.lock import lock_run_dir
     from llmexp.train.guarded import last_user_error, user_error_exit
 
+    register_resolvers()
+    _enter(singleton_state)
     try:
         check_config(spec.config)
         lock_run_dir(spec.job_dir)
     except UserError as err:
         return JobOutcome(spec.num, "failed", user_error_exit(err), last_user_error())
-    return None
-
-
-def _task_error(code: int) -> str:
-    """What a job that returned `code` says in its record: a user error's own message, when it was one."""
-    from llmexp.train.guarded import last_user_error
-
-    message = last_user_error() if code == EXIT_USER else None
-    return message or f"the task exited with code {code}"
+    ret = _run_job(spec, task_function, hydra_context)
+    if ret.status == JobStatus.COMPLETED:
+        value = ret._return_value
+        code = value if isinstance(value, int) and not isinstance(value, bool) else 0
+        status = run_status(spec.job_dir) or ("completed" if code == 0 else "failed")
+        error = None
+        if code:  # a user error's own message, when it was one
+            error = (last_user_error() if code == EXIT_USER else None) or f"the task exited with code {code}"
+        return JobOutcome(spec.num, status, code, error)
+    err = ret._return_value
+    traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
+    return JobOutcome(spec.num, "failed", 1, f"{type(err).__name__}: {err}")
 
 
 # ----------------------------------------------------------------------------- running a sweep again

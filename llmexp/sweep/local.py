@@ -1,27 +1,16 @@
 """The local launcher: `hydra/launcher=llmexp_local` (llmexp's `cluster=local`, the default) runs every
-job of a `--multirun` in its own process, so a crash or a `kill -9` of one job loses only that job:
+job of a `--multirun` in its own process, so a crash or a `kill -9` of one job loses only that job: with GPUs,
+one job per visible GPU (times `hydra.launcher.jobs_per_gpu`) side by side, each with its own
+`CUDA_VISIBLE_DEVICES`; on CPU, `hydra.launcher.max_parallel` at once (1: one after another).
 
-* with GPUs, side by side, one job per visible GPU (times `hydra.launcher.jobs_per_gpu`), each child
-  started with its own `CUDA_VISIBLE_DEVICES`; further jobs wait for a free GPU;
-* on CPU, one after another, or `hydra.launcher.max_parallel` at once.
-
-The parent composes each job's config (so composition errors stop the sweep before anything
-runs), pickles it with the task function into `<sweep dir>/.llmexp/<num>.job.pkl`, and starts
-`python -m llmexp.sweep.local <pickle>`. The child runs Hydra's `run_job` (so `.hydra/` and the job
-log land in `<sweep dir>/<num>/` as usual) and writes `<num>.outcome.json`; its stdout and stderr go
-to `<sweep dir>/<num>/job.log`. llmexp's jobs on CPU start warm instead: forked from a server that
-imported torch, transformers and the trainer once for the sweep (multiprocessing's forkserver), they
-skip the ~3 s of CPU a fresh process spends on imports and run the same `main`. GPU jobs always get
-a fresh process: CUDA must initialise in the job's own process, with its own CUDA_VISIBLE_DEVICES.
-A warm job is the server's child, not the launcher's, so the launcher watches it through its pidfd
-(Linux): if the server dies, at start-up or mid-job, its jobs run on, watched, each in its slot, and
-later jobs start fresh. A child that dies without an outcome is recorded from its exit signal.
-Ctrl-C (or SIGTERM) stops every running job with a checkpoint (SIGTERM; a second Ctrl-C: SIGKILL),
-and the launcher returns only once each has ended: no job outlives the sweep. For an app other than llmexp
-the child also pickles Hydra's JobReturn (`<num>.return.pkl`), which the launcher hands back to
-Hydra as it is. What every job and sweep share with the SLURM launcher
-(`llmexp.sweep.slurm`) is in `llmexp.sweep.jobs`.
-The launcher's process imports neither torch nor submitit (a warm job's process imports torch).
+The parent composes each job's config (so composition errors stop the sweep before anything runs), pickles it
+with the task function into `<sweep dir>/.llmexp/<num>.job.pkl`, and starts `python -m llmexp.sweep.local
+<pickle>`, whose stdout and stderr go to `<sweep dir>/<num>/job.log`. The child runs Hydra's `run_job` (so
+`.hydra/` lands in the job's directory as usual) and writes `<num>.outcome.json`; a child that dies without one
+is recorded from how it ended. llmexp's CPU jobs start warm instead, forked from a preloaded server (`_WarmJob`);
+GPU jobs always get a fresh process: CUDA must initialise in the job's own process. Ctrl-C stops every running
+job with a checkpoint, and the launcher returns only once each has ended (`_stop_all`). What the SLURM launcher
+shares is in `llmexp.sweep.jobs`. The launcher's process imports neither torch nor submitit.
 """
 
 from __future__ import annotations
@@ -67,7 +56,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
-"""A job process ended by one of these was asked to stop: `cancelled`; SIGKILL is `killed`."""
 
 
 # ----------------------------------------------------------------------------- devices
@@ -187,8 +175,8 @@ def read_outcome(path: Path) -> JobOutcome:
 
 def _run_queue(specs: Sequence[JobSpec], slots: list[str | None], work: Path, warm: bool,
                stop: StopRequest) -> dict[int, JobOutcome]:
-    """Start jobs as slots free up (`warm`: forked from the preloaded server), until `stop` is requested; collect an
-    outcome for every job, whatever happens to it, and return only once none runs."""
+    """Start jobs as slots free up until `stop` is requested; an outcome for every job, however it ends, and
+    return only once none runs."""
     pending, free = deque(specs), list(slots)
     running: list[_Running] = []
     outcomes: dict[int, JobOutcome] = {}
@@ -253,7 +241,7 @@ def _stop_all(running: Sequence[_Running], stop: StopRequest, grace_s: float = 1
 
 
 def _collect(job: _Running) -> JobOutcome:
-    """The child's own outcome, or one inferred from how the process ended."""
+    """The child's own outcome, or one from how the process ended (a stop signal: `cancelled`, SIGKILL: `killed`)."""
     num, code = job.spec.num, job.proc.returncode
     outcome = read_outcome(job.outcome_path)
     if outcome is None:
@@ -302,12 +290,13 @@ def _cold(why: str) -> bool:
 
 
 class _WarmJob:
-    """A CPU job forked from the sweep's fork server, with the part of Popen's interface the queue uses.
+    """A CPU job forked from the sweep's fork server (multiprocessing's forkserver, `PRELOAD` imported once: it skips
+    the ~3 s of CPU a fresh process spends on imports), with the part of Popen's interface the queue uses.
 
-    The job is the server's child, not the launcher's: its end is learnt from its pidfd, which holds whether or not
-    the server lives, and it is signalled through it (never a reused pid); while the server lives, it reports the
-    job's exit status. A server that dies while the job runs (its status pipe at EOF) leaves the job running,
-    watched (`lost_server`), and its exit status unknown (255, as multiprocessing says)."""
+    The job is the server's child, not the launcher's: its end is learnt from its pidfd (Linux), which holds whether
+    or not the server lives, and it is signalled through it (never a reused pid); while the server lives, it reports
+    the job's exit status. A server that dies, at start-up or mid-job, leaves its jobs running, watched
+    (`lost_server`), their exit status unknown (255, as multiprocessing says), and later jobs start fresh."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str]) -> None:
         context = multiprocessing.get_context("forkserver")  # the server `_warm_server` started

@@ -8,18 +8,16 @@ The study optimises `sweep.metric` (the eval loss by default, or any recorded ta
         (in the trial's own process: `llmexp.train.pruning`)
     -> tell each trial how its run ended -> until `sweep.n_trials` trials have ended
 
-The study lives in the sweep directory (`llmexp.rundir.study.journal_storage`: optuna's JournalStorage,
-a file with a lock that works on a shared filesystem), trial N is job N (`SWEEP_DIR/N`), and a
-trial's result is read from its run directory, never held only in this process. So running the same
-command again with the same `hydra.sweep.dir` continues the search: ended trials are not run again,
-trials that were running are launched again and resume from their checkpoints (a job still running
+The study lives in the sweep directory (`llmexp.rundir.study.journal_storage`), trial N is job N
+(`SWEEP_DIR/N`), and a trial's result is read from its run directory, never held only in this process. So
+running the same command again with the same `hydra.sweep.dir` continues the search: ended trials are not run
+again, trials that were running are launched again and resume from their checkpoints (a job still running
 from the earlier sweeper is waited for), and a `kill -9` of the sweeper loses no result.
 
 A space of categorical keys only with no more points than `sweep.n_trials` is its grid: each point runs
-once, in the grid's order (a sampler would draw points again, and llmexp's runs are deterministic, so a
-repeat is the same run again). Hydra's sweeper suites (tests/test_hydra_conformance.py) hold the search to
-that, on Hydra's own apps: for an app other than llmexp (`is_llmexp_config`), a trial's result is its
-task's return value, as Hydra's Optuna sweeper reads it, nothing prunes, and no llmexp report is written.
+once (a sampler would draw points again, and llmexp's runs are deterministic, so a repeat is the same run
+again). For an app other than llmexp (Hydra's sweeper suites, tests/test_hydra_conformance.py), a trial's
+result is its task's return value (`returned_result`), nothing prunes, and no llmexp report is written.
 """
 
 from __future__ import annotations
@@ -47,6 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class SearchSettings:
     """The search sweeper's settings (`hydra.sweeper.*`, mapped from `sweep.*`)."""
@@ -60,8 +59,8 @@ class SearchSettings:
 
 
 def make_sampler(name: str, seed: int, n_trials: int) -> optuna.samplers.BaseSampler:
-    """random or tpe. TPE starts from random points: a quarter of the budget (2 to 10), since optuna's
-    default of 10 would leave a 12-trial search almost random; `constant_liar` keeps parallel trials apart."""
+    """TPE starts from random points: a quarter of the budget (2 to 10), since optuna's default of 10 would
+    leave a 12-trial search almost random; `constant_liar` keeps parallel trials apart."""
     import optuna
 
     if name == "random":
@@ -71,9 +70,8 @@ def make_sampler(name: str, seed: int, n_trials: int) -> optuna.samplers.BaseSam
 
 
 def open_study(sweep_dir: Path, space: dict[str, Any], fixed: Sequence[str], sampler: Any, pruner: Any,
-               metric: str = "eval_loss", direction: str = "minimize") -> Any:
-    """The sweep directory's study, created or loaded, optimising `metric` (`sweep.metric`) in `direction`;
-    a directory holding another search is refused."""
+               metric: str, direction: str) -> Any:
+    """The sweep directory's study, created or loaded; a directory holding another search is refused."""
     import optuna
     from optuna.distributions import distribution_to_json
 
@@ -218,7 +216,7 @@ def _contiguous(trials: Sequence[optuna.Trial]) -> list[list[optuna.Trial]]:
 
 
 def _run_batch(sweeper: Any, study: Any, batch: list[optuna.Trial], sweep_dir: Path,
-               returns: list[Sequence[JobReturn]], metric: str | None = "eval_loss") -> bool:
+               returns: list[Sequence[JobReturn]], metric: str | None) -> bool:
     """Launch one batch of trials (each prunes itself), tell how each ended (its `metric` at the end; None: another
     app's trial, its returned value); False if the sweep was interrupted."""
     first = batch[0].number
@@ -254,7 +252,7 @@ def _run_batch(sweeper: Any, study: Any, batch: list[optuna.Trial], sweep_dir: P
     return not interrupted
 
 
-def _log_best(study: Any, sweep_dir: Path, metric: str | None = "eval_loss") -> None:
+def _log_best(study: Any, sweep_dir: Path, metric: str | None) -> None:
     where, value = (sweep_dir / "sweep_report.md", metric) if metric is not None else (sweep_dir, "returned")
     try:
         best = study.best_trial

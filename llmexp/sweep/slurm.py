@@ -3,15 +3,11 @@ submitit, and the job that runs on a node. Settings are `hydra.launcher.*` (llme
 For an app other than llmexp, each job runs Hydra's `run_job` on its node and the launcher waits for
 the array and hands the JobReturns back, as hydra-submitit-launcher does; what follows is llmexp's.
 
-Submission. The launcher pins the sweep directory and each job's run directory
-(`llmexp.sweep.jobs.compose_jobs`), wraps each job in a `SlurmJob` (which composes its config on the
-node, as Hydra's sweeper has already validated it) and submits them all at once with
-`executor.batch()`, which submitit turns into one `sbatch --array=0-N%array_parallelism`. With
-`cluster.wait=false` it prints the job ids, the sweep directory and the `python -m llmexp.report`
-command, and returns: nothing has to keep watching, each job records how it ended itself.
-Otherwise it polls `sacct` (one call for the whole array) until every job ended, and every job
-gets an outcome, however it ended: a job that raised, was `scancel`'d, ran out of time or memory
-is recorded (`job_status.json`) instead of raising submitit's UncompletedJobError at the first.
+Submission. Each job, its run directory pinned (`llmexp.sweep.jobs.compose_jobs`), is wrapped in a `SlurmJob`
+(which composes its config on the node, as Hydra's sweeper has already validated it); `executor.batch()` submits
+them as one `sbatch --array=0-N%array_parallelism`. With `cluster.wait=false` the launcher returns at once: each
+job records how it ended itself. Otherwise it polls `sacct` until every job ended, and every job is recorded
+(`job_status.json`), however it ended, instead of raising submitit's UncompletedJobError at the first.
 
 Timeout and preemption, and who handles which signal:
 
@@ -26,8 +22,7 @@ Timeout and preemption, and who handles which signal:
 3. `SlurmJob` then asks SLURM about the job. Still RUNNING means the signal was a warning (time
    limit or USR2 preemption): it calls submitit's SIGUSR2 handler itself, which calls
    `SlurmJob.checkpoint()` (the same job, with `train.resume=auto`), counts the timeout against
-   `cluster.max_num_timeout`, runs `scontrol requeue` (with SIGTERM ignored: the requeue SIGTERMs
-   the whole job, scontrol too) and exits. The requeued job starts in the
+   `cluster.max_num_timeout`, runs `scontrol requeue` and exits. The requeued job starts in the
    same run directory and resumes from the checkpoint just written. Not RUNNING (cancelled,
    timed out, preempted with PreemptMode=REQUEUE, which requeues by itself) means SLURM decided:
    the job just returns, so a `scancel` is never undone.
@@ -49,6 +44,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -126,13 +122,12 @@ class SlurmJob(submitit.helpers.Checkpointable):
 
             Singleton.set_state(self.singleton_state)
             register_resolvers()
-            cfg = compose_job(self.launcher, self.spec.overrides, self.spec.num)
-            self.spec = JobSpec(self.spec.num, self.spec.overrides, cfg, self.spec.job_dir)
+            self.spec = replace(self.spec, config=compose_job(self.launcher, self.spec.overrides, self.spec.num))
         spec = self.spec
         if env.num_tasks > 1:
             submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
             if env.global_rank != 0:  # one writer for .hydra/
-                spec = JobSpec(spec.num, spec.overrides, _with(spec.config, "hydra.output_subdir", None), spec.job_dir)
+                spec = replace(spec, config=_with(spec.config, "hydra.output_subdir", None))
         if not self.extras:
             result = run_task(spec, self.launcher.task_function, self.launcher.hydra_context, self.singleton_state)
             job_over()
@@ -150,7 +145,7 @@ class SlurmJob(submitit.helpers.Checkpointable):
         """The same job again, resuming from the newest checkpoint in its run directory."""
         spec = self.spec
         if spec.config is not None and self.extras:  # None: signalled before composing, so nothing ran yet
-            spec = JobSpec(spec.num, spec.overrides, _with(spec.config, "train.resume", "auto"), spec.job_dir)
+            spec = replace(spec, config=_with(spec.config, "train.resume", "auto"))
         again = SlurmJob(spec, self.launcher, self.singleton_state, self.extras)
         return submitit.helpers.DelayedSubmission(again, *args, **kwargs)
 
@@ -235,14 +230,13 @@ def launch_slurm(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
         record_outcome(spec, JobOutcome(spec.num, "submitted", None, "submitted to SLURM; see slurm_jobs.json"))
     with executor.batch():
         jobs = [executor.submit(SlurmJob(spec, launcher, state, extras)) for spec in specs]
+    log.info(f"Submitted {len(jobs)} jobs to SLURM as array {jobs[0].job_id.split('_')[0]}: {sweep_dir}")
     if not extras:  # another app: Hydra's JobReturns, as hydra-submitit-launcher returns them
-        log.info(f"Submitted {len(jobs)} jobs to SLURM as array {jobs[0].job_id.split('_')[0]}: {sweep_dir}")
         return other_app_returns(specs, jobs)
     ids = {s.num: j.job_id for s, j in zip(specs, jobs, strict=True)}
     earlier = (read_slurm_jobs(sweep_dir / "slurm_jobs.json") or {}).get("jobs", {})  # a search submits batch by batch
     write_json_atomic(sweep_dir / "slurm_jobs.json", {"jobs": {**earlier, **{str(k): v for k, v in ids.items()}},
                                                       "submitit_folder": str(folder)})
-    log.info(f"Submitted {len(jobs)} jobs to SLURM as array {jobs[0].job_id.split('_')[0]}: {sweep_dir}")
     if not settings.get("wait", True):
         print(f"Submitted SLURM jobs {', '.join(ids.values())}\nSweep directory: {sweep_dir}\n"
               f"When they have ended: python -m llmexp.report {sweep_dir}", flush=True)
@@ -266,8 +260,8 @@ def other_app_returns(specs: Sequence[JobSpec], jobs: Sequence[submitit.Job]) ->
 def wait_for_jobs(specs: Sequence[JobSpec], jobs: Sequence[submitit.Job], poll_s: float = _POLL_S) -> list[JobOutcome]:
     """Poll until every job has ended; one sacct call per poll covers the whole array."""
     outcomes: dict[int, JobOutcome] = {}
-    remaining = dict(zip((s.num for s in specs), zip(specs, jobs, strict=True), strict=True))
-    swept_by_num = {s.num: swept(s.overrides, [o.overrides for o in specs]) for s in specs}
+    remaining = {spec.num: (spec, job) for spec, job in zip(specs, jobs, strict=True)}
+    overrides = [spec.overrides for spec in specs]
     try:
         while remaining:
             time.sleep(poll_s)
@@ -277,7 +271,7 @@ def wait_for_jobs(specs: Sequence[JobSpec], jobs: Sequence[submitit.Job], poll_s
                     outcomes[num] = collect(spec, job)
                     record_outcome(spec, outcomes[num])
                     del remaining[num]
-                    log.info(f"  #{num} ({job.job_id}) {outcomes[num].status}: {swept_by_num[num]}")
+                    log.info(f"  #{num} ({job.job_id}) {outcomes[num].status}: {swept(spec.overrides, overrides)}")
     except KeyboardInterrupt:
         log.warning(f"stopped watching; {len(remaining)} jobs keep running on SLURM. "
                     f"Later: python -m llmexp.report {specs[0].job_dir.parent}")

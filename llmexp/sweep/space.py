@@ -214,9 +214,8 @@ def probe_job(overrides: Sequence[Override]) -> list[str]:
 
 
 def edge_values(override: Override) -> list[Any]:
-    """The values a search can give a swept key at the edges of its space: every value of a categorical, both
-    ends of an interval (integers for `tag(int, ...)`). A value between two ends that pass a range check passes
-    it too (every `Range` is an interval), so checking these checks the whole space."""
+    """The values a search can give a swept key at the edges of its space (`llmexp.sweep.check` says why they
+    stand for all): every value of a categorical, both ends of an interval (integers for `tag(int, ...)`)."""
     from hydra.core.override_parser.types import IntervalSweep
 
     value = override.value()

@@ -19,39 +19,31 @@ from llmexp.rundir.tracking import read_mlflow_run, write_mlflow_run
 log = logging.getLogger(__name__)
 
 
-def _uses_mlflow(config: Any) -> bool:
-    """llmexp's config (another Hydra app's has no `logger` node) with `logger=mlflow`."""
+def open_parent(config: Any, sweep_dir: Path) -> None:
+    """The parent run of the sweep in `sweep_dir`: continued if the directory records one, else created; for
+    llmexp's config (another Hydra app's has no `logger` node) with `logger=mlflow` only."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.select(config, "logger.name", default=None) == "mlflow" and "train" in config
-
-
-def open_parent(config: Any, sweep_dir: Path) -> None:
-    """The parent run of the sweep in `sweep_dir`: continued if the directory records one, else created."""
-    if not _uses_mlflow(config):
+    if OmegaConf.select(config, "logger.name", default=None) != "mlflow" or "train" not in config:
         return
     try:
-        _open(config, Path(sweep_dir))
+        from llmexp.monitor.mlflow_sink import connect
+
+        lg = config.logger
+        store = connect(lg.tracking_uri, str(lg.experiment), sweep_dir, float(lg.init_timeout_s))
+        known = read_mlflow_run(sweep_dir)
+        if known is not None and known["tracking_uri"] == store.uri:
+            store.client.update_run(known["run_id"], status="RUNNING")
+            return
+        overrides = " ".join(scrub_overrides([str(o) for o in config.hydra.overrides.task]))
+        run = store.client.create_run(store.experiment_id, run_name=sweep_dir.name,
+                                      tags={"llmexp.sweep_dir": str(sweep_dir), "llmexp.overrides": overrides[:5000]})
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        write_mlflow_run(sweep_dir, store.uri, store.experiment_id, run.info.run_id)
+        log.info(f"MLflow parent run {run.info.run_id} in {store.uri}")
     except Exception as err:  # the sweep goes on; its jobs' runs are then not nested
         log.warning(f"mlflow: no parent run for the sweep ({type(err).__name__}: {scrub_text(str(err))[:300]}); "
                     "its jobs log runs that are not nested")
-
-
-def _open(config: Any, sweep_dir: Path) -> None:
-    from llmexp.monitor.mlflow_sink import connect
-
-    lg = config.logger
-    store = connect(lg.tracking_uri, str(lg.experiment), sweep_dir, float(lg.init_timeout_s))
-    known = read_mlflow_run(sweep_dir)
-    if known is not None and known["tracking_uri"] == store.uri:
-        store.client.update_run(known["run_id"], status="RUNNING")
-        return
-    overrides = " ".join(scrub_overrides([str(o) for o in config.hydra.overrides.task]))
-    run = store.client.create_run(store.experiment_id, run_name=sweep_dir.name,
-                                  tags={"llmexp.sweep_dir": str(sweep_dir), "llmexp.overrides": overrides[:5000]})
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    write_mlflow_run(sweep_dir, store.uri, store.experiment_id, run.info.run_id)
-    log.info(f"MLflow parent run {run.info.run_id} in {store.uri}")
 
 
 def close_parent(sweep_dir: Path, ok: bool) -> None:
