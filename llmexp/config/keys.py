@@ -144,11 +144,6 @@ def type_words(tp: Any) -> str:
     return "any" if tp is Any else getattr(tp, "__name__", str(tp))
 
 
-def all_keys() -> list[str]:
-    """Every dotted key of the schema, nodes and leaves (`train`, `train.max_steps`, ...)."""
-    return list(dict.fromkeys(key.rsplit(".", n)[0] for key in leaves() for n in range(key.count("."), -1, -1)))
-
-
 def unknown_key(key: str) -> str | None:
     """None if the schema knows `key` (or it lies under a free-form dict); else a message with a suggestion."""
     from llmexp.config.schema import Config
@@ -176,15 +171,13 @@ def _type_problem(key: str, value: Any) -> str | None:
     from omegaconf import nodes
     from omegaconf.errors import ValidationError
 
-    tp, default = leaf.type, leaf.default
-    node_class = {int: nodes.IntegerNode, float: nodes.FloatNode, bool: nodes.BooleanNode}[tp]
+    node_class = {int: nodes.IntegerNode, float: nodes.FloatNode, bool: nodes.BooleanNode}[leaf.type]
     try:
         node_class(value)  # exactly what OmegaConf will accept at compose time
-        return None
     except ValidationError:
-        pass
-    example = str(default).lower() if isinstance(default, bool) else default
-    return f"{key}={value}: must be {_TYPE_WORDS[tp]}, e.g. {key}={example}"
+        example = str(leaf.default).lower() if isinstance(leaf.default, bool) else leaf.default
+        return f"{key}={value}: must be {_TYPE_WORDS[leaf.type]}, e.g. {key}={example}"
+    return None
 
 
 def _suggest(parts: list[str], i: int, fields: dict[str, Any]) -> str:
@@ -192,9 +185,10 @@ def _suggest(parts: list[str], i: int, fields: dict[str, Any]) -> str:
     close = difflib.get_close_matches(parts[i], list(fields), n=1, cutoff=0.6)
     if close:
         return f"did you mean {prefix + '.' if prefix else ''}{close[0]}?"
-    elsewhere = [k for k in all_keys() if k.rsplit(".", 1)[-1] == parts[i]]
-    if elsewhere:
-        return f"did you mean {elsewhere[0]}?"
+    for key in leaves():  # the first key, node or leaf, of that name
+        found = key.split(".")
+        if parts[i] in found:
+            return f"did you mean {'.'.join(found[:found.index(parts[i]) + 1])}?"
     return f"{prefix or 'the top level'} has {', '.join(fields)} (python -m llmexp --cfg job shows every key)"
 
 
@@ -216,12 +210,13 @@ def structure_errors(cfg: Any) -> list[str]:
         cfg = OmegaConf.structured(cfg)
     data = OmegaConf.to_container(cfg, resolve=False)
     data.pop("hydra", None)  # type: ignore[union-attr]
-    missing = [key for key, value in _strings(data) if value == "???"]
-    errors = [f"{key}: is required but left unset (??? in the config); set {key}=..." for key in missing]
+    strings = _strings(data)
+    errors = [f"{key}: is required but left unset (??? in the config); set {key}=..."
+              for key, value in strings if value == "???"]
     errors += _unknown_keys(data)
-    errors += [f"{key}: contains a NUL byte; remove it" for key, value in _strings(data) if "\x00" in value]
+    errors += [f"{key}: contains a NUL byte; remove it" for key, value in strings if "\x00" in value]
     errors += security.target_errors(data)  # type: ignore[arg-type]
-    return errors if errors or missing else _interpolation_errors(cfg)
+    return errors or _interpolation_errors(cfg)
 
 
 def _interpolation_errors(cfg: Any) -> list[str]:

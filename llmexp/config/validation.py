@@ -196,32 +196,27 @@ def validate(cfg: DictConfig | Config) -> None:
 
     if not isinstance(cfg, DictConfig):
         cfg = OmegaConf.structured(cfg)
-    errors = _deleted_node_errors(cfg) or structure_errors(cfg)  # ~node, ???, unknown keys, _target_s, ${...}
-    if errors:  # the values below cannot be read or trusted until these are fixed
+    # ~node, ???, unknown keys, _target_s, ${...} first: the values cannot be read or trusted until these are fixed
+    errors = _deleted_node_errors(cfg) or structure_errors(cfg) or _value_errors(cfg)
+    if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
-    bad = _leaf_errors(cfg)
-    errors = list(bad.values())
+
+
+def _value_errors(cfg: DictConfig) -> list[str]:
+    """Each leaf by its rule, then option names and the rules between fields; a rule between fields reads only
+    keys whose own rule holds."""
+    from llmexp.config.security import remote_code_errors
+
+    leaf_errors = _leaf_errors(cfg)
+    errors, bad = list(leaf_errors.values()), leaf_errors.keys()
     t = cfg.train
-    if not bad.keys() & {"train.warmup_steps", "train.warmup_ratio", "train.max_steps"}:
+    if not bad & {"train.warmup_steps", "train.warmup_ratio", "train.max_steps"}:
         warmup = t.warmup_steps if t.warmup_steps is not None else int(t.warmup_ratio * max(t.max_steps, 0))
         _check(errors, t.max_steps == -1 or warmup < t.max_steps, "train.warmup_steps",
                f"warmup ({warmup} steps) must be shorter than train.max_steps={t.max_steps}; "
                "lower train.warmup_steps/warmup_ratio or raise train.max_steps")
     _check(errors, t.resume in ("auto", "never") or bool(t.resume), "train.resume",
            "must be auto, never, or a checkpoint path")
-    _validate_groups(cfg, errors, bad.keys())
-    if "batch_size" not in bad and parse_batch_size(cfg.batch_size) is None and cfg.deepspeed.stage > 0:
-        errors.append(f"batch_size=auto does not work with deepspeed={cfg.deepspeed.name}: DeepSpeed fixes the "
-                      "micro-batch in its config before the model exists; set batch_size to a number "
-                      "(python -m llmexp.estimate batch_size=auto shows what fits)")
-    if errors:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
-
-
-def _validate_groups(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet[str]) -> None:
-    """Option names and the rules between fields; a rule reads only keys whose own range holds."""
-    from llmexp.config.security import remote_code_errors
-
     m, d = cfg.model, cfg.data
     _check(errors, not d.finetune_only or bool(m.name_or_path), "model.name_or_path",
            f"data={d.name} fine-tunes an earlier model; set model.name_or_path=outputs/<date>/<time>/model")
@@ -259,6 +254,11 @@ def _validate_groups(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet
     _validate_lr_find(cfg, errors, bad)
     if (problem := tracking_uri_problem(cfg.logger.tracking_uri)) is not None:
         errors.append(problem)
+    if "batch_size" not in bad and parse_batch_size(cfg.batch_size) is None and cfg.deepspeed.stage > 0:
+        errors.append(f"batch_size=auto does not work with deepspeed={cfg.deepspeed.name}: DeepSpeed fixes the "
+                      "micro-batch in its config before the model exists; set batch_size to a number "
+                      "(python -m llmexp.estimate batch_size=auto shows what fits)")
+    return errors
 
 
 def _validate_mup(cfg: DictConfig, errors: list[str]) -> None:
@@ -402,10 +402,9 @@ RUN_METRICS = {"eval_loss": "minimize", "eval_ppl": "minimize"}
 TASK_METRICS = {"perplexity": {"loss": "minimize", "ppl": "minimize"},
                 "multiple_choice": {"acc": "maximize", "acc_norm": "maximize"},
                 "generate": {"exact_match": "maximize", "contains": "maximize"}}
-"""What each kind of task records (`tasks/<name>/<metric>`), and which way is better; the demo task is a
-multiple_choice task named `demo`; harness tasks record the harness's own metric names."""
-TASK_KINDS = tuple(TASK_METRICS)
-"""The `eval` group's dicts of named tasks (`eval.<kind>.<name>`), each entry a schema node of its own."""
+"""What each kind of task (the `eval` group's dicts of named tasks, `eval.<kind>.<name>`) records
+(`tasks/<name>/<metric>`), and which way is better; the demo task is a multiple_choice task named `demo`; harness
+tasks record the harness's own metric names."""
 
 def _validate_eval(cfg: DictConfig, errors: list[str]) -> None:
     """`eval` (its option name is a `rules.Choice`): every task's name and fields, the harness's task list,
@@ -433,7 +432,7 @@ def _validate_tasks(ev: DictConfig, errors: list[str]) -> list[str]:
     from llmexp.config.schema import EvalConfig
 
     names: list[str] = []
-    for kind in TASK_KINDS:
+    for kind in TASK_METRICS:
         for name, task in ev[kind].items():
             key = f"eval.{kind}.{name}"
             names.append(str(name))
@@ -470,9 +469,8 @@ def task_metrics(cfg: DictConfig) -> dict[str, dict[str, str] | None]:
     """{task name: {metric: better direction}} of the tasks `cfg.eval` runs; None for a harness task (its
     metrics are the harness's, known once it ran)."""
     ev = cfg.eval
-    out: dict[str, dict[str, str] | None] = {}
-    for kind in TASK_KINDS:
-        out.update({str(name): TASK_METRICS[kind] for name in ev[kind]})
+    out: dict[str, dict[str, str] | None] = {str(name): metrics for kind, metrics in TASK_METRICS.items()
+                                             for name in ev[kind]}
     if ev.demo_items > 0:
         out["demo"] = TASK_METRICS["multiple_choice"]
     out.update({str(t): None for t in ev.lm_eval.tasks})
@@ -530,6 +528,7 @@ def _validate_lr_find(cfg: DictConfig, errors: list[str], bad: typing.AbstractSe
 TRACKING_SCHEMES = ("http", "https", "sqlite", "databricks")
 """What `logger.tracking_uri` may name: an MLflow server, a SQLite store, or Databricks."""
 MAX_URI_LEN = 2048
+_URI_EXAMPLE = "e.g. logger.tracking_uri=http://127.0.0.1:5000, or leave it null for a store in the run directory"
 
 
 def tracking_uri_problem(uri: Any) -> str | None:
@@ -553,22 +552,15 @@ def tracking_uri_problem(uri: Any) -> str | None:
                 "from the URI")
     if uri == "databricks":  # the workspace of the default Databricks profile
         return None
-    return _scheme_problem(uri, parts.scheme.lower(), parts.hostname, parts.path)
-
-
-_URI_EXAMPLE = "e.g. logger.tracking_uri=http://127.0.0.1:5000, or leave it null for a store in the run directory"
-
-
-def _scheme_problem(uri: str, scheme: str, host: str | None, path: str) -> str | None:
-    """What each kind of tracking URI needs: a known scheme, a host for a server, a file for SQLite."""
+    scheme = parts.scheme.lower()
     if scheme == "file" or not scheme:
         return (f"logger.tracking_uri={uri}: MLflow 3 refuses file stores (maintenance mode); use "
-                f"sqlite:///{path or '/path/to'}/mlflow.db, or a server: {_URI_EXAMPLE}")
+                f"sqlite:///{parts.path or '/path/to'}/mlflow.db, or a server: {_URI_EXAMPLE}")
     if scheme not in TRACKING_SCHEMES:
         return (f"logger.tracking_uri={uri}: {scheme}:// is not one of {', '.join(TRACKING_SCHEMES)}; to keep "
                 "runs in a database, run an MLflow server on it (mlflow server --backend-store-uri ...) and point "
                 f"at the server: {_URI_EXAMPLE}")
-    if scheme in ("http", "https") and not host:
+    if scheme in ("http", "https") and not parts.hostname:
         return f"logger.tracking_uri={uri}: names no host; {_URI_EXAMPLE}"
     if scheme == "sqlite" and (not uri.startswith("sqlite:///") or uri in ("sqlite:///", "sqlite:///:memory:")):
         return (f"logger.tracking_uri={uri}: a SQLite store is sqlite:/// followed by a file path, e.g. "
