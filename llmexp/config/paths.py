@@ -282,11 +282,10 @@ def hf_files_problem(cfg: Any, key: str, value: Any) -> str | None:
     flat = [s for spec in specs for s in ([spec] if isinstance(spec, str) else list(spec))]
     if not flat or not all(isinstance(s, str) and s.strip() for s in flat):
         return f"{key}={value}: must be a file, a glob, or a list of them; e.g. {key}=/data/train.parquet"
+    base = Path(source).expanduser() if source not in HF_BUILDERS else Path()
     for spec in flat:
-        base = Path(source).expanduser() if source not in HF_BUILDERS else Path()
-        matches = [Path(p) for p in glob.iglob(str(base / os.path.expanduser(spec)), recursive=True)] or \
-            [base / os.path.expanduser(spec)]
-        for match in matches:
+        pattern = base / os.path.expanduser(spec)
+        for match in [Path(p) for p in glob.iglob(str(pattern), recursive=True)] or [pattern]:
             if problem := _input_file_problem(key, match, f"files for data.path={source}"):
                 return problem
     return None
