@@ -98,15 +98,13 @@ def get_or_build(root: Path, kind: str, key: str,
     (`rundir.files.staged_dir`: nothing if `build` raises; DiskFull on a full disk). `rebuild`: the entry's loader
     could not read it; build it again."""
     entry = Path(root).expanduser() / kind / key
-    meta = None if rebuild else _verified(entry)
-    if meta is not None:
+    if not rebuild and (meta := _verified(entry)) is not None:
         return entry, meta, True
     lock_path = Path(root).expanduser() / "locks" / f"{kind}-{key}.lock"
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(lock_path):
         # another process may have built it while we waited
-        meta = None if rebuild else load_meta(entry / COMPLETE_MARKER)
-        if meta is not None and damage(entry, meta) is None:
+        if not rebuild and (meta := load_meta(entry / COMPLETE_MARKER)) is not None and damage(entry, meta) is None:
             return entry, meta, True
         for stale in entry.parent.glob(f".{key}.tmp-*"):  # left by a killed builder; we hold the lock
             shutil.rmtree(stale, ignore_errors=True)

@@ -1,15 +1,7 @@
-"""`data=hf`: anything the `datasets` library loads, turned into llmexp's records.
-
-    data.path=tatsu-lab/alpaca                             a hub id: the local HF cache offline, the hub online
-    data.path=/data/my_set                                 a directory written by `Dataset.save_to_disk`
-    data.path=parquet data.data_files=/data/*.parquet      files, through one of datasets' builders
-                                                           (parquet, arrow, json, csv, text)
-
-Columns become one of llmexp's record shapes (`text`, `prompt` + `completion`, `messages`): named
-by `data.text_field`, `data.prompt_field` + `data.completion_field` or `data.messages_field`, or
-else found by their usual names, Alpaca's `{instruction, input, output}` included. A missing column
-exits 2 naming the columns there are. The token cache is keyed by the dataset's own fingerprint
-(datasets computes one per loaded table), so a changed dataset is tokenised again.
+"""`data=hf`: anything the `datasets` library loads (a hub id, a `save_to_disk` directory, files through one of
+datasets' builders), its columns turned into llmexp's records (the user's side: docs/how-to/data.md, "Hub datasets").
+The token cache is keyed by the dataset's own fingerprint (datasets computes one per loaded table), so a changed
+dataset is tokenised again.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""The tokenizer: a given directory, the model's own, or a byte-level BPE trained on the corpus.
-
-`load_tokenizer(cfg)` picks, in order: `data.tokenizer` (a directory or hub id), the tokenizer of
-`model.name_or_path`, or a byte-level BPE (`tokenizers`, vocab = `model.vocab_size`) trained on
-the corpus's TRAIN split and cached by a hash of that split. The result always has an eos and
-a pad token. `hub_error(name)` is the one message for a model or tokenizer the hub cannot serve
-here; `llmexp.model.build` uses it too. transformers is imported inside functions only.
+"""The tokenizer (`load_tokenizer`), in order: `data.tokenizer` (a directory or hub id), the tokenizer of
+`model.name_or_path`, or a byte-level BPE (vocab = `model.vocab_size`) trained on the corpus's train split and
+cached by a hash of that split; always with an eos and a pad token. `hub_error(name)` is the one message for a
+model or tokenizer the hub cannot serve here (`llmexp.model.build` uses it too). transformers is imported inside
+functions only.
 """
 
 from __future__ import annotations
@@ -104,7 +102,7 @@ def tokenizer_fingerprint(tok: Any) -> str:
 
 
 def load_tokenizer(cfg: DictConfig) -> PreTrainedTokenizerFast:
-    """The run's tokenizer (see the module docstring for the order of choices)."""
+    """The run's tokenizer (the module docstring says which)."""
     if cfg.data.finetune_only and not cfg.model.name_or_path:
         via = f" (experiment={cfg.experiment})" if cfg.experiment else ""
         raise UserError(f"data={cfg.data.name}{via} fine-tunes an earlier model: set model.name_or_path to a "

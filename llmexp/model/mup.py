@@ -52,7 +52,7 @@ def granite_multipliers(sizes: ModelSizes, base_width: int) -> dict[str, float]:
             "logits_scaling": sizes.mup_width_mult(base_width)}  # Granite divides the logits by it: x 1/m
 
 
-def part_of(name: str, param: torch.Tensor, embeddings: set[int], head: set[int]) -> str:
+def part_of(param: torch.Tensor, embeddings: set[int], head: set[int]) -> str:
     """Which muP rule a parameter follows: `hidden` (both dimensions grow with the width), `head`, `embedding`
     or `vector` (norms, biases: one width dimension)."""
     if id(param) in head:
@@ -70,8 +70,8 @@ def rescale_init(model: torch.nn.Module, mult: float) -> None:
 
     embeddings, head = _special_params(model)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if part_of(name, param, embeddings, head) == "hidden":
+        for param in model.parameters():
+            if part_of(param, embeddings, head) == "hidden":
                 param.mul_(1.0 / math.sqrt(mult))
 
 
@@ -98,8 +98,8 @@ def mup_groups(cfg: DictConfig, model: torch.nn.Module, mult: float) -> list[dic
                         f"{', '.join(ADAM_LIKE + SGD_LIKE)}")
     embeddings, head = _special_params(model)
     params: dict[str, list[torch.Tensor]] = {part: [] for part in rules}
-    for pname, param in model.named_parameters():
+    for param in model.parameters():
         if param.requires_grad:
-            params[part_of(pname, param, embeddings, head)].append(param)
+            params[part_of(param, embeddings, head)].append(param)
     return [{"params": params[part], "weight_decay": decay, LR_MULT: factor, "mup_part": part}
             for part, (factor, decay) in rules.items() if params[part]]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import os
 import re
 
@@ -44,13 +45,8 @@ def run_id() -> str:
     return f"{stamp:%Y-%m-%d}/{stamp:%H-%M-%S}-{pid}"
 
 
-_asked: dt.datetime | None = None
-
-
+@functools.cache
 def _first_asked() -> dt.datetime:
     """The time this process first asked for its run id: every composition in one process (the CLI's check, then
     `@hydra.main`'s own) names the same directory, the one the CLI checked and locked."""
-    global _asked
-    if _asked is None:
-        _asked = dt.datetime.now()
-    return _asked
+    return dt.datetime.now()

@@ -150,15 +150,10 @@ def read_result(job_dir: Path, metric: str = "eval_loss") -> TrialResult:
 
 
 def sweep_exit_code(results: Sequence[TrialResult]) -> int:
-    """The exit code of a sweep, grid or search alike, from how each job ended (`read_result`).
-
-    A sweep asks a question of its jobs, and a diverged lr is an answer (the lr is too high) that the
-    report shows; so the code says whether the sweep got its answers, not whether each job trained:
-    1 (EXIT_ERROR) when a job did not end by itself (a crash, a kill, a cancel, a time limit, a preemption,
-    never started): the sweep is incomplete, and the same command continues it; else 3 (EXIT_DIVERGED) when
-    no job completed and one diverged or failed a doctor's error check: nothing in the space trains; else 0.
-    (2 is a mistake found before launch, or one that every trial would repeat.)
-    """
+    """The exit code of a sweep, grid or search alike, from how each job ended (`read_result`; the codes are
+    docs/reference/commands.md's). A sweep asks a question of its jobs, and a diverged lr is an answer (the lr is
+    too high) that the report shows; so the code says whether the sweep got its answers, not whether each job
+    trained: a job that did not end by itself leaves the sweep incomplete (the same command continues it)."""
     statuses = [r.status for r in results]
     if not statuses or any(s in ("crashed", "running") for s in statuses):
         return EXIT_ERROR

@@ -60,8 +60,7 @@ def secret_env_values(environ: Mapping[str, str] | None = None) -> list[str]:
 def scrub_text(text: str, secrets: Iterable[str] | None = None) -> str:
     """`text` with every known secret value and every token-shaped string replaced by REDACTED."""
     for secret in secret_env_values() if secrets is None else secrets:
-        if secret in text:
-            text = text.replace(secret, REDACTED)
+        text = text.replace(secret, REDACTED)
     return _SECRET_VALUE.sub(REDACTED, text)
 
 
