@@ -122,9 +122,8 @@ def rule_for(key: str) -> Any:
 
 
 def reference() -> list[KeyDoc]:
-    """Every leaf of the schema in schema order, then the launchers' and sweepers' own settings (`hydra.launcher.*`,
-    `hydra.sweeper.*`; the rest of theirs are the `cluster.*` / `sweep.*` keys), each in words: the docs' config
-    reference. The entries of a dict of nodes are listed as `eval.generate.<name>.max_new_tokens`."""
+    """Every leaf of the schema (with the entries of a dict of nodes), then `hydra_leaves`, each in words: the
+    docs' config reference."""
     from llmexp.config.schema import Config
 
     found = [*leaves_of(Config, entries=True), *hydra_leaves().values()]

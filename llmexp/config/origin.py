@@ -34,7 +34,7 @@ def key_origin(loader: Any, cfg: Any, overrides: list[str], key: str) -> str:
             if found := _setting_source(sources, default, key):
                 return found
     except Exception:  # the origin is a courtesy; the refusal stands without it
-        return "config"
+        pass
     return "config"
 
 
@@ -45,12 +45,11 @@ def _setting_source(sources: list[tuple[str, str]], default: Any, key: str) -> s
     package = default.package or ""
     if package and key != package and not key.startswith(f"{package}."):
         return None
-    relative = key[len(package) + 1:] if package and key != package else key if not package else ""
     found = next((hit for schema, path in sources if (hit := _read(schema, path, default.config_path))), None)
     if found is None:  # Hydra takes a config from the first source in the search path that has it
         return None
     where, node = found
-    for part in [p for p in relative.split(".") if p]:
+    for part in [p for p in key.removeprefix(package).split(".") if p]:  # the key below the package
         if isinstance(node, dict) and part in node:
             node = node[part]
         elif isinstance(node, list) and part.isdigit() and int(part) < len(node):

@@ -1,12 +1,6 @@
-"""What a config key may hold, and `key()`, which puts a key's default, rule and doc on its schema field.
-
-Every leaf of `schema.Config` is declared `name: type = key(default, rule, "doc")`; `keys` walks the schema and reads
-them there, for validation, `--help`, the schema-wide property test and the docs reference (`keys.reference`).
-Each rule says what it refuses (`problem`) and, in words, what it takes (`describe`): a number's `Range`, a `Choice`
-of a config group's option names or of a policy's, free `Text` (and a `TextList` of it), a `Flag`, a `PathRule`
-(a file or directory, checked on this machine by `paths`), or a `Special` rule that the function that knows it
-checks. No torch, no Hydra here.
-"""
+"""What a config key may hold, and `key()`, which puts a key's default, rule and doc on its schema field
+(`name: type = key(default, rule, "doc")`; `keys` reads them there). Each rule says what it refuses (`problem`: a
+message naming the key, or None) and, in words, what it takes (`describe`). No torch, no Hydra here."""
 
 from __future__ import annotations
 

@@ -584,8 +584,7 @@ def register_configs() -> None:
     """Register the schemas. Called by the entry point, never at import time."""
     from hydra.core.config_store import ConfigStore
 
-    cs = ConfigStore.instance()
-    cs.store(name="base_config", node=Config)
+    ConfigStore.instance().store(name="base_config", node=Config)
 
 
 def compose_config(overrides: list[str], run_dir: Path | None = None) -> Any:

@@ -54,18 +54,15 @@ def _validate_deepspeed(cfg: Any, errors: list[str]) -> None:
     _check(errors, ds.offload_param == "none" or ds.stage == 3, "deepspeed.offload_param",
            f"{ds.offload_param} needs ZeRO stage 3 (got stage {ds.stage}); use deepspeed=zero3 "
            "deepspeed.offload_param=cpu")
-    _check(errors, ds.stage == 0 or cfg.precision.name != "fp16" or _is_power_of_two(cfg.precision.init_scale),
-           "precision.init_scale", f"{cfg.precision.init_scale}: DeepSpeed's loss scale starts at a power of two; "
+    scale = cfg.precision.init_scale
+    _check(errors, ds.stage == 0 or cfg.precision.name != "fp16" or (scale >= 1 and math.log2(scale).is_integer()),
+           "precision.init_scale", f"{scale}: DeepSpeed's loss scale starts at a power of two; "
            "use e.g. precision.init_scale=65536")
     _check(errors, not (ds.stage > 0 and cfg.train.on_anomaly == "rollback"), "train.on_anomaly",
            "rollback is not supported under DeepSpeed; use train.on_anomaly=skip or stop")
     _check(errors, not (ds.stage >= 3 and cfg.train.sample_prompts), "train.sample_prompts",
            "samples need whole weights on one process, and ZeRO-3 partitions them; use deepspeed=zero2, or "
            "sample from model/ after the run")
-
-
-def _is_power_of_two(value: float) -> bool:
-    return value >= 1 and math.log2(value).is_integer()
 
 
 def is_lr_find(value: Any) -> bool:
