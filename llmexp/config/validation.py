@@ -108,10 +108,9 @@ def _deleted_node_errors(node: DictConfig, cls: Any = None, prefix: str = "") ->
         elif not prefix and OmegaConf.is_missing(node, name) and (options := group_options(name)):
             errors.append(f"{key}: no {key} is chosen (removed by ~{key}?); pick one, e.g. "
                           f"{key}={_default_option(key) or options[0]} (the options are {', '.join(options)})")
-        elif dataclasses.is_dataclass(tp) and not OmegaConf.is_missing(node, name):
-            child = node[name]
-            if isinstance(child, DictConfig):
-                errors.extend(_deleted_node_errors(child, tp, key + "."))
+        elif (dataclasses.is_dataclass(tp) and not OmegaConf.is_missing(node, name)
+              and isinstance(node[name], DictConfig)):
+            errors.extend(_deleted_node_errors(node[name], tp, key + "."))
     return errors
 
 
@@ -200,8 +199,7 @@ def validate(cfg: DictConfig | Config) -> None:
 
 
 def _value_errors(cfg: DictConfig) -> list[str]:
-    """Each leaf by its rule, then option names and the rules between fields; a rule between fields reads only
-    keys whose own rule holds."""
+    """Each leaf by its rule, then the rules between keys: each reads only keys whose own rule holds."""
     from llmexp.config.security import remote_code_errors
 
     leaf_errors = _leaf_errors(cfg)
@@ -437,8 +435,12 @@ def _validate_tasks(ev: DictConfig, errors: list[str]) -> list[str]:
                    "the metric name tasks/<name>/...); rename it")
             errors.extend(problem for leaf in leaves_of(entry_node(node_fields(EvalConfig)[kind]), f"{key}.")
                           if (problem := leaf.rule.problem(leaf.key, task[leaf.key.rsplit(".", 1)[1]], leaf.default)))
-            if kind == "perplexity":
-                _validate_perplexity_set(task, key, errors)
+            if kind == "perplexity":  # the file or dataset its data kind reads (its files: `paths`)
+                _check(errors, task.name not in ("json", "text") or bool(task.eval_file or task.train_file),
+                       f"{key}.eval_file", f"{task.name} names no file; set {key}.eval_file=path/to/held_out"
+                       f".{'jsonl' if task.name == 'json' else 'txt'}")
+                _check(errors, task.name != "hf" or bool(task.path), f"{key}.path",
+                       f"hf names no dataset; set {key}.path=<hub id or directory>")
                 continue
             _check(errors, isinstance(task.file, str) and bool(task.file.strip()), f"{key}.file",
                    f"names no task file; set {key}.file=path/to/{name}.jsonl")
@@ -450,16 +452,6 @@ def _validate_tasks(ev: DictConfig, errors: list[str]) -> list[str]:
 
 def _task_name_ok(name: str) -> bool:
     return bool(name) and all(c.isalnum() or c in "_.-" for c in name)
-
-
-def _validate_perplexity_set(entry: DictConfig, key: str, errors: list[str]) -> None:
-    """An extra held-out set: the file or dataset its data kind reads (its files: `paths`)."""
-    if entry.name in ("json", "text"):
-        _check(errors, bool(entry.eval_file or entry.train_file), f"{key}.eval_file",
-               f"{entry.name} names no file; set {key}.eval_file=path/to/held_out"
-               f".{'jsonl' if entry.name == 'json' else 'txt'}")
-    if entry.name == "hf":
-        _check(errors, bool(entry.path), f"{key}.path", f"hf names no dataset; set {key}.path=<hub id or directory>")
 
 
 def task_metrics(cfg: DictConfig) -> dict[str, dict[str, str] | None]:
