@@ -34,37 +34,6 @@ def _check(errors: list[str], ok: bool, key: str, message: str) -> None:
         errors.append(f"{key}: {message}")
 
 
-OFFLOAD_OPTIMIZERS = ("adamw", "lion")
-"""Optimizers that Accelerate maps to a DeepSpeed CPU optimizer (DeepSpeedCPUAdam / CPULion) under optimizer
-offload. Accelerate would silently turn anything else into DeepSpeedCPUAdam."""
-
-
-def _validate_deepspeed(cfg: Any, errors: list[str]) -> None:
-    """Combinations that cannot work under DeepSpeed (the one that depends on the machine, fp16 without a GPU, is
-    `environment.check_environment`'s)."""
-    ds = cfg.deepspeed
-    offload = ds.offload_optimizer != "none" or ds.offload_param != "none"
-    if offload and cfg.optimizer.name.endswith("8bit"):
-        errors.append(f"optimizer: {cfg.optimizer.name} keeps its state on the accelerator and cannot run under "
-                      "DeepSpeed CPU offload; use optimizer=adamw with deepspeed=zero2_offload, or deepspeed=zero2")
-    elif ds.offload_optimizer != "none" and cfg.optimizer.name not in OFFLOAD_OPTIMIZERS:
-        errors.append(f"optimizer: {cfg.optimizer.name} has no DeepSpeed CPU implementation, and optimizer offload "
-                      "needs one (Accelerate would silently swap in DeepSpeedCPUAdam); use optimizer=adamw or "
-                      "optimizer=lion with deepspeed=zero2_offload, or deepspeed=zero2 without offload")
-    _check(errors, ds.offload_param == "none" or ds.stage == 3, "deepspeed.offload_param",
-           f"{ds.offload_param} needs ZeRO stage 3 (got stage {ds.stage}); use deepspeed=zero3 "
-           "deepspeed.offload_param=cpu")
-    scale = cfg.precision.init_scale
-    _check(errors, ds.stage == 0 or cfg.precision.name != "fp16" or (scale >= 1 and math.log2(scale).is_integer()),
-           "precision.init_scale", f"{scale}: DeepSpeed's loss scale starts at a power of two; "
-           "use e.g. precision.init_scale=65536")
-    _check(errors, not (ds.stage > 0 and cfg.train.on_anomaly == "rollback"), "train.on_anomaly",
-           "rollback is not supported under DeepSpeed; use train.on_anomaly=skip or stop")
-    _check(errors, not (ds.stage >= 3 and cfg.train.sample_prompts), "train.sample_prompts",
-           "samples need whole weights on one process, and ZeRO-3 partitions them; use deepspeed=zero2, or "
-           "sample from model/ after the run")
-
-
 def is_lr_find(value: Any) -> bool:
     """`lr=find`: a range test picks the lr (`llmexp.train.lr_find`)."""
     return isinstance(value, str) and value.strip().lower() == "find"
@@ -363,6 +332,37 @@ def _validate_gguf(cfg: DictConfig, errors: list[str]) -> None:
            "(dequantising it and quantising again compounds the rounding); use peft=lora on the GGUF base")
 
 
+OFFLOAD_OPTIMIZERS = ("adamw", "lion")
+"""Optimizers that Accelerate maps to a DeepSpeed CPU optimizer (DeepSpeedCPUAdam / CPULion) under optimizer
+offload. Accelerate would silently turn anything else into DeepSpeedCPUAdam."""
+
+
+def _validate_deepspeed(cfg: Any, errors: list[str]) -> None:
+    """Combinations that cannot work under DeepSpeed (the one that depends on the machine, fp16 without a GPU, is
+    `environment.check_environment`'s)."""
+    ds = cfg.deepspeed
+    offload = ds.offload_optimizer != "none" or ds.offload_param != "none"
+    if offload and cfg.optimizer.name.endswith("8bit"):
+        errors.append(f"optimizer: {cfg.optimizer.name} keeps its state on the accelerator and cannot run under "
+                      "DeepSpeed CPU offload; use optimizer=adamw with deepspeed=zero2_offload, or deepspeed=zero2")
+    elif ds.offload_optimizer != "none" and cfg.optimizer.name not in OFFLOAD_OPTIMIZERS:
+        errors.append(f"optimizer: {cfg.optimizer.name} has no DeepSpeed CPU implementation, and optimizer offload "
+                      "needs one (Accelerate would silently swap in DeepSpeedCPUAdam); use optimizer=adamw or "
+                      "optimizer=lion with deepspeed=zero2_offload, or deepspeed=zero2 without offload")
+    _check(errors, ds.offload_param == "none" or ds.stage == 3, "deepspeed.offload_param",
+           f"{ds.offload_param} needs ZeRO stage 3 (got stage {ds.stage}); use deepspeed=zero3 "
+           "deepspeed.offload_param=cpu")
+    scale = cfg.precision.init_scale
+    _check(errors, ds.stage == 0 or cfg.precision.name != "fp16" or (scale >= 1 and math.log2(scale).is_integer()),
+           "precision.init_scale", f"{scale}: DeepSpeed's loss scale starts at a power of two; "
+           "use e.g. precision.init_scale=65536")
+    _check(errors, not (ds.stage > 0 and cfg.train.on_anomaly == "rollback"), "train.on_anomaly",
+           "rollback is not supported under DeepSpeed; use train.on_anomaly=skip or stop")
+    _check(errors, not (ds.stage >= 3 and cfg.train.sample_prompts), "train.sample_prompts",
+           "samples need whole weights on one process, and ZeRO-3 partitions them; use deepspeed=zero2, or "
+           "sample from model/ after the run")
+
+
 def _validate_peft(cfg: DictConfig, errors: list[str]) -> None:
     """The adapter options, and the combinations that cannot work, each with the reason."""
     pe = cfg.peft
@@ -400,6 +400,7 @@ TASK_METRICS = {"perplexity": {"loss": "minimize", "ppl": "minimize"},
 """What each kind of task (the `eval` group's dicts of named tasks, `eval.<kind>.<name>`) records
 (`tasks/<name>/<metric>`), and which way is better; the demo task is a multiple_choice task named `demo`; harness
 tasks record the harness's own metric names."""
+
 
 def _validate_eval(cfg: DictConfig, errors: list[str]) -> None:
     """`eval` (its option name is a `rules.Choice`): every task's name and fields, the harness's task list,
