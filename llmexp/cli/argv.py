@@ -76,12 +76,9 @@ def _option_error(group: str, value: Any, options: list[str], custom_tree: bool)
 
 
 def check_args(args: list[str]) -> list[str]:
-    """Check the command line before Hydra composes; return it with secrets redacted.
-
-    Raises UserError that lists every problem found. A fast pass over argv for typos (no composition);
-    what it cannot judge (grammar errors, options added through --config-dir, `_target_`s, `hydra.*`,
-    anything a YAML file sets) is judged on the composed config (`cli.compose`) or by Hydra itself.
-    """
+    """The command line with secrets redacted, after a fast pass for typos (no composition): a UserError lists every
+    problem found. What it cannot judge (grammar errors, options added through --config-dir, `_target_`s, `hydra.*`,
+    anything a YAML file sets) is judged on the composed config (`cli.compose`) or by Hydra itself."""
     namespace, overrides = _parse_overrides(args)
     custom_tree = namespace is None or any(getattr(namespace, flag) is not None
                                            for flag in ("config_dir", "config_path", "config_name"))

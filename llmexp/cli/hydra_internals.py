@@ -5,11 +5,10 @@ public API does not offer. `tests/test_security.py` pins each name, and the sour
 * `args_parser`: Hydra's own argparse parser. llmexp reads the command line before `@hydra.main` does (its typo
   checks, `--experimental-rerun`, the mode), and must read it exactly as Hydra will: every flag and each
   abbreviation argparse accepts (`--config-d`). Hydra has no public accessor for its parser.
-* `compose_api_as_hydra_main`: the Compose API (`hydra.compose`), initialized with the config search path
-  `@hydra.main` builds from `--config-path` and `--config-dir`. The public initializers take one directory
-  (`initialize_config_dir`) or one module; `--config-dir` adds a second, ahead of the structured schemas, and
-  the primary config may lie there. `hydra.searchpath` cannot stand in for it: its entries are added only
-  after the primary config has been looked up.
+* `compose_api_as_hydra_main`: the Compose API (`hydra.compose`), initialized with the config search path `@hydra.main`
+  builds from `--config-path` and `--config-dir`. The public initializers take one directory (`initialize_config_dir`)
+  or one module; `--config-dir` adds a second, ahead of the structured schemas, and the primary config may lie there.
+  `hydra.searchpath` cannot stand in for it: its entries are added only after the primary config has been looked up.
 * `guard_package_sources`: `pkg://` config sources limited to trusted packages. Reading `pkg://X` imports X
   (its code runs) while Hydra composes, before any check of the composed config can run; Hydra's registry of
   config sources by scheme is private, and a plugin cannot replace the `pkg` source it registers.

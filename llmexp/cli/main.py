@@ -58,25 +58,39 @@ def _runs(args: argparse.Namespace) -> bool:
 
 
 def _preflight(args: argparse.Namespace, args_parser: argparse.ArgumentParser) -> None:
-    """Everything checked before `@hydra.main` runs (see the module's docstring); --help is answered here."""
+    """Everything checked before `@hydra.main` runs (see the module's docstring); --help is answered here. A
+    composition error is printed as Hydra prints it (no traceback unless HYDRA_FULL_ERROR=1) and exits 1, which
+    `cli` maps to 2; a UserError goes to `cli` (exit 2 with its own message)."""
     from llmexp.cli import compose
     from llmexp.cli.hydra_internals import compose_api_as_hydra_main
 
     config_name = args.config_name if args.config_name is not None else "config"
     config_path = args.config_path if args.config_path is not None else str(conf_dir())
-    with compose_api_as_hydra_main(run_job, config_path, args.config_dir):  # as `@hydra.main` will initialize
-        if args.help or args.hydra_help:  # (--hydra-help composes Hydra's node alone, as Hydra does)
-            cfg = compose.compose_checked(None if args.hydra_help and not args.help else config_name, args.overrides)
-            print(compose.help_text(cfg, args_parser, hydra_help=not args.help, resolve=args.resolve))
-            sys.exit(0)
-        # Hydra reads the run mode from the config (one more composition); llmexp takes it from --multirun.
-        mode = "MULTIRUN" if args.multirun else "RUN"
-        sys.argv.append(f"hydra.mode={mode}")
-        overrides = [*args.overrides, f"hydra.mode={mode}"]
-        if args.multirun:
-            compose.check_sweep(config_name, overrides)
-        else:
-            compose.check_run(config_name, overrides)
+    try:
+        with compose_api_as_hydra_main(run_job, config_path, args.config_dir):  # as `@hydra.main` will initialize
+            if args.help or args.hydra_help:  # (--hydra-help composes Hydra's node alone, as Hydra does)
+                name = None if args.hydra_help and not args.help else config_name
+                cfg = compose.compose_checked(name, args.overrides)
+                print(compose.help_text(cfg, args_parser, hydra_help=not args.help, resolve=args.resolve))
+                sys.exit(0)
+            # Hydra reads the run mode from the config (one more composition); llmexp takes it from --multirun.
+            mode = "MULTIRUN" if args.multirun else "RUN"
+            sys.argv.append(f"hydra.mode={mode}")
+            overrides = [*args.overrides, f"hydra.mode={mode}"]
+            if args.multirun:
+                compose.check_sweep(config_name, overrides)
+            else:
+                compose.check_run(config_name, overrides)
+    except (UserError, SystemExit, BrokenPipeError):
+        raise
+    except Exception as err:  # Hydra's and OmegaConf's composition errors
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        from llmexp.rundir.redact import scrub_text
+
+        print(scrub_text(str(err)), file=sys.stderr)
+        print("\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.", file=sys.stderr)
+        sys.exit(1)
 
 
 def cli() -> None:
@@ -108,7 +122,7 @@ def cli() -> None:
             raise UserError(f"--experimental-rerun {args.experimental_rerun}: refused, it unpickles that file (code "
                             "could run); rerun with the overrides in RUN_DIR/.hydra/overrides.yaml instead")
         if args.help or args.hydra_help or _runs(args):
-            _reported(lambda: _preflight(args, parser))
+            _preflight(args, parser)
         hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(run_job)()  # reads sys.argv
     except UserError as err:
         _exit_user(err)
@@ -127,23 +141,6 @@ def main() -> None:
     """The process's entry point (`python -m llmexp`, the `llmexp` script, `python -m llmexp.lr_find`). Tests call
     `cli` in their own process, which goes on."""
     run_entry(cli)
-
-
-def _reported(step: object) -> None:
-    """Run `step`; a composition error is printed as Hydra prints it (no traceback unless HYDRA_FULL_ERROR=1) and
-    exits 1, which `cli` maps to 2; a UserError goes to `cli` (exit 2 with its own message)."""
-    try:
-        step()  # type: ignore[operator]
-    except (UserError, SystemExit, BrokenPipeError):
-        raise
-    except Exception as err:  # Hydra's and OmegaConf's composition errors
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        from llmexp.rundir.redact import scrub_text
-
-        print(scrub_text(str(err)), file=sys.stderr)
-        print("\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.", file=sys.stderr)
-        sys.exit(1)
 
 
 def _exit_user(err: UserError) -> None:

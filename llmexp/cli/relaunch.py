@@ -16,12 +16,9 @@ from llmexp.train.preemption import say
 
 def relaunch_argv(parent_cmdline: list[str], env: dict[str, str], argv: list[str]) -> list[str] | None:
     """The torchrun command that runs `argv` on N processes, when this process was started by
-    `accelerate launch --cpu --num_processes N` (N > 1) as a single process.
-
-    Accelerate 1.15 starts CPU multi-process jobs only through mpirun (`--mpirun_hostfile`);
-    without it, `--cpu --num_processes 2` silently runs ONE process. We start the N ranks with
-    torch.distributed.run instead (gloo), which is what `--multi_gpu` does on a GPU machine.
-    """
+    `accelerate launch --cpu --num_processes N` (N > 1) as a single process. Accelerate 1.15 starts CPU
+    multi-process jobs only through mpirun (`--mpirun_hostfile`); without it, `--cpu --num_processes 2` silently runs
+    ONE process. We start the N ranks with torch.distributed.run instead (gloo), as `--multi_gpu` does on a GPU."""
     if "WORLD_SIZE" in env or env.get("ACCELERATE_USE_CPU", "").lower() not in ("true", "1"):
         return None
     try:

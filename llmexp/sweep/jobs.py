@@ -103,13 +103,11 @@ def exit_2_on_user_error(action: Callable[..., T], *args: Any) -> T:
 
 def compose_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int,
                  compose: bool = True) -> list[JobSpec]:
-    """Every job's spec, its sweep directory pinned; its config composed now unless `compose=False`.
-
-    `hydra.sweep.dir` is resolved once here: its `${llmexp_run_id:}` must not be re-evaluated
-    in a child process or on a SLURM node, where time and pid differ. Composition takes ~0.3 s a
-    job (Hydra's sweeper has already composed each once to validate it), so the SLURM launcher
-    leaves it to the node (`compose_job`); the job directory is then derived from the sweep config
-    unless `hydra.sweep.subdir` names the overrides, which only a composition knows.
+    """Every job's spec, its sweep directory pinned; its config composed now unless `compose=False`. `hydra.sweep.dir`
+    is resolved once here: its `${llmexp_run_id:}` must not be re-evaluated in a child process or on a
+    SLURM node, where time and pid differ. Composition takes ~0.3 s a job (Hydra's sweeper has already composed each
+    once to validate it), so the SLURM launcher leaves it to the node (`compose_job`); the job directory is then derived
+    from the sweep config unless `hydra.sweep.subdir` names the overrides, which only a composition knows.
     """
     from omegaconf import OmegaConf, open_dict
 
@@ -239,12 +237,10 @@ ENDED = (*FINISHED, "diverged", "pruned")
 
 
 def ended_before(spec: JobSpec) -> JobOutcome | None:
-    """The outcome of a job that this sweep directory already holds, ended (`ENDED`), or None.
-
-    A job still running from an earlier launch of the sweep (whose launcher was killed) is waited for
-    first: the run directory's lock says so. A directory that holds a job with other overrides belongs
-    to another sweep, which is refused rather than mixed into this one's report.
-    """
+    """The outcome of a job that this sweep directory already holds, ended (`ENDED`), or None. A job still running
+    from an earlier launch of the sweep (whose launcher was killed) is waited for first: the run directory's lock
+    says so. A directory that holds a job with other overrides belongs to another sweep, which is refused rather
+    than mixed into this one's report."""
     from llmexp.errors import STATUS_EXIT, UserError
     from llmexp.rundir.lock import wait_for_lock
     from llmexp.rundir.read import load_overrides
@@ -279,13 +275,10 @@ def split_ended(specs: Sequence[JobSpec]) -> tuple[list[JobSpec], dict[int, JobO
 
 
 def record_outcome(spec: JobSpec, outcome: JobOutcome) -> None:
-    """Leave `job_status.json` in the job dir of every job that did not complete or left no summary.json.
-
-    When present it is the launcher's verdict (a trainer's summary may say `preempted` for a job
-    SLURM then cancelled); a job that ended well with its own summary has none, so a stale one
-    (`submitted`, or from an earlier attempt) is removed. Its `overrides` name a job that never
-    started; `.hydra/overrides.yaml` is also written for it, as Hydra would have.
-    """
+    """Leave `job_status.json` in the job dir of every job that did not complete or left no summary.json: the
+    launcher's verdict (a trainer's summary may say `preempted` for a job SLURM then cancelled). A job that ended
+    well with its own summary has none, so a stale one (`submitted`, or from an earlier attempt) is removed. Its
+    `overrides` name a job that never started; `.hydra/overrides.yaml` is also written for it, as Hydra would have."""
     status_path = spec.job_dir / "job_status.json"
     ended_well = outcome.status in FINISHED and outcome.exit_code in (0, None)
     if ended_well and (spec.job_dir / "summary.json").exists():
@@ -315,11 +308,9 @@ def write_report(sweep_dir: Path) -> None:
 
 
 def job_returns(specs: Sequence[JobSpec], outcomes: Sequence[JobOutcome]) -> list[JobReturn]:
-    """What Hydra expects back: one COMPLETED JobReturn per job, its value the job's exit code.
-
-    Failures are reported by `finish_sweep` (report, summary line, exit code), not by raising the
-    first job's exception from Hydra's sweeper, which would hide the others.
-    """
+    """What Hydra expects back: one COMPLETED JobReturn per job, its value the job's exit code. Failures are
+    reported by `finish_sweep` (report, summary line, exit code), not by raising the first job's exception from
+    Hydra's sweeper, which would hide the others."""
     from hydra.core.utils import JobReturn, JobStatus
 
     returns = []

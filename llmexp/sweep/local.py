@@ -77,12 +77,10 @@ def visible_gpus(env: Mapping[str, str] | None = None) -> list[str]:
 
 def device_slots(gpus: Sequence[str], jobs_per_gpu: int, max_parallel: int,
                  prefix: str = "hydra.launcher.") -> list[str | None]:
-    """One entry per job that may run at once: a CUDA_VISIBLE_DEVICES value, or None for a CPU slot.
-
-    With GPUs, each GPU appears `jobs_per_gpu` times (interleaved, so the first jobs spread over all
-    GPUs); without, there are `max_parallel` CPU slots. `prefix` spells the keys in an error as the user
-    wrote them: `cluster.` for llmexp, `hydra.launcher.` for any other app.
-    """
+    """One entry per job that may run at once: a CUDA_VISIBLE_DEVICES value, or None for a CPU slot. With GPUs, each
+    GPU appears `jobs_per_gpu` times (interleaved, so the first jobs spread over all GPUs); without, there are
+    `max_parallel` CPU slots. `prefix` spells the keys in an error as the user wrote them: `cluster.` for llmexp,
+    `hydra.launcher.` for any other app."""
     if jobs_per_gpu < 1 or max_parallel < 1:
         raise UserError(f"{prefix}jobs_per_gpu={jobs_per_gpu} and {prefix}max_parallel={max_parallel}: "
                         f"both must be >= 1; e.g. {prefix}max_parallel=2")
@@ -133,7 +131,8 @@ def launch_local(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
     to_run, outcomes = split_ended(specs) if extras else (specs, {})
     for spec in to_run if extras else ():  # `llmexp.status` shows the jobs that wait for a slot
         record_outcome(spec, JobOutcome(spec.num, "queued", None, "waiting for a free slot"))
-    warm = trains(launcher.task_function) and slots[0] is None and _warm_server()
+    trains = getattr(launcher.task_function, "__module__", "").startswith("llmexp.")  # `python -m llmexp`'s task
+    warm = trains and slots[0] is None and _warm_server()  # (the task whose imports a warm job saves)
     with StopRequest() as stop:  # Ctrl-C: the jobs are stopped and recorded, then the sweeper gets it
         outcomes.update(_run_queue(to_run, slots, work, warm, stop))
         returns = None if extras else [_job_return(s, outcomes[s.num], work) for s in specs]
@@ -141,11 +140,6 @@ def launch_local(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
         if returns is None:
             returns = finish_sweep(specs, [outcomes[s.num] for s in specs], launcher.within_search)
     return returns
-
-
-def trains(task_function: Any) -> bool:
-    """Whether the sweep's task is llmexp's own (`python -m llmexp`): the one whose imports a warm job saves."""
-    return getattr(task_function, "__module__", "").startswith("llmexp.")
 
 
 def _job_return(spec: JobSpec, outcome: JobOutcome, work: Path) -> JobReturn:

@@ -108,13 +108,10 @@ def returned_result(ret: JobReturn) -> TrialResult:
 
 
 def tell(study: Any, trial: optuna.Trial, result: TrialResult) -> None:
-    """Record an ended trial in the study.
-
-    optuna's samplers learn nothing from FAIL trials (TPE reads COMPLETE and PRUNED ones only), so a
-    trial that failed on a doctor's error is told as PRUNED at its last eval, which ranks it below
-    every completed trial: the sampler learns the region is bad. Its `status` attribute says `failed`
-    and its `reason` the finding; only a crash (a bug, a killed process) is optuna's FAIL.
-    """
+    """Record an ended trial in the study. optuna's samplers learn nothing from FAIL trials (TPE reads COMPLETE and
+    PRUNED ones only), so a trial that failed on a doctor's error is told as PRUNED at its last eval, which ranks it
+    below every completed trial: the sampler learns the region is bad. Its `status` attribute says `failed` and its
+    `reason` the finding; only a crash (a bug, a killed process) is optuna's FAIL."""
     from optuna.trial import TrialState
 
     trial.set_user_attr("status", result.status)

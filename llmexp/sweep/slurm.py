@@ -13,19 +13,17 @@ Timeout and preemption, and who handles which signal:
 
 1. submitit starts the job with `--signal=USR2@signal_delay_s` and, before calling `SlurmJob`,
    installs its handlers: SIGUSR2 -> checkpoint-and-requeue, SIGTERM -> log and ignore.
-2. From the start of llmexp's task (before torch is imported) until the run has finished,
-   llmexp's `PreemptionSignal` replaces both: SIGUSR2 (time limit near, or `scancel
-   --signal=USR2`) and SIGTERM (scancel, preemption) only set a flag; at the next step boundary
-   (the first is before the loop, so start-up counts) the trainer saves a checkpoint and returns
-   status `preempted`. A signal after the last step lets the run finish. On return it restores
-   submitit's handlers.
-3. `SlurmJob` then asks SLURM about the job. Still RUNNING means the signal was a warning (time
-   limit or USR2 preemption): it calls submitit's SIGUSR2 handler itself, which calls
-   `SlurmJob.checkpoint()` (the same job, with `train.resume=auto`), counts the timeout against
-   `cluster.max_num_timeout`, runs `scontrol requeue` and exits. The requeued job starts in the
-   same run directory and resumes from the checkpoint just written. Not RUNNING (cancelled,
-   timed out, preempted with PreemptMode=REQUEUE, which requeues by itself) means SLURM decided:
-   the job just returns, so a `scancel` is never undone.
+2. From the start of llmexp's task (before torch is imported) until the run has finished, llmexp's `PreemptionSignal`
+   replaces both: SIGUSR2 (time limit near, or `scancel --signal=USR2`) and SIGTERM (scancel, preemption) only set a
+   flag; at the next step boundary (the first is before the loop, so start-up counts) the trainer saves a checkpoint and
+   returns status `preempted`. A signal after the last step lets the run finish. On return it restores submitit's
+   handlers.
+3. `SlurmJob` then asks SLURM about the job. Still RUNNING means the signal was a warning (time limit or USR2
+   preemption): it calls submitit's SIGUSR2 handler itself, which calls `SlurmJob.checkpoint()` (the same job, with
+   `train.resume=auto`), counts the timeout against `cluster.max_num_timeout`, runs `scontrol requeue` and exits. The
+   requeued job starts in the same run directory and resumes from the checkpoint just written. Not RUNNING (cancelled,
+   timed out, preempted with PreemptMode=REQUEUE, which requeues by itself) means SLURM decided: the job just returns,
+   so a `scancel` is never undone.
 4. A SIGUSR2 before the task starts (submitit loading the job) reaches submitit's handler
    directly: the job is requeued at once and resumes from its last checkpoint.
 5. Once the outcome is final, SIGUSR2 is ignored until the process exits (`job_over`).
@@ -94,8 +92,7 @@ def sbatch_parameters(cluster: DictConfig, job_name: str) -> dict[str, Any]:
     for key in ("partition", "account", "qos", "constraint"):
         if cluster.get(key):
             params[key] = str(cluster[key])
-    extra = OmegaConf.to_container(cluster.additional_parameters, resolve=True) or {}
-    if extra:
+    if extra := OmegaConf.to_container(cluster.additional_parameters, resolve=True):
         params["additional_parameters"] = extra
     if cluster.setup:
         params["setup"] = [str(line) for line in cluster.setup]
