@@ -8,7 +8,8 @@
              too, and `sweep.metric`: a metric that a job does not record is refused here, before any trial
              runs), `check_environment` when the jobs run on this machine (files a SLURM node may see and this
              one not are left to the job), one `sweep.metric` and `sweep.direction` for every job (the report,
-             the study and its pruner rank the jobs by it), and the study journal of a search that continues
+             the study and its pruner rank the jobs by it); the CLI also reads the study journal of a search that
+             continues (`rundir.study.check_journal`)
 
 All before the sweeper creates the sweep directory. A refusal is one UserError: the problems every job shares
 once, then each job's own under its swept values. The CLI composes (`llmexp.cli.compose.check_sweep`),
