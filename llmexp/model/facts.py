@@ -42,11 +42,8 @@ def model_facts(cfg: DictConfig, lm: nn.Module) -> dict[str, Any]:
         facts["gguf_dtype"] = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(
             str(next(base.parameters()).dtype).removeprefix("torch."), "fp32")
     if cfg.peft.name != "none":
-        facts["adapter"] = {"method": cfg.peft.name, "r": int(cfg.peft.r), "modules": _lora_layers(lm)}
+        from peft.tuners.lora import LoraLayer
+
+        layers = sum(isinstance(module, LoraLayer) for module in lm.modules())
+        facts["adapter"] = {"method": cfg.peft.name, "r": int(cfg.peft.r), "modules": layers}
     return facts
-
-
-def _lora_layers(lm: nn.Module) -> int:
-    from peft.tuners.lora import LoraLayer
-
-    return sum(isinstance(module, LoraLayer) for module in lm.modules())

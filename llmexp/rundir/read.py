@@ -1,4 +1,4 @@
-"""Reading a run directory, and the value formats its reports share.
+"""Reading a run or sweep directory, and how a sweep's jobs ended.
 
 Pure functions of what a run (or sweep) directory holds: `metrics.jsonl`, `summary.json`,
 `.hydra/`, job subdirectories. `llmexp.report.run` (one run), `llmexp.report.sweep` (a sweep) and
@@ -179,7 +179,7 @@ def is_sweep_dir(path: Path) -> bool:
     return path.is_dir() and ((path / "multirun.yaml").is_file() or bool(job_dirs(path)))
 
 
-# ----- formatting values ----------------------------------------------------------------------
+# ----- what a run last logged, what a sweep varies -------------------------------------------
 
 
 def last_value(records: list[dict], event: str, key: str) -> Any:
