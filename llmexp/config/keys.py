@@ -159,23 +159,22 @@ def unknown_key(key: str) -> str | None:
     return None
 
 
-_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false"}
-
-
 def _type_problem(key: str, value: Any) -> str | None:
     """A value of the wrong type for an int, float or bool field (Hydra would say it less plainly)."""
-    leaf = leaves().get(key)
-    if leaf is None or value is None or leaf.type not in _TYPE_WORDS:
-        return None
     from omegaconf import nodes
     from omegaconf.errors import ValidationError
 
-    node_class = {int: nodes.IntegerNode, float: nodes.FloatNode, bool: nodes.BooleanNode}[leaf.type]
+    kinds = {int: ("an integer", nodes.IntegerNode), float: ("a number", nodes.FloatNode),
+             bool: ("true or false", nodes.BooleanNode)}
+    leaf = leaves().get(key)
+    if leaf is None or value is None or leaf.type not in kinds:
+        return None
+    words, node_class = kinds[leaf.type]
     try:
         node_class(value)  # exactly what OmegaConf will accept at compose time
     except ValidationError:
         example = str(leaf.default).lower() if isinstance(leaf.default, bool) else leaf.default
-        return f"{key}={value}: must be {_TYPE_WORDS[leaf.type]}, e.g. {key}={example}"
+        return f"{key}={value}: must be {words}, e.g. {key}={example}"
     return None
 
 
