@@ -184,8 +184,7 @@ def _config_groups(sources: list[Any]) -> dict[str, list[str]]:
     from hydra.core.object_type import ObjectType
 
     def options(group: str, kind: ObjectType) -> list[str]:
-        found = {o for s in sources if s.is_group(group) for o in s.list(group, results_filter=kind)}
-        return sorted(found)
+        return sorted({o for s in sources if s.is_group(group) for o in s.list(group, results_filter=kind)})
 
     groups: dict[str, list[str]] = {}
 

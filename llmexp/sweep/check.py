@@ -74,9 +74,9 @@ def check_eval_inputs(cfg: DictConfig) -> None:
 
 
 def check_configs(configs: Labelled, on_this_machine: bool) -> None:
-    """`validate` and the machine's checks on every config, then the sweep's one objective (`objective_problem`);
-    one UserError listing what fails, shared problems once. On SLURM (`on_this_machine` false) only the
-    directories this process writes are checked here."""
+    """`validate` and the machine's checks on every config, then the sweep's one objective; one UserError listing
+    what fails, shared problems once. On SLURM (`on_this_machine` false) only the directories this process writes
+    are checked here."""
     from llmexp.config.environment import check_directories, check_environment
     from llmexp.config.validation import validate
 
@@ -89,9 +89,13 @@ def check_configs(configs: Labelled, on_this_machine: bool) -> None:
                 check_eval_inputs(cfg)
         except UserError as err:
             failures[label] = _problems(err)
-    if not failures:
-        if problem := objective_problem(configs):
-            raise UserError(f"invalid sweep (nothing was launched):\n  {problem}")
+    if not failures:  # each job records its own metric (`validation.metric_errors`); a sweep ranks them by one
+        objectives = sorted({(str(cfg.sweep.metric), str(cfg.sweep.direction)) for _, cfg in configs})
+        if len(objectives) > 1:
+            shown = ", ".join(f"{metric} ({direction})" for metric, direction in objectives)
+            raise UserError(f"invalid sweep (nothing was launched):\n  sweep.metric: the jobs rank by different "
+                            f"metrics ({shown}), and a sweep ranks its jobs by one; set sweep.metric and "
+                            "sweep.direction once, not among the swept values")
         return
     shared = [p for p in next(iter(failures.values())) if len(failures) == len(configs)
               and all(p in problems for problems in failures.values())]
@@ -102,17 +106,6 @@ def check_configs(configs: Labelled, on_this_machine: bool) -> None:
     if len(failures) > 5:
         lines.append(f"  ... and {len(failures) - 5} more jobs")
     raise UserError("invalid sweep (nothing was launched):\n" + "\n".join(lines))
-
-
-def objective_problem(configs: Labelled) -> str | None:
-    """Why the jobs cannot be ranked against each other: they name different `sweep.metric`s or directions (each
-    job records its own: `validation.metric_errors`); None when they share one."""
-    objectives = sorted({(str(cfg.sweep.metric), str(cfg.sweep.direction)) for _, cfg in configs})
-    if len(objectives) < 2:
-        return None
-    shown = ", ".join(f"{metric} ({direction})" for metric, direction in objectives)
-    return (f"sweep.metric: the jobs rank by different metrics ({shown}), and a sweep ranks its jobs by one; set "
-            "sweep.metric and sweep.direction once, not among the swept values")
 
 
 def _problems(err: UserError) -> list[str]:
