@@ -54,7 +54,7 @@ def test_auto_is_refused_with_deepspeed_and_plans_with_accumulation_from_the_glo
 
 
 def test_preflight_needs_a_global_batch_the_processes_divide(monkeypatch: pytest.MonkeyPatch) -> None:
-    from llmexp.config.environment import _batch_errors
+    from llmexp.machine.environment import _batch_errors
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     cfg = compose_checked(["batch_size=auto", "train.global_batch_size=30"])

@@ -125,8 +125,8 @@ def _cfg(*overrides: str):
 def test_deepspeed_combinations_name_the_conflict(overrides: list[str], fragment: str | None,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """`validate` and the machine's check (`check_environment`), which the CLI runs before anything is written."""
-    from llmexp.config.environment import check_environment
     from llmexp.config.validation import validate
+    from llmexp.machine.environment import check_environment
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU is visible: fp16 has no DeepSpeed CPU kernel
 
@@ -145,7 +145,7 @@ def test_deepspeed_combinations_name_the_conflict(overrides: list[str], fragment
 def test_fp16_under_deepspeed_needs_a_gpu_that_torch_can_use() -> None:
     """Before anything loads the check guesses from the device files (`gpu_visible`); as the run starts torch
     answers (a CPU build of torch on a GPU machine passes the guess): the same rule, the machine's two answers."""
-    from llmexp.config.environment import deepspeed_errors
+    from llmexp.machine.environment import deepspeed_errors
 
     cfg = _cfg("deepspeed=zero2", "precision=fp16")
     assert "DeepSpeed's CPU accelerator has no fp16" in deepspeed_errors(cfg, cuda=False)[0]

@@ -1,4 +1,4 @@
-"""`model.gguf_file`: a llama.cpp GGUF file as a model source (llmexp.config.gguf, llmexp.data.gguf,
+"""`model.gguf_file`: a llama.cpp GGUF file as a model source (llmexp.machine.gguf, llmexp.data.gguf,
 llmexp.model.gguf). The files are written here with the `gguf` package: a tiny Llama with a byte-level BPE, and
 headers that must be refused (empty, not GGUF, truncated, an architecture transformers cannot load)."""
 
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from llmexp.config.gguf import gguf_file_problem, loadable_architectures, read_architecture
 from llmexp.config.validation import ConfigError, validate
+from llmexp.machine.gguf import gguf_file_problem, loadable_architectures, read_architecture
 from tests.conftest import compose, read_metrics, run_cli
 
 gguf = pytest.importorskip("gguf")

@@ -21,6 +21,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("llmexp", "llmexp.errors")),
     ("rundir", ("llmexp.rundir",)),
     ("config", ("llmexp.config",)),
+    ("machine", ("llmexp.machine",)),
     ("data", ("llmexp.data",)),
     ("model", ("llmexp.model",)),
     ("evals", ("llmexp.evals",)),

@@ -44,7 +44,7 @@ def test_a_ceiling_measured_beside_busy_processes_is_not_trusted() -> None:
 def test_the_ceiling_probe_is_large_enough_for_every_thread_in_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 40: at 1024 oneDNN's AMX bf16 kernel runs on one thread, the ceiling read ~40% low and the share test
     failed on an idle machine; with native bf16 the probe is 2048 (emulated bf16 and fp32 stay at 1024)."""
-    from llmexp.config.derived import cpu_has_fast_bf16
+    from llmexp.machine.precision import cpu_has_fast_bf16
     from llmexp.monitor.throughput import probe_size
 
     cpu = torch.device("cpu")

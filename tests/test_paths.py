@@ -1,5 +1,5 @@
 """Every key that names a file or directory is checked on this machine before anything is written
-(`llmexp.config.paths`): run, sweep and cache directories that are files or symbolic link loops; `data=hf`
+(`llmexp.machine.paths`): run, sweep and cache directories that are files or symbolic link loops; `data=hf`
 on empty files and on loading scripts; model directories with pickled weights, code of their own, or an
 adapter instead of a model. Each is one exit-2 message naming the key and the fix, and no code runs.
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from llmexp.config.paths import dir_out_problem, model_dir_problem
+from llmexp.machine.paths import dir_out_problem, model_dir_problem
 from tests.conftest import TINY, run_cli
 
 MARKER = "LLMEXP_TEST_CODE_RAN"

@@ -155,14 +155,14 @@ SAMPLES: dict[str, tuple[str, Callable[[], bytes], tuple[Any, ...]]] = {
     "llmexp.data.corpora:read_source": ("text", lambda: b"x = 1\n", ()),
     "llmexp.evals.items:_json_lines": ("jsonl", lambda: b'{"context": "c", "choices": ["a", "b"], "answer": 1}\n',
                                        ("eval.multiple_choice.x.file",)),
-    "llmexp.config.gguf:read_architecture": ("bytes", _gguf, ()),
+    "llmexp.machine.gguf:read_architecture": ("bytes", _gguf, ()),
     "llmexp.config.origin:read_config_yaml": ("yaml", lambda: b"lr: 0.1\ntrain:\n  max_steps: 3\n", ()),
-    "llmexp.config.task_code:read_task_yaml": ("yaml", lambda: b"task: t\ndataset_path: json\n"
+    "llmexp.machine.task_code:read_task_yaml": ("yaml", lambda: b"task: t\ndataset_path: json\n"
                                                b"process_docs: !function utils.process\n", ()),
-    "llmexp.config.paths:read_tokenizer_size": ("json", lambda: json.dumps({
+    "llmexp.machine.paths:read_tokenizer_size": ("json", lambda: json.dumps({
         "model": {"type": "BPE", "vocab": {"a": 0, "b": 1}}, "added_tokens": [{"id": 2, "content": "<s>"}]}).encode(),
         ()),
-    "llmexp.config.paths:read_model_json": ("json", lambda: b'{"model_type": "llama", "hidden_size": 8}', ()),
+    "llmexp.machine.paths:read_model_json": ("json", lambda: b'{"model_type": "llama", "hidden_size": 8}', ()),
     "llmexp.train.lr_find:read_lr_find": ("json", lambda: json.dumps({
         "suggestion": 1e-4, "lr_find_steps": 20, "lr_find_start": 1e-7, "lr_find_end": 1.0, "curve": []}).encode(),
         ()),

@@ -35,7 +35,6 @@ from omegaconf import OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from llmexp.config.keys import hydra_leaves, leaves, rule_for
-from llmexp.config.paths import KIND_CHECKS
 from llmexp.config.rules import (
     INT64_MAX,
     PATH_KINDS,
@@ -48,6 +47,7 @@ from llmexp.config.rules import (
     TextList,
 )
 from llmexp.errors import UserError
+from llmexp.machine.paths import KIND_CHECKS
 from tests.conftest import compose, run_cli
 
 EXAMPLES = 3
@@ -94,7 +94,7 @@ def test_every_leaf_has_a_rule() -> None:
     assert not missing, f"leaves without a rule (declare them with key(default, rule, doc)): {missing}"
     stale = sorted(set(hydra_leaves()) - set(LEAVES))
     assert not stale, f"rules for keys the schema no longer has: {stale}"
-    assert set(KIND_CHECKS) == set(PATH_KINDS), "every kind of path needs its check in config/paths.py"
+    assert set(KIND_CHECKS) == set(PATH_KINDS), "every kind of path needs its check in machine/paths.py"
 
 
 def test_every_rule_fits_its_type() -> None:
@@ -225,9 +225,9 @@ def refused(cfg: Any, key: str, value: Any) -> str | None:
     exit 2); then `validate`, `check_environment` and the security check (UserErrors: exit 2). The CLI runs the
     security check first; last here, it runs only for what the others accept, which changes no verdict and
     saves a third of the time. Anything else raised is a bug the test reports with its traceback."""
-    from llmexp.config.environment import check_environment
     from llmexp.config.security import check_config
     from llmexp.config.validation import validate
+    from llmexp.machine.environment import check_environment
 
     probe = copy.deepcopy(cfg)
     try:

@@ -615,7 +615,7 @@ def test_a_plain_task_folder_and_the_harness_own_tasks_need_no_trust(tmp_path: P
     the user installed (not followed); a damaged task YAML is named with its line."""
     import lm_eval
 
-    from llmexp.config.task_code import code_in_task_dir
+    from llmexp.machine.task_code import code_in_task_dir
 
     installed = next(Path(lm_eval.__file__).parent.joinpath("tasks").rglob("*.yaml"))
     folder = tmp_path / "tasks"

@@ -41,8 +41,8 @@ def check_run(config_name: str | None, overrides: list[str]) -> None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
-    from llmexp.config.environment import check_environment
     from llmexp.config.validation import validate
+    from llmexp.machine.environment import check_environment
     from llmexp.rundir.lock import lock_run_dir
     from llmexp.sweep.check import check_eval_inputs
 

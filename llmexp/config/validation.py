@@ -3,7 +3,7 @@
 `validate(cfg)` runs after Hydra composed the config against `llmexp.config.schema`'s schemas and before
 anything loads; it reports every problem at once, each naming the key and the fix (exit 2). It is
 a pure function of the config, so a config validates on any machine; what depends on the machine
-is `llmexp.config.environment.check_environment`'s. Each key's own rule is on its schema field (`rules.key`):
+is `llmexp.machine.environment.check_environment`'s. Each key's own rule is on its schema field (`rules.key`):
 `_leaf_errors` checks every leaf by it; the functions below add the rules between keys. No torch here.
 """
 

@@ -9,10 +9,10 @@ import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llmexp.config.gguf import gguf_file_problem, local_gguf
 from llmexp.data.cache import get_or_build, hash_obj
 from llmexp.data.hub import hub_reachable
 from llmexp.errors import UserError
+from llmexp.machine.gguf import gguf_file_problem, local_gguf
 from llmexp.rundir.readers import file_sha256
 
 if TYPE_CHECKING:

@@ -14,9 +14,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from llmexp.config.paths import HF_BUILDERS
 from llmexp.data.corpora import Corpus, Record, check_record, hold_out, records_corpus
 from llmexp.errors import UserError
+from llmexp.machine.paths import HF_BUILDERS
 
 ALPACA = ("instruction", "input", "output")
 

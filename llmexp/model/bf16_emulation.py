@@ -39,7 +39,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from llmexp.config.derived import Precision
+from llmexp.machine.precision import Precision
 from llmexp.model.cpu_matmul import fastest_calls
 
 aten = torch.ops.aten
@@ -351,7 +351,7 @@ def probe_bf16_slowdown(size: int = 256, budget_s: float = 0.25) -> Bf16Probe:
 # ---------------------------------------------------------------------------------------------------- the decision
 def use_bf16_emulation(precision: str, device_type: str, bf16_support: str, probe: Bf16Probe | None = None) -> bool:
     """Whether a run should emulate bf16: `precision` resolved (bf16/fp16/fp32), `bf16_support` as
-    `llmexp.config.derived.bf16_support` says (`native`, `emulated`, `none`).
+    `llmexp.machine.precision.bf16_support` says (`native`, `emulated`, `none`).
 
     Only for bf16 on a CPU where bf16 is not native; with a probe, only where the emulation is faster than torch's
     bf16 (a CPU with AVX512 but no AVX512-BF16 runs oneDNN's own emulation, which may be close to it).

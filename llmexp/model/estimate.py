@@ -83,7 +83,7 @@ def model_config(cfg: DictConfig) -> Any:
     one built from the `model.*` fields (model=llama2-7b lists the hub model's fields for exactly this)."""
     from transformers import AutoConfig, LlamaConfig
 
-    from llmexp.config.gguf import local_gguf
+    from llmexp.machine.gguf import local_gguf
     from llmexp.model.build import field_kwargs
 
     m = cfg.model
@@ -260,13 +260,13 @@ def _estimate_adapters(cfg: DictConfig, num_params: int, precision: str, adapter
 
 
 def resolved_precision(name: str) -> str:
-    """The precision a run would use on this machine (`config.derived.resolve_precision`: `auto` is bf16 where it
+    """The precision a run would use on this machine (`machine.precision.resolve_precision`: `auto` is bf16 where it
     is native, else fp32; bf16 stays bf16, emulated or not)."""
     if name != "auto":
         return name
     import torch
 
-    from llmexp.config.derived import resolve_precision
+    from llmexp.machine.precision import resolve_precision
 
     return resolve_precision(name, "cuda" if torch.cuda.is_available() else "cpu")
 

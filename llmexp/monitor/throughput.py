@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from llmexp.config.derived import cpu_has_fast_bf16
 from llmexp.data.cache import warn
+from llmexp.machine.precision import cpu_has_fast_bf16
 from llmexp.rundir.readers import Damaged, load_json, reader
 
 

@@ -85,17 +85,17 @@ READERS: dict[str, Reader] = {  # module:qualname -> Reader
     "llmexp.data.corpora:read_text": Reader(INPUT, "data.train_file (text)", "UTF-8 text", None),
     "llmexp.data.corpora:read_source": Reader(INPUT, "the stdlib corpus's .py files", "Python source", 16 * MiB),
     "llmexp.evals.items:_json_lines": Reader(INPUT, "task JSONL (eval.<kind>.<name>.file)", "JSONL", None, MiB),
-    "llmexp.config.gguf:read_architecture": Reader(INPUT, "model.gguf_file", "a whole .gguf file from llama.cpp (or "
+    "llmexp.machine.gguf:read_architecture": Reader(INPUT, "model.gguf_file", "a whole .gguf file from llama.cpp (or "
                                                    "drop model.gguf_file to load the directory's safetensors)", None),
     "llmexp.config.origin:read_config_yaml": Reader(INPUT, "a config YAML", "YAML", 16 * MiB),
-    "llmexp.config.task_code:read_task_yaml": Reader(INPUT, "a harness task YAML (eval.lm_eval.include_path)",
+    "llmexp.machine.task_code:read_task_yaml": Reader(INPUT, "a harness task YAML (eval.lm_eval.include_path)",
                                                      "YAML in lm-evaluation-harness's task format", 16 * MiB),
-    "llmexp.config.paths:read_model_json": Reader(INPUT, "a model's config.json, adapter_config.json, "
+    "llmexp.machine.paths:read_model_json": Reader(INPUT, "a model's config.json, adapter_config.json, "
                                                   "tokenizer_config.json", "a JSON object", 16 * MiB, None, {str: Any}),
-    "llmexp.config.paths:read_tokenizer_size": Reader(INPUT, "a tokenizer's tokenizer.json", "a tokenizers JSON "
+    "llmexp.machine.paths:read_tokenizer_size": Reader(INPUT, "a tokenizer's tokenizer.json", "a tokenizers JSON "
                                                       "file (save_pretrained writes one)", 256 * MiB,
                                                       fields=TOKENIZER_JSON),
-    "llmexp.config.environment:_sqlite_errors": Reader(INPUT, "logger.tracking_uri's SQLite file",
+    "llmexp.machine.environment:_sqlite_errors": Reader(INPUT, "logger.tracking_uri's SQLite file",
                                                        duty="llmexp.config.validation:validate"),
     # ----- caches
     "llmexp.train.lr_find:read_lr_find": Reader(CACHE, "lr_find.json", "the range test runs again", 16 * MiB,
@@ -133,12 +133,12 @@ READERS: dict[str, Reader] = {  # module:qualname -> Reader
 OTHER_OPENS: dict[str, str] = {
     "llmexp.rundir.files:fsync_path": "opens a file or directory to fsync it; reads nothing",
     "llmexp.rundir.lock:lock_holder": "/proc/locks, the kernel's table of locks",
-    "llmexp.config.derived:_cpu_flags_have_bf16": "/proc/cpuinfo, the kernel's word on the CPU",
+    "llmexp.machine.precision:_cpu_flags_have_bf16": "/proc/cpuinfo, the kernel's word on the CPU",
     "llmexp.monitor.throughput:peak_rss_mb": "/proc/self/status, the kernel's word on this process",
     "llmexp.config.validation:_default_option": "llmexp's own conf/config.yaml, installed with the package",
     "llmexp.config.tree:option_names": "llmexp's own conf/<group>/*.yaml, installed with the package",
     "llmexp.train.resume:base_model_fingerprint": "hashes a local base's config.json (an input that "
-                                                  "`config.paths.read_model_json` checked)",
+                                                  "`machine.paths.read_model_json` checked)",
     "llmexp.checkpoint.dcp:safe_planner.<locals>.SafePlanner.load_bytes": "bytes DCP read from a checkpoint "
                                                                            "`verify_checkpoint` hashed",
 }

@@ -77,8 +77,8 @@ def check_configs(configs: Labelled, on_this_machine: bool) -> None:
     """`validate` and the machine's checks on every config, then the sweep's one objective; one UserError listing
     what fails, shared problems once. On SLURM (`on_this_machine` false) only the directories this process writes
     are checked here."""
-    from llmexp.config.environment import check_directories, check_environment
     from llmexp.config.validation import validate
+    from llmexp.machine.environment import check_directories, check_environment
 
     failures: dict[str, list[str]] = {}
     for label, cfg in configs:

@@ -26,8 +26,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from llmexp.config.derived import BatchPlan
-from llmexp.config.environment import deepspeed_errors
 from llmexp.errors import UserError
+from llmexp.machine.environment import deepspeed_errors
 
 TORCH_EXTENSIONS_DIR = "~/.cache/llmexp/torch_extensions"
 """Where DeepSpeed's JIT-compiled CPU ops (cpu_adam, cpu_lion) are cached, unless the user set

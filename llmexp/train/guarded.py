@@ -10,9 +10,9 @@ import sys
 from omegaconf import DictConfig
 
 from llmexp.config.derived import use_shared_compile_cache
-from llmexp.config.environment import check_environment
 from llmexp.config.validation import validate
 from llmexp.errors import EXIT_USER, STATUS_EXIT, UserError
+from llmexp.machine.environment import check_environment
 from llmexp.rundir.redact import scrub_text
 
 

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from llmexp.config.derived import make_plan, precision_on, use_shared_compile_cache
+from llmexp.config.derived import make_plan, use_shared_compile_cache
 from llmexp.config.derived import world_size_from_env as world_size
+from llmexp.machine.precision import precision_on
 from llmexp.model import build
 from llmexp.monitor.console import quiet_console
 from llmexp.monitor.logger import MetricsLogger

@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from omegaconf import DictConfig
 
-from llmexp.config.derived import BF16_EMULATION_ADVICE, BatchPlan, make_plan, parse_batch_size
+from llmexp.config.derived import BatchPlan, make_plan, parse_batch_size
 from llmexp.errors import UserError
+from llmexp.machine.precision import BF16_EMULATION_ADVICE
 from llmexp.model import build
 from llmexp.monitor.detectors import MonitorSettings
 from llmexp.monitor.throughput import flops_per_token, mfu_peak, process_age_s

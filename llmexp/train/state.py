@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     import torch
     from omegaconf import DictConfig
 
-    from llmexp.config.derived import BatchPlan, Precision
+    from llmexp.config.derived import BatchPlan
+    from llmexp.machine.precision import Precision
     from llmexp.monitor.detectors import MonitorSettings
     from llmexp.monitor.logger import MetricsLogger
     from llmexp.train.autobatch import AutoBatch

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from llmexp.config.derived import global_batch_problem, parse_batch_size, world_size_from_env
-from llmexp.config.paths import directory_errors, path_errors
 from llmexp.errors import UserError
+from llmexp.machine.paths import directory_errors, path_errors
 from llmexp.rundir.readers import open_regular
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from llmexp.config.task_code import code_in_task_dir
+from llmexp.machine.task_code import code_in_task_dir
 from llmexp.rundir.readers import Damaged, load_json, reader
 
 HF_BUILDERS = ("parquet", "arrow", "json", "csv", "text")
@@ -175,7 +175,7 @@ def code_problem(key: str, path: Path, config: dict[str, Any], allowed: bool, sw
 
 def model_problem(cfg: Any, key: str, value: Any) -> str | None:
     """A save_pretrained directory; with `model.gguf_file`, a directory holding that GGUF file instead."""
-    from llmexp.config.gguf import gguf_file_problem
+    from llmexp.machine.gguf import gguf_file_problem
 
     what = "a model directory written by save_pretrained (e.g. the model/ of an earlier run) or a hub id"
     path, why = _local_dir(key, value, what)
