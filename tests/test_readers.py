@@ -311,6 +311,19 @@ def test_random_bytes_and_json_never_break_a_reader(name: str, data: bytes, tmp_
     _kept(name, path, out, lines, damaged=False)
 
 
+def test_a_task_yaml_too_deep_to_walk_is_called_that_not_unreadable(tmp_path: Path) -> None:
+    """YAML that loads but nests past the readers' depth is refused as too deep, not as "not YAML" (the depth
+    check once ran inside the loader's `except ValueError`, and Damaged is a ValueError)."""
+    from llmexp.machine.task_code import read_task_yaml
+
+    path = tmp_path / "deep.yaml"
+    path.write_text("a: " + "[" * (readers.MAX_DEPTH + 5) + "]" * (readers.MAX_DEPTH + 5) + "\n")
+    with pytest.raises(UserError) as err:
+        read_task_yaml(path)
+    assert f"YAML nested deeper than {readers.MAX_DEPTH} levels" in str(err.value)
+    assert "not YAML" not in str(err.value) and str(path) in str(err.value)
+
+
 # ----------------------------------------------------------------------------- caches, never trusted
 
 

@@ -53,7 +53,7 @@ def read_task_yaml(path: Path) -> Any:
 
     text = read_text(path, entry_of(read_task_yaml).max_bytes)
     try:
-        return _within_depth(path, yaml.load(text, Loader=_loader()))  # the safe loader, plus one tag recorded
+        data = yaml.load(text, Loader=_loader())  # the safe loader, plus one tag recorded
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         raise Damaged(path, f"not YAML ({err.problem or err.context})", mark.line + 1 if mark else None) from None
@@ -61,12 +61,9 @@ def read_task_yaml(path: Path) -> Any:
         raise Damaged(path, f"YAML nested deeper than {MAX_DEPTH} levels") from None
     except (yaml.YAMLError, ValueError) as err:  # an unknown tag without a mark, an integer longer than Python reads
         raise Damaged(path, f"not YAML ({(str(err).splitlines() or [''])[0][:120]})") from None
-
-
-def _within_depth(path: Path, value: Any) -> Any:
-    if too_deep(value):
+    if too_deep(data):  # outside the try: Damaged is a ValueError, which the handler above would call "not YAML"
         raise Damaged(path, f"YAML nested deeper than {MAX_DEPTH} levels")
-    return value
+    return data
 
 
 def code_in_task_dir(folder: Path) -> list[str]:
