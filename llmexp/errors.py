@@ -9,3 +9,9 @@ STATUS_EXIT = {"completed": EXIT_OK, "early_stopped": EXIT_OK, "diverged": EXIT_
 
 class UserError(ValueError):
     """A user's mistake (config, data, paths). The message names the key, file or line and the fix."""
+
+
+def first_line(text: object, max_chars: int | None = 200) -> str:
+    """The first non-blank line of an error's (or a tool's) text, cut to `max_chars`; "" for none: what a one-line
+    message quotes of a library's exception, whose text may be empty or run to pages."""
+    return (str(text).strip().splitlines() or [""])[0][:max_chars]

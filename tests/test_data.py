@@ -534,6 +534,18 @@ def test_hub_names_offline_and_local_model_dirs(tmp_path: Path, tok: Any, monkey
     assert hub_error("org/name").args[0].startswith("cannot load 'org/name'")
 
 
+@pytest.mark.parametrize("text", ["", "\n\n", "  first\nsecond", "x" * 500])
+def test_an_error_without_text_or_with_pages_of_it_is_quoted_by_its_first_line(text: str) -> None:
+    """A library's exception may carry no text (transformers raises bare OSErrors) or pages of it: the one-line
+    message quotes its first line, and never fails on the quoting (it once raised IndexError on an empty one)."""
+    from llmexp.errors import first_line
+
+    quoted = first_line(OSError(text)) if text else first_line(OSError())
+    assert quoted == (text.strip().splitlines() or [""])[0][:200] and "\n" not in quoted
+    message = hub_error("./missing/model", OSError(text) if text else OSError()).args[0]
+    assert message.startswith(f"model.name_or_path=./missing/model is not a directory (OSError: {quoted})")
+
+
 # ---------------------------------------------------------------- through the CLI
 
 TINY_MODEL = ["model.hidden_size=64", "model.num_hidden_layers=2", "model.num_attention_heads=2",

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmexp.config.rules import SECRET_IN_NAME, holds_secret
-from llmexp.errors import UserError
+from llmexp.errors import UserError, first_line
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -289,7 +289,7 @@ def _resolve(cfg: DictConfig, key: str, problems: list[tuple[str, str]]) -> Any:
 
 
 def unresolved(err: Exception) -> str:
-    reason = str(getattr(err, "msg", err)).splitlines()[0]
+    reason = first_line(getattr(err, "msg", err), None)
     return (f"cannot resolve an interpolation ({reason}); fix the ${{...}} reference or set the environment "
             "variable it reads")
 

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import numpy as np
 from filelock import FileLock
 
+from llmexp.errors import first_line
 from llmexp.rundir.files import staged_dir
 from llmexp.rundir.readers import Damaged, file_sha256, load_json, reader
 
@@ -135,7 +136,7 @@ def cached(root: Path, kind: str, key: str, build: Callable[[Path], dict[str, An
     except UserError:
         raise
     except Exception as err:  # whatever a reader raises on bytes it cannot parse
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        first = first_line(err) or type(err).__name__
         warn(f"the cache entry {entry} cannot be read ({type(err).__name__}: {first}); rebuilding it")
     entry, meta, _ = get_or_build(root, kind, key, build, rebuild=True)
     return load(entry, meta), meta, False

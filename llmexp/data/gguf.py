@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmexp.data.cache import get_or_build, hash_obj
 from llmexp.data.hub import hub_reachable
-from llmexp.errors import UserError
+from llmexp.errors import UserError, first_line
 from llmexp.machine.gguf import gguf_file_problem, local_gguf
 from llmexp.rundir.readers import file_sha256
 
@@ -34,7 +34,7 @@ def gguf_path(cfg: DictConfig) -> Path:
             path = Path(hf_hub_download(str(m.name_or_path), str(m.gguf_file), revision=m.revision,
                                         local_files_only=not hub_reachable()))
         except Exception as err:  # huggingface_hub's errors (no repo, no file, offline) share no base class
-            reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}"
+            reason = f"{type(err).__name__}: {first_line(err)}"
             raise UserError(f"model.gguf_file={m.gguf_file}: cannot fetch it from the hub repo {m.name_or_path} "
                             f"({reason}); download it where the hub is reachable and set model.name_or_path to the "
                             "directory that holds it") from None

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from llmexp.data.cache import cached, hash_obj
 from llmexp.data.hub import hub_reachable
 from llmexp.data.sources import load_corpus
-from llmexp.errors import UserError
+from llmexp.errors import UserError, first_line
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -29,7 +29,7 @@ BPE_VERSION = 1
 def hub_error(name: str, cause: BaseException | None = None, key: str = "model.name_or_path") -> UserError:
     """A UserError for a model/tokenizer name that is neither a loadable local directory nor reachable
     on the hub: it names the model and says how to use a local path."""
-    reason = f" ({type(cause).__name__}: {str(cause).strip().splitlines()[0][:200]})" if cause else ""
+    reason = f" ({type(cause).__name__}: {first_line(cause)})" if cause else ""
     if name.startswith((".", "/", "~")) or Path(name).expanduser().exists():
         where = "is not a directory" if not Path(name).expanduser().exists() else "holds no loadable model/tokenizer"
         return UserError(f"{key}={name} {where}{reason}. Point it at a directory written by "

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmexp.errors import first_line
 from llmexp.rundir.readers import MAX_DEPTH, Damaged, entry_of, read_text, reader, too_deep
 
 JINJA_GLOBALS = frozenset({"lipsum", "cycler", "joiner", "namespace", "self"})
@@ -60,7 +61,7 @@ def read_task_yaml(path: Path) -> Any:
     except RecursionError:
         raise Damaged(path, f"YAML nested deeper than {MAX_DEPTH} levels") from None
     except (yaml.YAMLError, ValueError) as err:  # an unknown tag without a mark, an integer longer than Python reads
-        raise Damaged(path, f"not YAML ({(str(err).splitlines() or [''])[0][:120]})") from None
+        raise Damaged(path, f"not YAML ({first_line(err, 120)})") from None
     if too_deep(data):  # outside the try: Damaged is a ValueError, which the handler above would call "not YAML"
         raise Damaged(path, f"YAML nested deeper than {MAX_DEPTH} levels")
     return data

@@ -11,7 +11,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from llmexp.errors import UserError
+from llmexp.errors import UserError, first_line
 
 if TYPE_CHECKING:
     import torch
@@ -147,7 +147,7 @@ def four_bit_problem(device: str) -> str | None:
         if not bool(torch.isfinite(out).all()):
             return "its 4-bit round trip gave non-finite values"
     except Exception as err:  # bitsandbytes raises RuntimeError, NotImplementedError, ... by backend
-        return f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}"
+        return f"{type(err).__name__}: {first_line(err)}"
     return None
 
 
@@ -171,7 +171,7 @@ def add_adapters(cfg: DictConfig, model: Any, four_bit: bool) -> Any:
     except ValueError as err:  # peft: "Target modules {...} not found in the base model"
         names = sorted({name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
                         if mod.__class__.__name__ in ("Linear", "Linear4bit", "Conv1D")})
-        raise UserError(f"peft.target_modules={target}: {str(err).splitlines()[0][:200]}; this model's linear "
+        raise UserError(f"peft.target_modules={target}: {first_line(err)}; this model's linear "
                         f"layers are {names}, or use peft.target_modules=all-linear") from err
     from llmexp.model.lora_dropout import use_mask_dropout
 

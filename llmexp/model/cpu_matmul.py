@@ -32,6 +32,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from llmexp.data.cache import warn
+from llmexp.errors import first_line
 from llmexp.rundir.readers import Damaged, load_json, reader
 
 MIN_SPEEDUP = 1.15
@@ -148,7 +149,7 @@ def probe(rows: int, in_features: int, out_features: int) -> MatmulPath:
     try:
         diff = max(_rel_diff(mm_t(a, b), torch_mm_t(a, b)) for a, b in pairs)
     except RuntimeError as err:  # the op exists but refuses these tensors (another oneDNN build)
-        return MatmulPath("torch", f"oneDNN's linear failed on this CPU ({str(err).splitlines()[0][:120]})")
+        return MatmulPath("torch", f"oneDNN's linear failed on this CPU ({first_line(err, 120)})")
     if not diff <= MAX_REL_DIFF:
         return MatmulPath("torch", f"oneDNN's result differs from torch's by {diff:.1e} (relative)", None, diff)
     best = fastest_calls({"torch": lambda: torch_mm_t(x, w), "onednn": lambda: mm_t(x, w)},

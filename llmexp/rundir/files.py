@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
+from llmexp.errors import first_line
+
 FULL_DISK_FREE_BYTES = 1 << 20
 """A write that fails with less than this left on its filesystem failed for lack of space."""
 
@@ -77,7 +79,7 @@ def disk_full_error(err: BaseException, path: Path) -> DiskFull | None:
         return None
     free = f"{free_bytes / 2**20:.1f} MiB free" if free_bytes is not None else "free space unknown"
     return DiskFull(f"no space left on device while writing {path} ({free}; {type(err).__name__}: "
-                    f"{(str(err).strip().splitlines() or [''])[0][:200]})")
+                    f"{first_line(err)})")
 
 
 def _free_bytes(path: Path) -> int | None:

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, TypeVar, get_args
 
+from llmexp.errors import first_line
+
 INPUT, CACHE, RECORD = "input", "cache", "record"
 KiB, MiB = 1 << 10, 1 << 20
 MAX_DEPTH = 64
@@ -353,7 +355,7 @@ def parse_yaml(text: str, path: Path | str) -> Any:
     except RecursionError:
         raise Damaged(path, f"YAML nested deeper than {MAX_DEPTH} levels") from None
     except Exception as err:  # an integer longer than Python reads, a key OmegaConf refuses ...
-        raise Damaged(path, f"not YAML ({type(err).__name__}: {(str(err).splitlines() or [''])[0][:120]})") from None
+        raise Damaged(path, f"not YAML ({type(err).__name__}: {first_line(err, 120)})") from None
     if too_deep(value):
         raise Damaged(path, f"YAML nested deeper than {MAX_DEPTH} levels")
     return value

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from llmexp.errors import first_line
 from llmexp.rundir.readers import read_bytes, reader
 
 STUDY_NAME = "llmexp"
@@ -108,7 +109,7 @@ def damaged(path: Path, problem: str) -> Any:
 
 
 def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [""])[0][:200]
+    return first_line(err)
 
 
 def make_pruner(name: str, eval_steps: int, max_steps: int) -> Any:

@@ -22,7 +22,7 @@ import copy
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from llmexp.errors import UserError
+from llmexp.errors import UserError, first_line
 from llmexp.sweep.space import edge_values, probe_job, search_space
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ def edge_configs(overrides: Sequence[Override], compose: Callable[[list[str]], A
                 with open_dict(variant):
                     OmegaConf.update(variant, key, value, merge=True)
             except OmegaConfBaseException as err:  # a value of the wrong type for its key
-                raise UserError(f"invalid sweep: {label}: {str(err.msg).splitlines()[0]}") from None
+                raise UserError(f"invalid sweep: {label}: {first_line(err.msg, None)}") from None
             configs.append((label, variant))
     return configs
 

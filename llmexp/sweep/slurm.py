@@ -50,7 +50,7 @@ import submitit
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from llmexp.config.tree import register_resolvers
-from llmexp.errors import UserError
+from llmexp.errors import UserError, first_line
 from llmexp.process import settle_for_exit, tune_collector
 from llmexp.rundir.files import write_json_atomic
 from llmexp.rundir.read import read_slurm_jobs
@@ -161,7 +161,7 @@ def slurm_state(job_id: str) -> str:
                              timeout=60, check=False).stdout
     except (OSError, subprocess.SubprocessError):
         return ""
-    return out.strip().splitlines()[0] if out.strip() else ""
+    return first_line(out, None)
 
 
 def job_over() -> None:
