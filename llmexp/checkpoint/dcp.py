@@ -23,7 +23,8 @@ import pickle
 from pathlib import Path
 from typing import Any
 
-from llmexp.checkpoint.serialize import CorruptCheckpoint
+from llmexp.checkpoint.serialize import CorruptCheckpoint, corrupt
+from llmexp.errors import first_line
 from llmexp.rundir.readers import open_regular
 
 METADATA_FILE = ".metadata"
@@ -64,8 +65,7 @@ def read_metadata(directory: Path, rank: int | None = None) -> Any:
         with open_regular(file) as f:
             metadata = MetadataUnpickler(f).load()
     except Exception as err:  # UnpicklingError (refused), EOFError (truncated), OSError, ...
-        first_line = (str(err).strip().splitlines() or [""])[0][:300]
-        raise CorruptCheckpoint(f"{file}: cannot be loaded safely ({type(err).__name__}: {first_line})") from None
+        raise corrupt(file, err) from None
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpoint(f"{file}: holds a {type(metadata).__name__}, not DCP metadata")
     if problem := storage_problem(Path(directory), metadata):
@@ -126,7 +126,7 @@ def safe_planner() -> Any:
                 obj = torch.load(value, weights_only=True)
             except Exception as err:
                 raise CorruptCheckpoint(f"DCP entry {fqn}: cannot be loaded safely ({type(err).__name__}: "
-                                        f"{(str(err).strip().splitlines() or [''])[0][:200]})") from None
+                                        f"{first_line(err)})") from None
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[fqn], obj)
             else:

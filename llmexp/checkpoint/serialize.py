@@ -1,14 +1,7 @@
-"""What goes inside a checkpoint, saved and loaded without ever running pickle code.
-
-- Tensors (the model) go through safetensors.
-- Everything else (optimizer state, scheduler step, scaler, sampler position, metric history,
-  RNG states) goes through `torch.save`, and comes back only through
-  `torch.load(weights_only=True)`, whose unpickler builds tensors and plain containers and
-  refuses anything else. `save_state` checks the object up front so a non-loadable value
-  (a numpy scalar in the metric history, say) fails at save time, not at resume time.
-- RNG states are encoded as tensors and ints, so they pass `weights_only=True` too.
-
-torch, numpy and safetensors are imported inside the functions: no heavy import at import time.
+"""What goes inside a checkpoint, saved and loaded without ever running pickle code: tensors (the model) through
+safetensors; everything else (optimizer state, scaler, RNG states encoded as tensors and ints) through `torch.save`,
+back only through `torch.load(weights_only=True)`, whose unpickler builds tensors and plain containers and refuses
+anything else. torch, numpy and safetensors are imported inside the functions: no heavy import at import time.
 """
 
 from __future__ import annotations
@@ -18,7 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llmexp.errors import UserError
+from llmexp.errors import UserError, first_line
 from llmexp.rundir.readers import open_regular
 
 if TYPE_CHECKING:
@@ -26,11 +19,8 @@ if TYPE_CHECKING:
 
 
 class CorruptCheckpoint(UserError):
-    """A checkpoint file is missing, truncated, altered, or holds something unsafe to load.
-
-    The message names the file. A UserError, so an explicit `train.resume=<path>` that points
-    at a bad checkpoint exits 2 with that message; `train.resume=auto` falls back instead.
-    """
+    """A checkpoint file is missing, truncated, altered, or holds something unsafe to load; the message names the
+    file. A UserError: an explicit `train.resume=<path>` exits 2 with it; `train.resume=auto` falls back instead."""
 
 
 class UnsafeState(TypeError):
@@ -42,9 +32,9 @@ def rng_filename(rank: int) -> str:
     return f"rng_rank{rank}.pt"
 
 
-def _corrupt(path: Path, err: BaseException) -> CorruptCheckpoint:
-    first_line = (str(err).strip().splitlines() or [""])[0][:300]
-    return CorruptCheckpoint(f"{path}: cannot be loaded safely ({type(err).__name__}: {first_line})")
+def corrupt(path: Path, err: BaseException) -> CorruptCheckpoint:
+    """The CorruptCheckpoint for a file a library could not load, quoting its error."""
+    return CorruptCheckpoint(f"{path}: cannot be loaded safely ({type(err).__name__}: {first_line(err, 300)})")
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -74,19 +64,13 @@ def load_tensors(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
         with open_regular(path):  # (a FIFO would block the reader)
             return load_file(str(path), device=device)
     except Exception as err:  # SafetensorError, OSError, ...: all mean "this file is bad"
-        raise _corrupt(Path(path), err) from None
+        raise corrupt(Path(path), err) from None
 
 
 # ----------------------------------------------------------------------------- other state
 
 
 _PLAIN = (str, bytes, int, float, bool, complex, type(None))
-
-
-def _torch_leaf_types() -> tuple[type, ...]:
-    import torch
-
-    return (torch.Tensor, torch.dtype, torch.device, torch.Size)
 
 
 def _check_loadable(obj: Any, where: str, leaves: tuple[type, ...]) -> None:
@@ -105,10 +89,11 @@ def _check_loadable(obj: Any, where: str, leaves: tuple[type, ...]) -> None:
 
 
 def save_state(path: Path, obj: Any) -> None:
-    """torch.save a state that `load_state` can load back: plain containers, numbers, tensors."""
+    """torch.save a state that `load_state` can load back: plain containers, numbers, tensors. Checked up front, so
+    that a value the safe unpickler refuses (a numpy scalar in the metric history, say) fails now, not at resume."""
     import torch
 
-    _check_loadable(obj, "", _torch_leaf_types())
+    _check_loadable(obj, "", (torch.Tensor, torch.dtype, torch.device, torch.Size))
     torch.save(obj, str(path))
 
 
@@ -121,7 +106,7 @@ def load_state(path: Path) -> Any:
         with open_regular(path) as f:
             return torch.load(f, map_location="cpu", weights_only=True)
     except Exception as err:  # UnpicklingError (unsafe), RuntimeError (bad zip), EOFError, ...
-        raise _corrupt(Path(path), err) from None
+        raise corrupt(Path(path), err) from None
 
 
 # ----------------------------------------------------------------------------- RNG
@@ -135,14 +120,13 @@ def capture_rng() -> dict[str, Any]:
 
     version, internal, gauss_next = random.getstate()
     kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
-    state: dict[str, Any] = {
+    return {
         "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss_next": gauss_next},
         "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
-    return state
 
 
 def restore_rng(state: dict[str, Any]) -> None:
@@ -157,7 +141,5 @@ def restore_rng(state: dict[str, Any]) -> None:
     keys = npy["keys"].numpy().astype(np.uint32)
     np.random.set_state((npy["kind"], keys, npy["pos"], npy["has_gauss"], npy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
-    cuda_states = state.get("cuda") or []
-    if cuda_states and torch.cuda.is_available():
-        for device, cuda_state in enumerate(cuda_states[: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(cuda_state, device)
+    for device, cuda_state in enumerate((state.get("cuda") or [])[: torch.cuda.device_count()]):
+        torch.cuda.set_rng_state(cuda_state, device)

@@ -14,10 +14,7 @@ complete; a half-written directory is never called `step_<N>`. Only complete che
 directories this module did not write are never touched, and nothing is deleted through a
 symbolic link: a `step_<N>` that is a link is moved aside (`step_<N>.displaced-<ns>`), never
 followed. A full disk during a save raises `DiskFull`, naming the path, after the partial
-directory is removed. Loading never runs pickle code: tensors
-go through safetensors, everything else through `torch.load(weights_only=True)` (`llmexp.checkpoint.serialize`).
-
-No torch at import time: this module sits beside the config path.
+directory is removed. No torch at import time: this module sits beside the config path.
 """
 
 from __future__ import annotations
@@ -51,9 +48,6 @@ TMP_DIR = re.compile(r"^\.tmp-(?P<tag>(?:old-|del-)?step_\d+)-(?P<host>.+)-(?P<p
 FOREIGN_TMP_STALE_S = 6 * 3600.0
 
 T = TypeVar("T")
-
-
-# ----------------------------------------------------------------------------- file system
 
 
 def _sha256_all(paths: list[Path]) -> list[str]:
@@ -92,9 +86,6 @@ def _remove_tree(path: Path, step: int) -> None:
     trash = _tmp_dir(path.parent, f"del-step_{step}")
     os.replace(path, trash)
     shutil.rmtree(trash)
-
-
-# ----------------------------------------------------------------------------- manifest
 
 
 def _step_of(path: Path) -> int | None:
@@ -170,9 +161,6 @@ def _is_complete(path: Path) -> bool:
     return True
 
 
-# ----------------------------------------------------------------------------- public API
-
-
 def _step_dirs(root: Path) -> list[Path]:
     """Every `step_<N>` directory, complete or not, oldest first."""
     if not root.is_dir():
@@ -188,12 +176,9 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 def save_checkpoint(root: Path, step: int, write: Callable[[Path], None], *, keep: int,
                     best_step: int | None = None, extra: Mapping[str, Any] | None = None) -> Path:
-    """Write a checkpoint atomically as `root/step_<step>`, then rotate; return its path.
-
-    `write(tmp_dir)` puts the files there (any layout, subdirs allowed). `extra` (JSON data)
-    is stored in the manifest. If anything raises, the previous checkpoints are untouched and
-    the partial tmp dir is removed (or, after a hard kill, removed by a later rotate).
-    """
+    """Write a checkpoint atomically as `root/step_<step>`, then rotate; return its path. `write(tmp_dir)` puts the
+    files there (any layout); `extra` (JSON data) is stored in the manifest. If anything raises, the partial tmp
+    dir is removed (after a hard kill, by a later rotate)."""
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     root = Path(root)
@@ -213,37 +198,25 @@ def _publish(tmp: Path, final: Path) -> None:
     replace_dir(tmp, final, aside=_tmp_dir(final.parent, f"old-{final.name}"), keep=lambda p: not _is_complete(p))
 
 
-def rotate(root: Path, keep: int, best_step: int | None, *, protect: Path | None = None) -> list[Path]:
-    """Delete complete checkpoints beyond the `keep` newest (by step), sparing the best and
-    `protect` (the one just saved); return the deleted paths.
-
-    Never deletes the newest or `step_<best_step>`, never touches a directory without a valid
-    manifest or with a foreign name, never deletes through a symbolic link. Displaced copies
-    (`step_<N>.displaced-*` holding an llmexp manifest) follow the same rule: one goes once
-    step N is older than the `keep` newest and is not the best. Also removes this module's tmp
-    dirs left by dead processes (same host: the pid is gone; other hosts: older than
-    FOREIGN_TMP_STALE_S).
-    """
+def rotate(root: Path, keep: int, best_step: int | None, *, protect: Path | None = None) -> None:
+    """Delete complete checkpoints beyond the `keep` newest (by step), sparing `step_<best_step>` and `protect`
+    (the one just saved). Displaced copies (`step_<N>.displaced-*` holding an llmexp manifest) follow the same
+    rule. Also removes this module's tmp dirs left by dead processes (same host: the pid is gone; other hosts:
+    older than FOREIGN_TMP_STALE_S)."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     root = Path(root)
     _remove_stale_tmp(root)
     complete = list_checkpoints(root)
     spared = set(complete[-keep:]) | {p for p in complete if _step_of(p) == best_step or p == protect}
-    deleted = []
-    for path in complete:
-        if path not in spared:
-            _remove_tree(path, _step_of(path) or 0)
-            deleted.append(path)
+    doomed = [(path, _step_of(path) or 0) for path in complete if path not in spared]
     if complete:
         oldest_kept = min(_step_of(p) or 0 for p in complete[-keep:])
-        for path, step in _displaced_dirs(root):
-            if step < oldest_kept and step != best_step:
-                _remove_tree(path, step)
-                deleted.append(path)
-    if deleted:
+        doomed += [(path, step) for path, step in _displaced_dirs(root) if step < oldest_kept and step != best_step]
+    for path, step in doomed:
+        _remove_tree(path, step)
+    if doomed:
         fsync_path(root)
-    return deleted
 
 
 def _displaced_dirs(root: Path) -> list[tuple[Path, int]]:
@@ -261,8 +234,7 @@ def _displaced_dirs(root: Path) -> list[tuple[Path, int]]:
     return found
 
 
-def _remove_stale_tmp(root: Path) -> list[Path]:
-    removed = []
+def _remove_stale_tmp(root: Path) -> None:
     for path in root.iterdir() if root.is_dir() else []:
         match = TMP_DIR.match(path.name)
         if match is None or not path.is_dir() or path.is_symlink():
@@ -276,8 +248,6 @@ def _remove_stale_tmp(root: Path) -> list[Path]:
             os.replace(path, original)
             continue
         shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
-    return removed
 
 
 def _is_stale(path: Path, pid: int, host: str) -> bool:
@@ -298,11 +268,8 @@ def _warn_links(root: Path, warn: Callable[[str], None]) -> None:
 
 
 def load_with_fallback(root: Path, load: Callable[[Path], T], warn: Callable[[str], None]) -> tuple[Path, T] | None:
-    """Verify and `load` the newest good checkpoint, falling back past any that fail.
-
-    `load(path)` should raise CorruptCheckpoint for a bad file (load_state/load_tensors do);
-    the fallback then tries the next older checkpoint. Returns (path, load's result) or None.
-    """
+    """(path, `load(path)`) of the newest checkpoint that verifies and loads, falling back past any that raise
+    CorruptCheckpoint (as load_state and load_tensors do for a bad file); None when none does."""
     _warn_links(Path(root), warn)
     for path in reversed(_step_dirs(Path(root))):
         try:
