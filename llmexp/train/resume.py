@@ -59,8 +59,6 @@ def save_state_checkpoint(run: Run) -> bool:
             write_optimizer(tmp)
             for rank, rng in enumerate(rng_states):
                 serialize.save_state(tmp / serialize.rng_filename(rank), rng)
-            if (scaler := engine.scaler_state()) is not None:
-                serialize.save_state(tmp / "scaler.pt", scaler)
             payload = {"state": asdict(state), "history": log.history}
             (tmp / TRAINER_STATE).write_text(json.dumps(payload, default=str))
 
@@ -184,7 +182,6 @@ def _apply_payload(run: Run, payload: dict[str, Any], path: Path) -> LoopState:
         run.engine.load_state(run.model, run.optimizer, payload)
         if payload["rng"] is not None:
             serialize.restore_rng(payload["rng"])
-        run.engine.load_scaler_state(payload["scaler"])
         return LoopState(**payload["trainer"]["state"])
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AssertionError) as err:
         raise ckpt.CorruptCheckpoint(

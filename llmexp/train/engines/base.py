@@ -34,15 +34,15 @@ class Engine(Protocol):
     """A step engine, as the loop (`train.py`), the checkpoints (`resume.py`) and `finish.py` use it."""
 
     steps_first: bool
-    """True when `step` must come before `clip` (DeepSpeed measures the grad norm inside its own step)."""
+    """`step` comes before `clip` (DeepSpeed)."""
     params_partitioned: bool
-    """True when no rank holds whole parameters (ZeRO-3): shapes cannot be checked before a load."""
+    """No rank holds whole parameters (ZeRO-3): shapes cannot be checked before a load."""
     collective_forward: bool
-    """True when every forward is collective (FSDP all-gathers): every rank must run as many."""
+    """Every forward is collective (FSDP all-gathers): every rank must run as many."""
     sharded_checkpoints: bool
-    """True when checkpoints hold a DCP `dcp/` directory (FSDP) instead of model and optimizer files."""
+    """Checkpoints hold a DCP `dcp/` directory (FSDP) instead of model and optimizer files."""
     reshardable: bool
-    """True when a checkpoint resumes on another number of processes (DDP: replicated state; FSDP: DCP)."""
+    """A checkpoint resumes on another number of processes (DDP: replicated state; FSDP: DCP)."""
 
     def shard(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model as the optimizer must see it (FSDP shards it here); before the optimizer is built."""
@@ -69,7 +69,7 @@ class Engine(Protocol):
         ...
 
     def loss_scale(self) -> float | None:
-        """fp16's current loss scale, None without one."""
+        """fp16's current loss scale (train records log it), None without one."""
         ...
 
     def lm(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -90,19 +90,14 @@ class Engine(Protocol):
         ...
 
     def optimizer_writer(self, optimizer: Any, run_dir: Path, step: int) -> OptimizerWriter:
-        """What writes the optimizer state into the checkpoint of `step` (called on every rank: ZeRO and FSDP
-        write their shards now, collectively; the writer runs on rank 0 inside the save)."""
+        """What writes the optimizer state (and the plain engine's fp16 loss scaler) into the checkpoint of `step`
+        (called on every rank: ZeRO and FSDP write their shards now, collectively; the writer runs on rank 0
+        inside the save)."""
         ...
 
     def load_state(self, model: torch.nn.Module, optimizer: Any, payload: dict[str, Any]) -> None:
-        """Weights and optimizer state from a checked payload (`llmexp.train.resume`)."""
+        """Weights, optimizer state and loss scaler from a checked payload (`llmexp.train.resume`)."""
         ...
-
-    def scaler_state(self) -> dict[str, Any] | None:
-        """The loop's fp16 loss scaler, for the checkpoint; None without one."""
-        ...
-
-    def load_scaler_state(self, state: dict[str, Any] | None) -> None: ...
 
 
 def inner_optimizer(optimizer: Any) -> Any:

@@ -1,9 +1,5 @@
-"""The DeepSpeed ZeRO engine, prepared by Accelerate (its config: `llmexp.train.distributed`).
-
-ZeRO owns accumulation boundaries, clipping, fp16 loss scaling and the step itself. DeepSpeed computes
-the gradient norm only inside its own step, so the loop calls this engine's `step` first (norm, clip,
-step, or skip when the norm is non-finite: `steps_first`), `clip` then reports that step's norm, and the
-anomaly policy judges a step already taken.
+"""The DeepSpeed ZeRO engine, prepared by Accelerate (its config: `llmexp.train.distributed`). ZeRO owns
+accumulation boundaries, clipping, fp16 loss scaling and the step itself, which `steps_first` (`base.py`).
 
 Checkpoints never unpickle: DeepSpeed's own `save_checkpoint`/`load_checkpoint` would read back with
 an unrestricted `torch.load`. Each rank's optimizer shard (fp32 master partition, moments, loss scale)
@@ -39,12 +35,10 @@ def zero_world_mismatch(saved: int, now: int) -> UserError:
 
 
 class DeepSpeedEngine:
-    """A DeepSpeed ZeRO engine, prepared by Accelerate (its config: `llmexp.train.distributed`)."""
-
     steps_first = True
     collective_forward = False
     sharded_checkpoints = False
-    reshardable = False  # ZeRO's partitions are per rank; DeepSpeed cannot repartition them (DeepSpeed #2898)
+    reshardable = False  # `zero_world_mismatch`
 
     def __init__(self, accelerator: Any, precision: str, plan: BatchPlan, stage: int) -> None:
         self.accelerator = accelerator
@@ -130,30 +124,18 @@ class DeepSpeedEngine:
         return move_shards
 
     def load_state(self, model: torch.nn.Module, optimizer: Any, payload: dict[str, Any]) -> None:
+        """The weights (ZeRO-3 gathers the partitioned parameters to fill them, and re-partitions from rank 0's
+        values), then this rank's shard into the ZeRO optimizer: fp32 master weights and the loss scale too."""
+        from deepspeed.checkpoint.constants import LOSS_SCALER
+
         refuse_dcp(payload)
-        self.load_weights(model, payload["model"])
-        self.load_optimizer(optimizer, payload)
-
-    def scaler_state(self) -> dict[str, Any] | None:
-        return None  # ZeRO keeps its loss scale in its optimizer shard
-
-    def load_scaler_state(self, state: dict[str, Any] | None) -> None:
-        pass
-
-    def load_weights(self, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
-        """ZeRO-3 gathers the partitioned parameters to fill them, and re-partitions from rank 0's values."""
         gathered: AbstractContextManager[Any] = nullcontext()
         if self.stage >= 3:
             import deepspeed
 
             gathered = deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0)
         with gathered:
-            self.lm(model).load_state_dict(weights)
-
-    def load_optimizer(self, optimizer: Any, payload: dict[str, Any]) -> None:
-        """Restore this rank's shard into the ZeRO optimizer (fp32 master weights included)."""
-        from deepspeed.checkpoint.constants import LOSS_SCALER
-
+            self.lm(model).load_state_dict(payload["model"])
         shard = payload["zero"]
         if shard is None:
             raise zero_mismatch(saved_with_zero=False)

@@ -180,8 +180,6 @@ class FsdpEngine:
         return {"model": model_state, "optimizer": optim_state}
 
     def optimizer_writer(self, optimizer: Any, run_dir: Path, step: int) -> OptimizerWriter:
-        """Every rank writes its shard with dcp.save into a staging dir beside the checkpoints
-        (collective, same filesystem); rank 0 then publishes it as the checkpoint's `dcp/`."""
         staging = run_dir / ".fsdp_dcp" / f"step_{step}"
         if self.accelerator.is_main_process:
             stage_dir(staging)  # (a crashed save's leftover goes)
@@ -211,9 +209,3 @@ class FsdpEngine:
             raise refused[0] if refused else RuntimeError(str(err).splitlines()[-1][:300]) from None
         set_state_dict(self.model or model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
-
-    def scaler_state(self) -> dict[str, Any] | None:
-        return None
-
-    def load_scaler_state(self, state: dict[str, Any] | None) -> None:
-        pass

@@ -32,14 +32,12 @@ class PlainEngine:
         """With adapters: checkpoints hold only the trainable weights (`checkpoint_weights`)."""
 
     def shard(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The model as the optimizer must see it (FSDP shards it here); before the optimizer is built."""
         return model
 
     def prepare(self, model: torch.nn.Module, optimizer: Any) -> tuple[torch.nn.Module, Any]:
         return self.accelerator.prepare(model, optimizer)  # DDP when several processes run
 
     def no_sync(self, model: torch.nn.Module) -> AbstractContextManager[Any]:
-        """Around every micro-batch but the last: no gradient reduction yet."""
         return self.accelerator.no_sync(model)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -68,7 +66,6 @@ class PlainEngine:
 
     # ------------------------------------------------------------------ checkpoints
     def lm(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The Hugging Face model inside the DDP / loss wrappers."""
         return getattr(model, "module", model).lm  # DistributedDataParallel
 
     def full_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
@@ -88,7 +85,12 @@ class PlainEngine:
         return {k: v for k, v in state.items() if k in names}
 
     def optimizer_writer(self, optimizer: Any, run_dir: Path, step: int) -> OptimizerWriter:
-        return lambda tmp: serialize.save_state(tmp / "optimizer.pt", optimizer.state_dict())
+        def write(tmp: Path) -> None:
+            serialize.save_state(tmp / "optimizer.pt", optimizer.state_dict())
+            if self.scaler is not None:
+                serialize.save_state(tmp / "scaler.pt", self.scaler.state_dict())
+
+        return write
 
     def load_state(self, model: torch.nn.Module, optimizer: Any, payload: dict[str, Any]) -> None:
         refuse_dcp(payload)
@@ -96,15 +98,10 @@ class PlainEngine:
             raise zero_mismatch(saved_with_zero=True)
         self.load_weights(model, payload["model"])
         optimizer.load_state_dict(payload["optimizer"])
+        if self.scaler is not None and payload["scaler"] is not None:
+            self.scaler.load_state_dict(payload["scaler"])
 
     def load_weights(self, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
         # with adapters the frozen base is missing by design (`checkpoint_weights`); resume checked the rest
         self.lm(model).load_state_dict(weights, strict=not self.trainable_only)
-
-    def scaler_state(self) -> dict[str, Any] | None:
-        return self.scaler.state_dict() if self.scaler is not None else None
-
-    def load_scaler_state(self, state: dict[str, Any] | None) -> None:
-        if self.scaler is not None and state is not None:
-            self.scaler.load_state_dict(state)
 
