@@ -8,11 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-# One definition of what a secret is, shared with every other writer of run files.
-
 CONSOLE_LOGGER = "llmexp.console"
 """The logger that copies every console line into the job log (`llmexp.log`), never to the console itself."""
-
 
 ETA_AFTER_STEPS = 3
 """Steps timed (after the first, which warms up) before the console prints an ETA."""

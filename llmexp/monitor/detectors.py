@@ -47,6 +47,13 @@ def _num(value: Any) -> float:
         return math.nan
 
 
+def _step_noise(values: list[float]) -> float:
+    """The noise of a series alone, trend removed: the MAD of its successive differences / sqrt(2)."""
+    diffs = [b - a for a, b in itertools.pairwise(values)]
+    centre = statistics.median(diffs)
+    return statistics.median(abs(d - centre) for d in diffs) * _MAD_TO_STD / math.sqrt(2)
+
+
 def _robust_z(window: list[float], value: float) -> tuple[float, float]:
     """(z-score of value against window, the window median).
 
@@ -56,10 +63,8 @@ def _robust_z(window: list[float], value: float) -> tuple[float, float]:
     """
     median = statistics.median(window)
     mad = statistics.median(abs(v - median) for v in window) * _MAD_TO_STD
-    diffs = [b - a for a, b in itertools.pairwise(window)]
-    if len(diffs) >= 2:
-        diff_median = statistics.median(diffs)
-        mad = min(mad, statistics.median(abs(d - diff_median) for d in diffs) * _MAD_TO_STD / math.sqrt(2))
+    if len(window) >= 3:
+        mad = min(mad, _step_noise(window))
     floor = 1e-3 * abs(median) + 1e-12  # a flat window must not make every wiggle infinite
     return (value - median) / max(mad, floor), median
 
@@ -255,10 +260,7 @@ def _plateau(train: list[tuple[int, float]], evals: list[tuple[int, float]],
         values = [v for _, v in train]
         first, last = statistics.median(values[:k]), statistics.median(values[-k:])
         # The drop must also be lost in the noise: a tiny model's slow but steady fall is not a plateau.
-        diffs = [b - a for a, b in itertools.pairwise(values)]
-        centre = statistics.median(diffs)
-        noise = statistics.median(abs(d - centre) for d in diffs) * _MAD_TO_STD / math.sqrt(2)
-        stderr = 1.25 * noise * math.sqrt(2 / k)  # of a difference of two medians of k values
+        stderr = 1.25 * _step_noise(values) * math.sqrt(2 / k)  # of a difference of two medians of k values
         if first - last < settings.plateau_min_drop * abs(first) and first - last <= 3 * stderr + 1e-12:
             out.append(Finding("plateau", train[0][0], WARNING,
                                f"the loss never fell: {first:.3g} at the start, {last:.3g} at the end",

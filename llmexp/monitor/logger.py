@@ -21,8 +21,6 @@ from llmexp.monitor.console import (
     silence_dead_stdio,
 )
 from llmexp.monitor.sinks import Sink
-
-# One definition of what a secret is, shared with every other writer of run files.
 from llmexp.rundir.files import atomic_file
 from llmexp.rundir.redact import scrub
 
@@ -35,11 +33,11 @@ def safe_exp(x: float) -> float:
         return math.inf
 
 
-def _json_value(value: Any) -> Any:
-    """JSON cannot hold NaN/inf; write them as strings so a NaN loss stays visible."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return value
+def _json_line(record: dict[str, Any]) -> str:
+    """A record as a line of metrics.jsonl. JSON cannot hold NaN/inf: they are written as strings, so a NaN loss
+    stays visible."""
+    return json.dumps({k: str(v) if isinstance(v, float) and not math.isfinite(v) else v
+                       for k, v in record.items()}) + "\n"
 
 
 class MetricsLogger:
@@ -70,13 +68,12 @@ class MetricsLogger:
 
     def log(self, record: dict[str, Any]) -> None:
         """Append a record (it must carry `event` and `step`)."""
-
         record = scrub(record, self._secrets)
         self.history.append(record)
         if not self.enabled:
             return
         assert self._file is not None
-        self._file.write(json.dumps({k: _json_value(v) for k, v in record.items()}) + "\n")
+        self._file.write(_json_line(record))
         self._file.flush()
         for sink in self.sinks:
             sink.log(record)
@@ -96,7 +93,7 @@ class MetricsLogger:
         self._file.close()
         path = Path(self._file.name)
         with atomic_file(path) as f:
-            f.writelines(json.dumps({k: _json_value(v) for k, v in r.items()}) + "\n" for r in records)
+            f.writelines(_json_line(r) for r in records)
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115
         self._steps_done = max((int(r.get("step", 0)) for r in records), default=0)
         self._step_times = []

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmexp.errors import first_line
 from llmexp.monitor.records import numbers, run_name_from_overrides
 from llmexp.rundir.read import load_summary
 from llmexp.rundir.redact import scrub, scrub_text
@@ -144,7 +145,7 @@ def connect(uri: str | None, experiment: str, local_dir: Path, timeout_s: float)
     try:
         return _open(uri, experiment, timeout_s)
     except Exception as err:  # refused, unreachable, credentials rejected: the run logs locally instead
-        reason = scrub_text(str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)[:300]
+        reason = scrub_text(first_line(err, None) or type(err).__name__)[:300]
         _log.warning(f"mlflow could not reach {uri} within logger.init_timeout_s={timeout_s:g} ({reason}); logging "
                      f"to {local} instead. See it with `mlflow ui --backend-store-uri {local}`")
         return _open(local, experiment, timeout_s)
@@ -230,7 +231,7 @@ class _Sender(threading.Thread):
                 self.metrics[:0] = metrics[sent_m:]
                 self.tags = {**dict(tags[sent_t:]), **self.tags}
             if self.failing is None:
-                self.failing = scrub_text(str(err).strip().splitlines()[0] if str(err).strip() else repr(err))[:300]
+                self.failing = scrub_text(first_line(err, None) or repr(err))[:300]
                 _log.warning(f"mlflow: sending metrics failed ({self.failing}); the run goes on (metrics.jsonl has "
                              f"every record) and retries every {RETRY_S:g} s")
             return
@@ -256,7 +257,7 @@ class MlflowSink:
         try:
             self._start(cfg_container, logger_cfg, run_name, sweep_dir, new_run)
         except Exception as err:  # even the local store failed: the run goes on without MLflow
-            reason = scrub_text(str(err).strip().splitlines()[0] if str(err).strip() else repr(err))[:300]
+            reason = scrub_text(first_line(err, None) or repr(err))[:300]
             _log.warning(f"mlflow: could not start a run ({type(err).__name__}: {reason}); this run logs to "
                          "metrics.jsonl only")
             self.sender = None

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from omegaconf import DictConfig, OmegaConf
 
+from llmexp.errors import first_line
 from llmexp.monitor.records import numbers, run_name_from_overrides
 from llmexp.rundir.read import load_summary, swept_keys
 from llmexp.rundir.redact import scrub, scrub_text  # one definition of a secret, shared by every writer
@@ -119,7 +120,7 @@ class WandbSink:
         except wandb.errors.Error as err:  # no network, server down, key refused: the run goes on offline
             if self.mode != "online":
                 raise
-            reason = scrub_text(str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
+            reason = scrub_text(first_line(err, None) or type(err).__name__)
             self.mode = "offline"
             self.run = start(self.mode)
             _log.warning(f"wandb could not start online within logger.init_timeout_s={timeout_s:g} ({reason}); "
