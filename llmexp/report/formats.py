@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -21,6 +22,16 @@ def fmt(value: Any, digits: int = 4) -> str:
 def fmt_rate(value: Any) -> str:
     """A throughput (tokens/s): whole numbers with thousands separators read at a glance."""
     return f"{value:,.0f}" if isinstance(value, int | float) and math.isfinite(value) else fmt(value)
+
+
+def md_table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
+    """The lines of a markdown table."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def md_cell(text: Any) -> str:
+    """Text as a table cell: one row each, its pipes escaped."""
+    return str(text).replace("|", "\\|").replace("\n", "⏎ ")
 
 
 def fmt_params(n: float) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 from llmexp.monitor.detectors import ERROR, Finding, is_open, worst_severity
 from llmexp.report.findings import finding_state, run_findings
-from llmexp.report.formats import fmt, fmt_rate
+from llmexp.report.formats import fmt, fmt_rate, md_cell, md_table
 from llmexp.report.task_section import tasks_markdown
 from llmexp.rundir.files import write_text_atomic
 from llmexp.rundir.read import last_value, load_config, load_overrides, load_records, load_summary
@@ -102,26 +102,21 @@ def findings_markdown(findings: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _table(rows: list[tuple[str, str]], header: tuple[str, str]) -> str:
-    out = [f"| {header[0]} | {header[1]} |", "|---|---|"]
-    out += [f"| {k} | {v} |" for k, v in rows]
-    return "\n".join(out) + "\n"
-
-
 def samples_markdown(records: list[dict]) -> str:
     """The first and the last samples side by side: what training changed in the model's continuations."""
     events = [r for r in records if r.get("event") == "sample" and isinstance(r.get("samples"), list)]
     if not events:
         return ""
     first, last = events[0], events[-1]
-    cell = lambda text: str(text).replace("|", "\\|").replace("\n", "⏎ ")  # noqa: E731  (one table row each)
     both = last is not first
-    header = f"| prompt | step {first['step']} |" + (f" step {last['step']} |" if both else "")
-    rows = [header, "|---|---|" + ("---|" if both else "")]
-    for a, b in zip(first["samples"], last["samples"], strict=False):
-        later = f" {cell(b['completion'])} |" if both else ""
-        rows.append(f"| {cell(a['prompt'])} | {cell(a['completion'])} |{later}")
-    return "## Samples\n\n" + "\n".join(rows) + "\n"
+    header = ["prompt", f"step {first['step']}", *([f"step {last['step']}"] if both else [])]
+    rows = [[md_cell(a["prompt"]), md_cell(a["completion"])] + ([md_cell(b["completion"])] if both else [])
+            for a, b in zip(first["samples"], last["samples"], strict=False)]
+    return "## Samples\n\n" + "\n".join(md_table(header, rows)) + "\n"
+
+
+def _table(rows: list[tuple[str, str]], what: str) -> str:
+    return "\n".join(md_table([what, "value"], (list(row) for row in rows))) + "\n"
 
 
 def run_report_markdown(run_dir: Path, records: list[dict], summary: dict | None, findings: list[dict],
@@ -138,10 +133,10 @@ def run_report_markdown(run_dir: Path, records: list[dict], summary: dict | None
         f"**Status:** {status}" + (f" (exit code {summary['exit_code']})" if summary and "exit_code" in summary else "")
         + f" · **health:** {health} ({counts})\n",
         f"**Overrides:** `{' '.join(overrides)}`\n" if overrides else "**Overrides:** none (the default run)\n",
-        "## Key metrics\n", _table(_key_metrics(records, summary or {}), ("metric", "value")),
+        "## Key metrics\n", _table(_key_metrics(records, summary or {}), "metric"),
         "## Findings\n", findings_markdown(findings),
         "## Settings that mattered\n",
-        _table(settings_rows(_with_auto_batch(cfg, records)), ("setting", "value")) if cfg
+        _table(settings_rows(_with_auto_batch(cfg, records)), "setting") if cfg
         else "No `.hydra/config.yaml` found.\n",
         *([samples] if (samples := samples_markdown(records)) else []),
         *([tasks] if (tasks := tasks_markdown(records)) else []),

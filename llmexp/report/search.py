@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from llmexp.report.formats import fmt
+from llmexp.report.formats import fmt, md_table
 from llmexp.rundir.read import load_config, load_summary
 from llmexp.rundir.readers import read_yaml
 from llmexp.rundir.study import study_journal
@@ -178,26 +178,27 @@ def search_markdown(search: dict[str, Any]) -> list[str]:
         lines += [f"**Best trial:** {best['number']}, {label} {fmt(best['value'])}, "
                   f"`{_params_text(best['params'])}`", ""]
     names = list(search["space"])
-    lines += ["### Optimisation history", "", "| trial | " + " | ".join(names) + f" | state | {label} | "
-              "best so far | steps |", "|---" * (len(names) + 5) + "|"]
+    history = []
     for r in rows:
         reason = r["reason"] if not r["reason"] or len(r["reason"]) <= 80 else r["reason"][:77] + "..."
         state = r["state"] + (f" at step {r['stopped_step']}" if r["state"] == PRUNED else "") + (
             f" ({reason})" if reason and r["state"] == "fail" else "")
         value = fmt(r["value"]) if r["value"] is not None else (
             f"({fmt(r['last_eval_loss'])} last)" if r["last_eval_loss"] is not None else "–")
-        lines.append(f"| {r['number']} | " + " | ".join(fmt(r["params"].get(n)) for n in names)
-                     + f" | {state} | {value} | {fmt(r['best_so_far'])} | {r['steps']:,} |")
+        history.append([str(r["number"]), *(fmt(r["params"].get(n)) for n in names), state, value,
+                        fmt(r["best_so_far"]), f"{r['steps']:,}"])
+    lines += ["### Optimisation history", "",
+              *md_table(["trial", *names, "state", label, "best so far", "steps"], history)]
     pruned = [r for r in rows if r["state"] == PRUNED]
     if pruned:
-        lines += ["", "### Pruned trials", "", f"| trial | settings | stopped at step | last {label} |",
-                  "|---|---|---|---|"]
-        lines += [f"| {r['number']} | `{_params_text(r['params'])}` | {r['stopped_step']} | "
-                  f"{fmt(r['last_eval_loss'])} |" for r in pruned]
+        lines += ["", "### Pruned trials", "",
+                  *md_table(["trial", "settings", "stopped at step", f"last {label}"],
+                            ([str(r["number"]), f"`{_params_text(r['params'])}`", str(r["stopped_step"]),
+                              fmt(r["last_eval_loss"])] for r in pruned))]
     lines += ["", "### Parameter importances (PED-ANOVA, `optuna.importance`)", ""]
     if search["importances"]:
-        lines += ["| parameter | importance |", "|---|---|"]
-        lines += [f"| `{k}` | {v:.2f} |" for k, v in search["importances"].items()]
+        importance = search["importances"].items()
+        lines += md_table(["parameter", "importance"], ([f"`{k}`", f"{v:.2f}"] for k, v in importance))
     else:
         lines.append(search["importances_note"])
     goal = search.get("direction", "minimize")

@@ -19,7 +19,7 @@ from typing import Any
 
 from llmexp.monitor.detectors import ERROR, worst_severity
 from llmexp.report.findings import run_findings
-from llmexp.report.formats import fmt, fmt_rate
+from llmexp.report.formats import fmt, fmt_rate, md_table
 from llmexp.report.search import PRUNED, load_study, search_markdown, search_summary
 from llmexp.rundir.files import write_text_atomic
 from llmexp.rundir.lock import lock_holder
@@ -167,19 +167,18 @@ def sweep_report_markdown(summary: dict) -> str:
              + ")" + (f" · **swept:** {', '.join(varying)}" if varying else "") + "\n",
              f"**Common overrides:** `{' '.join(common)}`\n" if common else "",
              f"**Recommended:** `{rec['settings']}` (job {rec['job']}): {rec['reason']}.\n" if rec else
-             "**Recommended:** none: no job finished without error findings.\n",
-             "| job | settings | status | train loss | train ppl | eval loss | eval ppl | "
-             + (f"{metric} | " if metric else "") + "tokens/s | loss rose on | findings |",
-             "|---|---|---|---|---|---|---|" + ("---|" if metric else "") + "---|---|---|"]
+             "**Recommended:** none: no job finished without error findings.\n"]
+    table = []
     for j in jobs:
         found = ", ".join(f"{f['severity']}:{f['kind']}@{f['step']}" for f in j["findings"]) or "–"
         status = j["status"] + (f" ({j['error']})" if j.get("error") and j["status"] not in FINISHED else "")
         rise = j["stability"]["rise_fraction"]
-        lines.append(f"| {j['job']} | `{_swept(j, varying) if varying else ' '.join(j['overrides'])}` | {status} | "
-                     f"{fmt(j['train_loss'])} | {fmt(j['train_ppl'])} | {fmt(j['eval_loss'])} | "
-                     f"{fmt(j['eval_ppl'])} | " + (f"{fmt(j.get('metric_value'))} | " if metric else "")
-                     + f"{fmt_rate(j['tokens_per_sec'])} | "
-                     f"{'–' if rise is None else f'{rise:.0%}'} | {found} |")
+        table.append([str(j["job"]), f"`{_swept(j, varying) if varying else ' '.join(j['overrides'])}`", status,
+                      fmt(j["train_loss"]), fmt(j["train_ppl"]), fmt(j["eval_loss"]), fmt(j["eval_ppl"]),
+                      *([fmt(j.get("metric_value"))] if metric else []), fmt_rate(j["tokens_per_sec"]),
+                      "–" if rise is None else f"{rise:.0%}", found])
+    lines += md_table(["job", "settings", "status", "train loss", "train ppl", "eval loss", "eval ppl",
+                       *([metric] if metric else []), "tokens/s", "loss rose on", "findings"], table)
     lines += ["", "*loss rose on*: the share of logged steps where the train loss went up (lower is steadier). "
               "Every job's full overrides are in sweep_summary.json.", "", "![sweep curves](sweep_curves.png)", ""]
     if summary.get("search_error"):

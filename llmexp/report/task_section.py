@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmexp.report.formats import fmt
+from llmexp.report.formats import fmt, md_cell, md_table
 from llmexp.rundir.task_metrics import task_history, task_records
 
 SHOWN_STEPS = 12
@@ -31,8 +31,8 @@ def tasks_markdown(records: list[dict]) -> str:
         steps = _steps_shown(list(by_step))
         metrics = list(points[-1][1])
         parts.append(f"**{task}** ({kinds.get(task, '')}), by eval step: `tasks/{task}/<metric>`\n")
-        rows = ["| metric | " + " | ".join(f"step {s}" for s in steps) + " |", "|---|" + "---|" * len(steps)]
-        rows += [f"| {m} | " + " | ".join(fmt(by_step[s].get(m), 4) for s in steps) + " |" for m in metrics]
+        rows = md_table(["metric", *(f"step {s}" for s in steps)],
+                        ([m, *(fmt(by_step[s].get(m), 4) for s in steps)] for m in metrics))
         parts.append("\n".join(rows) + "\n")
         parts.append(_examples(records, task))
     return "\n".join(p for p in parts if p)
@@ -42,10 +42,9 @@ def _examples(records: list[dict], task: str) -> str:
     last = next((r for r in reversed(task_records(records)) if r["task"] == task and r.get("examples")), None)
     if last is None:
         return ""
-    cell = lambda text: str(text).replace("|", "\\|").replace("\n", "⏎ ")  # noqa: E731
-    rows = [f"Examples at step {last['step']}:\n", "| prompt | completion | target |", "|---|---|---|"]
-    rows += [f"| {cell(e['prompt'])} | {cell(e['completion'])} | {cell(e['target'])} |" for e in last["examples"]]
-    return "\n".join(rows) + "\n"
+    rows = md_table(["prompt", "completion", "target"],
+                    ([md_cell(e["prompt"]), md_cell(e["completion"]), md_cell(e["target"])] for e in last["examples"]))
+    return "\n".join([f"Examples at step {last['step']}:\n", *rows]) + "\n"
 
 
 def tasks_panel(ax: Any, records: list[dict]) -> None:
