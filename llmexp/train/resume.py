@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,15 +68,11 @@ def save_state_checkpoint(run: Run) -> bool:
                                  extra={"resume_key": resume_key(cfg, run.desc)})
         except ckpt.DiskFull as err:
             full = err
-            _report_disk_full(err, rt, log)
+            kept = [p.name for p in ckpt.list_checkpoints(rt.run_dir / "checkpoints")]
+            log.write(f"error: {err}; the run stops (status failed). Kept: {', '.join(kept) or 'no checkpoint'}. "
+                      "Free some space (or lower train.save_total_limit), then run the same command to resume.")
     rt.accelerator.wait_for_everyone()
     return not rt.any_rank(full is not None)
-
-
-def _report_disk_full(err: ckpt.DiskFull, rt: Runtime, log: MetricsLogger) -> None:
-    kept = [p.name for p in ckpt.list_checkpoints(rt.run_dir / "checkpoints")]
-    log.write(f"error: {err}; the run stops (status failed). Kept: {', '.join(kept) or 'no checkpoint'}. "
-              "Free some space (or lower train.save_total_limit), then run the same command to resume.")
 
 
 def _load_payload(path: Path, rank: int) -> dict[str, Any]:
@@ -199,8 +195,7 @@ def resume_key(cfg: DictConfig, desc: RunDescription) -> dict[str, Any]:
             "batch_size": plan.micro, "world_size": plan.world, "seed": cfg.seed,
             "optimizer": cfg.optimizer.name, "scheduler": cfg.scheduler.name, "precision": desc.precision.name,
             "data": desc.data_fingerprint, "peft": cfg.peft.name, "base_model": base_model_fingerprint(cfg),
-            "fsdp": cfg.fsdp.name,
-            "parametrization": cfg.model.parametrization}
+            "fsdp": cfg.fsdp.name, "parametrization": cfg.model.parametrization}
 
 
 def base_model_fingerprint(cfg: DictConfig) -> str:
@@ -225,14 +220,13 @@ def base_model_fingerprint(cfg: DictConfig) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def _compare_resume_key(run: Run, path: Path) -> None:
+def _compare_resume_key(run: Run, path: Path) -> dict[str, Any]:
     """Warn about each trajectory setting that changed since the save; refuse other data (exit 2)
-    unless told to go on. Runs on every rank, before anything is loaded or rewritten."""
+    unless told to go on. Runs on every rank, before anything is loaded or rewritten. Returns the saved key."""
     saved_key = ckpt.read_manifest(path).get("extra", {}).get("resume_key", {})
     for key, now in resume_key(run.cfg, run.desc).items():
-        if key not in saved_key or saved_key[key] == now:
-            continue
-        if key in ("world_size", "fsdp"):  # world_size: `_check_world_size`; fsdp: the engine's load_state
+        # world_size: `_check_world_size`; fsdp: the engine's load_state
+        if key not in saved_key or saved_key[key] == now or key in ("world_size", "fsdp"):
             continue
         if key == "data":
             _data_mismatch(run.cfg.train, path, saved_key[key], now, run.log)
@@ -243,7 +237,8 @@ def _compare_resume_key(run: Run, path: Path) -> None:
                             "files changed). Point model.name_or_path at the original base, or start over "
                             "with train.resume=never")
         run.log.write(f"warning: resuming {path.name} with {key}={now}, but it was saved with {saved_key[key]}; "
-                  "the run will not match an uninterrupted one")
+                      "the run will not match an uninterrupted one")
+    return saved_key
 
 
 def _check_world_size(run: Run, saved: int | None) -> None:
@@ -285,31 +280,23 @@ def _set_aside(rt: Runtime, log: MetricsLogger) -> None:
     rt.accelerator.wait_for_everyone()
 
 
-def _broadcast(rt: Runtime, value: Any) -> Any:
-    """Rank 0's value on every rank."""
-    if rt.world == 1:
-        return value
-    from accelerate.utils import broadcast_object_list
-
-    return broadcast_object_list([value])[0]
-
-
-def _loader(run: Run) -> Callable[[Path], dict[str, Any]]:
+def _load_checked(run: Run, path: Path) -> dict[str, Any]:
     """Reads a checkpoint for this rank and checks that it fits the run, applying nothing yet."""
-    def load(path: Path) -> dict[str, Any]:
-        payload = _load_payload(path, run.rt.rank)
-        _check_fits(run, path, payload)
-        return payload
-
-    return load
+    payload = _load_payload(path, run.rt.rank)
+    _check_fits(run, path, payload)
+    return payload
 
 
 def _found_checkpoint(run: Run) -> tuple[Path, dict[str, Any]] | None:
     """Rank 0 picks the checkpoint (verifying hashes, falling back past bad ones); every rank loads it."""
-    rt, choice, load = run.rt, run.cfg.train.resume, _loader(run)
+    rt, choice, load = run.rt, run.cfg.train.resume, partial(_load_checked, run)
     if choice == "auto":
         found = ckpt.load_with_fallback(rt.run_dir / "checkpoints", load, run.log.write) if rt.is_main else None
-        path = _broadcast(rt, str(found[0]) if found else None)
+        path = str(found[0]) if found else None
+        if rt.world > 1:  # rank 0's pick on every rank
+            from accelerate.utils import broadcast_object_list
+
+            path = broadcast_object_list([path])[0]
         if path is None:
             return None
         return Path(path), (found[1] if found else load(Path(path)))
@@ -349,8 +336,7 @@ def load_resume_state(run: Run) -> LoopState | None:
         run.log.reset_history([])  # nothing to resume from: a killed attempt's lines would duplicate steps
         return None
     path, payload = found
-    _compare_resume_key(run, path)
-    saved_world = ckpt.read_manifest(path).get("extra", {}).get("resume_key", {}).get("world_size")
+    saved_world = _compare_resume_key(run, path).get("world_size")
     _check_world_size(run, saved_world)
     state = _apply_payload(run, payload, path)
     run.resumed_from_world_size = saved_world
@@ -363,7 +349,7 @@ def load_resume_state(run: Run) -> LoopState | None:
 def rollback(run: Run) -> None:
     """Back to the newest good checkpoint, past the data window that led to the anomaly, at a lower lr."""
     state, log = run.state, run.log
-    found = ckpt.load_with_fallback(run.rt.run_dir / "checkpoints", _loader(run), log.write)
+    found = ckpt.load_with_fallback(run.rt.run_dir / "checkpoints", partial(_load_checked, run), log.write)
     if found is None:
         raise RuntimeError("rollback: no checkpoint to roll back to (one is saved at the start of the run)")
     path, payload = found

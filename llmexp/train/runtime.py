@@ -134,9 +134,7 @@ class Runtime:
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when it is true on any (one tiny all-reduce; free on one process)."""
-        if self.world == 1:
-            return flag
-        return bool(self.reduce_sum(torch.tensor([float(flag)], device=self.device)).item() > 0)
+        return bool(self.reduce_max(float(flag)))
 
     def reduce_max(self, value: float) -> float:
         return float(self._all_reduce(value, torch.distributed.ReduceOp.MAX))
