@@ -192,10 +192,15 @@ def _as_float(value: Any) -> float | None:
         return None
 
 
+def _ordered(values: set[str]) -> list[str]:
+    """Swept values in order: numbers by value, then the rest alphabetically."""
+    return sorted(values, key=lambda v: (_as_float(v) is None, _as_float(v) or 0.0, v))
+
+
 def _colour_map(values: list[str]) -> dict[str, Any]:
     """A colour per swept value: a (log-)continuous scale for numbers, a qualitative one otherwise."""
     plt = _pyplot()
-    distinct = sorted(set(values), key=lambda v: (_as_float(v) is None, _as_float(v) or 0.0, v))
+    distinct = _ordered(set(values))
     nums = [_as_float(v) for v in distinct]
     if len(distinct) > 1 and all(n is not None for n in nums):
         lo, hi = min(nums), max(nums)  # type: ignore[type-var]
@@ -210,11 +215,8 @@ def _colour_map(values: list[str]) -> dict[str, Any]:
 
 def _heatmap(ax: Any, jobs: list[dict], keys: list[str]) -> None:
     """Final eval loss over the first two swept parameters (best over any others)."""
-    def order(values: set[str]) -> list[str]:
-        return sorted(values, key=lambda v: (_as_float(v) is None, _as_float(v) or 0.0, v))
-
-    rows = order({j["params"].get(keys[0], "") for j in jobs})
-    cols = order({j["params"].get(keys[1], "") for j in jobs})
+    rows = _ordered({j["params"].get(keys[0], "") for j in jobs})
+    cols = _ordered({j["params"].get(keys[1], "") for j in jobs})
     grid = [[math.nan] * len(cols) for _ in rows]
     failed = set()
     for j in jobs:
