@@ -3,6 +3,7 @@ MFU of each logged step, peak memory and RSS."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import resource
 import time
@@ -227,11 +228,9 @@ def reset_peak_rss() -> None:
     """Make the peak RSS this process's current RSS (Linux >= 4.0: `/proc/self/clear_refs`), so that the next
     `peak_rss_mb` is the peak of what ran since: an earlier, higher one (imports, memory the allocator has since
     returned) would otherwise count."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass  # not Linux: peak_rss_mb is then the whole process's peak (an overestimate at worst)
+    # Not Linux: peak_rss_mb is then the whole process's peak (an overestimate at worst).
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def peak_rss_mb() -> float:
