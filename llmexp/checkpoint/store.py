@@ -259,19 +259,15 @@ def _is_stale(path: Path, pid: int, host: str) -> bool:
         return False
 
 
-def _warn_links(root: Path, warn: Callable[[str], None]) -> None:
-    """A `step_<N>` that is a symbolic link was not written here: say that it is ignored."""
-    for path in sorted(root.iterdir()) if root.is_dir() else []:
-        if path.is_symlink() and _step_of(path) is not None:
-            warn(f"{path} is a symbolic link, not a checkpoint llmexp wrote: ignored "
-                 f"(a later save of step {_step_of(path)} moves the link aside)")
-
-
 def load_with_fallback(root: Path, load: Callable[[Path], T], warn: Callable[[str], None]) -> tuple[Path, T] | None:
     """(path, `load(path)`) of the newest checkpoint that verifies and loads, falling back past any that raise
     CorruptCheckpoint (as load_state and load_tensors do for a bad file); None when none does."""
-    _warn_links(Path(root), warn)
-    for path in reversed(_step_dirs(Path(root))):
+    root = Path(root)
+    for link in sorted(root.iterdir()) if root.is_dir() else []:  # a `step_<N>` link was not written here
+        if link.is_symlink() and _step_of(link) is not None:
+            warn(f"{link} is a symbolic link, not a checkpoint llmexp wrote: ignored "
+                 f"(a later save of step {_step_of(link)} moves the link aside)")
+    for path in reversed(_step_dirs(root)):
         try:
             verify_checkpoint(path, full=True)
             return path, load(path)

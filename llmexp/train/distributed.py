@@ -1,20 +1,11 @@
 """Processes and engines: the Accelerate settings derived from the config, and DeepSpeed (the CLI's relaunch of a
 launcher's workers: `llmexp.cli.relaunch`).
 
-Multi-process runs use torch.distributed through Accelerate (DDP; gloo on CPU, NCCL on GPU).
-DeepSpeed ZeRO runs through Accelerate's `DeepSpeedPlugin`, with a DeepSpeed config derived
-here from the composed config, so that micro-batch, accumulation, clipping and precision can
-never disagree with what the loop does:
-
-- micro-batch = `batch_size`, accumulation = the loop's (`train.gradient_accumulation_steps`
-  or the one `train.global_batch_size` derives), train_batch_size = their product x world;
-- the loop normalises each micro-batch's loss by the global batch's target-token count, so the
-  engine must not divide by the accumulation steps again: `backward(scale_wrt_gas=False)`;
-- the engine steps, clips (`gradient_clipping = train.max_grad_norm`) and skips non-finite
-  steps itself (`bf16.check_grad_overflow`), and in fp16 owns the dynamic loss scale (the
-  loop's own GradScaler is off).
-
-The step and checkpoints under ZeRO: `llmexp.train.engines.deepspeed`.
+Multi-process runs use torch.distributed through Accelerate (DDP; gloo on CPU, NCCL on GPU). DeepSpeed ZeRO runs
+through Accelerate's `DeepSpeedPlugin`, with a DeepSpeed config derived here from the composed config
+(`deepspeed_config`: the loop's batch plan, `train.max_grad_norm`, the precision and its loss scaling), so that
+the two can never disagree; the engine steps, clips and skips non-finite steps itself, and in fp16 owns the dynamic
+loss scale (the loop's own GradScaler is off). The step and checkpoints under ZeRO: `llmexp.train.engines.deepspeed`.
 """
 
 from __future__ import annotations

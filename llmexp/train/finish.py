@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 from llmexp.errors import STATUS_EXIT
 from llmexp.model.save import save_model_dir
 from llmexp.monitor.detectors import reconcile
-from llmexp.monitor.logger import MetricsLogger
 from llmexp.monitor.throughput import peak_memory_mb
 from llmexp.report.run import write_run_report
 from llmexp.rundir.files import DiskFull, staged_dir, write_json_atomic
@@ -63,10 +62,7 @@ def save_merged(cfg: DictConfig, lm: Any, model_dir: Path, tokenizer: Any) -> No
 
 
 def finish_run(run: Run, tokenizer: Any, status: str) -> dict[str, Any]:
-    """Final checkpoint and model, summary.json, report; returns the summary.
-
-    A full disk on the way turns the status into `failed` (exit 1); summary.json is still
-    written if there is room for it."""
+    """Final checkpoint and model, summary.json, report; returns the summary."""
     rt, log = run.rt, run.log
     if status in ("completed", "early_stopped") and run.cfg.train.save_final:
         status = _save_final(run, tokenizer, status)
@@ -76,7 +72,10 @@ def finish_run(run: Run, tokenizer: Any, status: str) -> dict[str, Any]:
             write_json_atomic(rt.run_dir / "summary.json", scrub(summary))
         except OSError as err:
             log.write(f"error: could not write {rt.run_dir / 'summary.json'}: {err}")
-        _write_report(rt.run_dir, log)
+        try:
+            write_run_report(rt.run_dir)  # report.md and curves.png
+        except Exception as err:  # a plotting problem is worth a warning, not a lost run
+            log.write(f"warning: could not write the report: {err!r}")
         log.write(f"\n{status}: {rt.run_dir}\n" + ", ".join(
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
             for k, v in summary.items() if k in ("step", "train_loss", "eval_loss", "eval_ppl", "tokens_per_sec")))
@@ -125,11 +124,3 @@ def build_summary(run: Run, status: str) -> dict[str, Any]:
         "overrides": list(HydraConfig.get().overrides.task), "findings": findings,
         "tasks": final_tasks(history),  # each task's metrics at its last eval (eval=loss: none)
     }
-
-
-def _write_report(run_dir: Path, log: MetricsLogger) -> None:
-    """report.md and curves.png; a failure here must not fail a finished run."""
-    try:
-        write_run_report(run_dir)
-    except Exception as err:  # a plotting problem is worth a warning, not a lost run
-        log.write(f"warning: could not write the report: {err!r}")

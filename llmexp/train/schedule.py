@@ -1,9 +1,8 @@
 """Learning-rate schedules as pure functions of the step, the seed's lr-by-size rule, and the peak lr.
 
 The trainer sets each group's lr to `lr_at(step, ...)` (times the group's muP factor: `set_lr`) before every
-optimizer step, so the schedule
-holds no state: resuming at step k gives exactly the lr of step k (cf. transformers #34053), and
-nothing is handed to `accelerator.prepare` (which would step it once per process, accelerate #2318).
+optimizer step, so the schedule holds no state: resuming at step k gives exactly the lr of step k (cf. transformers
+#34053), and nothing is handed to `accelerator.prepare` (which would step it once per process, accelerate #2318).
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ FINETUNE_DIVISOR = 10.0
 
 
 def auto_lr(num_params: int, finetune: bool) -> float:
-    """The seed's rule of thumb: < 1B -> 3e-4, 1-7B -> 2e-4, 7-70B -> 1e-4, > 70B -> 7e-5; / 10 to fine-tune."""
+    """The seed's rule of thumb (`LR_BY_SIZE`), / 10 to fine-tune."""
     lr = next(lr for limit, lr in LR_BY_SIZE if num_params < limit)
     return lr / FINETUNE_DIVISOR if finetune else lr
 
@@ -86,7 +85,6 @@ ones at 1e-4; the peft/TRL/Axolotl LoRA recipes use 1e-4 to 2e-4 at any size. Ad
 
 
 def auto_adapter_lr(total_params: int) -> float:
-    """The QLoRA paper's rule: 2e-4 up to ~13B base parameters, 1e-4 for 33B and above."""
     return next(lr for limit, lr in ADAPTER_LR_BY_SIZE if total_params < limit)
 
 

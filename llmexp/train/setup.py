@@ -1,7 +1,5 @@
-"""A run's set-up, once the process (`runtime.Runtime`) and the data are known: `describe` resolves the batch
-plan (batch_size=auto settled by `autobatch` before any engine exists), the step engine (`llmexp.train.engines`),
-the model and optimizer, the lr, the matmul ceiling and the monitor settings, frozen into the `RunDescription`
-the loop reads; `start_facts` is the `start` record that describes it.
+"""A run's set-up, once the process (`runtime.Runtime`) and the data are known: `describe` resolves it into the
+frozen `RunDescription` the loop reads; `start_facts` is the `start` record that describes it.
 """
 
 from __future__ import annotations
