@@ -248,10 +248,6 @@ def _parametrization(config: dict) -> str:
     return str(value) if isinstance(value, str) else STANDARD
 
 
-def _start_record(records: list[dict]) -> dict:
-    return next((r for r in records if r.get("event") == "start"), {})
-
-
 def read_job(job_dir: Path) -> Job | str:
     """A finished job of a sweep, or why it is left out. A summary.json that is there but unreadable is an error
     (its reader said what is wrong with it): fitting without it would quietly move the optimum."""
@@ -264,7 +260,7 @@ def read_job(job_dir: Path) -> Job | str:
     status = load_job_status(job_dir).get("status") or summary.get("status")
     if status not in (*FINISHED, "diverged"):
         return f"status {status}"
-    start = _start_record(load_records(job_dir))
+    start = next((r for r in load_records(job_dir) if r.get("event") == "start"), {})
     params = start.get("model_params", summary.get("total_params"))
     lr = summary.get("lr", start.get("lr_chosen"))
     batch, context, step = summary.get("global_batch_size"), start.get("max_length"), summary.get("step")
