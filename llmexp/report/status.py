@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -214,9 +215,7 @@ def _duration(seconds: float | None) -> str:
 
 def render(path: Path, table: list[Row], width: int = 160) -> str:
     """The table as text: a heading with the counts per status, then one line per job."""
-    counts: dict[str, int] = {}
-    for r in table:
-        counts[r.status] = counts.get(r.status, 0) + 1
+    counts = Counter(r.status for r in table)
     slurm = any(r.slurm_id for r in table)
     head = ["job", "overrides", "status", "step", "loss", "eval", "best", "eta"] + (["slurm"] if slurm else [])
     cells = [[r.job, r.overrides or "–", r.status,
