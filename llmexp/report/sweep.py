@@ -55,12 +55,7 @@ def stability(records: list[dict]) -> dict[str, float | None]:
 
 
 def _param_dict(overrides: list[str]) -> dict[str, str]:
-    out = {}
-    for o in overrides:
-        key, sep, value = o.lstrip("+~").partition("=")
-        if sep:
-            out[key] = value
-    return out
+    return {key: value for key, sep, value in (o.lstrip("+~").partition("=") for o in overrides) if sep}
 
 
 def collect_job(job_dir: Path) -> dict[str, Any]:
@@ -104,9 +99,7 @@ def _objective(job_dir: Path) -> tuple[str, str]:
 
 def varying_params(jobs: list[dict]) -> list[str]:
     """Override keys whose values differ between jobs, in the order they were given."""
-    keys: list[str] = []
-    for job in jobs:
-        keys += [k for k in job["params"] if k not in keys]
+    keys = dict.fromkeys(k for job in jobs for k in job["params"])
     return [k for k in keys if len({job["params"].get(k) for job in jobs}) > 1]
 
 
