@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from llmexp.config.schema import PerplexitySetConfig
 from llmexp.evals import score
 from llmexp.evals.items import ChoiceItem, GenerateItem, TaskFiles
+from llmexp.monitor.logger import safe_exp
 from llmexp.rundir.task_metrics import TASK_EVENT
 
 if TYPE_CHECKING:
@@ -107,8 +108,6 @@ def run_tasks(suite: TaskSuite, run: Run, step: int, loss_of: Callable[[TokenDat
     for name, ds in suite.perplexity.items():
         start = time.perf_counter()
         loss = loss_of(ds)
-        from llmexp.monitor.logger import safe_exp
-
         records.append(_record(step, name, "perplexity", {"loss": loss, "ppl": safe_exp(loss)}, len(ds), start))
     for name, (items, delimiter) in suite.choice.items():
         records.append(_choice_task(run, tokenizer, step, name, items, delimiter))

@@ -4,11 +4,8 @@ A checkpoint holds everything that decides the next step, so a resumed run conti
 where the saved one was: weights (safetensors), optimizer state, the fp16 scaler, every rank's
 RNG states, and this loop state (step = the sampler position, data offset, lr scale, the
 recent losses the spike detector looks at, and the metric history the detectors need).
-
-A checkpoint whose files verify but whose content does not fit this run (an unknown key in the
-trainer state, invalid JSON, a tensor of another shape) is found out before anything is applied,
-so `train.resume=auto` falls back to the previous one. A full disk ends the run as `failed`,
-with summary.json written if there is room for it, and the older checkpoints kept.
+A checkpoint whose files verify but whose content does not fit this run is found out before
+anything is applied (`_check_fits`), so `train.resume=auto` falls back to the previous one.
 """
 
 from __future__ import annotations
