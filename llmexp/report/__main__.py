@@ -22,7 +22,6 @@ from llmexp.rundir.read import is_run_dir, is_sweep_dir, read_result, sweep_exit
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m llmexp.report DIR`: the run report or the sweep report, whichever DIR is."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or args[0] in ("-h", "--help"):
         print("usage: python -m llmexp.report RUN_DIR|SWEEP_DIR", file=sys.stderr)

@@ -44,9 +44,8 @@ def format_findings(findings: list[dict], paint: Paint = lambda text, style: tex
     lines = []
     for f in findings:
         label = paint(f"{f['severity'].upper():<7}", f["severity"])
-        lines.append(f"{label} {f['kind']} at step {f['step']}{finding_state(f)}")
-        lines.append(f"        {f['message']}")
-        lines.append(f"        {paint('advice:', 'bold')} {f['advice']}")
+        lines += [f"{label} {f['kind']} at step {f['step']}{finding_state(f)}", f"        {f['message']}",
+                  f"        {paint('advice:', 'bold')} {f['advice']}"]
     return "\n".join(lines)
 
 
