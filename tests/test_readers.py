@@ -102,6 +102,8 @@ def test_every_registered_reader_exists_and_carries_its_duty() -> None:
         if entry is not None and entry.duty is None:
             fn = _resolve(name)
             assert getattr(fn, "__wrapped__", None) is not None, f"{name} is registered but not decorated @reader"
+        if entry is not None and entry.duty is not None:  # the function said to handle what this one reads
+            assert callable(_resolve(entry.duty)), f"{name}'s duty {entry.duty} does not exist"
     assert {e.kind for e in READERS.values()} == {INPUT, CACHE, RECORD}
 
 

@@ -76,7 +76,7 @@ LR_FIND = {"suggestion": Need(float), "lr_find_steps": Need(int), "lr_find_start
            "lr_find_end": Need(float)}
 MATMUL_VERDICT = {"path": Need(str), "reason": Need(str), "speedup": Need(float), "max_rel_diff": Need(float | None)}
 TOKENIZER_JSON = {"model": {"vocab": Need(dict | list)}, "added_tokens": [{"id": Need(int)}]}
-CHECKPOINT = "llmexp.train.resume:load_with_fallback"
+CHECKPOINT = "llmexp.checkpoint.store:load_with_fallback"
 TOKEN_CACHE = "llmexp.data.cache:cached"
 
 DATA_FIX = "one JSON object per line (JSONL) or one JSON list of objects with `text`, `prompt` + `completion`, " \
