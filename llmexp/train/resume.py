@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 from llmexp.checkpoint import dcp, serialize
 from llmexp.checkpoint import store as ckpt
-from llmexp.errors import UserError
+from llmexp.errors import UserError, first_line
 from llmexp.rundir.readers import Damaged, MiB, parse_json, read_bytes, read_text
 from llmexp.train.state import LoopState, Run, RunDescription
 
@@ -179,7 +179,7 @@ def _apply_payload(run: Run, payload: dict[str, Any], path: Path) -> LoopState:
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AssertionError) as err:
         raise ckpt.CorruptCheckpoint(
             f"{path}: passed its checks but could not be loaded ({type(err).__name__}: "
-            f"{(str(err).strip().splitlines() or [''])[0][:300]}); resume from an older one with "
+            f"{first_line(err, 300)}); resume from an older one with "
             "train.resume=<its path>, or start over with train.resume=never") from None
 
 

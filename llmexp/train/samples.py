@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from llmexp.model.rng import eval_mode
 from llmexp.train.state import Run
 
 
@@ -29,17 +30,12 @@ def generate(run: Run, tokenizer: Any) -> list[dict[str, str]]:
     """Each prompt with its continuation (greedy, or sampled at `train.sample_temperature`)."""
     train, rt = run.cfg.train, run.rt
     lm = run.engine.lm(run.model)
-    was_training = lm.training
-    lm.eval()
     devices = [rt.device.index or 0] if rt.device.type == "cuda" else []
     samples = []
-    try:
-        with torch.random.fork_rng(devices=devices), rt.emulation(), rt.autocast():
-            torch.manual_seed(train.sample_seed)
-            for prompt in train.sample_prompts:
-                samples.append({"prompt": prompt, "completion": _continue(lm, tokenizer, prompt, train, rt.device)})
-    finally:
-        lm.train(was_training)
+    with eval_mode(lm), torch.random.fork_rng(devices=devices), rt.emulation(), rt.autocast():
+        torch.manual_seed(train.sample_seed)
+        for prompt in train.sample_prompts:
+            samples.append({"prompt": prompt, "completion": _continue(lm, tokenizer, prompt, train, rt.device)})
     return samples
 
 
