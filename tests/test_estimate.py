@@ -91,14 +91,14 @@ def test_precision_resolves_as_the_trainer_resolves_it(no_bf16: str, requested: 
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """`auto` is bf16 only where bf16 is native (AVX512-BF16 here; LLMEXP_ASSUME_NO_BF16=1 hides it);
     an explicit bf16 stays bf16 (emulated where it must be), so the estimate matches the run."""
-    from llmexp.config import derived
+    from llmexp.machine import precision
     from llmexp.model.estimate import resolved_precision
 
     monkeypatch.setenv("LLMEXP_ASSUME_NO_BF16", no_bf16)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert resolved_precision(requested) == expected
-    assert derived.resolve_precision(requested, "cpu") == expected
-    assert (derived.bf16_emulation_warning(expected, "cpu") is not None) == (no_bf16 == "1" and expected == "bf16")
+    assert precision.resolve_precision(requested, "cpu") == expected
+    assert (precision.bf16_emulation_warning(expected, "cpu") is not None) == (no_bf16 == "1" and expected == "bf16")
 
 
 @pytest.mark.parametrize(("overrides", "precision", "per_param", "shards"), [
