@@ -34,7 +34,7 @@ class Engine(Protocol):
     """A step engine, as the loop (`train.py`), the checkpoints (`resume.py`) and `finish.py` use it."""
 
     steps_first: bool
-    """`step` comes before `clip` (DeepSpeed)."""
+    """`step` comes before `clip`: DeepSpeed measures the grad norm only inside its own step."""
     params_partitioned: bool
     """No rank holds whole parameters (ZeRO-3): shapes cannot be checked before a load."""
     collective_forward: bool

@@ -1,5 +1,7 @@
 """The DeepSpeed ZeRO engine, prepared by Accelerate (its config: `llmexp.train.distributed`). ZeRO owns
-accumulation boundaries, clipping, fp16 loss scaling and the step itself, which `steps_first` (`base.py`).
+accumulation boundaries, clipping, fp16 loss scaling and the step itself; it computes the gradient norm only inside
+that step, so the loop calls `step` first (norm, clip, step, or skip on a non-finite norm: `steps_first`), `clip` then
+reports that step's norm, and the anomaly policy judges a step already taken.
 
 Checkpoints never unpickle: DeepSpeed's own `save_checkpoint`/`load_checkpoint` would read back with
 an unrestricted `torch.load`. Each rank's optimizer shard (fp32 master partition, moments, loss scale)
