@@ -209,9 +209,9 @@ def measure_ceiling_tflops(seconds: float = 1.0, device: str = "cpu") -> float:
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
+    from llmexp.report.formats import md_table
+
+    return "\n".join(md_table(header, rows))
 
 
 def publish(text: str, out: str, directory: Path = RESULTS) -> None:

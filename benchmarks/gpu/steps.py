@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmexp.report.formats import md_table
+
 REPO = Path(__file__).resolve().parents[2]
 BASE_MODEL = Path(__file__).with_name("base_model.py")
 PROBE = Path(__file__).with_name("probe.py")
@@ -330,10 +332,6 @@ def ratio(a: Any, b: Any) -> float | None:
     return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
 
 
-def table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
-
-
 def last_json(text: str) -> dict[str, Any]:
     for line in reversed(text.splitlines()):
         if line.startswith("{"):
@@ -434,7 +432,7 @@ def throughput_lines(rec: Record, figs: dict[str, Any]) -> None:
         f"{' / '.join(f'{c:.3g}' for c in figs['ceiling_tflops'])} TFLOP/s (measured first in each round); "
         f"datasheet dense bf16 peak {fmt(figs.get('datasheet_tflops'), '.0f', ' TFLOP/s')}.",
         "",
-        *table(["arm", "tokens/s (median)", "per round", "ratio to (a), paired", "MFU", "peak GPU memory (MiB)"],
+        *md_table(["arm", "tokens/s (median)", "per round", "ratio to (a), paired", "MFU", "peak GPU memory (MiB)"],
                rows),
         "",
         f"llmexp / HF Trainer, paired: {' / '.join(f'{x:.3f}×' for x in pairs) or '–'}; llmexp with compile / "
@@ -497,7 +495,7 @@ def step_fused_head(ctx: Ctx) -> None:
         f"{p.mid_batch} × {p.seq_len}, precision={p.precision}, {warmup} "
         f"warm-up + {timed} timed steps, one run each, fused first.",
         "",
-        *table(["loss path", "tokens/s", "peak memory (MiB)", "loss at step 1"],
+        *md_table(["loss path", "tokens/s", "peak memory (MiB)", "loss at step 1"],
                [["llmexp's fused head", fmt(f["tokens_per_sec"]), fmt(f["peak_mem_mb"]), fmt(f["first_loss"], ".5f")],
                 ["the model's own forward and loss", fmt(o["tokens_per_sec"]), fmt(o["peak_mem_mb"]),
                  fmt(o["first_loss"], ".5f")]]),
@@ -567,7 +565,7 @@ def step_adapters(ctx: Ctx) -> None:
         rec.lines = [f"A random-init Llama of {fmt(facts['total_params'])} parameters, "
                      f"`{' '.join(ctx.profile.adapters)} --precision {ctx.profile.precision}`; ratios to full "
                      "fine-tuning in the same run.", "",
-                     *table(["arm", "trainable params", "peak memory (MiB)", "tokens/s"], rows)]
+                     *md_table(["arm", "trainable params", "peak memory (MiB)", "tokens/s"], rows)]
         if facts.get("failed"):
             rec.lines += ["", f"Failed: {', '.join(facts['failed'])} (the log has the error)."]
         rec.verdict = "; ".join(
@@ -599,7 +597,7 @@ def step_fsdp(ctx: Ctx) -> None:
     rec.figures["memory_ratio"] = ratio(shard["peak_mem_mb"], plain["peak_mem_mb"])
     rec.lines = [f"{fmt(plain['total_params'])} parameters, micro-batch {p.mid_batch}, precision={p.precision}, "
                  f"{warmup} warm-up + {timed} timed steps, one run each.", "",
-                 *table(["engine", "tokens/s", "peak memory (MiB)", "MFU", "final train loss"],
+                 *md_table(["engine", "tokens/s", "peak memory (MiB)", "MFU", "final train loss"],
                         [[a, fmt(r["tokens_per_sec"]), fmt(r["peak_mem_mb"]), fmt(r["mfu"], ".1%"),
                           fmt(r["train_loss"], ".4f")] for a, r in (("plain", plain), ("fsdp=full_shard", shard))]),
                  "", f"full_shard / plain: tokens/s {fmt(rec.figures['speed_ratio'], '.3f', '×')}, peak memory "
@@ -648,7 +646,7 @@ def step_estimate(ctx: Ctx) -> None:
     cpu_note = (" On a CPU the measured peak is the process's RSS, the libraries (~450 MB) included: the error"
                 " says nothing about the estimate there." if ctx.cpu else "")
     rec.lines = ["The arms of step 4, each estimated with its own overrides." + cpu_note, "",
-                 *table(["arm", "estimate (MiB)", "measured peak (MiB)", "error of the estimate"], rows)]
+                 *md_table(["arm", "estimate (MiB)", "measured peak (MiB)", "error of the estimate"], rows)]
     errors = [abs(r["error"]) for r in rec.figures.values() if isinstance(r, dict) and r.get("error") is not None]
     rec.verdict = f"largest error {max(errors):.0%}" if errors else "no measured peaks to compare with"
 
