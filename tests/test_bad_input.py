@@ -195,3 +195,12 @@ def test_an_argument_the_optimizer_rejects_exits_2(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
     assert "optimizer.kwargs" in result.stderr and "eps" in result.stderr
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "model").exists()
+
+
+def test_an_empty_resume_is_one_message_naming_what_it_takes(tmp_path: Path) -> None:
+    """train.resume defaults to auto, not null: an empty value is one mistake, one message, and it names the
+    values the key takes (not "leave it out (null)")."""
+    proc = run_llmexp(["train.resume=", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("train.resume:") == 1, proc.stderr
+    assert "train.resume: must not be empty; set it to auto, never, or an existing checkpoint directory" in proc.stderr

@@ -214,7 +214,8 @@ class PathRule:
         if value is None or not isinstance(value, str):
             return None  # unset; a list of files (data.data_files) is judged on the machine
         if not value.strip():
-            return f"{key}: must not be empty; leave it out (null), or name a path"
+            fix = "leave it out (null), or name a path" if default is None else f"set it to {self.describe()}"
+            return f"{key}: must not be empty; {fix}"
         if len(value) > PATH_MAX:
             return f"{key}: is {len(value)} characters long; no path is longer than {PATH_MAX}"
         return None

@@ -179,8 +179,6 @@ def _value_errors(cfg: DictConfig) -> list[str]:
         _check(errors, t.max_steps == -1 or warmup < t.max_steps, "train.warmup_steps",
                f"warmup ({warmup} steps) must be shorter than train.max_steps={t.max_steps}; "
                "lower train.warmup_steps/warmup_ratio or raise train.max_steps")
-    _check(errors, t.resume in ("auto", "never") or bool(t.resume), "train.resume",
-           "must be auto, never, or a checkpoint path")
     m, d = cfg.model, cfg.data
     _check(errors, not d.finetune_only or bool(m.name_or_path), "model.name_or_path",
            f"data={d.name} fine-tunes an earlier model; set model.name_or_path=outputs/<date>/<time>/model")
