@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -106,6 +106,27 @@ def _finite(series: list[tuple[int, float]]) -> list[tuple[int, float]]:
     return [(s, v) for s, v in series if math.isfinite(v)]
 
 
+@dataclass(frozen=True)
+class _History:
+    """What the detectors read: the records as logged, the live ones (`_effective`), and the finite
+    (step, value) points of the live train loss, eval loss, grad norm and eval perplexity."""
+
+    records: list[dict]
+    live: list[dict]
+    train: list[tuple[int, float]]
+    evals: list[tuple[int, float]]
+    grad_norm: list[tuple[int, float]]
+    eval_ppl: list[tuple[int, float]]
+
+    @classmethod
+    def of(cls, records: list[dict]) -> _History:
+        live = _effective(records)
+        return cls(records, live, train=_finite(_series(live, "train", "loss")),
+                   evals=_finite(_series(live, "eval", "eval_loss")),
+                   grad_norm=_finite(_series(live, "train", "grad_norm")),
+                   eval_ppl=_finite(_series(live, "eval", "eval_ppl")))
+
+
 def _fmt(x: float) -> str:
     """A learning rate as people write it: 1e-04, 3.3e-04."""
     mantissa, exponent = f"{x:.2e}".split("e")
@@ -136,12 +157,12 @@ def _nan_advice(settings: MonitorSettings) -> str:
     return "; ".join(parts) + "."
 
 
-# ----- detectors -----------------------------------------------------------------------------
+# ----- detectors: each yields its findings about a history -----------------------------------
 
-def _non_finite(records: list[dict], settings: MonitorSettings) -> list[Finding]:
+def _non_finite(h: _History, settings: MonitorSettings) -> Iterator[Finding]:
     bad: list[tuple[int, str]] = []
     scaler_overflows = 0
-    for rec in records:
+    for rec in h.records:
         if rec.get("event") not in ("train", "anomaly"):
             continue
         loss, gnorm = _num(rec.get("loss", 0.0)), _num(rec.get("grad_norm", 0.0))
@@ -151,73 +172,68 @@ def _non_finite(records: list[dict], settings: MonitorSettings) -> list[Finding]
         what = [name for name, v in (("loss", loss), ("grad norm", gnorm)) if not math.isfinite(v)]
         if what:
             bad.append((int(rec["step"]), " and ".join(what)))
-    out = []
     if bad:
         first_step, what = bad[0]
         steps = sorted({s for s, _ in bad})
-        out.append(Finding("non_finite", first_step, ERROR,
-                           f"non-finite {what} at step {first_step} ({len(steps)} step(s) affected, "
-                           f"last at {steps[-1]}): gradients exploded",
-                           _nan_advice(settings)))
+        yield Finding("non_finite", first_step, ERROR,
+                      f"non-finite {what} at step {first_step} ({len(steps)} step(s) affected, "
+                      f"last at {steps[-1]}): gradients exploded",
+                      _nan_advice(settings))
     if scaler_overflows:
-        out.append(Finding("fp16_overflow", 0, INFO,
-                           f"{scaler_overflows} logged step(s) had an infinite grad norm with a finite loss: "
-                           "the fp16 loss scaler skipped them", "Nothing to do unless it is frequent; "
-                           "BF16 (precision=bf16) avoids loss scaling altogether."))
-    return out
+        yield Finding("fp16_overflow", 0, INFO,
+                      f"{scaler_overflows} logged step(s) had an infinite grad norm with a finite loss: "
+                      "the fp16 loss scaler skipped them", "Nothing to do unless it is frequent; "
+                      "BF16 (precision=bf16) avoids loss scaling altogether.")
 
 
-def _spikes(records: list[dict], settings: MonitorSettings) -> list[Finding]:
-    out = []
+def _spikes(h: _History, settings: MonitorSettings) -> Iterator[Finding]:
     grad_settings = replace(settings, spike_min_rel=settings.grad_spike_min_rel)
     for key, label, judge in (("loss", "loss", settings), ("grad_norm", "grad norm", grad_settings)):
-        series = _series(records, "train", key)
         history: list[float] = []
         spikes = []
-        for step, value in series:
+        for step, value in _series(h.records, "train", key):
             if math.isfinite(value) and is_spike(history, value, judge):
                 _, median = _robust_z([v for v in history[-settings.window:] if math.isfinite(v)], value)
                 spikes.append((step, value, median))
             history.append(value)
-        for rec in records:  # finite anomalies are spikes the trainer caught live, maybe never logged
+        for rec in h.records:  # finite anomalies are spikes the trainer caught live, maybe never logged
             finite = all(math.isfinite(_num(rec.get(k, 0.0))) for k in ("loss", "grad_norm"))
             if rec.get("event") == "anomaly" and finite and rec.get("metric", "loss") == key:
                 spikes.append((int(rec["step"]), _num(rec.get(key)), math.nan))
         if spikes:
             step, value, median = min(spikes)
             base = f" (trailing median {median:.3g})" if math.isfinite(median) else ""
-            out.append(Finding(f"{key}_spike", step, WARNING,
-                               f"{label} spiked to {value:.3g} at step {step}{base}; {len(spikes)} spike(s) in all",
-                               f"{_cap(_lower_lr(settings.lr))}, or raise the batch size / "
-                               "gradient accumulation; check that clipping is on; check the data near this step."))
-    return out
+            yield Finding(f"{key}_spike", step, WARNING,
+                          f"{label} spiked to {value:.3g} at step {step}{base}; {len(spikes)} spike(s) in all",
+                          f"{_cap(_lower_lr(settings.lr))}, or raise the batch size / "
+                          "gradient accumulation; check that clipping is on; check the data near this step.")
 
 
-def _divergence(records: list[dict], train: list[tuple[int, float]], settings: MonitorSettings) -> list[Finding]:
+def _divergence(h: _History, settings: MonitorSettings) -> Iterator[Finding]:
     """The trainer gave up on the run (an anomaly it could not skip or roll back), or the loss climbed
     back up and stayed there."""
-    for rec in records:
+    for rec in h.records:
         if rec.get("event") == "anomaly" and rec.get("action") == "diverged":
             loss, gnorm = _num(rec.get("loss")), _num(rec.get("grad_norm"))
-            return [Finding("divergence", int(rec["step"]), ERROR,
-                            f"training diverged at step {rec['step']} (loss {loss:.4g}, grad norm {gnorm:.4g}); "
-                            f"the on_anomaly policy ({rec.get('policy', '?')}) ended the run",
-                            _nan_advice(settings))]
+            yield Finding("divergence", int(rec["step"]), ERROR,
+                          f"training diverged at step {rec['step']} (loss {loss:.4g}, grad norm {gnorm:.4g}); "
+                          f"the on_anomaly policy ({rec.get('policy', '?')}) ended the run",
+                          _nan_advice(settings))
+            return
+    train = h.train
     if len(train) < settings.min_history * 2:
-        return []
-    tail = [v for _, v in train[-settings.min_history:]]
-    recent = statistics.median(tail)
+        return
+    recent = statistics.median(v for _, v in train[-settings.min_history:])
     first = statistics.median(v for _, v in train[:3])
     low_step, low = min(train[:-settings.min_history], key=lambda sv: sv[1])
     drop = max(first - low, 0.0)
     rise = recent - low
     if rise > settings.diverge_min_nats and rise > settings.diverge_rel * drop:
         began = next(s for s, v in train if s > low_step and v > low + rise / 2)
-        return [Finding("divergence", began, ERROR,
-                        f"the loss climbed back from {low:.3g} (step {low_step}) to {recent:.3g} and stayed there",
-                        f"{_cap(_lower_lr(settings.lr))}, or raise the batch size; "
-                        "check that clipping is on; resume from a checkpoint before this step.")]
-    return []
+        yield Finding("divergence", began, ERROR,
+                      f"the loss climbed back from {low:.3g} (step {low_step}) to {recent:.3g} and stayed there",
+                      f"{_cap(_lower_lr(settings.lr))}, or raise the batch size; "
+                      "check that clipping is on; resume from a checkpoint before this step.")
 
 
 def _linear_fit(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -232,79 +248,80 @@ def _linear_fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     return slope, statistics.median(abs(r - centre) for r in resid) * _MAD_TO_STD
 
 
-def _oscillation(train: list[tuple[int, float]], settings: MonitorSettings) -> list[Finding]:
+def _oscillation(h: _History, settings: MonitorSettings) -> Iterator[Finding]:
     w = settings.window
     hits = []
-    for start in range(0, len(train) - w + 1, max(w // 2, 1)):
-        chunk = train[start:start + w]
+    for start in range(0, len(h.train) - w + 1, max(w // 2, 1)):
+        chunk = h.train[start:start + w]
         slope, std = _linear_fit(chunk)  # std: robust (MAD) spread of the residuals, so one spike is not a swing
         level = statistics.median(v for _, v in chunk)
         trend_drop = -slope * (chunk[-1][0] - chunk[0][0])
         if std > settings.oscillation_rel_std * abs(level) and trend_drop < settings.oscillation_trend_ratio * std:
             hits.append((chunk[0][0], std, level))
-    if not hits:
-        return []
-    step, std, level = hits[0]
-    return [Finding("oscillation", step, WARNING,
-                    f"the loss swings by ±{std:.3g} around {level:.3g} without falling "
-                    f"(from step {step}; {len(hits)} window(s))",
-                    f"The lr is probably too large (now {_fmt(settings.lr)}; try {_fmt(settings.lr / 3)}) or the batch "
-                    "too small: raise batch_size or train.gradient_accumulation_steps.")]
+    if hits:
+        step, std, level = hits[0]
+        yield Finding("oscillation", step, WARNING,
+                      f"the loss swings by ±{std:.3g} around {level:.3g} without falling "
+                      f"(from step {step}; {len(hits)} window(s))",
+                      f"The lr is probably too large (now {_fmt(settings.lr)}; try {_fmt(settings.lr / 3)}) or the "
+                      "batch too small: raise batch_size or train.gradient_accumulation_steps.")
 
 
-def _plateau(train: list[tuple[int, float]], evals: list[tuple[int, float]],
-             settings: MonitorSettings) -> list[Finding]:
-    out = []
-    if len(train) >= settings.plateau_min_records:
-        k = max(3, len(train) // 4)
-        values = [v for _, v in train]
-        first, last = statistics.median(values[:k]), statistics.median(values[-k:])
-        # The drop must also be lost in the noise: a tiny model's slow but steady fall is not a plateau.
-        stderr = 1.25 * _step_noise(values) * math.sqrt(2 / k)  # of a difference of two medians of k values
-        if first - last < settings.plateau_min_drop * abs(first) and first - last <= 3 * stderr + 1e-12:
-            out.append(Finding("plateau", train[0][0], WARNING,
-                               f"the loss never fell: {first:.3g} at the start, {last:.3g} at the end",
-                               f"The lr may be too small: raise it 10x (lr={_fmt(settings.lr * 10)}); check that the "
-                               "data loads correctly (look at a few decoded examples); check that the loss "
-                               "matches the task."))
-    if len(evals) > settings.plateau_evals:
-        best_i, best = 0, evals[0][1]
-        for i, (_, v) in enumerate(evals[1:], start=1):
-            if v < best * (1 - settings.min_delta):
-                best_i, best = i, v
-        after = evals[best_i + 1:]
-        rising = any(v > best * (1 + settings.overfit_warn_rise) for _, v in after)  # overfitting's business
-        if len(after) >= settings.plateau_evals and not rising:
-            out.append(Finding("eval_plateau", evals[best_i][0], INFO,
-                               f"the eval loss has not improved for {len(after)} evals since step "
-                               f"{evals[best_i][0]} (best {best:.4g})",
-                               "Training has converged at this lr: stop early "
-                               "(train.early_stopping_patience), or lower the lr / add data to go further."))
-    return out
+def _plateau(h: _History, settings: MonitorSettings) -> Iterator[Finding]:
+    if len(h.train) < settings.plateau_min_records:
+        return
+    k = max(3, len(h.train) // 4)
+    values = [v for _, v in h.train]
+    first, last = statistics.median(values[:k]), statistics.median(values[-k:])
+    # The drop must also be lost in the noise: a tiny model's slow but steady fall is not a plateau.
+    stderr = 1.25 * _step_noise(values) * math.sqrt(2 / k)  # of a difference of two medians of k values
+    if first - last < settings.plateau_min_drop * abs(first) and first - last <= 3 * stderr + 1e-12:
+        yield Finding("plateau", h.train[0][0], WARNING,
+                      f"the loss never fell: {first:.3g} at the start, {last:.3g} at the end",
+                      f"The lr may be too small: raise it 10x (lr={_fmt(settings.lr * 10)}); check that the "
+                      "data loads correctly (look at a few decoded examples); check that the loss "
+                      "matches the task.")
 
 
-def _overfitting(train: list[tuple[int, float]], evals: list[tuple[int, float]],
-                 settings: MonitorSettings) -> list[Finding]:
+def _eval_plateau(h: _History, settings: MonitorSettings) -> Iterator[Finding]:
+    evals = h.evals
+    if len(evals) <= settings.plateau_evals:
+        return
+    best_i, best = 0, evals[0][1]
+    for i, (_, v) in enumerate(evals[1:], start=1):
+        if v < best * (1 - settings.min_delta):
+            best_i, best = i, v
+    after = evals[best_i + 1:]
+    rising = any(v > best * (1 + settings.overfit_warn_rise) for _, v in after)  # overfitting's business
+    if len(after) >= settings.plateau_evals and not rising:
+        yield Finding("eval_plateau", evals[best_i][0], INFO,
+                      f"the eval loss has not improved for {len(after)} evals since step "
+                      f"{evals[best_i][0]} (best {best:.4g})",
+                      "Training has converged at this lr: stop early "
+                      "(train.early_stopping_patience), or lower the lr / add data to go further.")
+
+
+def _overfitting(h: _History, settings: MonitorSettings) -> Iterator[Finding]:
+    evals = h.evals
     if len(evals) < settings.overfit_min_evals + 2:
-        return []
+        return
     best_i = min(range(len(evals)), key=lambda i: evals[i][1])
     best_step, best = evals[best_i]
     after = evals[best_i + 1:]
     threshold = best * (1 + settings.overfit_warn_rise)
     recent = after[-settings.overfit_min_evals:]
     if len(after) < settings.overfit_min_evals or not all(v > threshold for _, v in recent):
-        return []
-    near = [v for s, v in train if abs(s - best_step) <= max(1, (after[-1][0] - best_step) // 10)]
-    later = [v for s, v in train if s >= after[-1][0] - max(1, (after[-1][0] - best_step) // 10)]
+        return
+    near = [v for s, v in h.train if abs(s - best_step) <= max(1, (after[-1][0] - best_step) // 10)]
+    later = [v for s, v in h.train if s >= after[-1][0] - max(1, (after[-1][0] - best_step) // 10)]
     if not near or not later or statistics.median(later) >= statistics.median(near):
-        return []  # train loss did not fall: that is divergence or a plateau, not overfitting
+        return  # train loss did not fall: that is divergence or a plateau, not overfitting
     rise = after[-1][1] / best - 1
-    severity = ERROR if rise >= settings.overfit_error_rise else WARNING
-    return [Finding("overfitting", best_step, severity,
-                    f"the eval loss rose {rise:.1%} above its best ({best:.4g} at step {best_step}) to "
-                    f"{after[-1][1]:.4g} while the train loss kept falling: overfitting began at step {best_step}",
-                    "Stop early (train.early_stopping_patience=2 keeps the best checkpoint), train fewer steps, "
-                    "lower the lr, add dropout (model.attention_dropout=0.1) or add data.")]
+    yield Finding("overfitting", best_step, ERROR if rise >= settings.overfit_error_rise else WARNING,
+                  f"the eval loss rose {rise:.1%} above its best ({best:.4g} at step {best_step}) to "
+                  f"{after[-1][1]:.4g} while the train loss kept falling: overfitting began at step {best_step}",
+                  "Stop early (train.early_stopping_patience=2 keeps the best checkpoint), train fewer steps, "
+                  "lower the lr, add dropout (model.attention_dropout=0.1) or add data.")
 
 
 def _streak_start(points: list[tuple[int, float]], outside: Callable[[float], bool]) -> int:
@@ -318,70 +335,65 @@ def _streak_start(points: list[tuple[int, float]], outside: Callable[[float], bo
     return start if start is not None else next((s for s, v in points if outside(v)), points[0][0])
 
 
-def _grad_band(train_gn: list[tuple[int, float]], settings: MonitorSettings) -> list[Finding]:
-    half = train_gn[len(train_gn) // 2:]
+def _grad_band(h: _History, settings: MonitorSettings) -> Iterator[Finding]:
+    half = h.grad_norm[len(h.grad_norm) // 2:]
     if len(half) < settings.min_history:
-        return []
+        return
     low, high = settings.grad_band
     median = statistics.median(v for _, v in half)
     above = sum(v > high for _, v in half) / len(half)
     below = sum(v < low for _, v in half) / len(half)
-    step = _streak_start(train_gn, lambda v: not low <= v <= high)
+    step = _streak_start(h.grad_norm, lambda v: not low <= v <= high)
     if above >= settings.grad_band_fraction:
         clip = ("clipping is off: turn it on (train.max_grad_norm=1.0)" if settings.max_grad_norm <= 0 else
                 f"clipping at {settings.max_grad_norm:g} is rescaling most steps")
-        return [Finding("grad_norm_high", step, WARNING,
-                        f"grad norm above {high:g} on {above:.0%} of the second half of the run (median {median:.3g})",
-                        f"{clip}; if the loss is also noisy, lower the lr (now {_fmt(settings.lr)}).")]
-    if below >= settings.grad_band_fraction:
-        return [Finding("grad_norm_low", step, INFO,
-                        f"grad norm below {low:g} on {below:.0%} of the second half of the run (median {median:.3g})",
-                        "Often fine for small models late in training; if the loss has stalled too, raise the lr.")]
-    return []
+        yield Finding("grad_norm_high", step, WARNING,
+                      f"grad norm above {high:g} on {above:.0%} of the second half of the run (median {median:.3g})",
+                      f"{clip}; if the loss is also noisy, lower the lr (now {_fmt(settings.lr)}).")
+    elif below >= settings.grad_band_fraction:
+        yield Finding("grad_norm_low", step, INFO,
+                      f"grad norm below {low:g} on {below:.0%} of the second half of the run (median {median:.3g})",
+                      "Often fine for small models late in training; if the loss has stalled too, raise the lr.")
 
 
-def _perplexity(evals_ppl: list[tuple[int, float]], settings: MonitorSettings) -> list[Finding]:
-    if len(evals_ppl) < 2:  # the step-0 eval alone says nothing about training
-        return []
-    ppl = evals_ppl[-1][1]
+def _perplexity(h: _History, settings: MonitorSettings) -> Iterator[Finding]:
+    if len(h.eval_ppl) < 2:  # the step-0 eval alone says nothing about training
+        return
+    ppl = h.eval_ppl[-1][1]
     f = settings.ppl_far_factor
     low, high = settings.pretrain_ppl
     too_high = high * f if settings.run_kind == "pretrain" else settings.finetune_ppl_max * f
     out_of_range = (lambda v: v > too_high) if ppl > too_high else (lambda v: v < low / f)
-    step = _streak_start(evals_ppl[1:], out_of_range)
+    step = _streak_start(h.eval_ppl[1:], out_of_range)
     if settings.run_kind == "finetune":
-        if ppl > settings.finetune_ppl_max * f:
-            return [Finding("ppl_range", step, WARNING,
-                            f"eval perplexity {ppl:.4g} is far above what a fine-tuned model reaches "
-                            f"(lower is better; > {settings.finetune_ppl_max * f:g} is suspicious)",
-                            "Check that the tokenizer and chat template match the model and that the data "
-                            "loads correctly; check the lr is not too high.")]
-        return []
-    if ppl > high * f:
-        return [Finding("ppl_range", step, INFO,
-                        f"eval perplexity {ppl:.4g} is far above the typical pretraining range {low:g}-{high:g}",
-                        "The model has learned little yet: train longer; if the loss has stalled, raise the lr "
-                        "10x or check the data.")]
-    if ppl < low / f:
-        return [Finding("ppl_range", step, INFO,
-                        f"eval perplexity {ppl:.4g} is far below the typical pretraining range {low:g}-{high:g}",
-                        "Check that eval data does not overlap the training data and is not trivially "
-                        "repetitive.")]
-    return []
+        if ppl > too_high:
+            yield Finding("ppl_range", step, WARNING,
+                          f"eval perplexity {ppl:.4g} is far above what a fine-tuned model reaches "
+                          f"(lower is better; > {too_high:g} is suspicious)",
+                          "Check that the tokenizer and chat template match the model and that the data "
+                          "loads correctly; check the lr is not too high.")
+    elif ppl > too_high:
+        yield Finding("ppl_range", step, INFO,
+                      f"eval perplexity {ppl:.4g} is far above the typical pretraining range {low:g}-{high:g}",
+                      "The model has learned little yet: train longer; if the loss has stalled, raise the lr "
+                      "10x or check the data.")
+    elif ppl < low / f:
+        yield Finding("ppl_range", step, INFO,
+                      f"eval perplexity {ppl:.4g} is far below the typical pretraining range {low:g}-{high:g}",
+                      "Check that eval data does not overlap the training data and is not trivially "
+                      "repetitive.")
 
 
-def _fp16_health(records: list[dict], settings: MonitorSettings) -> list[Finding]:
-    train = [r for r in records if r.get("event") == "train"]
+def _fp16_health(h: _History, settings: MonitorSettings) -> Iterator[Finding]:
+    train = [r for r in h.live if r.get("event") == "train"]
     if settings.precision != "fp16" or not train:
-        return []
-    last = train[-1]
-    skipped, step = int(_num(last.get("skipped_steps", 0)) or 0), int(last["step"])
+        return
+    skipped, step = int(_num(train[-1].get("skipped_steps", 0)) or 0), int(train[-1]["step"])
     if step > 0 and skipped / step > settings.fp16_skip_fraction:
-        return [Finding("fp16_skipped_steps", step, WARNING,
-                        f"{skipped} of {step} steps were skipped (non-finite gradients or loss-scale overflow)",
-                        "Switch FP16 to BF16 (precision=bf16) where the hardware has it; check clipping is on; "
-                        "lower the lr.")]
-    return []
+        yield Finding("fp16_skipped_steps", step, WARNING,
+                      f"{skipped} of {step} steps were skipped (non-finite gradients or loss-scale overflow)",
+                      "Switch FP16 to BF16 (precision=bf16) where the hardware has it; check clipping is on; "
+                      "lower the lr.")
 
 
 CPU_MFU_PLAUSIBLE = 0.85
@@ -390,59 +402,38 @@ also runs attention, norms, the loss and the optimizer, which reach far less tha
 The best measured on an idle 2-core AVX512-BF16 CPU was 75% (the tiny model with torch.compile)."""
 
 
-def _run_facts(records: list[dict]) -> list[Finding]:
+def _run_facts(h: _History, settings: MonitorSettings) -> Iterator[Finding]:
     """Facts the trainer recorded about the setup (`start` records) or learned while running (`mfu_note`
     on a train record): emulated bf16, and an MFU it will not report, each said once."""
-    out = []
-    start = next((r for r in records if r.get("event") == "start" and r.get("bf16_emulated")), None)
+    start = next((r for r in h.records if r.get("event") == "start" and r.get("bf16_emulated")), None)
     if start is not None:
-        out.append(Finding("bf16_emulated", int(start["step"]), WARNING, str(start["bf16_emulated"]),
-                           str(start.get("bf16_advice") or "Use precision=auto for the faster run.")))
-    noted = next((r for r in records if r.get("event") in ("start", "train") and r.get("mfu_note")), None)
+        yield Finding("bf16_emulated", int(start["step"]), WARNING, str(start["bf16_emulated"]),
+                      str(start.get("bf16_advice") or "Use precision=auto for the faster run."))
+    noted = next((r for r in h.records if r.get("event") in ("start", "train") and r.get("mfu_note")), None)
     if noted is not None:
-        out.append(Finding("mfu_unavailable", int(noted["step"]), INFO, f"MFU is not reported: {noted['mfu_note']}",
-                           "Nothing is wrong with training. For an MFU, run once on an idle machine (the ceiling "
-                           "is then measured and kept) or set train.peak_tflops."))
-    return out
+        yield Finding("mfu_unavailable", int(noted["step"]), INFO, f"MFU is not reported: {noted['mfu_note']}",
+                      "Nothing is wrong with training. For an MFU, run once on an idle machine (the ceiling "
+                      "is then measured and kept) or set train.peak_tflops.")
 
 
-def _mfu_plausibility(records: list[dict]) -> list[Finding]:
+def _mfu_plausibility(h: _History, settings: MonitorSettings) -> Iterator[Finding]:
     """MFU above the CPU sanity bound: the ceiling it divides by was measured too low."""
-    start = next((r for r in reversed(records) if r.get("event") == "start"), {})
-    if start.get("device") != "cpu":
-        return []
-    high = [(int(r["step"]), _num(r.get("mfu"))) for r in records if r.get("event") == "train"
+    start = next((r for r in reversed(h.live) if r.get("event") == "start"), {})
+    high = [(int(r["step"]), _num(r.get("mfu"))) for r in h.live if r.get("event") == "train"
             and _num(r.get("mfu")) > CPU_MFU_PLAUSIBLE]
-    if not high:
-        return []
-    step, value = high[0]
-    return [Finding("mfu_implausible", step, WARNING,
-                    f"MFU {value:.0%} at step {step} is implausible on a CPU (a training step reaches well under "
-                    f"{CPU_MFU_PLAUSIBLE:.0%} of a large matmul's rate); {len(high)} logged step(s) above it",
-                    "Do not compare this MFU across runs: the run measured its matmul ceiling again and it still "
-                    "reads too low (busy cores). Run once on an idle machine (the higher ceiling is kept), or set "
-                    "train.peak_tflops.")]
+    if start.get("device") == "cpu" and high:
+        step, value = high[0]
+        yield Finding("mfu_implausible", step, WARNING,
+                      f"MFU {value:.0%} at step {step} is implausible on a CPU (a training step reaches well under "
+                      f"{CPU_MFU_PLAUSIBLE:.0%} of a large matmul's rate); {len(high)} logged step(s) above it",
+                      "Do not compare this MFU across runs: the run measured its matmul ceiling again and it still "
+                      "reads too low (busy cores). Run once on an idle machine (the higher ceiling is kept), or set "
+                      "train.peak_tflops.")
 
 
-def run_detectors(records: list[dict], settings: MonitorSettings) -> list[Finding]:
-    """Every detector's findings over a whole metric history, unordered (`diagnose` orders them)."""
-    live = _effective(records)
-    train = _finite(_series(live, "train", "loss"))
-    evals = _finite(_series(live, "eval", "eval_loss"))
-    findings = [
-        *_non_finite(records, settings),
-        *_spikes(records, settings),
-        *_divergence(records, train, settings),
-        *_oscillation(train, settings),
-        *_plateau(train, evals, settings),
-        *_overfitting(train, evals, settings),
-        *_grad_band(_finite(_series(live, "train", "grad_norm")), settings),
-        *_perplexity(_finite(_series(live, "eval", "eval_ppl")), settings),
-        *_fp16_health(live, settings),
-        *_run_facts(records),
-        *_mfu_plausibility(live),
-    ]
-    return findings
+_DETECTORS: tuple[Callable[[_History, MonitorSettings], Iterator[Finding]], ...] = (
+    _non_finite, _spikes, _divergence, _oscillation, _plateau, _eval_plateau, _overfitting, _grad_band, _perplexity,
+    _fp16_health, _run_facts, _mfu_plausibility)
 
 
 _SEVERITY_RANK = {INFO: 0, WARNING: 1, ERROR: 2}
@@ -522,7 +513,9 @@ class MonitorSettings:
 
 def diagnose(records: list[dict], settings: MonitorSettings) -> list[Finding]:
     """Every finding over a whole metric history, ordered by step, the most severe first."""
-    return sorted(run_detectors(records, settings), key=lambda f: (f.step, -_SEVERITY_RANK[f.severity], f.kind))
+    history = _History.of(records)
+    found = [finding for detect in _DETECTORS for finding in detect(history, settings)]
+    return sorted(found, key=lambda f: (f.step, -_SEVERITY_RANK[f.severity], f.kind))
 
 
 def _key(f: Finding | dict) -> tuple[str, int, str]:
@@ -530,17 +523,6 @@ def _key(f: Finding | dict) -> tuple[str, int, str]:
     if isinstance(f, Finding):
         return f.kind, f.step, f.severity
     return str(f.get("kind")), int(f.get("step", 0)), str(f.get("severity"))
-
-
-def _logged(records: list[dict]) -> list[tuple[int, dict]]:
-    """The findings the run printed (`finding` records), first occurrence of each, with their record index."""
-    seen: set[tuple[str, int, str]] = set()
-    out = []
-    for i, rec in enumerate(records):
-        if rec.get("event") == "finding" and _key(rec) not in seen:
-            seen.add(_key(rec))
-            out.append((i, rec))
-    return out
 
 
 def _stopped_at(records: list[dict], start: int, key: tuple[str, int, str], settings: MonitorSettings,
@@ -566,13 +548,13 @@ def reconcile(records: list[dict], settings: MonitorSettings) -> list[dict]:
     same kind at the same step changed severity), with `resolved_at`, the step where it stopped holding.
     """
     final = diagnose(records, settings)
-    keys = {_key(f) for f in final}
+    said = {_key(f) for f in final}  # and each printed finding once: its first `finding` record
     out = [{**f.to_dict(), "status": "open", "resolved_at": None} for f in final]
     memo: dict[int, set[tuple[str, int, str]]] = {}
-    for index, rec in _logged(records):
-        key = _key(rec)
-        if key in keys:
+    for index, rec in enumerate(records):
+        if rec.get("event") != "finding" or (key := _key(rec)) in said:
             continue
+        said.add(key)
         kind, step, _ = key
         superseded = any(f.kind == kind and f.step == step for f in final)
         out.append({"kind": kind, "step": step, "severity": key[2], "message": str(rec.get("message", "")),
