@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from llmexp.errors import first_line
-from llmexp.monitor.records import numbers, run_name_from_overrides
+from llmexp.monitor.records import Sink, cut, numbers, run_name_from_overrides
 from llmexp.rundir.read import load_summary
 from llmexp.rundir.redact import scrub, scrub_text
 from llmexp.rundir.tracking import (
@@ -160,13 +160,8 @@ def flat_params(container: Mapping[str, Any], prefix: str = "") -> dict[str, str
         if isinstance(value, Mapping) and value:
             out.update(flat_params(value, name + "."))
             continue
-        text = value if isinstance(value, str) else json.dumps(value, default=str)
-        out[name] = text if len(text) <= MAX_PARAM_LEN else text[:MAX_PARAM_LEN - 3] + "..."
+        out[name] = cut(value if isinstance(value, str) else json.dumps(value, default=str), MAX_PARAM_LEN)
     return out
-
-
-def _tag(text: str) -> str:
-    return text if len(text) <= MAX_TAG_LEN else text[:MAX_TAG_LEN - 3] + "..."
 
 
 def finding_tags(findings: list[Mapping[str, Any]]) -> dict[str, str]:
@@ -174,9 +169,16 @@ def finding_tags(findings: list[Mapping[str, Any]]) -> dict[str, str]:
     tags = {}
     for f in findings:
         status = f" [{f['status']}]" if f.get("status") else ""
-        tags[f"finding.{f.get('kind')}"] = _tag(f"{f.get('severity')} at step {f.get('step')}: {f.get('message')} -> "
-                                                f"{f.get('advice')}{status}")
+        tags[f"finding.{f.get('kind')}"] = cut(f"{f.get('severity')} at step {f.get('step')}: {f.get('message')} -> "
+                                               f"{f.get('advice')}{status}", MAX_TAG_LEN)
     return tags
+
+
+def _upload(client: Any, run_id: str, folder: Path, names: tuple[str, ...]) -> None:
+    """The files of `names` that `folder` holds, as artifacts of the run."""
+    for name in names:
+        if (folder / name).is_file():
+            client.log_artifact(run_id, str(folder / name))
 
 
 class _Sender(threading.Thread):
@@ -243,7 +245,7 @@ class _Sender(threading.Thread):
         self.join()
 
 
-class MlflowSink:
+class MlflowSink(Sink):
     """One llmexp run as one MLflow run: params, metrics by step, findings as tags, artifacts at the end."""
 
     def __init__(self, run_dir: Path, cfg_container: dict, logger_cfg: Any, run_name: str,
@@ -296,7 +298,7 @@ class MlflowSink:
 
         new = [Param(k, v) for k, v in params.items() if k not in existing]
         changed = sorted(k for k, v in params.items() if k in existing and existing[k] != v)
-        tags = [RunTag("llmexp.params_changed_on_resume", _tag(", ".join(changed)))] if changed else []
+        tags = [RunTag("llmexp.params_changed_on_resume", cut(", ".join(changed), MAX_TAG_LEN))] if changed else []
         with _quiet():
             for i in range(0, len(new), BATCH_PARAMS):
                 client.log_batch(self.run_id, params=new[i:i + BATCH_PARAMS], tags=tags if i == 0 else [])
@@ -365,9 +367,7 @@ class MlflowSink:
     def _finish(self, status: str) -> None:
         client = self.store.client
         with _quiet():
-            for name in ARTIFACTS:
-                if (self.run_dir / name).is_file():
-                    client.log_artifact(self.run_id, str(self.run_dir / name))
+            _upload(client, self.run_id, self.run_dir, ARTIFACTS)
             if self.log_model and (self.run_dir / "model").is_dir():
                 client.log_artifacts(self.run_id, str(self.run_dir / "model"), artifact_path="model")
             client.set_terminated(self.run_id, status=STATUS_OF.get(status, "FAILED"))
@@ -381,8 +381,5 @@ def log_sweep_report(sweep_dir: Path) -> None:
     known = read_mlflow_run(sweep_dir)
     if known is None:
         return
-    client = client_for(known["tracking_uri"])
     with _quiet():
-        for name in SWEEP_ARTIFACTS:
-            if (Path(sweep_dir) / name).is_file():
-                client.log_artifact(known["run_id"], str(Path(sweep_dir) / name))
+        _upload(client_for(known["tracking_uri"]), known["run_id"], Path(sweep_dir), SWEEP_ARTIFACTS)

@@ -9,23 +9,16 @@ import math
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from llmexp.errors import first_line
-from llmexp.monitor.records import numbers, run_name_from_overrides
+from llmexp.monitor.records import Sink, numbers, run_name_from_overrides
 from llmexp.rundir.read import load_summary, swept_keys
 from llmexp.rundir.redact import scrub, scrub_text  # one definition of a secret, shared by every writer
 
 _log = logging.getLogger(__name__)
-
-
-class Sink(Protocol):
-    def log(self, record: dict[str, Any]) -> None: ...
-    def reset(self, records: list[dict[str, Any]]) -> None:
-        """The run (re)starts from these records: a checkpoint's history on resume, none otherwise."""
-    def close(self) -> None: ...
 
 
 def make_sinks(cfg: DictConfig, run_dir: Path) -> list[Sink]:
@@ -92,7 +85,7 @@ def wandb_mode(configured: str) -> str:
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 
-class WandbSink:
+class WandbSink(Sink):
     """Weights & Biases: the resolved config (secrets removed), train/*, eval/* and tasks/* against trainer/step."""
 
     def __init__(self, run_dir: Path, cfg_container: dict, run_name: str, logger_cfg: Any) -> None:
@@ -144,9 +137,6 @@ class WandbSink:
         if data:
             self.run.log({"trainer/step": int(record["step"]), **data})
 
-    def reset(self, records: list[dict[str, Any]]) -> None:
-        """Nothing to do: wandb plots against trainer/step, where a step logged twice shows its latest value."""
-
     def close(self) -> None:
         if self.run is not None:
             import wandb
@@ -156,7 +146,7 @@ class WandbSink:
             wandb.teardown()  # flushes the run file now rather than at interpreter exit
 
 
-class TensorBoardSink:
+class TensorBoardSink(Sink):
     """TensorBoard event files under `run_dir/tensorboard`: train/* and eval/* scalars by step, findings as text,
     and at the end the HParams view's data (`hparams`: its hyper-parameters and summary.json's final metrics,
     in `tensorboard/hparams/`), so `tensorboard --logdir SWEEP_DIR` compares a sweep's jobs side by side."""
@@ -186,9 +176,6 @@ class TensorBoardSink:
         if record.get("event") == "finding":
             self.writer.add_text("findings", f"**{record.get('severity')}** {record.get('kind')}: "
                                              f"{record.get('message')} — {record.get('advice')}", global_step=step)
-
-    def reset(self, records: list[dict[str, Any]]) -> None:
-        """Nothing to do: TensorBoard shows the latest value at a step logged twice."""
 
     def close(self) -> None:
         if self.writer is not None:
