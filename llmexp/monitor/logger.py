@@ -20,7 +20,7 @@ from llmexp.monitor.console import (
     job_log,
     silence_dead_stdio,
 )
-from llmexp.monitor.sinks import Sink
+from llmexp.monitor.records import Sink
 from llmexp.rundir.files import atomic_file
 from llmexp.rundir.redact import scrub
 
@@ -123,19 +123,20 @@ class MetricsLogger:
         self._step_times.append((time.perf_counter(), self._steps_done))
         if not self._eta_said and (eta := self.eta_s()) is not None:
             self._eta_said = True
-            first_t, first_n = self._step_times[0]
-            per_step = (self._step_times[-1][0] - first_t) / (self._steps_done - first_n)
             self.write(f"eta {format_duration(eta)} for the {self.max_steps - self._steps_done} remaining steps "
-                       f"({per_step:.3g} s/step so far, evals and checkpoints included)")
+                       f"({self._seconds_per_step():.3g} s/step so far, evals and checkpoints included)")
+
+    def _seconds_per_step(self) -> float:
+        """The pace since the first timed step (the first one warms up)."""
+        (first_t, first_n), (last_t, last_n) = self._step_times[0], self._step_times[-1]
+        return (last_t - first_t) / (last_n - first_n)
 
     def eta_s(self) -> float | None:
-        """Seconds left at the pace since the first step (the first one warms up); None until
-        `ETA_AFTER_STEPS` steps are timed, and once no step is left (an ETA of 0s says nothing)."""
+        """Seconds left at `_seconds_per_step`; None until `ETA_AFTER_STEPS` steps are timed, and once no step
+        is left (an ETA of 0s says nothing)."""
         if len(self._step_times) <= ETA_AFTER_STEPS or self._steps_done >= self.max_steps:
             return None
-        first_t, first_n = self._step_times[0]
-        last_t, last_n = self._step_times[-1]
-        return (last_t - first_t) / (last_n - first_n) * max(0, self.max_steps - last_n)
+        return self._seconds_per_step() * (self.max_steps - self._steps_done)
 
     def close(self) -> None:
         if (note := held_warnings_note()) is not None:
