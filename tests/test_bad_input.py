@@ -204,3 +204,11 @@ def test_an_empty_resume_is_one_message_naming_what_it_takes(tmp_path: Path) -> 
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("train.resume:") == 1, proc.stderr
     assert "train.resume: must not be empty; set it to auto, never, or an existing checkpoint directory" in proc.stderr
+
+
+def test_an_empty_harness_task_is_one_message_naming_the_fix(tmp_path: Path) -> None:
+    """An empty name in eval.lm_eval.tasks is one mistake: one message, naming the item and the fix."""
+    proc = run_llmexp(["eval.lm_eval.tasks=['']", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("eval.lm_eval.tasks") == 1, proc.stderr
+    assert "eval.lm_eval.tasks[0]: must not be empty; remove it from the list" in proc.stderr

@@ -163,6 +163,8 @@ class TextList:
 
     def problem(self, key: str, value: Any, default: Any = None) -> str | None:
         for i, item in enumerate(value or []):
+            if isinstance(item, str) and not item.strip():
+                return f"{key}[{i}]: must not be empty; remove it from the list"
             if problem := self.item.problem(f"{key}[{i}]", item):
                 return problem
         return None

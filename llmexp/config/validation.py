@@ -212,7 +212,7 @@ def _value_errors(cfg: DictConfig) -> list[str]:
     _validate_peft(cfg, errors)
     _validate_sweep(cfg.sweep, errors)
     _validate_fsdp(cfg, errors)
-    _validate_eval(cfg, errors)
+    _validate_eval(cfg, errors, bad)
     _validate_lr_find(cfg, errors, bad)
     if (problem := tracking_uri_problem(cfg.logger.tracking_uri)) is not None:
         errors.append(problem)
@@ -400,7 +400,7 @@ TASK_METRICS = {"perplexity": {"loss": "minimize", "ppl": "minimize"},
 tasks record the harness's own metric names."""
 
 
-def _validate_eval(cfg: DictConfig, errors: list[str]) -> None:
+def _validate_eval(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet[str]) -> None:
     """`eval` (its option name is a `rules.Choice`): every task's name and fields, the harness's task list,
     generation only where the weights are whole, and `sweep.metric` against what the tasks record."""
     ev, lm = cfg.eval, cfg.eval.lm_eval
@@ -408,7 +408,7 @@ def _validate_eval(cfg: DictConfig, errors: list[str]) -> None:
     twice = sorted({n for n in names if names.count(n) > 1})
     _check(errors, not twice, "eval", f"task names must differ (demo is the demo task's); got {', '.join(twice)} "
            "twice: rename one")
-    _check(errors, all(_task_name_ok(str(t)) for t in lm.tasks), "eval.lm_eval.tasks",
+    _check(errors, "eval.lm_eval.tasks" in bad or all(_task_name_ok(str(t)) for t in lm.tasks), "eval.lm_eval.tasks",
            "must be a list of harness task names, e.g. eval.lm_eval.tasks=[arc_easy,hellaswag]")
     _check(errors, bool(lm.tasks) or ev.name != "lm_eval", "eval.lm_eval.tasks", "eval=lm_eval names no task; set "
            "eval.lm_eval.tasks=[arc_easy] (and eval.lm_eval.include_path=DIR for your own task YAMLs)")
