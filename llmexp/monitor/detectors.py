@@ -572,7 +572,7 @@ def worst_severity(findings: Iterable[Finding | dict]) -> str | None:
     """The most severe severity among the open findings (objects or dicts), None when there are none."""
     ranks = [_SEVERITY_RANK.get(f["severity"] if isinstance(f, dict) else f.severity, 0) for f in findings
              if is_open(f)]
-    return None if not ranks else {v: k for k, v in _SEVERITY_RANK.items()}[max(ranks)]
+    return (INFO, WARNING, ERROR)[max(ranks)] if ranks else None
 
 
 def settings_from_config(cfg: dict[str, Any], lr: float | None = None, precision: str | None = None) -> MonitorSettings:

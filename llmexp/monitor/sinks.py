@@ -76,12 +76,10 @@ DEFAULT_INIT_TIMEOUT_S = 10.0
 
 def wandb_mode(configured: str) -> str:
     """offline when asked to be, or when there is no API key: a run must never block on a login prompt."""
-    if os.environ.get("WANDB_MODE") in ("offline", "disabled"):
-        return os.environ["WANDB_MODE"]
-    if configured in ("offline", "disabled"):
+    if (forced := os.environ.get("WANDB_MODE")) in ("offline", "disabled"):
+        return forced
+    if configured in ("online", "offline", "disabled"):
         return configured
-    if configured == "online":
-        return "online"
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 
@@ -121,9 +119,8 @@ class WandbSink(Sink):
                         f"`wandb sync {run_dir / 'wandb'}/offline-run-*`")
         # Steps go backwards after a resume or rollback; wandb's own step must not, so plot against ours.
         self.run.define_metric("trainer/step")
-        self.run.define_metric("train/*", step_metric="trainer/step")
-        self.run.define_metric("eval/*", step_metric="trainer/step")
-        self.run.define_metric("tasks/*", step_metric="trainer/step")
+        for group in ("train/*", "eval/*", "tasks/*"):
+            self.run.define_metric(group, step_metric="trainer/step")
 
     def log(self, record: dict[str, Any]) -> None:
         if record.get("event") == "sample":  # a table per sampling step: prompt, continuation
