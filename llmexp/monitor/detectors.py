@@ -312,8 +312,9 @@ def _overfitting(h: _History, settings: MonitorSettings) -> Iterator[Finding]:
     recent = after[-settings.overfit_min_evals:]
     if len(after) < settings.overfit_min_evals or not all(v > threshold for _, v in recent):
         return
-    near = [v for s, v in h.train if abs(s - best_step) <= max(1, (after[-1][0] - best_step) // 10)]
-    later = [v for s, v in h.train if s >= after[-1][0] - max(1, (after[-1][0] - best_step) // 10)]
+    margin = max(1, (after[-1][0] - best_step) // 10)
+    near = [v for s, v in h.train if abs(s - best_step) <= margin]
+    later = [v for s, v in h.train if s >= after[-1][0] - margin]
     if not near or not later or statistics.median(later) >= statistics.median(near):
         return  # train loss did not fall: that is divergence or a plateau, not overfitting
     rise = after[-1][1] / best - 1
