@@ -23,7 +23,7 @@ import pickle
 from pathlib import Path
 from typing import Any
 
-from llmexp.checkpoint.serialize import CorruptCheckpoint, corrupt
+from llmexp.checkpoint.serialize import CorruptCheckpoint, loading
 from llmexp.errors import first_line
 from llmexp.rundir.readers import open_regular
 
@@ -61,11 +61,8 @@ def read_metadata(directory: Path, rank: int | None = None) -> Any:
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
     file = Path(directory) / (METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
-    try:
-        with open_regular(file) as f:
-            metadata = MetadataUnpickler(f).load()
-    except Exception as err:  # UnpicklingError (refused), EOFError (truncated), OSError, ...
-        raise corrupt(file, err) from None
+    with loading(file), open_regular(file) as f:
+        metadata = MetadataUnpickler(f).load()
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpoint(f"{file}: holds a {type(metadata).__name__}, not DCP metadata")
     if problem := storage_problem(Path(directory), metadata):

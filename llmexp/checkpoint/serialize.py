@@ -7,7 +7,8 @@ anything else. torch, numpy and safetensors are imported inside the functions: n
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,9 +33,15 @@ def rng_filename(rank: int) -> str:
     return f"rng_rank{rank}.pt"
 
 
-def corrupt(path: Path, err: BaseException) -> CorruptCheckpoint:
-    """The CorruptCheckpoint for a file a library could not load, quoting its error."""
-    return CorruptCheckpoint(f"{path}: cannot be loaded safely ({type(err).__name__}: {first_line(err, 300)})")
+@contextmanager
+def loading(path: Path) -> Iterator[None]:
+    """Whatever a library raises while it loads `path` (SafetensorError, an unsafe pickle, a bad zip, EOFError,
+    OSError ...) means "this file is bad": a CorruptCheckpoint naming it, quoting the error."""
+    try:
+        yield
+    except Exception as err:
+        raise CorruptCheckpoint(f"{path}: cannot be loaded safely ({type(err).__name__}: {first_line(err, 300)})"
+                                ) from None
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -60,11 +67,8 @@ def load_tensors(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
     """Load a safetensors file; CorruptCheckpoint naming the file if it is damaged."""
     from safetensors.torch import load_file
 
-    try:
-        with open_regular(path):  # (a FIFO would block the reader)
-            return load_file(str(path), device=device)
-    except Exception as err:  # SafetensorError, OSError, ...: all mean "this file is bad"
-        raise corrupt(Path(path), err) from None
+    with loading(path), open_regular(path):  # (a FIFO would block the reader)
+        return load_file(str(path), device=device)
 
 
 # ----------------------------------------------------------------------------- other state
@@ -102,11 +106,8 @@ def load_state(path: Path) -> Any:
     file if it is damaged or holds anything but tensors and plain data."""
     import torch
 
-    try:
-        with open_regular(path) as f:
-            return torch.load(f, map_location="cpu", weights_only=True)
-    except Exception as err:  # UnpicklingError (unsafe), RuntimeError (bad zip), EOFError, ...
-        raise corrupt(Path(path), err) from None
+    with loading(path), open_regular(path) as f:
+        return torch.load(f, map_location="cpu", weights_only=True)
 
 
 # ----------------------------------------------------------------------------- RNG

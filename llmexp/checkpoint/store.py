@@ -1,22 +1,18 @@
 """Checkpoints that never lose work: atomic save, verification, safe rotation and resume.
 
-A checkpoint is a directory `<run_dir>/checkpoints/step_<N>/` holding whatever the trainer's
-`write(dir)` callback put there plus `manifest.json`, which lists every file's size and sha256.
-The life of a save:
+A checkpoint is a directory `<run_dir>/checkpoints/step_<N>/` holding whatever the trainer's `write(dir)` callback
+put there plus `manifest.json`, which lists every file's size and sha256. The life of a save:
 
     .tmp-step_<N>-<host>-<pid>/   write(tmp) fills it, manifest.json last, fsync every file and dir
     step_<N>/                     one rename makes it visible (an existing step_<N> is swapped out)
     rotate()                      only now are old checkpoints deleted
 
-So a crash at any point leaves either the previous checkpoints untouched or the new one
-complete; a half-written directory is never called `step_<N>`. Only complete checkpoints
-(manifest present, every size right) are listed, loaded, or counted and deleted by rotation;
-directories this module did not write are never touched, and nothing is deleted through a
-symbolic link: a `step_<N>` that is a link is moved aside (`step_<N>.displaced-<ns>`), never
-followed. A full disk during a save raises `DiskFull`, naming the path, after the partial
-directory is removed. No torch at import time: this module sits beside the config path.
+So a crash at any point leaves either the previous checkpoints untouched or the new one complete; a half-written
+directory is never called `step_<N>`. Only complete checkpoints (manifest present, every size right) are listed,
+loaded, or counted and deleted by rotation; directories this module did not write are never touched, and nothing is
+deleted through a symbolic link: a `step_<N>` that is a link is moved aside (`step_<N>.displaced-<ns>`), never
+followed. No torch at import time: this module sits beside the config path.
 """
-
 from __future__ import annotations
 
 import json
@@ -40,9 +36,8 @@ MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 # A `step_<N>` that was in the way of a save (incomplete, foreign or a link), moved aside by _publish.
 DISPLACED_DIR = re.compile(r"^step_(\d+)\.displaced-\d+$")
-# Our temporary dirs: a save in progress (step_N), a swapped-out old copy (old-step_N) or a
-# checkpoint being deleted (del-step_N). Host and pid say whose it is, so a dead process's
-# leftovers can be removed without ever touching a live writer's.
+# Our temporary dirs: a save in progress (step_N), a swapped-out old copy (old-step_N) or a checkpoint being deleted
+# (del-step_N). Host and pid say whose it is, so a dead process's leftovers can be removed, never a live writer's.
 TMP_DIR = re.compile(r"^\.tmp-(?P<tag>(?:old-|del-)?step_\d+)-(?P<host>.+)-(?P<pid>\d+)$")
 # A leftover from another host cannot be probed for liveness; no save takes this long.
 FOREIGN_TMP_STALE_S = 6 * 3600.0
@@ -51,8 +46,8 @@ T = TypeVar("T")
 
 
 def _sha256_all(paths: list[Path]) -> list[str]:
-    """Hash files in parallel: hashlib releases the GIL, and a 7B run's checkpoint (weights,
-    Adam moments, per-rank ZeRO shards) is tens of GB in several files."""
+    """Hash files in parallel: hashlib releases the GIL, and a 7B run's checkpoint (weights, Adam moments, per-rank
+    ZeRO shards) is tens of GB in several files."""
     if len(paths) < 2:
         return [file_sha256(p) for p in paths]
     from concurrent.futures import ThreadPoolExecutor
@@ -63,11 +58,7 @@ def _sha256_all(paths: list[Path]) -> list[str]:
 
 def _files_under(root: Path) -> dict[str, Path]:
     """Every file under root by its posix path relative to root (the manifest excluded)."""
-    found = {}
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            path = Path(dirpath) / name
-            found[path.relative_to(root).as_posix()] = path
+    found = {path.relative_to(root).as_posix(): path for path in root.rglob("*") if not path.is_dir()}
     found.pop(MANIFEST, None)
     return dict(sorted(found.items()))
 
@@ -81,8 +72,8 @@ def _tmp_dir(root: Path, tag: str) -> Path:
 
 
 def _remove_tree(path: Path, step: int) -> None:
-    """Delete a directory by first renaming it to our own tmp name, so that a crash half-way
-    leaves a dead process's tmp dir (cleaned later) rather than a damaged `step_<N>`."""
+    """Delete a directory by first renaming it to our own tmp name, so that a crash half-way leaves a dead process's
+    tmp dir (cleaned later) rather than a damaged `step_<N>`."""
     trash = _tmp_dir(path.parent, f"del-step_{step}")
     os.replace(path, trash)
     shutil.rmtree(trash)
@@ -123,11 +114,9 @@ def read_manifest(path: Path) -> dict[str, Any]:
 
 
 def verify_checkpoint(path: Path, *, full: bool = True) -> None:
-    """Check every file the manifest lists: size always, sha256 too when `full`.
-
-    Raises CorruptCheckpoint naming the first bad file (missing, wrong size, wrong hash, or
-    present but not listed: a loader that looks for optional files must not pick up a stranger).
-    """
+    """Check every file the manifest lists: size always, sha256 too when `full`. Raises CorruptCheckpoint naming the
+    first bad file (missing, wrong size, wrong hash, or present but not listed: a loader that looks for optional
+    files must not pick up a stranger)."""
     path = Path(path)
     manifest = read_manifest(path)
     step = _step_of(path)
@@ -161,12 +150,15 @@ def _is_complete(path: Path) -> bool:
     return True
 
 
+def _dirs(root: Path, name: re.Pattern[str]) -> list[tuple[Path, re.Match[str]]]:
+    """The directories in `root` whose names match `name`, with the match; never a link."""
+    found = [(path, name.match(path.name)) for path in (root.iterdir() if root.is_dir() else [])]
+    return [(path, match) for path, match in found if match and path.is_dir() and not path.is_symlink()]
+
+
 def _step_dirs(root: Path) -> list[Path]:
     """Every `step_<N>` directory, complete or not, oldest first."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and _step_of(p) is not None]
-    return sorted(found, key=lambda p: _step_of(p) or 0)
+    return [path for path, _ in sorted(_dirs(root, STEP_DIR), key=lambda found: int(found[1].group(1)))]
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -222,10 +214,7 @@ def rotate(root: Path, keep: int, best_step: int | None, *, protect: Path | None
 def _displaced_dirs(root: Path) -> list[tuple[Path, int]]:
     """Displaced `step_<N>` copies that llmexp wrote (they hold one of its manifests), with N."""
     found = []
-    for path in root.iterdir() if root.is_dir() else []:
-        match = DISPLACED_DIR.match(path.name)
-        if match is None or path.is_symlink() or not path.is_dir():
-            continue
+    for path, match in _dirs(root, DISPLACED_DIR):
         try:
             read_manifest(path)
         except CorruptCheckpoint:
@@ -235,10 +224,7 @@ def _displaced_dirs(root: Path) -> list[tuple[Path, int]]:
 
 
 def _remove_stale_tmp(root: Path) -> None:
-    for path in root.iterdir() if root.is_dir() else []:
-        match = TMP_DIR.match(path.name)
-        if match is None or not path.is_dir() or path.is_symlink():
-            continue
+    for path, match in _dirs(root, TMP_DIR):
         if not _is_stale(path, int(match.group("pid")), match.group("host")):
             continue
         tag = match.group("tag")
