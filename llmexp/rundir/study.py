@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from llmexp.errors import first_line
+from llmexp.errors import UserError, first_line
 from llmexp.rundir.readers import read_bytes, reader
 
 STUDY_NAME = "llmexp"
@@ -40,7 +40,7 @@ def journal_storage(sweep_dir: Path) -> Any:
     try:
         return JournalStorage(JournalFileBackend(str(path)))  # replays the whole journal
     except Exception as err:  # JSONDecodeError, KeyError, ValueError ...: whatever the bytes made optuna do
-        raise damaged(path, f"optuna cannot replay it: {type(err).__name__}: {_first_line(err)}") from None
+        raise damaged(path, f"optuna cannot replay it: {type(err).__name__}: {first_line(err)}") from None
 
 
 def check_journal(sweep_dir: Path) -> None:
@@ -97,19 +97,13 @@ def _journal_problem(data: bytes) -> str | None:
     return None
 
 
-def damaged(path: Path, problem: str) -> Any:
+def damaged(path: Path, problem: str) -> UserError:
     """The UserError for a study journal that cannot be read, with the way out."""
-    from llmexp.errors import UserError
-
     sweep_dir = path.parent
     return UserError(f"{path}: this search's study.journal is damaged ({problem}), so the search cannot continue "
                      f"from it. Start it afresh in a new directory, hydra.sweep.dir=<new dir> (the trials' run "
                      f"directories stay readable: python -m llmexp.report {sweep_dir}), or, if you keep a copy "
                      f"of the journal, put it back at {path}")
-
-
-def _first_line(err: BaseException) -> str:
-    return first_line(err)
 
 
 def make_pruner(name: str, eval_steps: int, max_steps: int) -> Any:
@@ -135,4 +129,4 @@ def load_study(sweep_dir: Path, pruner: Any = None) -> Any:
     try:
         return optuna.load_study(study_name=STUDY_NAME, storage=storage, pruner=pruner)
     except KeyError as err:  # a journal with studies, none of them llmexp's
-        raise damaged(study_journal(sweep_dir), f"it holds no study named {STUDY_NAME!r}: {_first_line(err)}") from None
+        raise damaged(study_journal(sweep_dir), f"it holds no study named {STUDY_NAME!r}: {first_line(err)}") from None
