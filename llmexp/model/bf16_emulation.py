@@ -27,7 +27,7 @@ import dataclasses
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -152,8 +152,14 @@ class _Attention:
     """(batch, heads) of q."""
 
     @classmethod
-    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, mask: torch.Tensor | None,
-           scale: float | None) -> _Attention:
+    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Sequence[Any], kwargs: dict[str, Any],
+           dropout_at: int) -> _Attention | None:
+        """The call's attention; None with dropout (at `args[dropout_at]`, `is_causal` after it), which the flash
+        kernel does not have: never reached through SDPA, left to torch."""
+        if _arg(args, kwargs, dropout_at, "dropout_p", 0.0):
+            return None
+        is_causal = _arg(args, kwargs, dropout_at + 1, "is_causal", False)
+        mask, scale = kwargs.get("attn_mask"), kwargs.get("scale")
         b, h, n, d = q.shape
         groups = h // k.shape[1]  # grouped-query attention: the kernel shares each kv head over `groups` query heads
         k, v = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (k, v))
@@ -163,8 +169,10 @@ class _Attention:
         flat = [_flat_fp32(t) for t in (q, k, v)]
         return cls(*flat, mask, is_causal, scale if scale is not None else d ** -0.5, (b, h))
 
-    def rows(self) -> int:
-        return max(1, ATTENTION_CHUNK_VALUES // max(1, self.q.shape[0] * self.k.shape[1]))
+    def chunks(self) -> Iterator[tuple[int, int]]:
+        """Query rows [start, stop) in chunks of at most ATTENTION_CHUNK_VALUES scores."""
+        n, rows = self.q.shape[1], max(1, ATTENTION_CHUNK_VALUES // max(1, self.q.shape[0] * self.k.shape[1]))
+        return ((start, min(n, start + rows)) for start in range(0, n, rows))
 
     def scores(self, start: int, stop: int) -> tuple[torch.Tensor, int]:
         """scale * q @ k^T + mask for query rows [start, stop) and the keys they may see (causal: up to stop), in
@@ -203,15 +211,11 @@ def _attention_fwd(func: Any, args: Sequence[Any], kwargs: dict[str, Any], widen
     exp(s - max) in fp32, summed in fp32 and rounded to bf16 before P @ V (as the bf16 kernel and a GPU's flash
     attention do); output rounded to bf16, logsumexp in fp32. Query rows in chunks so the scores stay small."""
     q, k, v = args[:3]
-    dropout_p, is_causal = _arg(args, kwargs, 3, "dropout_p", 0.0), _arg(args, kwargs, 4, "is_causal", False)
-    if dropout_p:  # the flash kernel has no dropout: never reached through SDPA, left to torch
+    if (att := _Attention.of(q, k, v, args, kwargs, 3)) is None:
         return func(*args, **kwargs)
-    att = _Attention.of(q, k, v, is_causal, kwargs.get("attn_mask"), kwargs.get("scale"))
-    n = q.shape[2]
     out = torch.empty(att.q.shape)
     lse = torch.empty(att.q.shape[:2])
-    for start in range(0, n, att.rows()):
-        stop = min(n, start + att.rows())
+    for start, stop in att.chunks():
         s, keys = att.scores(start, stop)
         # A fully masked row: max -inf -> 0 and sum 0 -> 1, as in the kernel, so its output is 0 and its lse 0.
         peak = s.amax(-1, keepdim=True).nan_to_num_(0.0, posinf=0.0, neginf=0.0)
@@ -221,6 +225,7 @@ def _attention_fwd(func: Any, args: Sequence[Any], kwargs: dict[str, Any], widen
         torch.bmm(_round_(numerator), att.v[:, :keys], out=out[:, start:stop])
         out[:, start:stop].mul_(total.reciprocal())
         lse[:, start:stop] = (peak + total.log()).squeeze(-1)
+    n = q.shape[2]
     lse_kernel_layout = torch.empty(q.shape[0], n, q.shape[1]).permute(0, 2, 1)  # (batch, query, head) in memory
     return att.unflat(out).to(torch.bfloat16), lse_kernel_layout.copy_(att.unflat(lse))
 
@@ -230,15 +235,12 @@ def _attention_bwd(func: Any, args: Sequence[Any], kwargs: dict[str, Any], widen
     to bf16 before their matmuls (as the bf16 kernel does), every matmul accumulated in fp32, grads rounded once
     (the kernel rounds its dK, dV accumulators to bf16 after each block of 32-256 queries; a GPU does not)."""
     grad_out, q, k, v, out, lse = args[:6]
-    dropout_p, is_causal = _arg(args, kwargs, 6, "dropout_p", 0.0), _arg(args, kwargs, 7, "is_causal", False)
-    if dropout_p:
+    if (att := _Attention.of(q, k, v, args, kwargs, 6)) is None:
         return func(*args, **kwargs)
-    att = _Attention.of(q, k, v, is_causal, kwargs.get("attn_mask"), kwargs.get("scale"))
     d_out, o, lse = _flat_fp32(grad_out), _flat_fp32(out), lse.float().flatten(0, 1)
     delta = (d_out * o).sum(-1, keepdim=True)  # rowsum(dO * O), as the kernel's dsum
     d_q, d_k, d_v = torch.empty_like(att.q), torch.zeros_like(att.k), torch.zeros_like(att.v)
-    for start in range(0, q.shape[2], att.rows()):
-        stop = min(q.shape[2], start + att.rows())
+    for start, stop in att.chunks():
         s, keys = att.scores(start, stop)
         p = s.sub_(lse[:, start:stop, None]).exp_()
         d_o = d_out[:, start:stop]

@@ -106,8 +106,9 @@ def meta_model(cfg: DictConfig) -> Any:
 
 def count_params_meta(cfg: DictConfig) -> int:
     """Parameters of the configured model, built on the meta device: nothing is allocated."""
-    model = meta_model(cfg)
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    from llmexp.model.build import count_params
+
+    return count_params(meta_model(cfg), trainable_only=False)
 
 
 def adapter_facts(cfg: DictConfig) -> AdapterFacts | None:
@@ -187,14 +188,14 @@ def estimate(cfg: DictConfig, *, num_params: int, precision: str, world: int,
     off the meta model) and `shards` (default: world; hybrid_shard: LOCAL_WORLD_SIZE) may be given; so may
     `model`, the model's transformers config (default: `model_config(cfg)`)."""
     micro = micro_batch or parse_batch_size(cfg.batch_size) or 1
-    model = model if model is not None else model_config(cfg)
+    activations = activation_bytes(cfg, precision, micro, model)
     if adapters is not None:
-        return _estimate_adapters(cfg, num_params, precision, adapters, micro, model)
+        return _estimate_adapters(cfg, num_params, precision, adapters, micro, activations)
     if cfg.fsdp.name != "none":
-        return _estimate_fsdp(cfg, num_params, precision, micro, units or fsdp_units(cfg),
-                              shards or fsdp_shards(cfg.fsdp.name, world), model)
+        return _estimate_fsdp(cfg, num_params, precision, units or fsdp_units(cfg),
+                              shards or fsdp_shards(cfg.fsdp.name, world), activations)
     ds, opt = cfg.deepspeed, cfg.optimizer
-    zero = ds.stage if ds.stage > 0 else 0
+    zero = max(ds.stage, 0)
     half_module = zero > 0 and precision in ("bf16", "fp16")  # DeepSpeed keeps 16-bit module weights
     weight_b = 2.0 if half_module else 4.0
     state_b = _state_bytes_per_param(opt)
@@ -211,8 +212,7 @@ def estimate(cfg: DictConfig, *, num_params: int, precision: str, world: int,
         cpu, optimizer = optimizer + (n * 4.0 / world if zero >= 2 else 0.0), 0.0  # + the fp32 grad partition
     if ds.offload_param != "none" and zero >= 3:
         cpu, weights = cpu + weights, 0.0
-    return MemoryEstimate(num_params=num_params, weights=weights, gradients=gradients, optimizer=optimizer,
-                          activations=activation_bytes(cfg, precision, micro, model), cpu_offloaded=cpu)
+    return MemoryEstimate(num_params, weights, gradients, optimizer, activations, cpu)
 
 
 def fsdp_shards(strategy: str, world: int) -> int:
@@ -222,8 +222,8 @@ def fsdp_shards(strategy: str, world: int) -> int:
     return max(1, world)
 
 
-def _estimate_fsdp(cfg: DictConfig, num_params: int, precision: str, micro: int, units: FsdpUnits,
-                   shards: int, model: Any) -> MemoryEstimate:
+def _estimate_fsdp(cfg: DictConfig, num_params: int, precision: str, units: FsdpUnits, shards: int,
+                   activations: float) -> MemoryEstimate:
     """FSDP2: fp32 shards of parameters, gradients and optimizer state, plus the gathered units."""
     n = float(num_params)
     compute_b = 2.0 if precision in ("bf16", "fp16") else 4.0  # FSDP's param_dtype: the autocast dtype
@@ -235,30 +235,22 @@ def _estimate_fsdp(cfg: DictConfig, num_params: int, precision: str, micro: int,
     cpu = 0.0
     if cfg.fsdp.cpu_offload:
         cpu, weights, gradients, optimizer = weights + gradients + optimizer, 0.0, 0.0, 0.0
-    return MemoryEstimate(num_params=num_params, weights=weights, gradients=gradients, optimizer=optimizer,
-                          activations=activation_bytes(cfg, precision, micro, model), cpu_offloaded=cpu,
-                          gathered=gathered)
+    return MemoryEstimate(num_params, weights, gradients, optimizer, activations, cpu, gathered=gathered)
 
 
-def _estimate_adapters(cfg: DictConfig, num_params: int, precision: str, adapters: AdapterFacts,
-                       micro: int, model: Any) -> MemoryEstimate:
+def _estimate_adapters(cfg: DictConfig, num_params: int, precision: str, adapters: AdapterFacts, micro: int,
+                       activations: float) -> MemoryEstimate:
     """LoRA / QLoRA on one process (DeepSpeed is refused with adapters): frozen base, trained adapters."""
-    opt, n_a = cfg.optimizer, float(adapters.trainable)
-    state_b = _state_bytes_per_param(opt)
+    n_a = float(adapters.trainable)
     autocast = precision in ("bf16", "fp16")
-    full_precision = float(num_params - adapters.quantized)
     # lora holds the frozen base in the autocast dtype; qlora keeps its embeddings, norms and head in fp32
     base_b = 2.0 if autocast and not cfg.peft.load_in_4bit else 4.0
-    weights = full_precision * base_b + adapters.quantized * NF4_BYTES_PER_PARAM + n_a * 4.0
+    weights = float(num_params - adapters.quantized) * base_b + adapters.quantized * NF4_BYTES_PER_PARAM + n_a * 4.0
     if autocast:  # 16-bit copies of the fp32 adapters that matmuls keep for backward
         weights += n_a * 2.0
-    tokens = micro * cfg.data.max_length
-    dropout_copies = tokens * adapters.dropout_elems_per_token * (2 if autocast else 4)
-    activations = activation_bytes(cfg, precision, micro, model) + dropout_copies
-    return MemoryEstimate(num_params=num_params, weights=weights, gradients=n_a * 4.0, optimizer=n_a * state_b,
-                          activations=activations, cpu_offloaded=0.0, trainable_params=adapters.trainable)
-
-
+    dropout_copies = micro * cfg.data.max_length * adapters.dropout_elems_per_token * (2 if autocast else 4)
+    return MemoryEstimate(num_params, weights, n_a * 4.0, n_a * _state_bytes_per_param(cfg.optimizer),
+                          activations + dropout_copies, 0.0, trainable_params=adapters.trainable)
 def resolved_precision(name: str) -> str:
     """The precision a run would use on this machine (`machine.precision.resolve_precision`: `auto` is bf16 where it
     is native, else fp32; bf16 stays bf16, emulated or not)."""
@@ -320,7 +312,6 @@ def largest_fitting(cfg: DictConfig, candidates: list[int], budget: float, **kwa
 
 def summary(est: MemoryEstimate) -> dict[str, Any]:
     """The estimate as MiB figures (for benchmarks and reports)."""
-    return {"weights_mb": est.weights / MiB, "gradients_mb": est.gradients / MiB,
-            "optimizer_mb": est.optimizer / MiB, "activations_mb": est.activations / MiB,
-            "total_mb": est.total / MiB, "cpu_offloaded_mb": est.cpu_offloaded / MiB}
+    parts = ("weights", "gradients", "optimizer", "activations", "total", "cpu_offloaded")
+    return {f"{part}_mb": getattr(est, part) / MiB for part in parts}
 
