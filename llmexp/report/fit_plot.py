@@ -1,11 +1,11 @@
 """fit.png for `python -m llmexp.fit`: loss against lr per size with each parabola and vertex; the best lr against
 parameters in log-log with the fitted law, the seed's lr-by-size table and DeepSeek LLM's law; and the best batch the
-same way where batch_size was swept. Agg, fixed margins (no tight_layout: `plots.plot_run` says why), written
-atomically (`plots._save`)."""
+same way where batch_size was swept. Drawn in `plots.figure`."""
 
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from llmexp.report.formats import fmt_params
-from llmexp.report.plots import _pyplot, _save, _shown
+from llmexp.report.plots import _pyplot, figure
 
 CAPTION = ("DeepSeek LLM (2024) fitted eta_opt = 0.3118 C^-0.125 and B_opt = 0.2920 C^0.3271 (tokens) against compute "
            "C in FLOPs; drawn here at C ~ 6 N D, N the parameters, D the tokens the jobs saw ({tokens}), so it is "
@@ -35,9 +35,7 @@ def _loss_panel(ax: Any, sizes: list[dict], colours: list[Any]) -> None:
         elif s["edge"]:
             ax.annotate(f"edge: extend {'down' if s['edge'] == 'low' else 'up'}", (s["grid_best_lr"], min(losses)),
                         xytext=(-60, 6), textcoords="offset points", fontsize=7, color=colour)
-    ax.set_xscale("log")
-    ax.set_xlabel("lr")
-    ax.set_ylabel("final eval loss")
+    ax.set(xscale="log", xlabel="lr", ylabel="final eval loss")
     ax.set_title("loss vs lr per size (parabola in log lr, * vertex)", fontsize=10)
     ax.legend(fontsize=7)
 
@@ -45,6 +43,16 @@ def _loss_panel(ax: Any, sizes: list[dict], colours: list[Any]) -> None:
 def _span(sizes: list[dict], target: dict | None) -> np.ndarray:
     ns = [s["params"] for s in sizes] + ([target["params"]] if target else [])
     return np.geomspace(min(ns) / 2, max(ns) * 2, 80)
+
+
+def _against_size(ax: Any, result: dict, ns: np.ndarray, law: str, ylabel: str, title: str) -> None:
+    """DeepSeek LLM's `law` at C ~ 6 N D (D: the jobs' median tokens seen), on log-log axes against the size."""
+    tokens = float(np.median([s["tokens_seen"] for s in result["sizes"]]))
+    ds = result["deepseek_llm"][law]
+    ax.plot(ns, ds["a"] * (6 * ns * tokens) ** ds["b"], ":", color="#2ca02c", label="DeepSeek LLM at C~6ND")
+    ax.set(xscale="log", yscale="log", xlabel="parameters N", ylabel=ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
 
 
 def _lr_panel(ax: Any, result: dict, seed_lr: Callable[[float], float] | None) -> None:
@@ -64,20 +72,11 @@ def _lr_panel(ax: Any, result: dict, seed_lr: Callable[[float], float] | None) -
         ax.plot(ns, law["a"] * ns ** law["b"], "-", color="#1f77b4", label=f"fit: {law['a']:.3g} N^{law['b']:.3f}")
     if seed_lr is not None:
         ax.step(ns, [seed_lr(n) for n in ns], where="post", color="#7f7f7f", ls="--", label="seed's table (lr=auto)")
-    tokens = float(np.median([s["tokens_seen"] for s in sizes]))
-    ds = result["deepseek_llm"]["lr"]
-    ax.plot(ns, ds["a"] * (6 * ns * tokens) ** ds["b"], ":", color="#2ca02c",
-            label="DeepSeek LLM at C~6ND")
     if target and target["lr"]:
         ax.errorbar([target["params"]], [target["lr"]], fmt="D", color="#9467bd", label="target",
                     yerr=None if not target["interval"] else
                     [[target["lr"] - target["interval"][0]], [target["interval"][1] - target["lr"]]], capsize=3)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("parameters N")
-    ax.set_ylabel("best lr")
-    ax.set_title("best lr vs size" + (" (muP)" if result["mup"] else ""), fontsize=10)
-    ax.legend(fontsize=7)
+    _against_size(ax, result, ns, "lr", "best lr", "best lr vs size" + (" (muP)" if result["mup"] else ""))
 
 
 def _batch_panel(ax: Any, result: dict) -> None:
@@ -89,40 +88,19 @@ def _batch_panel(ax: Any, result: dict) -> None:
     context = float(np.median([s["batch"]["context"] for s in sizes if s["batch"]]))
     if law["fitted"]:
         ax.plot(ns, law["a"] * ns ** law["b"] * context, "-", color="#ff7f0e", label=f"fit: N^{law['b']:.3f}")
-    tokens = float(np.median([s["tokens_seen"] for s in sizes]))
-    ds = result["deepseek_llm"]["batch_tokens"]
-    ax.plot(ns, ds["a"] * (6 * ns * tokens) ** ds["b"], ":", color="#2ca02c",
-            label="DeepSeek LLM at C~6ND")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("parameters N")
-    ax.set_ylabel("best batch (tokens per step)")
-    ax.set_title("best batch vs size", fontsize=10)
-    ax.legend(fontsize=7)
+    _against_size(ax, result, ns, "batch_tokens", "best batch (tokens per step)", "best batch vs size")
 
 
 def plot_fit(result: dict, path: Path, seed_lr: Callable[[float], float] | None) -> None:
     """fit.png."""
-    import textwrap
-
-    plt = _pyplot()
-    with_batch = any(s["batch"] for s in result["sizes"])
-    panels = 3 if with_batch else 2
-    tokens = ", ".join(f"{fmt_params(s['tokens_seen'])} at {fmt_params(s['params'])}" for s in result["sizes"])
-    caption = textwrap.wrap(CAPTION.format(tokens=tokens), 150 if panels == 3 else 120)
-    caption_in, panels_in = 0.25 + 0.16 * len(caption), 4.6
-    height_in = panels_in + caption_in
-    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, height_in))
-    fig.subplots_adjust(left=0.07, right=0.98, top=1 - 0.5 / height_in, bottom=(caption_in + 0.5) / height_in,
-                        wspace=0.28)
-    colours = [plt.get_cmap("viridis")(i / max(1, len(result["sizes"]) - 1) * 0.9)
-               for i in range(len(result["sizes"]))]
-    _loss_panel(axes[0], result["sizes"], colours)
-    _lr_panel(axes[1], result, seed_lr)
-    if with_batch:
-        _batch_panel(axes[2], result)
-    for ax in axes:
-        ax.grid(alpha=0.25, which="both")
-    fig.text(0.01, (caption_in - 0.05) / height_in, "\n".join(caption), fontsize=7.5, va="top")
-    fig.suptitle(_shown("lr fit: " + ", ".join(Path(d).name for d in result["sweep_dirs"])), fontsize=11)
-    _save(fig, path, tight=False)
+    sizes = result["sizes"]
+    with_batch = any(s["batch"] for s in sizes)
+    tokens = ", ".join(f"{fmt_params(s['tokens_seen'])} at {fmt_params(s['params'])}" for s in sizes)
+    caption = textwrap.wrap(CAPTION.format(tokens=tokens), 150 if with_batch else 120)
+    colours = [_pyplot().get_cmap("viridis")(i / max(1, len(sizes) - 1) * 0.9) for i in range(len(sizes))]
+    title = "lr fit: " + ", ".join(Path(d).name for d in result["sweep_dirs"])
+    with figure(path, title, (1, 3 if with_batch else 2), (5.2, 4.6), caption) as axes:
+        _loss_panel(axes[0], sizes, colours)
+        _lr_panel(axes[1], result, seed_lr)
+        if with_batch:
+            _batch_panel(axes[2], result)

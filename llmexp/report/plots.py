@@ -1,16 +1,22 @@
-"""Pictures for the reports: a run's curves with its findings marked, and a sweep's overlaid curves.
+"""Pictures for the reports: a run's curves with its findings marked, a sweep's overlaid curves, a search's
+history; and `figure`, the skeleton every picture (fit_plot, lr_find, coord_check too) is drawn in.
 
 matplotlib (Agg backend) is imported inside the functions, so importing this module costs nothing.
-Files are written to a temporary name and renamed, so a reader never sees half a PNG.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from llmexp.report.findings import finding_state
 from llmexp.rundir.files import atomic_file
+from llmexp.rundir.read import FINISHED
 
 SEVERITY_COLOURS = {"error": "#d62728", "warning": "#ff7f0e", "info": "#7f7f7f"}
 GRAD_BAND = (0.5, 2.0)  # the seed's healthy grad-norm band
@@ -25,84 +31,103 @@ def _pyplot() -> Any:
     return plt
 
 
-def _shown(title: str) -> str:
-    """A title from a directory's name, whose bytes may not be UTF-8: escaped, as Python prints them."""
-    return title.encode("utf-8", "backslashreplace").decode()
+@contextmanager
+def figure(path: Path, title: str, shape: tuple[int, int], panel_in: tuple[float, float],
+           caption: list[str] | None = None, caption_style: dict | None = None, **subplots: Any) -> Iterator[list]:
+    """A figure of `shape` (rows, columns) gridded panels, each `panel_in` (width, height) inches: yields their
+    axes, row by row. On leaving: `title` above (a directory's name whose bytes are not UTF-8 escaped, as Python
+    prints them), `caption`'s lines below the panels, and the PNG written to a temporary name and renamed, so a
+    reader never sees half of one; the figure is closed either way.
 
-
-def _save(fig: Any, path: Path, tight: bool = True) -> None:
+    With a caption the margins are fixed, its room reserved below the panels: tight_layout and a tight bounding box
+    would lay the figure out three times, ~1 s of CPU at the end of every run (measured on a 2-core AMD Zen 3)."""
+    plt = _pyplot()
+    rows, cols = shape
+    caption_in = 0.3 + 0.14 * len(caption) if caption else 0.0
+    height_in = rows * panel_in[1] + caption_in
+    fig, grid = plt.subplots(rows, cols, figsize=(cols * panel_in[0], height_in), squeeze=False, **subplots)
     try:
+        axes = list(grid.flat)
+        for ax in axes:
+            ax.grid(alpha=0.25, which="both")
+        yield axes
+        fig.suptitle(title.encode("utf-8", "backslashreplace").decode(), fontsize=11)
+        if caption:
+            fig.subplots_adjust(left=0.07, right=0.98, top=1 - 0.55 / height_in,
+                                bottom=(caption_in + 0.5) / height_in, hspace=0.3, wspace=0.28)
+            fig.text(0.01, (caption_in - 0.1) / height_in, "\n".join(caption), fontsize=8, va="top",
+                     **(caption_style or {}))
+        else:
+            fig.tight_layout()
         with atomic_file(Path(path), "wb") as f:
-            fig.savefig(f, format="png", dpi=110, bbox_inches="tight" if tight else None)
+            fig.savefig(f, format="png", dpi=110, bbox_inches=None if caption else "tight")
     finally:
-        _pyplot().close(fig)
+        plt.close(fig)
 
 
-def _xy(records: list[dict], event: str, key: str) -> tuple[list[int], list[float]]:
-    xs, ys = [], []
-    for r in records:
-        if r.get("event") == event and key in r:
-            value = r[key]
-            xs.append(int(r["step"]))
-            ys.append(float(value) if isinstance(value, int | float) else math.nan)
-    return xs, ys
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
 
 
-def _finite_xy(xs: list[int], ys: list[float]) -> tuple[list[int], list[float]]:
-    pairs = [(x, y) for x, y in zip(xs, ys, strict=True) if math.isfinite(y)]
+def _finite_xy(points: Iterable[tuple[Any, Any]]) -> tuple[list[int], list[float]]:
+    """The points with a finite y, as the x and y lists `ax.plot` takes."""
+    pairs = [(int(x), float(y)) for x, y in points if _finite(y)]
     return [x for x, _ in pairs], [y for _, y in pairs]
 
 
-def _marker(xs: list[int]) -> str | None:
-    """Dots on short series, where a line alone may be a single invisible point."""
-    return "." if len(xs) < 30 else None
+def _xy(records: list[dict], event: str, key: str) -> tuple[list[int], list[float]]:
+    """`key` of the `event` records against the step, where finite."""
+    return _finite_xy((r["step"], r.get(key)) for r in records if r.get("event") == event)
+
+
+def _along_bottom(ax: Any, xs: list[int], marker: str, colour: str, label: str) -> None:
+    """Markers on the bottom edge, for what has no height to place it at (a NaN, a failed trial)."""
+    ax.plot(xs, [0.03] * len(xs), marker, color=colour, ms=8, mew=2, transform=ax.get_xaxis_transform(), label=label)
+
+
+def _train_panel(ax: Any, records: list[dict], key: str, title: str, colour: str, label: str | None = None
+                 ) -> list[float]:
+    """`key` of the train records against the step (dots on a short series, where a line alone may be a single
+    invisible point); returns the values drawn."""
+    xs, ys = _xy(records, "train", key)
+    if xs:
+        ax.plot(xs, ys, lw=1.2, color=colour, label=label, marker="." if len(xs) < 30 else None)
+    else:
+        ax.text(0.5, 0.5, f"no {key} logged", ha="center", va="center", transform=ax.transAxes, color="#888888")
+    ax.set_title(title)
+    return ys
 
 
 def _loss_panel(ax: Any, records: list[dict]) -> None:
-    xs, ys = _xy(records, "train", "loss")
-    fx, fy = _finite_xy(xs, ys)
-    ax.plot(fx, fy, lw=1.2, color="#1f77b4", label="train loss", marker=_marker(fx))
-    ex, ey = _finite_xy(*_xy(records, "eval", "eval_loss"))
+    ys = _train_panel(ax, records, "loss", "loss", "#1f77b4", label="train loss")
+    ex, ey = _xy(records, "eval", "eval_loss")
     ax.plot(ex, ey, "o-", ms=4, lw=1.5, color="#2ca02c", label="eval loss")
-    bad = [x for x, y in zip(xs, ys, strict=True) if not math.isfinite(y)]
     anomalies = [r for r in records if r.get("event") == "anomaly"]
+    bad = [int(r["step"]) for r in records if r.get("event") == "train" and "loss" in r and not _finite(r["loss"])]
     bad += [int(r["step"]) for r in anomalies]
     if bad:  # drawn along the bottom edge: a NaN has no height, and a blow-up would squash the curve
-        ax.plot(bad, [0.03] * len(bad), "x", color=SEVERITY_COLOURS["error"], ms=8, mew=2,
-                transform=ax.get_xaxis_transform(), label="non-finite / anomaly")
+        _along_bottom(ax, bad, "x", SEVERITY_COLOURS["error"], "non-finite / anomaly")
     for r in anomalies[:5]:
         value = r.get("loss")
         text = f"loss {value:.3g}" if isinstance(value, int | float) else "loss NaN"
         ax.annotate(f"{text} ({r.get('action', '?')})", xy=(int(r["step"]), 0.03), xycoords=ax.get_xaxis_transform(),
                     xytext=(6, 4), textcoords="offset points", fontsize=7, color=SEVERITY_COLOURS["error"])
-    finite = fy + ey
+    finite = ys + ey
     if finite:  # a single huge value must not flatten the rest of the curve
         lo, hi = min(finite), sorted(finite)[max(0, int(0.98 * len(finite)) - 1)]
         pad = 0.05 * (hi - lo or 1.0)
         ax.set_ylim(lo - pad, max(hi, ey[0] if ey else hi) + pad)
-    ax.set_title("loss")
     ax.legend(loc="center right", fontsize=8)
 
 
 def _grad_panel(ax: Any, records: list[dict], max_grad_norm: float | None) -> None:
-    fx, fy = _finite_xy(*_xy(records, "train", "grad_norm"))
     ax.axhspan(*GRAD_BAND, color="#2ca02c", alpha=0.08, label="seed's band 0.5-2.0")
-    ax.plot(fx, fy, lw=1.2, color="#9467bd", label="grad norm (pre-clip)", marker=_marker(fx))
+    ys = _train_panel(ax, records, "grad_norm", "grad norm", "#9467bd", label="grad norm (pre-clip)")
     if max_grad_norm:
         ax.axhline(max_grad_norm, ls="--", lw=1, color="#555555", label=f"clip at {max_grad_norm:g}")
-    if fy and min(fy) > 0:
+    if ys and min(ys) > 0:
         ax.set_yscale("log")
-    ax.set_title("grad norm")
     ax.legend(loc="upper right", fontsize=8)
-
-
-def _simple_panel(ax: Any, records: list[dict], key: str, title: str, colour: str) -> None:
-    fx, fy = _finite_xy(*_xy(records, "train", key))
-    if fx:
-        ax.plot(fx, fy, lw=1.2, color=colour, marker=_marker(fx))
-    else:
-        ax.text(0.5, 0.5, f"no {key} logged", ha="center", va="center", transform=ax.transAxes, color="#888888")
-    ax.set_title(title)
 
 
 def _mark_events(axes: list[Any], records: list[dict], findings: list[dict]) -> None:
@@ -132,8 +157,7 @@ def _findings_caption(findings: list[dict]) -> list[str]:
     lines = []
     for i, f in enumerate(findings[:12], start=1):
         message = f["message"] if len(f["message"]) <= 110 else f["message"][:107] + "..."
-        state = f" ({f['status']} at step {f.get('resolved_at')})" if f.get("status", "open") != "open" else ""
-        lines.append(f"{i}. [{f['severity']}] {f['kind']} @ step {f['step']}{state}: {message}")
+        lines.append(f"{i}. [{f['severity']}] {f['kind']} @ step {f['step']}{finding_state(f)}: {message}")
     if len(findings) > 12:
         lines.append(f"... and {len(findings) - 12} more (see report.md)")
     return lines
@@ -143,44 +167,32 @@ def plot_run(records: list[dict], findings: list[dict], path: Path, title: str =
              max_grad_norm: float | None = None) -> None:
     """curves.png: loss (train and eval), lr, grad norm and throughput, with findings marked; and a panel of
     the task metrics when the run scored tasks (`eval`)."""
+    from matplotlib.ticker import MaxNLocator
+
     from llmexp.report.task_section import tasks_panel
     from llmexp.rundir.task_metrics import task_records
 
-    plt = _pyplot()
     with_tasks = bool(task_records(records))
-    caption = _findings_caption(findings)
-    caption_in, panels_in = 0.3 + 0.14 * len(caption), 10.5 if with_tasks else 7.5
-    height_in = panels_in + caption_in
-    fig, grid = plt.subplots(3 if with_tasks else 2, 2, figsize=(12, height_in), sharex=True)
-    # Fixed margins, the caption's room reserved below the panels: tight_layout and a tight bounding box would
-    # lay the figure out three times, ~1 s of CPU at the end of every run (measured on a 2-core AMD Zen 3).
-    fig.subplots_adjust(left=0.07, right=0.98, top=1 - 0.55 / height_in, bottom=(caption_in + 0.45) / height_in,
-                        hspace=0.3, wspace=0.2)
-    axes = [grid[0][0], grid[0][1], grid[1][0], grid[1][1]]
-    if with_tasks:
-        tasks_panel(grid[2][0], records)
-        grid[2][1].axis("off")
-        axes.append(grid[2][0])
-    _loss_panel(axes[0], records)
-    _grad_panel(axes[1], records, max_grad_norm)
-    _simple_panel(axes[2], records, "lr", "learning rate", "#8c564b")
-    _simple_panel(axes[3], records, "tokens_per_sec", "tokens/s", "#e377c2")
-    axes[2].ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
-    _mark_events(axes, records, findings)
-    fig.text(0.01, (caption_in - 0.1) / height_in, "\n".join(caption), fontsize=8, va="top",
-             family="monospace" if findings else None, color=None if findings else "#2ca02c")
-    for ax in axes[2:] if not with_tasks else axes[3:]:  # the bottom of each column
-        ax.set_xlabel("step")
-        ax.xaxis.set_tick_params(labelbottom=True)
-    from matplotlib.ticker import MaxNLocator
-
-    for ax in axes:
-        ax.grid(alpha=0.25)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     worst = next((s for s in ("error", "warning", "info") if any(f["severity"] == s for f in findings)), None)
-    fig.suptitle(f"{_shown(title)}  ·  {len(findings)} finding(s)" + (f", worst: {worst}" if worst else ""),
-                 fontsize=11)
-    _save(fig, path, tight=False)
+    title += f"  ·  {len(findings)} finding(s)" + (f", worst: {worst}" if worst else "")
+    style = {"family": "monospace"} if findings else {"color": "#2ca02c"}
+    with figure(path, title, (3 if with_tasks else 2, 2), (6, 3.75), _findings_caption(findings), style,
+                sharex=True) as axes:
+        panels = axes[:5] if with_tasks else axes
+        if with_tasks:
+            tasks_panel(axes[4], records)
+            axes[5].axis("off")
+        _loss_panel(axes[0], records)
+        _grad_panel(axes[1], records, max_grad_norm)
+        _train_panel(axes[2], records, "lr", "learning rate", "#8c564b")
+        _train_panel(axes[3], records, "tokens_per_sec", "tokens/s", "#e377c2")
+        axes[2].ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+        _mark_events(panels, records, findings)
+        for ax in panels[-2:]:  # the bottom of each column
+            ax.set_xlabel("step")
+            ax.xaxis.set_tick_params(labelbottom=True)
+        for ax in panels:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 # ----- sweeps ---------------------------------------------------------------------------------------
@@ -217,29 +229,27 @@ def _heatmap(ax: Any, jobs: list[dict], keys: list[str]) -> None:
     """Final eval loss over the first two swept parameters (best over any others)."""
     rows = _ordered({j["params"].get(keys[0], "") for j in jobs})
     cols = _ordered({j["params"].get(keys[1], "") for j in jobs})
-    grid = [[math.nan] * len(cols) for _ in rows]
+    grid = np.full((len(rows), len(cols)), np.nan)
     failed = set()
     for j in jobs:
         r, c = rows.index(j["params"].get(keys[0], "")), cols.index(j["params"].get(keys[1], ""))
         loss = _as_float(j.get("eval_loss"))
-        if loss is not None and math.isfinite(loss) and j["status"] in ("completed", "early_stopped"):
-            grid[r][c] = loss if math.isnan(grid[r][c]) else min(grid[r][c], loss)
+        if loss is not None and math.isfinite(loss) and j["status"] in FINISHED:
+            grid[r, c] = np.fmin(grid[r, c], loss)
         else:
             failed.add((r, c))
     image = ax.imshow(grid, cmap="viridis_r", aspect="auto")
-    for r in range(len(rows)):
-        for c in range(len(cols)):
-            text = f"{grid[r][c]:.3g}" if math.isfinite(grid[r][c]) else ("failed" if (r, c) in failed else "–")
-            colour = "#d62728"
-            if math.isfinite(grid[r][c]):  # dark text on the light end of the colour map
-                red, green, blue, _ = image.cmap(image.norm(grid[r][c]))
-                colour = "black" if 0.299 * red + 0.587 * green + 0.114 * blue > 0.5 else "white"
-            ax.text(c, r, text, ha="center", va="center", fontsize=9, color=colour)
+    for (r, c), loss in np.ndenumerate(grid):
+        text = f"{loss:.3g}" if math.isfinite(loss) else ("failed" if (r, c) in failed else "–")
+        colour = "#d62728"
+        if math.isfinite(loss):  # dark text on the light end of the colour map
+            red, green, blue, _ = image.cmap(image.norm(loss))
+            colour = "black" if 0.299 * red + 0.587 * green + 0.114 * blue > 0.5 else "white"
+        ax.text(c, r, text, ha="center", va="center", fontsize=9, color=colour)
     ax.set_xticks(range(len(cols)), cols)
     ax.set_yticks(range(len(rows)), rows)
-    ax.set_xlabel(keys[1])
-    ax.set_ylabel(keys[0])
-    ax.set_title("final eval loss")
+    ax.set(xlabel=keys[1], ylabel=keys[0], title="final eval loss")
+    ax.grid(False)
     ax.figure.colorbar(image, ax=ax, shrink=0.8)
 
 
@@ -251,36 +261,29 @@ def plot_sweep(jobs: list[dict], curves: dict[str, list[dict]], varying: list[st
     """sweep_curves.png: train and eval loss of every job, coloured by the first swept parameter,
     marked by the second; a heatmap of the final eval loss when two or more parameters vary.
     Unfinished jobs are dashed; the recommended job (by job name) is drawn thick."""
-    plt = _pyplot()
-    ncols = 3 if len(varying) >= 2 else 2
-    fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, 4.8))
     key = varying[0] if varying else None
+    second = varying[1] if len(varying) >= 2 else None
     colours = _colour_map([j["params"].get(key, "") if key else j["job"] for j in jobs])
-    second = sorted({j["params"].get(varying[1], "") for j in jobs}, key=lambda v: (_as_float(v) or 0.0, v)) \
-        if len(varying) >= 2 else [""]
-    for j in jobs:
-        label = " ".join(f"{k}={j['params'].get(k)}" for k in varying) or f"job {j['job']}"
-        finished = j["status"] in ("completed", "early_stopped")
-        style = {"color": colours[j["params"].get(key, "") if key else j["job"]], "ls": "-" if finished else "--",
-                 "lw": 2.6 if j["job"] == recommended else 1.2, "ms": 4,
-                 "marker": _MARKERS[second.index(j["params"].get(varying[1], "")) % len(_MARKERS)]
-                 if len(varying) >= 2 else "o"}
-        label += " (recommended)" if j["job"] == recommended else ("" if finished else f" [{j['status']}]")
-        records = curves.get(j["job"], [])
-        axes[0].plot(*_finite_xy(*_xy(records, "train", "loss")), label=label, markevery=0.2, **style)
-        axes[1].plot(*_finite_xy(*_xy(records, "eval", "eval_loss")), label=label, **style)
-    for ax, name in zip(axes[:2], ("train loss", "eval loss"), strict=True):
-        ax.set_title(name + (f" (colour: {key}" + (f", marker: {varying[1]})" if len(varying) >= 2 else ")")
-                             if key else ""))
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.25)
-        _clip_ylim(ax)
-    axes[1].legend(fontsize=7, loc="upper right")
-    if len(varying) >= 2:
-        _heatmap(axes[2], jobs, varying)
-    fig.suptitle(_shown(title), fontsize=11)
-    fig.tight_layout()
-    _save(fig, path)
+    markers = {v: _MARKERS[i % len(_MARKERS)] for i, v in enumerate(_ordered({j["params"].get(second, "")
+                                                                                for j in jobs}))}
+    legend = f" (colour: {key}, marker: {second})" if second else f" (colour: {key})" if key else ""
+    with figure(path, title, (1, 3 if second else 2), (6, 4.8)) as axes:
+        for j in jobs:
+            finished = j["status"] in FINISHED
+            style = {"color": colours[j["params"].get(key, "") if key else j["job"]], "ls": "-" if finished else "--",
+                     "lw": 2.6 if j["job"] == recommended else 1.2, "ms": 4,
+                     "marker": markers[j["params"].get(second, "")] if second else "o"}
+            label = " ".join(f"{k}={j['params'].get(k)}" for k in varying) or f"job {j['job']}"
+            label += " (recommended)" if j["job"] == recommended else ("" if finished else f" [{j['status']}]")
+            records = curves.get(j["job"], [])
+            axes[0].plot(*_xy(records, "train", "loss"), label=label, markevery=0.2, **style)
+            axes[1].plot(*_xy(records, "eval", "eval_loss"), label=label, **style)
+        for ax, name in zip(axes[:2], ("train loss", "eval loss"), strict=True):
+            ax.set(title=name + legend, xlabel="step")
+            _clip_ylim(ax)
+        axes[1].legend(fontsize=7, loc="upper right")
+        if second:
+            _heatmap(axes[2], jobs, varying)
 
 
 def _clip_ylim(ax: Any) -> None:
@@ -295,31 +298,35 @@ def _clip_ylim(ax: Any) -> None:
 
 _STATE_STYLE = {"complete": ("o", "#1f77b4"), "pruned": ("X", "#ff7f0e"), "running": ("o", "#7f7f7f"),
                 "fail": ("x", SEVERITY_COLOURS["error"])}
+_LOSS_OF = {"complete": ("value", "complete (final eval loss)"),
+            "pruned": ("last_eval_loss", "pruned (eval loss when stopped)"),
+            "running": ("last_eval_loss", "running (latest eval loss)")}
+"""Where a trial's loss is, by state, and its legend."""
+
+
+def _trial_points(ax: Any, rows: list[dict], x_of: Callable[[dict], Any], legend: bool) -> None:
+    """Each trial's loss at `x_of(trial)` (None: not drawn): a complete trial's value, filled; a pruned or running
+    trial's latest eval loss, hollow."""
+    for state, (key, label) in _LOSS_OF.items():
+        marker, colour = _STATE_STYLE[state]
+        pts = [(x_of(r), r[key]) for r in rows if r["state"] == state and x_of(r) is not None and _finite(r[key])]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker, ls="none", color=colour, ms=7, mew=1.5,
+                    mfc=colour if state == "complete" else "none", label=label if legend else None)
 
 
 def _history_panel(ax: Any, rows: list[dict]) -> None:
     """Each trial's value (a pruned or running trial's latest eval loss, hollow) and the best so far."""
-    for state, (marker, colour) in _STATE_STYLE.items():
-        picked = [r for r in rows if r["state"] == state]
-        if state == "fail":  # no loss to place: marked along the bottom edge
-            if picked:
-                ax.plot([r["number"] for r in picked], [0.03] * len(picked), marker, color=colour, ms=8, mew=2,
-                        transform=ax.get_xaxis_transform(), label="failed")
-            continue
-        key = "value" if state == "complete" else "last_eval_loss"
-        pts = [(r["number"], r[key]) for r in picked if isinstance(r[key], int | float) and math.isfinite(r[key])]
-        if pts:
-            label = {"complete": "complete (final eval loss)", "pruned": "pruned (eval loss when stopped)",
-                     "running": "running (latest eval loss)"}[state]
-            ax.plot(*zip(*pts, strict=True), marker, ls="none", color=colour, ms=7, label=label,
-                    mfc=colour if state == "complete" else "none", mew=1.5)
+    from matplotlib.ticker import MaxNLocator
+
+    _trial_points(ax, rows, lambda r: r["number"], legend=True)
+    failed = [r["number"] for r in rows if r["state"] == "fail"]
+    if failed:  # no loss to place
+        _along_bottom(ax, failed, *_STATE_STYLE["fail"], "failed")
     best = [(r["number"], r["best_so_far"]) for r in rows if r["best_so_far"] is not None]
     if best:
         ax.step(*zip(*best, strict=True), where="post", color="#2ca02c", lw=2, label="best so far")
-    ax.set_xlabel("trial")
-    ax.set_title("optimisation history")
-    from matplotlib.ticker import MaxNLocator
-
+    ax.set(xlabel="trial", title="optimisation history")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize=8, loc="best")
 
@@ -329,7 +336,7 @@ def _trial_curves_panel(ax: Any, rows: list[dict]) -> None:
     for r in rows:
         if not r["curve"]:
             continue
-        xs, ys = _finite_xy([s for s, _ in r["curve"]], [v for _, v in r["curve"]])
+        xs, ys = _finite_xy(r["curve"])
         marker, colour = _STATE_STYLE.get(r["state"], ("o", "#7f7f7f"))
         ax.plot(xs, ys, lw=1.0 if r["state"] == "complete" else 1.3, color=colour, alpha=0.6,
                 ls="--" if r["state"] == "running" else "-")
@@ -342,45 +349,27 @@ def _trial_curves_panel(ax: Any, rows: list[dict]) -> None:
                         color=colour)
     ax.plot([], [], "-", color=_STATE_STYLE["complete"][1], label="complete")
     ax.plot([], [], "-X", color=_STATE_STYLE["pruned"][1], label="pruned (X: the step it stopped at)")
-    ax.set_xlabel("step")
-    ax.set_title("eval loss of each trial")
+    ax.set(xlabel="step", title="eval loss of each trial")
     ax.legend(fontsize=8, loc="upper right")
     _clip_ylim(ax)
-
-
-def _landscape_panel(ax: Any, rows: list[dict], name: str, log: bool) -> None:
-    """Final eval loss against the first searched parameter (pruned trials at their last eval loss)."""
-    for state in ("complete", "pruned", "running"):
-        marker, colour = _STATE_STYLE[state]
-        key = "value" if state == "complete" else "last_eval_loss"
-        pts = [(float(r["params"][name]), r[key]) for r in rows if r["state"] == state
-               and isinstance(r["params"].get(name), int | float) and isinstance(r[key], int | float)]
-        if pts:
-            ax.plot(*zip(*pts, strict=True), marker, ls="none", color=colour, ms=7, mew=1.5,
-                    mfc=colour if state == "complete" else "none")
-    if log:
-        ax.set_xscale("log")
-    ax.set_xlabel(name)
-    ax.set_title(f"eval loss by {name}")
 
 
 def plot_search(search: dict[str, Any], path: Path, title: str = "") -> None:
     """sweep_search.png: the optimisation history (value per trial, best-so-far line), every trial's eval
     curve with pruned ones ending in a marker at their stop step, and the loss against the first numeric
-    parameter searched."""
-    plt = _pyplot()
-    rows = search["trials"]
+    parameter searched (pruned trials at their last eval loss)."""
+    rows, counts = search["trials"], search["counts"]
     numeric = [k for k, v in search["space"].items() if not v.startswith("one of")]
-    fig, axes = plt.subplots(1, 3 if numeric else 2, figsize=(18 if numeric else 12, 4.8))
-    _history_panel(axes[0], rows)
-    _trial_curves_panel(axes[1], rows)
-    if numeric:
-        _landscape_panel(axes[2], rows, numeric[0], search["space"][numeric[0]].startswith("log"))
-    for ax in axes:
-        ax.grid(alpha=0.25)
-        ax.set_ylabel("eval loss")
-    counts = search["counts"]
-    fig.suptitle(f"{_shown(title)}  ·  {search['sampler']} + {search['pruner']}: {counts['complete']} complete, "
-                 f"{counts['pruned']} pruned, {counts['fail']} failed, {counts['running']} running", fontsize=11)
-    fig.tight_layout()
-    _save(fig, path)
+    title += (f"  ·  {search['sampler']} + {search['pruner']}: {counts['complete']} complete, "
+              f"{counts['pruned']} pruned, {counts['fail']} failed, {counts['running']} running")
+    with figure(path, title, (1, 3 if numeric else 2), (6, 4.8)) as axes:
+        _history_panel(axes[0], rows)
+        _trial_curves_panel(axes[1], rows)
+        if numeric:
+            name = numeric[0]
+            _trial_points(axes[2], rows, lambda r: r["params"][name] if _finite(r["params"].get(name)) else None,
+                          legend=False)
+            axes[2].set(xscale="log" if search["space"][name].startswith("log") else "linear", xlabel=name,
+                        title=f"eval loss by {name}")
+        for ax in axes:
+            ax.set_ylabel("eval loss")
