@@ -1,5 +1,6 @@
-"""What every step engine offers the loop, the checkpoints and resume: the `Engine` protocol, which the plain
-engine (`plain.py`: one process or DDP), DeepSpeed ZeRO (`deepspeed.py`) and FSDP2 (`fsdp.py`) implement.
+"""What every step engine offers the loop, the checkpoints and resume: the `Engine` base, whose defaults are
+Accelerate's (one process or DDP) and a plain optimizer step; the plain engine (`plain.py`: one process or DDP),
+DeepSpeed ZeRO (`deepspeed.py`) and FSDP2 (`fsdp.py`) override what they do otherwise.
 
 The loop (`llmexp.train.train`) calls, for every optimizer step:
 
@@ -15,12 +16,14 @@ cannot be undone. For checkpoints each engine says how its weights and optimizer
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 from llmexp.errors import UserError
+from llmexp.rundir.files import stage_dir
 
 if TYPE_CHECKING:
     import torch
@@ -29,75 +32,89 @@ OptimizerWriter = Callable[[Path], None]
 """Writes the optimizer state into a checkpoint's temporary directory (rank 0, inside the save)."""
 
 
-@runtime_checkable
-class Engine(Protocol):
+class Engine(ABC):
     """A step engine, as the loop (`train.py`), the checkpoints (`resume.py`) and `finish.py` use it."""
 
-    steps_first: bool
+    accelerator: Any
+
+    steps_first = False
     """`step` comes before `clip`: DeepSpeed measures the grad norm only inside its own step."""
-    params_partitioned: bool
+    params_partitioned = False
     """No rank holds whole parameters (ZeRO-3): shapes cannot be checked before a load."""
-    collective_forward: bool
+    collective_forward = False
     """Every forward is collective (FSDP all-gathers): every rank must run as many."""
-    sharded_checkpoints: bool
+    sharded_checkpoints = False
     """Checkpoints hold a DCP `dcp/` directory (FSDP) instead of model and optimizer files."""
-    reshardable: bool
+    reshardable = True
     """A checkpoint resumes on another number of processes (DDP: replicated state; FSDP: DCP)."""
 
     def shard(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model as the optimizer must see it (FSDP shards it here); before the optimizer is built."""
-        ...
+        return model
 
     def prepare(self, model: torch.nn.Module, optimizer: Any) -> tuple[torch.nn.Module, Any]:
         """Model and optimizer ready for this process layout (DDP, the DeepSpeed engine, or as they are)."""
-        ...
+        return self.accelerator.prepare(model, optimizer)
 
     def no_sync(self, model: torch.nn.Module) -> AbstractContextManager[Any]:
         """Around every micro-batch but the last: no gradient reduction yet."""
-        ...
+        return self.accelerator.no_sync(model)
 
-    def backward(self, loss: torch.Tensor) -> None: ...
+    @abstractmethod
+    def backward(self, loss: torch.Tensor) -> None:
+        """The backward of one micro-batch's loss."""
 
+    @abstractmethod
     def clip(self, model: torch.nn.Module, optimizer: Any, max_norm: float, device: torch.device) -> torch.Tensor:
         """The gradients' pre-clip global norm (inf or nan when non-finite), after clipping them to `max_norm`
         (0: no clipping), as a 0-d tensor on `device` (the loss's: the loop stacks the two), wherever the
         gradients live (DeepSpeed's norm is a float, FSDP's CPU offload keeps it on the CPU)."""
-        ...
 
     def step(self, optimizer: Any) -> bool:
         """The optimizer step; False when it was skipped (an fp16 overflow, a non-finite DeepSpeed norm)."""
-        ...
+        optimizer.step()
+        return True
 
     def loss_scale(self) -> float | None:
         """fp16's current loss scale (train records log it), None without one."""
-        ...
+        return None
 
+    # ------------------------------------------------------------------ checkpoints
     def lm(self, model: torch.nn.Module) -> torch.nn.Module:
         """The Hugging Face model inside the engine's, compile's and the loss head's wrappers."""
-        ...
+        return getattr(model, "module", model).lm  # DistributedDataParallel
 
     def full_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """Whole weights when they must be gathered for a checkpoint (collective: every rank calls); None: the
         checkpoint takes `checkpoint_weights`."""
-        ...
+        return None
 
     def final_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """The weights `model/` gets (collective); None: the model's own."""
-        ...
+        return None
 
     def checkpoint_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The weights a checkpoint holds (with adapters: the trainable ones)."""
-        ...
+        return self.lm(model).state_dict()
 
+    @abstractmethod
     def optimizer_writer(self, optimizer: Any, run_dir: Path, step: int) -> OptimizerWriter:
         """What writes the optimizer state (and the plain engine's fp16 loss scaler) into the checkpoint of `step`
         (called on every rank: ZeRO and FSDP write their shards now, collectively; the writer runs on rank 0
         inside the save)."""
-        ...
 
+    @abstractmethod
     def load_state(self, model: torch.nn.Module, optimizer: Any, payload: dict[str, Any]) -> None:
         """Weights, optimizer state and loss scaler from a checked payload (`llmexp.train.resume`)."""
-        ...
+
+    def write_on_every_rank(self, staging: Path, write: Callable[[Path], None]) -> None:
+        """Every rank writes its shard into `staging`, a directory beside the checkpoints (collective); rank 0
+        then moves them into the checkpoint it publishes (same filesystem: renames)."""
+        if self.accelerator.is_main_process:
+            stage_dir(staging)  # (a crashed save's leftover goes)
+        self.accelerator.wait_for_everyone()
+        write(staging)
+        self.accelerator.wait_for_everyone()
 
 
 def inner_optimizer(optimizer: Any) -> Any:

@@ -16,7 +16,6 @@ import enum
 import math
 import os
 import shutil
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,7 @@ import torch
 from llmexp.checkpoint import serialize
 from llmexp.config.derived import BatchPlan
 from llmexp.errors import UserError
-from llmexp.rundir.files import stage_dir
-from llmexp.train.engines.base import OptimizerWriter, inner_optimizer, refuse_dcp, zero_mismatch
+from llmexp.train.engines.base import Engine, OptimizerWriter, inner_optimizer, refuse_dcp, zero_mismatch
 
 
 def zero_world_mismatch(saved: int, now: int) -> UserError:
@@ -36,10 +34,13 @@ def zero_world_mismatch(saved: int, now: int) -> UserError:
                      "change, train with fsdp=full_shard (deepspeed=none), whose DCP checkpoints reshard on load")
 
 
-class DeepSpeedEngine:
+class DeepSpeedEngine(Engine):
+    """ZeRO, prepared by Accelerate. Of the base's defaults: `shard` leaves the model whole (ZeRO partitions inside
+    `prepare`: the DeepSpeed engine, its optimizer wrapped); `no_sync` is nothing under ZeRO-2/3 (`backward` marks
+    the boundary), DDP's under ZeRO-1; a checkpoint holds the LM's whole state dict (adapters do not run under
+    DeepSpeed: validation)."""
+
     steps_first = True
-    collective_forward = False
-    sharded_checkpoints = False
     reshardable = False  # `zero_world_mismatch`
 
     def __init__(self, accelerator: Any, precision: str, plan: BatchPlan, stage: int) -> None:
@@ -54,15 +55,6 @@ class DeepSpeedEngine:
     @property
     def _ds(self) -> Any:
         return self.accelerator.deepspeed_engine_wrapped.engine
-
-    def shard(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model  # ZeRO partitions inside `prepare`
-
-    def prepare(self, model: torch.nn.Module, optimizer: Any) -> tuple[torch.nn.Module, Any]:
-        return self.accelerator.prepare(model, optimizer)  # the DeepSpeed engine, its optimizer wrapped
-
-    def no_sync(self, model: torch.nn.Module) -> AbstractContextManager[Any]:
-        return self.accelerator.no_sync(model)  # ZeRO-2/3: nothing (`backward` marks the boundary); ZeRO-1: DDP's
 
     def backward(self, loss: torch.Tensor) -> None:
         """The loop's loss is already normalised by the global batch's target tokens, so the engine must
@@ -94,9 +86,6 @@ class DeepSpeedEngine:
     def lm(self, model: torch.nn.Module) -> torch.nn.Module:
         return self.accelerator.unwrap_model(model).lm
 
-    def checkpoint_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        return self.lm(model).state_dict()  # (adapters do not run under DeepSpeed: validation)
-
     def final_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         return self.full_weights(model)
 
@@ -108,15 +97,13 @@ class DeepSpeedEngine:
         return {k.removeprefix("lm."): v for k, v in state.items()} if self.accelerator.is_main_process else {}
 
     def optimizer_writer(self, optimizer: Any, run_dir: Path, step: int) -> OptimizerWriter:
-        """Every rank writes its shard to a staging dir beside the checkpoints (collective); rank 0 then
-        moves them into the checkpoint it publishes (same filesystem: renames)."""
+        """Each rank's optimizer shard as `zero_rank<R>.pt` (`write_on_every_rank`)."""
+        def write(staging: Path) -> None:
+            serialize.save_state(staging / f"zero_rank{self.accelerator.process_index}.pt",
+                                 _zero_shard_state(optimizer, self.plan.world))
+
         staging = run_dir / ".zero_shards" / f"step_{step}"
-        if self.accelerator.is_main_process:
-            stage_dir(staging)  # (a crashed save's leftover goes)
-        self.accelerator.wait_for_everyone()
-        serialize.save_state(staging / f"zero_rank{self.accelerator.process_index}.pt",
-                             _zero_shard_state(optimizer, self.plan.world))
-        self.accelerator.wait_for_everyone()
+        self.write_on_every_rank(staging, write)
 
         def move_shards(checkpoint_tmp: Path) -> None:  # the checkpoint's staged dir fsyncs and publishes them
             for shard in sorted(staging.glob("zero_rank*.pt")):
@@ -128,15 +115,11 @@ class DeepSpeedEngine:
     def load_state(self, model: torch.nn.Module, optimizer: Any, payload: dict[str, Any]) -> None:
         """The weights (ZeRO-3 gathers the partitioned parameters to fill them, and re-partitions from rank 0's
         values), then this rank's shard into the ZeRO optimizer: fp32 master weights and the loss scale too."""
+        import deepspeed
         from deepspeed.checkpoint.constants import LOSS_SCALER
 
         refuse_dcp(payload)
-        gathered: AbstractContextManager[Any] = nullcontext()
-        if self.stage >= 3:
-            import deepspeed
-
-            gathered = deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0)
-        with gathered:
+        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0, enabled=self.stage >= 3):
             self.lm(model).load_state_dict(payload["model"])
         shard = payload["zero"]
         if shard is None:

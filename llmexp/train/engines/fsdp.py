@@ -39,8 +39,8 @@ from llmexp.checkpoint import dcp
 from llmexp.checkpoint.serialize import CorruptCheckpoint
 from llmexp.config.derived import BatchPlan
 from llmexp.errors import UserError
-from llmexp.rundir.files import publish_dir, stage_dir
-from llmexp.train.engines.base import OptimizerWriter
+from llmexp.rundir.files import publish_dir
+from llmexp.train.engines.base import Engine, OptimizerWriter
 
 DCP_DIR = "dcp"
 """The directory inside `checkpoints/step_<N>/` that holds the DCP checkpoint."""
@@ -68,14 +68,13 @@ def ensure_process_group(cpu_offload: bool = False) -> None:
         dist.init_process_group(backend(cpu_offload))
 
 
-class FsdpEngine:
-    """FSDP2 through torch's `fully_shard`; the optimizer is a plain torch optimizer over DTensors."""
+class FsdpEngine(Engine):
+    """FSDP2 through torch's `fully_shard`; the optimizer is a plain torch optimizer over DTensors, stepped as
+    the base steps it (fp16, which would need a sharded loss scaler, is refused by validation)."""
 
-    steps_first = False
-    params_partitioned = False  # DCP checks every shard's shape itself on load
+    # params_partitioned stays False: DCP checks every shard's shape itself on load
     collective_forward = True
     sharded_checkpoints = True
-    reshardable = True  # DCP reshards on load
 
     def __init__(self, accelerator: Any, precision: str, plan: BatchPlan, strategy: str, cpu_offload: bool) -> None:
         self.accelerator = accelerator
@@ -148,20 +147,7 @@ class FsdpEngine:
         norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], limit)
         return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).to(device)  # offload: on the CPU
 
-    def step(self, optimizer: Any) -> bool:
-        optimizer.step()  # (fp16, which would need a sharded loss scaler, is refused by validation)
-        return True
-
-    def loss_scale(self) -> float | None:
-        return None
-
     # ------------------------------------------------------------------ checkpoints
-    def lm(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model.lm  # type: ignore[return-value]
-
-    def full_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-        return None  # a checkpoint's weights are in dcp/, written by `optimizer_writer`
-
     def checkpoint_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {}  # the weights are in dcp/, written by `optimizer_writer`
 
@@ -181,11 +167,7 @@ class FsdpEngine:
 
     def optimizer_writer(self, optimizer: Any, run_dir: Path, step: int) -> OptimizerWriter:
         staging = run_dir / ".fsdp_dcp" / f"step_{step}"
-        if self.accelerator.is_main_process:
-            stage_dir(staging)  # (a crashed save's leftover goes)
-        self.accelerator.wait_for_everyone()
-        dcp.save(self._state(optimizer), staging)
-        self.accelerator.wait_for_everyone()
+        self.write_on_every_rank(staging, lambda directory: dcp.save(self._state(optimizer), directory))
 
         def move(checkpoint_tmp: Path) -> None:
             publish_dir(staging, checkpoint_tmp / DCP_DIR)

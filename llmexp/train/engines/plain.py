@@ -1,27 +1,21 @@
 """The plain engine: one process or DDP through Accelerate, with torch's GradScaler in fp16 (the `Engine`
-protocol and what the loop calls when: `base.py`)."""
+base and what the loop calls when: `base.py`)."""
 
 from __future__ import annotations
 
 import math
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from llmexp.checkpoint import serialize
-from llmexp.train.engines.base import OptimizerWriter, inner_optimizer, refuse_dcp, zero_mismatch
+from llmexp.train.engines.base import Engine, OptimizerWriter, inner_optimizer, refuse_dcp, zero_mismatch
 
 
-class PlainEngine:
-    """One process or DDP through Accelerate; fp16 runs through torch's GradScaler."""
-
-    steps_first = False
-    params_partitioned = False
-    collective_forward = False
-    sharded_checkpoints = False
-    reshardable = True  # DDP's state is replicated
+class PlainEngine(Engine):
+    """One process or DDP through Accelerate (the base's defaults: DDP's state is replicated, so it reshards); fp16
+    runs through torch's GradScaler."""
 
     def __init__(self, accelerator: Any, precision: str, init_scale: float, growth_interval: int, *,
                  trainable_only: bool = False) -> None:
@@ -30,15 +24,6 @@ class PlainEngine:
                                             growth_interval=growth_interval) if precision == "fp16" else None)
         self.trainable_only = trainable_only
         """With adapters: checkpoints hold only the trainable weights (`checkpoint_weights`)."""
-
-    def shard(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model
-
-    def prepare(self, model: torch.nn.Module, optimizer: Any) -> tuple[torch.nn.Module, Any]:
-        return self.accelerator.prepare(model, optimizer)  # DDP when several processes run
-
-    def no_sync(self, model: torch.nn.Module) -> AbstractContextManager[Any]:
-        return self.accelerator.no_sync(model)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.accelerator.backward(self.scaler.scale(loss) if self.scaler is not None else loss)
@@ -54,8 +39,7 @@ class PlainEngine:
     def step(self, optimizer: Any) -> bool:
         """`optimizer.step()`; in fp16 through the scaler, which skips a step whose grads overflowed (False)."""
         if self.scaler is None:
-            optimizer.step()
-            return True
+            return super().step(optimizer)
         scale = self.scaler.get_scale()
         self.scaler.step(inner_optimizer(optimizer))
         self.scaler.update()
@@ -65,15 +49,6 @@ class PlainEngine:
         return self.scaler.get_scale() if self.scaler is not None else None
 
     # ------------------------------------------------------------------ checkpoints
-    def lm(self, model: torch.nn.Module) -> torch.nn.Module:
-        return getattr(model, "module", model).lm  # DistributedDataParallel
-
-    def full_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-        return None  # every rank holds them whole
-
-    def final_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-        return None
-
     def checkpoint_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The weights a checkpoint holds: all of them, or with adapters only the trainable ones. The
         frozen base is rebuilt identically on resume (loaded from `model.name_or_path`, or initialised
