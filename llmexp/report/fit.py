@@ -61,23 +61,28 @@ def t975(dof: int) -> float:
 class Vertex:
     """The minimum of a loss curve over one swept axis (x = log of the value)."""
 
-    x_best: float | None
-    """The vertex's x; None where there is none (the minimum at the grid's edge, or no convex fit)."""
-    interval: tuple[float, float] | None
-    """95% interval of x_best (`vertex`); None when the points give no noise estimate."""
-    edge: str | None
-    """`low` or `high`: the grid's minimum is its lowest or highest value; None inside."""
     grid_best: float
     """The x of the lowest loss on the grid."""
     window: list[int]
     """Indices of the points the parabola was fitted through."""
-    coef: list[float] | None
+    edge: str | None = None
+    """`low` or `high`: the grid's minimum is its lowest or highest value; None inside."""
+    coef: list[float] | None = None
     """The parabola, highest power first (np.polyval); None without a fit."""
-    sigma: float | None
+    x_best: float | None = None
+    """The vertex's x; None where there is none (the minimum at the grid's edge, or no convex fit)."""
+    interval: tuple[float, float] | None = None
+    """95% interval of x_best (`vertex`); None when the points give no noise estimate."""
+    sigma: float | None = None
     """The noise of one point's loss the interval assumed, and where it came from."""
-    sigma_source: str | None
+    sigma_source: str | None = None
     draws: np.ndarray | None = field(default=None, repr=False)
     """The bootstrap's vertices (for the law's interval across sizes); not written out."""
+
+    def in_units(self) -> tuple[float | None, list[float] | None, float]:
+        """x_best, its interval and grid_best as swept values (not their logs)."""
+        best = None if self.x_best is None else math.exp(self.x_best)
+        return best, [math.exp(x) for x in self.interval] if self.interval else None, math.exp(self.grid_best)
 
 
 def fit_window(xs: list[float], i_min: int, decades: float = WINDOW_DECADES) -> list[int]:
@@ -127,27 +132,28 @@ def vertex(xs: list[float], ys: list[float], runs: list[int] | None = None,
     i_min = int(np.argmin(ys))
     edge = "low" if i_min == 0 else "high" if i_min == len(xs) - 1 else None
     if edge is not None or len(xs) < 3:
-        return Vertex(None, None, edge, xs[i_min], [i_min], None, None, None)
+        return Vertex(xs[i_min], [i_min], edge)
     window = fit_window(xs, i_min)
     wx, wy = [xs[i] for i in window], [ys[i] for i in window]
     coef = np.polyfit(wx, wy, 2)
+    v = Vertex(xs[i_min], window, coef=coef.tolist())
     if coef[0] <= 0:  # a noisy grid whose lowest point is inside but the curve around it is not convex
-        return Vertex(None, None, None, xs[i_min], window, coef.tolist(), None, None)
+        return v
     x_best = float(-coef[1] / (2 * coef[0]))
     if not wx[0] <= x_best <= wx[-1]:  # extrapolated past the points: the grid has not bracketed the optimum
-        edge = "low" if x_best < wx[0] else "high"
-        return Vertex(None, None, edge, xs[i_min], window, coef.tolist(), None, None)
-    reps = [replicates[i] for i in window] if replicates else None
-    sigma, source = noise_sigma(wy, coef, wx, reps)
-    if sigma is None or sigma == 0:
-        return Vertex(x_best, None, None, xs[i_min], window, coef.tolist(), sigma, source)
-    per_point = sigma / np.sqrt(np.asarray([runs[i] for i in window] if runs else [1] * len(window), dtype=float))
+        v.edge = "low" if x_best < wx[0] else "high"
+        return v
+    v.x_best = x_best
+    v.sigma, v.sigma_source = noise_sigma(wy, coef, wx, [replicates[i] for i in window] if replicates else None)
+    if not v.sigma:
+        return v
+    per_point = v.sigma / np.sqrt(np.asarray([runs[i] for i in window] if runs else [1] * len(window), dtype=float))
     rng = np.random.default_rng(seed)
-    fitted = np.polyval(coef, np.asarray(wx))
-    ys_star = fitted[:, None] + per_point[:, None] * rng.standard_normal((len(wx), DRAWS))
-    draws = _minimisers(np.polyfit(wx, ys_star, 2), wx[0], wx[-1])
-    lo, hi = np.percentile(draws, [2.5, 97.5])
-    return Vertex(x_best, (float(lo), float(hi)), None, xs[i_min], window, coef.tolist(), sigma, source, draws)
+    ys_star = np.polyval(coef, np.asarray(wx))[:, None] + per_point[:, None] * rng.standard_normal((len(wx), DRAWS))
+    v.draws = _minimisers(np.polyfit(wx, ys_star, 2), wx[0], wx[-1])
+    lo, hi = np.percentile(v.draws, [2.5, 97.5])
+    v.interval = (float(lo), float(hi))
+    return v
 
 
 @dataclass
@@ -160,23 +166,22 @@ class PowerLaw:
     interval_method: str | None
     points: int
     log_a: float = field(repr=False, default=0.0)
-    se_fit: tuple[float, float, float, int] | None = field(repr=False, default=None)
-    """(residual sd, mean log n, sum of squares of log n, dof): the OLS prediction interval's pieces."""
+    cov: np.ndarray | None = field(repr=False, default=None)
+    """The covariance of (b, log a) from the least squares (`np.polyfit(cov=True)`; 3+ points)."""
     draws: np.ndarray | None = field(repr=False, default=None)
     """(intercepts, slopes) of the law refitted to each bootstrap draw of the vertices."""
 
     def at(self, n: float) -> tuple[float, tuple[float, float] | None]:
         """The law's value at `n` with a 95% interval (of the law's mean there, not of one more run)."""
         x = math.log(n)
-        value = math.exp(self.log_a + self.b * x)
-        if self.se_fit is not None:
-            s, mean, sxx, dof = self.se_fit
-            half = t975(dof) * s * math.sqrt(1 / self.points + (x - mean) ** 2 / sxx)
-            return value, (math.exp(self.log_a + self.b * x - half), math.exp(self.log_a + self.b * x + half))
+        log_y = self.log_a + self.b * x
+        if self.cov is not None:
+            half = t975(self.points - 2) * math.sqrt(float(np.array([x, 1.0]) @ self.cov @ np.array([x, 1.0])))
+            return math.exp(log_y), (math.exp(log_y - half), math.exp(log_y + half))
         if self.draws is not None:
             lo, hi = np.percentile(self.draws[0] + self.draws[1] * x, [2.5, 97.5])
-            return value, (math.exp(lo), math.exp(hi))
-        return value, None
+            return math.exp(log_y), (math.exp(lo), math.exp(hi))
+        return math.exp(log_y), None
 
 
 def power_law(log_n: list[float], log_y: list[float], draws: list[np.ndarray | None] | None = None) -> PowerLaw:
@@ -185,15 +190,11 @@ def power_law(log_n: list[float], log_y: list[float], draws: list[np.ndarray | N
     2 points the line goes through both, so it is the spread of slopes refitted to the vertices' own bootstrap
     draws (`draws`, one array per point or None for a point without one); None when no point has draws."""
     x, y = np.asarray(log_n, dtype=float), np.asarray(log_y, dtype=float)
-    b, log_a = np.polyfit(x, y, 1)
-    law = PowerLaw(math.exp(log_a), float(b), None, None, len(x), float(log_a))
-    if len(x) >= 3:
-        dof = len(x) - 2
-        s = math.sqrt(float(np.sum((y - (log_a + b * x)) ** 2)) / dof)
-        sxx = float(np.sum((x - x.mean()) ** 2))
-        half = t975(dof) * s / math.sqrt(sxx)
+    (b, log_a), cov = np.polyfit(x, y, 1, cov=True) if len(x) >= 3 else (np.polyfit(x, y, 1), None)
+    law = PowerLaw(math.exp(log_a), float(b), None, None, len(x), float(log_a), cov)
+    if cov is not None:
+        half = t975(len(x) - 2) * math.sqrt(cov[0, 0])
         law.b_interval, law.interval_method = (float(b - half), float(b + half)), "ols t interval"
-        law.se_fit = (s, float(x.mean()), sxx, dof)
     elif draws and any(d is not None for d in draws):
         ys_star = np.stack([d if d is not None else np.full(DRAWS, v) for d, v in zip(draws, y, strict=True)])
         slopes, intercepts = np.polyfit(x, ys_star, 1)
@@ -310,10 +311,6 @@ def _means(jobs: list[Job]) -> tuple[list[float], list[float], list[int], list[l
     return lrs, [float(np.mean(by_lr[lr])) for lr in lrs], [len(by_lr[lr]) for lr in lrs], [by_lr[lr] for lr in lrs]
 
 
-def _exp(value: float | None) -> float | None:
-    return None if value is None else math.exp(value)
-
-
 def _advice(axis: str, edge: str | None, best: float, above: list[float]) -> str | None:
     """What to do about a minimum at the grid's edge."""
     if edge == "low":
@@ -334,15 +331,14 @@ def lr_fit(jobs: list[Job], where: str) -> tuple[dict[str, Any], Vertex]:
                         "the expected best (e.g. lr=1e-3,3e-3,1e-2)")
     v = vertex([math.log(lr) for lr in lrs], losses, runs, reps)
     diverged = sorted({j.lr for j in jobs if j.loss is None})
-    best = math.exp(v.grid_best)
-    advice = _advice("lr", v.edge, best, [d for d in diverged if d > best])
+    best, interval, grid_best = v.in_units()
+    advice = _advice("lr", v.edge, grid_best, [d for d in diverged if d > grid_best])
     if v.edge is None and v.x_best is None:
         advice = "the losses around the grid's best are not convex (noise?): add seeds or a finer grid"
     points = [{"lr": lr, "loss": loss, "runs": n} for lr, loss, n in zip(lrs, losses, runs, strict=True)]
     return {"points": points, "diverged_lrs": diverged, "fitted": [lrs[i] for i in v.window], "coef": v.coef,
-            "best_lr": _exp(v.x_best), "interval": [math.exp(x) for x in v.interval] if v.interval else None,
-            "noise": v.sigma, "noise_from": v.sigma_source, "grid_best_lr": best, "edge": v.edge,
-            "advice": advice}, v
+            "best_lr": best, "interval": interval, "noise": v.sigma, "noise_from": v.sigma_source,
+            "grid_best_lr": grid_best, "edge": v.edge, "advice": advice}, v
 
 
 def batch_fit(jobs: list[Job]) -> tuple[dict[str, Any] | None, list[Job]]:
@@ -354,12 +350,12 @@ def batch_fit(jobs: list[Job]) -> tuple[dict[str, Any] | None, list[Job]]:
         return None, jobs
     best_loss = [min(j.loss for j in jobs if j.batch == b and j.loss is not None) for b in batches]
     v = vertex([math.log(b) for b in batches], best_loss)
+    best, interval, _ = v.in_units()
     grid_best = batches[int(np.argmin(best_loss))]
     context = jobs[0].context
     fit = {"points": [{"batch": b, "best_loss": loss} for b, loss in zip(batches, best_loss, strict=True)],
-           "best_batch": _exp(v.x_best), "interval": [math.exp(x) for x in v.interval] if v.interval else None,
-           "grid_best_batch": grid_best, "edge": v.edge, "context": context,
-           "best_batch_tokens": None if v.x_best is None else math.exp(v.x_best) * context,
+           "best_batch": best, "interval": interval, "grid_best_batch": grid_best, "edge": v.edge, "context": context,
+           "best_batch_tokens": None if best is None else best * context,
            "advice": _advice("batch_size", v.edge, grid_best, []) if len(batches) > 2 else
            "2 batch sizes: the best is the grid's, without a vertex; sweep 3 or more"}
     return fit, [j for j in jobs if j.batch == grid_best]
@@ -387,28 +383,15 @@ def size_fit(params: int, jobs: list[Job], seed_lr: Callable[[float], float] | N
 
 # ----------------------------------------------------------------------------- across sizes
 
-def _law_dict(law: PowerLaw | None, what: str, why_none: str | None) -> dict[str, Any]:
-    if law is None:
-        return {"fitted": False, "why": why_none}
-    return {"fitted": True, "formula": f"{what} = a * N^b", "a": law.a, "b": law.b, "b_interval": law.b_interval,
-            "interval_method": law.interval_method, "sizes": law.points}
-
-
-def lr_law(sizes: list[dict], vertices: list[Vertex]) -> tuple[PowerLaw | None, str | None]:
-    """best_lr = a * N^b over the sizes with a vertex (an edge has none: its best lr is only bounded)."""
-    used = [(s, v) for s, v in zip(sizes, vertices, strict=True) if v.x_best is not None]
-    if len(used) < 2:
-        return None, f"{len(used)} size(s) with a best lr; a law needs 2 or more (fix the edge flags above)"
-    return power_law([math.log(s["params"]) for s, _ in used], [v.x_best for _, v in used],
-                     [v.draws for _, v in used]), None
-
-
-def batch_law(sizes: list[dict]) -> tuple[PowerLaw | None, str | None]:
-    """best batch = a * N^b over the sizes where batch_size was swept and has a vertex."""
-    used = [s for s in sizes if s["batch"] and s["batch"]["best_batch"] is not None]
-    if len(used) < 2:
-        return None, "batch_size was not swept at 2 or more sizes with a best batch inside the grid"
-    return power_law([math.log(s["params"]) for s in used], [math.log(s["batch"]["best_batch"]) for s in used]), None
+def fit_law(what: str, points: list[tuple[float, float, np.ndarray | None]], why_none: str
+            ) -> tuple[PowerLaw | None, dict[str, Any]]:
+    """`what` = a * N^b over each size's (N, log of its best, that best's bootstrap draws or None), and fit.json's
+    entry for it: why there is none with fewer than 2 sizes."""
+    if len(points) < 2:
+        return None, {"fitted": False, "why": why_none}
+    law = power_law([math.log(n) for n, _, _ in points], [y for _, y, _ in points], [d for _, _, d in points])
+    return law, {"fitted": True, "formula": f"{what} = a * N^b", "a": law.a, "b": law.b,
+                 "b_interval": law.b_interval, "interval_method": law.interval_method, "sizes": law.points}
 
 
 def mup_transfer(sizes: list[dict], jobs: list[Job]) -> dict[str, Any]:
@@ -442,8 +425,8 @@ def target(n: float, law: PowerLaw | None, mup: dict[str, Any] | None) -> dict[s
 
 
 def fit_sweeps(sweep_dirs: list[Path], target_params: float | None = None,
-               seed_lr: Callable[[float], float] | None = None) -> tuple[dict[str, Any], list[Vertex]]:
-    """fit.json's content (and each size's vertex, for the plot); raises UserError on input it cannot fit."""
+               seed_lr: Callable[[float], float] | None = None) -> dict[str, Any]:
+    """fit.json's content; raises UserError on input it cannot fit."""
     jobs, left_out = collect(sweep_dirs)
     kinds = sorted({j.parametrization for j in jobs})
     if len(kinds) > 1:
@@ -455,17 +438,22 @@ def fit_sweeps(sweep_dirs: list[Path], target_params: float | None = None,
     fits = [size_fit(n, by_size[n], seed_lr) for n in sorted(by_size)]
     sizes, vertices = [f[0] for f in fits], [f[1] for f in fits]
     mup = mup_transfer(sizes, jobs) if kinds == [MUP] else None
-    law, why = (None, "muP: the best lr is not expected to scale with size") if mup else lr_law(sizes, vertices)
-    blaw, bwhy = batch_law(sizes)
-    result = {"sweep_dirs": [str(d) for d in sweep_dirs], "loss": "final eval_loss (mean over runs at one lr)",
-              "parametrization": kinds[0], "sizes": sizes, "lr_law": _law_dict(law, "best_lr", why),
-              "batch_law": _law_dict(blaw, "best_batch", bwhy), "mup": mup,
-              "target": target(target_params, law, mup) if target_params else None,
-              "deepseek_llm": {"lr": {"a": DEEPSEEK_LR[0], "b": DEEPSEEK_LR[1]},
-                               "batch_tokens": {"a": DEEPSEEK_BATCH[0], "b": DEEPSEEK_BATCH[1]},
-                               "against": "compute C ~ 6 * N * D in FLOPs, D the tokens the jobs saw"},
-              "left_out": left_out}
-    return result, vertices
+    # an edge has no vertex: its best lr is only bounded
+    best_lrs = [(s["params"], v.x_best, v.draws) for s, v in zip(sizes, vertices, strict=True) if v.x_best is not None]
+    why = "muP: the best lr is not expected to scale with size" if mup else \
+        f"{len(best_lrs)} size(s) with a best lr; a law needs 2 or more (fix the edge flags above)"
+    law, lr_law = fit_law("best_lr", [] if mup else best_lrs, why)
+    best_batches = [(s["params"], math.log(s["batch"]["best_batch"]), None) for s in sizes
+                    if s["batch"] and s["batch"]["best_batch"] is not None]
+    _, batch_law = fit_law("best_batch", best_batches,
+                           "batch_size was not swept at 2 or more sizes with a best batch inside the grid")
+    return {"sweep_dirs": [str(d) for d in sweep_dirs], "loss": "final eval_loss (mean over runs at one lr)",
+            "parametrization": kinds[0], "sizes": sizes, "lr_law": lr_law, "batch_law": batch_law, "mup": mup,
+            "target": target(target_params, law, mup) if target_params else None,
+            "deepseek_llm": {"lr": {"a": DEEPSEEK_LR[0], "b": DEEPSEEK_LR[1]},
+                             "batch_tokens": {"a": DEEPSEEK_BATCH[0], "b": DEEPSEEK_BATCH[1]},
+                             "against": "compute C ~ 6 * N * D in FLOPs, D the tokens the jobs saw"},
+            "left_out": left_out}
 
 
 # ----------------------------------------------------------------------------- the command
@@ -527,7 +515,7 @@ def main(argv: list[str] | None = None, seed_lr: Callable[[float], float] | None
     sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]  # (a directory named in bytes)
     out = args.out or args.sweep_dirs[0]
     try:
-        result, _ = fit_sweeps(args.sweep_dirs, args.target_params, seed_lr)
+        result = fit_sweeps(args.sweep_dirs, args.target_params, seed_lr)
         out.mkdir(parents=True, exist_ok=True)
         result["files"] = {"json": str(out / "fit.json"), "png": str(out / "fit.png")}
         from llmexp.report.fit_plot import plot_fit
