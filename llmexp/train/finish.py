@@ -20,22 +20,7 @@ from llmexp.train.resume import save_state_checkpoint
 from llmexp.train.state import Run
 
 if TYPE_CHECKING:
-    import torch
     from omegaconf import DictConfig
-
-
-def save_final_model(run: Run, tokenizer: Any, weights: dict[str, torch.Tensor] | None = None) -> None:
-    """`model/`: save_pretrained of the model and tokenizer, published by one atomic swap (a full disk: DiskFull)."""
-    run_dir, cfg = run.rt.run_dir, run.cfg
-    with staged_dir(run_dir / "model", staging=run_dir / ".model.tmp") as tmp:  # model/ never half-written
-        lm = run.engine.lm(run.model)
-        if cfg.peft.name != "none":  # adapter_config.json + adapter_model.safetensors (PeftModel.from_pretrained)
-            save_model_dir(lm, tmp)
-            if cfg.train.merge_adapter:
-                save_merged(cfg, lm, tmp, tokenizer)
-        else:  # weights: the ZeRO-3 gathered ones, else None (the model's own)
-            save_model_dir(lm, tmp, state_dict=weights)
-        tokenizer.save_pretrained(tmp)
 
 
 def save_merged(cfg: DictConfig, lm: Any, model_dir: Path, tokenizer: Any) -> None:
@@ -85,15 +70,24 @@ def finish_run(run: Run, tokenizer: Any, status: str) -> dict[str, Any]:
 
 
 def _save_final(run: Run, tokenizer: Any, status: str) -> str:
-    """The final checkpoint and `model/`; returns the status, `failed` if the disk was full."""
+    """The final checkpoint and `model/`: save_pretrained of the model (with adapters: for PeftModel.from_pretrained)
+    and tokenizer, published by one atomic swap. Returns the status, `failed` if the disk was full."""
     if not save_state_checkpoint(run):
         return "failed"
-    rt = run.rt
+    rt, cfg = run.rt, run.cfg
     weights = run.engine.final_weights(run.model)  # ZeRO-3 and FSDP: collective, so every rank gathers; else None
     full: DiskFull | None = None
     if rt.is_main:
         try:
-            save_final_model(run, tokenizer, weights)
+            with staged_dir(rt.run_dir / "model", staging=rt.run_dir / ".model.tmp") as tmp:  # never half-written
+                lm = run.engine.lm(run.model)
+                if cfg.peft.name != "none":  # adapter_config.json + adapter_model.safetensors
+                    save_model_dir(lm, tmp)
+                    if cfg.train.merge_adapter:
+                        save_merged(cfg, lm, tmp, tokenizer)
+                else:  # weights: the gathered ones, else None (the model's own)
+                    save_model_dir(lm, tmp, state_dict=weights)
+                tokenizer.save_pretrained(tmp)
         except DiskFull as err:
             full = err
             run.log.write(f"error: {err}; model/ was not written (status failed). The final checkpoint "

@@ -26,29 +26,23 @@ def due(train: DictConfig, step: int, max_steps: int) -> bool:
 
 
 @torch.no_grad()
-def generate(run: Run, tokenizer: Any) -> list[dict[str, str]]:
-    """Each prompt with its continuation (greedy, or sampled at `train.sample_temperature`)."""
+def record(run: Run, tokenizer: Any, step: int) -> None:
+    """Continue each prompt (greedy, or sampled at `train.sample_temperature`) on rank 0 and log one `sample` event
+    (metrics.jsonl, the console, wandb's table)."""
     train, rt = run.cfg.train, run.rt
+    if not rt.is_main:
+        return
     lm = run.engine.lm(run.model)
     devices = [rt.device.index or 0] if rt.device.type == "cuda" else []
+    sampled = train.sample_temperature > 0
     samples = []
     with eval_mode(lm), torch.random.fork_rng(devices=devices), rt.emulation(), rt.autocast():
         torch.manual_seed(train.sample_seed)
         for prompt in train.sample_prompts:
-            samples.append({"prompt": prompt, "completion": _continue(lm, tokenizer, prompt, train, rt.device)})
-    return samples
-
-
-def _continue(lm: Any, tokenizer: Any, prompt: str, train: DictConfig, device: torch.device) -> str:
-    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
-    sampled = train.sample_temperature > 0
-    out = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=train.sample_max_new_tokens,
-                      do_sample=sampled, temperature=train.sample_temperature if sampled else None, top_p=None,
-                      top_k=None, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-
-
-def record(run: Run, tokenizer: Any, step: int) -> None:
-    """Generate on rank 0 and log one `sample` event (metrics.jsonl, the console, wandb's table)."""
-    if run.rt.is_main:
-        run.log.log({"event": "sample", "step": step, "samples": generate(run, tokenizer)})
+            ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(rt.device)
+            out = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=train.sample_max_new_tokens,
+                              do_sample=sampled, temperature=train.sample_temperature if sampled else None,
+                              top_p=None, top_k=None, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+            completion = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            samples.append({"prompt": prompt, "completion": completion})
+    run.log.log({"event": "sample", "step": step, "samples": samples})
