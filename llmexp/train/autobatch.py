@@ -63,14 +63,10 @@ class AutoBatch:
 def choose_batch_size(cfg: DictConfig, rt: Runtime, vocab_size: int, num_examples: int,
                       saved: dict[str, Any] | None) -> AutoBatch:
     """Settle `batch_size=auto` before any engine is built: the saved choice when resuming on as many processes,
-    else the estimate's upper bound and the probe. Runs on every rank (it ends in one collective); the batch
-    plan is then `make_plan(cfg, world, micro=choice.chosen)`."""
+    else the estimate's upper bound and the probe, largest first, down to the first that fits (0: none). Runs on
+    every rank (it ends in one collective); the batch plan is then `make_plan(cfg, world, micro=choice.chosen)`."""
     if saved and saved.get("world_size") == rt.world and isinstance(saved.get("chosen"), int):
         return AutoBatch(**{**saved, "source": "checkpoint"})
-    return _search(cfg, rt, vocab_size, num_examples)
-
-
-def _search(cfg: DictConfig, rt: Runtime, vocab_size: int, num_examples: int) -> AutoBatch:
     started = time.perf_counter()
     candidates = auto_batch_candidates(cfg, rt.world, num_examples)
     on_cuda = rt.device.type == "cuda"
@@ -80,13 +76,19 @@ def _search(cfg: DictConfig, rt: Runtime, vocab_size: int, num_examples: int) ->
     facts = {"num_params": count_params_meta(cfg), "precision": rt.precision.name, "world": rt.world,
              "adapters": adapter_facts(cfg), "units": fsdp_units(cfg) if cfg.fsdp.name != "none" else None}
     upper = largest_fitting(cfg, candidates, budget, on_cpu=not on_cuda, **facts)
+    chosen, probed, note = 0, [], ""
     if cfg.fsdp.name != "none":
         # The probe builds the model unwrapped: under FSDP it would measure unsharded memory and pick far too
         # small. The sharded step lives in the trainer's FSDP engine; until the probe runs through it, the
         # estimate (held to measured FSDP peaks, benchmarks/memory_fsdp.py) decides alone.
-        chosen, probed, note = upper, [], f"fsdp={cfg.fsdp.name}: the estimate alone (the probe step is not sharded)"
+        chosen, note = upper, f"fsdp={cfg.fsdp.name}: the estimate alone (the probe step is not sharded)"
     else:
-        (chosen, probed), note = _probe_down(cfg, rt, vocab_size, candidates[candidates.index(upper):], budget), ""
+        for micro in candidates[candidates.index(upper):]:
+            fits, peak_mb = _probe(cfg, rt, vocab_size, micro, budget)
+            probed.append({"micro": micro, "fits": fits, "peak_mb": round(peak_mb, 1)})
+            if fits:
+                chosen = micro
+                break
     chosen = rt.reduce_min(chosen)  # the largest every rank can run (0: one of them fits none)
     if chosen < 1:
         raise UserError(f"batch_size=auto: not even a micro-batch of 1 fits in memory ({budget / MiB:,.0f} MiB to "
@@ -94,18 +96,6 @@ def _search(cfg: DictConfig, rt: Runtime, vocab_size: int, num_examples: int) ->
                         "model.gradient_checkpointing=true, use peft=lora, or shard the model (deepspeed/fsdp)")
     return AutoBatch(chosen=chosen, upper_bound=upper, budget_mb=round(budget / MiB, 1), world_size=rt.world,
                      probed=probed, search_s=round(time.perf_counter() - started, 2), note=note)
-
-
-def _probe_down(cfg: DictConfig, rt: Runtime, vocab_size: int, sizes: list[int],
-                budget: float) -> tuple[int, list[dict[str, Any]]]:
-    """The first of `sizes` (largest first) whose probe step fits (0: none), and what each probe measured."""
-    probed: list[dict[str, Any]] = []
-    for micro in sizes:
-        fits, peak_mb = _probe(cfg, rt, vocab_size, micro, budget)
-        probed.append({"micro": micro, "fits": fits, "peak_mb": round(peak_mb, 1)})
-        if fits:
-            return micro, probed
-    return 0, probed
 
 
 def _probe(cfg: DictConfig, rt: Runtime, vocab_size: int, micro: int, budget: float) -> tuple[bool, float]:

@@ -108,12 +108,19 @@ ForwardBackward = Callable[["Run", Any], tuple[torch.Tensor, int, int]]
 
 def range_test(cfg: DictConfig, rt: Runtime, vocab_size: int, train_ds: Any, data_fingerprint: str,
                forward_backward: ForwardBackward) -> dict[str, Any]:
-    """Run the test on a throwaway run; the curve and the pick (every rank gets the same)."""
+    """Run the test on a throwaway run, its engine, model and optimizer set up as the run's own (`setup.describe`)
+    and logging nothing; the curve and the pick (every rank gets the same)."""
+    from llmexp.monitor.logger import MetricsLogger
+    from llmexp.train.setup import describe
+    from llmexp.train.state import Run
+
     t, start_s = cfg.train, time.perf_counter()
     steps, first, last = int(t.lr_find_steps), float(t.lr_find_start), float(t.lr_find_end)
     with rng_untouched(rt.device):
-        run = _throwaway_run(with_lr(cfg, first), rt, vocab_size, train_ds, data_fingerprint, steps)
-        curve, stopped = _rising_lr(run, train_ds, forward_backward)
+        cfg = with_lr(cfg, first)
+        run = Run(cfg, rt, *describe(cfg, rt, vocab_size, train_ds, data_fingerprint),
+                  MetricsLogger(rt.run_dir, steps, enabled=False))
+        curve, stopped = _rising_lr(run, train_ds, forward_backward, steps, first, last)
         del run
         rt.accelerator.free_memory()  # Accelerate's references to the throwaway model and optimizer
     if len(curve) < 3:
@@ -127,28 +134,17 @@ def range_test(cfg: DictConfig, rt: Runtime, vocab_size: int, train_ds: Any, dat
             "curve": curve}
 
 
-def _throwaway_run(cfg: DictConfig, rt: Runtime, vocab_size: int, train_ds: Any, data_fingerprint: str,
-                   steps: int) -> Run:
-    """The run's engine, model and optimizer, set up as the run's own (`setup.describe`), logging nothing."""
-    from llmexp.monitor.logger import MetricsLogger
-    from llmexp.train.setup import describe
-    from llmexp.train.state import Run
-
-    desc, engine, model, optimizer = describe(cfg, rt, vocab_size, train_ds, data_fingerprint)
-    return Run(cfg, rt, desc, engine, model, optimizer, MetricsLogger(rt.run_dir, steps, enabled=False))
-
-
-def _rising_lr(run: Run, train_ds: Any, forward_backward: ForwardBackward) -> tuple[list[dict[str, Any]], str]:
+def _rising_lr(run: Run, train_ds: Any, forward_backward: ForwardBackward, steps: int, first: float,
+               last: float) -> tuple[list[dict[str, Any]], str]:
     """The steps of the test, through the loop's own `forward_backward` and `Engine` calls, until the smoothed
-    loss diverges or the lr reaches `train.lr_find_end`: (the curve, why it stopped)."""
-    t, rt, engine, optimizer = run.cfg.train, run.rt, run.engine, run.optimizer
-    steps, first, last = int(t.lr_find_steps), float(t.lr_find_start), float(t.lr_find_end)
+    loss diverges or the lr reaches `last`: (the curve, why it stopped)."""
+    rt, engine, optimizer = run.rt, run.engine, run.optimizer
     curve: list[dict[str, Any]] = []
     for step in range(steps):
         lr = lr_at(step, steps, first, last)
         set_lr(optimizer, lr)  # muP's per-part factors too: the curve is over the base lr, as a run sets it
         loss_sum, n_targets, _ = forward_backward(run, train_ds)
-        engine.clip(run.model, optimizer, t.max_grad_norm, loss_sum.device)  # fp16: unscaled first
+        engine.clip(run.model, optimizer, run.cfg.train.max_grad_norm, loss_sum.device)  # fp16: unscaled first
         loss = float(rt.reduce_sum(loss_sum) / n_targets)
         smoothed = smooth([*(c["loss"] for c in curve), loss])[-1]
         curve.append({"step": step, "lr": lr, "loss": loss, "smoothed": smoothed})
