@@ -1,7 +1,4 @@
-"""One process of a run (`Runtime`): Accelerate's devices, ranks and collectives, with the precision resolved,
-the matmul ceiling cached per device, and what the loop asks of the process (autocast, emulation, reductions).
-The run's set-up, once the data is known, is `llmexp.train.setup`.
-"""
+"""One process of a run (`Runtime`); the run's set-up, once the data is known, is `llmexp.train.setup`."""
 
 from __future__ import annotations
 
@@ -24,8 +21,9 @@ from llmexp.monitor.throughput import load_ceilings, measure_ceiling, save_ceili
 
 
 class Runtime:
-    """One process of a run: Accelerate's devices, ranks and collectives, the precision resolved for this device
-    and the context it opens around forward and backward. Built once; nothing writes it afterwards."""
+    """One process of a run: Accelerate's devices, ranks and collectives, the precision resolved for this device,
+    the matmul ceiling cached per device, and what the loop asks of the process (the context it opens around
+    forward and backward, reductions). Built once; nothing writes it afterwards."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
         from accelerate import Accelerator
