@@ -1,10 +1,9 @@
 """lm-evaluation-harness tasks by name (`eval.lm_eval.tasks`), on the in-memory model, through the harness's
 Python API: `lm_eval.models.huggingface.HFLM(pretrained=<the model>)` and `lm_eval.simple_evaluate`.
 
-An optional extra (`pip install llmexp[eval]`): imported only when a run names harness tasks. Offline use: a
-directory of task YAMLs (`eval.lm_eval.include_path`) whose `dataset_path: json` and `dataset_kwargs.data_files`
-point at local files, with `eval.lm_eval.include_defaults=false` so the harness does not index its ~15,000
-built-in tasks (~25 s here).
+An optional extra (`pip install llmexp[eval]`): imported only when a run names harness tasks. Offline use: a directory
+of task YAMLs (`eval.lm_eval.include_path`) whose `dataset_path: json` and `dataset_kwargs.data_files` point at local
+files, with `eval.lm_eval.include_defaults=false` so the harness does not index its ~15,000 built-in tasks (~25 s here).
 
 The harness seeds python's, numpy's and torch's global RNGs unless told not to, which would change the
 training that follows: it is told not to (every seed None), and runs inside a forked RNG all the same.
@@ -80,12 +79,10 @@ def metrics_of(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]
     `exact_match_strict-match`; stderr and non-numbers left out."""
     out: dict[str, dict[str, float]] = {}
     for task, values in results.items():
-        metrics = {}
+        out[task] = {}
         for key, value in values.items():
             metric, _, filt = key.partition(",")
-            if not filt or metric.endswith("_stderr") or isinstance(value, bool) or \
-                    not isinstance(value, int | float):
-                continue
-            metrics[metric if filt == "none" else f"{metric}_{filt}"] = float(value)
-        out[task] = metrics
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if number and filt and not metric.endswith("_stderr"):
+                out[task][metric if filt == "none" else f"{metric}_{filt}"] = float(value)
     return out

@@ -1,12 +1,11 @@
 """The scorers: the log-likelihood of each choice of a multiple-choice item, and greedy generation.
 
-Multiple choice follows lm-evaluation-harness (`lm_eval.api.model.TemplateLM.loglikelihood` and
-`_encode_pair`, `lm_eval.api.task.ConfigurableTask.process_results`), so the numbers are those the harness and
-OLMo report: each choice is the continuation `delimiter + choice` of the context; trailing whitespace of the
-context moves into the continuation; the pair is encoded whole and the continuation's tokens are those after the
-context's own encoding; the score is the sum of the continuation tokens' log-probabilities. `acc` takes the
-choice with the highest score, `acc_norm` the highest score per character of the choice. tests/test_evals.py
-checks the per-choice log-likelihoods against the harness itself.
+Multiple choice follows lm-evaluation-harness (`lm_eval.api.model.TemplateLM.loglikelihood` and `_encode_pair`,
+`lm_eval.api.task.ConfigurableTask.process_results`), so the numbers are those the harness and OLMo report: each choice
+is the continuation `delimiter + choice` of the context; trailing whitespace of the context moves into the continuation;
+the pair is encoded whole and the continuation's tokens are those after the context's own encoding; the score is the sum
+of the continuation tokens' log-probabilities. `acc` takes the choice with the highest score, `acc_norm` the highest
+score per character of the choice. tests/test_evals.py checks the per-choice log-likelihoods against the harness itself.
 
 Ranks share the items (item i goes to rank i % world); each returns sums the caller adds up over the ranks.
 """
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from llmexp.evals.items import ChoiceItem, GenerateItem
 from llmexp.model.loss import IGNORE_INDEX
@@ -80,16 +80,13 @@ def choice_requests(tokenizer: Any, items: Sequence[ChoiceItem], indices: Sequen
 def _batch(requests: Sequence[Request], max_length: int, pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded input ids, their attention mask, and labels on the continuation tokens only. A sequence
     longer than `max_length` keeps its last `max_length` tokens (the context is cut from the left)."""
-    seqs = [(r.context + r.continuation)[-max_length:] for r in requests]
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    seqs = [torch.tensor((r.context + r.continuation)[-max_length:], dtype=torch.long) for r in requests]
+    ids = pad_sequence(seqs, batch_first=True, padding_value=pad_id)
+    mask = pad_sequence([torch.ones_like(seq) for seq in seqs], batch_first=True)
+    labels = torch.full_like(ids, IGNORE_INDEX)
     for row, (seq, req) in enumerate(zip(seqs, requests, strict=True)):
         n, k = len(seq), min(len(req.continuation), len(seq) - 1)
-        ids[row, :n] = torch.tensor(seq)
-        mask[row, :n] = 1
-        labels[row, n - k:n] = ids[row, n - k:n]
+        labels[row, n - k:n] = seq[n - k:]
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
