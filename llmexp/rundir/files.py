@@ -66,13 +66,10 @@ class DiskFull(RuntimeError):
 
 
 def disk_full_error(err: BaseException, path: Path) -> DiskFull | None:
-    """A DiskFull naming `path` if `err` (raised while writing under `path`) means the disk is full.
-
-    ENOSPC/EDQUOT say so directly; torch's zip writer turns them into a RuntimeError
-    ("unexpected pos", "file write failed"), so a failed write on a filesystem with almost no
-    space left (under FULL_DISK_FREE_BYTES) counts too. Call it before removing the partial
-    write, whose bytes are what filled the disk.
-    """
+    """A DiskFull naming `path` if `err` (raised while writing under `path`) means the disk is full: ENOSPC/EDQUOT
+    say so directly; torch's zip writer turns them into a RuntimeError ("unexpected pos", "file write failed"), so a
+    failed write on a filesystem with almost no space left (under FULL_DISK_FREE_BYTES) counts too. Call it before
+    removing the partial write, whose bytes are what filled the disk."""
     full = isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
     free_bytes = _free_bytes(path)
     if not full and not (free_bytes is not None and free_bytes < FULL_DISK_FREE_BYTES):
@@ -107,15 +104,12 @@ def fsync_path(path: Path) -> None:
 
 
 def fsync_tree(root: Path) -> None:
-    """fsync every file, then every directory bottom-up, so the whole tree is on disk (before a rename
-    publishes it: otherwise a crash could leave the new name pointing at files not yet written)."""
-    dirs: list[Path] = []
-    for dirpath, _, filenames in os.walk(root):
-        dirs.append(Path(dirpath))
+    """fsync every file and directory, bottom-up, so the whole tree is on disk (before a rename publishes it:
+    otherwise a crash could leave the new name pointing at files not yet written)."""
+    for dirpath, _, filenames in os.walk(root, topdown=False):
         for name in filenames:
             fsync_path(Path(dirpath) / name)
-    for directory in reversed(dirs):
-        fsync_path(directory)
+        fsync_path(Path(dirpath))
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -131,22 +125,15 @@ def _exchange(a: Path, b: Path) -> bool:
     return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
-def displace(path: Path) -> Path:
-    """Move `path` (a dir or a link, never followed) aside as `<name>.displaced-<ns>`."""
-    aside = path.with_name(f"{path.name}.displaced-{time.time_ns()}")
-    os.replace(path, aside)
-    return aside
-
-
 def replace_dir(tmp: Path, final: Path, *, aside: Path | None = None,
                 keep: Callable[[Path], bool] | None = None) -> None:
-    """Rename the finished directory `tmp` to `final`. An existing directory of that name is swapped out
-    atomically where the kernel can (renameat2), else renamed to `aside` first (default `.<name>.old-<pid>`;
-    put back if the second rename fails); then deleted. A symbolic link of that name, or a directory that
-    `keep` says is not ours to delete, is moved aside (`displace`), never followed nor deleted through."""
+    """Rename the finished directory `tmp` to `final`. An existing directory of that name is swapped out atomically
+    where the kernel can (renameat2), else renamed to `aside` first (default `.<name>.old-<pid>`; put back if the second
+    rename fails); then deleted. A symbolic link of that name, or a directory that `keep` says is not ours to delete, is
+    moved aside as `<name>.displaced-<ns>`, never followed nor deleted through."""
     tmp, final = Path(tmp), Path(final)
     if final.is_symlink() or (keep is not None and final.exists() and keep(final)):
-        displace(final)
+        os.replace(final, final.with_name(f"{final.name}.displaced-{time.time_ns()}"))
     if not final.exists():
         os.replace(tmp, final)
         return

@@ -173,9 +173,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def reader(fn: F) -> F:
-    """Give a registered reader its kind's duty: a missing file is None (an INPUT's is a UserError); a damaged
-    one is a UserError naming the file and line (INPUT), a miss with one info line (CACHE), or None with one
-    line saying what was skipped (RECORD)."""
+    """Give a registered reader its kind's duty on a damaged file (the module's docstring says each); a missing
+    file is None, an INPUT's a UserError."""
     name = _name_of(fn)
     entry = READERS.get(name)
     if entry is None or entry.duty is not None:
@@ -397,16 +396,14 @@ def check_fields(value: Any, spec: Any, finite: bool = False) -> tuple[Any, list
     problems: list[str] = []
 
     def fit(v: Any, s: Any, at: str) -> Any:
+        shape = type(s) if isinstance(s, list | dict) else None  # `[item]` takes a list, `{field: spec}` an object
+        if shape is not None and not isinstance(v, shape):
+            problems.append(f"{at or 'the file'} is {_name(v)}, not {_JSON_NAMES[shape]}")
+            return _OUT
         if isinstance(s, list):
-            if not isinstance(v, list):
-                problems.append(f"{at or 'the file'} is {_name(v)}, not a list")
-                return _OUT
             items = [fit(x, s[0], f"{at}[{i}]") for i, x in enumerate(v)]
             return [x for x in items if x is not _OUT]
         if isinstance(s, dict):
-            if not isinstance(v, dict):
-                problems.append(f"{at or 'the file'} is {_name(v)}, not an object")
-                return _OUT
             if missing := [k for k, f in s.items() if isinstance(f, Need) and k not in v]:
                 problems.append(f"{at or 'the file'} has no {missing[0]}")
                 return _OUT
