@@ -165,16 +165,16 @@ class SearchSweeper(_LaunchingSweeper):
         return exit_2_on_user_error(self._sweep, arguments)
 
     def _sweep(self, arguments: list[str]) -> Any:
-        from llmexp.sweep.search import SearchSettings, run_search
+        from llmexp.sweep.search import run_search
 
         overrides = self._parse(self.params, arguments)
         options = dict(self.settings)
-        settings = SearchSettings(options.pop("sampler"), SearchSweepConfig(**options))
-        self._prepare_launcher(settings)
+        sampler, search = options.pop("sampler"), SearchSweepConfig(**options)
+        self._prepare_launcher(search)
         self._save_config()
-        return run_search(self, overrides, settings)
+        return run_search(self, overrides, sampler, search)
 
-    def _prepare_launcher(self, settings: Any) -> None:
+    def _prepare_launcher(self, search: SearchSweepConfig) -> None:
         """The search needs one of llmexp's launchers, waiting for each batch, `parallel` trials at once."""
         from hydra_plugins.llmexp_launcher.llmexp_launcher import LocalLauncher, SlurmLauncher
         from llmexp.errors import UserError
@@ -187,5 +187,5 @@ class SearchSweeper(_LaunchingSweeper):
                             "the next ones; use cluster.wait=true (the default)")
         self.launcher.within_search = True
         if isinstance(self.launcher, LocalLauncher):  # CPU slots; with GPUs the launcher uses one per GPU
-            slots = max(int(self.launcher.settings.max_parallel), settings.search.parallel)
+            slots = max(int(self.launcher.settings.max_parallel), search.parallel)
             self.launcher.settings.max_parallel = slots

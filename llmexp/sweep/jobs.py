@@ -20,18 +20,24 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from llmexp.config.origin import origin_of
+from llmexp.config.security import check_config
 from llmexp.config.tree import register_resolvers
-from llmexp.errors import EXIT_USER
+from llmexp.errors import EXIT_USER, STATUS_EXIT, UserError
 from llmexp.rundir.files import write_json_atomic, write_text_atomic
-from llmexp.rundir.read import FINISHED, TrialResult, load_job_status, load_summary, sweep_exit_code
+from llmexp.rundir.lock import lock_run_dir, wait_for_lock
+from llmexp.rundir.read import FINISHED, TrialResult, load_job_status, load_overrides, load_summary, sweep_exit_code
+from llmexp.rundir.redact import scrub_overrides
 from llmexp.sweep.tracking import close_parent, open_parent
 
 T = TypeVar("T")
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
-
-    from hydra.core.utils import JobReturn
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +82,6 @@ class JobOutcome:
 def is_llmexp_config(config: Any) -> bool:
     """The composed config is llmexp's trainer config (it has `cluster` and `train` nodes), so the
     launchers add llmexp's extras: resume on requeue, `job_status.json`, the sweep report."""
-    from omegaconf import DictConfig
-
     return all(isinstance(config.get(key, None), DictConfig) for key in ("cluster", "train"))
 
 
@@ -92,8 +96,6 @@ def objective(config: Any) -> tuple[str | None, str]:
 def exit_2_on_user_error(action: Callable[..., T], *args: Any) -> T:
     """`action(*args)`, a user's mistake inside a launcher or sweeper (Hydra would print it as a traceback and
     exit 1) printed as one line and exit 2, as the CLI prints its own."""
-    from llmexp.errors import UserError
-
     try:
         return action(*args)
     except UserError as err:
@@ -109,8 +111,6 @@ def compose_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
     once to validate it), so the SLURM launcher leaves it to the node (`compose_job`); the job directory is then derived
     from the sweep config unless `hydra.sweep.subdir` names the overrides, which only a composition knows.
     """
-    from omegaconf import OmegaConf, open_dict
-
     global _launched
     _launched = True
     sweep_dir = Path(str(launcher.config.hydra.sweep.dir)).absolute()
@@ -130,8 +130,6 @@ def compose_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
 
 def job_dir_of(config: Any, num: int) -> Path:
     """Job `num`'s run directory: `hydra.sweep.dir` / `hydra.sweep.subdir` evaluated for that job."""
-    from omegaconf import OmegaConf, open_dict
-
     probe = config  # a job's composed config knows its number; the sweep's is given it on a copy
     if OmegaConf.select(config, "hydra.job.num", default=None) != num:
         probe = OmegaConf.create({"hydra": OmegaConf.to_container(config.hydra)})
@@ -143,11 +141,6 @@ def job_dir_of(config: Any, num: int) -> Path:
 def compose_job(launcher: Any, overrides: list[str], num: int) -> Any:
     """One job's config, as Hydra's basic launcher composes it; llmexp's own jobs then pass the CLI's security
     check (`security.check_config`, each problem named with its file) before anything runs or is written."""
-    from omegaconf import OmegaConf, open_dict
-
-    from llmexp.config.origin import origin_of
-    from llmexp.config.security import check_config
-
     loader = launcher.hydra_context.config_loader
     cfg = loader.load_sweep_config(launcher.config, overrides)
     with open_dict(cfg):
@@ -167,16 +160,11 @@ def run_status(job_dir: Path) -> str | None:
 
 def _enter(singleton_state: Any) -> None:
     """The launching process's Hydra state (config store, resolvers) in this process, as Hydra's launchers do."""
-    from hydra.core.singleton import Singleton
-    from hydra.core.utils import setup_globals
-
     Singleton.set_state(singleton_state)
     setup_globals()
 
 
 def _run_job(spec: JobSpec, task_function: Any, hydra_context: Any) -> JobReturn:
-    from hydra.core.utils import run_job
-
     return run_job(hydra_context=hydra_context, task_function=task_function, config=spec.config,
                    job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
 
@@ -189,8 +177,6 @@ def run_task(spec: JobSpec, task_function: Any, hydra_context: Any, singleton_st
 
 def failed_return(spec: JobSpec, message: str) -> JobReturn:
     """The JobReturn of a job that left none (killed, lost): FAILED, its value the error Hydra re-raises."""
-    from hydra.core.utils import JobReturn, JobStatus
-
     ret = JobReturn(overrides=spec.overrides, cfg=spec.config, working_dir=str(spec.job_dir), status=JobStatus.FAILED)
     ret.return_value = RuntimeError(message)
     return ret
@@ -201,11 +187,6 @@ def execute(spec: JobSpec, task_function: Any, hydra_context: Any, singleton_sta
 
     The CLI's security check and the job directory's lock come first, in the job's own process (local) or on its
     node (SLURM), before Hydra writes anything there; a refusal is this job's user error."""
-    from hydra.core.utils import JobStatus
-
-    from llmexp.config.security import check_config
-    from llmexp.errors import UserError
-    from llmexp.rundir.lock import lock_run_dir
     from llmexp.train.guarded import last_user_error, user_error_exit
 
     register_resolvers()
@@ -241,11 +222,6 @@ def ended_before(spec: JobSpec) -> JobOutcome | None:
     from an earlier launch of the sweep (whose launcher was killed) is waited for first: the run directory's lock
     says so. A directory that holds a job with other overrides belongs to another sweep, which is refused rather
     than mixed into this one's report."""
-    from llmexp.errors import STATUS_EXIT, UserError
-    from llmexp.rundir.lock import wait_for_lock
-    from llmexp.rundir.read import load_overrides
-    from llmexp.rundir.redact import scrub_overrides
-
     recorded = load_overrides(spec.job_dir)
     if not recorded:
         return None  # no earlier launch of this job (a lock held by anything else fails the job, as always)
@@ -311,8 +287,6 @@ def job_returns(specs: Sequence[JobSpec], outcomes: Sequence[JobOutcome]) -> lis
     """What Hydra expects back: one COMPLETED JobReturn per job, its value the job's exit code. Failures are
     reported by `finish_sweep` (report, summary line, exit code), not by raising the first job's exception from
     Hydra's sweeper, which would hide the others."""
-    from hydra.core.utils import JobReturn, JobStatus
-
     returns = []
     for spec, outcome in zip(specs, outcomes, strict=True):
         name = str(spec.config.hydra.job.name) if spec.config is not None else None

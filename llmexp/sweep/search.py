@@ -22,10 +22,10 @@ result is its task's return value (`returned_result`), nothing prunes, and no ll
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,15 +44,6 @@ if TYPE_CHECKING:
     from hydra.core.utils import JobReturn
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SearchSettings:
-    """The search sweeper's settings (`hydra.sweeper.*`, mapped from `sweep.*`)."""
-
-    sampler: str
-    """random or tpe."""
-    search: SearchSweepConfig
 
 
 # ----------------------------------------------------------------------------- the study
@@ -142,17 +133,19 @@ def _pruner(config: Any, search: SearchSweepConfig, llmexp_app: bool) -> Any:
     return optuna.pruners.NopPruner()
 
 
-def run_search(sweeper: Any, overrides: Sequence[Any], settings: SearchSettings) -> list[Sequence[JobReturn]]:
-    """The search sweeper's `sweep`: resume the interrupted trials, then ask, launch and tell until done, or until
-    Ctrl-C, wherever it lands: the launcher stops the running trials, and an optuna write ends whole first."""
+def run_search(sweeper: Any, overrides: Sequence[Any], sampler_name: str, search: SearchSweepConfig
+               ) -> list[Sequence[JobReturn]]:
+    """The search sweeper's `sweep` (its settings: `hydra.sweeper.*`, mapped from `sweep.*`; `sampler_name`: random
+    or tpe): resume the interrupted trials, then ask, launch and tell until done, or until Ctrl-C, wherever it lands:
+    the launcher stops the running trials, and an optuna write ends whole first."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    config, search = sweeper.config, settings.search
+    config = sweeper.config
     space, fixed = search_space(overrides)
     sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
     metric, direction = objective(config)
-    sampler = make_sampler(settings.sampler, search.seed, search.n_trials)
+    sampler = make_sampler(sampler_name, search.seed, search.n_trials)
     with StopRequest():  # optuna's writes end whole
         study = open_study(sweep_dir, space, fixed, sampler, _pruner(config, search, metric is not None),
                            metric or "returned", direction)
@@ -165,7 +158,7 @@ def run_search(sweeper: Any, overrides: Sequence[Any], settings: SearchSettings)
                 for params in grid:
                     study.enqueue_trial(params)
     if study.trials:  # a rerun: a sampler seeded as the first run's would propose that run's points again
-        study.sampler = make_sampler(settings.sampler, search.seed + len(study.trials), search.n_trials)
+        study.sampler = make_sampler(sampler_name, search.seed + len(study.trials), search.n_trials)
     returns: list[Sequence[JobReturn]] = []
     resumed = [optuna.trial.Trial(study, frozen._trial_id)  # the storage's id: optuna has no public lookup
                for frozen in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))]
@@ -203,13 +196,8 @@ def _ended(study: Any) -> int:
 
 def _contiguous(trials: Sequence[optuna.Trial]) -> list[list[optuna.Trial]]:
     """Runs of consecutive trial numbers: a launch numbers its jobs from one index on."""
-    runs: list[list[optuna.Trial]] = []
-    for trial in sorted(trials, key=lambda t: t.number):
-        if runs and runs[-1][-1].number + 1 == trial.number:
-            runs[-1].append(trial)
-        else:
-            runs.append([trial])
-    return runs
+    ordered = enumerate(sorted(trials, key=lambda t: t.number))  # in a run, number - position is the same
+    return [[t for _, t in run] for _, run in itertools.groupby(ordered, key=lambda it: it[1].number - it[0])]
 
 
 def _run_batch(sweeper: Any, study: Any, batch: list[optuna.Trial], sweep_dir: Path,

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import submitit
+from hydra.core.singleton import Singleton
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from llmexp.config.tree import register_resolvers
@@ -115,8 +116,6 @@ class SlurmJob(submitit.helpers.Checkpointable):
         requeue_handler = signal.getsignal(signal.SIGUSR2)  # submitit's, installed before this call
         env = submitit.JobEnvironment()
         if self.spec.config is None:  # composed here, not at submission (see compose_jobs)
-            from hydra.core.singleton import Singleton
-
             Singleton.set_state(self.singleton_state)
             register_resolvers()
             self.spec = replace(self.spec, config=compose_job(self.launcher, self.spec.overrides, self.spec.num))
@@ -208,8 +207,6 @@ def _requeue_or_stop(outcome: JobOutcome, requeue_handler: Any) -> JobOutcome:
 
 def launch_slurm(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list:
     """Hydra's `launch` for `hydra/launcher=llmexp_slurm`: submit every job as one array, then wait or return."""
-    from hydra.core.singleton import Singleton
-
     settings, extras = launcher.settings, is_llmexp_config(launcher.config)
     if shutil.which("sbatch") is None:
         raise UserError("cluster=slurm needs SLURM's sbatch on PATH; run on a SLURM login node, or start a "
