@@ -20,6 +20,7 @@ Exit codes: 0 the table was shown, 2 DIR is neither a run nor a sweep directory.
 from __future__ import annotations
 
 import argparse
+import getpass
 import math
 import shutil
 import signal
@@ -79,8 +80,6 @@ def scheduler_states(job_ids: list[str], timeout_s: float = SCHEDULER_TIMEOUT_S)
     command did not answer in time, '' when neither knows the id; {} without SLURM."""
     if not job_ids or shutil.which("squeue") is None:
         return {}
-    import getpass
-
     commands = [["squeue", "-h", "-r", "-u", getpass.getuser(), "-o", "%i|%T"]]
     if shutil.which("sacct") is not None:
         commands.append(["sacct", "-n", "-P", "-X", "-S", "1970-01-01", "-o", "JobID,State", "-j", ",".join(job_ids)])
@@ -209,10 +208,6 @@ def _fmt(value: float | None) -> str:
     return "–" if value is None else f"{value:.4g}"
 
 
-def _duration(seconds: float | None) -> str:
-    return "–" if seconds is None else format_duration(seconds)
-
-
 def render(path: Path, table: list[Row], width: int = 160) -> str:
     """The table as text: a heading with the counts per status, then one line per job."""
     counts = Counter(r.status for r in table)
@@ -220,7 +215,8 @@ def render(path: Path, table: list[Row], width: int = 160) -> str:
     head = ["job", "overrides", "status", "step", "loss", "eval", "best", "eta"] + (["slurm"] if slurm else [])
     cells = [[r.job, r.overrides or "–", r.status,
               f"{r.step if r.step is not None else '–'}/{r.max_steps if r.max_steps is not None else '–'}",
-              _fmt(r.loss), _fmt(r.eval_loss), _fmt(r.best_eval), _duration(r.eta_s)]
+              _fmt(r.loss), _fmt(r.eval_loss), _fmt(r.best_eval),
+              "–" if r.eta_s is None else format_duration(r.eta_s)]
              + ([f"{r.slurm_id or '–'} {r.slurm_state or ''}".strip()] if slurm else []) for r in table]
     widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(head)]
     spare = width - sum(widths) - 2 * (len(widths) - 1)
