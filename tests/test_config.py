@@ -233,3 +233,14 @@ def test_the_reference_describes_every_key_from_its_field() -> None:
     assert (docs["logger.tags"].type, docs["optimizer.betas"].default) == ("list[str]", [0.9, 0.999])
     assert docs["eval.generate.<name>.max_new_tokens"].rule == "must be in [1, 4096]"
 
+
+
+@pytest.mark.parametrize(("overrides", "key"), [(["data=hf", "data.path="], "data.path"),
+                                                (["data=json", "data.train_file="], "data.train_file")])
+def test_an_empty_data_source_is_one_message(overrides: list[str], key: str, tmp_path: Path) -> None:
+    """The key's own rule says it must not be empty; the check that the data option needs the key must not say a
+    second time that it is missing."""
+    with pytest.raises(ConfigError) as err:
+        validate(compose(overrides, tmp_path))
+    assert str(err.value).count(f"{key}:") == 1, str(err.value)
+    assert f"{key}: must not be empty" in str(err.value)

@@ -182,9 +182,9 @@ def _value_errors(cfg: DictConfig) -> list[str]:
     m, d = cfg.model, cfg.data
     _check(errors, not d.finetune_only or bool(m.name_or_path), "model.name_or_path",
            f"data={d.name} fine-tunes an earlier model; set model.name_or_path=outputs/<date>/<time>/model")
-    _check(errors, d.name not in ("json", "text") or bool(d.train_file), "data.train_file",
+    _check(errors, d.name not in ("json", "text") or bool(d.train_file) or "data.train_file" in bad, "data.train_file",
            f"data={d.name} needs a training file; set data.train_file=path/to/train.jsonl")
-    _check(errors, d.name != "hf" or bool(d.path) or bool(d.mix), "data.path",
+    _check(errors, d.name != "hf" or bool(d.path) or bool(d.mix) or "data.path" in bad, "data.path",
            "data=hf needs a dataset: a hub id, a save_to_disk directory, or data.path=parquet with data.data_files "
            "(or several with data.mix=[{path: ..., weight: ...}, ...])")
     _validate_mix(d, errors)
