@@ -145,16 +145,12 @@ def _lower_lr(lr: float) -> str:
 
 
 def _nan_advice(settings: MonitorSettings) -> str:
-    parts = []
     if settings.max_grad_norm <= 0:
-        parts.append("Turn gradient clipping on (train.max_grad_norm=1.0; 0.5 if it keeps exploding)")
+        clip = "Turn gradient clipping on (train.max_grad_norm=1.0; 0.5 if it keeps exploding)"
     else:
-        parts.append(f"Check that clipping is working (train.max_grad_norm={settings.max_grad_norm:g}; try 0.5)")
-    if settings.precision == "fp16":
-        parts.append("switch FP16 to BF16 (precision=bf16) if the hardware has it")
-    parts.append(_lower_lr(settings.lr))
-    parts.append("check the data for abnormal or empty examples")
-    return "; ".join(parts) + "."
+        clip = f"Check that clipping is working (train.max_grad_norm={settings.max_grad_norm:g}; try 0.5)"
+    fp16 = ["switch FP16 to BF16 (precision=bf16) if the hardware has it"] if settings.precision == "fp16" else []
+    return "; ".join([clip, *fp16, _lower_lr(settings.lr), "check the data for abnormal or empty examples"]) + "."
 
 
 # ----- detectors: each yields its findings about a history -----------------------------------
