@@ -13,13 +13,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
+from llmexp.errors import EXIT_ERROR, EXIT_OK, EXIT_USER
 from llmexp.monitor.detectors import is_open
 from llmexp.report.findings import finding_state, run_findings
 from llmexp.report.run import write_run_report
 from llmexp.rundir.files import unwritable
 from llmexp.rundir.read import is_run_dir, is_sweep_dir, load_records, load_summary
 
-EXIT_HEALTHY, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
 _COLOURS = {"error": "\033[31m", "warning": "\033[33m", "info": "\033[36m", "ok": "\033[32m"}
 _RESET, _BOLD = "\033[0m", "\033[1m"
 
@@ -29,12 +29,9 @@ Paint = Callable[[str, str], str]
 
 def _painter(stream: TextIO) -> Paint:
     """Colour text for a terminal; plain text for pipes, files and NO_COLOR."""
-    use = stream.isatty() and not os.environ.get("NO_COLOR")
-
-    def paint(text: str, style: str) -> str:
-        return f"{_COLOURS.get(style, _BOLD)}{text}{_RESET}" if use else text
-
-    return paint
+    if not stream.isatty() or os.environ.get("NO_COLOR"):
+        return lambda text, style: text
+    return lambda text, style: f"{_COLOURS.get(style, _BOLD)}{text}{_RESET}"
 
 
 def format_findings(findings: list[dict], paint: Paint = lambda text, style: text) -> str:
@@ -66,14 +63,14 @@ def diagnose_run(run_dir: Path) -> tuple[int, str]:
     counts = {s: sum(f["severity"] == s and is_open(f) for f in findings) for s in ("error", "warning", "info")}
     verdict = ", ".join(f"{n} {s}" for s, n in counts.items())
     text = "\n".join([header, format_findings(findings, paint), f"{verdict}; {wrote}"])
-    return (EXIT_ERRORS if counts["error"] else EXIT_HEALTHY), text
+    return (EXIT_ERROR if counts["error"] else EXIT_OK), text
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or args[0] in ("-h", "--help"):
         print(__doc__.strip(), file=sys.stderr)
-        return EXIT_USAGE
+        return EXIT_USER
     run_dir = Path(args[0])
     if not run_dir.is_dir() or not is_run_dir(run_dir):
         hint = (" It is a sweep directory: use `python -m llmexp.report " + str(run_dir) + "`, or give one job's "
@@ -81,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             " Give the directory of one run (outputs/<date>/<time>-<pid>), which holds metrics.jsonl."
         print(f"llmexp.doctor: error: {run_dir} is not a run directory (no metrics.jsonl, summary.json "
               f"or .hydra/config.yaml).{hint}", file=sys.stderr)
-        return EXIT_USAGE
+        return EXIT_USER
     sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]  # (a directory named in bytes)
     code, text = diagnose_run(run_dir)
     print(text)

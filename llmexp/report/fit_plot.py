@@ -40,11 +40,6 @@ def _loss_panel(ax: Any, sizes: list[dict], colours: list[Any]) -> None:
     ax.legend(fontsize=7)
 
 
-def _span(sizes: list[dict], target: dict | None) -> np.ndarray:
-    ns = [s["params"] for s in sizes] + ([target["params"]] if target else [])
-    return np.geomspace(min(ns) / 2, max(ns) * 2, 80)
-
-
 def _against_size(ax: Any, result: dict, ns: np.ndarray, law: str, ylabel: str, title: str) -> None:
     """DeepSeek LLM's `law` at C ~ 6 N D (D: the jobs' median tokens seen), on log-log axes against the size."""
     tokens = float(np.median([s["tokens_seen"] for s in result["sizes"]]))
@@ -55,9 +50,8 @@ def _against_size(ax: Any, result: dict, ns: np.ndarray, law: str, ylabel: str, 
     ax.legend(fontsize=7)
 
 
-def _lr_panel(ax: Any, result: dict, seed_lr: Callable[[float], float] | None) -> None:
+def _lr_panel(ax: Any, result: dict, ns: np.ndarray, seed_lr: Callable[[float], float] | None) -> None:
     sizes, law, target = result["sizes"], result["lr_law"], result["target"]
-    ns = _span(sizes, target)
     with_best = [s for s in sizes if s["best_lr"] is not None]
     # (a noisy size's bootstrap interval may lie to one side of its vertex: the bar then stops at the vertex)
     lo = [max(0.0, s["best_lr"] - s["interval"][0]) if s["interval"] else 0.0 for s in with_best]
@@ -79,9 +73,8 @@ def _lr_panel(ax: Any, result: dict, seed_lr: Callable[[float], float] | None) -
     _against_size(ax, result, ns, "lr", "best lr", "best lr vs size" + (" (muP)" if result["mup"] else ""))
 
 
-def _batch_panel(ax: Any, result: dict) -> None:
+def _batch_panel(ax: Any, result: dict, ns: np.ndarray) -> None:
     sizes, law = result["sizes"], result["batch_law"]
-    ns = _span(sizes, None)
     swept = [s for s in sizes if s["batch"] and s["batch"]["best_batch_tokens"] is not None]
     ax.plot([s["params"] for s in swept], [s["batch"]["best_batch_tokens"] for s in swept], "o", color="#ff7f0e",
             label="best batch (vertex)")
@@ -99,8 +92,10 @@ def plot_fit(result: dict, path: Path, seed_lr: Callable[[float], float] | None)
     caption = textwrap.wrap(CAPTION.format(tokens=tokens), 150 if with_batch else 120)
     colours = [_pyplot().get_cmap("viridis")(i / max(1, len(sizes) - 1) * 0.9) for i in range(len(sizes))]
     title = "lr fit: " + ", ".join(Path(d).name for d in result["sweep_dirs"])
+    counts = [s["params"] for s in sizes] + ([result["target"]["params"]] if result["target"] else [])
+    ns = np.geomspace(min(counts) / 2, max(counts) * 2, 80)  # the sizes against which the laws are drawn
     with figure(path, title, (1, 3 if with_batch else 2), (5.2, 4.6), caption) as axes:
         _loss_panel(axes[0], sizes, colours)
-        _lr_panel(axes[1], result, seed_lr)
+        _lr_panel(axes[1], result, ns, seed_lr)
         if with_batch:
-            _batch_panel(axes[2], result)
+            _batch_panel(axes[2], result, ns)

@@ -17,6 +17,7 @@ import numpy as np
 from llmexp.report.findings import finding_state
 from llmexp.rundir.files import atomic_file
 from llmexp.rundir.read import FINISHED
+from llmexp.rundir.task_metrics import task_history, task_records
 
 SEVERITY_COLOURS = {"error": "#d62728", "warning": "#ff7f0e", "info": "#7f7f7f"}
 GRAD_BAND = (0.5, 2.0)  # the seed's healthy grad-norm band
@@ -130,6 +131,27 @@ def _grad_panel(ax: Any, records: list[dict], max_grad_norm: float | None) -> No
     ax.legend(loc="upper right", fontsize=8)
 
 
+def _tasks_panel(ax: Any, records: list[dict]) -> None:
+    """Every task metric against the step: scores in [0, 1] on the left axis, losses on a right one."""
+    twin = None
+    for task, points in task_history(records).items():
+        steps = [s for s, _ in points]
+        for metric in points[-1][1]:
+            if metric == "ppl":
+                continue  # the loss says the same, on a readable scale
+            if metric == "loss":
+                twin = twin or ax.twinx()
+            (twin if metric == "loss" else ax).plot(steps, [m.get(metric) for _, m in points], marker="o", ms=3,
+                                                    ls="--" if metric == "loss" else "-", label=f"{task}/{metric}")
+    ax.set_title("tasks (scores; dashed: loss, right axis)", fontsize=10)
+    handles, labels = ax.get_legend_handles_labels()
+    if twin is not None:
+        more = twin.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    if handles:
+        ax.legend(handles, labels, fontsize=7, loc="best")
+
+
 def _mark_events(axes: list[Any], records: list[dict], findings: list[dict]) -> None:
     """Vertical lines at findings (coloured by severity, numbered on the loss panel) and at rollbacks/resumes."""
     for ax in axes:
@@ -169,9 +191,6 @@ def plot_run(records: list[dict], findings: list[dict], path: Path, title: str =
     the task metrics when the run scored tasks (`eval`)."""
     from matplotlib.ticker import MaxNLocator
 
-    from llmexp.report.task_section import tasks_panel
-    from llmexp.rundir.task_metrics import task_records
-
     with_tasks = bool(task_records(records))
     worst = next((s for s in ("error", "warning", "info") if any(f["severity"] == s for f in findings)), None)
     title += f"  ·  {len(findings)} finding(s)" + (f", worst: {worst}" if worst else "")
@@ -180,7 +199,7 @@ def plot_run(records: list[dict], findings: list[dict], path: Path, title: str =
                 sharex=True) as axes:
         panels = axes[:5] if with_tasks else axes
         if with_tasks:
-            tasks_panel(axes[4], records)
+            _tasks_panel(axes[4], records)
             axes[5].axis("off")
         _loss_panel(axes[0], records)
         _grad_panel(axes[1], records, max_grad_norm)
@@ -211,16 +230,16 @@ def _ordered(values: set[str]) -> list[str]:
 
 def _colour_map(values: list[str]) -> dict[str, Any]:
     """A colour per swept value: a (log-)continuous scale for numbers, a qualitative one otherwise."""
+    from matplotlib.colors import LogNorm, Normalize
+
     plt = _pyplot()
     distinct = _ordered(set(values))
     nums = [_as_float(v) for v in distinct]
     if len(distinct) > 1 and all(n is not None for n in nums):
         lo, hi = min(nums), max(nums)  # type: ignore[type-var]
-        use_log = lo > 0 and hi / lo >= 10  # type: ignore[operator]
-        pos = [(math.log(n) - math.log(lo)) / (math.log(hi) - math.log(lo)) if use_log  # type: ignore[arg-type]
-               else (n - lo) / (hi - lo) for n in nums]  # type: ignore[operator]
+        norm = LogNorm(lo, hi) if lo > 0 and hi / lo >= 10 else Normalize(lo, hi)  # type: ignore[operator]
         cmap = plt.get_cmap("plasma")
-        return {v: cmap(0.05 + 0.8 * p) for v, p in zip(distinct, pos, strict=True)}
+        return {v: cmap(0.05 + 0.8 * float(norm(n))) for v, n in zip(distinct, nums, strict=True)}
     cmap = plt.get_cmap("tab10")
     return {v: cmap(i % 10) for i, v in enumerate(distinct)}
 

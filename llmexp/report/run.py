@@ -1,11 +1,5 @@
-"""The run report (report.md, curves.png): a pure function of what a run directory holds, so it works
-after the fact (`python -m llmexp.report RUN_DIR`, see `llmexp.report.__main__`).
-
-A run directory has `metrics.jsonl` / `summary.json` / `.hydra/`; a sweep directory has
-`multirun.yaml` or job subdirectories (`0/`, `1/`, ...). Reading a run directory lives in
-`llmexp.rundir.read`, plots in `llmexp.report.plots`, the sweep report in `llmexp.report.sweep`.
-Exit codes: 0 written, 1 a sweep with failed or unfinished jobs, 2 not a run or sweep directory.
-"""
+"""The run report (report.md, curves.png): a pure function of what a run directory holds (read through
+`llmexp.rundir.read`), so it works after the fact (`python -m llmexp.report RUN_DIR`)."""
 
 from __future__ import annotations
 
@@ -16,11 +10,10 @@ from typing import Any
 from llmexp.monitor.detectors import ERROR, Finding, is_open, worst_severity
 from llmexp.report.findings import finding_state, run_findings
 from llmexp.report.formats import fmt, fmt_rate, md_cell, md_table
-from llmexp.report.task_section import tasks_markdown
 from llmexp.rundir.files import write_text_atomic
 from llmexp.rundir.read import last_value, load_config, load_overrides, load_records, load_summary
+from llmexp.rundir.task_metrics import task_history, task_records
 
-# ----- the run report ----------------------------------------------------------------------------
 
 def _key_metrics(records: list[dict], summary: dict) -> list[tuple[str, str]]:
     evals = [(r["step"], r["eval_loss"]) for r in records if r.get("event") == "eval"
@@ -113,6 +106,46 @@ def samples_markdown(records: list[dict]) -> str:
     rows = [[md_cell(a["prompt"]), md_cell(a["completion"])] + ([md_cell(b["completion"])] if both else [])
             for a, b in zip(first["samples"], last["samples"], strict=False)]
     return "## Samples\n\n" + "\n".join(md_table(header, rows)) + "\n"
+
+
+SHOWN_STEPS = 12
+"""Columns of a task's table at most: the first, the last and evenly spaced steps between."""
+
+
+def _steps_shown(steps: list[int]) -> list[int]:
+    if len(steps) <= SHOWN_STEPS:
+        return steps
+    picks = {round(i * (len(steps) - 1) / (SHOWN_STEPS - 1)) for i in range(SHOWN_STEPS)}
+    return [steps[i] for i in sorted(picks)]
+
+
+def tasks_markdown(records: list[dict]) -> str:
+    """## Tasks: for each task, one row per metric and one column per eval step (and a generation task's
+    examples at its last eval); empty when the run scored no task."""
+    history = task_history(records)
+    if not history:
+        return ""
+    kinds = {r["task"]: r.get("kind", "") for r in task_records(records)}
+    parts = ["## Tasks\n"]
+    for task, points in history.items():
+        by_step = dict(points)
+        steps = _steps_shown(list(by_step))
+        metrics = list(points[-1][1])
+        parts.append(f"**{task}** ({kinds.get(task, '')}), by eval step: `tasks/{task}/<metric>`\n")
+        rows = md_table(["metric", *(f"step {s}" for s in steps)],
+                        ([m, *(fmt(by_step[s].get(m), 4) for s in steps)] for m in metrics))
+        parts.append("\n".join(rows) + "\n")
+        parts.append(_examples(records, task))
+    return "\n".join(p for p in parts if p)
+
+
+def _examples(records: list[dict], task: str) -> str:
+    last = next((r for r in reversed(task_records(records)) if r["task"] == task and r.get("examples")), None)
+    if last is None:
+        return ""
+    rows = md_table(["prompt", "completion", "target"],
+                    ([md_cell(e["prompt"]), md_cell(e["completion"]), md_cell(e["target"])] for e in last["examples"]))
+    return "\n".join([f"Examples at step {last['step']}:\n", *rows]) + "\n"
 
 
 def _table(rows: list[tuple[str, str]], what: str) -> str:

@@ -69,10 +69,6 @@ def _space(trials: list[Any]) -> dict[str, str]:
     return space
 
 
-def _last_step(intermediate: dict[int, float]) -> int | None:
-    return max(intermediate) if intermediate else None
-
-
 def trial_rows(study: Any, jobs_by_name: dict[str, dict]) -> list[dict[str, Any]]:
     """One row per trial, in trial order: params, state, value, best so far, steps trained, where a pruned
     trial stopped and a failed one's reason, and its eval curve (the intermediate values pruning saw)."""
@@ -89,10 +85,11 @@ def trial_rows(study: Any, jobs_by_name: dict[str, dict]) -> list[dict[str, Any]
             best = min(best, sign * value)
         job = jobs_by_name.get(str(trial.number), {})
         curve = sorted((int(step), float(v)) for step, v in trial.intermediate_values.items())
+        # steps trained: the job's, else the last step pruning saw
+        steps = job.get("step") if isinstance(job.get("step"), int) else curve[-1][0] if curve else None
         stopped = trial.user_attrs.get("stopped_step")
         if state == PRUNED and not isinstance(stopped, int):
-            stopped = job.get("step") if isinstance(job.get("step"), int) else _last_step(dict(curve))
-        steps = job.get("step") if isinstance(job.get("step"), int) else _last_step(dict(curve))
+            stopped = steps
         rows.append({"number": trial.number, "params": dict(trial.params), "state": state, "value": value,
                      "best_so_far": sign * best if math.isfinite(best) else None, "steps": steps or 0,
                      "stopped_step": stopped if state == PRUNED else None,

@@ -1,9 +1,5 @@
-"""The sweep report: one table, one recommendation and one plot over a sweep's job directories.
-
-    python -m llmexp.report SWEEP_DIR    # sweep_summary.json, sweep_report.md, sweep_curves.png
-                                         # (+ sweep_search.png for sweep=random|tpe)
-
-Reads each job directory with the loaders of `llmexp.rundir.read`, as the run report does, and a search's
+"""The sweep report (`python -m llmexp.report SWEEP_DIR`): one table, one recommendation and one plot over a
+sweep's job directories, read with the loaders of `llmexp.rundir.read` as the run report does, and a search's
 optuna study with `llmexp.report.search`. Works at any time, also in the middle of a sweep.
 """
 
@@ -14,6 +10,7 @@ import json
 import logging
 import math
 import statistics
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -191,9 +188,7 @@ def write_sweep_report(sweep_dir: Path) -> dict[str, Any]:
     jobs = [collect_job(d) for d in job_dirs(sweep_dir)]
     study, search_error = load_study(sweep_dir)
     search = search_summary(sweep_dir, study, jobs) if study is not None else None  # marks running jobs
-    counts: dict[str, int] = {}
-    for j in jobs:
-        counts[j["status"]] = counts.get(j["status"], 0) + 1
+    counts = dict(Counter(j["status"] for j in jobs))
     varying = varying_params(jobs)
     rec = recommend(jobs, varying)
     summary = {"sweep_dir": str(sweep_dir), "num_jobs": len(jobs), "status_counts": counts,
