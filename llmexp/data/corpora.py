@@ -175,10 +175,9 @@ def read_json_records(path: Path) -> list[Record]:
 
 def split_records(records: list[Record], eval_fraction: float) -> tuple[list[Record], list[Record]]:
     """Hold out records by a hash of their content (stable under reordering of the file)."""
-    keys = [f"{i}:{json.dumps(r, sort_keys=True)}" for i, r in enumerate(records)]
-    held = set(split_by_hash(keys, eval_fraction)[1])
-    return [r for k, r in zip(keys, records, strict=True) if k not in held], \
-           [r for k, r in zip(keys, records, strict=True) if k in held]
+    by_key = {f"{i}:{json.dumps(r, sort_keys=True)}": r for i, r in enumerate(records)}
+    train_keys, eval_keys = split_by_hash(list(by_key), eval_fraction)
+    return [by_key[k] for k in train_keys], [by_key[k] for k in eval_keys]
 
 
 def split_text(texts: list[str], eval_fraction: float) -> tuple[list[str], list[str]]:
@@ -304,12 +303,11 @@ def stdlib_corpus(d: Any) -> Corpus:
 
 
 def user_corpus(d: Any) -> Corpus:
-    if d.name == "text":
-        train_files = text_files(d.train_file, "data.train_file")
-        eval_files = text_files(d.eval_file, "data.eval_file") if d.eval_file else []
-    else:
-        train_files = [require_file(d.train_file, "data.train_file")]
-        eval_files = [require_file(d.eval_file, "data.eval_file")] if d.eval_file else []
+    def files(spec: str, key: str) -> list[Path]:
+        return text_files(spec, key) if d.name == "text" else [require_file(spec, key)]
+
+    train_files = files(d.train_file, "data.train_file")
+    eval_files = files(d.eval_file, "data.eval_file") if d.eval_file else []
     fp = {"kind": d.name, "train": [file_sha256(f) for f in train_files], "eval": [file_sha256(f) for f in eval_files],
           "eval_fraction": None if eval_files else d.eval_fraction, "max_examples": d.max_examples}
 

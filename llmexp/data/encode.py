@@ -46,18 +46,14 @@ def _chat_spans(messages: list[dict[str, str]], tok: Any) -> tuple[str, Spans]:
 
 
 def _plain_spans(messages: list[dict[str, str]], eos: str) -> tuple[str, Spans]:
-    parts: list[str] = []
-    spans: Spans = []
-    pos = 0
+    text, spans = "", []
     for msg in messages:
-        header, content = PLAIN_ROLE_HEADERS[msg["role"]], msg["content"]
-        end = eos if msg["role"] == "assistant" else ""
-        piece = f"{header}{content}{end}\n\n"
+        header, end = PLAIN_ROLE_HEADERS[msg["role"]], eos if msg["role"] == "assistant" else ""
         if msg["role"] == "assistant":
-            spans.append((pos + len(header), pos + len(header) + len(content) + len(end)))
-        parts.append(piece)
-        pos += len(piece)
-    return "".join(parts), spans
+            start = len(text) + len(header)
+            spans.append((start, start + len(msg["content"]) + len(end)))
+        text += f"{header}{msg['content']}{end}\n\n"
+    return text, spans
 
 
 def render(rec: Record, tok: Any) -> tuple[str, Spans, bool]:

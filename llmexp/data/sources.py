@@ -13,18 +13,18 @@ from llmexp.data.corpora import Corpus, Record, stdlib_corpus, user_corpus
 from llmexp.data.hub import hf_corpus
 from llmexp.errors import UserError
 
+CORPORA = {"stdlib": stdlib_corpus, "stdlib_sft": stdlib_corpus, "json": user_corpus, "text": user_corpus,
+           "hf": hf_corpus}
+"""The corpus of each `data.name`."""
+
 
 def load_corpora(d: Any) -> list[Corpus]:
     """One corpus per source: each `data.mix` entry, or the one corpus `data.name` names."""
     if d.name == "hf" and d.mix:
         return [hf_corpus(mix_source(d, i)) for i in range(len(d.mix))]
-    if d.name in ("stdlib", "stdlib_sft"):
-        return [stdlib_corpus(d)]
-    if d.name in ("json", "text"):
-        return [user_corpus(d)]
-    if d.name == "hf":
-        return [hf_corpus(d)]
-    raise UserError(f"data.name={d.name!r} is not one of stdlib, stdlib_sft, json, text, hf")
+    if d.name not in CORPORA:
+        raise UserError(f"data.name={d.name!r} is not one of {', '.join(CORPORA)}")
+    return [CORPORA[d.name](d)]
 
 
 def load_corpus(d: Any) -> Corpus:

@@ -124,7 +124,7 @@ class StreamDataset:
         self._rewind(lo)
         while self._starts[-1].examples < hi:
             self._read_window()
-        self._step = _gather(self._overlapping(lo, hi), self.spec.pad_id)
+        self._step = self._examples(lo, hi)
         self._forget_before(lo)
         return np.arange(global_batch_size, dtype=np.int64)
 
@@ -221,20 +221,26 @@ class StreamDataset:
         carry_masks = [x.astype(int).tolist() for x in np.split(arrays["mask"][a:], cuts)]
         return _take(arrays, rows - 1, self.spec.pad_id), carry, carry_masks
 
-    def _overlapping(self, lo: int, hi: int) -> list[tuple[TokenDataset, int, int]]:
-        """(rows, first, end) of every kept window, clipped to examples [lo, hi)."""
-        parts = []
-        for first, rows in self._windows:
-            a, b = max(lo, first), min(hi, first + len(rows))
-            if a < b:
-                parts.append((rows, a - first, b - first))
-        return parts
+    def _examples(self, lo: int, hi: int) -> TokenDataset:
+        """Examples [lo, hi) of the kept windows, in order, as one TokenDataset (a step's global batch)."""
+        clipped = [(rows, max(lo, first) - first, min(hi, first + len(rows)) - first) for first, rows in self._windows]
+        parts = [(rows, a, b) for rows, a, b in clipped if a < b]
+
+        def cat(name: str) -> np.ndarray | None:
+            if getattr(parts[0][0], name) is None:
+                return None
+            return np.concatenate([getattr(ds, name)[ds.offsets[a]:ds.offsets[b]] for ds, a, b in parts])
+
+        lengths = np.concatenate([np.diff(ds.offsets[a:b + 1]) for ds, a, b in parts])
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        targets = np.concatenate([ds.row_targets[a:b] for ds, a, b in parts])
+        return TokenDataset(cat("ids"), offsets, cat("mask"), cat("positions"), targets, self.spec.pad_id)
 
     def _forget_before(self, lo: int) -> None:
         """Drop rows and window starts that no step from `lo` on can need."""
         self._windows = [(f, r) for f, r in self._windows if f + len(r) > lo]
-        keep = [i for i in range(len(self._starts)) if i + 1 == len(self._starts) or self._starts[i + 1].examples > lo]
-        self._starts = [self._starts[i] for i in keep]
+        self._starts = [s for s, after in zip(self._starts, [*self._starts[1:], None], strict=True)
+                        if after is None or after.examples > lo]
 
 
 # ---------------------------------------------------------------- rows
@@ -247,19 +253,6 @@ def _take(arrays: dict[str, np.ndarray], rows: int, pad_id: int) -> TokenDataset
     return TokenDataset(arrays["ids"][:end], arrays["offsets"][: rows + 1],
                         mask[:end] if mask is not None else None, positions[:end] if positions is not None else None,
                         arrays["row_targets"][:rows], pad_id)
-
-
-def _gather(parts: list[tuple[TokenDataset, int, int]], pad_id: int) -> TokenDataset:
-    """Rows [a, b) of each part, in order, as one TokenDataset (a step's global batch)."""
-    def cat(name: str) -> np.ndarray | None:
-        if getattr(parts[0][0], name) is None:
-            return None
-        return np.concatenate([getattr(ds, name)[ds.offsets[a]:ds.offsets[b]] for ds, a, b in parts])
-
-    lengths = np.concatenate([np.diff(ds.offsets[a:b + 1]) for ds, a, b in parts])
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    targets = np.concatenate([ds.row_targets[a:b] for ds, a, b in parts])
-    return TokenDataset(cat("ids"), offsets, cat("mask"), cat("positions"), targets, pad_id)
 
 
 # ---------------------------------------------------------------- build
