@@ -35,14 +35,11 @@ LSE_SLICE_VALUES = 1 << 19
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """sum over rows of cross_entropy(hidden @ weight.T, targets), with the gradients made in forward.
-
-    d loss / d logits = softmax - one_hot, so the gradients are made right after the loss and the
-    logits are dropped; backward only scales them by the incoming scalar (the trainer's 1 / target
-    count). The matmuls run in `compute_dtype` (the autocast dtype), as autocast would run them; the
-    loss is logsumexp - target logit in fp32, and the softmax is computed in fp32 and stored in
-    `compute_dtype` (where autograd's path would round the same gradient to it anyway).
-    """
+    """sum over rows of cross_entropy(hidden @ weight.T, targets), with the gradients made in forward (module
+    docstring): backward only scales them by the incoming scalar (the trainer's 1 / target count). The matmuls
+    run in `compute_dtype` (the autocast dtype), as autocast would run them; the loss is logsumexp - target logit
+    in fp32, and the softmax is computed in fp32 and stored in `compute_dtype` (where autograd's path would
+    round the same gradient to it anyway)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

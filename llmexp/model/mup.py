@@ -52,14 +52,21 @@ def granite_multipliers(sizes: ModelSizes, base_width: int) -> dict[str, float]:
             "logits_scaling": sizes.mup_width_mult(base_width)}  # Granite divides the logits by it: x 1/m
 
 
-def part_of(param: torch.Tensor, embeddings: set[int], head: set[int]) -> str:
-    """Which muP rule a parameter follows: `hidden` (both dimensions grow with the width), `head`, `embedding`
-    or `vector` (norms, biases: one width dimension)."""
-    if id(param) in head:
-        return "head"
-    if id(param) in embeddings:
-        return "embedding"
-    return "hidden" if param.ndim >= 2 else "vector"
+def _parts(model: torch.nn.Module) -> dict[str, list[torch.Tensor]]:
+    """The model's parameters by the muP rule they follow: `hidden` (both dimensions grow with the width), `head`
+    (the output head's), `embedding`, or `vector` (norms, biases: one width dimension)."""
+    embeddings = {id(p) for mod in model.modules() if mod.__class__.__name__ == "Embedding" for p in mod.parameters()}
+    head = {id(p) for name, mod in model.named_modules() if name.split(".")[-1] == "lm_head"
+            for p in mod.parameters()}
+    parts: dict[str, list[torch.Tensor]] = {"hidden": [], "head": [], "embedding": [], "vector": []}
+    for param in model.parameters():
+        if id(param) in head:
+            parts["head"].append(param)
+        elif id(param) in embeddings:
+            parts["embedding"].append(param)
+        else:
+            parts["hidden" if param.ndim >= 2 else "vector"].append(param)
+    return parts
 
 
 def rescale_init(model: torch.nn.Module, mult: float) -> None:
@@ -68,19 +75,9 @@ def rescale_init(model: torch.nn.Module, mult: float) -> None:
     width-independent, and transformers' init (`initializer_range`) is width-independent already."""
     import torch
 
-    embeddings, head = _special_params(model)
     with torch.no_grad():
-        for param in model.parameters():
-            if part_of(param, embeddings, head) == "hidden":
-                param.mul_(1.0 / math.sqrt(mult))
-
-
-def _special_params(model: torch.nn.Module) -> tuple[set[int], set[int]]:
-    """The ids of the embeddings' and the output head's parameters."""
-    embeddings = {id(p) for mod in model.modules() if mod.__class__.__name__ == "Embedding" for p in mod.parameters()}
-    head = {id(p) for name, mod in model.named_modules() if name.split(".")[-1] == "lm_head"
-            for p in mod.parameters()}
-    return embeddings, head
+        for param in _parts(model)["hidden"]:
+            param.mul_(1.0 / math.sqrt(mult))
 
 
 def mup_groups(cfg: DictConfig, model: torch.nn.Module, mult: float) -> list[dict[str, Any]]:
@@ -96,10 +93,6 @@ def mup_groups(cfg: DictConfig, model: torch.nn.Module, mult: float) -> list[dic
     else:
         raise UserError(f"model.parametrization=mup: no muP rule for optimizer={name}; use one of "
                         f"{', '.join(ADAM_LIKE + SGD_LIKE)}")
-    embeddings, head = _special_params(model)
-    params: dict[str, list[torch.Tensor]] = {part: [] for part in rules}
-    for param in model.parameters():
-        if param.requires_grad:
-            params[part_of(param, embeddings, head)].append(param)
+    params = {part: [p for p in group if p.requires_grad] for part, group in _parts(model).items()}
     return [{"params": params[part], "weight_decay": decay, LR_MULT: factor, "mup_part": part}
             for part, (factor, decay) in rules.items() if params[part]]
