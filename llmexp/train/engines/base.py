@@ -16,17 +16,19 @@ cannot be undone. For checkpoints each engine says how its weights and optimizer
 
 from __future__ import annotations
 
+import math
+import os
+import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from llmexp.errors import UserError
-from llmexp.rundir.files import stage_dir
-
-if TYPE_CHECKING:
-    import torch
+from llmexp.rundir.files import publish_dir, stage_dir
 
 OptimizerWriter = Callable[[Path], None]
 """Writes the optimizer state into a checkpoint's temporary directory (rank 0, inside the save)."""
@@ -64,11 +66,13 @@ class Engine(ABC):
     def backward(self, loss: torch.Tensor) -> None:
         """The backward of one micro-batch's loss."""
 
-    @abstractmethod
     def clip(self, model: torch.nn.Module, optimizer: Any, max_norm: float, device: torch.device) -> torch.Tensor:
         """The gradients' pre-clip global norm (inf or nan when non-finite), after clipping them to `max_norm`
         (0: no clipping), as a 0-d tensor on `device` (the loss's: the loop stacks the two), wherever the
         gradients live (DeepSpeed's norm is a float, FSDP's CPU offload keeps it on the CPU)."""
+        limit = max_norm if max_norm > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], limit)
+        return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).to(device)  # FSDP: a DTensor
 
     def step(self, optimizer: Any) -> bool:
         """The optimizer step; False when it was skipped (an fp16 overflow, a non-finite DeepSpeed norm)."""
@@ -107,14 +111,25 @@ class Engine(ABC):
     def load_state(self, model: torch.nn.Module, optimizer: Any, payload: dict[str, Any]) -> None:
         """Weights, optimizer state and loss scaler from a checked payload (`llmexp.train.resume`)."""
 
-    def write_on_every_rank(self, staging: Path, write: Callable[[Path], None]) -> None:
-        """Every rank writes its shard into `staging`, a directory beside the checkpoints (collective); rank 0
-        then moves them into the checkpoint it publishes (same filesystem: renames)."""
+    def staged_writer(self, staging: Path, write: Callable[[Path], None], into: str = "") -> OptimizerWriter:
+        """Every rank writes its shard into `staging`, a directory beside the checkpoints (collective); the writer
+        returned moves them into the checkpoint rank 0 publishes (same filesystem: renames), as its directory
+        `into`, or beside its other files."""
         if self.accelerator.is_main_process:
             stage_dir(staging)  # (a crashed save's leftover goes)
         self.accelerator.wait_for_everyone()
         write(staging)
         self.accelerator.wait_for_everyone()
+
+        def move(checkpoint_tmp: Path) -> None:  # the checkpoint's staged dir fsyncs and publishes them
+            if into:
+                publish_dir(staging, checkpoint_tmp / into)
+            else:
+                for shard in sorted(staging.iterdir()):
+                    os.replace(shard, checkpoint_tmp / shard.name)
+            shutil.rmtree(staging.parent, ignore_errors=True)
+
+        return move
 
 
 def inner_optimizer(optimizer: Any) -> Any:

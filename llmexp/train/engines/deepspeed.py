@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import enum
 import math
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -97,20 +95,12 @@ class DeepSpeedEngine(Engine):
         return {k.removeprefix("lm."): v for k, v in state.items()} if self.accelerator.is_main_process else {}
 
     def optimizer_writer(self, optimizer: Any, run_dir: Path, step: int) -> OptimizerWriter:
-        """Each rank's optimizer shard as `zero_rank<R>.pt` (`write_on_every_rank`)."""
+        """Each rank's optimizer shard as `zero_rank<R>.pt`, beside the checkpoint's other files."""
         def write(staging: Path) -> None:
             serialize.save_state(staging / f"zero_rank{self.accelerator.process_index}.pt",
                                  _zero_shard_state(optimizer, self.plan.world))
 
-        staging = run_dir / ".zero_shards" / f"step_{step}"
-        self.write_on_every_rank(staging, write)
-
-        def move_shards(checkpoint_tmp: Path) -> None:  # the checkpoint's staged dir fsyncs and publishes them
-            for shard in sorted(staging.glob("zero_rank*.pt")):
-                os.replace(shard, checkpoint_tmp / shard.name)
-            shutil.rmtree(staging.parent, ignore_errors=True)
-
-        return move_shards
+        return self.staged_writer(run_dir / ".zero_shards" / f"step_{step}", write)
 
     def load_state(self, model: torch.nn.Module, optimizer: Any, payload: dict[str, Any]) -> None:
         """The weights (ZeRO-3 gathers the partitioned parameters to fill them, and re-partitions from rank 0's

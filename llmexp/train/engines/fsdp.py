@@ -27,7 +27,6 @@ one process, on CPU with gloo (the tests) and on GPUs, is worth more than the pl
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,7 +38,6 @@ from llmexp.checkpoint import dcp
 from llmexp.checkpoint.serialize import CorruptCheckpoint
 from llmexp.config.derived import BatchPlan
 from llmexp.errors import UserError
-from llmexp.rundir.files import publish_dir
 from llmexp.train.engines.base import Engine, OptimizerWriter
 
 DCP_DIR = "dcp"
@@ -139,14 +137,6 @@ class FsdpEngine(Engine):
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def clip(self, model: torch.nn.Module, optimizer: Any, max_norm: float, device: torch.device) -> torch.Tensor:
-        """The global pre-clip norm over the sharded gradients (a DTensor, made whole), and the clip."""
-        import math
-
-        limit = max_norm if max_norm > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], limit)
-        return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).to(device)  # offload: on the CPU
-
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {}  # the weights are in dcp/, written by `optimizer_writer`
@@ -166,14 +156,8 @@ class FsdpEngine(Engine):
         return {"model": model_state, "optimizer": optim_state}
 
     def optimizer_writer(self, optimizer: Any, run_dir: Path, step: int) -> OptimizerWriter:
-        staging = run_dir / ".fsdp_dcp" / f"step_{step}"
-        self.write_on_every_rank(staging, lambda directory: dcp.save(self._state(optimizer), directory))
-
-        def move(checkpoint_tmp: Path) -> None:
-            publish_dir(staging, checkpoint_tmp / DCP_DIR)
-            shutil.rmtree(staging.parent, ignore_errors=True)
-
-        return move
+        return self.staged_writer(run_dir / ".fsdp_dcp" / f"step_{step}",
+                                  lambda staging: dcp.save(self._state(optimizer), staging), into=DCP_DIR)
 
     def load_state(self, model: torch.nn.Module, optimizer: Any, payload: dict[str, Any]) -> None:
         """dcp.load into this run's shards, whatever the number of processes that saved them."""

@@ -3,7 +3,6 @@ base and what the loop calls when: `base.py`)."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +28,10 @@ class PlainEngine(Engine):
         self.accelerator.backward(self.scaler.scale(loss) if self.scaler is not None else loss)
 
     def clip(self, model: torch.nn.Module, optimizer: Any, max_norm: float, device: torch.device) -> torch.Tensor:
-        """Unscale fp16 grads, then clip to `max_norm` (0: no clipping); returns the pre-clip global norm."""
+        """fp16: the grads unscaled first."""
         if self.scaler is not None:
             self.scaler.unscale_(inner_optimizer(optimizer))
-        limit = max_norm if max_norm > 0 else math.inf
-        norm = self.accelerator.clip_grad_norm_(model.parameters(), limit)
-        return (norm if isinstance(norm, torch.Tensor) else torch.tensor(float(norm or 0.0))).to(device)
+        return super().clip(model, optimizer, max_norm, device)
 
     def step(self, optimizer: Any) -> bool:
         """`optimizer.step()`; in fp16 through the scaler, which skips a step whose grads overflowed (False)."""
