@@ -114,8 +114,7 @@ def _minimisers(coef: np.ndarray, lo: float, hi: float) -> np.ndarray:
     a, b = coef[0], coef[1]
     with np.errstate(divide="ignore", invalid="ignore"):
         vertex = np.clip(-b / (2 * a), lo, hi)
-    ends = np.where(np.polyval(coef, np.full(coef.shape[1], lo)) <= np.polyval(coef, np.full(coef.shape[1], hi)),
-                    lo, hi)
+    ends = np.where(np.polyval(coef, lo) <= np.polyval(coef, hi), lo, hi)
     return np.where(a > 0, vertex, ends)
 
 

@@ -47,28 +47,26 @@ def _parameters(summary: dict[str, Any]) -> str:
 
 
 _SETTINGS = (
-    ("model", ("model", "name")), ("model path", ("model", "name_or_path")), ("hidden size", ("model", "hidden_size")),
-    ("width multiplier (x hidden size, intermediate size, heads)", ("model", "width_mult")),
-    ("parametrization", ("model", "parametrization")), ("layers", ("model", "num_hidden_layers")), ("lr", ("lr",)),
-    ("batch size (per device)", ("batch_size",)),
-    ("gradient accumulation", ("train", "gradient_accumulation_steps")),
-    ("global batch size", ("train", "global_batch_size")), ("max steps", ("train", "max_steps")),
-    ("precision", ("precision", "name")), ("optimizer", ("optimizer", "name")),
-    ("weight decay", ("train", "weight_decay")), ("scheduler", ("scheduler", "name")),
-    ("warmup ratio", ("train", "warmup_ratio")), ("warmup steps", ("train", "warmup_steps")),
-    ("max grad norm (clipping)", ("train", "max_grad_norm")), ("on anomaly", ("train", "on_anomaly")),
-    ("early stopping patience", ("train", "early_stopping_patience")), ("data", ("data", "name")),
-    ("max length", ("data", "max_length")), ("deepspeed", ("deepspeed", "name")), ("seed", ("seed",)),
+    ("model", "model.name"), ("model path", "model.name_or_path"), ("hidden size", "model.hidden_size"),
+    ("width multiplier (x hidden size, intermediate size, heads)", "model.width_mult"),
+    ("parametrization", "model.parametrization"), ("layers", "model.num_hidden_layers"), ("lr", "lr"),
+    ("batch size (per device)", "batch_size"), ("gradient accumulation", "train.gradient_accumulation_steps"),
+    ("global batch size", "train.global_batch_size"), ("max steps", "train.max_steps"),
+    ("precision", "precision.name"), ("optimizer", "optimizer.name"), ("weight decay", "train.weight_decay"),
+    ("scheduler", "scheduler.name"), ("warmup ratio", "train.warmup_ratio"), ("warmup steps", "train.warmup_steps"),
+    ("max grad norm (clipping)", "train.max_grad_norm"), ("on anomaly", "train.on_anomaly"),
+    ("early stopping patience", "train.early_stopping_patience"), ("data", "data.name"),
+    ("max length", "data.max_length"), ("deepspeed", "deepspeed.name"), ("seed", "seed"),
 )
 
 
 def settings_rows(cfg: dict) -> list[tuple[str, str]]:
     """The settings that decide how training behaves, as (label, value) rows; unset ones left out."""
     rows = []
-    for label, keys in _SETTINGS:
+    for label, key in _SETTINGS:
         node: Any = cfg
-        for key in keys:
-            node = node.get(key) if isinstance(node, dict) else None
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
         if node is not None:
             rows.append((label, fmt(node)))
     return rows
@@ -188,10 +186,8 @@ def write_run_report(run_dir: Path, findings: list[Finding] | list[dict] | None 
 
     run_dir = Path(run_dir)
     records = load_records(run_dir)
-    if findings is None:
-        found = run_findings(run_dir, records)
-    else:
-        found = [f.to_dict() if isinstance(f, Finding) else dict(f) for f in findings]
+    found = run_findings(run_dir, records) if findings is None else \
+        [f.to_dict() if isinstance(f, Finding) else dict(f) for f in findings]
     cfg = load_config(run_dir)
     text = run_report_markdown(run_dir, records, load_summary(run_dir), found, cfg,
                                load_overrides(run_dir))

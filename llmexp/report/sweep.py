@@ -45,8 +45,7 @@ def stability(records: list[dict]) -> dict[str, float | None]:
     k = min(3, len(losses) // 2)
     drop = statistics.median(losses[:k]) - statistics.median(losses[-k:])
     rises = sum(b > a for a, b in itertools.pairwise(losses)) / (len(losses) - 1)
-    resid = [abs(v - statistics.median(losses[max(0, i - 2):i + 3])) for i, v in enumerate(losses)]
-    noise = statistics.median(resid)
+    noise = statistics.median(abs(v - statistics.median(losses[max(0, i - 2):i + 3])) for i, v in enumerate(losses))
     return {"drop": round(drop, 4), "rise_fraction": round(rises, 3),
             "noise_to_drop": round(noise / drop, 4) if drop > 0 else None}
 
@@ -113,22 +112,20 @@ def recommend(jobs: list[dict], varying: list[str] | None = None) -> dict[str, A
     otherwise) among finished jobs with no error findings (the mean over seeds when seeds are swept too), with
     the reason and how stably its loss fell."""
     varying = varying_params(jobs) if varying is None else varying
-    metric, direction = next(((j["metric"], j["direction"]) for j in jobs if "metric" in j),
-                             ("eval_loss", "minimize"))
-    value = lambda j: j.get("metric_value") if "metric" in j else j.get("eval_loss")  # noqa: E731
     ok = [j for j in jobs if j["status"] in FINISHED and j["worst_severity"] != ERROR
-          and isinstance(value(j), int | float) and math.isfinite(value(j))]
+          and isinstance(j["metric_value"], int | float) and math.isfinite(j["metric_value"])]
     if not ok:
         return None
+    metric, direction = jobs[0]["metric"], jobs[0]["direction"]  # the jobs of one sweep share them
     sign = -1.0 if direction == "maximize" else 1.0
     keys = [k for k in varying if k not in REPLICATE_KEYS] or varying
     groups: dict[str, list[dict]] = {}
     for j in ok:
         groups.setdefault(_swept(j, keys), []).append(j)
-    mean = {name: statistics.fmean(value(j) for j in members) for name, members in groups.items()}
+    mean = {name: statistics.fmean(j["metric_value"] for j in members) for name, members in groups.items()}
     ranked = sorted(groups, key=lambda name: sign * mean[name])
     best_name = ranked[0]
-    best = min(groups[best_name], key=lambda j: sign * value(j))
+    best = min(groups[best_name], key=lambda j: sign * j["metric_value"])
     runs = len(groups[best_name])
     what = f"mean over {runs} runs " if runs > 1 else ""
     shown = "eval loss" if metric == "eval_loss" else metric
