@@ -325,7 +325,7 @@ def user_corpus(d: Any) -> Corpus:
         return hold_out(train, held, d, lambda n: f"data.train_file={d.train_file} has {n} record(s); cannot hold "
                         "out an eval set. Add records or set data.eval_file")
 
-    return records_corpus(d.name, fp, {k: v for k, v in fp.items() if k != "eval"}, load)
+    return records_corpus(d.name, fp, load)
 
 
 def hold_out(train: list[Record], held: list[Record] | None, d: Any,
@@ -342,7 +342,9 @@ def hold_out(train: list[Record], held: list[Record] | None, d: Any,
     return train, held
 
 
-def records_corpus(name: str, fingerprint: dict[str, Any], bpe_fingerprint: dict[str, Any],
-                   load: Callable[[], tuple[list[Record], list[Record]]]) -> Corpus:
-    """A corpus whose tokenizer is trained on its training records as plain text."""
+def records_corpus(name: str, fingerprint: dict[str, Any], load: Callable[[], tuple[list[Record], list[Record]]]
+                   ) -> Corpus:
+    """A corpus whose tokenizer is trained on its training records as plain text: its BPE fingerprint is its
+    fingerprint without the eval set's."""
+    bpe_fingerprint = {k: v for k, v in fingerprint.items() if k != "eval"}
     return Corpus(name, fingerprint, bpe_fingerprint, load, lambda: (plain_text(r) for r in load()[0]))

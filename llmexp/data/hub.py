@@ -133,5 +133,4 @@ def hf_corpus(d: Any) -> Corpus:
         return hold_out(train, held, d, lambda n: f"data.path={d.path} has {n} row(s); cannot hold out an eval "
                         "set: add rows or set data.eval_split")
 
-    bpe_fp = {k: v for k, v in fp.items() if k != "eval"}
-    return records_corpus("hf", fp, bpe_fp, load)
+    return records_corpus("hf", fp, load)
