@@ -19,6 +19,7 @@ torch is imported inside the functions: this module sits beside the config path.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -79,8 +80,6 @@ def storage_problem(directory: Path, metadata: Any) -> str | None:
     `..`, or passes through a symbolic link leads anywhere: a crafted `.metadata` could load another file's
     bytes into the model. So each path must be a plain relative name whose real path (links followed) lies
     inside the checkpoint directory, with a non-negative offset and length; checked before any byte is read."""
-    import os
-
     root = os.path.realpath(directory)
     for info in (getattr(metadata, "storage_data", None) or {}).values():
         rel = getattr(info, "relative_path", None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import string
 import textwrap
@@ -159,8 +160,6 @@ def _annotated(data: dict[str, Any], template: str, docs: dict[str, KeyDoc], ind
 
 def _inline(value: Any) -> str:
     """A value on one line, as YAML (JSON, which YAML reads too, where a string holds a line break)."""
-    import json
-
     import yaml
 
     dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)  # (libyaml's: ~10x faster)

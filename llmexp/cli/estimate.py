@@ -13,7 +13,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from llmexp.config.derived import parse_batch_size
+from llmexp.config.derived import auto_batch_candidates, parse_batch_size, world_size_from_env
+from llmexp.errors import EXIT_USER
 from llmexp.model.estimate import (
     MiB,
     adapter_facts,
@@ -39,9 +40,6 @@ def compose(overrides: list[str]) -> DictConfig:
 
 def main(argv: list[str] | None = None) -> int:
     """Print the estimate; `world_size=N` (default: WORLD_SIZE or 1) sets the number of processes."""
-    from llmexp.config.derived import world_size_from_env
-    from llmexp.errors import EXIT_USER
-
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
         print(__doc__.split("\n\n")[0] + "\n\nusage: python -m llmexp.estimate [world_size=N] [overrides ...]")
@@ -72,8 +70,6 @@ def main(argv: list[str] | None = None) -> int:
 def _auto_upper_bound(cfg: DictConfig, world: int, facts: dict[str, Any]) -> tuple[int, str]:
     """What batch_size=auto would start its probe at on this machine, and the line that says so."""
     import torch
-
-    from llmexp.config.derived import auto_batch_candidates
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if device_type == "cpu" else 1

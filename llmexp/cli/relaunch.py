@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 
 from llmexp.errors import EXIT_ERROR
@@ -78,8 +79,6 @@ def watch_launcher(poll_s: float = 1.0, grace_s: float = ORPHAN_GRACE_S) -> None
     *thread* that forked the worker exits, not the process (a launcher may fork from a helper thread), it
     exists on Linux only, and it has no second step for a checkpoint that hangs on a dead peer; the thread
     watches the process, runs anywhere, and escalates."""
-    import threading
-
     parent = os.getppid()
     if parent == 1:  # started by init itself: no launcher to watch
         return

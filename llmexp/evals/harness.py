@@ -11,6 +11,7 @@ training that follows: it is told not to (every seed None), and runs inside a fo
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from typing import Any
 
@@ -21,8 +22,6 @@ INSTALL_HINT = "pip install 'llmexp[eval]' (or pip install lm-eval)"
 
 def require_harness() -> None:
     """A UserError with the install command when lm-eval is not installed."""
-    import importlib.util
-
     if importlib.util.find_spec("lm_eval") is None:
         raise UserError(f"eval.lm_eval.tasks needs lm-evaluation-harness, which is not installed: {INSTALL_HINT}")
 

@@ -4,8 +4,10 @@ the old one or the new one, never half of one; and a full disk, named as such (`
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,8 +26,6 @@ def atomic_file(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
     metrics.jsonl on resume, a scrubbed `.hydra/` file, a job's pickle) goes through here. A unique temp file beside
     it (concurrent writers never share one) is fsync'd, then renamed over it; on any failure the temp file is
     removed and the old file stays."""
-    import tempfile
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -47,8 +47,6 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def write_json_atomic(path: Path, obj: object) -> None:
-    import json
-
     write_text_atomic(path, json.dumps(obj, indent=2, default=str))
 
 

@@ -6,6 +6,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from llmexp.errors import UserError
 from llmexp.rundir.readers import Damaged, entry_of, read_text, reader
 
 LOCK_NAME = ".llmexp.lock"
@@ -39,8 +40,6 @@ def _lock(directory: Path, what: str, key: str) -> None:
     when the process ends, however it ends (kill -9 included), so a stale file never blocks a rerun or a
     resume; the file descriptor is not inherited by child processes (subprocess closes it)."""
     from filelock import FileLock, Timeout
-
-    from llmexp.errors import UserError
 
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / LOCK_NAME

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import codecs
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, TypeVar, get_args
 
-from llmexp.errors import first_line
+from llmexp.errors import UserError, first_line
 
 INPUT, CACHE, RECORD = "input", "cache", "record"
 KiB, MiB = 1 << 10, 1 << 20
@@ -182,8 +183,6 @@ def reader(fn: F) -> F:
 
     @functools.wraps(fn)
     def read(path: Path | str, *args: Any, **kwargs: Any) -> Any:
-        from llmexp.errors import UserError
-
         try:
             return fn(Path(path), *args, **kwargs)
         except UserError:
@@ -255,8 +254,6 @@ def open_regular(path: Path | str) -> Iterator[IO[bytes]]:
 
 def file_sha256(path: Path | str) -> str:
     """The sha256 of a regular file's bytes (a cache key from user data, a check of a cache entry or checkpoint)."""
-    import hashlib
-
     with open_regular(path) as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 

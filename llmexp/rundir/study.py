@@ -8,6 +8,7 @@ config. optuna is imported in the functions only: `--help` never pays for it.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +79,6 @@ def read_journal(path: Path) -> bytes:
 
 def _journal_problem(data: bytes) -> str | None:
     """Why `data` is not an optuna journal, line by line, or None."""
-    import json
-
     from optuna.storages.journal._storage import JournalOperation  # the op codes optuna writes
 
     lines = data.split(b"\n")
