@@ -54,9 +54,10 @@ def _param_dict(overrides: list[str]) -> dict[str, str]:
     return {key: value for key, sep, value in (o.lstrip("+~").partition("=") for o in overrides) if sep}
 
 
-def collect_job(job_dir: Path) -> dict[str, Any]:
-    """One sweep job's entry: overrides, status, final metrics, findings and loss stability."""
-    records, summary = load_records(job_dir), load_summary(job_dir)
+def collect_job(job_dir: Path, records: list[dict]) -> dict[str, Any]:
+    """One sweep job's entry from its directory and metrics: overrides, status, final metrics, findings and loss
+    stability."""
+    summary = load_summary(job_dir)
     job_status = load_job_status(job_dir)
     overrides = load_overrides(job_dir)
     entry: dict[str, Any] = {"job": job_dir.name, "dir": str(job_dir), "overrides": overrides,
@@ -182,7 +183,8 @@ def write_sweep_report(sweep_dir: Path) -> dict[str, Any]:
     from llmexp.report.plots import plot_search, plot_sweep
 
     sweep_dir = Path(sweep_dir)
-    jobs = [collect_job(d) for d in job_dirs(sweep_dir)]
+    curves = {d.name: load_records(d) for d in job_dirs(sweep_dir)}
+    jobs = [collect_job(sweep_dir / name, records) for name, records in curves.items()]
     study, search_error = load_study(sweep_dir)
     search = search_summary(sweep_dir, study, jobs) if study is not None else None  # marks running jobs
     counts = dict(Counter(j["status"] for j in jobs))
@@ -192,7 +194,6 @@ def write_sweep_report(sweep_dir: Path) -> dict[str, Any]:
                # A pruned trial ended as the search intended: it does not make the sweep unfinished.
                "all_finished": all(j["status"] in (*FINISHED, PRUNED) for j in jobs), "varying": varying,
                "recommendation": rec, "jobs": jobs, "search": search, "search_error": search_error}
-    curves = {j["job"]: load_records(Path(j["dir"])) for j in jobs}
     title = sweep_dir.resolve().name + (f"  ·  recommended: {rec['settings']}" if rec else "")
     plot_sweep(jobs, curves, varying, sweep_dir / "sweep_curves.png", title=title,
                recommended=rec["job"] if rec else None)
