@@ -355,10 +355,9 @@ def use_bf16_emulation(precision: str, device_type: str, bf16_support: str, prob
     """Whether a run should emulate bf16: `precision` resolved (bf16/fp16/fp32), `bf16_support` as
     `llmexp.machine.precision.bf16_support` says (`native`, `emulated`, `none`).
 
-    Only for bf16 on a CPU where bf16 is not native; with a probe, only where the emulation is faster than torch's
-    bf16 (a CPU with AVX512 but no AVX512-BF16 runs oneDNN's own emulation, which may be close to it).
-    `LLMEXP_BF16_EMULATION=1` forces it for a bf16 CPU run, `=0` turns it off.
-    """
+    Only for bf16 on a CPU: there as `EMULATION_ENV` says, else where bf16 is not native and (with a probe) the
+    emulation is faster than torch's bf16 (a CPU with AVX512 but no AVX512-BF16 runs oneDNN's own emulation,
+    which may be close to it)."""
     if precision != "bf16" or device_type != "cpu":
         return False
     forced = os.environ.get(EMULATION_ENV)
