@@ -58,7 +58,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                 t = targets[start:start + CHUNK_TOKENS]
                 keep = t != IGNORE_INDEX
                 # where(), not a multiply: an ignored row's hidden state may be NaN/inf (a fully masked row), and
-                # must add exactly 0 to the loss and gradients. Masked, not dropped: the shapes stay fixed.
+                # must add exactly 0 to the loss and gradients.
                 h = hidden[start:start + CHUNK_TOKENS].where(keep[:, None], 0).to(compute_dtype)
                 t = t.where(keep, 0)
                 logits = mm_t(h, w)
@@ -112,8 +112,7 @@ class CausalLMLoss(nn.Module):
                 position_ids: torch.Tensor | None = None, per_row: bool = False) -> torch.Tensor:
         """The loss summed over every target token; `per_row`: a (batch,) tensor of each row's sum instead
         (task scoring: minus the log-likelihood of each row's continuation), without gradients."""
-        # Every position keeps its row, the last one (and any prompt or padding) with target -100: masked, not
-        # compacted, so the shapes do not depend on the labels and nothing waits for the host (issue 41, item 4).
+        # Every position keeps its row, the last one (and any prompt or padding) with target -100 (issue 41, item 4)
         targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).flatten()
         # use_cache=False: no KV cache in training, and with one transformers ignores packed position_ids
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
