@@ -211,10 +211,9 @@ def grid_step(values: list[float]) -> float:
 
 # ----------------------------------------------------------------------------- the jobs of the sweeps
 
-DEEPSEEK_LR = (0.3118, -0.1250)
-"""DeepSeek LLM (2024, arXiv:2401.02954, section 3.1): eta_opt = 0.3118 * C^-0.1250, C the compute in FLOPs."""
-DEEPSEEK_BATCH = (0.2920, 0.3271)
-"""DeepSeek LLM (2024): B_opt = 0.2920 * C^0.3271, in tokens per step."""
+DEEPSEEK_LLM = {"lr": {"a": 0.3118, "b": -0.1250}, "batch_tokens": {"a": 0.2920, "b": 0.3271}}
+"""DeepSeek LLM (2024, arXiv:2401.02954, section 3.1): eta_opt = 0.3118 * C^-0.1250 and B_opt = 0.2920 * C^0.3271
+(tokens per step), C the compute in FLOPs."""
 STANDARD, MUP = "standard", "mup"
 
 
@@ -363,8 +362,7 @@ def batch_fit(jobs: list[Job]) -> tuple[dict[str, Any] | None, list[Job]]:
 def deepseek(params: float, tokens: float) -> dict[str, float]:
     """DeepSeek LLM's optimal lr and batch (tokens) at the compute C ~ 6 N D of `params` trained on `tokens`."""
     compute = 6.0 * params * tokens
-    return {"compute": compute, "lr": DEEPSEEK_LR[0] * compute ** DEEPSEEK_LR[1],
-            "batch_tokens": DEEPSEEK_BATCH[0] * compute ** DEEPSEEK_BATCH[1]}
+    return {"compute": compute, **{what: law["a"] * compute ** law["b"] for what, law in DEEPSEEK_LLM.items()}}
 
 
 def size_fit(params: int, jobs: list[Job], seed_lr: Callable[[float], float] | None) -> tuple[dict[str, Any], Vertex]:
@@ -449,9 +447,7 @@ def fit_sweeps(sweep_dirs: list[Path], target_params: float | None = None,
     return {"sweep_dirs": [str(d) for d in sweep_dirs], "loss": "final eval_loss (mean over runs at one lr)",
             "parametrization": kinds[0], "sizes": sizes, "lr_law": lr_law, "batch_law": batch_law, "mup": mup,
             "target": target(target_params, law, mup) if target_params else None,
-            "deepseek_llm": {"lr": {"a": DEEPSEEK_LR[0], "b": DEEPSEEK_LR[1]},
-                             "batch_tokens": {"a": DEEPSEEK_BATCH[0], "b": DEEPSEEK_BATCH[1]},
-                             "against": "compute C ~ 6 * N * D in FLOPs, D the tokens the jobs saw"},
+            "deepseek_llm": {**DEEPSEEK_LLM, "against": "compute C ~ 6 * N * D in FLOPs, D the tokens the jobs saw"},
             "left_out": left_out}
 
 
