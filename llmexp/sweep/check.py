@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from hydra.core.override_parser.types import Override
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
 from llmexp.errors import UserError, first_line
 from llmexp.sweep.space import edge_values, probe_job, search_space
-
-if TYPE_CHECKING:
-    from hydra.core.override_parser.types import Override
-    from omegaconf import DictConfig
 
 Labelled = list[tuple[str, Any]]
 """(how a message names the job, its composed config)."""
@@ -39,9 +39,6 @@ def edge_configs(overrides: Sequence[Override], compose: Callable[[list[str]], A
     at each of its other edge values. A config group's value is composed again; any other key's is set on a
     copy of the probe, as Hydra's override would set it (a categorical of 1,000 lrs costs milliseconds, not
     1,000 compositions). A malformed space is refused before anything composes."""
-    from omegaconf import OmegaConf, open_dict
-    from omegaconf.errors import OmegaConfBaseException
-
     search_space(overrides)
     job = probe_job(overrides)
     base = compose(job)

@@ -16,9 +16,10 @@ import signal
 import sys
 import threading
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
@@ -35,9 +36,6 @@ from llmexp.rundir.redact import scrub_overrides
 from llmexp.sweep.tracking import close_parent, open_parent
 
 T = TypeVar("T")
-
-if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,14 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import cloudpickle  # by value for functions defined in __main__ (python -m llmexp, test apps)
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus
 
 from llmexp.errors import UserError
 from llmexp.process import run_entry
@@ -47,11 +52,6 @@ from llmexp.sweep.jobs import (
     run_task,
     split_ended,
 )
-
-if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
-
-    from hydra.core.utils import JobReturn
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +113,6 @@ class _Running:
 
 def launch_local(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[JobReturn]:
     """Hydra's `launch` for `hydra/launcher=llmexp_local`."""
-    import cloudpickle  # by value for functions defined in __main__ (python -m llmexp, test apps)
-    from hydra.core.singleton import Singleton
-
     settings, extras = launcher.settings, is_llmexp_config(launcher.config)
     specs = compose_jobs(launcher, job_overrides, initial_job_idx)
     slots = device_slots(visible_gpus(), int(settings.get("jobs_per_gpu", 1)), int(settings.get("max_parallel", 1)),
@@ -151,8 +148,6 @@ def _job_return(spec: JobSpec, outcome: JobOutcome, work: Path) -> JobReturn:
 @reader
 def read_pickle(path: Path) -> Any:
     """A pickle this launcher or its job process wrote (a job's spec, another app's JobReturn)."""
-    import cloudpickle
-
     data = read_bytes(path, None)
     try:
         return cloudpickle.loads(data)
@@ -357,9 +352,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run_other_app(spec: JobSpec, task_function: Any, hydra_context: Any, state: Any, outcome_path: Path) -> JobOutcome:
     """Another app's job: Hydra's JobReturn pickled beside the outcome for the launcher to hand back."""
-    import cloudpickle
-    from hydra.core.utils import JobStatus
-
     ret = run_task(spec, task_function, hydra_context, state)
     try:
         payload = cloudpickle.dumps(ret)

@@ -26,8 +26,14 @@ import itertools
 import json
 import logging
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import optuna
+from hydra.core.utils import JobReturn, JobStatus
+from optuna.distributions import distribution_to_json
+from optuna.trial import TrialState
 
 from llmexp.config.schema import SearchSweepConfig
 from llmexp.errors import EXIT_ERROR, UserError
@@ -36,12 +42,6 @@ from llmexp.rundir.study import STUDY_NAME, journal_storage, make_pruner
 from llmexp.sweep.jobs import StopRequest, exit_for_results, job_dir_of, objective, write_report
 from llmexp.sweep.space import finite_grid, search_space, trial_overrides
 from llmexp.sweep.tracking import close_parent
-
-if TYPE_CHECKING:
-    from collections.abc import Sequence
-
-    import optuna
-    from hydra.core.utils import JobReturn
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,6 @@ log = logging.getLogger(__name__)
 def make_sampler(name: str, seed: int, n_trials: int) -> optuna.samplers.BaseSampler:
     """TPE starts from random points: a quarter of the budget (2 to 10), since optuna's default of 10 would
     leave a 12-trial search almost random; `constant_liar` keeps parallel trials apart."""
-    import optuna
-
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     return optuna.samplers.TPESampler(seed=seed, n_startup_trials=max(2, min(10, n_trials // 4)),
@@ -63,9 +61,6 @@ def make_sampler(name: str, seed: int, n_trials: int) -> optuna.samplers.BaseSam
 def open_study(sweep_dir: Path, space: dict[str, Any], fixed: Sequence[str], sampler: Any, pruner: Any,
                metric: str, direction: str) -> Any:
     """The sweep directory's study, created or loaded; a directory holding another search is refused."""
-    import optuna
-    from optuna.distributions import distribution_to_json
-
     study = optuna.create_study(storage=journal_storage(sweep_dir), study_name=STUDY_NAME, sampler=sampler,
                                 pruner=pruner, direction=direction, load_if_exists=True)
     settings = [o for o in fixed if o.split("=")[0].split(".")[0] in ("sweep", "hydra")]  # may change on a rerun
@@ -87,8 +82,6 @@ def open_study(sweep_dir: Path, space: dict[str, Any], fixed: Sequence[str], sam
 
 def returned_result(ret: JobReturn) -> TrialResult:
     """Another app's trial: its task's return value is the value to minimize, as Hydra's Optuna sweeper reads it."""
-    from hydra.core.utils import JobStatus
-
     if ret.status != JobStatus.COMPLETED:
         error = ret._return_value  # the exception; the public `return_value` would raise it
         return TrialResult("crashed", reason=f"{type(error).__name__}: {error}")
@@ -103,8 +96,6 @@ def tell(study: Any, trial: optuna.Trial, result: TrialResult) -> None:
     PRUNED ones only), so a trial that failed on a doctor's error is told as PRUNED at its last eval, which ranks it
     below every completed trial: the sampler learns the region is bad. Its `status` attribute says `failed` and its
     `reason` the finding; only a crash (a bug, a killed process) is optuna's FAIL."""
-    from optuna.trial import TrialState
-
     trial.set_user_attr("status", result.status)
     if result.step is not None:
         trial.set_user_attr("stopped_step" if result.status != "completed" else "step", result.step)
@@ -123,8 +114,6 @@ def tell(study: Any, trial: optuna.Trial, result: TrialResult) -> None:
 
 def _pruner(config: Any, search: SearchSweepConfig, llmexp_app: bool) -> Any:
     """`sweep.pruner` for llmexp's trials (they report their evals); another app's trials report nothing."""
-    import optuna
-
     if llmexp_app:
         return make_pruner(search.pruner, int(config.train.eval_steps), int(config.train.max_steps))
     if search.pruner != "none":
@@ -138,8 +127,6 @@ def run_search(sweeper: Any, overrides: Sequence[Any], sampler_name: str, search
     """The search sweeper's `sweep` (its settings: `hydra.sweeper.*`, mapped from `sweep.*`; `sampler_name`: random
     or tpe): resume the interrupted trials, then ask, launch and tell until done, or until Ctrl-C, wherever it lands:
     the launcher stops the running trials, and an optuna write ends whole first."""
-    import optuna
-
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     config = sweeper.config
     space, fixed = search_space(overrides)
@@ -161,7 +148,7 @@ def run_search(sweeper: Any, overrides: Sequence[Any], sampler_name: str, search
         study.sampler = make_sampler(sampler_name, search.seed + len(study.trials), search.n_trials)
     returns: list[Sequence[JobReturn]] = []
     resumed = [optuna.trial.Trial(study, frozen._trial_id)  # the storage's id: optuna has no public lookup
-               for frozen in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))]
+               for frozen in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
     if resumed:
         log.info(f"Resuming {len(resumed)} interrupted trials of {sweep_dir}: "
                  f"{', '.join(str(t.number) for t in resumed)}")
@@ -189,8 +176,6 @@ def run_search(sweeper: Any, overrides: Sequence[Any], sampler_name: str, search
 
 
 def _ended(study: Any) -> int:
-    from optuna.trial import TrialState
-
     return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)))
 
 

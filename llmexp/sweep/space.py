@@ -18,12 +18,13 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from hydra.core.override_parser.types import IntervalSweep, Override, RangeSweep, Transformer
+
 from llmexp.config.rules import Choice
 from llmexp.config.validation import configured_lr
 from llmexp.errors import UserError
 
 if TYPE_CHECKING:
-    from hydra.core.override_parser.types import Override
     from optuna.distributions import BaseDistribution
 
 MAX_JOBS = 10_000
@@ -57,8 +58,6 @@ def _axes(overrides: Sequence[Override]) -> dict[str, list[str]]:
 def discrete_size(override: Override) -> int:
     """How many values a swept override holds, counted without listing them; a UserError for an interval (a
     search's), a range of step 0, or an empty sweep."""
-    from hydra.core.override_parser.types import RangeSweep
-
     key, value = override.get_key_element(), override.value()
     if override.is_interval_sweep():
         raise UserError(f"{key}: an interval sweep needs a search (sweep=random or sweep=tpe); the grid "
@@ -163,7 +162,6 @@ def search_space(overrides: Sequence[Override]) -> tuple[dict[str, BaseDistribut
 def _distribution(override: Override) -> BaseDistribution:
     """The optuna distribution of one swept override (the rules in this module's docstring); a UserError for
     an unknown tag, a tag on a list of values, too many values, or interval bounds that are not a range."""
-    from hydra.core.override_parser.types import IntervalSweep, Transformer
     from optuna.distributions import CategoricalDistribution
 
     key, value = override.get_key_element(), override.value()
@@ -205,8 +203,6 @@ def _interval(key: str, start: Any, end: Any, tags: list[str]) -> BaseDistributi
 def probe_job(overrides: Sequence[Override]) -> list[str]:
     """One job of a search with every swept key at its first value (a choice's first, an interval's start):
     composed before the search starts, so that a typo fails before any trial runs."""
-    from hydra.core.override_parser.types import Transformer
-
     first = {o.get_key_element(): edge_values(o)[0] if o.is_interval_sweep()
              else next(iter(o.sweep_iterator(transformer=Transformer.encode)))
              for o in overrides if o.is_sweep_override()}
@@ -216,8 +212,6 @@ def probe_job(overrides: Sequence[Override]) -> list[str]:
 def edge_values(override: Override) -> list[Any]:
     """The values a search can give a swept key at the edges of its space (`llmexp.sweep.check` says why they
     stand for all): every value of a categorical, both ends of an interval (integers for `tag(int, ...)`)."""
-    from hydra.core.override_parser.types import IntervalSweep
-
     value = override.value()
     if isinstance(value, IntervalSweep):
         ends = [value.start, value.end]

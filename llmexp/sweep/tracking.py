@@ -13,6 +13,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from llmexp.rundir.redact import scrub_overrides, scrub_text
 from llmexp.rundir.tracking import read_mlflow_run, write_mlflow_run
 
@@ -22,8 +24,6 @@ log = logging.getLogger(__name__)
 def open_parent(config: Any, sweep_dir: Path) -> None:
     """The parent run of the sweep in `sweep_dir`: continued if the directory records one, else created; for
     llmexp's config (another Hydra app's has no `logger` node) with `logger=mlflow` only."""
-    from omegaconf import OmegaConf
-
     if OmegaConf.select(config, "logger.name", default=None) != "mlflow" or "train" not in config:
         return
     try:
