@@ -72,28 +72,27 @@ def save_state_checkpoint(run: Run) -> bool:
     return not rt.any_rank(full is not None)
 
 
-def _load_payload(path: Path, rank: int) -> dict[str, Any]:
-    """Read (and so verify) every file of a checkpoint this rank needs; no pickle code runs.
+def _load_checked(run: Run, path: Path) -> dict[str, Any]:
+    """Read (and so verify) every file of a checkpoint this rank needs, no pickle code running, and check that it
+    fits the run (`_check_fits`), applying nothing yet.
 
     An FSDP checkpoint holds `dcp/` instead of model.safetensors and optimizer.pt: its `.metadata` is
     read here through the restricted unpickler (a refusal falls back like any corrupt file), its
     shards by `FsdpEngine.load_state`, collectively. The manifest says which files must be there."""
-    rng_file = path / serialize.rng_filename(rank)
-    zero_file = path / f"zero_rank{rank}.pt"  # DeepSpeed ZeRO: this rank's optimizer shard instead of optimizer.pt
-    model_file, optimizer_file, dcp_dir = path / "model.safetensors", path / "optimizer.pt", path / "dcp"
+    rank, model_file, dcp_dir = run.rt.rank, path / "model.safetensors", path / "dcp"
     if dcp_dir.is_dir():
         dcp.read_metadata(dcp_dir)
     elif not model_file.exists():
         raise ckpt.CorruptCheckpoint(f"{model_file}: missing (and no dcp/ either)")
-    return {
-        "model": serialize.load_tensors(model_file) if model_file.exists() else None,
-        "dcp": dcp_dir if dcp_dir.is_dir() else None,
-        "optimizer": serialize.load_state(optimizer_file) if optimizer_file.exists() else None,
-        "zero": serialize.load_state(zero_file) if zero_file.exists() else None,
-        "rng": serialize.load_state(rng_file) if rng_file.exists() else None,
-        "scaler": serialize.load_state(path / "scaler.pt") if (path / "scaler.pt").exists() else None,
-        "trainer": _read_trainer_state(path / TRAINER_STATE),
-    }
+    states = {"optimizer": "optimizer.pt", "zero": f"zero_rank{rank}.pt",  # zero: this rank's ZeRO optimizer shard
+              "rng": serialize.rng_filename(rank), "scaler": "scaler.pt"}
+    payload = {"model": serialize.load_tensors(model_file) if model_file.exists() else None,
+               "dcp": dcp_dir if dcp_dir.is_dir() else None,
+               **{key: serialize.load_state(path / name) if (path / name).exists() else None
+                  for key, name in states.items()},
+               "trainer": _read_trainer_state(path / TRAINER_STATE)}
+    _check_fits(run, path, payload)
+    return payload
 
 
 def _read_trainer_state(file: Path) -> dict[str, Any]:
@@ -275,13 +274,6 @@ def _set_aside(rt: Runtime, log: MetricsLogger) -> None:
         log.write(f"train.resume=never: moved the earlier checkpoints to {aside}")
     log.reset_history([])  # metrics.jsonl starts over with this run
     rt.accelerator.wait_for_everyone()
-
-
-def _load_checked(run: Run, path: Path) -> dict[str, Any]:
-    """Reads a checkpoint for this rank and checks that it fits the run, applying nothing yet."""
-    payload = _load_payload(path, run.rt.rank)
-    _check_fits(run, path, payload)
-    return payload
 
 
 def _found_checkpoint(run: Run) -> tuple[Path, dict[str, Any]] | None:
