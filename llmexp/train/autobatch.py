@@ -89,7 +89,7 @@ def choose_batch_size(cfg: DictConfig, rt: Runtime, vocab_size: int, num_example
             if fits:
                 chosen = micro
                 break
-    chosen = rt.reduce_min(chosen)  # the largest every rank can run (0: one of them fits none)
+    chosen = int(rt.reduce(chosen, "min"))  # the largest every rank can run (0: one of them fits none)
     if chosen < 1:
         raise UserError(f"batch_size=auto: not even a micro-batch of 1 fits in memory ({budget / MiB:,.0f} MiB to "
                         f"plan with per process; probed {probed}). Lower data.max_length, set "

@@ -14,10 +14,8 @@ sharded weights), while the others wait at the next collective.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,7 +29,6 @@ from llmexp.rundir.task_metrics import TASK_EVENT
 
 if TYPE_CHECKING:
     from llmexp.data.datasets import TokenDataset
-    from llmexp.train.runtime import Runtime
     from llmexp.train.state import Run
 
 
@@ -126,14 +123,6 @@ def _record(step: int, name: str, kind: str, metrics: dict[str, float], n: int, 
             "seconds": round(time.perf_counter() - start, 3), **extra}
 
 
-@contextmanager
-def _compute(rt: Runtime) -> Iterator[None]:
-    """The run's own compute around a task's forwards, as around the eval loss's: bf16 emulated where the run
-    emulates it (`Runtime.emulation`), then autocast."""
-    with rt.emulation(), rt.autocast():
-        yield
-
-
 def _shard(run: Run) -> score.Shard:
     """This rank's share. With several ranks every rank runs as many forwards: FSDP and ZeRO-3 gather weights in
     each one, and DDP may broadcast buffers in each one; a rank short of items repeats a batch."""
@@ -152,7 +141,7 @@ def _choice_task(run: Run, tokenizer: Any, step: int, name: str, items: list[Cho
     start, rt, shard, bs = time.perf_counter(), run.rt, _shard(run), int(run.cfg.eval.batch_size)
     requests = score.choice_requests(tokenizer, items, shard.mine(len(items)), delimiter)
     lls = score.loglikelihoods(run.model, requests, batch_size=bs, max_length=int(run.cfg.data.max_length),
-                               pad_id=pad_id_of(tokenizer), device=rt.device, autocast=partial(_compute, rt),
+                               pad_id=pad_id_of(tokenizer), device=rt.device, autocast=rt.compute,
                                rounds=score.choice_rounds(items, shard, bs) if shard.lockstep else None)
     right, right_norm, n = _summed(run, score.choice_tally(items, requests, lls))
     return _record(step, name, "multiple_choice", {"acc": right / max(n, 1.0), "acc_norm": right_norm / max(n, 1.0)},
@@ -167,7 +156,7 @@ def _generate_task(run: Run, tokenizer: Any, step: int, name: str, items: list[G
                                            max_new_tokens=int(task.max_new_tokens), stop=list(task.stop),
                                            batch_size=int(run.cfg.eval.batch_size),
                                            max_length=int(run.cfg.data.max_length), device=rt.device,
-                                           autocast=partial(_compute, rt))
+                                           autocast=rt.compute)
     em, contains, n = _summed(run, score.generate_tally(items, mine, completions))
     examples = [{"prompt": items[i].prompt, "completion": c, "target": items[i].target}
                 for i, c in zip(mine[:task.examples], completions, strict=False)]
@@ -180,7 +169,7 @@ def _harness_tasks(run: Run, manager: Any, tokenizer: Any, step: int) -> list[di
     from llmexp.evals import harness
 
     start, rt, lm_cfg = time.perf_counter(), run.rt, run.cfg.eval.lm_eval
-    with _compute(rt):
+    with rt.compute():
         results = harness.evaluate(run.engine.lm(run.model), tokenizer, manager, list(lm_cfg.tasks),
                                    batch_size=int(lm_cfg.batch_size), max_length=int(run.cfg.data.max_length),
                                    limit=lm_cfg.limit, num_fewshot=lm_cfg.num_fewshot, device=rt.device)

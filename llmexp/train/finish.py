@@ -102,7 +102,7 @@ def build_summary(run: Run, status: str) -> dict[str, Any]:
     rt, desc, state, history = run.rt, run.desc, run.state, run.log.history
     findings = reconcile(history, desc.monitor) if rt.is_main else []  # also what the console printed
     tokens_per_sec = run.window.overall()
-    peak_mb = rt.reduce_max(peak_memory_mb(rt.device))  # the busiest rank's peak
+    peak_mb = rt.reduce(peak_memory_mb(rt.device), "max")  # the busiest rank's peak
     return {
         "status": status, "exit_code": STATUS_EXIT[status], "step": state.step,
         "train_loss": last_value(history, "train", "loss"), "eval_loss": last_value(history, "eval", "eval_loss"),

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -61,11 +62,12 @@ class Runtime:
         if self.device.type == "cuda":
             use_tf32(cfg.precision.tf32)
         self.rank, self.is_main = self.accelerator.process_index, self.accelerator.is_main_process
+        self.ceiling_file = Path(cfg.data.cache_dir) / "peak_tflops.json"
 
     def measure_peak(self) -> tuple[float | None, str | None]:
         """(a matmul ceiling in the training dtype, None), cached per device so later runs start fast; or
         (None, why) when it was measured on shared cores: a guessed ceiling would make every MFU a guess."""
-        known = self._ceilings()
+        known = load_ceilings(self.ceiling_file) or {}  # verified: a damaged entry is measured again, with a warning
         if self.ceiling_key() in known:
             return float(known[self.ceiling_key()]), None
         value, kept = self._measure()
@@ -96,18 +98,14 @@ class Runtime:
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         return f"v2|{name}|{self._ceiling_dtype()}|{torch.get_num_threads()}"  # v2: v1's could come from busy cores
 
-    def _ceilings(self) -> dict[str, float]:
-        """The cached ceilings, verified on read: a damaged entry is measured again, with a warning."""
-        return load_ceilings(Path(self.cfg.data.cache_dir) / "peak_tflops.json") or {}
-
     def _measure(self) -> tuple[float, bool]:
         """(the ceiling measured now, whether it was kept): the highest measured on idle cores is the one kept,
         busy cores only ever lower it."""
         value, cores_were_ours = measure_ceiling(self.device, self._ceiling_dtype())
         if cores_were_ours:
-            known = self._ceilings()
+            known = load_ceilings(self.ceiling_file) or {}
             known[self.ceiling_key()] = max(value, known.get(self.ceiling_key(), 0.0))
-            save_ceilings(Path(self.cfg.data.cache_dir) / "peak_tflops.json", known)
+            save_ceilings(self.ceiling_file, known)
         return value, cores_were_ours
 
     def logger(self, max_steps: int) -> MetricsLogger:
@@ -130,22 +128,22 @@ class Runtime:
 
         return Bf16Emulation()
 
+    @contextmanager
+    def compute(self) -> Iterator[None]:
+        """`emulation` and `autocast` together, around a forward without a backward (evals, samples)."""
+        with self.emulation(), self.autocast():
+            yield
+
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when it is true on any (one tiny all-reduce; free on one process)."""
-        return bool(self.reduce_max(float(flag)))
+        return bool(self.reduce(float(flag), "max"))
 
-    def reduce_max(self, value: float) -> float:
-        return float(self._all_reduce(value, torch.distributed.ReduceOp.MAX))
-
-    def reduce_min(self, value: int) -> int:
-        return int(self._all_reduce(value, torch.distributed.ReduceOp.MIN))
-
-    def _all_reduce(self, value: float, op: Any) -> float:
-        """One number reduced over the ranks with `op` (itself when there is one rank)."""
+    def reduce(self, value: float, op: str) -> float:
+        """One number reduced over the ranks with `op` (max or min; itself when there is one rank)."""
         if self.world == 1:
             return value
         tensor = torch.tensor(value, device=self.device)
-        torch.distributed.all_reduce(tensor, op=op)
+        torch.distributed.all_reduce(tensor, op=getattr(torch.distributed.ReduceOp, op.upper()))
         return tensor.item()
 
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:

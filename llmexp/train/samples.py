@@ -36,7 +36,7 @@ def record(run: Run, tokenizer: Any, step: int) -> None:
     devices = [rt.device.index or 0] if rt.device.type == "cuda" else []
     sampled = train.sample_temperature > 0
     samples = []
-    with eval_mode(lm), torch.random.fork_rng(devices=devices), rt.emulation(), rt.autocast():
+    with eval_mode(lm), torch.random.fork_rng(devices=devices), rt.compute():
         torch.manual_seed(train.sample_seed)
         for prompt in train.sample_prompts:
             ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(rt.device)
