@@ -51,10 +51,6 @@ SMOOTHING = 0.98
 DIVERGED_FACTOR = 4.0
 
 
-def lr_at(step: int, steps: int, start: float, end: float) -> float:
-    return start * (end / start) ** (step / max(1, steps - 1))
-
-
 def smooth(losses: list[float]) -> list[float]:
     """fastai's bias-corrected exponential moving average."""
     avg, out = 0.0, []
@@ -141,7 +137,7 @@ def _rising_lr(run: Run, train_ds: Any, forward_backward: ForwardBackward, steps
     rt, engine, optimizer = run.rt, run.engine, run.optimizer
     curve: list[dict[str, Any]] = []
     for step in range(steps):
-        lr = lr_at(step, steps, first, last)
+        lr = first * (last / first) ** (step / max(1, steps - 1))  # rising exponentially
         set_lr(optimizer, lr)  # muP's per-part factors too: the curve is over the base lr, as a run sets it
         loss_sum, n_targets, _ = forward_backward(run, train_ds)
         engine.clip(run.model, optimizer, run.cfg.train.max_grad_norm, loss_sum.device)  # fp16: unscaled first
@@ -173,23 +169,17 @@ def read_lr_find(path: Path) -> dict[str, Any]:
     return saved
 
 
-def _same_test(saved: dict[str, Any] | None, cfg: DictConfig) -> bool:
-    t = cfg.train
-    return bool(saved) and "suggestion" in saved and all(  # type: ignore[operator]
-        saved.get(k) == v for k, v in (("lr_find_steps", t.lr_find_steps), ("lr_find_start", t.lr_find_start),
-                                       ("lr_find_end", t.lr_find_end),
-                                       ("rule", t.lr_find_rule)))  # type: ignore[union-attr]
-
-
 def settle_lr(cfg: DictConfig, rt: Runtime, vocab_size: int, train_ds: Any, data_fingerprint: str,
               forward_backward: ForwardBackward) -> tuple[DictConfig, dict[str, Any] | None]:
     """lr=find: (the config to train with, its `lr` the test's pick; the test's result); any other lr: (cfg,
     None). Before the run's own set-up, which then starts afresh."""
     if not is_lr_find(cfg.lr):
         return cfg, None
-    path = rt.run_dir / "lr_find.json"  # an earlier launch's result in this directory, else the test now
-    saved = read_lr_find(path)
-    if _same_test(saved, cfg):
+    path, t = rt.run_dir / "lr_find.json", cfg.train
+    saved = read_lr_find(path)  # an earlier launch's result in this directory, reused for the same test
+    test = {"lr_find_steps": t.lr_find_steps, "lr_find_start": t.lr_find_start, "lr_find_end": t.lr_find_end,
+            "rule": t.lr_find_rule}
+    if saved and "suggestion" in saved and all(saved.get(k) == v for k, v in test.items()):
         _say(rt, f"lr_find: reusing {path}: lr {saved['suggestion']:.4g}")  # type: ignore[index]
         return with_lr(cfg, saved["suggestion"]), saved  # type: ignore[index]
     result = range_test(cfg, rt, vocab_size, train_ds, data_fingerprint, forward_backward)

@@ -32,7 +32,13 @@ def describe(cfg: DictConfig, rt: Runtime, vocab_size: int, train_data: Any, dat
     engine, the prepared model and the optimizer. `lr_found`: `cfg.lr` is lr=find's pick (`lr_source: find`)."""
     from llmexp.train.schedule import warmup_steps_for
 
-    plan, auto_batch = _batch_plan(cfg, rt, vocab_size, train_data)
+    auto_batch = None
+    if parse_batch_size(cfg.batch_size) is None:  # batch_size=auto: the checkpoint's choice, else estimate and probe
+        from llmexp.train.autobatch import choose_batch_size
+        from llmexp.train.resume import saved_auto_batch
+
+        auto_batch = choose_batch_size(cfg, rt, vocab_size, len(train_data), saved_auto_batch(cfg, rt.run_dir))
+    plan = make_plan(cfg, rt.world, micro=auto_batch.chosen if auto_batch else None)
     engine = _engine(cfg, rt, plan)
     model, optimizer, built = _build(cfg, rt, engine, vocab_size, plan.micro * cfg.data.max_length)
     if lr_found:
@@ -46,18 +52,6 @@ def describe(cfg: DictConfig, rt: Runtime, vocab_size: int, train_data: Any, dat
         data_fingerprint=data_fingerprint, started=rt.started,
         data_seed=cfg.train.seed_data if cfg.train.seed_data is not None else cfg.seed, **built)
     return desc, engine, model, optimizer
-
-
-def _batch_plan(cfg: DictConfig, rt: Runtime, vocab_size: int, train_data: Any) -> tuple[BatchPlan, Any]:
-    """The batch plan; batch_size=auto settles its micro-batch first (the choice a checkpoint holds, else the
-    estimate's upper bound and a probe step: `autobatch.choose_batch_size`)."""
-    if parse_batch_size(cfg.batch_size) is not None:
-        return make_plan(cfg, rt.world), None
-    from llmexp.train.autobatch import choose_batch_size
-    from llmexp.train.resume import saved_auto_batch
-
-    choice = choose_batch_size(cfg, rt, vocab_size, len(train_data), saved_auto_batch(cfg, rt.run_dir))
-    return make_plan(cfg, rt.world, micro=choice.chosen), choice
 
 
 def _engine(cfg: DictConfig, rt: Runtime, plan: BatchPlan) -> Engine:

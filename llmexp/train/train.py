@@ -62,9 +62,7 @@ def train(cfg: DictConfig, preempt: PreemptionSignal | None = None) -> RunResult
     SIGTERM, SIGUSR2 and Ctrl-C are caught from the start by `preempt`, the caller's guard (`guarded.run_guarded`
     enters it before the trainer is even imported), or by one entered here for a direct call: one during
     start-up stops the run at its first step boundary, before the loop, with status `preempted` and a summary."""
-    if preempt is not None:
-        return _train(cfg, preempt)
-    with PreemptionSignal() as guard:
+    with nullcontext(preempt) if preempt is not None else PreemptionSignal() as guard:
         return _train(cfg, guard)
 
 
@@ -235,7 +233,7 @@ def evaluate(run: Run, eval_ds: data_lib.TokenDataset) -> float:
         start = starts[i] if i < len(starts) else 0
         idx = torch.arange(start, min(start + plan.micro, total_examples)).numpy()
         batch = {k: v.to(rt.device) for k, v in eval_ds.get_batch(idx).items()}
-        with rt.emulation(), rt.autocast():
+        with rt.compute():
             loss_sum = model(**batch).float()
         if i < len(starts):
             sums[0] += loss_sum
