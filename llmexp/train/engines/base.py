@@ -62,9 +62,8 @@ class Engine(ABC):
         """Around every micro-batch but the last: no gradient reduction yet."""
         return self.accelerator.no_sync(model)
 
-    @abstractmethod
     def backward(self, loss: torch.Tensor) -> None:
-        """The backward of one micro-batch's loss."""
+        loss.backward()
 
     def clip(self, model: torch.nn.Module, optimizer: Any, max_norm: float, device: torch.device) -> torch.Tensor:
         """The gradients' pre-clip global norm (inf or nan when non-finite), after clipping them to `max_norm`

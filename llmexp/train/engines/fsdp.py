@@ -134,9 +134,6 @@ class FsdpEngine(Engine):
         finally:
             model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {}  # the weights are in dcp/, written by `optimizer_writer`
