@@ -45,7 +45,8 @@ def stability(records: list[dict]) -> dict[str, float | None]:
     k = min(3, len(losses) // 2)
     drop = statistics.median(losses[:k]) - statistics.median(losses[-k:])
     rises = sum(b > a for a, b in itertools.pairwise(losses)) / (len(losses) - 1)
-    noise = statistics.median(abs(v - statistics.median(losses[max(0, i - 2):i + 3])) for i, v in enumerate(losses))
+    resid = [abs(v - statistics.median(losses[max(0, i - 2):i + 3])) for i, v in enumerate(losses)]
+    noise = statistics.median(resid)
     return {"drop": round(drop, 4), "rise_fraction": round(rises, 3),
             "noise_to_drop": round(noise / drop, 4) if drop > 0 else None}
 
