@@ -253,7 +253,7 @@ def _pack_rows(lengths: np.ndarray, max_length: int) -> np.ndarray:
 
 
 def cut_examples(mode: str, ids: list[np.ndarray], masks: list[np.ndarray] | None, max_length: int,
-         keep_tail: bool) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+                 keep_tail: bool) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     """Arrays of one split (ids, offsets, mask?, positions?, row_targets) and its counts."""
     stats: dict[str, int] = {"records": len(ids), "truncated_examples": 0, "truncated_tokens": 0,
                              "dropped_examples": 0, "dropped_tokens": 0}
@@ -264,9 +264,7 @@ def cut_examples(mode: str, ids: list[np.ndarray], masks: list[np.ndarray] | Non
         ids, masks = _truncate(ids, masks, max_length, stats)
         lengths = np.array([len(x) for x in ids], dtype=np.int64)
         flat = np.concatenate(ids) if ids else np.empty(0, np.int64)
-        if not ids:
-            offsets = np.zeros(1, dtype=np.int64)
-        elif mode == "sft_packed":
+        if mode == "sft_packed" and ids:
             offsets = _pack_rows(lengths, max_length)
             arrays["positions"] = np.concatenate([np.arange(n) for n in lengths]).astype(np.uint16)
         else:
@@ -276,7 +274,7 @@ def cut_examples(mode: str, ids: list[np.ndarray], masks: list[np.ndarray] | Non
     if len(offsets) < 2 or offsets[-1] == 0:
         offsets = np.zeros(1, dtype=np.int64)
     arrays["ids"], arrays["offsets"] = flat, offsets
-    arrays["row_targets"] = _row_targets(offsets, arrays.get("mask")) if len(offsets) > 1 else np.empty(0, np.int64)
+    arrays["row_targets"] = _row_targets(offsets, arrays.get("mask"))
     stats.update(examples=len(offsets) - 1, tokens=int(offsets[-1]), target_tokens=int(arrays["row_targets"].sum()))
     return arrays, stats
 
