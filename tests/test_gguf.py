@@ -177,3 +177,24 @@ def test_a_gguf_file_trains_and_model_is_plain_safetensors(tiny_gguf: Path, tmp_
     made = (conversions[0] / "meta.json").stat().st_mtime_ns
     assert gguf_model_dir(cfg, torch.float32) == conversions[0]  # a later run finds it: nothing converted again
     assert (conversions[0] / "meta.json").stat().st_mtime_ns == made
+
+
+def test_a_cached_gguf_tokenizer_that_cannot_be_loaded_is_rebuilt(tiny_gguf: Path, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """An entry whose bytes still match its recorded hashes but which the tokenizer library cannot read (one
+    written by another transformers) is a cache miss: warned about and converted again, never trusted."""
+    from llmexp.data.cache import COMPLETE_MARKER, FILES_KEY
+    from llmexp.data.gguf import gguf_tokenizer
+    from llmexp.rundir.readers import file_sha256
+
+    cfg = compose([f"model.name_or_path={tiny_gguf.parent}", f"model.gguf_file={tiny_gguf.name}"], tmp_path)
+    expected = gguf_tokenizer(cfg)("def f3(x):")["input_ids"]
+    entry = next((Path(cfg.data.cache_dir) / "tokenizers").glob("gguf-*"))
+    damaged = entry / "tokenizer.json"
+    damaged.write_text("{not json", encoding="utf-8")
+    meta = json.loads((entry / COMPLETE_MARKER).read_text())
+    meta[FILES_KEY]["tokenizer.json"] = [damaged.stat().st_size, file_sha256(damaged)]
+    (entry / COMPLETE_MARKER).write_text(json.dumps(meta), encoding="utf-8")
+    assert gguf_tokenizer(cfg)("def f3(x):")["input_ids"] == expected
+    assert "cannot be read" in capsys.readouterr().err
+    assert json.loads(damaged.read_text())  # rebuilt

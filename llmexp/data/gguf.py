@@ -9,7 +9,7 @@ import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llmexp.data.cache import get_or_build, hash_obj
+from llmexp.data.cache import cached, hash_obj
 from llmexp.data.hub import hub_reachable
 from llmexp.errors import UserError, first_line
 from llmexp.machine.gguf import gguf_file_problem, local_gguf
@@ -69,5 +69,8 @@ def gguf_tokenizer(cfg: DictConfig) -> Any:
         tok.save_pretrained(str(tmp))
         return {"gguf_file": str(path), "vocab_size": len(tok)}
 
-    entry, _, _ = get_or_build(Path(str(cfg.data.cache_dir)), "tokenizers", "gguf-" + gguf_key(path), build)
-    return AutoTokenizer.from_pretrained(str(entry))
+    def load(entry: Path, _meta: dict[str, Any]) -> Any:
+        return AutoTokenizer.from_pretrained(str(entry))
+
+    tok, _, _ = cached(Path(str(cfg.data.cache_dir)), "tokenizers", "gguf-" + gguf_key(path), build, load)
+    return tok
