@@ -9,7 +9,7 @@ import itertools
 from typing import Any
 
 from llmexp.config import security
-from llmexp.config.keys import _type_problem, group_options, unknown_key
+from llmexp.config.keys import group_options, type_problem, unknown_key
 from llmexp.errors import UserError
 from llmexp.rundir import redact
 
@@ -59,7 +59,7 @@ def _override_errors(ov: Any, custom_tree: bool) -> list[str]:
     if problem and (ov.is_add() or ov.is_force_add()):
         problem += " (`+` adds keys to free-form dicts only, e.g. +optimizer.kwargs.foo=1)"
     if problem is None and not ov.is_sweep_override():
-        problem = _type_problem(key, ov.value())
+        problem = type_problem(key, ov.value())
     return [problem] if problem else []
 
 

@@ -159,7 +159,7 @@ def unknown_key(key: str) -> str | None:
     return None
 
 
-def _type_problem(key: str, value: Any) -> str | None:
+def type_problem(key: str, value: Any) -> str | None:
     """A value of the wrong type for an int, float or bool field (Hydra would say it less plainly)."""
     from omegaconf import nodes
     from omegaconf.errors import ValidationError
