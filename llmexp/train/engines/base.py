@@ -85,7 +85,7 @@ class Engine(ABC):
     # ------------------------------------------------------------------ checkpoints
     def lm(self, model: torch.nn.Module) -> torch.nn.Module:
         """The Hugging Face model inside the engine's, compile's and the loss head's wrappers."""
-        return getattr(model, "module", model).lm  # DistributedDataParallel
+        return getattr(model, "module", model).lm  # DistributedDataParallel's, DeepSpeed's engine
 
     def full_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """Whole weights when they must be gathered for a checkpoint (collective: every rank calls); None: the
@@ -93,8 +93,8 @@ class Engine(ABC):
         return None
 
     def final_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-        """The weights `model/` gets (collective); None: the model's own."""
-        return None
+        """The weights `model/` gets (collective): those a checkpoint gathers, else None: the model's own."""
+        return self.full_weights(model)
 
     def checkpoint_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The weights a checkpoint holds (with adapters: the trainable ones)."""

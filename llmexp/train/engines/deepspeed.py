@@ -81,12 +81,6 @@ class DeepSpeedEngine(Engine):
         return float(self._ds.optimizer.loss_scale) if self.precision == "fp16" else None
 
     # ------------------------------------------------------------------ checkpoints
-    def lm(self, model: torch.nn.Module) -> torch.nn.Module:
-        return self.accelerator.unwrap_model(model).lm
-
-    def final_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-        return self.full_weights(model)
-
     def full_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """ZeRO-3: the LM's weights gathered layer by layer (rank 0 gets the tensors)."""
         if self.stage < 3:

@@ -1,5 +1,4 @@
-"""The plain engine: one process or DDP through Accelerate, with torch's GradScaler in fp16 (the `Engine`
-base and what the loop calls when: `base.py`)."""
+"""The plain engine (the `Engine` base and what the loop calls when: `base.py`)."""
 
 from __future__ import annotations
 
