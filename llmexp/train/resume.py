@@ -148,23 +148,21 @@ def _check_optimizer_fits(optimizer: Any, file: Path, saved: Any) -> None:
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
     if not (isinstance(groups, list) and isinstance(saved.get("state"), dict)):
         raise ckpt.CorruptCheckpoint(f"{file}: not an optimizer state (no 'state' and 'param_groups')")
-    live = optimizer.param_groups
     sizes = [len(g.get("params", [])) for g in groups if isinstance(g, dict)]
-    if sizes != [len(g["params"]) for g in live]:
+    live_sizes = [len(g["params"]) for g in optimizer.param_groups]
+    if sizes != live_sizes:
         raise ckpt.CorruptCheckpoint(f"{file}: parameter groups of sizes {sizes} do not fit the optimizer's "
-                                     f"{[len(g['params']) for g in live]}")
-    params = [p for g in live for p in g["params"]]
-    ids = [i for g in groups for i in g["params"]]
-    by_id = dict(zip(ids, params, strict=True))
+                                     f"{live_sizes}")
+    live = [p for g in optimizer.param_groups for p in g["params"]]
+    by_id = dict(zip([i for g in groups for i in g["params"]], live, strict=True))
     for pid, entry in saved["state"].items():
         if pid not in by_id or not isinstance(entry, dict):
             raise ckpt.CorruptCheckpoint(f"{file}: state for unknown parameter {pid!r}")
         for key in _MOMENTS:
-            value = entry.get(key)
-            if value is not None and tuple(getattr(value, "shape", ())) != tuple(by_id[pid].shape):
+            value, want = entry.get(key), tuple(by_id[pid].shape)
+            if value is not None and tuple(getattr(value, "shape", ())) != want:
                 raise ckpt.CorruptCheckpoint(f"{file}: {key} of parameter {pid} has shape "
-                                             f"{tuple(getattr(value, 'shape', ()))}, the parameter's is "
-                                             f"{tuple(by_id[pid].shape)}")
+                                             f"{tuple(getattr(value, 'shape', ()))}, the parameter's is {want}")
 
 
 def _apply_payload(run: Run, payload: dict[str, Any], path: Path) -> LoopState:
