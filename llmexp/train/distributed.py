@@ -4,8 +4,7 @@ launcher's workers: `llmexp.cli.relaunch`).
 Multi-process runs use torch.distributed through Accelerate (DDP; gloo on CPU, NCCL on GPU). DeepSpeed ZeRO runs
 through Accelerate's `DeepSpeedPlugin`, with a DeepSpeed config derived here from the composed config
 (`deepspeed_config`: the loop's batch plan, `train.max_grad_norm`, the precision and its loss scaling), so that
-the two can never disagree; the engine steps, clips and skips non-finite steps itself, and in fp16 owns the dynamic
-loss scale (the loop's own GradScaler is off). The step and checkpoints under ZeRO: `llmexp.train.engines.deepspeed`.
+the two can never disagree; the step and checkpoints under ZeRO: `llmexp.train.engines.deepspeed`.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from llmexp.machine.environment import deepspeed_errors
 TORCH_EXTENSIONS_DIR = "~/.cache/llmexp/torch_extensions"
 """Where DeepSpeed's JIT-compiled CPU ops (cpu_adam, cpu_lion) are cached, unless the user set
 TORCH_EXTENSIONS_DIR: the first build takes minutes, later runs load the .so in a second."""
+
 
 def accelerator_kwargs(cfg: DictConfig, plan: BatchPlan | None, precision: str) -> dict[str, Any]:
     """Arguments for `accelerate.Accelerator`.

@@ -17,6 +17,7 @@ from llmexp.model.mup import lr_mult
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
+
 def set_lr(optimizer: Any, lr: float) -> None:
     """Set every param group's lr to `lr` times the group's own factor (`lr_mult`: muP's per-part lrs, 1 for
     a standard run). The one place the trainer and the lr range test set the lr."""
