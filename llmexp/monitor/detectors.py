@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from llmexp.rundir.read import config_value
+
 INFO, WARNING, ERROR = "info", "warning", "error"
 _MAD_TO_STD = 1.4826  # scales the median absolute deviation to a standard deviation for normal data
 
@@ -580,10 +582,8 @@ def settings_from_config(cfg: dict[str, Any], lr: float | None = None, precision
     from llmexp.config.validation import parse_lr
 
     def saved(key: str) -> Any:
-        node: Any = cfg
-        for part in key.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        return leaves()[key].default if node is None else node
+        value = config_value(cfg, key)
+        return leaves()[key].default if value is None else value
 
     try:
         cfg_lr = parse_lr(saved("lr"))  # None for auto: the trainer resolved it; summary.json has the value

@@ -32,6 +32,7 @@ from llmexp.report.formats import fmt, fmt_params
 from llmexp.rundir.files import write_json_atomic
 from llmexp.rundir.read import (
     FINISHED,
+    config_value,
     is_sweep_dir,
     job_dirs,
     load_config,
@@ -242,8 +243,7 @@ def _damaged(path: Path, why: str) -> UserError:
 def _parametrization(config: dict) -> str:
     """`model.parametrization` of a job's composed config. Read defensively: the key is newer than some runs, which
     were all trained in the standard parametrization."""
-    model = config.get("model") if isinstance(config.get("model"), dict) else {}
-    value = model.get("parametrization")
+    value = config_value(config, "model.parametrization")
     return str(value) if isinstance(value, str) else STANDARD
 
 

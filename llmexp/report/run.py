@@ -11,7 +11,7 @@ from llmexp.monitor.detectors import ERROR, Finding, is_open, worst_severity
 from llmexp.report.findings import finding_state, run_findings
 from llmexp.report.formats import fmt, fmt_rate, md_cell, md_table
 from llmexp.rundir.files import write_text_atomic
-from llmexp.rundir.read import last_value, load_config, load_overrides, load_records, load_summary
+from llmexp.rundir.read import config_value, last_value, load_config, load_overrides, load_records, load_summary
 from llmexp.rundir.task_metrics import task_history, task_records
 
 
@@ -64,11 +64,8 @@ def settings_rows(cfg: dict) -> list[tuple[str, str]]:
     """The settings that decide how training behaves, as (label, value) rows; unset ones left out."""
     rows = []
     for label, key in _SETTINGS:
-        node: Any = cfg
-        for part in key.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        if node is not None:
-            rows.append((label, fmt(node)))
+        if (value := config_value(cfg, key)) is not None:
+            rows.append((label, fmt(value)))
     return rows
 
 
@@ -191,7 +188,7 @@ def write_run_report(run_dir: Path, findings: list[Finding] | list[dict] | None 
     cfg = load_config(run_dir)
     text = run_report_markdown(run_dir, records, load_summary(run_dir), found, cfg,
                                load_overrides(run_dir))
-    clip = (cfg.get("train") or {}).get("max_grad_norm")
+    clip = config_value(cfg, "train.max_grad_norm")
     plot_run(records, found, run_dir / "curves.png", title=run_dir.resolve().name,
              max_grad_norm=float(clip) if isinstance(clip, int | float) else None)
     write_text_atomic(run_dir / "report.md", text)

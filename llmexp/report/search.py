@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from llmexp.report.formats import fmt, md_table
-from llmexp.rundir.read import load_config, load_summary
+from llmexp.rundir.read import config_value, load_config, load_summary
 from llmexp.rundir.readers import read_yaml
 from llmexp.rundir.study import study_journal
 
@@ -44,10 +44,9 @@ def search_setup(sweep_dir: Path, jobs: list[dict]) -> dict[str, Any]:
     config = read_yaml(Path(sweep_dir) / "multirun.yaml")
     if not isinstance(config, dict) or not isinstance(config.get("sweep"), dict):
         config = load_config(Path(jobs[0]["dir"])) if jobs else {}
-    sweep = config.get("sweep") if isinstance(config.get("sweep"), dict) else {}
-    train = config.get("train") if isinstance(config.get("train"), dict) else {}
-    return {"sampler": sweep.get("name"), "pruner": sweep.get("pruner"), "n_trials": sweep.get("n_trials"),
-            "seed": sweep.get("seed"), "parallel": sweep.get("parallel"), "max_steps": train.get("max_steps")}
+    keys = {"sampler": "sweep.name", "pruner": "sweep.pruner", "n_trials": "sweep.n_trials", "seed": "sweep.seed",
+            "parallel": "sweep.parallel", "max_steps": "train.max_steps"}
+    return {name: config_value(config, key) for name, key in keys.items()}
 
 
 def _space(trials: list[Any]) -> dict[str, str]:

@@ -22,6 +22,7 @@ from llmexp.rundir.files import write_text_atomic
 from llmexp.rundir.lock import lock_holder
 from llmexp.rundir.read import (
     FINISHED,
+    config_value,
     job_dirs,
     last_value,
     load_config,
@@ -91,8 +92,9 @@ def collect_job(job_dir: Path, records: list[dict]) -> dict[str, Any]:
 
 def _objective(job_dir: Path) -> tuple[str, str]:
     """(`sweep.metric`, `sweep.direction`) of a job's config; a job from before they existed: the eval loss."""
-    sweep = load_config(job_dir).get("sweep") or {}
-    return str(sweep.get("metric") or "eval_loss"), str(sweep.get("direction") or "minimize")
+    config = load_config(job_dir)
+    return (str(config_value(config, "sweep.metric") or "eval_loss"),
+            str(config_value(config, "sweep.direction") or "minimize"))
 
 
 def varying_params(jobs: list[dict]) -> list[str]:

@@ -93,6 +93,15 @@ def load_config(run_dir: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def config_value(config: dict, key: str) -> Any:
+    """The value at dotted `key` ("train.max_grad_norm") of a saved config (`load_config`); None where the file
+    lacks it (a key newer than the run) or a section is not a mapping."""
+    node: Any = config
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
 def load_overrides(run_dir: Path) -> list[str]:
     """The command-line overrides of a run (`.hydra/overrides.yaml`), else those in summary.json."""
     from llmexp.rundir.redact import scrub_overrides
