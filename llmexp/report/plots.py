@@ -14,13 +14,13 @@ from typing import Any
 
 import numpy as np
 
+from llmexp.monitor.detectors import MonitorSettings
 from llmexp.report.findings import finding_state
 from llmexp.rundir.files import atomic_file
 from llmexp.rundir.read import FINISHED
 from llmexp.rundir.task_metrics import task_history, task_records
 
 SEVERITY_COLOURS = {"error": "#d62728", "warning": "#ff7f0e", "info": "#7f7f7f"}
-GRAD_BAND = (0.5, 2.0)  # the seed's healthy grad-norm band
 
 
 def _pyplot() -> Any:
@@ -122,7 +122,8 @@ def _loss_panel(ax: Any, records: list[dict]) -> None:
 
 
 def _grad_panel(ax: Any, records: list[dict], max_grad_norm: float | None) -> None:
-    ax.axhspan(*GRAD_BAND, color="#2ca02c", alpha=0.08, label="seed's band 0.5-2.0")
+    low, high = MonitorSettings.grad_band  # the seed's healthy band, as the detector judges it
+    ax.axhspan(low, high, color="#2ca02c", alpha=0.08, label=f"seed's band {low}-{high}")
     ys = _train_panel(ax, records, "grad_norm", "grad norm", "#9467bd", label="grad norm (pre-clip)")
     if max_grad_norm:
         ax.axhline(max_grad_norm, ls="--", lw=1, color="#555555", label=f"clip at {max_grad_norm:g}")
