@@ -164,3 +164,18 @@ def test_a_pretrained_models_activations_come_from_its_own_config(tmp_path: Path
     assert pretrained.model.hidden_size != 128  # the fields still describe model=tiny
     assert activation_bytes(pretrained, "bf16", 2) == activation_bytes(same_fields, "bf16", 2)
     assert activation_bytes(pretrained, "bf16", 2) != activation_bytes(compose(["data.max_length=64"]), "bf16", 2)
+
+
+@pytest.mark.parametrize("args", [["world_size=abc"], ["world_size=0"], ["world_size=-2"],
+                                  ["lr=[sk-abcdefghijklmnopqrstuvwxyz123456"]])
+def test_estimate_cli_refuses_a_bad_argument_with_exit_2_and_no_secret(args: list[str],
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad world_size names the key and the fix (it raised ValueError, or was taken as 0 processes); an override
+    Hydra cannot parse is quoted with its token-shaped text redacted, as `python -m llmexp` does."""
+    from llmexp.cli.estimate import main
+
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("llmexp.estimate: error: ") and "Traceback" not in err
+    assert "sk-abcdefghijklmnopqrstuvwxyz123456" not in err
+    assert "world_size" in err or "***" in err

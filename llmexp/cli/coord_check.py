@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from llmexp.errors import EXIT_USER, UserError
+from llmexp.errors import UserError
+from llmexp.rundir.redact import print_user_error
 
 SMALL_MODEL = ("model.hidden_size=64", "model.num_attention_heads=2", "model.num_key_value_heads=2",
                "model.intermediate_size=172", "model.num_hidden_layers=2", "model.vocab_size=1024",
@@ -106,5 +107,4 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # a UserError, or Hydra's override and compose errors
         if not isinstance(err, UserError) and type(err).__module__.split(".")[0] not in ("hydra", "omegaconf"):
             raise
-        print(f"llmexp.coord_check: error: {err}", file=sys.stderr)
-        return EXIT_USER
+        return print_user_error("llmexp.coord_check", err)

@@ -14,7 +14,6 @@ from typing import Any
 from omegaconf import DictConfig
 
 from llmexp.config.derived import auto_batch_candidates, parse_batch_size, world_size_from_env
-from llmexp.errors import EXIT_USER
 from llmexp.model.estimate import (
     MiB,
     adapter_facts,
@@ -26,6 +25,7 @@ from llmexp.model.estimate import (
     memory_budget,
     resolved_precision,
 )
+from llmexp.rundir.redact import print_user_error
 
 
 def compose(overrides: list[str]) -> DictConfig:
@@ -46,13 +46,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     world = world_size_from_env()
     for arg in [a for a in args if a.startswith("world_size=")]:
-        world = int(arg.split("=", 1)[1])
+        value = arg.split("=", 1)[1]
+        if not (value.isdigit() and int(value) >= 1):
+            return print_user_error("llmexp.estimate", f"world_size: {value!r} is not a number of processes; "
+                                    "give a whole number >= 1, e.g. world_size=8")
+        world = int(value)
         args.remove(arg)
     try:
         cfg = compose(args)
     except Exception as err:  # a UserError, or Hydra's override and compose errors
-        print(f"llmexp.estimate: error: {err}", file=sys.stderr)
-        return EXIT_USER
+        return print_user_error("llmexp.estimate", err)
     precision = resolved_precision(cfg.precision.name)
     facts = {"num_params": count_params_meta(cfg), "precision": precision, "world": world,
              "adapters": adapter_facts(cfg), "units": fsdp_units(cfg) if cfg.fsdp.name != "none" else None}

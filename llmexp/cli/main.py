@@ -144,7 +144,6 @@ def main() -> None:
 
 
 def _exit_user(err: UserError) -> None:
-    from llmexp.rundir.redact import scrub_text
+    from llmexp.rundir.redact import print_user_error
 
-    print(f"llmexp: error: {scrub_text(str(err))}", file=sys.stderr)
-    sys.exit(EXIT_USER)
+    sys.exit(print_user_error("llmexp", err))

@@ -14,12 +14,14 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hydra.experimental.callback import Callback
 
+from llmexp.errors import EXIT_USER
 from llmexp.rundir.files import write_text_atomic
 
 if TYPE_CHECKING:
@@ -61,6 +63,13 @@ def scrub_text(text: str, secrets: Iterable[str] | None = None) -> str:
     for secret in secret_env_values() if secrets is None else secrets:
         text = text.replace(secret, REDACTED)
     return _SECRET_VALUE.sub(REDACTED, text)
+
+
+def print_user_error(prog: str, err: object) -> int:
+    """Print a user's mistake as `prog: error: ...` on stderr, secrets scrubbed (a bad override may quote a token);
+    EXIT_USER, for the command to return."""
+    print(f"{prog}: error: {scrub_text(str(err))}", file=sys.stderr)
+    return EXIT_USER
 
 
 def scrub(obj: Any, secrets: Iterable[str] | None = None) -> Any:
