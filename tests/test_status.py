@@ -146,3 +146,17 @@ def test_each_job_wrote_its_hparams_for_tensorboard(sweep: dict[str, Any]) -> No
                    for tag in mux.GetAccumulator(f"{job}/tensorboard/hparams").Tags()["scalars"]}
         assert scalars["hparam/eval_loss"] == pytest.approx(summary["eval_loss"], rel=1e-6)
         assert scalars["hparam/best_eval_loss"] == pytest.approx(summary["best_eval_loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize(("state", "status"), [("PREEMPTED", "preempted"), ("CANCELLED by 1000", "cancelled"),
+                                               ("TIMEOUT", "timeout"), ("OUT_OF_MEMORY", "failed"),
+                                               ("RUNNING", None), ("COMPLETED", None)])
+def test_one_table_names_how_slurm_ended_a_job(state: str, status: str | None) -> None:
+    """The status table and the SLURM launcher's record read SLURM's end states alike; a job preempted by
+    cancellation is `preempted` (a rerun resumes it), which the launcher once recorded as failed."""
+    from llmexp.rundir.read import INTERRUPTED, slurm_end_status
+    from llmexp.sweep.slurm import _final_status
+
+    assert slurm_end_status(state) == status
+    assert _final_status(state) == (status or "failed")
+    assert (status in INTERRUPTED) == (state == "PREEMPTED" or state.startswith("CANCELLED"))

@@ -43,6 +43,7 @@ from llmexp.rundir.read import (
     load_records,
     load_summary,
     read_slurm_jobs,
+    slurm_end_status,
 )
 
 SCHEDULER_TIMEOUT_S = 0.7
@@ -50,9 +51,6 @@ SCHEDULER_TIMEOUT_S = 0.7
 WAITING = ("submitted", "queued")
 """Launcher records of a job that has not started (SLURM's `submitted`, the local launcher's `queued`)."""
 QUEUED_STATES = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "SUSPENDED")
-SACCT_STATUS = {"CANCELLED": "cancelled", "TIMEOUT": "timeout", "DEADLINE": "timeout", "OUT_OF_MEMORY": "failed",
-                "NODE_FAIL": "failed", "BOOT_FAIL": "failed", "FAILED": "failed", "PREEMPTED": "preempted"}
-"""SLURM's final states for a job that left no verdict of its own."""
 
 
 @dataclass
@@ -152,7 +150,7 @@ def _status(run_dir: Path, summary: dict | None, verdict: dict, records: list[di
         return str(ended)
     if summary is not None and summary.get("status"):
         return str(summary["status"])
-    if state and state != "?" and (final := SACCT_STATUS.get(state)):
+    if state and (final := slurm_end_status(state)):
         return final
     if ended in WAITING:
         return "queued" if sweeper or ended == "submitted" else "not_started"  # (SLURM queues without a sweeper)

@@ -118,6 +118,16 @@ INTERRUPTED = ("preempted", "cancelled", "submitted")
 """Run statuses of a job that did not end by itself: a search's trial stays RUNNING in the study, and a rerun
 of the sweep resumes it."""
 
+SLURM_END_STATUS = {"CANCELLED": "cancelled", "TIMEOUT": "timeout", "DEADLINE": "timeout", "OUT_OF_MEMORY": "failed",
+                    "NODE_FAIL": "failed", "BOOT_FAIL": "failed", "FAILED": "failed", "PREEMPTED": "preempted"}
+"""SLURM's final states (sacct's, e.g. "CANCELLED by 1000") of a job that left no verdict of its own, as a run
+status. PREEMPTED (a partition that preempts by cancelling) is `preempted`, so a rerun resumes the job."""
+
+
+def slurm_end_status(state: str) -> str | None:
+    """The run status of a job SLURM ended in `state`; None for a state that is not final there."""
+    return next((status for prefix, status in SLURM_END_STATUS.items() if state.startswith(prefix)), None)
+
 
 @dataclass
 class TrialResult:

@@ -54,7 +54,7 @@ from llmexp.config.tree import register_resolvers
 from llmexp.errors import UserError, first_line
 from llmexp.process import settle_for_exit, tune_collector
 from llmexp.rundir.files import write_json_atomic
-from llmexp.rundir.read import read_slurm_jobs
+from llmexp.rundir.read import read_slurm_jobs, slurm_end_status
 from llmexp.sweep.jobs import (
     JobOutcome,
     JobSpec,
@@ -73,9 +73,6 @@ from llmexp.sweep.jobs import (
 
 log = logging.getLogger(__name__)
 
-# sacct states after which a job will not run again, and what the sweep calls them.
-_FINAL_STATES = {"CANCELLED": "cancelled", "TIMEOUT": "timeout", "FAILED": "failed", "OUT_OF_MEMORY": "failed",
-                 "NODE_FAIL": "failed", "BOOT_FAIL": "failed", "DEADLINE": "timeout", "COMPLETED": "failed"}
 _POLL_S = 2.0
 
 
@@ -301,7 +298,8 @@ def collect(spec: JobSpec, job: submitit.Job) -> JobOutcome:
 
 
 def _final_status(state: str) -> str:
-    return next((name for prefix, name in _FINAL_STATES.items() if state.startswith(prefix)), "failed")
+    """A job that left no result: SLURM's end state as a run status (COMPLETED without a result: failed)."""
+    return slurm_end_status(state) or "failed"
 
 
 def _last_line(text: str) -> str:
