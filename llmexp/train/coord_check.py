@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from llmexp.config.derived import model_sizes
 from llmexp.model.build import build_model, build_optimizer
 from llmexp.train.schedule import set_lr
 
@@ -102,8 +103,6 @@ def _key(width: float) -> str:
 def coord_check(cfg: DictConfig, settings: CheckSettings, parametrizations: tuple[str, ...],
                 device: torch.device) -> dict[str, Any]:
     """The check for each parametrization: every width's curves and each group's growth (widest / narrowest)."""
-    from llmexp.config.derived import model_sizes
-
     runs: dict[str, Any] = {}
     for name in parametrizations:
         curves = {_key(w): coord_sizes(at_width(cfg, w, name), settings, device) for w in settings.widths}

@@ -17,9 +17,8 @@ one process, on CPU with gloo (the tests) and on GPUs, is worth more than the pl
 - the loop's loss is scaled by world / target tokens, because FSDP2's reduce-scatter averages over
   ranks exactly as DDP's all-reduce does; accumulation skips that reduce-scatter until the last
   micro-batch (`no_sync`).
-- a checkpoint holds `dcp/` (each rank's shard of weights and optimizer state, and `.metadata`),
-  written to a staging directory by every rank and moved into the checkpoint by rank 0, so the
-  checkpoint is still published by one rename and listed in the manifest. It loads on any number
+- a checkpoint holds `dcp/` (each rank's shard of weights and optimizer state, and `.metadata`; staged by
+  `Engine.staged_writer`), still published by one rename and listed in the manifest. It loads on any number
   of processes, through `llmexp.checkpoint.dcp`'s pickle-free reader.
 - `model/` is the full state dict gathered to rank 0 (CPU), saved as safetensors.
 """
