@@ -100,18 +100,17 @@ def _demo_items(cfg: DictConfig) -> list[ChoiceItem]:
 def run_tasks(suite: TaskSuite, run: Run, step: int, loss_of: Callable[[TokenDataset], float]) -> list[dict[str, Any]]:
     """Every task of `suite` at this eval, logged as one `eval_task` record each; returns the records (every
     rank). `loss_of` is the loop's own held-out loss, which scores the extra held-out sets."""
-    tokenizer = run.tokenizer
     records = []
     for name, ds in suite.perplexity.items():
         start = time.perf_counter()
         loss = loss_of(ds)
         records.append(_record(step, name, "perplexity", {"loss": loss, "ppl": safe_exp(loss)}, len(ds), start))
     for name, (items, delimiter) in suite.choice.items():
-        records.append(_choice_task(run, tokenizer, step, name, items, delimiter))
+        records.append(_choice_task(run, step, name, items, delimiter))
     for name, (items, task_cfg) in suite.generate.items():
-        records.append(_generate_task(run, tokenizer, step, name, items, task_cfg))
+        records.append(_generate_task(run, step, name, items, task_cfg))
     if suite.harness is not None:
-        records += _harness_tasks(run, suite.harness, tokenizer, step)
+        records += _harness_tasks(run, suite.harness, step)
     for record in records:
         run.log.log(record)
     return records
@@ -134,25 +133,23 @@ def _summed(run: Run, tally: list[float]) -> list[float]:
     return run.rt.reduce_sum(torch.tensor(tally, device=run.rt.device, dtype=torch.float64)).tolist()
 
 
-def _choice_task(run: Run, tokenizer: Any, step: int, name: str, items: list[ChoiceItem],
-                 delimiter: str) -> dict[str, Any]:
+def _choice_task(run: Run, step: int, name: str, items: list[ChoiceItem], delimiter: str) -> dict[str, Any]:
     from llmexp.data.datasets import pad_id_of
 
     start, rt, shard, bs = time.perf_counter(), run.rt, _shard(run), int(run.cfg.eval.batch_size)
-    requests = score.choice_requests(tokenizer, items, shard.mine(len(items)), delimiter)
+    requests = score.choice_requests(run.tokenizer, items, shard.mine(len(items)), delimiter)
     lls = score.loglikelihoods(run.model, requests, batch_size=bs, max_length=int(run.cfg.data.max_length),
-                               pad_id=pad_id_of(tokenizer), device=rt.device, autocast=rt.compute,
+                               pad_id=pad_id_of(run.tokenizer), device=rt.device, autocast=rt.compute,
                                rounds=score.choice_rounds(items, shard, bs) if shard.lockstep else None)
     right, right_norm, n = _summed(run, score.choice_tally(items, requests, lls))
     return _record(step, name, "multiple_choice", {"acc": right / max(n, 1.0), "acc_norm": right_norm / max(n, 1.0)},
                    int(n), start)
 
 
-def _generate_task(run: Run, tokenizer: Any, step: int, name: str, items: list[GenerateItem],
-                   task: DictConfig) -> dict[str, Any]:
+def _generate_task(run: Run, step: int, name: str, items: list[GenerateItem], task: DictConfig) -> dict[str, Any]:
     start, rt, shard = time.perf_counter(), run.rt, _shard(run)
     mine = list(shard.mine(len(items)))
-    completions = score.greedy_completions(run.engine.lm(run.model), tokenizer, [items[i].prompt for i in mine],
+    completions = score.greedy_completions(run.engine.lm(run.model), run.tokenizer, [items[i].prompt for i in mine],
                                            max_new_tokens=int(task.max_new_tokens), stop=list(task.stop),
                                            batch_size=int(run.cfg.eval.batch_size),
                                            max_length=int(run.cfg.data.max_length), device=rt.device,
@@ -164,13 +161,13 @@ def _generate_task(run: Run, tokenizer: Any, step: int, name: str, items: list[G
                    int(n), start, examples=examples)
 
 
-def _harness_tasks(run: Run, manager: Any, tokenizer: Any, step: int) -> list[dict[str, Any]]:
+def _harness_tasks(run: Run, manager: Any, step: int) -> list[dict[str, Any]]:
     """The harness's tasks on rank 0 (the only rank with an index); one record per task it reports."""
     from llmexp.evals import harness
 
     start, rt, lm_cfg = time.perf_counter(), run.rt, run.cfg.eval.lm_eval
     with rt.compute():
-        results = harness.evaluate(run.engine.lm(run.model), tokenizer, manager, list(lm_cfg.tasks),
+        results = harness.evaluate(run.engine.lm(run.model), run.tokenizer, manager, list(lm_cfg.tasks),
                                    batch_size=int(lm_cfg.batch_size), max_length=int(run.cfg.data.max_length),
                                    limit=lm_cfg.limit, num_fewshot=lm_cfg.num_fewshot, device=rt.device)
     return [_record(step, task, "lm_eval", metrics, 0, start) for task, metrics in results.items()]

@@ -46,11 +46,11 @@ def save_merged(cfg: DictConfig, lm: Any, model_dir: Path, tokenizer: Any) -> No
     tokenizer.save_pretrained(model_dir / "merged")
 
 
-def finish_run(run: Run, tokenizer: Any, status: str) -> dict[str, Any]:
+def finish_run(run: Run, status: str) -> dict[str, Any]:
     """Final checkpoint and model, summary.json, report; returns the summary."""
     rt, log = run.rt, run.log
     if status in ("completed", "early_stopped") and run.cfg.train.save_final:
-        status = _save_final(run, tokenizer, status)
+        status = _save_final(run, status)
     summary = build_summary(run, status)
     if rt.is_main:
         try:
@@ -69,7 +69,7 @@ def finish_run(run: Run, tokenizer: Any, status: str) -> dict[str, Any]:
     return summary
 
 
-def _save_final(run: Run, tokenizer: Any, status: str) -> str:
+def _save_final(run: Run, status: str) -> str:
     """The final checkpoint and `model/`: save_pretrained of the model (with adapters: for PeftModel.from_pretrained)
     and tokenizer, published by one atomic swap. Returns the status, `failed` if the disk was full."""
     if not save_state_checkpoint(run):
@@ -84,10 +84,10 @@ def _save_final(run: Run, tokenizer: Any, status: str) -> str:
                 if cfg.peft.name != "none":  # adapter_config.json + adapter_model.safetensors
                     save_model_dir(lm, tmp)
                     if cfg.train.merge_adapter:
-                        save_merged(cfg, lm, tmp, tokenizer)
+                        save_merged(cfg, lm, tmp, run.tokenizer)
                 else:  # weights: the gathered ones, else None (the model's own)
                     save_model_dir(lm, tmp, state_dict=weights)
-                tokenizer.save_pretrained(tmp)
+                run.tokenizer.save_pretrained(tmp)
         except DiskFull as err:
             full = err
             run.log.write(f"error: {err}; model/ was not written (status failed). The final checkpoint "

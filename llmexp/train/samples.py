@@ -8,8 +8,6 @@ gradients, with the RNG of every device forked (`torch.random.fork_rng`) and see
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from omegaconf import DictConfig
 
@@ -26,10 +24,10 @@ def due(train: DictConfig, step: int, max_steps: int) -> bool:
 
 
 @torch.no_grad()
-def record(run: Run, tokenizer: Any, step: int) -> None:
+def record(run: Run, step: int) -> None:
     """Continue each prompt (greedy, or sampled at `train.sample_temperature`) on rank 0 and log one `sample` event
     (metrics.jsonl, the console, wandb's table)."""
-    train, rt = run.cfg.train, run.rt
+    train, rt, tokenizer = run.cfg.train, run.rt, run.tokenizer
     if not rt.is_main:
         return
     lm = run.engine.lm(run.model)

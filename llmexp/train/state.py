@@ -108,7 +108,7 @@ class Run:
     resumed_from_world_size: int | None = None
     """The number of processes that saved the checkpoint this run resumed from (None: not resumed)."""
     tokenizer: Any = None
-    """The run's tokenizer: the tasks and the samples encode with it."""
+    """The run's tokenizer: the tasks and the samples encode with it, and `model/` saves it."""
     window: ThroughputWindow = field(default_factory=ThroughputWindow)
     """Tokens and seconds of the training steps (the loop's)."""
     mfu: Mfu = field(init=False)

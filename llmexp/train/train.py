@@ -128,7 +128,7 @@ def _loop(run: Run, eval_ds: data_lib.TokenDataset, suite: TaskSuite | None, pre
             status = stop if stop == "early_stopped" or save_state_checkpoint(run) else "failed"
             break
         if samples.due(cfg.train, step, max_steps):
-            samples.record(run, run.tokenizer, step)  # on a forked RNG: training is bitwise unchanged
+            samples.record(run, step)  # on a forked RNG: training is bitwise unchanged
         set_lr(optimizer, lr_now(run, step))
         window.begin()
         loss_sum, n_targets, n_tokens = forward_backward(run, run.train_data)
@@ -177,8 +177,8 @@ def _finish(run: Run, eval_ds: data_lib.TokenDataset, suite: TaskSuite | None, s
     if status in ("completed", "early_stopped") and state.last_eval_step != state.step:
         evaluate_and_record(run, eval_ds, suite, state.step, may_stop=False)
     if status in ("completed", "early_stopped") and run.cfg.train.sample_prompts:
-        samples.record(run, run.tokenizer, state.step)
-    summary = finish_run(run, run.tokenizer, status)
+        samples.record(run, state.step)
+    summary = finish_run(run, status)
     return RunResult(status=summary["status"], step=state.step, summary=summary)  # a full disk: failed
 
 
