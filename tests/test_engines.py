@@ -1,5 +1,6 @@
-"""The step engines' one protocol (`llmexp.train.engines.base.Engine`): each engine implements all of it, none
-inherits from another, and DeepSpeed's step is called a step (it clips inside it, so `clip` reports its norm).
+"""The step engines' one protocol (`llmexp.train.engines.base.Engine`, an abstract base with the shared defaults):
+each engine answers all of it, none inherits from another engine, and DeepSpeed's step is called a step (it clips
+inside it, so `clip` reports its norm).
 On stand-in accelerators: nothing collective runs.
 
 The loss lives on the accelerator, the gradients (FSDP's CPU offload) or the norm (DeepSpeed's float) may not: the
