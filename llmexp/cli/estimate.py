@@ -16,13 +16,11 @@ from omegaconf import DictConfig
 from llmexp.config.derived import auto_batch_candidates, parse_batch_size, world_size_from_env
 from llmexp.model.estimate import (
     MiB,
-    adapter_facts,
-    count_params_meta,
     estimate,
     format_estimate,
-    fsdp_units,
     largest_fitting,
     memory_budget,
+    meta_facts,
     resolved_precision,
 )
 from llmexp.rundir.redact import print_user_error
@@ -57,8 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # a UserError, or Hydra's override and compose errors
         return print_user_error("llmexp.estimate", err)
     precision = resolved_precision(cfg.precision.name)
-    facts = {"num_params": count_params_meta(cfg), "precision": precision, "world": world,
-             "adapters": adapter_facts(cfg), "units": fsdp_units(cfg) if cfg.fsdp.name != "none" else None}
+    facts = meta_facts(cfg, precision, world)
     auto_line, micro = "", None
     if parse_batch_size(cfg.batch_size) is None:
         micro, auto_line = _auto_upper_bound(cfg, world, facts)

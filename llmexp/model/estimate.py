@@ -111,16 +111,26 @@ def count_params_meta(cfg: DictConfig) -> int:
     return count_params(meta_model(cfg), trainable_only=False)
 
 
-def adapter_facts(cfg: DictConfig) -> AdapterFacts | None:
+def meta_facts(cfg: DictConfig, precision: str, world: int) -> dict[str, Any]:
+    """What `estimate` and `largest_fitting` read off the model, from one meta model: the parameter count, the
+    adapters (`adapter_facts`) and FSDP's units (`fsdp_units`, under fsdp), with `precision` and `world`."""
+    from llmexp.model.build import count_params
+
+    model = meta_model(cfg)
+    return {"num_params": count_params(model, trainable_only=False), "precision": precision, "world": world,
+            "adapters": adapter_facts(cfg, model), "units": fsdp_units(cfg, model) if cfg.fsdp.name != "none" else None}
+
+
+def adapter_facts(cfg: DictConfig, model: Any = None) -> AdapterFacts | None:
     """The adapters' size and the 4-bit share of the base for `peft=lora/qlora`; None for peft=none.
     `target_modules` is matched as peft matches it: all-linear is every linear layer but the head,
-    a list matches module names or their last components."""
+    a list matches module names or their last components. `model`: the meta model, when built already."""
     from torch import nn
 
     pe = cfg.peft
     if pe.name == "none":
         return None
-    model = meta_model(cfg)
+    model = meta_model(cfg) if model is None else model
     head = model.get_output_embeddings()
     linears = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear) and mod is not head]
     targets = list(pe.target_modules) if not isinstance(pe.target_modules, str) else None
@@ -132,9 +142,10 @@ def adapter_facts(cfg: DictConfig) -> AdapterFacts | None:
     return AdapterFacts(trainable=trainable, quantized=quantized, dropout_elems_per_token=dropout)
 
 
-def fsdp_units(cfg: DictConfig) -> FsdpUnits:
-    """The sizes of the units `fully_shard` wraps: each decoder layer, and the root with what is left."""
-    model = meta_model(cfg)
+def fsdp_units(cfg: DictConfig, model: Any = None) -> FsdpUnits:
+    """The sizes of the units `fully_shard` wraps: each decoder layer, and the root with what is left. `model`: the
+    meta model, when built already."""
+    model = meta_model(cfg) if model is None else model
     layers = list(model.model.layers)
     unique = {id(p): p for p in model.parameters()}
     in_layers = {id(p) for layer in layers for p in layer.parameters()}

@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 from llmexp.config.derived import auto_batch_candidates
 from llmexp.errors import UserError
 from llmexp.model import build
-from llmexp.model.estimate import adapter_facts, count_params_meta, fsdp_units, largest_fitting, memory_budget
+from llmexp.model.estimate import largest_fitting, memory_budget, meta_facts
 from llmexp.monitor.throughput import peak_rss_mb, reset_peak_rss, rss_mb
 
 if TYPE_CHECKING:
@@ -73,8 +73,7 @@ def choose_batch_size(cfg: DictConfig, rt: Runtime, vocab_size: int, num_example
     # On CPU the processes of one host share its RAM; on CUDA each rank has its GPU.
     processes = 1 if on_cuda else int(os.environ.get("LOCAL_WORLD_SIZE", rt.world))
     budget = memory_budget(rt.device.type, processes)
-    facts = {"num_params": count_params_meta(cfg), "precision": rt.precision.name, "world": rt.world,
-             "adapters": adapter_facts(cfg), "units": fsdp_units(cfg) if cfg.fsdp.name != "none" else None}
+    facts = meta_facts(cfg, rt.precision.name, rt.world)
     upper = largest_fitting(cfg, candidates, budget, on_cpu=not on_cuda, **facts)
     chosen, probed, note = 0, [], ""
     if cfg.fsdp.name != "none":
