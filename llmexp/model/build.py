@@ -232,6 +232,13 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module, lr: float, device_t
     return optimizer
 
 
+def decoder_blocks(lm: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder blocks: the modules of the classes transformers names as never to be split
+    (`_no_split_modules`), the units FSDP shards and compile compiles; [] for a model that names none."""
+    kinds = set(getattr(lm, "_no_split_modules", None) or ())
+    return [m for m in lm.modules() if type(m).__name__ in kinds]
+
+
 def count_params(model: torch.nn.Module, trainable_only: bool = True) -> int:
     """Parameters (shared tensors counted once): trainable ones, or all of them. A 4-bit weight counts
     its values, not its packed bytes (bitsandbytes stores two per uint8 element)."""

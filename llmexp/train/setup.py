@@ -113,8 +113,7 @@ def compile_blocks(lm: torch.nn.Module) -> int:
     there: compiling the whole model made transformers build a full boolean mask while tracing (no flash path, K/V
     repeated) and put the loss head's chunks in the graph. The blocks are the classes transformers names as never
     to be split (`_no_split_modules`); a model that names none is compiled whole. Returns how many were compiled."""
-    kinds = set(getattr(lm, "_no_split_modules", None) or ())
-    blocks = [m for m in lm.modules() if type(m).__name__ in kinds]
+    blocks = build.decoder_blocks(lm)
     for block in blocks or [lm]:
         block.compile()
     return len(blocks)

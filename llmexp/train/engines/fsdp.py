@@ -37,6 +37,7 @@ from llmexp.checkpoint import dcp
 from llmexp.checkpoint.serialize import CorruptCheckpoint
 from llmexp.config.derived import BatchPlan
 from llmexp.errors import UserError
+from llmexp.model.build import decoder_blocks
 from llmexp.train.engines.base import Engine, OptimizerWriter
 
 DCP_DIR = "dcp"
@@ -109,8 +110,7 @@ class FsdpEngine(Engine):
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else OffloadPolicy()
         kwargs = {"mesh": self._mesh(), "mp_policy": mp, "offload_policy": offload,
                   "reshard_after_forward": self.strategy != "shard_grad_op"}
-        unit_names = set(getattr(lm, "_no_split_modules", None) or ())
-        layers = [m for m in lm.modules() if type(m).__name__ in unit_names]
+        layers = decoder_blocks(lm)
         if not layers:
             raise UserError(f"fsdp={self.strategy}: found no decoder layers to shard in {type(lm).__name__} "
                             "(transformers' _no_split_modules is empty); use fsdp=none")
