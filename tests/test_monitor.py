@@ -187,6 +187,13 @@ def test_settings_from_config() -> None:
     assert settings_from_config({"lr": 1e-3}).run_kind == "pretrain"
 
 
+@pytest.mark.parametrize("clip", ["abc", [1, 2], {"a": 1}])
+def test_settings_from_an_edited_config_fall_back_to_the_default(clip: object) -> None:
+    """A saved config whose value has the wrong type (an edited `.hydra/config.yaml`) is read as the schema's
+    default, as for a missing key; the doctor and the reports raised ValueError or TypeError on it."""
+    assert settings_from_config({"train": {"max_grad_norm": clip}}).max_grad_norm == 1.0
+
+
 def test_finding_steps_are_stable_as_the_history_grows() -> None:
     """The trainer logs each finding once, keyed by kind and step: a persisting condition must keep its step."""
     records = history(num_steps=1000, grad_norm=lambda s: 0.2, loss=lambda s: 7.0, eval_loss=lambda s: 7.0,

@@ -577,13 +577,13 @@ def worst_severity(findings: Iterable[Finding | dict]) -> str | None:
 def settings_from_config(cfg: dict[str, Any], lr: float | None = None, precision: str | None = None) -> MonitorSettings:
     """MonitorSettings of a run from its saved config (`.hydra/config.yaml` as plain data), for the doctor and the
     reports after the fact. `lr` and `precision` are what the run resolved `auto` to (summary.json); a key the
-    file lacks has the schema's default, as it had in the run."""
-    from llmexp.config.keys import leaves
+    file lacks, or holds with the wrong type (an edited file), has the schema's default, as it had in the run."""
+    from llmexp.config.keys import leaves, type_problem
     from llmexp.config.validation import parse_lr
 
     def saved(key: str) -> Any:
         value = config_value(cfg, key)
-        return leaves()[key].default if value is None else value
+        return leaves()[key].default if value is None or type_problem(key, value) else value
 
     try:
         cfg_lr = parse_lr(saved("lr"))  # None for auto: the trainer resolved it; summary.json has the value
