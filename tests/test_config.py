@@ -244,3 +244,14 @@ def test_an_empty_data_source_is_one_message(overrides: list[str], key: str, tmp
         validate(compose(overrides, tmp_path))
     assert str(err.value).count(f"{key}:") == 1, str(err.value)
     assert f"{key}: must not be empty" in str(err.value)
+
+
+def test_a_wrong_type_for_an_optional_number_suggests_null_not_none() -> None:
+    """The example of the fix must itself be valid: `KEY=None` is a string to Hydra, refused again."""
+    from llmexp.config.keys import type_problem
+
+    for key in ("train.peak_tflops", "train.warmup_steps", "sweep.base_batch_size", "data.max_examples"):
+        problem = type_problem(key, "abc")
+        assert problem is not None and "None" not in problem and "or null (unset, the default)" in problem, problem
+    assert type_problem("train.max_grad_norm", "abc") == ("train.max_grad_norm=abc: must be a number, "
+                                                         "e.g. train.max_grad_norm=1.0")

@@ -173,6 +173,8 @@ def type_problem(key: str, value: Any) -> str | None:
     try:
         node_class(value)  # exactly what OmegaConf will accept at compose time
     except ValidationError:
+        if leaf.default is None:  # an optional number: unset by default
+            return f"{key}={value}: must be {words} or null (unset, the default)"
         example = str(leaf.default).lower() if isinstance(leaf.default, bool) else leaf.default
         return f"{key}={value}: must be {words}, e.g. {key}={example}"
     return None
