@@ -187,6 +187,11 @@ def _interval(key: str, start: Any, end: Any, tags: list[str]) -> BaseDistributi
     shown = f"interval({start}, {end})"
     if not all(isinstance(v, int | float) and math.isfinite(v) for v in (start, end)):
         raise UserError(f"{key}={shown}: its bounds must be finite numbers")
+    if start == end:
+        value = int(start) if "int" in tags and float(start).is_integer() else start
+        wider = value * 10 if value > 0 else value + 1
+        raise UserError(f"{key}={shown}: its start and end are equal; widen it, e.g. {key}=interval({value}, "
+                        f"{wider}), or set {key}={value} (a fixed value is no search axis)")
     if not start < end:
         raise UserError(f"{key}={shown}: its start must be below its end, e.g. {key}=interval({end}, {start})")
     log = "log" in tags
@@ -203,10 +208,15 @@ def _interval(key: str, start: Any, end: Any, tags: list[str]) -> BaseDistributi
 def probe_job(overrides: Sequence[Override]) -> list[str]:
     """One job of a search with every swept key at its first value (a choice's first, an interval's start):
     composed before the search starts, so that a typo fails before any trial runs."""
-    first = {o.get_key_element(): edge_values(o)[0] if o.is_interval_sweep()
-             else next(iter(o.sweep_iterator(transformer=Transformer.encode)))
-             for o in overrides if o.is_sweep_override()}
+    first = {o.get_key_element(): _first_value(o) for o in overrides if o.is_sweep_override()}
     return trial_overrides(first, overrides)
+
+
+def _first_value(override: Override) -> Any:
+    if override.is_interval_sweep():
+        return edge_values(override)[0]
+    discrete_size(override)  # an empty range has no first value: its UserError names the key and the fix
+    return next(iter(override.sweep_iterator(transformer=Transformer.encode)))
 
 
 def edge_values(override: Override) -> list[Any]:
