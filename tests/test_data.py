@@ -328,6 +328,33 @@ def test_messages_chat_template_loss_on_assistant_turns(tmp_path: Path, tok: Any
     assert label_text(templated, ds.get_batch(np.array([1])), 0) == "Pong<|end|>"
 
 
+@pytest.mark.parametrize("template", ["{% for m in messages %}{% if m['role'] == 'system' %}"
+                                      "{{ raise_exception('System role not supported') }}{% endif %}"
+                                      "{{ m['content'] }}{% endfor %}",
+                                      "{% for m in messages %}{{ m['content'] }{% endfor %}"])
+def test_a_chat_template_that_fails_is_the_users_mistake(template: str, tmp_path: Path, tok: Any) -> None:
+    """A template that refuses a conversation (Gemma's and Mistral's raise on a system turn) or does not parse is
+    exit 2 naming the record and the fix, not jinja2's traceback."""
+    templated = tok.__class__.from_pretrained(tok.name_or_path)
+    templated.chat_template = template
+    chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Ping"},
+                         {"role": "assistant", "content": "Pong"}]}
+    train = write_jsonl(tmp_path / "train.jsonl", [chat] * 2)
+    with pytest.raises(UserError, match=r"record 0: the tokenizer's chat template fails on it \(Template"):
+        data.build_datasets(json_cfg(tmp_path / "cache", train, train), templated)
+
+
+def test_jsonl_strings_may_hold_unicode_line_separators(tmp_path: Path) -> None:
+    """U+2028, U+2029 and U+0085 are legal raw inside a JSON string (json.dumps(..., ensure_ascii=False) writes
+    them); a JSONL line is cut at "\\n" only, as json.loads and HF datasets read it."""
+    from llmexp.data.corpora import read_json_records
+
+    texts = ["a\u2028b", "c\u2029d", "e\u0085f"]
+    path = tmp_path / "u.jsonl"
+    path.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts), encoding="utf-8")
+    assert [r["text"] for r in read_json_records(path)] == texts
+
+
 def test_sft_packing_keeps_examples_apart(tmp_path: Path, tok: Any) -> None:
     """Packed rows give every example exactly the loss it gets alone: attention stops at boundaries."""
     import torch

@@ -167,7 +167,8 @@ def read_json_records(path: Path) -> list[Record]:
         items = parse_json(text, path)
         return [check_record(rec, f"{path}: record {i}") for i, rec in enumerate(items)]
     records: list[Record] = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    # "\n" only: str.splitlines also breaks at U+2028, U+2029 and U+0085, which JSON strings may hold raw
+    for lineno, line in enumerate(text.split("\n"), start=1):
         if line.strip():
             records.append(check_record(parse_json(line, path, lineno), f"{path}:{lineno}: record {len(records)}"))
     return records

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from llmexp.data.corpora import PLAIN_ROLE_HEADERS, Record
-from llmexp.errors import UserError
+from llmexp.errors import UserError, first_line
 
 Spans = list[tuple[int, int]]
 
@@ -72,6 +72,19 @@ def render(rec: Record, tok: Any) -> tuple[str, Spans, bool]:
     return text, spans, True
 
 
+def _rendered(i: int, rec: Record, tok: Any) -> tuple[str, Spans, bool]:
+    """`render`, with a chat template's own refusal (Gemma's and Mistral's raise on a system turn) or syntax error
+    as the user's mistake it is."""
+    from jinja2 import TemplateError
+
+    try:
+        return render(rec, tok)
+    except TemplateError as err:
+        raise UserError(f"record {i}: the tokenizer's chat template fails on it ({type(err).__name__}: "
+                        f"{first_line(err)}); change the conversation (a role the template refuses?), or set "
+                        "data.tokenizer to a tokenizer whose template takes it") from None
+
+
 def encode_lm(texts: list[str], tok: Any) -> list[np.ndarray]:
     """Pretraining documents: ids of each text followed by eos (every token a target)."""
     eos = np.array([tok.eos_token_id], dtype=np.int64)
@@ -82,7 +95,7 @@ def encode_lm(texts: list[str], tok: Any) -> list[np.ndarray]:
 def encode_sft(records: list[Record], tok: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """SFT examples: ids and a boolean target mask per record. The first token is never a target
     (nothing precedes it), which also keeps packed examples from predicting across boundaries."""
-    rendered = [render(r, tok) for r in records]
+    rendered = [_rendered(i, r, tok) for i, r in enumerate(records)]
     ids: list[np.ndarray] = [np.empty(0, np.int64)] * len(records)
     masks: list[np.ndarray] = [np.empty(0, bool)] * len(records)
     for special in (True, False):
