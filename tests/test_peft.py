@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -128,6 +129,33 @@ def test_unknown_target_modules_name_the_layers_that_exist(base_dir: Path, tmp_p
         build.build_model(cfg, VOCAB)
     with pytest.raises(ConfigError, match=r"peft\.target_modules: must be all-linear or a list"):
         validate(compose(["peft=lora", "peft.target_modules=everything"], tmp_path))
+    # peft itself refuses a list only when nothing matches: one typo among good names adapted fewer layers, silently
+    typo = compose([f"model.name_or_path={base_dir}", "peft=lora", "peft.target_modules=[q_proj,vv_proj]"], tmp_path)
+    with pytest.raises(UserError, match=r"vv_proj names no module of this model; its linear layers are \[.*'v_proj'"):
+        build.build_model(typo, VOCAB)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "empty", "index_without_weight_map", "shape_unlike_config"])
+def test_a_damaged_pretrained_directory_is_the_users_mistake(damage: str, base_dir: Path, tmp_path: Path) -> None:
+    """Weights cut short, an index without its weight_map, or a config.json the weights do not fit: exit 2 naming
+    the key and the fix, not safetensors' or transformers' traceback."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(base_dir, model_dir)
+    weights = model_dir / "model.safetensors"
+    if damage == "truncate":
+        os.truncate(weights, weights.stat().st_size // 2)
+    elif damage == "empty":
+        weights.write_bytes(b"")
+    elif damage == "index_without_weight_map":
+        weights.rename(model_dir / "model-00001-of-00001.safetensors")
+        (model_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    else:
+        config = json.loads((model_dir / "config.json").read_text())
+        (model_dir / "config.json").write_text(json.dumps({**config, "hidden_size": config["hidden_size"] * 2,
+                                                           "intermediate_size": config["intermediate_size"] * 2}))
+    cfg = compose([f"model.name_or_path={model_dir}"], tmp_path)
+    with pytest.raises(UserError, match=r"model\.name_or_path=.* holds no loadable model.*save_pretrained"):
+        build.build_model(cfg, VOCAB)
 
 
 # ---------------------------------------------------------------- in process

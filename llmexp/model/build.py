@@ -27,6 +27,8 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
 
 
 def _from_pretrained(cls: Any, cfg: DictConfig, converted: str | None = None, **extra: Any) -> Any:
+    from safetensors import SafetensorError
+
     from llmexp.data.tokenizer import hub_error, hub_load_kwargs
 
     m = cfg.model
@@ -38,6 +40,8 @@ def _from_pretrained(cls: Any, cfg: DictConfig, converted: str | None = None, **
                                    **kwargs, **extra)
     except (OSError, ValueError) as err:  # ValueError: custom code without trust_remote_code, an unknown model_type
         raise hub_error(m.name_or_path, err) from err
+    except (RuntimeError, KeyError, SafetensorError) as err:  # weights cut short, shaped unlike config.json, an
+        raise hub_error(m.name_or_path, err) from err  # index without its weight_map: a damaged directory
 
 
 def build_model(cfg: DictConfig, vocab_size: int, precision: str = "fp32") -> PreTrainedModel:
@@ -164,13 +168,19 @@ def add_adapters(cfg: DictConfig, model: Any, four_bit: bool) -> Any:
     elif cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
     target = pe.target_modules if isinstance(pe.target_modules, str) else list(pe.target_modules)
+    names = sorted({name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
+                    if mod.__class__.__name__ in ("Linear", "Linear4bit", "Conv1D")})
+    # peft refuses a list only when no name matches: one typo among several would silently adapt fewer layers
+    missing = [] if isinstance(target, str) else [t for t in target if t not in names and not any(
+        name == t or name.endswith("." + t) for name, _ in model.named_modules())]
+    if missing:
+        raise UserError(f"peft.target_modules={target}: {', '.join(map(str, missing))} names no module of this "
+                        f"model; its linear layers are {names}, or use peft.target_modules=all-linear")
     lora = LoraConfig(r=pe.r, lora_alpha=pe.lora_alpha, lora_dropout=pe.lora_dropout, target_modules=target,
                       bias="none", task_type="CAUSAL_LM")
     try:
         peft_model = get_peft_model(model, lora)
     except ValueError as err:  # peft: "Target modules {...} not found in the base model"
-        names = sorted({name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
-                        if mod.__class__.__name__ in ("Linear", "Linear4bit", "Conv1D")})
         raise UserError(f"peft.target_modules={target}: {first_line(err)}; this model's linear "
                         f"layers are {names}, or use peft.target_modules=all-linear") from err
     from llmexp.model.lora_dropout import use_mask_dropout
