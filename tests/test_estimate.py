@@ -179,3 +179,22 @@ def test_estimate_cli_refuses_a_bad_argument_with_exit_2_and_no_secret(args: lis
     assert err.startswith("llmexp.estimate: error: ") and "Traceback" not in err
     assert "sk-abcdefghijklmnopqrstuvwxyz123456" not in err
     assert "world_size" in err or "***" in err
+
+
+@pytest.mark.parametrize("content", [None, "no config", {"architectures": ["X"]}])
+def test_estimate_cli_refuses_a_model_directory_it_cannot_read(content: object, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A missing directory, one without config.json, or a config.json without model_type: exit 2 naming
+    model.name_or_path (it estimated the default model from the fields, or raised ValueError)."""
+    import json
+
+    from llmexp.cli.estimate import main
+
+    model_dir = tmp_path / "model"
+    if content is not None:
+        model_dir.mkdir()
+        if isinstance(content, dict):
+            (model_dir / "config.json").write_text(json.dumps(content))
+    assert main([f"model.name_or_path={model_dir}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"llmexp.estimate: error: model.name_or_path={model_dir}") and "Traceback" not in err

@@ -14,6 +14,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from llmexp.config.derived import auto_batch_candidates, parse_batch_size, world_size_from_env
+from llmexp.errors import UserError
 from llmexp.model.estimate import (
     MiB,
     estimate,
@@ -55,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # a UserError, or Hydra's override and compose errors
         return print_user_error("llmexp.estimate", err)
     precision = resolved_precision(cfg.precision.name)
-    facts = meta_facts(cfg, precision, world)
+    try:
+        facts = meta_facts(cfg, precision, world)
+    except UserError as err:  # a model directory whose config.json transformers cannot read
+        return print_user_error("llmexp.estimate", err)
     auto_line, micro = "", None
     if parse_batch_size(cfg.batch_size) is None:
         micro, auto_line = _auto_upper_bound(cfg, world, facts)

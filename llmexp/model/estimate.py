@@ -83,6 +83,7 @@ def model_config(cfg: DictConfig) -> Any:
     one built from the `model.*` fields (model=llama2-7b lists the hub model's fields for exactly this)."""
     from transformers import AutoConfig, LlamaConfig
 
+    from llmexp.data.tokenizer import hub_error
     from llmexp.machine.gguf import local_gguf
     from llmexp.model.build import field_kwargs
 
@@ -90,8 +91,15 @@ def model_config(cfg: DictConfig) -> Any:
     gguf = local_gguf(str(m.name_or_path), str(m.gguf_file)) if m.name_or_path and m.gguf_file else None
     if gguf is not None and gguf.is_file():  # the GGUF metadata's config (its tensors are not read)
         return AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    if m.name_or_path and (Path(m.name_or_path) / "config.json").is_file():
-        return AutoConfig.from_pretrained(m.name_or_path, trust_remote_code=m.trust_remote_code)
+    if m.name_or_path and (Path(m.name_or_path).expanduser() / "config.json").is_file():
+        try:
+            return AutoConfig.from_pretrained(m.name_or_path, trust_remote_code=m.trust_remote_code)
+        except (OSError, ValueError) as err:  # no or an unknown model_type, custom code not trusted
+            raise hub_error(m.name_or_path, err) from err
+    name = str(m.name_or_path or "")
+    # a local directory without config.json: estimated from the fields, it would be another model
+    if name and (name.startswith((".", "/", "~")) or Path(name).expanduser().exists()):
+        raise hub_error(m.name_or_path)
     return LlamaConfig(**field_kwargs(m, m.vocab_size))
 
 
