@@ -184,6 +184,10 @@ def test_a_tokenizer_larger_than_the_built_model_is_refused_before_the_first_ste
     _check_vocab(cfg, tiny_llama(), 512)
     with pytest.raises(UserError, match="its 513 tokens outnumber the 512 embedding rows"):
         _check_vocab(cfg, tiny_llama(), 513)
+    own = OmegaConf.create({"data": {"tokenizer": None}, "model": {"name_or_path": "org/model"}})
+    with pytest.raises(UserError, match=r"^model\.name_or_path=org/model: its tokenizer's 513 tokens outnumber its "
+                                        r"512 embedding rows; resize the model"):  # not "use data.tokenizer=null"
+        _check_vocab(own, tiny_llama(), 513)
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))

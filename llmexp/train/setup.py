@@ -123,10 +123,14 @@ def _check_vocab(cfg: DictConfig, lm: torch.nn.Module, vocab_size: int) -> None:
     """A tokenizer with more tokens than the model has embedding rows: its top ids would index out of range at the
     first forward (an IndexError deep in torch), so it is refused here, before any step."""
     rows = lm.get_input_embeddings().num_embeddings
-    if vocab_size > rows:
+    if vocab_size > rows and cfg.data.tokenizer:
         raise UserError(f"data.tokenizer={cfg.data.tokenizer}: its {vocab_size} tokens outnumber the {rows} "
                         f"embedding rows of model.name_or_path={cfg.model.name_or_path}; use the model's own "
                         "tokenizer (data.tokenizer=null) or one made for it")
+    if vocab_size > rows:  # the model's own tokenizer, grown (add_tokens) without resizing the embeddings
+        raise UserError(f"model.name_or_path={cfg.model.name_or_path}: its tokenizer's {vocab_size} tokens "
+                        f"outnumber its {rows} embedding rows; resize the model to its tokenizer "
+                        "(model.resize_token_embeddings(len(tokenizer))) and save both again with save_pretrained")
 
 
 def cpu_matmul_path(cfg: DictConfig, rt: Runtime, lm: torch.nn.Module, micro_tokens: int) -> MatmulPath | None:
