@@ -25,6 +25,11 @@ CASES: list[tuple[str, list[str], dict[str, str], list[str]]] = [
     ("key_in_wrong_place", ["max_steps=10"], {}, ["max_steps", "did you mean train.max_steps"]),
     ("plus_unknown_key", ["+unknown_key=1"], {}, ["unknown_key", "no such key"]),
     ("multirun_typo", ["--multirun", "lr=1e-3,3e-3", "model=tiny,tinyy"], {}, ["model=tinyy", "model=tiny"]),
+    # a structured list item: Hydra keeps the reason in its error's cause
+    ("mix_item_key_typo", ["data=hf", "data.mix=[{path: json, data_file: a.jsonl, weight: 1}]"], {},
+     ["data.mix", "Because: Key 'data_file' not in 'MixSourceConfig'"]),
+    ("mix_item_weight_text", ["data=hf", "data.mix=[{path: json, data_files: a.jsonl, weight: abc}]"], {},
+     ["data.mix", "Because: Value 'abc' of type 'str' could not be converted to Float"]),
     # wrong types
     ("int_is_text", ["batch_size=abc"], {}, ["batch_size=abc", "must be an integer"]),
     ("int_is_float", ["train.max_steps=1.5"], {}, ["train.max_steps=1.5", "must be an integer"]),

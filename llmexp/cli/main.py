@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig
 
 from llmexp.config.tree import conf_dir, register_resolvers
-from llmexp.errors import EXIT_USER, UserError
+from llmexp.errors import EXIT_USER, UserError, first_line
 from llmexp.process import run_entry
 
 if TYPE_CHECKING:
@@ -89,6 +89,10 @@ def _preflight(args: argparse.Namespace, args_parser: argparse.ArgumentParser) -
         from llmexp.rundir.redact import scrub_text
 
         print(scrub_text(str(err)), file=sys.stderr)
+        # Hydra's "Could not override 'data.mix'" keeps the reason (a key the schema lacks, a value of the wrong
+        # type) in its cause, shown only with HYDRA_FULL_ERROR=1
+        if err.__cause__ is not None and (why := first_line(err.__cause__)) and why not in str(err):
+            print(f"Because: {scrub_text(why)}", file=sys.stderr)
         print("\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.", file=sys.stderr)
         sys.exit(1)
 
