@@ -146,3 +146,23 @@ def test_llmexp_jobs_start_fresh_where_the_fork_server_of_warm_jobs_cannot_start
     assert ", CPU): " in proc.stdout and ", CPU, warm)" not in proc.stdout
     summary = json.loads((tmp_path / "sweep" / "sweep_summary.json").read_text())
     assert [j["status"] for j in summary["jobs"]] == ["completed"]
+
+
+def test_the_launcher_refuses_another_sweeps_directory_before_it_writes(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second guard, behind the CLI's (`check_sweep`): no job pickles left in the other sweep's directory."""
+    from types import SimpleNamespace
+
+    from llmexp.sweep import local
+    from llmexp.sweep.jobs import JobSpec
+
+    job_dir = tmp_path / "sweep" / "0"
+    (job_dir / ".hydra").mkdir(parents=True)
+    (job_dir / ".hydra" / "overrides.yaml").write_text("- lr=0.005\n")  # another sweep's job #0
+    before = sorted(tmp_path.rglob("*"))
+    monkeypatch.setattr(local, "compose_jobs", lambda *_: [JobSpec(0, ["lr=0.001"], None, job_dir)])
+    monkeypatch.setattr(local, "is_llmexp_config", lambda _: True)
+    launcher = SimpleNamespace(settings={}, config=None, task_function=None, hydra_context=None)
+    with pytest.raises(UserError, match="holds a job of another sweep"):
+        local.launch_local(launcher, [["lr=0.001"]], 0)
+    assert sorted(tmp_path.rglob("*")) == before

@@ -18,7 +18,7 @@ import pytest
 from llmexp.errors import UserError
 from llmexp.rundir.read import TrialResult, sweep_exit_code
 from llmexp.rundir.study import check_journal, study_journal
-from tests.conftest import TINY, run_cli
+from tests.conftest import TINY, Launched, run_cli
 
 SEARCH = ["--multirun", "sweep=tpe", "lr=tag(log,interval(1e-5,1e-2))"]
 GRID = ["--multirun", "lr=1e-3,2e-3"]
@@ -163,6 +163,34 @@ def test_a_search_on_a_damaged_journal_exits_2_and_writes_nothing(cli_refusal, t
     code, err = cli_refusal([*SEARCH, f"hydra.sweep.dir={sweep}"])
     assert code == 2 and "study.journal is damaged" in err and "Traceback" not in err, err
     assert sorted(p.name for p in sweep.iterdir()) == before
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("kind", ["grid", "search"])
+def test_a_sweep_into_another_sweeps_directory_exits_2_and_writes_nothing(kind: str, cli_refusal,
+                                                                          tmp_path: Path) -> None:
+    """Refused before Hydra writes multirun.yaml, the launcher its pickles or the search its study."""
+    sweep = tmp_path / "sweep"
+    for num, lr in enumerate(["0.005", "0.006"]):  # an earlier grid's two jobs, as Hydra records them
+        (sweep / str(num) / ".hydra").mkdir(parents=True)
+        (sweep / str(num) / ".hydra" / "overrides.yaml").write_text(f"- lr={lr}\n")
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    before = _files(sweep)
+    code, err = cli_refusal([*(SEARCH if kind == "search" else GRID), f"hydra.sweep.dir={sweep}"])
+    assert code == 2 and "Traceback" not in err, err
+    assert f"{sweep / '0'} holds a job of another sweep (lr=0.005)" in err and "new hydra.sweep.dir" in err, err
+    assert _files(sweep) == before
+
+
+def test_a_grid_run_again_in_its_own_directory_is_not_refused(cli_refusal, tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    (sweep / "0" / ".hydra").mkdir(parents=True)
+    (sweep / "0" / ".hydra" / "overrides.yaml").write_text("- lr=0.001\n")  # GRID's job #0, from an earlier launch
+    with pytest.raises(Launched):
+        cli_refusal([*GRID, f"hydra.sweep.dir={sweep}"])
 
 
 # ----------------------------------------------------------------------------- the sweep directory's lock

@@ -67,9 +67,9 @@ def check_sweep(config_name: str | None, overrides: list[str]) -> None:
     from omegaconf import OmegaConf
 
     from llmexp.rundir.lock import lock_sweep_dir
-    from llmexp.rundir.study import check_journal
+    from llmexp.rundir.study import check_journal, study_journal
     from llmexp.sweep.check import check_configs, edge_configs
-    from llmexp.sweep.jobs import swept
+    from llmexp.sweep.jobs import job_dir_of, launched_before, swept
     from llmexp.sweep.space import grid_jobs, lr_to_scale, probe_job, scale_lr
 
     loader = GlobalHydra.instance().config_loader()
@@ -90,6 +90,8 @@ def check_sweep(config_name: str | None, overrides: list[str]) -> None:
                                lambda key: key in groups)
         check_configs(configs, on_this_machine=local)
         check_journal(sweep_dir)  # a search that continues there must find its study journal readable
+        if not study_journal(sweep_dir).exists():  # a new search must not start among another sweep's jobs
+            launched_before(job_dir_of(probe, 0), 0, None)
     else:  # Hydra's BasicSweeper or llmexp's GridSweeper (zip, lr scaling), the two SWEEPER_TARGETS allow
         jobs = grid_jobs(asked, list(sweeper.get("zip") or []))
         jobs = scale_lr(jobs, str(sweeper.get("lr_scaling") or "none"), sweeper.get("base_batch_size"),
@@ -98,8 +100,11 @@ def check_sweep(config_name: str | None, overrides: list[str]) -> None:
             same = num == 0 and [*hydra_overrides, *job] == first
             return probe if same else compose_checked(config_name, [*hydra_overrides, *job], job_num=num)
 
-        check_configs([(f"job #{num} ({swept(job, jobs)})", composed(num, list(job)))
-                       for num, job in enumerate(jobs)], on_this_machine=local)
+        composed_jobs = [(num, job, composed(num, list(job))) for num, job in enumerate(jobs)]
+        check_configs([(f"job #{num} ({swept(job, jobs)})", cfg) for num, job, cfg in composed_jobs],
+                      on_this_machine=local)
+        for num, job, cfg in composed_jobs:  # another sweep's directory: refused before Hydra writes multirun.yaml
+            launched_before(job_dir_of(cfg, num), num, job)
     lock_sweep_dir(str(sweep_dir))
 
 

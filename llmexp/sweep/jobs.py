@@ -215,18 +215,27 @@ ENDED = (*FINISHED, "diverged", "pruned")
 (preempted, cancelled, killed, timeout, failed, or no summary) runs again and resumes from its checkpoint."""
 
 
+def launched_before(job_dir: Path, num: int, overrides: Sequence[str] | None) -> bool:
+    """Whether `job_dir` holds an earlier launch of job #`num` (these `overrides`; None: a new search's trial, not
+    asked yet). A directory that holds a job with other overrides belongs to another sweep: UserError, raised by the
+    CLI before Hydra writes anything in the sweep directory, and by the launcher again before it writes."""
+    recorded = load_overrides(job_dir)
+    if not recorded:
+        return False
+    if overrides is not None and recorded == scrub_overrides(overrides):
+        return True
+    mine = f"this sweep's job #{num} ({' '.join(overrides)})" if overrides is not None else "a new search's trial"
+    raise UserError(f"{job_dir} holds a job of another sweep ({' '.join(recorded)}), not {mine}; rerun that "
+                    "sweep's command, or pick a new hydra.sweep.dir")
+
+
 def ended_before(spec: JobSpec) -> JobOutcome | None:
     """The outcome of a job that this sweep directory already holds, ended (`ENDED`), or None. A job still running
     from an earlier launch of the sweep (whose launcher was killed) is waited for first: the run directory's lock
     says so. A directory that holds a job with other overrides belongs to another sweep, which is refused rather
-    than mixed into this one's report."""
-    recorded = load_overrides(spec.job_dir)
-    if not recorded:
+    than mixed into this one's report (`launched_before`)."""
+    if not launched_before(spec.job_dir, spec.num, spec.overrides):
         return None  # no earlier launch of this job (a lock held by anything else fails the job, as always)
-    if recorded != scrub_overrides(spec.overrides):
-        raise UserError(f"{spec.job_dir} holds a job of another sweep ({' '.join(recorded)}), not this sweep's job "
-                        f"#{spec.num} ({' '.join(spec.overrides)}); rerun that sweep's command, or pick a new "
-                        "hydra.sweep.dir")
     wait_for_lock(spec.job_dir, lambda pid: log.info(f"  {spec.job_dir} is still running from an earlier launch "
                                                      f"(pid {pid}); waiting for it to end"))
     status = run_status(spec.job_dir)

@@ -117,6 +117,7 @@ def launch_local(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
     specs = compose_jobs(launcher, job_overrides, initial_job_idx)
     slots = device_slots(visible_gpus(), int(settings.get("jobs_per_gpu", 1)), int(settings.get("max_parallel", 1)),
                          prefix="cluster." if extras else "hydra.launcher.")  # the spelling the user knows
+    to_run, outcomes = split_ended(specs) if extras else (specs, {})  # (refuses another sweep's dir: before writing)
     work = specs[0].job_dir.parent / ".llmexp"
     work.mkdir(parents=True, exist_ok=True)
     state = Singleton.get_state()
@@ -125,7 +126,6 @@ def launch_local(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
             cloudpickle.dump((spec, launcher.task_function, launcher.hydra_context, state, extras), f)
     where = f"GPUs {sorted(set(s for s in slots if s))}" if slots[0] is not None else "CPU"
     log.info(f"Launching {len(specs)} jobs locally, {len(slots)} at a time on {where}: {specs[0].job_dir.parent}")
-    to_run, outcomes = split_ended(specs) if extras else (specs, {})
     for spec in to_run if extras else ():  # `llmexp.status` shows the jobs that wait for a slot
         record_outcome(spec, JobOutcome(spec.num, "queued", None, "waiting for a free slot"))
     trains = getattr(launcher.task_function, "__module__", "").startswith("llmexp.")  # `python -m llmexp`'s task

@@ -38,8 +38,8 @@ from optuna.trial import TrialState
 from llmexp.config.schema import SearchSweepConfig
 from llmexp.errors import EXIT_ERROR, UserError
 from llmexp.rundir.read import TrialResult, read_result
-from llmexp.rundir.study import STUDY_NAME, journal_storage, make_pruner
-from llmexp.sweep.jobs import StopRequest, exit_for_results, job_dir_of, objective, write_report
+from llmexp.rundir.study import STUDY_NAME, journal_storage, make_pruner, study_journal
+from llmexp.sweep.jobs import StopRequest, exit_for_results, job_dir_of, launched_before, objective, write_report
 from llmexp.sweep.space import finite_grid, search_space, trial_overrides
 from llmexp.sweep.tracking import close_parent
 
@@ -133,6 +133,8 @@ def run_search(sweeper: Any, overrides: Sequence[Any], sampler_name: str, search
     sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
     metric, direction = objective(config)
     sampler = make_sampler(sampler_name, search.seed, search.n_trials)
+    if not study_journal(sweep_dir).exists():  # a new search: before its study is created, no other sweep's job
+        launched_before(job_dir_of(config, 0), 0, None)
     with StopRequest():  # optuna's writes end whole
         study = open_study(sweep_dir, space, fixed, sampler, _pruner(config, search, metric is not None),
                            metric or "returned", direction)
