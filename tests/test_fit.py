@@ -295,3 +295,18 @@ def test_an_interval_to_one_side_of_its_vertex_is_drawn(tmp_path: Path, capsys: 
     result["sizes"][0]["interval"] = [best * 1.2, best * 1.5]
     plot_fit(result, tmp_path / "one-sided.png", None)
     assert rc == 0 and (tmp_path / "one-sided.png").stat().st_size > 10_000
+
+
+def test_out_that_is_a_file_and_an_unreadable_count_are_named(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    sweep = make_sweep(tmp_path / "s", dict(list(LAW.items())[:2]))
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    rc, _, err = fit([sweep, "--out", afile], capsys)
+    assert rc == 2 and "--out" in err and "is a file" in err and "File exists" not in err
+    assert afile.read_text() == "x"
+    with pytest.raises(SystemExit) as exit_info:
+        fit([sweep, "--target-params", "abc"], capsys)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "'abc' is not a parameter count" in err and "7B" in err
+    assert "parse_count" not in err

@@ -493,9 +493,13 @@ def _law_line(what: str, law: dict[str, Any]) -> str:
 def parse_count(text: str) -> float:
     """A parameter count: 1e9, 1000000000, 7B, 125M, 1.5T."""
     scale = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}.get(text[-1:].upper(), 1.0)
-    value = float(text[:-1] if scale != 1.0 else text) * scale
+    try:
+        value = float(text[:-1] if scale != 1.0 else text) * scale
+    except ValueError:
+        value = math.nan
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(text)
+        # argparse prints this message (a ValueError would show only the function's name)
+        raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count: write e.g. 7e9, 7B or 125M")
     return value
 
 
@@ -509,6 +513,9 @@ def main(argv: list[str] | None = None, seed_lr: Callable[[float], float] | None
     args = parser.parse_args(argv)
     sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]  # (a directory named in bytes)
     out = args.out or args.sweep_dirs[0]
+    if out.exists() and not out.is_dir():  # mkdir would say only "File exists"
+        print(f"llmexp.fit: error: --out {out} is a file: name a directory (new or existing)", file=sys.stderr)
+        return EXIT_USER
     try:
         result = fit_sweeps(args.sweep_dirs, args.target_params, seed_lr)
         out.mkdir(parents=True, exist_ok=True)
