@@ -217,3 +217,29 @@ def test_an_empty_harness_task_is_one_message_naming_the_fix(tmp_path: Path) -> 
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("eval.lm_eval.tasks") == 1, proc.stderr
     assert "eval.lm_eval.tasks[0]: must not be empty; remove it from the list" in proc.stderr
+
+
+def test_a_run_into_a_sweeps_directory_and_a_sweep_into_a_runs_exit_2(tmp_path: Path) -> None:
+    """Each would hide the other from llmexp.report and llmexp.status; both are refused before anything is written.
+    (Files stand in for a finished sweep and run: the check reads which files a directory holds.)"""
+    sweep, run = tmp_path / "sweep", tmp_path / "run"
+    (sweep / "0").mkdir(parents=True)
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    (sweep / "0" / "metrics.jsonl").write_text("")
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    into_sweep = run_llmexp([f"hydra.run.dir={sweep}"], tmp_path)
+    assert into_sweep.returncode == 2 and f"hydra.run.dir={sweep} holds a sweep" in into_sweep.stderr, into_sweep.stderr
+    into_run = run_llmexp(["--multirun", "lr=1e-3,2e-3", f"hydra.sweep.dir={run}"], tmp_path)
+    assert into_run.returncode == 2 and f"hydra.sweep.dir={run} holds a single run" in into_run.stderr, into_run.stderr
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_a_lock_file_that_is_a_directory_names_it_and_the_fix(tmp_path: Path) -> None:
+    from llmexp.errors import UserError
+    from llmexp.rundir.lock import LOCK_NAME, lock_run_dir
+
+    (tmp_path / LOCK_NAME).mkdir()
+    with pytest.raises(UserError, match=rf"{LOCK_NAME} is a directory where llmexp keeps its lock file; remove it"):
+        lock_run_dir(tmp_path)

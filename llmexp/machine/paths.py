@@ -19,6 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from llmexp.machine.task_code import code_in_task_dir
+from llmexp.rundir.read import is_run_dir, is_sweep_dir
 from llmexp.rundir.readers import Damaged, load_json, reader
 
 HF_BUILDERS = ("parquet", "arrow", "json", "csv", "text")
@@ -370,4 +371,17 @@ def directory_errors(cfg: Any) -> list[str]:
         keys.append("hydra.sweep.dir" if str(hydra.get("mode")) == "RunMode.MULTIRUN" else "hydra.run.dir")
     values = {key: OmegaConf.select(cfg, key) for key in keys}
     return [problem for key, value in values.items()
-            if value not in (None, "") and (problem := dir_out_problem(key, value))]
+            if value not in (None, "") and (problem := dir_out_problem(key, value) or _other_kind(key, value))]
+
+
+def _other_kind(key: str, value: Any) -> str | None:
+    """A run into a sweep's directory, or a sweep into a run's: the reports and `llmexp.status` would see only one
+    of the two. (A run's own directory, rerun to resume, is a run's; a sweep's, a sweep's.)"""
+    path = Path(str(value)).expanduser()
+    if key == "hydra.run.dir" and is_sweep_dir(path) and not is_run_dir(path):
+        return (f"{key}={value} holds a sweep (multirun.yaml, job directories); a single run there would hide it "
+                f"from llmexp.report and llmexp.status: choose another {key}")
+    if key == "hydra.sweep.dir" and is_run_dir(path) and not (path / "multirun.yaml").is_file():
+        return (f"{key}={value} holds a single run (metrics.jsonl, summary.json, .hydra/); a sweep there would hide "
+                f"it from llmexp.report and llmexp.status: choose another {key}")
+    return None

@@ -45,6 +45,9 @@ def _lock(directory: Path, what: str, key: str) -> None:
     path = directory / LOCK_NAME
     if str(path.resolve()) in _held_locks:  # this process holds it already (the CLI, then the sweeper)
         return
+    if path.is_dir() and not path.is_symlink():  # (filelock's IsADirectoryError would name no way out)
+        raise UserError(f"{path} is a directory where llmexp keeps its lock file; remove it (rmdir {path}) "
+                        "and rerun")
     lock = FileLock(str(path))
     try:
         lock.acquire(timeout=0)
