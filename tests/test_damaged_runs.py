@@ -208,6 +208,17 @@ def test_report_exits_as_the_sweep_did_with_one_diverged_job(tmp_path: Path) -> 
     assert report_main([str(everyone)]) == 3  # no job completed, one diverged: the sweep's 3
 
 
+def test_the_report_says_a_summary_is_damaged_not_missing(tmp_path: Path) -> None:
+    """A summary.json that is there but unreadable is not 'no summary.json: killed or crashed'."""
+    sweep_dir = write_sweep(tmp_path / "sweep", ("completed", "completed"))
+    (sweep_dir / "1" / "summary.json").write_text("[1, 2]")
+    (sweep_dir / "0" / "summary.json").unlink()
+    report_main([str(sweep_dir)])
+    jobs = json.loads((sweep_dir / "sweep_summary.json").read_text())["jobs"]
+    assert jobs[0]["error"] == "no summary.json: the job was killed or crashed"
+    assert jobs[1]["error"] == f"{sweep_dir / '1' / 'summary.json'} is damaged (not a JSON object)"
+
+
 def test_mid_sweep_the_report_calls_a_running_job_running(tmp_path: Path) -> None:
     sweep_dir = write_sweep(tmp_path / "sweep", ("completed", None))
     lock = FileLock(str(sweep_dir / "1" / LOCK_NAME))  # this process trains job 1, as far as anyone can tell

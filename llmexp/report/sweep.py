@@ -9,6 +9,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import statistics
 from collections import Counter
 from pathlib import Path
@@ -72,7 +73,9 @@ def collect_job(job_dir: Path, records: list[dict]) -> dict[str, Any]:
         entry["status"], entry["error"] = "running", None
     else:
         entry["status"] = job_status.get("status", "failed")
-        entry["error"] = job_status.get("error") or "no summary.json: the job was killed or crashed"
+        damaged = os.path.lexists(job_dir / "summary.json")  # there, but load_summary could not read it
+        entry["error"] = job_status.get("error") or (f"{job_dir / 'summary.json'} is damaged (not a JSON object)"
+                                                     if damaged else "no summary.json: the job was killed or crashed")
     for key, event, rec_key in (("step", "train", "step"), ("train_loss", "train", "loss"),
                                 ("train_ppl", "train", "ppl"), ("eval_loss", "eval", "eval_loss"),
                                 ("eval_ppl", "eval", "eval_ppl"), ("tokens_per_sec", "train", "tokens_per_sec")):
