@@ -277,6 +277,56 @@ def test_a_cache_entry_records_its_files(tmp_path: Path) -> None:
     assert json.loads((entry / "meta.json").read_text())["files"]["a.txt"][0] == 5  # size, then sha256
 
 
+def _edit_meta(entry: Path, edit: str) -> None:
+    meta = json.loads((entry / "meta.json").read_text())
+    if edit == "no stats":
+        del meta["stats"]
+    elif edit == "stats not a dict":
+        meta["stats"] = "x"
+    elif edit == "no stats.mode":
+        del meta["stats"]["mode"]
+    else:  # the record of the files gone, and a file with it: nothing but the record could tell
+        del meta["files"]
+        (entry / "train_mask.npy").unlink()
+    (entry / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("edit", ["no stats", "stats not a dict", "no stats.mode", "no files, no mask"])
+def test_an_edited_token_meta_is_a_miss_never_trusted(edit: str, tmp_path: Path, tok: Any,
+                                                      capfd: pytest.CaptureFixture[str]) -> None:
+    train = write_jsonl(tmp_path / "train.jsonl", PAIRS)
+    cfg = json_cfg(tmp_path / "cache", train, train)
+    first, _, _ = data.build_datasets(cfg, tok)
+    mask = np.array(first.mask)
+    (key,) = entries(tmp_path / "cache")
+    _edit_meta(tmp_path / "cache" / "tokens" / key, edit)
+    capfd.readouterr()
+    again, _, stats = data.build_datasets(cfg, tok)
+    assert not stats["data_cache_hit"] and stats["data_mode"] == "padded"
+    assert again.mask is not None and np.array_equal(np.array(again.mask), mask)  # the prompts stay unscored
+    err = capfd.readouterr().err
+    assert "llmexp: warning: the cache entry" in err and "rebuilding it" in err, err
+    assert data.build_datasets(cfg, tok)[2]["data_cache_hit"]
+
+
+def test_a_tokenizer_entry_without_its_files_record_is_rebuilt(tmp_path: Path,
+                                                               capfd: pytest.CaptureFixture[str]) -> None:
+    train = write_jsonl(tmp_path / "train.jsonl", [{"text": f"word{i % 7} and more {i}"} for i in range(40)])
+    cfg = json_cfg(tmp_path / "cache", train)
+    eos = load_tokenizer(cfg).eos_token
+    (key,) = entries(tmp_path / "cache", "tokenizers")
+    entry = tmp_path / "cache" / "tokenizers" / key
+    meta = json.loads((entry / "meta.json").read_text())
+    del meta["files"]
+    (entry / "meta.json").write_text(json.dumps(meta))
+    tok_cfg = json.loads((entry / "tokenizer_config.json").read_text())
+    (entry / "tokenizer_config.json").write_text(json.dumps({**tok_cfg, "eos_token": None}))
+    capfd.readouterr()
+    assert load_tokenizer(cfg).eos_token == eos
+    err = capfd.readouterr().err
+    assert "has no record of its files" in err and "rebuilding it" in err, err
+
+
 # ---------------------------------------------------------------- SFT records: masking and packing
 
 

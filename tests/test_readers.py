@@ -372,3 +372,22 @@ def test_a_cache_entry_replaced_by_a_plain_file_is_rebuilt_and_leaves_no_temp_fi
     assert [p.name for p in (tmp_path / "models").iterdir()] == ["gguf-k"]  # no temp file or directory beside it
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and str(entry) in said[0], said
+
+
+def test_a_cache_entry_whose_meta_json_lost_its_files_record_is_a_miss(tmp_path: Path,
+                                                                      capfd: pytest.CaptureFixture[str]) -> None:
+    """Without the record a deleted file cannot be told from one never written: the entry is rebuilt, not trusted."""
+    from llmexp.data.cache import get_or_build
+
+    def build(tmp: Path) -> dict[str, Any]:
+        (tmp / "a.npy").write_bytes(b"array")
+        return {"n": 1}
+
+    entry, meta, _ = get_or_build(tmp_path, "things", "k", build)
+    del meta["files"]
+    (entry / "meta.json").write_text(json.dumps(meta))
+    (entry / "a.npy").unlink()
+    capfd.readouterr()
+    _, again, hit = get_or_build(tmp_path, "things", "k", build)
+    assert not hit and "files" in again and (entry / "a.npy").read_bytes() == b"array"
+    assert "has no record of its files" in capfd.readouterr().err

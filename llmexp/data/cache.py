@@ -5,8 +5,8 @@ An entry `<root>/<kind>/<key>/` is built in a sibling temp directory and renamed
 (`rundir.files.staged_dir`). A per-key file lock serialises builders: of two sweep jobs that miss at once, one
 builds and the other waits, then finds the entry. An entry's `meta.json` lists the size and sha256 of each of its
 files, and a hit checks them (about a second per GB read): a file truncated, altered, replaced or deleted since,
-or an entry its loader cannot read (`cached`), is a miss, rebuilt under the lock with one warning naming the
-file, never a crash. No torch here.
+a meta.json without that record, or an entry its loader cannot read (`cached`), is a miss, rebuilt under the lock
+with one warning naming the file, never a crash. No torch here.
 """
 
 from __future__ import annotations
@@ -64,9 +64,11 @@ FILES_KEY = "files"
 
 
 def damage(entry: Path, meta: dict[str, Any]) -> str | None:
-    """Which recorded file of the entry is missing or changed, or None; entries from before the record are
-    left to the loader to judge (`cached`)."""
-    for name, (size, digest) in (meta.get(FILES_KEY) or {}).items():
+    """Which recorded file of the entry is missing or changed, or None. A meta.json without the record is damage
+    too: nothing would tell a deleted file (an SFT entry's mask: training on the prompts) from one never written."""
+    if FILES_KEY not in meta:
+        return f"its {COMPLETE_MARKER} has no record of its files"
+    for name, (size, digest) in meta[FILES_KEY].items():
         path = entry / name
         try:
             if path.stat().st_size != size:
@@ -124,8 +126,8 @@ T = TypeVar("T")
 def cached(root: Path, kind: str, key: str, build: Callable[[Path], dict[str, Any]],
            load: Callable[[Path, dict[str, Any]], T]) -> tuple[T, dict[str, Any], bool]:
     """(`load(entry, meta)`, meta, cache hit?) of a verified entry, built on a miss. A hit that `load` cannot
-    read (an entry written before files were recorded, or a library that now reads it otherwise) is a miss
-    too: warned about, rebuilt, loaded again; what `load` raises then is a real error and propagates."""
+    read (a meta.json edited by hand, or a library that now reads it otherwise) is a miss too: warned about,
+    rebuilt, loaded again; what `load` raises then is a real error and propagates."""
     from llmexp.errors import UserError
 
     entry, meta, hit = get_or_build(root, kind, key, build)

@@ -305,6 +305,10 @@ def pad_id_of(tok: Any) -> int:
     return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
 
 
+MODES = ("lm_packed", "sft_packed", "padded")
+"""How records become rows (module docstring)."""
+
+
 def example_mode(sft: bool, packing: bool) -> str:
     """How records become rows: `lm_packed`, `sft_packed` or `padded` (module docstring)."""
     return ("sft_packed" if sft else "lm_packed") if packing else "padded"
@@ -401,18 +405,22 @@ def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[TokenDataset, Token
 
     pad_id = pad_id_of(tokenizer)
 
-    def load(entry: Path, meta: dict[str, Any]) -> tuple[TokenDataset, TokenDataset, Any]:
+    def load(entry: Path, meta: dict[str, Any]) -> tuple[TokenDataset, TokenDataset, Any, dict[str, Any]]:
+        # the build's stats are read here, where an entry whose meta.json lacks them is a miss (`cached`)
+        built = meta["stats"]
+        if not isinstance(built, dict) or "mode" not in built or built["mode"] not in MODES:
+            raise ValueError(f"its meta.json's stats.mode is not one of {', '.join(MODES)}")
         train, held = (TokenDataset.load(entry, split, pad_id) for split in ("train", "eval"))
-        return train, held, np.load(entry / "train_sources.npy") if cfg.data.mix else None
+        return train, held, np.load(entry / "train_sources.npy") if cfg.data.mix else None, built
 
-    (train, held, sources), meta, hit = cached(Path(str(cfg.data.cache_dir)), "tokens", key, build, load)
-    if meta["stats"]["mode"] == "sft_packed":
+    (train, held, sources, built), _, hit = cached(Path(str(cfg.data.cache_dir)), "tokens", key, build, load)
+    if built["mode"] == "sft_packed":
         check_packing_supported(cfg)
     stats: dict[str, Any] = {}
     if cfg.data.mix:
         quotas = tuple(mix_quotas([float(s.weight) for s in cfg.data.mix]))
         train.mix = (quotas, sources)
         stats["data_mix_shares"] = [q / sum(quotas) for q in quotas]
-    stats.update({f"data_{k}": v for k, v in meta["stats"].items()})
+    stats.update({f"data_{k}": v for k, v in built.items()})
     stats.update(data_cache_hit=hit, data_cache_key=key, data_prep_s=round(time.perf_counter() - start, 3))
     return train, held, stats
