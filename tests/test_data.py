@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -592,6 +593,26 @@ def test_missing_files_and_unusable_eval(tmp_path: Path, tok: Any) -> None:
     (tmp_path / "empty_dir").mkdir()
     with pytest.raises(UserError, match=r"matches no non-empty files"):
         data.build_datasets(compose(tmp_path / "cache", "data=text", f"data.train_file={tmp_path}/empty_dir"), tok)
+    assert entries(tmp_path / "cache") == []
+
+
+def test_empty_or_short_data_errors_suggest_the_fix_that_applies(tmp_path: Path, tok: Any) -> None:
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    empty = tmp_path / "empty.json"
+    empty.write_text("[]", encoding="utf-8")
+    with pytest.raises(UserError) as err:  # an eval file of its own: data.eval_fraction does not apply
+        data.build_datasets(json_cfg(tmp_path / "cache", pairs, empty), tok)
+    assert f"data.eval_file={empty} is empty; add records to it" in str(err.value)
+    with pytest.raises(UserError) as err:
+        data.build_datasets(json_cfg(tmp_path / "cache", empty, pairs), tok)
+    assert f"data.train_file={empty} is empty; add records to it" in str(err.value)
+    assert "eval_fraction" not in str(err.value)
+    short = write_jsonl(tmp_path / "short.jsonl", [{"text": "one two three"}])  # less than one packed block
+    with pytest.raises(UserError) as err:
+        data.build_datasets(json_cfg(tmp_path / "cache", short, short, "data.packing=true"), tok)
+    assert re.search(rf"data\.train_file={short} has no usable records: its 1 record\(s\) hold [1-9]\d* token\(s\), "
+                     r"fewer than one block of data\.max_length=64\. Lower data\.max_length or add data$",
+                     str(err.value)), err.value
     assert entries(tmp_path / "cache") == []
 
 

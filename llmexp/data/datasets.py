@@ -328,6 +328,10 @@ def _encode_cut(mode: str, recs: list[Record], tok: Any, cfg: DictConfig, split:
     """One split of one source as token arrays; `source` names it in the error when nothing is usable."""
     ids, masks = encode_records(mode, recs, tok)
     arrays, stats = cut_examples(mode, ids, masks, int(cfg.data.max_length), keep_tail=split == "eval")
+    if stats["examples"] == 0 and mode == "lm_packed":  # all of it shorter than one block: a longer one cannot help
+        raise UserError(f"{source} has no usable records: its {stats['records']} record(s) hold "
+                        f"{stats['dropped_tokens']} token(s), fewer than one block of data.max_length="
+                        f"{cfg.data.max_length}. Lower data.max_length or add data")
     if stats["examples"] == 0:
         raise UserError(f"{source} has no usable records: {stats['records']} record(s), {stats['dropped_examples']} "
                         f"left without a target token after truncation to data.max_length={cfg.data.max_length}, "
@@ -358,6 +362,32 @@ def _source_name(cfg: DictConfig, split: str, index: int) -> str:
     return f"the {split} split of data={d.name}"
 
 
+def _own_eval(cfg: DictConfig, index: int) -> tuple[str | None, Any]:
+    """(the key that gives source `index` an eval set of its own, its value); (None, None) where there is no such
+    key (stdlib holds out files). Unset, the source holds out data.eval_fraction of its training records."""
+    d = cfg.data
+    if d.mix:
+        return f"data.mix[{index}].eval_split", d.mix[index].eval_split
+    if d.name in ("json", "text"):
+        return "data.eval_file", d.eval_file
+    if d.name == "hf":
+        return "data.eval_split", d.eval_split
+    return None, None
+
+
+def _empty_split_error(cfg: DictConfig, split: str, index: int) -> UserError:
+    """The error for a split with no records: its fix depends on whether it is held out of the training records."""
+    key, own = _own_eval(cfg, index)
+    if split == "train":
+        fix = "add records to it" if own else "add data or lower data.eval_fraction"
+        return UserError(f"{_source_name(cfg, 'train', index)} is empty; {fix}")
+    if own and not cfg.data.mix:
+        return UserError(f"{key}={own} is empty; add records to it")
+    key = "data.mix[i].eval_split" if cfg.data.mix else key  # (every source's held-out records are empty)
+    fix = f"set {key} or raise data.eval_fraction" if key else "raise data.eval_fraction"
+    return UserError(f"data={cfg.data.name}: the eval split is empty; {fix}")
+
+
 def _interleave(lists: list[list[Record]]) -> list[Record]:
     """Records taken in turn from each list: a mixture's eval slice (`train.eval_batches`) covers every source."""
     return [r for group in itertools.zip_longest(*lists) for r in group if r is not None]
@@ -378,11 +408,10 @@ def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[TokenDataset, Token
         loaded = [c.load() for c in corpora]
         for i, (train_recs, _) in enumerate(loaded):
             if not train_recs:
-                raise UserError(f"{_source_name(cfg, 'train', i)} is empty; add data or lower data.eval_fraction")
+                raise _empty_split_error(cfg, "train", i)
         eval_recs = _interleave([held for _, held in loaded])
         if not eval_recs:
-            raise UserError(f"data={cfg.data.name}: the eval split is empty; set data.eval_file or raise "
-                            "data.eval_fraction")
+            raise _empty_split_error(cfg, "eval", 0)
         sft = cfg.data.name == "stdlib_sft" or any("text" not in r for recs, held in loaded for r in recs + held)
         mode = example_mode(sft, bool(cfg.data.packing))
         if mode == "sft_packed":
