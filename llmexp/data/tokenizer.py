@@ -26,11 +26,16 @@ BPE_VERSION = 1
 """Bump when the BPE recipe changes, so cached tokenizers are rebuilt."""
 
 
+def is_local_name(name: str) -> bool:
+    """Whether a model or tokenizer name means a directory here (a path, or one that exists), not a hub id."""
+    return name.startswith((".", "/", "~")) or Path(name).expanduser().exists()
+
+
 def hub_error(name: str, cause: BaseException | None = None, key: str = "model.name_or_path") -> UserError:
     """A UserError for a model/tokenizer name that is neither a loadable local directory nor reachable
     on the hub: it names the model and says how to use a local path."""
     reason = f" ({type(cause).__name__}: {first_line(cause)})" if cause else ""
-    if name.startswith((".", "/", "~")) or Path(name).expanduser().exists():
+    if is_local_name(name):
         where = "is not a directory" if not Path(name).expanduser().exists() else "holds no loadable model/tokenizer"
         return UserError(f"{key}={name} {where}{reason}. Point it at a directory written by "
                          "save_pretrained, e.g. the model/ of an earlier run: "

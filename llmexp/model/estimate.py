@@ -83,7 +83,7 @@ def model_config(cfg: DictConfig) -> Any:
     one built from the `model.*` fields (model=llama2-7b lists the hub model's fields for exactly this)."""
     from transformers import AutoConfig, LlamaConfig
 
-    from llmexp.data.tokenizer import hub_error
+    from llmexp.data.tokenizer import hub_error, is_local_name
     from llmexp.machine.gguf import local_gguf
     from llmexp.model.build import field_kwargs
 
@@ -96,10 +96,8 @@ def model_config(cfg: DictConfig) -> Any:
             return AutoConfig.from_pretrained(m.name_or_path, trust_remote_code=m.trust_remote_code)
         except (OSError, ValueError) as err:  # no or an unknown model_type, custom code not trusted
             raise hub_error(m.name_or_path, err) from err
-    name = str(m.name_or_path or "")
-    # a local directory without config.json: estimated from the fields, it would be another model
-    if name and (name.startswith((".", "/", "~")) or Path(name).expanduser().exists()):
-        raise hub_error(m.name_or_path)
+    if m.name_or_path and is_local_name(str(m.name_or_path)):  # a directory without config.json: estimated
+        raise hub_error(m.name_or_path)  # from the fields, it would be another model
     return LlamaConfig(**field_kwargs(m, m.vocab_size))
 
 
