@@ -5,15 +5,13 @@ trainer (torch) is imported only when a run starts."""
 
 from __future__ import annotations
 
-import sys
-
 from omegaconf import DictConfig
 
 from llmexp.config.derived import use_shared_compile_cache
 from llmexp.config.validation import validate
-from llmexp.errors import EXIT_USER, STATUS_EXIT, UserError
+from llmexp.errors import STATUS_EXIT, UserError
 from llmexp.machine.environment import check_environment
-from llmexp.rundir.redact import scrub_text
+from llmexp.rundir.redact import print_user_error, scrub_text
 
 
 def run_guarded(cfg: DictConfig) -> int:
@@ -43,8 +41,7 @@ def user_error_exit(err: UserError) -> int:
     """Print a user's mistake as one line (secrets scrubbed), keep it for the sweep's record of this job, exit 2."""
     global _last_user_error
     _last_user_error = scrub_text(str(err))
-    print(f"llmexp: error: {_last_user_error}", file=sys.stderr)
-    return EXIT_USER
+    return print_user_error("llmexp", _last_user_error)
 
 
 def last_user_error() -> str | None:
