@@ -219,3 +219,26 @@ def test_a_bad_tracking_uri_exits_2_before_anything_is_written(tmp_path: Path, u
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert expected in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_sweep_whose_parent_run_was_deleted_gets_a_new_one(tmp_path: Path) -> None:
+    """The sweep directory records its parent run; deleted from the store meanwhile, a rerun of the sweep opens a
+    new parent (its jobs nest under a live run) rather than failing to continue the deleted one."""
+    from llmexp.monitor.mlflow_sink import client_for
+    from llmexp.sweep.tracking import open_parent
+
+    config = OmegaConf.create({"logger": {"name": "mlflow", "tracking_uri": None, "experiment": "sweep",
+                                          "init_timeout_s": 10.0},
+                               "train": {}, "hydra": {"overrides": {"task": ["lr=1e-3,2e-3"]}}})
+    sweep = tmp_path / "sweep"
+    open_parent(config, sweep)
+    first = read_mlflow_run(sweep)
+    client = client_for(first["tracking_uri"])
+    open_parent(config, sweep)  # a rerun continues the same parent
+    assert read_mlflow_run(sweep)["run_id"] == first["run_id"]
+    client.delete_run(first["run_id"])
+    open_parent(config, sweep)
+    second = read_mlflow_run(sweep)
+    assert second["run_id"] != first["run_id"]
+    run = client.get_run(second["run_id"])
+    assert run.info.lifecycle_stage == "active" and run.data.tags["llmexp.overrides"] == "lr=1e-3,2e-3"

@@ -151,6 +151,29 @@ def connect(uri: str | None, experiment: str, local_dir: Path, timeout_s: float)
         return _open(local, experiment, timeout_s)
 
 
+def continue_or_create(store: Store, folder: Path, run_name: str, tags: dict[str, str],
+                       new_run: bool = False) -> tuple[Any, bool]:
+    """The MLflow run that `folder` records (`mlflow_run.json`), set RUNNING again, if this store still has it
+    (not deleted); else a new run with `tags`, recorded in `folder`. Returns the run and whether it was continued.
+    A run's sink and a sweep's parent run both use it."""
+    known = None if new_run else read_mlflow_run(folder)
+    run = None
+    if known is not None and known["tracking_uri"] == store.uri:
+        with contextlib.suppress(Exception), _quiet():  # gone from the store (deleted, another database)
+            run = store.client.get_run(known["run_id"])
+        if run is not None and run.info.lifecycle_stage == "deleted":
+            run = None
+    if run is not None:
+        with _quiet():
+            store.client.update_run(run.info.run_id, status="RUNNING")
+        return run, True
+    with _quiet():
+        run = store.client.create_run(store.experiment_id, run_name=run_name, tags=tags)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_mlflow_run(folder, store.uri, store.experiment_id, run.info.run_id)
+    return run, False
+
+
 def flat_params(container: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     """A nested config as MLflow params: dotted keys, lists and empty dicts as JSON, each value at most
     `MAX_PARAM_LEN` characters."""
@@ -266,29 +289,16 @@ class MlflowSink(Sink):
 
     def _start(self, cfg_container: dict, lg: Any, run_name: str, sweep_dir: Path | None, new_run: bool) -> None:
         store = connect(lg.tracking_uri, str(lg.experiment), sweep_dir or self.run_dir, float(lg.init_timeout_s))
-        self.store, client = store, store.client
-        known = None if new_run else read_mlflow_run(self.run_dir)
-        run = None
-        if known is not None and known["tracking_uri"] == store.uri:
-            with contextlib.suppress(Exception), _quiet():  # gone from the store (deleted, another database)
-                run = client.get_run(known["run_id"])
-            if run is not None and run.info.lifecycle_stage == "deleted":
-                run = None
-        if run is not None:
-            self.continued = True
-            with _quiet():
-                client.update_run(run.info.run_id, status="RUNNING")
-        else:
-            tags = {"llmexp.run_dir": str(self.run_dir.absolute())}
-            parent = read_mlflow_run(sweep_dir) if sweep_dir is not None else None
-            if parent is not None and parent["tracking_uri"] == store.uri:
-                tags["mlflow.parentRunId"] = parent["run_id"]
-            with _quiet():
-                run = client.create_run(store.experiment_id, run_name=run_name_from_overrides(run_name), tags=tags)
-            write_mlflow_run(self.run_dir, store.uri, store.experiment_id, run.info.run_id)
+        self.store = store
+        tags = {"llmexp.run_dir": str(self.run_dir.absolute())}
+        parent = read_mlflow_run(sweep_dir) if sweep_dir is not None else None
+        if parent is not None and parent["tracking_uri"] == store.uri:
+            tags["mlflow.parentRunId"] = parent["run_id"]
+        run, self.continued = continue_or_create(store, self.run_dir, run_name_from_overrides(run_name), tags,
+                                                 new_run=new_run)
         self.run_id = run.info.run_id
-        self._log_params(client, flat_params(scrub(cfg_container)), dict(run.data.params))
-        self.sender = _Sender(client, self.run_id)
+        self._log_params(store.client, flat_params(scrub(cfg_container)), dict(run.data.params))
+        self.sender = _Sender(store.client, self.run_id)
         self.sender.start()
 
     def _log_params(self, client: Any, params: dict[str, str], existing: dict[str, str]) -> None:

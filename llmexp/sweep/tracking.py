@@ -16,7 +16,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from llmexp.rundir.redact import scrub_overrides, scrub_text
-from llmexp.rundir.tracking import read_mlflow_run, write_mlflow_run
+from llmexp.rundir.tracking import read_mlflow_run
 
 log = logging.getLogger(__name__)
 
@@ -27,20 +27,15 @@ def open_parent(config: Any, sweep_dir: Path) -> None:
     if OmegaConf.select(config, "logger.name", default=None) != "mlflow" or "train" not in config:
         return
     try:
-        from llmexp.monitor.mlflow_sink import connect
+        from llmexp.monitor.mlflow_sink import connect, continue_or_create
 
         lg = config.logger
         store = connect(lg.tracking_uri, str(lg.experiment), sweep_dir, float(lg.init_timeout_s))
-        known = read_mlflow_run(sweep_dir)
-        if known is not None and known["tracking_uri"] == store.uri:
-            store.client.update_run(known["run_id"], status="RUNNING")
-            return
         overrides = " ".join(scrub_overrides([str(o) for o in config.hydra.overrides.task]))
-        run = store.client.create_run(store.experiment_id, run_name=sweep_dir.name,
-                                      tags={"llmexp.sweep_dir": str(sweep_dir), "llmexp.overrides": overrides[:5000]})
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        write_mlflow_run(sweep_dir, store.uri, store.experiment_id, run.info.run_id)
-        log.info(f"MLflow parent run {run.info.run_id} in {store.uri}")
+        tags = {"llmexp.sweep_dir": str(sweep_dir), "llmexp.overrides": overrides[:5000]}
+        run, continued = continue_or_create(store, sweep_dir, sweep_dir.name, tags)
+        if not continued:
+            log.info(f"MLflow parent run {run.info.run_id} in {store.uri}")
     except Exception as err:  # the sweep goes on; its jobs' runs are then not nested
         log.warning(f"mlflow: no parent run for the sweep ({type(err).__name__}: {scrub_text(str(err))[:300]}); "
                     "its jobs log runs that are not nested")
