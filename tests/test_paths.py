@@ -183,3 +183,23 @@ def test_data_hf_load_errors_are_one_message(tmp_path: Path) -> None:
     with pytest.raises(UserError) as err:
         load_split(d, "train")
     assert "data.path=json: cannot load it (" in str(err.value) and "JSON parse error" in str(err.value)
+
+
+@pytest.mark.parametrize(("args", "kind"), [
+    (["data=json", "data.train_file={t}/fifo"], "a FIFO"),
+    (["data=text", "data.train_file={t}/fifo"], "a FIFO"),
+    (["data=hf", "data.path=json", "data.data_files={t}/fifo"], "a FIFO"),
+    (["data=json", "data.train_file=/dev/null"], "a device"),
+], ids=["json_fifo", "text_fifo", "hf_fifo", "json_device"])
+def test_a_fifo_or_device_is_not_a_regular_file_not_an_empty_one(args: list[str], kind: str, tmp_path: Path,
+                                                                   cli_refusal) -> None:
+    """A FIFO's or a device's size (0) says nothing of what reading it gives: it is refused as what it is, with
+    the fix, and never opened (a FIFO without a writer would block)."""
+    os.mkfifo(tmp_path / "fifo")
+    given = [a.format(t=tmp_path) for a in args]
+    code, err = cli_refusal([*given, f"hydra.run.dir={tmp_path}/run", f"data.cache_dir={tmp_path}/cache"])
+    key, value = given[-1].split("=", 1)
+    assert code == 2 and "Traceback" not in err, err
+    assert f"{key}={value}: is not a regular file ({kind}); point it at" in err, err
+    assert "empty" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo"]

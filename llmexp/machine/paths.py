@@ -2,8 +2,8 @@
 
 One check per kind of path (`KIND_CHECKS`; a key's kind is the `PathRule` on its schema field): a path is looked at
 once with `os.stat`, which follows symbolic links, so a missing path, a file where a directory belongs (and the
-reverse), an empty file, a part of the path that is a file and a link loop are each named with the key and the fix;
-so is what a directory must hold. No torch, no transformers: plain files only.
+reverse), an empty file, a FIFO or device where a file belongs, a part of the path that is a file and a link loop
+are each named with the key and the fix; so is what a directory must hold. No torch, no transformers: plain files only.
 """
 
 from __future__ import annotations
@@ -43,13 +43,21 @@ def _stat(path: Path) -> tuple[os.stat_result | None, str | None]:
         return None, f"cannot be read ({os.strerror(err.errno or 0) or err})"
 
 
+_SPECIAL = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device", stat.S_IFSOCK: "a socket"}
+"""What a path is that is neither a regular file nor a directory: reading one could block (a FIFO) or never end."""
+
+
 def _look(key: str, value: Any, what: str, directory: bool | None) -> tuple[Path, os.stat_result | None, str | None]:
     """The path `value` names, its stat (None: it does not exist), and why it will not do whatever it holds: it
-    cannot be looked at, or it is a directory where a file belongs (`directory` false) or the reverse."""
+    cannot be looked at, it is a directory where a file belongs (`directory` false) or the reverse, or it is neither
+    a file nor a directory (its size, 0, says nothing of what reading it would give)."""
     path = Path(str(value)).expanduser()
     found, why = _stat(path)
-    if found is not None and directory is not None and stat.S_ISDIR(found.st_mode) != directory:
+    is_dir = found is not None and stat.S_ISDIR(found.st_mode)
+    if found is not None and directory is not None and is_dir != directory:
         why = "is a file, not a directory" if directory else "is a directory"
+    elif found is not None and not is_dir and not stat.S_ISREG(found.st_mode):
+        why = f"is not a regular file ({_SPECIAL.get(stat.S_IFMT(found.st_mode), 'a special file')})"
     return path, found, why and f"{key}={value}: {why}; point it at {what}"
 
 
