@@ -203,3 +203,22 @@ def test_a_fifo_or_device_is_not_a_regular_file_not_an_empty_one(args: list[str]
     assert f"{key}={value}: is not a regular file ({kind}); point it at" in err, err
     assert "empty" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo"]
+
+
+@pytest.mark.parametrize(("source", "says"), [
+    ("{{path: json, data_files: {t}/missing.jsonl}}", "data.mix[1].data_files={t}/missing.jsonl: no such file"),
+    ("{{path: json, data_files: [{t}/rows.jsonl, {t}/empty.jsonl]}}",
+     "data.mix[1].data_files={t}/empty.jsonl: is empty (0 bytes)"),
+    ("{{path: json, data_files: {{train: {t}/none-*.jsonl}}}}", "data.mix[1].data_files={t}/none-*.jsonl: no such"),
+], ids=["missing", "empty_in_a_list", "glob_of_nothing"])
+def test_a_mix_source_s_data_files_are_checked_as_data_data_files_are(source: str, says: str, tree: Path,
+                                                                      cli_refusal) -> None:
+    """Each `data.mix` entry's files are looked at before anything is written, named by the entry's key and with
+    the entry's own `path` in the fix, not found only when `datasets` loads them (with advice about the hub)."""
+    mix = f"data.mix=[{{path: json, data_files: {tree}/rows.jsonl}}, {source.format(t=tree)}]"
+    before = sorted(str(p) for p in tree.rglob("*"))
+    code, err = cli_refusal(["data=hf", mix, f"hydra.run.dir={tree}/run", f"data.cache_dir={tree}/cache"])
+    assert code == 2 and "Traceback" not in err, err
+    assert says.format(t=tree) in err and "files for data.mix[1].path=json" in err, err
+    assert "data.mix[0]" not in err
+    assert sorted(str(p) for p in tree.rglob("*")) == before

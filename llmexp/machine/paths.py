@@ -282,20 +282,27 @@ def hf_source_problem(cfg: Any, key: str, value: Any) -> str | None:
 
 
 def hf_files_problem(cfg: Any, key: str, value: Any) -> str | None:
-    """`data.data_files` read from this machine (a builder or a local directory, not a hub repo's own files): a
-    file, glob or list of them, each matching non-empty files."""
-    source = str(cfg.data.path or "")
-    if cfg.data.name != "hf" or not (source in HF_BUILDERS or Path(source).expanduser().is_dir()):
+    """`data.data_files` (data=hf), the files of `data.path`."""
+    return None if cfg.data.name != "hf" else builder_files_problem(key, value, cfg.data.path)
+
+
+def builder_files_problem(key: str, value: Any, source: Any) -> str | None:
+    """`data_files` read from this machine for the dataset `source` (`data.path`, a `data.mix` entry's `path`) when
+    it is a builder or a local directory, not a hub repo's own files: a file, glob or list of them, each matching
+    non-empty regular files."""
+    source = str(source or "")
+    if not (source in HF_BUILDERS or Path(source).expanduser().is_dir()):
         return None
     specs = [value] if isinstance(value, str) else list(value.values()) if hasattr(value, "values") else value
     flat = [s for spec in specs for s in ([spec] if isinstance(spec, str) else list(spec))]
     if not flat or not all(isinstance(s, str) and s.strip() for s in flat):
         return f"{key}={value}: must be a file, a glob, or a list of them; e.g. {key}=/data/train.parquet"
     base = Path(source).expanduser() if source not in HF_BUILDERS else Path()
+    source_key = key.removesuffix("data_files") + "path"  # data.path, data.mix[i].path: the key beside this one
     for spec in flat:
         pattern = base / os.path.expanduser(spec)
         for match in [Path(p) for p in glob.iglob(str(pattern), recursive=True)] or [pattern]:
-            if problem := _input_file_problem(key, match, f"files for data.path={source}"):
+            if problem := _input_file_problem(key, match, f"files for {source_key}={source}"):
                 return problem
     return None
 
@@ -356,10 +363,21 @@ def path_errors(cfg: Any) -> list[str]:
         value = OmegaConf.select(cfg, key)
         if kind != "dir_out" and value not in (None, "") and (problem := KIND_CHECKS[kind](cfg, key, value)):
             errors.append(problem)
+    return errors + mix_errors(cfg) + task_file_errors(cfg)
+
+
+def mix_errors(cfg: Any) -> list[str]:
+    """Each `data.mix` source's `path` and `data_files`, checked as `data.path` and `data.data_files` are (entries
+    of a list have no `PathRule` of their own)."""
+    errors = []
     for i, source in enumerate(cfg.data.mix if cfg.data.name == "hf" else []):
-        if source.get("path") and (problem := hf_source_problem(cfg, f"data.mix[{i}].path", source.path)):
-            errors.append(problem)
-    return errors + task_file_errors(cfg)
+        if not source.get("path"):  # no dataset named: the config's validation says so
+            continue
+        problems = [hf_source_problem(cfg, f"data.mix[{i}].path", source.path)]
+        if source.data_files not in (None, ""):
+            problems.append(builder_files_problem(f"data.mix[{i}].data_files", source.data_files, source.path))
+        errors += [problem for problem in problems if problem]
+    return errors
 
 
 def _path_keys() -> dict[str, str]:
