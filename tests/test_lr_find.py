@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from llmexp.train.lr_find import smooth, suggest
-from tests.conftest import TINY, compose, read_metrics
+from tests.conftest import TINY, compose, read_metrics, run_cli
 
 BASE = [*TINY, "precision=fp32", "train.max_steps=4", "train.eval_steps=2", "train.save_steps=0",
         "train.peak_tflops=1"]
@@ -118,3 +118,16 @@ def test_bad_lr_find_settings_name_the_key(overrides: list[str], message: str, t
 
     with pytest.raises(ConfigError, match=message):
         validate(compose(overrides, tmp_path))
+
+
+@pytest.mark.parametrize("given", ["lr=3", "lr=auto", "++lr=1e-3"])
+def test_lr_find_given_an_lr_says_it_picks_one_itself(given: str, tmp_path: Path) -> None:
+    """`python -m llmexp.lr_find lr=3`: the command picks the lr, so the message says to drop it or train with it
+    (not to use `python -m llmexp.lr_find`, which the user is doing); nothing is written."""
+    proc = run_cli([given, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, module="llmexp.lr_find",
+                   timeout_s=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"{given}: python -m llmexp.lr_find picks the lr itself" in proc.stderr
+    assert f"drop {given} to find one, or train with it: python -m llmexp {given}" in proc.stderr
+    assert "use python -m llmexp.lr_find" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []
