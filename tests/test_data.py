@@ -698,3 +698,25 @@ def test_sft_demo_fine_tunes_a_default_run(tmp_path: Path, session_cache: Path) 
     evals = [json.loads(line) for line in (tmp_path / "sft/metrics.jsonl").read_text().splitlines()]
     evals = [e["eval_loss"] for e in evals if e["event"] == "eval"]
     assert len(evals) >= 2 and evals[-1] < evals[0] - 0.1, evals
+
+
+def test_a_token_meta_whose_files_record_was_emptied_is_a_miss_never_trusted(
+        tmp_path: Path, tok: Any, capfd: pytest.CaptureFixture[str]) -> None:
+    """`"files": {}` records nothing, as a missing record does: the SFT mask deleted beside it is not trusted away
+    (the prompts would be trained on); the entry is rebuilt, with a warning."""
+    train = write_jsonl(tmp_path / "train.jsonl", PAIRS)
+    cfg = json_cfg(tmp_path / "cache", train, train)
+    first, _, _ = data.build_datasets(cfg, tok)
+    mask = np.array(first.mask)
+    (key,) = entries(tmp_path / "cache")
+    entry = tmp_path / "cache" / "tokens" / key
+    meta = json.loads((entry / "meta.json").read_text())
+    (entry / "meta.json").write_text(json.dumps({**meta, "files": {}}))
+    (entry / "train_mask.npy").unlink()
+    capfd.readouterr()
+    again, _, stats = data.build_datasets(cfg, tok)
+    assert not stats["data_cache_hit"]
+    assert again.mask is not None and np.array_equal(np.array(again.mask), mask)
+    err = capfd.readouterr().err
+    assert "the cache entry" in err and "records no files" in err and "rebuilding it" in err, err
+    assert data.build_datasets(cfg, tok)[2]["data_cache_hit"]

@@ -64,10 +64,13 @@ FILES_KEY = "files"
 
 
 def damage(entry: Path, meta: dict[str, Any]) -> str | None:
-    """Which recorded file of the entry is missing or changed, or None. A meta.json without the record is damage
-    too: nothing would tell a deleted file (an SFT entry's mask: training on the prompts) from one never written."""
+    """Which recorded file of the entry is missing or changed, or None. A meta.json without the record, or with an
+    empty one (every build writes files), is damage too: nothing would tell a deleted file (an SFT entry's mask:
+    training on the prompts) from one never written."""
     if FILES_KEY not in meta:
         return f"its {COMPLETE_MARKER} has no record of its files"
+    if not meta[FILES_KEY]:
+        return f"its {COMPLETE_MARKER} records no files, and every entry has some"
     for name, (size, digest) in meta[FILES_KEY].items():
         path = entry / name
         try:
