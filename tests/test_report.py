@@ -222,3 +222,68 @@ def test_report_and_doctor_keep_a_printed_finding_resolved_later(tmp_path: Path,
     text = (run / "report.md").read_text()
     assert "`ppl_range` at step 100 **(resolved at step 200)**" in text
     assert "(0 error, 0 warning, 0 info; 1 resolved)" in text and "**health:** healthy" in text
+
+
+GRID = "hydra_plugins.llmexp_sweeper.llmexp_sweeper.GridSweeper"
+
+
+def write_multirun(sweep: Path, task: list[str], sweeper: str = GRID, zip_keys: tuple[str, ...] = (),
+                   lr_scaling: str = "none") -> None:
+    """The multirun.yaml a sweep of `task` (its command line) leaves, with llmexp's `${sweep.x}` interpolations."""
+    sweep.mkdir(parents=True, exist_ok=True)
+    config = {"sweep": {"zip": list(zip_keys), "lr_scaling": lr_scaling},
+              "hydra": {"sweep": {"dir": str(sweep), "subdir": "${hydra.job.num}"},
+                        "sweeper": {"_target_": sweeper, "zip": "${sweep.zip}", "lr_scaling": "${sweep.lr_scaling}",
+                                    "params": None},
+                        "overrides": {"hydra": [f"hydra.sweep.dir={sweep}"], "task": task}}}
+    (sweep / "multirun.yaml").write_text(yaml.safe_dump(config))
+
+
+def make_grid(sweep: Path, task: list[str], jobs: dict[str, tuple[str, ...]]) -> Path:
+    """A finished grid sweep of `task` that holds the directories of `jobs` (job number -> overrides)."""
+    write_multirun(sweep, task)
+    for num, (name, overrides) in enumerate(jobs.items()):
+        records = history(num_steps=100, seed=num)
+        make_run(sweep / name, records, summary_of(records), overrides)
+    return sweep
+
+
+def test_a_launched_job_whose_directory_is_gone_is_listed_missing(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """`rm -rf SWEEP/2`: multirun.yaml still says the sweep launched it, so the report lists it (with its
+    overrides), counts it, and the sweep is not finished (exit 1: the sweep's command runs it again)."""
+    steps = "train.max_steps=4"
+    sweep = make_grid(tmp_path / "sweep", ["lr=1e-3,2e-3", "seed=0,1", steps],
+                      {"0": ("lr=0.001", "seed=0", steps), "1": ("lr=0.001", "seed=1", steps),
+                       "3": ("lr=0.002", "seed=1", steps)})
+    assert report_main([str(sweep)]) == 1
+    summary = json.loads((sweep / "sweep_summary.json").read_text())
+    assert [j["job"] for j in summary["jobs"]] == ["0", "1", "2", "3"] and summary["num_jobs"] == 4
+    gone = summary["jobs"][2]
+    assert gone["status"] == "missing" and gone["overrides"] == ["lr=0.002", "seed=0", "train.max_steps=4"]
+    assert summary["status_counts"] == {"completed": 3, "missing": 1} and summary["all_finished"] is False
+    assert "| 2 | `lr=0.002 seed=0` | missing (its directory is gone; the sweep's command runs it again)" in \
+        (sweep / "sweep_report.md").read_text()
+    assert "4 jobs {'completed': 3, 'missing': 1}" in capsys.readouterr().out
+
+
+def test_launched_jobs_are_the_grid_the_sweeper_ran(tmp_path: Path) -> None:
+    """The product in command-line order, `sweep.zip` keys paired, an lr scaled per job left out; nothing for a
+    search, whose trials are in its study."""
+    from llmexp.rundir.read import launched_jobs
+
+    write_multirun(tmp_path / "grid", ["lr=1e-3,2e-3", "+tag=a,b", "train.max_steps=4"])
+    assert launched_jobs(tmp_path / "grid") == {"0": ["lr=0.001", "+tag=a", "train.max_steps=4"],
+                                                "1": ["lr=0.001", "+tag=b", "train.max_steps=4"],
+                                                "2": ["lr=0.002", "+tag=a", "train.max_steps=4"],
+                                                "3": ["lr=0.002", "+tag=b", "train.max_steps=4"]}
+    write_multirun(tmp_path / "zip", ["lr=1,2", "batch_size=4,8", "seed=0,1"], zip_keys=("lr", "batch_size"))
+    assert list(launched_jobs(tmp_path / "zip").values()) == [
+        ["lr=1", "batch_size=4", "seed=0"], ["lr=1", "batch_size=4", "seed=1"],
+        ["lr=2", "batch_size=8", "seed=0"], ["lr=2", "batch_size=8", "seed=1"]]
+    write_multirun(tmp_path / "scaled", ["lr=1e-3", "batch_size=4,8"], lr_scaling="sqrt")
+    assert list(launched_jobs(tmp_path / "scaled").values()) == [["batch_size=4"], ["batch_size=8"]]
+    write_multirun(tmp_path / "tpe", ["lr=tag(log,interval(1e-4,1e-2))"],
+                   sweeper="hydra_plugins.llmexp_sweeper.llmexp_sweeper.SearchSweeper")
+    assert launched_jobs(tmp_path / "tpe") == {}
+

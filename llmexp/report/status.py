@@ -10,9 +10,10 @@ A job's status: `running` while a process holds its run directory's lock (or SLU
 it starts (`requeued` when SLURM queued it again after a checkpoint), then what the run wrote to
 summary.json (`completed`, `early_stopped`, `pruned`, `diverged`, `failed`, `preempted`) or, when the
 launcher knows more, its verdict (`cancelled`, `timeout`, `killed`); `killed` also for a run directory whose
-process is gone without a summary; `not_started` for a local job still waiting when its sweeper is gone (killed: no
-process holds the sweep directory's lock), which the sweep's command, run again, starts. Damaged files are skipped,
-each said in one line on stderr.
+process is gone without a summary; `missing` for a job that the sweep's `multirun.yaml` launched and whose
+directory is gone; `not_started` for a local job still waiting when its sweeper is gone (killed: no process holds
+the sweep directory's lock), which the sweep's command, run again, starts. Damaged files are skipped, each said in
+one line on stderr.
 
 Exit codes: 0 the table was shown, 2 DIR is neither a run nor a sweep directory.
 """
@@ -38,10 +39,13 @@ from llmexp.rundir.read import (
     is_run_dir,
     is_sweep_dir,
     job_dirs,
+    job_order,
+    launched_jobs,
     load_job_status,
     load_overrides,
     load_records,
     load_summary,
+    missing_status,
     read_slurm_jobs,
     slurm_end_status,
 )
@@ -191,15 +195,22 @@ def _varying(overrides: dict[str, list[str]]) -> dict[str, str]:
 
 
 def rows(path: Path, scheduler_timeout_s: float = SCHEDULER_TIMEOUT_S) -> list[Row]:
-    """The table's lines for a run directory or a sweep directory."""
+    """The table's lines for a run directory or a sweep directory, with a line for each job the sweep launched
+    whose directory is gone (`rundir.read.launched_jobs`)."""
     path = Path(path)
-    dirs = job_dirs(path) if is_sweep_dir(path) and not (path / "metrics.jsonl").exists() else [path]
+    sweep = is_sweep_dir(path) and not (path / "metrics.jsonl").exists()
+    dirs = job_dirs(path) if sweep else [path]
     slurm = {str(k): str(v) for k, v in ((read_slurm_jobs(path / "slurm_jobs.json") or {}).get("jobs") or {}).items()}
     verdict_ids = [str(j) for d in dirs if (j := load_job_status(d).get("job_id"))]
     states = scheduler_states(sorted(set(slurm.values()) | set(verdict_ids)), scheduler_timeout_s)
-    shown = _varying({d.name: load_overrides(d) for d in dirs})
+    overrides = {d.name: load_overrides(d) for d in dirs}
+    gone = {name: job for name, job in (launched_jobs(path) if sweep else {}).items() if name not in overrides}
+    shown = _varying(overrides | gone)
     sweeper = dirs == [path] or lock_holder(path) is not None
-    return [job_row(d, shown[d.name], slurm.get(d.name), states, sweeper) for d in dirs]
+    table = [job_row(d, shown[d.name], slurm.get(d.name), states, sweeper) for d in dirs]
+    table += [Row(job=name, overrides=shown[name], status=missing_status(path), step=None, max_steps=None, loss=None,
+                  eval_loss=None, best_eval=None, eta_s=None, slurm_id=None, slurm_state=None) for name in gone]
+    return sorted(table, key=lambda row: job_order(row.job))
 
 
 def _fmt(value: float | None) -> str:

@@ -25,12 +25,15 @@ from llmexp.rundir.read import (
     FINISHED,
     config_value,
     job_dirs,
+    job_order,
     last_value,
+    launched_jobs,
     load_config,
     load_job_status,
     load_overrides,
     load_records,
     load_summary,
+    missing_status,
 )
 from llmexp.rundir.task_metrics import final_tasks, metric_value
 
@@ -57,15 +60,19 @@ def _param_dict(overrides: list[str]) -> dict[str, str]:
     return {key: value for key, sep, value in (o.lstrip("+~").partition("=") for o in overrides) if sep}
 
 
-def collect_job(job_dir: Path, records: list[dict]) -> dict[str, Any]:
+def collect_job(job_dir: Path, records: list[dict], launched: list[str] | None = None) -> dict[str, Any]:
     """One sweep job's entry from its directory and metrics: overrides, status, final metrics, findings and loss
-    stability."""
+    stability; `launched`: the overrides the sweep's record gives a job whose directory is gone."""
     summary = load_summary(job_dir)
     job_status = load_job_status(job_dir)
-    overrides = load_overrides(job_dir)
+    overrides = load_overrides(job_dir) if launched is None else launched
     entry: dict[str, Any] = {"job": job_dir.name, "dir": str(job_dir), "overrides": overrides,
                              "params": _param_dict(overrides)}
-    if summary is not None:
+    if launched is not None:  # (multirun.yaml launched it; nothing of it is left to read)
+        entry["status"] = missing_status(job_dir.parent)
+        entry["error"] = ("its directory is gone; the sweep's command runs it again" if entry["status"] == "missing"
+                          else None)
+    elif summary is not None:
         # The launcher writes job_status.json only when it knows more than the trainer (e.g. SLURM cancelled it).
         entry["status"] = job_status.get("status") or summary.get("status", "unknown")
         entry["error"] = job_status.get("error")
@@ -191,6 +198,9 @@ def write_sweep_report(sweep_dir: Path) -> dict[str, Any]:
     sweep_dir = Path(sweep_dir)
     curves = {d.name: load_records(d) for d in job_dirs(sweep_dir)}
     jobs = [collect_job(sweep_dir / name, records) for name, records in curves.items()]
+    jobs += [collect_job(sweep_dir / name, [], launched) for name, launched in launched_jobs(sweep_dir).items()
+             if name not in curves]  # launched, its directory gone: listed, counted, and the sweep not finished
+    jobs.sort(key=lambda j: job_order(j["job"]))
     study, search_error = load_study(sweep_dir)
     search = search_summary(sweep_dir, study, jobs) if study is not None else None  # marks running jobs
     counts = dict(Counter(j["status"] for j in jobs))

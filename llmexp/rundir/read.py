@@ -7,13 +7,16 @@ Pure functions of what a run (or sweep) directory holds: `metrics.jsonl`, `summa
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmexp.errors import EXIT_DIVERGED, EXIT_ERROR, EXIT_OK, EXIT_USER
+from llmexp.rundir.lock import lock_holder
 from llmexp.rundir.readers import (
     METRIC,
     Damaged,
@@ -27,6 +30,9 @@ from llmexp.rundir.readers import (
     skipped,
 )
 from llmexp.rundir.task_metrics import metric_value
+
+if TYPE_CHECKING:
+    from hydra.core.override_parser.types import Override
 
 FINISHED = ("completed", "early_stopped")
 """Statuses of a run that ended as intended."""
@@ -190,7 +196,12 @@ def job_dirs(sweep_dir: Path) -> list[Path]:
     """Job subdirectories of a sweep, in job-number order (non-numeric names after, by name)."""
     found = [p for p in Path(sweep_dir).iterdir()
              if p.is_dir() and (is_run_dir(p) or os.path.lexists(p / "job_status.json"))]
-    return sorted(found, key=lambda p: (0, int(p.name), "") if p.name.isdigit() else (1, 0, p.name))
+    return sorted(found, key=lambda p: job_order(p.name))
+
+
+def job_order(name: str) -> tuple[int, int, str]:
+    """A job directory's place in a sweep: by job number, non-numeric names after, by name."""
+    return (0, int(name), "") if name.isdigit() else (1, 0, name)
 
 
 def is_sweep_dir(path: Path) -> bool:
@@ -206,15 +217,78 @@ def last_value(records: list[dict], event: str, key: str) -> Any:
     return next((r[key] for r in reversed(records) if r.get("event") == event and key in r), None)
 
 
-def swept_keys(sweep_dir: Path) -> list[str]:
-    """The keys a sweep varies (`lr=1e-4,3e-4`, `lr=tag(log,interval(...))`, `optimizer=adamw,lion`), in the
-    order given, read from the command its `multirun.yaml` recorded with Hydra's own override parser."""
+def _recorded_overrides(sweep_dir: Path) -> tuple[dict, list[Override]] | None:
+    """(multirun.yaml as plain data, the overrides its sweeper expanded: `hydra.sweeper.params`, then the command
+    line's), parsed with Hydra's own parser; None without a readable record."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
+    data = read_yaml(Path(sweep_dir) / "multirun.yaml")
+    task = config_value(data, "hydra.overrides.task") if isinstance(data, dict) else None
+    params = config_value(data, "hydra.sweeper.params") or {}
+    if not isinstance(task, list) or not isinstance(params, dict):
+        return None
     try:
-        task = read_yaml(Path(sweep_dir) / "multirun.yaml")["hydra"]["overrides"]["task"]
-        overrides = OverridesParser.create().parse_overrides([str(o) for o in task])
-    except (KeyError, TypeError, HydraException):
-        return []
-    return [o.get_key_element().lstrip("+~") for o in overrides if o.is_sweep_override()]
+        return data, OverridesParser.create().parse_overrides([*(f"{k}={v}" for k, v in params.items()),
+                                                               *(str(o) for o in task)])
+    except HydraException:
+        return None
+
+
+def swept_keys(sweep_dir: Path) -> list[str]:
+    """The keys a sweep varies (`lr=1e-4,3e-4`, `lr=tag(log,interval(...))`, `optimizer=adamw,lion`), in the
+    order given, read from the command its `multirun.yaml` recorded with Hydra's own override parser."""
+    recorded = _recorded_overrides(sweep_dir)
+    overrides = recorded[1] if recorded else []
+    return list(dict.fromkeys(o.get_key_element().lstrip("+~") for o in overrides if o.is_sweep_override()))
+
+
+GRID_SWEEPERS = ("GridSweeper", "BasicSweeper")
+"""The `hydra.sweeper._target_` class names of a grid, whose jobs the command alone fixes (llmexp's, Hydra's)."""
+MAX_GRID_JOBS = 10_000
+"""As `llmexp.sweep.space.MAX_JOBS`: a grid with more jobs was refused before it launched, so not expanded here."""
+
+
+def _recorded(data: dict, key: str) -> Any:
+    """A sweeper setting of multirun.yaml, its `${sweep.x}` interpolation (how llmexp's `sweep=` maps it) followed."""
+    value = config_value(data, key)
+    if isinstance(value, str) and value.startswith("${") and value.endswith("}"):
+        value = config_value(data, value[2:-1])
+    return value
+
+
+def launched_jobs(sweep_dir: Path) -> dict[str, list[str]]:
+    """Job directory name -> overrides, of every job a grid sweep launches: the jobs of the command its
+    `multirun.yaml` recorded, listed as `llmexp.sweep.space.grid_jobs` lists them (the product in command-line
+    order, the `sweep.zip` keys paired), so a job whose directory is gone is still known. With `sweep.lr_scaling`
+    the lr of each job is left out (its scaled value needs the job's config). {} for a search (its trials are in its
+    study), a `hydra.sweep.subdir` other than the job number, or no readable record."""
+    recorded = _recorded_overrides(sweep_dir)
+    if recorded is None:
+        return {}
+    data, overrides = recorded
+    target = str(config_value(data, "hydra.sweeper._target_") or "BasicSweeper")  # (absent: Hydra's default)
+    subdir = config_value(data, "hydra.sweep.subdir") or "${hydra.job.num}"
+    if not target.endswith(GRID_SWEEPERS) or subdir != "${hydra.job.num}" or not overrides \
+            or any(o.is_interval_sweep() for o in overrides):
+        return {}
+    zip_keys = [str(k) for k in _recorded(data, "hydra.sweeper.zip") or []]
+    axes = {o.get_key_element(): [f"{o.get_key_element()}={v}" for v in itertools.islice(
+        o.sweep_string_iterator() if o.is_sweep_override() else [o.get_value_element_as_str()], MAX_GRID_JOBS + 1)]
+        for o in overrides}
+    if math.prod(len(v) for k, v in axes.items() if k not in zip_keys[1:]) > MAX_GRID_JOBS \
+            or len({len(axes.get(k, [])) for k in zip_keys}) > 1 or any(len(axes.get(k, [])) < 2 for k in zip_keys):
+        return {}  # (a grid the sweeper refused: nothing was launched)
+    columns = [list(zip(*(axes[k] for k in zip_keys), strict=True)) if zip_keys and key == zip_keys[0]
+               else [(v,) for v in values] for key, values in axes.items() if key not in zip_keys[1:]]
+    jobs = [[item for group in combo for item in group] for combo in itertools.product(*columns)]
+    if _recorded(data, "hydra.sweeper.lr_scaling") not in (None, "none"):
+        jobs = [[o for o in job if not o.startswith("lr=")] for job in jobs]
+    return {str(num): job for num, job in enumerate(jobs)}
+
+
+def missing_status(sweep_dir: Path) -> str:
+    """The status of a launched job without a directory: `queued` while the sweep's process holds the sweep
+    directory (a later batch, not started yet), else `missing` (deleted; the sweep's command runs it again)."""
+    return "queued" if lock_holder(sweep_dir) is not None else "missing"
+

@@ -1,0 +1,20 @@
+"""`python -m llmexp.status` on hand-made run and sweep directories (the files a run leaves behind): the fast
+cases, beside tests/test_status.py's real sweep."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.conftest import run_cli
+from tests.test_report import make_grid
+
+
+def test_the_status_lists_a_launched_job_whose_directory_is_gone(tmp_path: Path) -> None:
+    sweep = make_grid(tmp_path / "sweep", ["lr=1e-3,2e-3", "seed=0,1"],
+                      {"0": ("lr=0.001", "seed=0"), "1": ("lr=0.001", "seed=1"), "3": ("lr=0.002", "seed=1")})
+    proc = run_cli([str(sweep)], module="llmexp.status", timeout_s=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].endswith(": 4 jobs (3 completed, 1 missing)")
+    assert lines[4].split() == ["2", "lr=0.002", "seed=0", "missing", "–/–", "–", "–", "–", "–"]
+
