@@ -287,3 +287,27 @@ def test_launched_jobs_are_the_grid_the_sweeper_ran(tmp_path: Path) -> None:
                    sweeper="hydra_plugins.llmexp_sweeper.llmexp_sweeper.SearchSweeper")
     assert launched_jobs(tmp_path / "tpe") == {}
 
+
+def test_a_recommendation_names_the_swept_keys_where_the_jobs_repeat_a_value(tmp_path: Path) -> None:
+    """`lr=1e-3,1e-3 seed=0,1`: lr takes one value in every job, yet it is what the sweep swept, so it names
+    the setting, never `(defaults)`; the table shows it too."""
+    sweep = make_grid(tmp_path / "sweep", ["lr=1e-3,1e-3", "seed=0,1"],
+                      {"0": ("lr=0.001", "seed=0"), "1": ("lr=0.001", "seed=1"),
+                       "2": ("lr=0.001", "seed=0"), "3": ("lr=0.001", "seed=1")})
+    summary = write_sweep_report(sweep)
+    assert summary["varying"] == ["lr", "seed"]
+    assert summary["recommendation"]["settings"] == "lr=0.001"
+    text = (sweep / "sweep_report.md").read_text()
+    assert "**Recommended:** `lr=0.001`" in text and "| 1 | `lr=0.001 seed=1` |" in text
+
+
+def test_one_rule_says_what_sets_jobs_apart() -> None:
+    """The sweep's log lines (`sweep.jobs.swept`) and the status (`rundir.read.shown_overrides`) agree, also
+    where nothing differs: then a job shows all its overrides."""
+    from llmexp.rundir.read import shown_overrides, varying_keys
+    from llmexp.sweep.jobs import swept
+
+    for jobs in ([["lr=1", "seed=0"], ["lr=1", "seed=1"]], [["lr=1"], ["lr=1"]], [["lr=1", "x=2"], ["lr=1"]]):
+        assert [swept(job, jobs) for job in jobs] == [shown_overrides(job, varying_keys(jobs)) for job in jobs]
+    assert swept(["lr=1"], [["lr=1"], ["lr=1"]]) == "lr=1"
+    assert swept(["lr=1", "seed=0"], [["lr=1", "seed=0"], ["lr=1", "seed=1"]], ["lr", "seed"]) == "lr=1 seed=0"

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import yaml
+
+from llmexp.report.status import rows
 from tests.conftest import run_cli
 from tests.test_report import make_grid
 
@@ -18,3 +21,11 @@ def test_the_status_lists_a_launched_job_whose_directory_is_gone(tmp_path: Path)
     assert lines[0].endswith(": 4 jobs (3 completed, 1 missing)")
     assert lines[4].split() == ["2", "lr=0.002", "seed=0", "missing", "–/–", "–", "–", "–", "–"]
 
+
+def test_the_status_shows_the_swept_keys_where_the_jobs_repeat_a_value(tmp_path: Path) -> None:
+    sweep = make_grid(tmp_path / "sweep", ["lr=1e-3,1e-3", "seed=0,1"],
+                      {"0": ("lr=0.001", "seed=0"), "1": ("lr=0.001", "seed=1"),
+                       "2": ("lr=0.001", "seed=0"), "3": ("lr=0.001", "seed=1")})
+    assert [r.overrides for r in rows(sweep)] == ["lr=0.001 seed=0", "lr=0.001 seed=1"] * 2
+    (sweep / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {}}))  # no record: the jobs alone tell
+    assert [r.overrides for r in rows(sweep)] == ["seed=0", "seed=1"] * 2

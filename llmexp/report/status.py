@@ -1,8 +1,8 @@
 """`python -m llmexp.status DIR [--watch [SECONDS]]`: where a run, or every job of a sweep, stands.
 
-One table, local or SLURM, running or ended: job, the overrides that differ between jobs, status, step of
-max_steps, the last train loss, the last eval loss, the best eval loss so far, the ETA, and on SLURM the job
-id and its state (`squeue`, then `sacct`). It reads only files (the run directories, through
+One table, local or SLURM, running or ended: job, the overrides of the swept keys and of any that differ between
+jobs, status, step of max_steps, the last train loss, the last eval loss, the best eval loss so far, the ETA, and
+on SLURM the job id and its state (`squeue`, then `sacct`). It reads only files (the run directories, through
 `llmexp.rundir.read`) and asks the scheduler: no torch, no Hydra, an answer in well under a second.
 `--watch` redraws the table in place every SECONDS (2) until Ctrl-C.
 
@@ -47,7 +47,10 @@ from llmexp.rundir.read import (
     load_summary,
     missing_status,
     read_slurm_jobs,
+    shown_overrides,
     slurm_end_status,
+    swept_keys,
+    varying_keys,
 )
 
 SCHEDULER_TIMEOUT_S = 0.7
@@ -184,16 +187,6 @@ def job_row(run_dir: Path, shown: str, slurm_id: str | None, states: dict[str, s
 # ----------------------------------------------------------------------------- a run or a sweep
 
 
-def _varying(overrides: dict[str, list[str]]) -> dict[str, str]:
-    """Each job's overrides that differ between jobs (all of them for a single run)."""
-    if len(overrides) < 2:
-        return {job: " ".join(o) for job, o in overrides.items()}
-    keyed = {job: dict(o.partition("=")[::2] for o in items) for job, items in overrides.items()}
-    keys = [k for k in dict.fromkeys(k for d in keyed.values() for k in d)
-            if len({d.get(k) for d in keyed.values()}) > 1]
-    return {job: " ".join(f"{k}={d[k]}" for k in keys if k in d) for job, d in keyed.items()}
-
-
 def rows(path: Path, scheduler_timeout_s: float = SCHEDULER_TIMEOUT_S) -> list[Row]:
     """The table's lines for a run directory or a sweep directory, with a line for each job the sweep launched
     whose directory is gone (`rundir.read.launched_jobs`)."""
@@ -205,7 +198,9 @@ def rows(path: Path, scheduler_timeout_s: float = SCHEDULER_TIMEOUT_S) -> list[R
     states = scheduler_states(sorted(set(slurm.values()) | set(verdict_ids)), scheduler_timeout_s)
     overrides = {d.name: load_overrides(d) for d in dirs}
     gone = {name: job for name, job in (launched_jobs(path) if sweep else {}).items() if name not in overrides}
-    shown = _varying(overrides | gone)
+    overrides |= gone
+    keys = varying_keys(list(overrides.values()), swept_keys(path) if sweep else [])
+    shown = {name: shown_overrides(job, keys) for name, job in overrides.items()}
     sweeper = dirs == [path] or lock_holder(path) is not None
     table = [job_row(d, shown[d.name], slurm.get(d.name), states, sweeper) for d in dirs]
     table += [Row(job=name, overrides=shown[name], status=missing_status(path), step=None, max_steps=None, loss=None,

@@ -34,6 +34,8 @@ from llmexp.rundir.read import (
     load_records,
     load_summary,
     missing_status,
+    swept_keys,
+    varying_keys,
 )
 from llmexp.rundir.task_metrics import final_tasks, metric_value
 
@@ -107,10 +109,10 @@ def _objective(job_dir: Path) -> tuple[str, str]:
             str(config_value(config, "sweep.direction") or "minimize"))
 
 
-def varying_params(jobs: list[dict]) -> list[str]:
-    """Override keys whose values differ between jobs, in the order they were given."""
-    keys = dict.fromkeys(k for job in jobs for k in job["params"])
-    return [k for k in keys if len({job["params"].get(k) for job in jobs}) > 1]
+def varying_params(jobs: list[dict], swept: list[str] | None = None) -> list[str]:
+    """The keys that name a job's setting (`rundir.read.varying_keys`): those the sweep swept (`swept`, from its
+    record), then override keys whose values differ between jobs, in the order they were given."""
+    return varying_keys([[f"{k}={v}" for k, v in job["params"].items()] for job in jobs], swept or [])
 
 
 REPLICATE_KEYS = ("seed", "train.seed_data")
@@ -204,7 +206,7 @@ def write_sweep_report(sweep_dir: Path) -> dict[str, Any]:
     study, search_error = load_study(sweep_dir)
     search = search_summary(sweep_dir, study, jobs) if study is not None else None  # marks running jobs
     counts = dict(Counter(j["status"] for j in jobs))
-    varying = varying_params(jobs)
+    varying = varying_params(jobs, swept_keys(sweep_dir))
     rec = recommend(jobs, varying)
     summary = {"sweep_dir": str(sweep_dir), "num_jobs": len(jobs), "status_counts": counts,
                # A pruned trial ended as the search intended: it does not make the sweep unfinished.

@@ -292,3 +292,22 @@ def missing_status(sweep_dir: Path) -> str:
     directory (a later batch, not started yet), else `missing` (deleted; the sweep's command runs it again)."""
     return "queued" if lock_holder(sweep_dir) is not None else "missing"
 
+
+def override_key(override: str) -> str:
+    """`lr` of `lr=1e-3`, `+foo.bar=1` and `~foo`."""
+    return override.lstrip("+~").partition("=")[0]
+
+
+def varying_keys(jobs: Sequence[Sequence[str]], swept: Sequence[str] = ()) -> list[str]:
+    """The keys that tell `jobs` (each a list of overrides) apart: `swept` (the sweep's own record of what it
+    varies, `swept_keys`: it names a setting even where the jobs at hand repeat one value), then the keys whose
+    values differ between the jobs, each once, in the order given."""
+    settings = [{override_key(o): o for o in job} for job in jobs]
+    differ = [k for k in dict.fromkeys(k for s in settings for k in s) if len({s.get(k) for s in settings}) > 1]
+    return list(dict.fromkeys([*swept, *differ]))
+
+
+def shown_overrides(job: Sequence[str], keys: Sequence[str]) -> str:
+    """A job's overrides of `keys` (`varying_keys`), or all of them where no key tells the jobs apart (a single
+    run, a sweep that repeats one setting)."""
+    return " ".join(o for o in job if override_key(o) in keys) or " ".join(job)

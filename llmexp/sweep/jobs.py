@@ -31,7 +31,17 @@ from llmexp.config.tree import register_resolvers
 from llmexp.errors import EXIT_USER, STATUS_EXIT, UserError
 from llmexp.rundir.files import write_json_atomic, write_text_atomic
 from llmexp.rundir.lock import lock_run_dir, wait_for_lock
-from llmexp.rundir.read import FINISHED, TrialResult, load_job_status, load_overrides, load_summary, sweep_exit_code
+from llmexp.rundir.read import (
+    FINISHED,
+    TrialResult,
+    load_job_status,
+    load_overrides,
+    load_summary,
+    shown_overrides,
+    sweep_exit_code,
+    swept_keys,
+    varying_keys,
+)
 from llmexp.rundir.redact import scrub_overrides
 from llmexp.sweep.tracking import close_parent, open_parent
 
@@ -303,10 +313,10 @@ def job_returns(specs: Sequence[JobSpec], outcomes: Sequence[JobOutcome]) -> lis
     return returns
 
 
-def swept(job: Sequence[str], jobs: Sequence[Sequence[str]]) -> str:
-    """The overrides of `job` that differ between `jobs` (`lr=0.001 batch_size=4`), or all of them when none do."""
-    varying = [o for o in job if any(o not in other for other in jobs)]
-    return " ".join(varying or job)
+def swept(job: Sequence[str], jobs: Sequence[Sequence[str]], keys: Sequence[str] = ()) -> str:
+    """The overrides of `job` of the swept `keys` (`rundir.read.swept_keys`) and those that differ between `jobs`
+    (`lr=0.001 batch_size=4`), or all of them when none do: as the status and the sweep report show a job."""
+    return shown_overrides(job, varying_keys(jobs, keys))
 
 
 def finish_sweep(specs: Sequence[JobSpec], outcomes: Sequence[JobOutcome], within_search: bool = False
@@ -322,10 +332,10 @@ def finish_sweep(specs: Sequence[JobSpec], outcomes: Sequence[JobOutcome], withi
     if within_search:  # a search ends its own parent run, logs its trials and reads how each ended
         return job_returns(specs, outcomes)
     close_parent(sweep_dir, ok=all(o.status in FINISHED for o in outcomes))  # logger=mlflow: the sweep's parent run
-    jobs = [s.overrides for s in specs]
+    jobs, keys = [s.overrides for s in specs], swept_keys(sweep_dir)
     for spec, outcome in zip(specs, outcomes, strict=True):
         detail = f": {outcome.error}" if outcome.error and outcome.status not in FINISHED else ""
-        log.info(f"  #{spec.num} {outcome.status:<13} {swept(spec.overrides, jobs)}{detail}")
+        log.info(f"  #{spec.num} {outcome.status:<13} {swept(spec.overrides, jobs, keys)}{detail}")
     bad = [o for o in outcomes if o.status not in ENDED]
     if bad:
         log.error(f"{len(bad)} of {len(outcomes)} jobs did not end by themselves; see {sweep_dir} (the same "
