@@ -3,13 +3,41 @@ cases, beside tests/test_status.py's real sweep."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
 
 from llmexp.report.status import rows
 from tests.conftest import run_cli
-from tests.test_report import make_grid
+from tests.test_report import make_grid, make_run, write_multirun
+
+
+def dead_pid() -> int:
+    """The pid of a process that has ended."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def leave_a_failed_start(run_dir: Path) -> Path:
+    """What a run leaves that stopped on a user's mistake found after Hydra made its directory (an empty data
+    file: exit 2): `.hydra/`, an empty metrics.jsonl and llmexp.log, and its lock, its process gone."""
+    make_run(run_dir, [], None, ("data=json", "data.train_file=/data/empty.json"))
+    (run_dir / "llmexp.log").write_text("")
+    (run_dir / ".llmexp.lock").write_text(str(dead_pid()))
+    return run_dir
+
+
+def test_a_run_that_stopped_as_it_started_is_failed_not_queued(tmp_path: Path) -> None:
+    (row,) = rows(leave_a_failed_start(tmp_path / "run"))
+    assert row.status == "failed"
+    sweep = tmp_path / "sweep"
+    write_multirun(sweep, ["seed=0,1"])
+    leave_a_failed_start(sweep / "0")  # (its launcher gone before it wrote the job's verdict)
+    make_run(sweep / "1", [], None, ("seed=1",))  # no lock: not started
+    assert {r.job: r.status for r in rows(sweep)} == {"0": "failed", "1": "queued"}
 
 
 def test_the_status_lists_a_launched_job_whose_directory_is_gone(tmp_path: Path) -> None:

@@ -10,10 +10,11 @@ A job's status: `running` while a process holds its run directory's lock (or SLU
 it starts (`requeued` when SLURM queued it again after a checkpoint), then what the run wrote to
 summary.json (`completed`, `early_stopped`, `pruned`, `diverged`, `failed`, `preempted`) or, when the
 launcher knows more, its verdict (`cancelled`, `timeout`, `killed`); `killed` also for a run directory whose
-process is gone without a summary; `missing` for a job that the sweep's `multirun.yaml` launched and whose
-directory is gone; `not_started` for a local job still waiting when its sweeper is gone (killed: no process holds
-the sweep directory's lock), which the sweep's command, run again, starts. Damaged files are skipped, each said in
-one line on stderr.
+process is gone without a summary, `failed` for one whose process is gone before its first record (a user's mistake
+found as it started: its message went to the command's output, not to the directory); `missing` for a job that the
+sweep's `multirun.yaml` launched and whose directory is gone; `not_started` for a local job still waiting when
+its sweeper is gone (killed: no process holds the sweep directory's lock), which the sweep's command, run again,
+starts. Damaged files are skipped, each said in one line on stderr.
 
 Exit codes: 0 the table was shown, 2 DIR is neither a run nor a sweep directory.
 """
@@ -34,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from llmexp.monitor.console import format_duration
-from llmexp.rundir.lock import lock_holder
+from llmexp.rundir.lock import LOCK_NAME, lock_holder
 from llmexp.rundir.read import (
     is_run_dir,
     is_sweep_dir,
@@ -161,7 +162,11 @@ def _status(run_dir: Path, summary: dict | None, verdict: dict, records: list[di
         return final
     if ended in WAITING:
         return "queued" if sweeper or ended == "submitted" else "not_started"  # (SLURM queues without a sweeper)
-    return "killed" if records else "queued"
+    if records:
+        return "killed"
+    # A lock left by a process that is gone before its first record: the run stopped as it started (a user's
+    # mistake found late, e.g. an empty data file, exits 2 so); where the scheduler could not say, it may yet run.
+    return "failed" if state != "?" and (run_dir / LOCK_NAME).exists() else "queued"
 
 
 def job_row(run_dir: Path, shown: str, slurm_id: str | None, states: dict[str, str], sweeper: bool = True) -> Row:
