@@ -246,7 +246,17 @@ def swept_keys(sweep_dir: Path) -> list[str]:
 GRID_SWEEPERS = ("GridSweeper", "BasicSweeper")
 """The `hydra.sweeper._target_` class names of a grid, whose jobs the command alone fixes (llmexp's, Hydra's)."""
 MAX_GRID_JOBS = 10_000
-"""As `llmexp.sweep.space.MAX_JOBS`: a grid with more jobs was refused before it launched, so not expanded here."""
+"""The most jobs a grid may have, and values a categorical may hold (`llmexp.sweep.space` refuses more before
+anything launches, so `launched_jobs` never expands more): `seed=range(0,100000000)` is a typo, and listing its
+jobs would take minutes and gigabytes before anything ran."""
+
+
+def grid_product(axes: dict[str, list[str]], zip_keys: Sequence[str]) -> list[list[str]]:
+    """Every job's overrides: the product of the axes (key -> its `key=value` strings) in command-line order, the
+    `zip_keys` axes paired value by value (the caller checked they have as many values each)."""
+    columns = [list(zip(*(axes[k] for k in zip_keys), strict=True)) if zip_keys and key == zip_keys[0]
+               else [(v,) for v in values] for key, values in axes.items() if key not in zip_keys[1:]]
+    return [[item for group in combo for item in group] for combo in itertools.product(*columns)]
 
 
 def _recorded(data: dict, key: str) -> Any:
@@ -279,9 +289,7 @@ def launched_jobs(sweep_dir: Path) -> dict[str, list[str]]:
     if math.prod(len(v) for k, v in axes.items() if k not in zip_keys[1:]) > MAX_GRID_JOBS \
             or len({len(axes.get(k, [])) for k in zip_keys}) > 1 or any(len(axes.get(k, [])) < 2 for k in zip_keys):
         return {}  # (a grid the sweeper refused: nothing was launched)
-    columns = [list(zip(*(axes[k] for k in zip_keys), strict=True)) if zip_keys and key == zip_keys[0]
-               else [(v,) for v in values] for key, values in axes.items() if key not in zip_keys[1:]]
-    jobs = [[item for group in combo for item in group] for combo in itertools.product(*columns)]
+    jobs = grid_product(axes, zip_keys)
     if _recorded(data, "hydra.sweeper.lr_scaling") not in (None, "none"):
         jobs = [[o for o in job if not o.startswith("lr=")] for job in jobs]
     return {str(num): job for num, job in enumerate(jobs)}

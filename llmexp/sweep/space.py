@@ -23,13 +23,11 @@ from hydra.core.override_parser.types import IntervalSweep, Override, RangeSweep
 from llmexp.config.rules import Choice
 from llmexp.config.validation import configured_lr
 from llmexp.errors import UserError
+from llmexp.rundir.read import MAX_GRID_JOBS, grid_product
 
 if TYPE_CHECKING:
     from optuna.distributions import BaseDistribution
 
-MAX_JOBS = 10_000
-"""The most jobs a grid may have, and values a categorical may hold: `seed=range(0,100000000)` is a typo, and
-listing its jobs would take minutes and gigabytes before anything ran."""
 
 SEARCH_TAGS = ("log", "int")
 """The tags of a search interval: `tag(log, interval(a,b))` is log-uniform, `tag(int, ...)` integers."""
@@ -42,10 +40,10 @@ scaling for Adam-type optimizers, linear as in Goyal et al. for SGD)."""
 def _axes(overrides: Sequence[Override]) -> dict[str, list[str]]:
     """key -> its `key=value` strings, in command-line order (as Hydra's basic sweeper reads them)."""
     sizes = {o.get_key_element(): discrete_size(o) if o.is_sweep_override() else 1 for o in overrides}
-    if (jobs := math.prod(sizes.values())) > MAX_JOBS:
+    if (jobs := math.prod(sizes.values())) > MAX_GRID_JOBS:
         shown = " x ".join(f"{k}: {n}" for k, n in sizes.items() if n > 1)
-        raise UserError(f"this grid has {jobs} jobs ({shown}); a grid takes at most {MAX_JOBS}: sweep fewer values, "
-                        "or search the space with sweep=tpe sweep.n_trials=N")
+        raise UserError(f"this grid has {jobs} jobs ({shown}); a grid takes at most {MAX_GRID_JOBS}: sweep fewer "
+                        "values, or search the space with sweep=tpe sweep.n_trials=N")
     axes: dict[str, list[str]] = {}
     for override in overrides:
         key = override.get_key_element()
@@ -86,15 +84,7 @@ def grid_jobs(overrides: Sequence[Override], zip_keys: Sequence[str]) -> list[li
     if len(set(lengths.values())) > 1:
         raise UserError(f"sweep.zip pairs values one by one, so its keys need as many values each; got "
                         f"{', '.join(f'{k}: {n}' for k, n in lengths.items())}")
-    columns: list[list[tuple[str, ...]]] = []
-    for key, values in axes.items():
-        if key in zip_keys[1:]:
-            continue  # joined to the first zipped key's column
-        if zip_keys and key == zip_keys[0]:
-            columns.append(list(zip(*(axes[k] for k in zip_keys), strict=True)))
-        else:
-            columns.append([(v,) for v in values])
-    return [[item for group in combo for item in group] for combo in itertools.product(*columns)]
+    return grid_product(axes, zip_keys)
 
 
 def scale_lr(jobs: list[list[str]], scaling: str, base_batch_size: int | None, config_lr: Any) -> list[list[str]]:
@@ -174,8 +164,8 @@ def _distribution(override: Override) -> BaseDistribution:
     if tags:
         raise UserError(f"{key}: tag({tags[0]}, ...) applies to an interval, not to a list of values; e.g. "
                         f"{key}='tag(log,interval(1e-5,1e-2))'")
-    if (size := discrete_size(override)) > MAX_JOBS:
-        raise UserError(f"{key}: {size} values; a search's categorical takes at most {MAX_JOBS}: use an "
+    if (size := discrete_size(override)) > MAX_GRID_JOBS:
+        raise UserError(f"{key}: {size} values; a search's categorical takes at most {MAX_GRID_JOBS}: use an "
                         f"interval, e.g. {key}='tag(int,interval(a,b))'")
     return CategoricalDistribution(list(override.sweep_iterator(transformer=Transformer.encode)))
 
