@@ -3,7 +3,8 @@
 One table, local or SLURM, running or ended: job, the overrides of the swept keys and of any that differ between
 jobs, status, step of max_steps, the last train loss, the last eval loss, the best eval loss so far, the ETA, and
 on SLURM the job id and its state (`squeue`, then `sacct`). It reads only files (the run directories, through
-`llmexp.rundir.read`) and asks the scheduler: no torch, no Hydra, an answer in well under a second.
+`llmexp.rundir.read`) and asks the scheduler: no torch (Hydra only for its override parser, to read a sweep's
+record and redact secrets), an answer in well under a second.
 `--watch` redraws the table in place every SECONDS (2) until Ctrl-C.
 
 A job's status: `running` while a process holds its run directory's lock (or SLURM runs it), `queued` before
