@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from llmexp.machine.paths import dir_out_problem, model_dir_problem
-from tests.conftest import TINY, run_cli
+from tests.conftest import TINY, Launched, run_cli
 
 MARKER = "LLMEXP_TEST_CODE_RAN"
 
@@ -222,3 +223,36 @@ def test_a_mix_source_s_data_files_are_checked_as_data_data_files_are(source: st
     assert says.format(t=tree) in err and "files for data.mix[1].path=json" in err, err
     assert "data.mix[0]" not in err
     assert sorted(str(p) for p in tree.rglob("*")) == before
+
+
+def _checkpoint(root: Path) -> Path:
+    """A checkpoint as `llmexp.checkpoint.store` saves one: two files and the manifest listing them."""
+    from llmexp.checkpoint.store import save_checkpoint
+
+    def write(tmp: Path) -> None:
+        (tmp / "model.safetensors").write_bytes(b"\1" * 64)
+        (tmp / "trainer_state.json").write_text("{}")
+
+    return save_checkpoint(root / "checkpoints", 2, write, keep=1)
+
+
+@pytest.mark.parametrize(("damage", "says"), [
+    (lambda c: os.truncate(c / "model.safetensors", 10), "model.safetensors: 10 bytes, the manifest says 64"),
+    (lambda c: (c / "trainer_state.json").unlink(), "trainer_state.json: missing (listed in the manifest)"),
+    (lambda c: (c / "manifest.json").write_text('{"files": '), "manifest.json: unreadable manifest"),
+    (lambda c: (c / "manifest.json").write_text('{"files": {"a": {"size": "8"}}}'), "malformed manifest"),
+], ids=["truncated", "missing_file", "torn_manifest", "manifest_of_strings"])
+def test_a_damaged_resume_checkpoint_is_refused_before_the_run_directory_is_made(
+        damage: Callable[[Path], object], says: str, tmp_path: Path, cli_refusal) -> None:
+    """`train.resume=PATH` to a checkpoint whose files are not what its manifest says (a copy cut short): refused
+    as the loader would refuse it, but before anything is written, naming the key and the ways out."""
+    checkpoint = _checkpoint(tmp_path / "old")
+    args = [f"train.resume={checkpoint}", f"data.cache_dir={tmp_path}/cache"]
+    with pytest.raises(Launched):  # whole, it passes the check
+        cli_refusal([*args, f"hydra.run.dir={tmp_path}/whole"])
+    damage(checkpoint)
+    code, err = cli_refusal([*args, f"hydra.run.dir={tmp_path}/run"])
+    assert code == 2 and "Traceback" not in err, err
+    assert f"train.resume={checkpoint}: the checkpoint is damaged (" in err and says in err, err
+    assert "train.resume=auto" in err and "train.resume=never" in err and "another checkpoint" in err, err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()

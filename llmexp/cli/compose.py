@@ -45,7 +45,7 @@ def check_run(config_name: str | None, overrides: list[str]) -> None:
     from llmexp.config.validation import validate
     from llmexp.machine.environment import check_environment
     from llmexp.rundir.lock import lock_run_dir
-    from llmexp.sweep.check import check_eval_inputs
+    from llmexp.sweep.check import check_inputs
 
     cfg = compose_checked(config_name, overrides)
     probe = copy.deepcopy(cfg)  # with `hydra.runtime.output_dir` as Hydra's run_job will set it, for ${hydra:...}
@@ -54,7 +54,7 @@ def check_run(config_name: str | None, overrides: list[str]) -> None:
     HydraConfig.instance().set_config(probe)
     validate(cfg)
     check_environment(cfg)
-    check_eval_inputs(cfg)
+    check_inputs(cfg)
     lock_run_dir(str(cfg.hydra.run.dir))
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from hydra.core.override_parser.types import Override
@@ -60,14 +61,31 @@ def edge_configs(overrides: Sequence[Override], compose: Callable[[list[str]], A
     return configs
 
 
-def check_eval_inputs(cfg: DictConfig) -> None:
-    """What the `eval` group reads, before anything is written: every task file parsed and checked (file, line,
-    record), the harness and its task names (`harness.check_before_start`)."""
+def check_inputs(cfg: DictConfig) -> None:
+    """What the run reads that the path checks do not judge, before anything is written: every eval task file
+    parsed and checked (file, line, record), the harness and its task names (`harness.check_before_start`), and
+    a `train.resume=<path>` checkpoint's files against its manifest (present, each of its size: what
+    `list_checkpoints` calls complete; the hashes are checked as the run loads it)."""
     from llmexp.evals.harness import check_before_start
     from llmexp.evals.items import read_task_files
 
     read_task_files(cfg)
     check_before_start(cfg.eval.lm_eval)
+    _check_resume(str(cfg.train.resume))
+
+
+def _check_resume(choice: str) -> None:
+    from llmexp.checkpoint.serialize import CorruptCheckpoint
+    from llmexp.checkpoint.store import verify_checkpoint
+
+    if choice in ("auto", "never"):  # (a path that is no checkpoint directory: `paths.checkpoint_problem`)
+        return
+    try:
+        verify_checkpoint(Path(choice).expanduser(), full=False)
+    except CorruptCheckpoint as err:
+        raise UserError(f"train.resume={choice}: the checkpoint is damaged ({err}); resume from another checkpoint "
+                        "(train.resume=<run>/checkpoints/step_<N>), the newest good one in the run directory "
+                        "(train.resume=auto), or start over (train.resume=never)") from None
 
 
 def check_configs(configs: Labelled, on_this_machine: bool) -> None:
@@ -83,7 +101,7 @@ def check_configs(configs: Labelled, on_this_machine: bool) -> None:
             validate(cfg)
             (check_environment if on_this_machine else check_directories)(cfg)
             if on_this_machine:
-                check_eval_inputs(cfg)
+                check_inputs(cfg)
         except UserError as err:
             failures[label] = _problems(err)
     if not failures:  # each job records its own metric (`validation.metric_errors`); a sweep ranks them by one
