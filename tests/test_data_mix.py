@@ -79,8 +79,9 @@ def test_a_mixture_of_two_shapes_trains_from_the_cli(tmp_path: Path) -> None:
     (["data=stdlib"], "data.mix: mixes datasets read by data=hf; data=stdlib reads one source"),
     (["data.mix.1.weight=0"], "data.mix[1].weight: must be a positive number, got 0.0"),
     (["data.mix.1.weight=0.0001"], "data.mix[1].weight: 0.0001 gives this source less than one example in 1000"),
-    (["data.mix.1.text_field=story"], "data.text_field=story: no such column; the dataset has instruction, input, "
-                                      "output"),
+    (["data.mix.1.weight=inf"], "data.mix[1].weight: must be a finite number, got inf"),
+    (["data.mix.1.text_field=story"], "data.mix[1].text_field=story: no such column; the dataset has instruction, "
+                                      "input, output"),
 ])
 def test_mixture_mistakes_exit_2_naming_the_entry(tmp_path: Path, args: list[str], says: str) -> None:
     proc = run_cli([*TINY, "data=hf", _mix(tmp_path), *args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,

@@ -279,7 +279,8 @@ def _validate_mix(d: DictConfig, errors: list[str]) -> None:
     for i, (source, w) in enumerate(zip(d.mix, weights, strict=True)):
         _check(errors, bool(source.path), f"data.mix[{i}].path", "names no dataset; set a hub id, a directory, or "
                "a file builder with data_files")
-        _check(errors, math.isfinite(w) and w > 0, f"data.mix[{i}].weight", f"must be a positive number, got {w}")
+        problem = "must be a positive number" if math.isfinite(w) else "must be a finite number"
+        _check(errors, math.isfinite(w) and w > 0, f"data.mix[{i}].weight", f"{problem}, got {w}")
     if all(math.isfinite(w) and w > 0 for w in weights):
         for i, q in enumerate(mix_quotas(weights)):
             _check(errors, q > 0, f"data.mix[{i}].weight", f"{weights[i]} gives this source less than one example "

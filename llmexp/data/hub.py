@@ -19,6 +19,8 @@ from llmexp.errors import UserError
 from llmexp.machine.paths import HF_BUILDERS
 
 ALPACA = ("instruction", "input", "output")
+SOURCE_KEY = "source_key"
+"""A field `sources.mix_source` adds to a mixture's source node: the key its messages name (`data.mix[i]`)."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -41,13 +43,13 @@ def load_split(d: Any, split: str, streaming: bool = False) -> Any:
     import datasets
 
     datasets.disable_progress_bars()
-    path = str(d.path)
+    path, k = str(d.path), key_of(d)
     if path in HF_BUILDERS and not d.data_files:
-        raise UserError(f"data.path={path} reads files: set data.data_files=/path/to/*.{path}")
+        raise UserError(f"{k}.path={path} reads files: set {k}.data_files=/path/to/*.{path}")
     local = Path(path).expanduser()
     try:
         if local.is_dir() and ((local / "dataset_info.json").exists() or (local / "dataset_dict.json").exists()):
-            table = _split_of(datasets.load_from_disk(str(local)), split, path)
+            table = _split_of(datasets.load_from_disk(str(local)), split, path, k)
             return table.to_iterable_dataset() if streaming else table
         if not (path in HF_BUILDERS or local.exists()) and not hub_reachable():
             datasets.config.HF_HUB_OFFLINE = True  # read the local cache only, and fail at once when it is not there
@@ -56,10 +58,15 @@ def load_split(d: Any, split: str, streaming: bool = False) -> Any:
     except UserError:
         raise
     except Exception as err:  # whatever `datasets` raises on a dataset it cannot read is about the data
-        raise UserError(_load_error(path, err)) from None
+        raise UserError(_load_error(path, err, k)) from None
 
 
-def _load_error(path: str, err: BaseException) -> str:
+def key_of(d: Any) -> str:
+    """How messages name a source's keys: `data`, or `data.mix[i]` for a mixture's source (`SOURCE_KEY`)."""
+    return str(d[SOURCE_KEY]) if SOURCE_KEY in d else "data"
+
+
+def _load_error(path: str, err: BaseException, k: str) -> str:
     """One line for a dataset `datasets` could not load: the root cause (a DatasetGenerationError wraps the
     parser's error), and the fix: a loading script's, or where to put the data."""
     root = err
@@ -67,20 +74,20 @@ def _load_error(path: str, err: BaseException) -> str:
         root = root.__cause__
     first = next((line for e in (root, err) for line in str(e).strip().splitlines()), type(root).__name__)[:300]
     if "scripts are no longer supported" in str(err) or "loading script" in str(err):
-        return (f"data.path={path} needs a dataset loading script (code), which neither datasets 4 nor llmexp runs "
+        return (f"{k}.path={path} needs a dataset loading script (code), which neither datasets 4 nor llmexp runs "
                 f"({first}); convert it to files where you trust the script (datasets.load_dataset(...)"
-                ".to_parquet(FILE)), then set data.path=parquet data.data_files=FILE")
-    return (f"data.path={path}: cannot load it ({type(root).__name__}: {first}). Offline, a hub dataset must be in the "
+                f".to_parquet(FILE)), then set {k}.path=parquet {k}.data_files=FILE")
+    return (f"{k}.path={path}: cannot load it ({type(root).__name__}: {first}). Offline, a hub dataset must be in the "
             "local HF cache; otherwise save it where the hub is reachable with "
-            "`datasets.load_dataset(...).save_to_disk(DIR)`, copy DIR here and set data.path=DIR, "
-            "or point data.path=parquet|json|csv at files with data.data_files=...")
+            f"`datasets.load_dataset(...).save_to_disk(DIR)`, copy DIR here and set {k}.path=DIR, "
+            f"or point {k}.path=parquet|json|csv at files with {k}.data_files=...")
 
 
-def _split_of(loaded: Any, split: str, path: str) -> Any:
+def _split_of(loaded: Any, split: str, path: str, k: str) -> Any:
     """A split of a `save_to_disk` directory: a DatasetDict's by name; a lone Dataset is the `train` split."""
     splits = list(loaded.keys()) if hasattr(loaded, "keys") else ["train"]
     if split not in splits:
-        raise UserError(f"data.split / data.eval_split: {path} has no split {split!r}; it has {', '.join(splits)}")
+        raise UserError(f"{k}.split / {k}.eval_split: {path} has no split {split!r}; it has {', '.join(splits)}")
     return loaded[split] if hasattr(loaded, "keys") else loaded
 
 
@@ -90,7 +97,7 @@ def record_columns(d: Any, names: list[str]) -> dict[str, str]:
                                 ("completion", d.completion_field), ("messages", d.messages_field)) if v}
     for field, column in chosen.items():
         if column not in names:
-            raise UserError(f"data.{field}_field={column}: no such column; the dataset has {', '.join(names)}")
+            raise UserError(f"{key_of(d)}.{field}_field={column}: no such column; the dataset has {', '.join(names)}")
     if chosen:
         return chosen
     for shape in (("messages",), ("prompt", "completion"), ("text",)):
@@ -98,8 +105,9 @@ def record_columns(d: Any, names: list[str]) -> dict[str, str]:
             return {c: c for c in shape}
     if all(c in names for c in ALPACA):
         return {"alpaca": "alpaca"}
-    raise UserError(f"data.path={d.path}: no column to train on among {', '.join(names)}; name one with "
-                    "data.text_field, data.prompt_field + data.completion_field, or data.messages_field")
+    k = key_of(d)
+    raise UserError(f"{k}.path={d.path}: no column to train on among {', '.join(names)}; name one with "
+                    f"{k}.text_field, {k}.prompt_field + {k}.completion_field, or {k}.messages_field")
 
 
 def to_record(row: dict[str, Any], columns: dict[str, str]) -> Record:
@@ -130,7 +138,7 @@ def hf_corpus(d: Any) -> Corpus:
     def load() -> tuple[list[Record], list[Record]]:
         train = _records(train_ds, d, f"{d.path} [{d.split}]")
         held = _records(eval_ds, d, f"{d.path} [{d.eval_split}]") if eval_ds is not None else None
-        return hold_out(train, held, d, lambda n: f"data.path={d.path} has {n} row(s); cannot hold out an eval "
-                        "set: add rows or set data.eval_split")
+        return hold_out(train, held, d, lambda n: f"{key_of(d)}.path={d.path} has {n} row(s); cannot hold out an "
+                        f"eval set: add rows or set {key_of(d)}.eval_split")
 
     return records_corpus("hf", fp, load)

@@ -10,7 +10,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from llmexp.data.corpora import Corpus, Record, stdlib_corpus, user_corpus
-from llmexp.data.hub import hf_corpus
+from llmexp.data.hub import SOURCE_KEY, hf_corpus
 from llmexp.errors import UserError
 
 CORPORA = {"stdlib": stdlib_corpus, "stdlib_sft": stdlib_corpus, "json": user_corpus, "text": user_corpus,
@@ -35,7 +35,7 @@ def load_corpus(d: Any) -> Corpus:
 
 def mix_source(d: Any, index: int) -> DictConfig:
     """`data.mix[index]` as a `data=hf` node: the entry's own fields over the mixture's shared ones."""
-    shared = {"eval_fraction": d.eval_fraction, "max_examples": d.max_examples}
+    shared = {"eval_fraction": d.eval_fraction, "max_examples": d.max_examples, SOURCE_KEY: f"data.mix[{index}]"}
     return OmegaConf.create({**shared, **OmegaConf.to_container(d.mix[index])})
 
 
