@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 import pytest
 
-from llmexp.train.schedule import auto_lr, lr_at, warmup_steps_for
+from llmexp.config.derived import warmup_steps_for
+from llmexp.train.schedule import auto_lr, lr_at
+from tests.conftest import TINY, run_cli
 
 
 def test_cosine_warms_up_then_decays_to_min() -> None:
@@ -40,3 +43,28 @@ def test_warmup_steps_win_over_ratio() -> None:
 def test_auto_lr_follows_the_seeds_table(params: float, lr: float) -> None:
     assert auto_lr(int(params), finetune=False) == lr
     assert auto_lr(int(params), finetune=True) == pytest.approx(lr / 10)
+
+
+@pytest.mark.parametrize(("overrides", "says"), [
+    (["train.max_steps=4", "train.warmup_ratio=0.9"],
+     "train.warmup_ratio: warmup (4 steps) must be shorter than train.max_steps=4"),
+    (["train.max_steps=1000", "train.warmup_ratio=0.9995"],
+     "train.warmup_ratio: warmup (1000 steps) must be shorter than train.max_steps=1000"),
+    (["train.max_steps=4", "train.warmup_steps=4"],
+     "train.warmup_steps: warmup (4 steps) must be shorter than train.max_steps=4"),
+], ids=["ratio_rounded_up", "ratio_of_a_long_run", "steps"])
+def test_a_warmup_as_long_as_the_run_is_refused_as_the_schedule_rounds_it(tmp_path: Path, overrides: list[str],
+                                                                         says: str) -> None:
+    """The check rounds a ratio as the trainer does (up): 0.9 of 4 steps is 4 steps of warm-up, no decay."""
+    proc = run_cli([*TINY, *overrides, f"hydra.run.dir={tmp_path / 'run'}"], timeout_s=120)
+    assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_epoch_run_shorter_than_its_warmup_exits_2_naming_the_key(tmp_path: Path) -> None:
+    """train.max_steps=-1: the step count is known once the data is; a warm-up that outlasts it is refused then."""
+    proc = run_cli([*TINY, "train.max_steps=-1", "data.max_examples=16", "train.warmup_steps=100000",
+                    f"hydra.run.dir={tmp_path / 'run'}"], timeout_s=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "train.warmup_steps: warmup (100000 steps) must be shorter than the run's" in proc.stderr, proc.stderr[-2000:]
+    assert "raise train.num_train_epochs" in proc.stderr

@@ -73,6 +73,23 @@ def use_shared_compile_cache(cfg: Any) -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cfg.data.cache_dir) / "torchinductor"))
 
 
+def warmup_steps_for(max_steps: int, warmup_ratio: float, warmup_steps: int | None) -> int:
+    """`warmup_steps` wins over `warmup_ratio`, as in HF TrainingArguments."""
+    return warmup_steps if warmup_steps is not None else math.ceil(warmup_ratio * max_steps)
+
+
+def warmup_problem(t: Any, max_steps: int, run: str) -> tuple[str, str] | None:
+    """(key, message) when the warm-up of `train` node `t` would not end before the run's `max_steps` (the lr
+    would never reach its peak, or never decay); `run` says where the step count comes from. The trainer's own
+    rounding (`warmup_steps_for`), so the check and the schedule agree."""
+    warmup = warmup_steps_for(max_steps, t.warmup_ratio, t.warmup_steps)
+    if warmup < max_steps or (t.warmup_steps is None and max_steps == 1):  # any ratio rounds one step up to one
+        return None
+    key = "train.warmup_steps" if t.warmup_steps is not None else "train.warmup_ratio"
+    return key, (f"warmup ({warmup} steps) must be shorter than {run}; lower train.warmup_steps/warmup_ratio or "
+                 f"raise {'train.max_steps' if t.max_steps != -1 else 'train.num_train_epochs'}")
+
+
 def mix_quotas(weights: list[float]) -> list[int]:
     """Examples per round for each `data.mix` source: the largest-remainder apportionment of MIX_ROUND,
     so the quotas sum to MIX_ROUND and each is within one example of its exact share."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from llmexp.config.derived import model_sizes, parse_batch_size, width_problems
+from llmexp.config.derived import model_sizes, parse_batch_size, warmup_problem, width_problems
 from llmexp.config.keys import MIRRORS, leaf_for, leaves, leaves_of
 from llmexp.config.rules import FRACTION
 from llmexp.errors import UserError
@@ -174,11 +174,10 @@ def _value_errors(cfg: DictConfig) -> list[str]:
     leaf_errors = _leaf_errors(cfg)
     errors, bad = list(leaf_errors.values()), leaf_errors.keys()
     t = cfg.train
-    if not bad & {"train.warmup_steps", "train.warmup_ratio", "train.max_steps"}:
-        warmup = t.warmup_steps if t.warmup_steps is not None else int(t.warmup_ratio * max(t.max_steps, 0))
-        _check(errors, t.max_steps == -1 or warmup < t.max_steps, "train.warmup_steps",
-               f"warmup ({warmup} steps) must be shorter than train.max_steps={t.max_steps}; "
-               "lower train.warmup_steps/warmup_ratio or raise train.max_steps")
+    warmup_keys_ok = not bad & {"train.warmup_steps", "train.warmup_ratio", "train.max_steps"}
+    if warmup_keys_ok and t.max_steps != -1 and (  # (-1: once the data gives the step count, at set-up)
+            problem := warmup_problem(t, t.max_steps, f"train.max_steps={t.max_steps}")):
+        errors.append(": ".join(problem))
     m, d = cfg.model, cfg.data
     _check(errors, not d.finetune_only or bool(m.name_or_path), "model.name_or_path",
            f"data={d.name} fine-tunes an earlier model; set model.name_or_path=outputs/<date>/<time>/model")

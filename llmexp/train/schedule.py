@@ -43,11 +43,6 @@ def auto_lr(num_params: int, finetune: bool) -> float:
     return lr / FINETUNE_DIVISOR if finetune else lr
 
 
-def warmup_steps_for(max_steps: int, warmup_ratio: float, warmup_steps: int | None) -> int:
-    """`warmup_steps` wins over `warmup_ratio`, as in HF TrainingArguments."""
-    return warmup_steps if warmup_steps is not None else math.ceil(warmup_ratio * max_steps)
-
-
 def lr_at(step: int, *, name: str, peak_lr: float, max_steps: int, warmup_steps: int,
           min_lr_ratio: float = 0.0, decay_ratio: float = 0.2) -> float:
     """The lr used by optimizer step `step` (0-based).

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from omegaconf import DictConfig
 
-from llmexp.config.derived import BatchPlan, make_plan, parse_batch_size
+from llmexp.config.derived import BatchPlan, make_plan, parse_batch_size, warmup_problem, warmup_steps_for
 from llmexp.errors import UserError
 from llmexp.machine.precision import BF16_EMULATION_ADVICE
 from llmexp.model import build
@@ -30,7 +30,6 @@ def describe(cfg: DictConfig, rt: Runtime, vocab_size: int, train_data: Any, dat
     probes here, before any engine exists), the engine, the model and optimizer (whose size sets lr=auto and
     the FLOPs per token), the matmul ceiling, the monitor settings. Returns the frozen description with the
     engine, the prepared model and the optimizer. `lr_found`: `cfg.lr` is lr=find's pick (`lr_source: find`)."""
-    from llmexp.train.schedule import warmup_steps_for
 
     auto_batch = None
     if parse_batch_size(cfg.batch_size) is None:  # batch_size=auto: the checkpoint's choice, else estimate and probe
@@ -44,6 +43,9 @@ def describe(cfg: DictConfig, rt: Runtime, vocab_size: int, train_data: Any, dat
     if lr_found:
         built["lr_source"] = "find"
     max_steps = plan.max_steps(len(train_data))
+    if cfg.train.max_steps == -1 and (problem := warmup_problem(cfg.train, max_steps, f"the run's {max_steps} steps "
+                                       f"(train.num_train_epochs={cfg.train.num_train_epochs} of this data)")):
+        raise UserError(": ".join(problem))
     monitor = MonitorSettings.for_run(finetune=bool(cfg.model.name_or_path), max_grad_norm=cfg.train.max_grad_norm,
                                       precision=rt.precision.name, lr=built["lr"])
     desc = RunDescription(
