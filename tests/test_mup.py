@@ -67,6 +67,20 @@ def test_mup_scales_hidden_init_and_logits_with_the_width(tmp_path: Path) -> Non
     assert stds["lm_head.weight"] == pytest.approx(0.02, rel=0.05)
 
 
+def test_the_mup_multipliers_scale_embeddings_and_logits_at_every_width(tmp_path: Path) -> None:
+    """alpha_input multiplies the embeddings' output, alpha_output the logits (over the 1/m of the width): the
+    same weights with alpha_output=2 give twice the logits."""
+    model = _built(_cfg(tmp_path, "model.parametrization=mup", "model.width_mult=4", "model.mup_input_mult=16",
+                        "model.mup_output_mult=2"))
+    assert (model.config.embedding_multiplier, model.config.logits_scaling) == (16.0, 2.0)
+    one = _built(_cfg(tmp_path, "model.parametrization=mup"))
+    two = _built(_cfg(tmp_path, "model.parametrization=mup", "model.mup_output_mult=2"))
+    two.load_state_dict(one.state_dict())
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(two(input_ids=tokens).logits, 2 * one(input_ids=tokens).logits)
+
+
 def test_width_mult_scales_the_standard_model_and_its_estimate(tmp_path: Path) -> None:
     """model.width_mult=2 on the standard model: the four sizes doubled, the head size kept, and the meta-device
     count (`python -m llmexp.estimate`, batch_size=auto) the same as the built model's."""
@@ -142,6 +156,8 @@ def test_standard_groups_have_no_factor(tmp_path: Path) -> None:
     (["model.width_mult=1.3"], "model.width_mult", "not whole numbers"),
     (["model.width_mult=2", "model.name_or_path=gpt2"], "model.width_mult", "drop model.width_mult"),
     (["model.width_mult=0"], "model.width_mult", "must be > 0"),
+    (["model.mup_input_mult=16"], "model.mup_input_mult", "set model.parametrization=mup"),
+    (["model.mup_output_mult=2"], "model.mup_output_mult", "the standard model has no multiplier"),
 ])
 def test_validation_refuses(overrides: list[str], key: str, fragment: str, tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:

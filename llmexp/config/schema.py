@@ -72,6 +72,12 @@ class ModelConfig:
                                "the fields only, without adapters.")
     mup_base_width: int = key(256, Range(low=1), "mup: the hidden_size at which mup equals standard (the width "
                               "the hyperparameters were tuned at).")
+    mup_input_mult: float = key(1.0, POSITIVE, "mup: the embeddings' output multiplier (Tensor Programs V's "
+                                "alpha_input), a hyperparameter tuned at the base width with the lr and carried over "
+                                "to every width; 1 (with mup_output_mult 1) is the standard model at the base width.")
+    mup_output_mult: float = key(1.0, POSITIVE, "mup: the logits' multiplier at the base width (alpha_output: the "
+                                 "logits are x mup_output_mult / m, m = hidden_size / mup_base_width), tuned and "
+                                 "carried over as mup_input_mult is.")
 
 
 @dataclass

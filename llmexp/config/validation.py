@@ -201,6 +201,10 @@ def _value_errors(cfg: DictConfig) -> list[str]:
                f"{sizes.num_key_value_heads} must divide model.num_attention_heads={sizes.num_attention_heads}")
     if m.parametrization == "mup":
         _validate_mup(cfg, errors)
+    for key in ("mup_input_mult", "mup_output_mult"):  # (not `bad`: a value its rule refused is said once)
+        _check(errors, m.parametrization == "mup" or m[key] == 1 or f"model.{key}" in bad, f"model.{key}",
+               f"{m[key]} multiplies a mup model's {key.split('_')[1]}s; the standard model has no multiplier: set "
+               f"model.parametrization=mup, or drop model.{key}")
     if m.name_or_path is None and not bad & {"data.max_length", "model.max_position_embeddings"}:
         _check(errors, d.max_length <= m.max_position_embeddings, "data.max_length",
                f"{d.max_length} exceeds model.max_position_embeddings={m.max_position_embeddings}")

@@ -99,7 +99,7 @@ def _mup_model(m: DictConfig, vocab_size: int) -> PreTrainedModel:
 
     sizes = model_sizes(m)
     model = GraniteForCausalLM(GraniteConfig(**field_kwargs(m, vocab_size),
-                                             **granite_multipliers(sizes, m.mup_base_width)))
+                                             **granite_multipliers(sizes, m)))
     rescale_init(model, sizes.mup_width_mult(m.mup_base_width))
     return model
 

@@ -8,6 +8,10 @@ With m = hidden_size / mup_base_width (1 at the base width, where muP equals the
     embeddings, norms                               init and lr unchanged
     output head (lm_head)                           logits x 1/m (Granite's `logits_scaling` = m), init and
                                                     Adam-like lr unchanged
+    alpha_input, alpha_output (`mup_input_mult`,     the embeddings' output and the logits multiplied by them
+    `mup_output_mult`; 1 by default)                 at every width: hyperparameters tuned at the base width
+                                                    with the lr and carried over (Tensor Programs V, section
+                                                    5: the multipliers transfer as the lr does)
     SGD instead of Adam (the mup package's MuSGD)   hidden matrices' lr unchanged; embeddings, norms and the
                                                     head (one width dimension) lr x m, weight decay / m
 
@@ -43,13 +47,14 @@ def lr_mult(group: dict[str, Any]) -> float:
     return float(group.get(LR_MULT, 1.0))
 
 
-def granite_multipliers(sizes: ModelSizes, base_width: int) -> dict[str, float]:
-    """GraniteConfig's multipliers for muP at these sizes. The head size stays fixed as the width grows (heads
-    scale with it), so attention keeps 1/sqrt(head_dim): muP's 1/head_dim differs from it by a constant only
-    when head_dim scales, which it does not here."""
-    return {"embedding_multiplier": 1.0, "residual_multiplier": 1.0,
-            "attention_multiplier": sizes.head_dim ** -0.5,
-            "logits_scaling": sizes.mup_width_mult(base_width)}  # Granite divides the logits by it: x 1/m
+def granite_multipliers(sizes: ModelSizes, m: DictConfig) -> dict[str, float]:
+    """GraniteConfig's multipliers for muP at these sizes, with the model's alpha_input and alpha_output
+    (`mup_input_mult`, `mup_output_mult`). The head size stays fixed as the width grows (heads scale with it), so
+    attention keeps 1/sqrt(head_dim): muP's 1/head_dim differs from it by a constant only when head_dim scales,
+    which it does not here."""
+    return {"embedding_multiplier": float(m.mup_input_mult), "residual_multiplier": 1.0,
+            "attention_multiplier": sizes.head_dim ** -0.5,  # Granite divides the logits by logits_scaling
+            "logits_scaling": sizes.mup_width_mult(m.mup_base_width) / float(m.mup_output_mult)}
 
 
 def _parts(model: torch.nn.Module) -> dict[str, list[torch.Tensor]]:
