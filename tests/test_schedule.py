@@ -66,5 +66,6 @@ def test_an_epoch_run_shorter_than_its_warmup_exits_2_naming_the_key(tmp_path: P
     proc = run_cli([*TINY, "train.max_steps=-1", "data.max_examples=16", "train.warmup_steps=100000",
                     f"hydra.run.dir={tmp_path / 'run'}"], timeout_s=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert "train.warmup_steps: warmup (100000 steps) must be shorter than the run's" in proc.stderr, proc.stderr[-2000:]
+    says = "train.warmup_steps: warmup (100000 steps) must be shorter than the run's"
+    assert says in proc.stderr, proc.stderr[-2000:]
     assert "raise train.num_train_epochs" in proc.stderr
