@@ -50,7 +50,9 @@ def sweep(out: Path, parametrization: str, seed: str, args: argparse.Namespace) 
     one): a finished seed's jobs keep their numbers when a seed is added, so a rerun with more seeds reuses them."""
     sweep_dir = out / parametrization / f"seed{seed}"
     lrs = ",".join(f"{lr:.4g}" for lr in lr_grid(args.lrs, args.top_lr))
-    cmd = [PY, "-m", "llmexp", "--multirun", *BASE, f"model.parametrization={parametrization}",
+    mults = args.mup_mults.split(",") if parametrization == "mup" else []  # alpha_input, alpha_output
+    mults = [f"model.mup_input_mult={mults[0]}", f"model.mup_output_mult={mults[1]}"] if mults else []
+    cmd = [PY, "-m", "llmexp", "--multirun", *BASE, f"model.parametrization={parametrization}", *mults,
            f"model.width_mult={args.width_mults}", f"lr={lrs}", f"seed={seed}",
            f"train.max_steps={args.steps}", f"train.eval_steps={args.steps}", f"cluster.max_parallel={args.jobs}",
            f"hydra.sweep.dir={sweep_dir}"]
@@ -112,6 +114,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--jobs", type=int, default=2, help="jobs at a time (cluster.max_parallel)")
     parser.add_argument("--work", help="where the sweeps go (kept; a rerun with the same one resumes them)")
     parser.add_argument("--out", default="transfer.md", help="file under benchmarks/results ('' for none)")
+    parser.add_argument("--mup-mults", default="1,1", help="muP's alpha_input,alpha_output (model.mup_input_mult, "
+                        "model.mup_output_mult), tuned at the base width")
     parser.add_argument("--quick", action="store_true", help="x1,x2,x4, 5 lrs, 40 steps: the path, not the figure")
     args = parser.parse_args()
     if args.quick:
@@ -128,11 +132,12 @@ def main() -> None:
             for name in PARAMETRIZATIONS}
     if args.out:  # the fits' pictures, which the tune-small-train-big tutorial shows
         for name in PARAMETRIZATIONS:
-            shutil.copyfile(work / name / "fit.png", ASSETS / f"transfer_{name}.png")
+            shutil.copyfile(work / name / "fit.png", ASSETS / f"{Path(args.out).stem}_{name}.png")
     head = (f"# muTransfer in miniature\n\nMeasured {started} on {machine()}; load average {load_start} at the start, "
             f"{load_average()} at the end. Widths {BASE_WIDTH} x ({args.width_mults}), head size 64, 2 layers, "
             f"{args.lrs} lrs a factor 2 apart up to {args.top_lr:g}, seeds {args.seeds}, {args.steps} steps of 8 x "
-            "128 tokens (warm-up + cosine), AdamW, the default data.\n")
+            "128 tokens (warm-up + cosine), AdamW, the default data; muP's alpha_input, alpha_output: "
+            f"{args.mup_mults}.\n")
     table = markdown_table(["parametrization", "params", "best lr (vertex) [95% interval]", "grid's best lr",
                             "best loss (mean)", "loss noise (sd a run)"],
                            width_rows(fits))
