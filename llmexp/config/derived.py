@@ -79,9 +79,8 @@ def warmup_steps_for(max_steps: int, warmup_ratio: float, warmup_steps: int | No
 
 
 def warmup_problem(t: Any, max_steps: int, run: str) -> tuple[str, str] | None:
-    """(key, message) when the warm-up of `train` node `t` would not end before the run's `max_steps` (the lr
-    would never reach its peak, or never decay); `run` says where the step count comes from. The trainer's own
-    rounding (`warmup_steps_for`), so the check and the schedule agree."""
+    """(key, message) when `train` node `t`'s warm-up, rounded as the schedule rounds it (`warmup_steps_for`), would
+    not end before the run's `max_steps` (`run`: where they come from): the lr would never peak, or never decay."""
     warmup = warmup_steps_for(max_steps, t.warmup_ratio, t.warmup_steps)
     if warmup < max_steps or (t.warmup_steps is None and max_steps == 1):  # any ratio rounds one step up to one
         return None

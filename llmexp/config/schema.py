@@ -72,11 +72,9 @@ class ModelConfig:
                                "the fields only, without adapters.")
     mup_base_width: int = key(256, Range(low=1), "mup: the hidden_size at which mup equals standard (the width "
                               "the hyperparameters were tuned at).")
-    mup_input_mult: float = key(1.0, POSITIVE, "mup: the embeddings' output multiplier (Tensor Programs V's "
-                                "alpha_input), a hyperparameter tuned at the base width with the lr and carried over "
-                                "to every width; 1 (with mup_output_mult 1) is the standard model at the base width.")
-    mup_output_mult: float = key(1.0, POSITIVE, "mup: the logits' multiplier at the base width (alpha_output: the "
-                                 "logits are x mup_output_mult / m, m = hidden_size / mup_base_width), tuned and "
+    mup_input_mult: float = key(1.0, POSITIVE, "mup: alpha_input, the embeddings' output multiplier, tuned at the "
+                                "base width with the lr and carried to every width (1: the standard model there).")
+    mup_output_mult: float = key(1.0, POSITIVE, "mup: alpha_output, the logits' multiplier (x it / m), tuned and "
                                  "carried over as mup_input_mult is.")
 
 

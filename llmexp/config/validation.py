@@ -174,9 +174,8 @@ def _value_errors(cfg: DictConfig) -> list[str]:
     leaf_errors = _leaf_errors(cfg)
     errors, bad = list(leaf_errors.values()), leaf_errors.keys()
     t = cfg.train
-    warmup_keys_ok = not bad & {"train.warmup_steps", "train.warmup_ratio", "train.max_steps"}
-    if warmup_keys_ok and t.max_steps != -1 and (  # (-1: once the data gives the step count, at set-up)
-            problem := warmup_problem(t, t.max_steps, f"train.max_steps={t.max_steps}")):
+    if not bad & {"train.warmup_steps", "train.warmup_ratio", "train.max_steps"} and t.max_steps != -1 and (
+            problem := warmup_problem(t, t.max_steps, f"train.max_steps={t.max_steps}")):  # (-1: at set-up)
         errors.append(": ".join(problem))
     m, d = cfg.model, cfg.data
     _check(errors, not d.finetune_only or bool(m.name_or_path), "model.name_or_path",
