@@ -18,7 +18,7 @@ from llmexp.config import security
 from llmexp.errors import UserError
 from llmexp.rundir import redact
 from llmexp.rundir.names import safe_name
-from tests.conftest import Launched
+from tests.conftest import Launched, compose
 from tests.test_bad_input import run_llmexp
 
 # ---------------------------------------------------------------- secrets
@@ -65,6 +65,39 @@ def test_redact_overrides_moves_secrets_into_private_env_vars() -> None:
     assert out == ["--multirun", "lr=1,2", "+cluster.additional_parameters.api_token=${oc.env:LLMEXP_SECRET_0}",
                    "+a.note=${oc.env:LLMEXP_SECRET_1}", "+a.ref=${oc.env:HF_TOKEN}", "-cd", "/tmp"]
     assert env["LLMEXP_SECRET_0"] == "q w" and env["LLMEXP_SECRET_1"] == "hf_envsecret_value"
+
+
+SK = "sk-" + "c" * 24
+
+
+def test_a_secret_in_a_list_or_dict_override_is_lifted_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A secret inside a list or dict override gets a variable of its own: the value stays a list (prompts, not
+    characters) or a dict (keyword arguments, not a string the optimizer's builder fails on)."""
+    env: dict[str, str] = {"HF_TOKEN": "hf_envsecret_value"}
+    out = redact.redact_overrides([f"train.sample_prompts=[hello,{SK}]",
+                                   f"++optimizer.kwargs={{foo: {SK}, bar: 'x hf_envsecret_value'}}"], environ=env)
+    assert out == ["train.sample_prompts=[hello,${oc.env:LLMEXP_SECRET_0}]",
+                   "++optimizer.kwargs={foo: ${oc.env:LLMEXP_SECRET_1}, bar: 'x ${oc.env:LLMEXP_SECRET_2}'}"]
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    cfg = compose(out, tmp_path / "run")
+    assert list(cfg.train.sample_prompts) == ["hello", SK]
+    assert dict(cfg.optimizer.kwargs) == {"foo": SK, "bar": "x hf_envsecret_value"}
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    (f"logger.tags=[ok,{SK}]", "logger.tags[1]: holds a secret"),
+    (f"train.sample_prompts=[hello,'',{SK}]", "train.sample_prompts[1]: must not be empty"),
+    ("train.sample_prompts=${oc.env:HOME}", "train.sample_prompts: must be a list, not a string"),
+])
+def test_a_list_override_with_a_secret_is_judged_item_by_item(override: str, message: str, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch, cli_refusal) -> None:
+    for n in range(2):  # the variables the command line's secrets are lifted into, unset again after the test
+        monkeypatch.setenv(f"{redact.SECRET_ENV_PREFIX}{n}", "")
+    monkeypatch.chdir(tmp_path)
+    code, err = cli_refusal([override, "logger=wandb"])
+    assert code == 2 and message in err and SK not in err, err
+    assert not list(tmp_path.iterdir())
 
 
 def test_log_filter_scrubs_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

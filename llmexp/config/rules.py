@@ -37,8 +37,7 @@ class Range:
     high: float = math.inf
     low_open: bool = False
     high_open: bool = False
-    also: tuple[int, ...] = ()
-    """Values allowed outside the range, e.g. -1 for "all"."""
+    also: tuple[int, ...] = ()  # values allowed outside the range, e.g. -1 for "all"
     note: str = ""
     """What a special value means, e.g. "(0 disables)"."""
 
@@ -148,8 +147,7 @@ def holds_secret(text: str) -> bool:
     return scrub_text(text) != text
 
 
-LABEL = Text(nullable=False)
-OPTIONAL = Text()
+LABEL, OPTIONAL = Text(nullable=False), Text()
 
 
 @dataclass(frozen=True)
@@ -162,6 +160,8 @@ class TextList:
         return f"a list, each item {self.item.describe()}"
 
     def problem(self, key: str, value: Any, default: Any = None) -> str | None:
+        if isinstance(value, str):  # e.g. from ${oc.env:...}; not echoed, it may be a secret
+            return f"{key}: must be a list, not a string; e.g. {key}=[a,b]"
         for i, item in enumerate(value or []):
             if isinstance(item, str) and not item.strip():
                 return f"{key}[{i}]: must not be empty; remove it from the list"

@@ -11,6 +11,7 @@ Writers of run files call `scrub`. Nothing here imports torch.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -102,11 +103,18 @@ def redact_overrides(args: list[str], environ: dict[str, str] | None = None) -> 
 
     `+logger.api_key=abc` becomes `+logger.api_key=${oc.env:LLMEXP_SECRET_0}`: the config still
     resolves to `abc`, but Hydra's saved files, run names and wandb's recorded argv hold the
-    placeholder. Child processes (sweep jobs) inherit the variable.
+    placeholder. Child processes (sweep jobs) inherit the variable. Elsewhere each secret-looking part of a value
+    is lifted alone, so that `train.sample_prompts=[hi,sk-...]` stays a list and `{foo: sk-...}` a dict.
     """
     env = os.environ if environ is None else environ
-    known = secret_env_values(env)
-    out, count = [], 0
+    inside = re.compile("|".join([*map(re.escape, secret_env_values(env)), _SECRET_VALUE.pattern]))
+    names = (f"{SECRET_ENV_PREFIX}{n}" for n in itertools.count())
+
+    def lift(secret: str) -> str:
+        env[name := next(names)] = secret
+        return f"${{oc.env:{name}}}"
+
+    out = []
     for arg in args:
         key, sep, value = arg.partition("=")
         if arg.startswith("-") or not sep or value.startswith("${"):
@@ -114,11 +122,8 @@ def redact_overrides(args: list[str], environ: dict[str, str] | None = None) -> 
             continue
         leaf = key.lstrip("+~").split("@")[0].rsplit(".", 1)[-1]
         unquoted = value[1:-1] if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"" else value
-        if is_secret_key(leaf) or _SECRET_VALUE.search(value) or unquoted in known:
-            name = f"{SECRET_ENV_PREFIX}{count}"
-            env[name], count = unquoted, count + 1
-            arg = f"{key}=${{oc.env:{name}}}"
-        out.append(arg)
+        out.append(f"{key}={lift(unquoted)}" if is_secret_key(leaf) else
+                   f"{key}={inside.sub(lambda m: lift(m.group()), value)}")
     return out
 
 
