@@ -115,6 +115,31 @@ def test_divergence_is_an_error() -> None:
     assert found and found[0].severity == ERROR and 150 <= found[0].step <= 170
 
 
+def short_diverged_run() -> list[dict]:
+    """Six steps at lr=10 as a tester logged them: the loss from 9 to ~8,900, every step after the first skipped."""
+    losses = [9.0, 850.0, 4100.0, 8900.0, 8800.0, 8900.0]
+    return [{"event": "train", "step": step, "loss": loss, "grad_norm": 1e4, "skipped_steps": step - 1}
+            for step, loss in enumerate(losses, start=1)]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32", "fp16"])
+def test_a_short_run_whose_loss_rose_by_orders_of_magnitude_diverged(precision: str) -> None:
+    found = {f.kind: f for f in diagnose(short_diverged_run(), MonitorSettings(precision=precision, lr=10.0))}
+    assert found["divergence"].severity == ERROR and found["divergence"].step == 2
+    assert "9 (step 1) to 8.9e+03" in found["divergence"].message
+    assert "Lower the lr" in found["divergence"].advice and "warm up" in found["divergence"].advice
+    assert found["skipped_steps"].severity == ERROR and found["skipped_steps"].step == 3
+    assert "5 of 6 steps were skipped" in found["skipped_steps"].message
+    assert "clipping" in found["skipped_steps"].advice and "lower the lr" in found["skipped_steps"].advice
+
+
+def test_a_short_healthy_run_and_a_few_skipped_steps_are_no_error() -> None:
+    records = [{"event": "train", "step": step, "loss": 9.0 - step / 2, "grad_norm": 1.0, "skipped_steps": 1}
+               for step in range(1, 7)]
+    assert not kinds(diagnose(records, MonitorSettings()), ERROR)
+    assert "fp16_skipped_steps" in kinds(diagnose(records, MonitorSettings(precision="fp16")), "warning")
+
+
 def test_oscillation_found_and_advises_lower_lr() -> None:
     records = history(loss=lambda s: 4.0 + (0.8 if (s // 10) % 2 else -0.8), noise=0.01)
     found = [f for f in diagnose(records, MonitorSettings(lr=1e-3)) if f.kind == "oscillation"]

@@ -219,6 +219,16 @@ def _divergence(h: _History, settings: MonitorSettings) -> Iterator[Finding]:
                           _nan_advice(settings))
             return
     train = h.train
+    first, last = (train[0][1], train[-1][1]) if train else (0.0, 0.0)
+    if last > settings.diverge_factor * first and last - first > settings.diverge_min_nats:
+        # orders of magnitude up, judged on any number of points: a few steps at an absurd lr are enough
+        began = _streak_start(train, lambda v: v > settings.diverge_factor * first)
+        yield Finding("divergence", began, ERROR,
+                      f"the loss rose from {first:.3g} (step {train[0][0]}) to {last:.3g} (step {train[-1][0]}), "
+                      f"over {settings.diverge_factor:g}x: training diverged",
+                      f"{_cap(_lower_lr(settings.lr))}; warm up longer (train.warmup_steps); "
+                      "check that clipping is on.")
+        return
     if len(train) < settings.min_history * 2:
         return
     recent = statistics.median(v for _, v in train[-settings.min_history:])
@@ -383,16 +393,23 @@ def _perplexity(h: _History, settings: MonitorSettings) -> Iterator[Finding]:
                       "repetitive.")
 
 
-def _fp16_health(h: _History, settings: MonitorSettings) -> Iterator[Finding]:
-    train = [r for r in h.live if r.get("event") == "train"]
-    if settings.precision != "fp16" or not train:
+def _skipped_steps(h: _History, settings: MonitorSettings) -> Iterator[Finding]:
+    """Steps the optimizer skipped (non-finite gradients, or fp16's loss scaler): most of them, under any
+    precision, means the run did not train; under fp16 a few more than usual are worth a warning."""
+    counts = [(int(r["step"]), _num(r.get("skipped_steps", 0))) for r in h.live if r.get("event") == "train"]
+    shares = [(step, skipped / step) for step, skipped in counts if step > 0 and math.isfinite(skipped)]
+    if not shares:
         return
-    skipped, step = int(_num(train[-1].get("skipped_steps", 0)) or 0), int(train[-1]["step"])
-    if step > 0 and skipped / step > settings.fp16_skip_fraction:
-        yield Finding("fp16_skipped_steps", step, WARNING,
-                      f"{skipped} of {step} steps were skipped (non-finite gradients or loss-scale overflow)",
-                      "Switch FP16 to BF16 (precision=bf16) where the hardware has it; check clipping is on; "
-                      "lower the lr.")
+    step, share = shares[-1]
+    what = (f"{round(share * step)} of {step} steps were skipped (spikes or non-finite gradients that "
+            "train.on_anomaly skipped, or fp16 overflows)")
+    if share > settings.skip_error_fraction:
+        yield Finding("skipped_steps", _streak_start(shares, lambda v: v > settings.skip_error_fraction), ERROR,
+                      f"{what}: the model barely trained", _nan_advice(settings))
+    elif settings.precision == "fp16" and share > settings.fp16_skip_fraction:
+        yield Finding("fp16_skipped_steps", _streak_start(shares, lambda v: v > settings.fp16_skip_fraction),
+                      WARNING, what, "Switch FP16 to BF16 (precision=bf16) where the hardware has it; check "
+                      "clipping is on; lower the lr.")
 
 
 CPU_MFU_PLAUSIBLE = 0.85
@@ -432,14 +449,14 @@ def _mfu_plausibility(h: _History, settings: MonitorSettings) -> Iterator[Findin
 
 _DETECTORS: tuple[Callable[[_History, MonitorSettings], Iterator[Finding]], ...] = (
     _non_finite, _spikes, _divergence, _oscillation, _plateau, _eval_plateau, _overfitting, _grad_band, _perplexity,
-    _fp16_health, _run_facts, _mfu_plausibility)
+    _skipped_steps, _run_facts, _mfu_plausibility)
 
 
 _SEVERITY_RANK = {INFO: 0, WARNING: 1, ERROR: 2}
 DETECTOR_KINDS = frozenset({
     "non_finite", "fp16_overflow", "loss_spike", "grad_norm_spike", "divergence", "oscillation", "plateau",
     "eval_plateau", "overfitting", "grad_norm_high", "grad_norm_low", "ppl_range", "fp16_skipped_steps",
-    "bf16_emulated", "mfu_unavailable", "mfu_implausible"})
+    "skipped_steps", "bf16_emulated", "mfu_unavailable", "mfu_implausible"})
 """Every kind `diagnose` can report; the trainer's own findings (e.g. about rollbacks) use other kinds."""
 
 
@@ -470,6 +487,8 @@ class MonitorSettings:
     """Divergence: the recent loss sits this far (nats) above the lowest loss so far ..."""
     diverge_rel: float = 0.5
     """... and at least this fraction of the drop achieved earlier has been given back."""
+    diverge_factor: float = 10.0
+    """Divergence however short the run: the last loss is this many times the first (and diverge_min_nats above)."""
     oscillation_rel_std: float = 0.1
     """Oscillation: detrended loss std above this fraction of the loss level ..."""
     oscillation_trend_ratio: float = 1.0
@@ -501,6 +520,8 @@ class MonitorSettings:
     """How many times outside a range counts as 'far'."""
     fp16_skip_fraction: float = 0.05
     """fp16: share of steps skipped by the loss scaler above which to warn."""
+    skip_error_fraction: float = 0.5
+    """Any precision: share of steps skipped (non-finite gradients) above which the run is broken."""
 
     @classmethod
     def for_run(cls, *, finetune: bool, max_grad_norm: float, precision: str, lr: float) -> MonitorSettings:
