@@ -326,6 +326,32 @@ def test_a_task_yaml_too_deep_to_walk_is_called_that_not_unreadable(tmp_path: Pa
     assert "not YAML" not in str(err.value) and str(path) in str(err.value)
 
 
+# ----------------------------------------------------------------------------- records
+
+
+def test_a_diverged_runs_nan_and_inf_metrics_are_read_not_skipped(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """The logger writes NaN and infinity as strings (JSON has none): a float field reads them back as numbers, so a
+    diverged run's report shows the steps that matter. Other strings in a float field are still skipped, and a
+    strict reader (a cache) takes no non-finite value at all."""
+    import math
+
+    from llmexp.monitor.logger import _json_line
+    from llmexp.rundir.read import read_metrics
+
+    losses = [2.5, math.inf, -math.inf, math.nan]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(_json_line({"step": i, "event": "train", "loss": x, "time_s": 0.1})
+                            for i, x in enumerate(losses)) + '{"step": 4, "event": "train", "loss": "NaN"}\n')
+    readers._said.clear()
+    with caplog.at_level(logging.INFO, logger="llmexp.readers"):
+        records = read_metrics(path)
+    assert [r["loss"] for r in records[:3]] == losses[:3] and math.isnan(records[3]["loss"]) and len(records) == 4
+    assert [r.getMessage() for r in caplog.records] == [
+        f"llmexp: skipped 1 of 5 lines of {path} (line 5: not a record: loss is a string, not a number or null)"]
+    assert readers.check_fields({"x": "inf"}, {"x": float}, finite=True) == ({}, ["x is a string, not a number"])
+
+
 # ----------------------------------------------------------------------------- caches, never trusted
 
 

@@ -387,7 +387,8 @@ def _fits(value: Any, spec: Any, finite: bool = False) -> bool:
 
 def check_fields(value: Any, spec: Any, finite: bool = False) -> tuple[Any, list[str]]:
     """`value` with what does not fit `spec` left out, and what was left out. A spec is a type (`float` takes an
-    int, never a bool, and NaN or infinity only unless `finite`; `float | None` takes null), `[item]` a list,
+    int, never a bool, and NaN or infinity, as a number or `NON_FINITE`'s strings, only unless `finite`; `float |
+    None` takes null), `[item]` a list,
     `{field: spec}` an object whose named fields are checked (others kept; a `Need` field must be there),
     `{str: spec}` an object of any keys. A value that does not fit at all is None."""
     problems: list[str] = []
@@ -409,6 +410,8 @@ def check_fields(value: Any, spec: Any, finite: bool = False) -> tuple[Any, list
             if any(out[k] is _OUT for k, f in named.items() if isinstance(f, Need)):
                 return _OUT
             return {k: x for k, x in out.items() if x is not _OUT}
+        if isinstance(v, str) and v in NON_FINITE and float in _kinds(s) and not finite:
+            return float(v)  # how the metrics logger writes NaN and infinity, which JSON has no word for
         if _fits(v, s, finite):
             return v
         wanted = " or ".join(_JSON_NAMES.get(k, k.__name__) for k in _kinds(s))
@@ -420,6 +423,8 @@ def check_fields(value: Any, spec: Any, finite: bool = False) -> tuple[Any, list
 
 
 _OUT = object()
+NON_FINITE = ("nan", "inf", "-inf")
+"""NaN and infinity as `monitor.logger` writes them to metrics.jsonl: strings, which a float field reads back."""
 
 
 def fields_of(path: Path | str, value: Any, spec: Any, strict: bool = False) -> Any:
