@@ -238,7 +238,21 @@ def test_the_coord_check_command_writes_its_files(tmp_path: Path, capsys: pytest
     assert list(result["runs"]) == ["mup"] and result["hidden_sizes"] == {"1": 64, "2": 128}
     assert (out / "coord_check.png").stat().st_size > 0
     assert main(["--widths", "1,1.3", "--out", str(out)]) == 2
-    assert "model.width_mult" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--widths 1,1.3: 1.3 gives sizes that are not whole numbers" in err and "model.width_mult" not in err
+
+
+def test_the_coord_check_refuses_an_out_that_is_a_file_before_it_runs(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from llmexp.cli.coord_check import main
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine\n")
+    for out in (notes, notes / "cc"):
+        assert main(["--out", str(out)]) == 2
+        captured = capsys.readouterr()
+        assert f"--out {out}: {notes} is a file" in captured.err and "coord check:" not in captured.err
+    assert notes.read_text() == "mine\n" and sorted(tmp_path.iterdir()) == [notes]
 
 
 def test_the_coord_check_help_imports_no_torch() -> None:

@@ -34,13 +34,31 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _widths(text: str) -> tuple[float, ...]:
+def _out_dir(text: str) -> Path:
+    """--out, checked before the check's minutes are spent: a directory, new or existing, not under a file."""
+    out = Path(text)
+    existing = next((p for p in (out, *out.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise UserError(f"--out {text}: {existing} is a file, not a directory: name a directory (new or existing), "
+                        "e.g. --out outputs/coord_check")
+    return out
+
+
+def _widths(text: str, model: Any) -> tuple[float, ...]:
+    from llmexp.config.derived import WIDTH_KEYS
+
     try:
         widths = tuple(sorted({float(w) for w in text.split(",") if w.strip()}))
     except ValueError:
         widths = ()
     if len(widths) < 2 or widths[0] <= 0:
         raise UserError(f"--widths {text}: give two or more positive width multipliers, e.g. --widths 1,2,4,8")
+    for width in widths:  # here, or `validate` would name model.width_mult, which the user never wrote
+        broken = [f"{k}={model[k]} x {width:g} = {model[k] * width:g}" for k in WIDTH_KEYS
+                  if isinstance(model[k], int) and not float(model[k] * width).is_integer()]
+        if broken:
+            raise UserError(f"--widths {text}: {width:g} gives sizes that are not whole numbers "
+                            f"({'; '.join(broken)}); whole multipliers always do, e.g. --widths 1,2,4,8")
     return widths
 
 
@@ -55,7 +73,7 @@ def _settings(cfg: Any, args: argparse.Namespace) -> Any:
     except (TypeError, ValueError):
         lr = CHECK_LR  # lr=find: the check has no range test of its own
     batch = cfg.batch_size if isinstance(cfg.batch_size, int) else 8
-    return CheckSettings(widths=_widths(args.widths), steps=args.steps, lr=float(lr), batch=batch,
+    return CheckSettings(widths=_widths(args.widths, cfg.model), steps=args.steps, lr=float(lr), batch=batch,
                          seq_len=int(cfg.data.max_length), seed=int(cfg.seed))
 
 
@@ -71,6 +89,7 @@ def _table(result: dict[str, Any]) -> str:
 def run(argv: list[str]) -> int:
     """Parse, compose, check every config, run the check, write and print; raises UserError for a mistake."""
     args = _parser().parse_intermixed_args(argv)  # --help before torch is imported; flags among overrides
+    out = _out_dir(args.out)
     import torch
 
     from llmexp.cli.estimate import compose
@@ -91,10 +110,12 @@ def run(argv: list[str]) -> int:
     print(f"coord check: {', '.join(parametrizations)} at hidden sizes {hidden}, {settings.steps} steps of "
           f"{cfg.optimizer.name} at lr {settings.lr:g} on {device.type}", file=sys.stderr, flush=True)
     result = coord_check(cfg, settings, parametrizations, device)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out / "coord_check.json", result)
-    plot_coord_check(result, out / "coord_check.png")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out / "coord_check.json", result)
+        plot_coord_check(result, out / "coord_check.png")
+    except OSError as err:  # e.g. a read-only directory
+        raise UserError(f"--out {args.out}: cannot write there ({err}); name a writable directory") from None
     print(_table(result))
     print(f"wrote {out / 'coord_check.json'}\nwrote {out / 'coord_check.png'}")
     return 0
