@@ -5,10 +5,11 @@ from __future__ import annotations
 import itertools
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from llmexp.config.derived import warmup_steps_for
+from llmexp.config.derived import warmup_problem, warmup_steps_for
 from llmexp.train.schedule import auto_lr, lr_at
 from tests.conftest import TINY, run_cli
 
@@ -59,6 +60,25 @@ def test_a_warmup_as_long_as_the_run_is_refused_as_the_schedule_rounds_it(tmp_pa
     proc = run_cli([*TINY, *overrides, f"hydra.run.dir={tmp_path / 'run'}"], timeout_s=120)
     assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_wsd_warmup_running_into_its_decay_is_refused_naming_both_keys(tmp_path: Path) -> None:
+    """wsd decays over the last scheduler.decay_ratio of the steps; a warm-up into that stretch would be clipped."""
+    proc = run_cli([*TINY, "scheduler=wsd", "train.max_steps=10", "train.warmup_steps=9", "scheduler.decay_ratio=0.2",
+                    f"hydra.run.dir={tmp_path / 'run'}"], timeout_s=120)
+    says = ("train.warmup_steps: warmup (9 steps) plus wsd's decay (2 steps, scheduler.decay_ratio=0.2) must fit in "
+            "train.max_steps=10; lower train.warmup_steps/warmup_ratio or scheduler.decay_ratio or raise "
+            "train.max_steps")
+    assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_wsd_warmup_that_ends_where_the_decay_begins_is_accepted() -> None:
+    train = SimpleNamespace(warmup_ratio=0.0, warmup_steps=8, max_steps=10)
+    wsd = SimpleNamespace(name="wsd", decay_ratio=0.2)
+    assert warmup_problem(train, wsd, 10, "train.max_steps=10") is None  # steps 0-7 warm up, 8-9 decay
+    assert warmup_problem(train, wsd, 9, "train.max_steps=9") is not None
+    assert warmup_problem(train, SimpleNamespace(name="cosine", decay_ratio=0.2), 9, "train.max_steps=9") is None
 
 
 def test_an_epoch_run_shorter_than_its_warmup_exits_2_naming_the_key(tmp_path: Path) -> None:

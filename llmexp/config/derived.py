@@ -78,15 +78,18 @@ def warmup_steps_for(max_steps: int, warmup_ratio: float, warmup_steps: int | No
     return warmup_steps if warmup_steps is not None else math.ceil(warmup_ratio * max_steps)
 
 
-def warmup_problem(t: Any, max_steps: int, run: str) -> tuple[str, str] | None:
-    """(key, message) when `train` node `t`'s warm-up, rounded as the schedule rounds it (`warmup_steps_for`), would
-    not end before the run's `max_steps` (`run`: where they come from): the lr would never peak, or never decay."""
+def warmup_problem(t: Any, s: Any, max_steps: int, run: str) -> tuple[str, str] | None:
+    """(key, message) when `train` node `t`'s warm-up, rounded as the schedule does (`warmup_steps_for`), would not end
+    before the run's `max_steps` (`run`: where they come from), nor under wsd (scheduler `s`) before its decay."""
     warmup = warmup_steps_for(max_steps, t.warmup_ratio, t.warmup_steps)
-    if warmup < max_steps or (t.warmup_steps is None and max_steps == 1):  # any ratio rounds one step up to one
+    decay = max(1, round(s.decay_ratio * max_steps)) if s.name == "wsd" else 0  # as `lr_at` splits a wsd run
+    if warmup + max(decay, 1) <= max_steps or (t.warmup_steps is None and max_steps == 1):  # a ratio rounds 1 up
         return None
     key = "train.warmup_steps" if t.warmup_steps is not None else "train.warmup_ratio"
-    return key, (f"warmup ({warmup} steps) must be shorter than {run}; lower train.warmup_steps/warmup_ratio or "
-                 f"raise {'train.max_steps' if t.max_steps != -1 else 'train.num_train_epochs'}")
+    wsd = f" plus wsd's decay ({decay} steps, scheduler.decay_ratio={s.decay_ratio:g})" if decay else ""
+    return key, (f"warmup ({warmup} steps){wsd} must {'fit in' if decay else 'be shorter than'} {run}; lower "
+                 f"train.warmup_steps/warmup_ratio{' or scheduler.decay_ratio' if decay else ''} or raise "
+                 f"{'train.max_steps' if t.max_steps != -1 else 'train.num_train_epochs'}")
 
 
 def mix_quotas(weights: list[float]) -> list[int]:
@@ -139,10 +142,8 @@ class BatchPlan:
 def global_batch_problem(global_batch: int | None, micro: int, world: int, auto: bool = False) -> str | None:
     """`train.global_batch_size` must split into micro-batch x processes x accumulation steps. With batch_size=auto
     (`auto`) the micro-batch is yet to be chosen among its divisors, so the processes alone must divide it."""
-    if global_batch is None:
-        return None
     per_step = world if auto else micro * world
-    if global_batch % per_step == 0:
+    if global_batch is None or global_batch % per_step == 0:
         return None
     nearest = per_step * max(1, round(global_batch / per_step))
     if auto:
@@ -179,10 +180,9 @@ def auto_batch_candidates(cfg: DictConfig, world: int, num_examples: int) -> lis
     fixed, so the micro-batch must divide its per-process share: accumulation makes up the rest), and at the
     train set's per-process share when it is known (`num_examples`, 0 for a stream): a larger micro-batch
     would only repeat examples within one step."""
-    global_batch, cap = cfg.train.global_batch_size, AUTO_BATCH_MAX
+    global_batch = cfg.train.global_batch_size
     per_process = global_batch // world if global_batch is not None else None
-    if per_process is not None:
-        cap = min(cap, per_process)
+    cap = AUTO_BATCH_MAX if per_process is None else min(AUTO_BATCH_MAX, per_process)
     if num_examples > 0:
         cap = min(cap, max(1, math.ceil(num_examples / world)))
     fits = ((lambda m: per_process % m == 0) if per_process is not None

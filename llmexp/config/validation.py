@@ -174,8 +174,9 @@ def _value_errors(cfg: DictConfig) -> list[str]:
     leaf_errors = _leaf_errors(cfg)
     errors, bad = list(leaf_errors.values()), leaf_errors.keys()
     t = cfg.train
-    if not bad & {"train.warmup_steps", "train.warmup_ratio", "train.max_steps"} and t.max_steps != -1 and (
-            problem := warmup_problem(t, t.max_steps, f"train.max_steps={t.max_steps}")):  # (-1: at set-up)
+    warmup_keys = {"train.warmup_steps", "train.warmup_ratio", "train.max_steps", "scheduler.decay_ratio"}
+    if not bad & warmup_keys and t.max_steps != -1 and (  # (-1: at set-up)
+            problem := warmup_problem(t, cfg.scheduler, t.max_steps, f"train.max_steps={t.max_steps}")):
         errors.append(": ".join(problem))
     m, d = cfg.model, cfg.data
     _check(errors, not d.finetune_only or bool(m.name_or_path), "model.name_or_path",
@@ -366,8 +367,7 @@ def _validate_deepspeed(cfg: Any, errors: list[str]) -> None:
 
 def _validate_peft(cfg: DictConfig, errors: list[str]) -> None:
     """The adapter options, and the combinations that cannot work, each with the reason."""
-    pe = cfg.peft
-    target = pe.target_modules
+    pe, target = cfg.peft, cfg.peft.target_modules
     _check(errors, target == "all-linear" or (isinstance(target, ListConfig) and len(target) > 0
                                               and all(isinstance(t, str) and t for t in target)),
            "peft.target_modules", f"must be all-linear or a list of module names, got {target!r}; "

@@ -43,8 +43,8 @@ def describe(cfg: DictConfig, rt: Runtime, vocab_size: int, train_data: Any, dat
     if lr_found:
         built["lr_source"] = "find"
     max_steps = plan.max_steps(len(train_data))
-    if cfg.train.max_steps == -1 and (problem := warmup_problem(cfg.train, max_steps, f"the run's {max_steps} steps "
-                                       f"(train.num_train_epochs={cfg.train.num_train_epochs} of this data)")):
+    run = f"the run's {max_steps} steps (train.num_train_epochs={cfg.train.num_train_epochs} of this data)"
+    if cfg.train.max_steps == -1 and (problem := warmup_problem(cfg.train, cfg.scheduler, max_steps, run)):
         raise UserError(": ".join(problem))
     monitor = MonitorSettings.for_run(finetune=bool(cfg.model.name_or_path), max_grad_norm=cfg.train.max_grad_norm,
                                       precision=rt.precision.name, lr=built["lr"])
