@@ -521,6 +521,19 @@ def test_resume_on_other_data_is_refused_unless_told(tmp_path: Path, env: dict[s
     assert f"saved with data fingerprint {before_fp}" in out and "resuming anyway" in out, out[-3000:]
 
 
+def test_resume_with_other_mup_multipliers_says_so(tmp_path: Path, env: dict[str, str]) -> None:
+    """model.mup_output_mult changes what the model computes, not its shapes: a resume after changing it warns
+    naming the key and both values, as one after changing the lr does. (Before: not noticed.)"""
+    run_dir = tmp_path / "run"
+    overrides = ("model.parametrization=mup", "model.mup_base_width=32", "train.max_steps=4", "precision=fp32")
+    code, out = run_once(run_dir, overrides, env)
+    assert code == 0, out[-3000:]
+    code, out = run_once(run_dir, (*overrides, "model.mup_output_mult=2", "lr=1e-3"), env)
+    assert code == 0, out[-3000:]
+    for key, now, saved in (("model.mup_output_mult", "2.0", "1.0"), ("lr", "0.001", "auto")):
+        assert f"resuming step_4 with {key}={now}, but it was saved with {saved};" in out, out[-3000:]
+
+
 def test_full_disk_during_a_save(small_fs: Path, env: dict[str, str], reference) -> None:
     """The run directory is on a 3 MiB filesystem: step_3 fits, the save of step_6 runs out of
     space. The run says "no space left" with the path, writes summary.json (status failed),

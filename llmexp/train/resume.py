@@ -183,13 +183,16 @@ def _apply_payload(run: Run, payload: dict[str, Any], path: Path) -> LoopState:
 def resume_key(cfg: DictConfig, desc: RunDescription) -> dict[str, Any]:
     """The settings that shape the trajectory; a resume with other values is warned about.
     `data` is the token cache key (corpus content, tokenizer, data settings): a resume on other
-    data is refused unless `train.resume_data_mismatch=warn`."""
-    plan = desc.plan
+    data is refused unless `train.resume_data_mismatch=warn`. The model's fields that change what it computes but
+    not its parameters' shapes (a shape change fails the checkpoint's own checks) are there where they are used."""
+    plan, m = desc.plan, cfg.model
+    used = ("mup_base_width", "mup_input_mult", "mup_output_mult") if m.parametrization == "mup" else ()
+    used += () if m.name_or_path else ("rope_theta", "attention_dropout")  # a loaded model keeps its own
     return {"lr": str(cfg.lr), "max_steps": cfg.train.max_steps, "global_batch": plan.global_batch,
             "batch_size": plan.micro, "world_size": plan.world, "seed": cfg.seed,
             "optimizer": cfg.optimizer.name, "scheduler": cfg.scheduler.name, "precision": desc.precision.name,
             "data": desc.data_fingerprint, "peft": cfg.peft.name, "base_model": base_model_fingerprint(cfg),
-            "fsdp": cfg.fsdp.name, "parametrization": cfg.model.parametrization}
+            "fsdp": cfg.fsdp.name, "parametrization": m.parametrization, **{f"model.{k}": m[k] for k in used}}
 
 
 def base_model_fingerprint(cfg: DictConfig) -> str:
