@@ -282,6 +282,27 @@ def test_no_manifest_or_no_good_checkpoint(tmp_path: Path) -> None:
     assert "manifest.json: missing" in warnings[0]
 
 
+def test_each_fallback_warning_says_what_follows(tmp_path: Path) -> None:
+    """An unusable checkpoint's warning names the older one tried next, or says that none is left and what the
+    caller does then (a resume starts from scratch). (Before: "falling back to an older one" when there was none.)"""
+    root = tmp_path / "checkpoints"
+    for step in (1, 2):
+        save_checkpoint(root, step, _writer(step), keep=3)
+    for step in (1, 2):
+        _corrupt_flip(root / f"step_{step}" / "model.safetensors")
+    warnings: list[str] = []
+    assert find_resume_checkpoint(root, warnings.append) is None
+    assert [w.split(": ")[0] for w in warnings] == [
+        "checkpoint step_2 is unusable, falling back to step_1",
+        "checkpoint step_1 is unusable, and no older one is left, so the run starts from scratch"], warnings
+    assert str(root / "step_1" / "model.safetensors") in warnings[1]
+    warnings.clear()
+    assert load_with_fallback(root, lambda path: None, warnings.append, none_left="there is nothing to roll "
+                              "back to") is None
+    assert warnings[1].startswith("checkpoint step_1 is unusable, and no older one is left, so there is nothing to "
+                                  "roll back to: "), warnings
+
+
 def test_unlisted_or_foreign_format_is_not_complete(tmp_path: Path) -> None:
     """A file planted after the save (e.g. an optional scaler.pt a loader would pick up), or a
     manifest of another format version, makes the checkpoint unusable, naming the file."""

@@ -22,6 +22,7 @@ import shutil
 import socket
 import time
 from collections.abc import Callable, Mapping
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -245,18 +246,21 @@ def _is_stale(path: Path, pid: int, host: str) -> bool:
         return False
 
 
-def load_with_fallback(root: Path, load: Callable[[Path], T], warn: Callable[[str], None]) -> tuple[Path, T] | None:
+def load_with_fallback(root: Path, load: Callable[[Path], T], warn: Callable[[str], None],
+                       none_left: str = "the run starts from scratch") -> tuple[Path, T] | None:
     """(path, `load(path)`) of the newest checkpoint that verifies and loads, falling back past any that raise
-    CorruptCheckpoint (as load_state and load_tensors do for a bad file); None when none does."""
+    CorruptCheckpoint (as load_state and load_tensors do for a bad file); None when none does. Each warning says
+    what follows: the older checkpoint tried next, or (`none_left`) what the caller does without one."""
     root = Path(root)
     for link in sorted(root.iterdir()) if root.is_dir() else []:  # a `step_<N>` link was not written here
         if link.is_symlink() and _step_of(link) is not None:
             warn(f"{link} is a symbolic link, not a checkpoint llmexp wrote: ignored "
                  f"(a later save of step {_step_of(link)} moves the link aside)")
-    for path in reversed(_step_dirs(root)):
+    for path, older in pairwise([*reversed(_step_dirs(root)), None]):  # each with the one tried next
         try:
             verify_checkpoint(path, full=True)
             return path, load(path)
         except CorruptCheckpoint as err:
-            warn(f"checkpoint {path.name} is unusable, falling back to an older one: {err}")
+            then = f"falling back to {older.name}" if older else f"and no older one is left, so {none_left}"
+            warn(f"checkpoint {path.name} is unusable, {then}: {err}")
     return None

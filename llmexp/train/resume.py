@@ -339,7 +339,8 @@ def load_resume_state(run: Run) -> LoopState | None:
 def rollback(run: Run) -> None:
     """Back to the newest good checkpoint, past the data window that led to the anomaly, at a lower lr."""
     state, log = run.state, run.log
-    found = ckpt.load_with_fallback(run.rt.run_dir / "checkpoints", partial(_load_checked, run), log.write)
+    found = ckpt.load_with_fallback(run.rt.run_dir / "checkpoints", partial(_load_checked, run), log.write,
+                                    none_left="there is nothing to roll back to")
     if found is None:
         raise RuntimeError("rollback: no checkpoint to roll back to (one is saved at the start of the run)")
     path, payload = found
