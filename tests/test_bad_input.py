@@ -202,6 +202,21 @@ def test_an_argument_the_optimizer_rejects_exits_2(tmp_path: Path) -> None:
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "model").exists()
 
 
+def test_a_run_refused_while_it_sets_up_leaves_no_directory_but_keeps_an_earlier_runs(tmp_path: Path) -> None:
+    """The optimizer's arguments are judged once it is built, after Hydra made the run directory: a refused fresh
+    run removes it (Hydra's files, llmexp.log, the lock), a refused rerun in a finished run's directory keeps it."""
+    env = {"LLMEXP_CACHE": str(tmp_path / "cache")}
+    bogus = [*TINY, "+optimizer.kwargs.bogus=1", "train.max_steps=1"]
+    refused = run_cli([*bogus, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert "optimizer.kwargs" in refused.stderr and not (tmp_path / "run").exists()
+    done = run_cli([*TINY, "train.max_steps=1", "train.eval_steps=100", f"hydra.run.dir={tmp_path / 'done'}"],
+                   cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    refused = run_cli([*bogus, "train.resume=never", f"hydra.run.dir={tmp_path / 'done'}"], cwd=tmp_path, env=env)
+    assert refused.returncode == 2 and (tmp_path / "done" / "metrics.jsonl").exists(), refused.stderr[-2000:]
+
+
 def test_an_empty_resume_is_one_message_naming_what_it_takes(tmp_path: Path) -> None:
     """train.resume defaults to auto, not null: an empty value is one mistake, one message, and it names the
     values the key takes (not "leave it out (null)")."""

@@ -11,6 +11,7 @@ from llmexp.config.derived import use_shared_compile_cache
 from llmexp.config.validation import validate
 from llmexp.errors import STATUS_EXIT, UserError
 from llmexp.machine.environment import check_environment
+from llmexp.rundir.lock import LOCK_NAME
 from llmexp.rundir.redact import print_user_error, scrub_text
 
 
@@ -30,8 +31,34 @@ def run_guarded(cfg: DictConfig) -> int:
 
             result = train(cfg, preempt)
     except UserError as err:
+        _discard_refused_run_dir()
         return user_error_exit(err)
     return STATUS_EXIT[result.status]
+
+
+RUN_START_FILES = {".": {".hydra", "llmexp.log", LOCK_NAME}, ".hydra": {"config.yaml", "hydra.yaml", "overrides.yaml"}}
+"""What a single run's directory holds before the run has written anything: Hydra's config files and job log, and
+the CLI's lock."""
+
+
+def _discard_refused_run_dir() -> None:
+    """A single run refused while it set up (a setting only torch or the data can judge, e.g. an optimizer
+    argument) leaves no directory behind, as a refusal before Hydra starts does. Only a directory that holds
+    nothing but `RUN_START_FILES` goes: never a resumed run's, a user's own files, or a sweep job's (its record)."""
+    import shutil
+    from pathlib import Path
+
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.RUN:
+        return
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        if all({p.name for p in (run_dir / sub).iterdir()} <= names for sub, names in RUN_START_FILES.items()):
+            shutil.rmtree(run_dir)
+    except OSError:  # gone already, or not ours to judge: leave it
+        pass
 
 
 _last_user_error: str | None = None
