@@ -53,6 +53,22 @@ def test_auto_is_refused_with_deepspeed_and_plans_with_accumulation_from_the_glo
     assert (plan.micro, plan.accum, plan.global_batch) == (4, 4, 32)
 
 
+def test_a_global_batch_and_accumulation_set_to_disagree_are_refused_naming_both_and_either_alone_plans() -> None:
+    from llmexp.errors import UserError
+
+    both = compose_checked(["batch_size=4", "train.global_batch_size=64", "train.gradient_accumulation_steps=4"])
+    with pytest.raises(UserError) as err:
+        make_plan(both, 1)
+    assert str(err.value) == (
+        "train.global_batch_size=64 and train.gradient_accumulation_steps=4 disagree: batch_size x processes x "
+        "accumulation = 4 x 1 x 4; set train.gradient_accumulation_steps=16 (or drop it), or "
+        "train.global_batch_size=16")
+    assert make_plan(both, 4).accum == 4  # 4 x 4 processes x 4 = 64: they agree
+    for one, accum in ((["train.global_batch_size=64"], 16), (["train.gradient_accumulation_steps=4"], 4)):
+        plan = make_plan(compose_checked(["batch_size=4", *one]), 1)
+        assert (plan.accum, plan.global_batch) == (accum, 4 * accum)
+
+
 def test_preflight_needs_a_global_batch_the_processes_divide(monkeypatch: pytest.MonkeyPatch) -> None:
     from llmexp.machine.environment import _batch_errors
 

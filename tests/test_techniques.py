@@ -189,6 +189,14 @@ def test_global_batch_that_does_not_divide_exits_2(tmp_path: Path) -> None:
     assert "train.global_batch_size" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_global_batch_and_accumulation_that_disagree_exit_2_leaving_no_run_dir(tmp_path: Path) -> None:
+    proc = run_cli([*TINY, "batch_size=4", "train.global_batch_size=64", "train.gradient_accumulation_steps=4",
+                    f"hydra.run.dir={tmp_path / 'r'}"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "train.global_batch_size=64 and train.gradient_accumulation_steps=4 disagree" in proc.stderr
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_job_settles_the_compile_cache_before_torch_dynamo_can(tmp_path: Path) -> None:
     """A sweep job's process (no TORCHINDUCTOR_CACHE_DIR of its own) uses llmexp's cache, set before the trainer
     imports torch._dynamo; a user's own value wins. A fresh interpreter, since this one has imported torch."""

@@ -134,9 +134,8 @@ class BatchPlan:
         return self.micro * self.accum * self.world
 
     def max_steps(self, num_examples: int) -> int:
-        if self.fixed_steps > 0:
-            return self.fixed_steps
-        return max(1, math.ceil(self.epochs * num_examples / self.global_batch))
+        by_epochs = max(1, math.ceil(self.epochs * num_examples / self.global_batch))
+        return self.fixed_steps if self.fixed_steps > 0 else by_epochs
 
 
 def global_batch_problem(global_batch: int | None, micro: int, world: int, auto: bool = False) -> str | None:
@@ -156,13 +155,16 @@ def global_batch_problem(global_batch: int | None, micro: int, world: int, auto:
 def make_plan(cfg: DictConfig, world: int, micro: int | None = None) -> BatchPlan:
     """Derive accumulation from `train.global_batch_size` when it is set. `micro` is the micro-batch
     `batch_size=auto` chose (`llmexp.train.autobatch`); without one, batch_size=auto plans with 1 until it has."""
-    t = cfg.train
-    micro = micro or parse_batch_size(cfg.batch_size) or 1
-    accum = t.gradient_accumulation_steps
-    if t.global_batch_size is not None:
-        if problem := global_batch_problem(t.global_batch_size, micro, world):
-            raise UserError(problem)
-        accum = t.global_batch_size // (micro * world)
+    t, micro = cfg.train, micro or parse_batch_size(cfg.batch_size) or 1
+    global_batch, asked = t.global_batch_size, t.gradient_accumulation_steps
+    if problem := global_batch_problem(global_batch, micro, world):
+        raise UserError(problem)
+    accum = asked if global_batch is None else global_batch // (micro * world)
+    if asked not in (1, accum):  # set too (1 is its default), and it disagrees
+        raise UserError(f"train.global_batch_size={global_batch} and train.gradient_accumulation_steps={asked} "
+                        f"disagree: batch_size x processes x accumulation = {micro} x {world} x {asked}; set "
+                        f"train.gradient_accumulation_steps={accum} (or drop it), or train.global_batch_size="
+                        f"{micro * world * asked}")
     return BatchPlan(micro=micro, accum=accum, world=world, fixed_steps=t.max_steps, epochs=t.num_train_epochs)
 
 

@@ -378,10 +378,8 @@ def _validate_peft(cfg: DictConfig, errors: list[str]) -> None:
         _check(errors, not cfg.train.merge_adapter, "train.merge_adapter",
                "there is no adapter to merge with peft=none; use peft=lora, or drop train.merge_adapter")
         return
-    if pe.load_in_4bit:
-        _check(errors, bool(cfg.model.name_or_path), "model.name_or_path",
-               f"peft={pe.name} loads a pretrained model in 4 bits; set model.name_or_path=<a model directory "
-               "or hub id>")
+    _check(errors, not pe.load_in_4bit or bool(cfg.model.name_or_path), "model.name_or_path",
+           f"peft={pe.name} loads a pretrained model in 4 bits; set model.name_or_path=<a model directory or hub id>")
     # llmexp's ZeRO checkpoints save every rank's optimizer partition and the whole model; an adapter-only
     # checkpoint and resume under ZeRO are not implemented, and ZeRO-3 cannot partition bitsandbytes' packed
     # 4-bit weights. One GPU or DDP (accelerate launch / torchrun, deepspeed=none) trains adapters.
@@ -477,8 +475,7 @@ def metric_direction(cfg: DictConfig, metric: str) -> tuple[bool, str | None]:
     tasks = task_metrics(cfg)
     if prefix != "tasks" or task not in tasks or not name:
         return False, None
-    known = tasks[task]
-    return (True, None) if known is None else (name in known, known.get(name))
+    return (True, None) if (known := tasks[task]) is None else (name in known, known.get(name))
 
 
 def metric_errors(cfg: DictConfig) -> list[str]:
