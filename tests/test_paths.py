@@ -206,6 +206,15 @@ def test_a_fifo_or_device_is_not_a_regular_file_not_an_empty_one(args: list[str]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo"]
 
 
+def test_the_seed_experiment_without_its_files_shows_an_eval_file_for_data_eval_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli_refusal) -> None:
+    """experiment=seed_llama2_7b names ./data/train.json and ./data/eval.json: each missing one's example is its own."""
+    monkeypatch.chdir(tmp_path)
+    code, err = cli_refusal(["experiment=seed_llama2_7b", f"hydra.run.dir={tmp_path}/run"])
+    assert code == 2 and "e.g. data.train_file=path/to/train.jsonl" in err, err
+    assert "e.g. data.eval_file=path/to/eval.jsonl" in err and "data.eval_file=path/to/train" not in err, err
+
+
 @pytest.mark.parametrize(("source", "says"), [
     ("{{path: json, data_files: {t}/missing.jsonl}}", "data.mix[1].data_files={t}/missing.jsonl: no such file"),
     ("{{path: json, data_files: [{t}/rows.jsonl, {t}/empty.jsonl]}}",

@@ -119,7 +119,7 @@ def data_file_problem(cfg: Any, key: str, value: Any, kind: str | None = None) -
     for json, text for text."""
     kind = kind or cfg.data.name
     if kind == "json":
-        example = "held_out" if key.startswith("eval.") else "train"
+        example = "held_out" if key.startswith("eval.") else "eval" if key == "data.eval_file" else "train"
         return _input_file_problem(key, value, f"a JSON or JSONL file, e.g. {key}=path/to/{example}.jsonl")
     return _text_source_problem(key, value) if kind == "text" else None
 
