@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import compose, read_metrics, run_cli
+from tests.conftest import TINY, compose, read_metrics, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +111,15 @@ def test_console_opens_with_a_header_stays_clean_and_is_kept_in_llmexp_log(defau
     assert "generated new fontManager" in log  # it did happen, and the job log keeps it
     for line in ("run        ", "eval      0 | eval_loss", "step     20 | loss", f"completed: {default_run}"):
         assert line in log, line  # the console log
+
+
+def test_rerunning_a_finished_run_says_there_is_nothing_to_train(tmp_path: Path) -> None:
+    """The same command again resumes at train.max_steps and trains no step: no throughput of 0, but the reason."""
+    args = [*TINY, "train.max_steps=1", "train.eval_steps=100", f"hydra.run.dir={tmp_path / 'run'}"]
+    first = run_cli(args, env={"LLMEXP_CACHE": str(tmp_path / "cache")})
+    assert first.returncode == 0 and "tokens_per_sec=" in first.stderr, first.stderr[-2000:]
+    again = run_cli(args, env={"LLMEXP_CACHE": str(tmp_path / "cache")})
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "tokens_per_sec" not in again.stderr.split("completed: ")[-1], again.stderr[-2000:]
+    assert ("nothing to train: the run was already at its last step (1); raise train.max_steps to train on"
+            in again.stderr), again.stderr[-2000:]

@@ -61,12 +61,23 @@ def finish_run(run: Run, status: str) -> dict[str, Any]:
             write_run_report(rt.run_dir)  # report.md and curves.png
         except Exception as err:  # a plotting problem is worth a warning, not a lost run
             log.write(f"warning: could not write the report: {err!r}")
-        log.write(f"\n{status}: {rt.run_dir}\n" + ", ".join(
-            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-            for k, v in summary.items() if k in ("step", "train_loss", "eval_loss", "eval_ppl", "tokens_per_sec")))
+        log.write(f"\n{status}: {rt.run_dir}\n" + _final_line(run, summary))
     log.close()
     rt.accelerator.wait_for_everyone()
     return summary
+
+
+def _final_line(run: Run, summary: dict[str, Any]) -> str:
+    """The run's figures; a resume that found the run at its last step trained nothing, and says so instead of
+    a throughput of 0."""
+    resumes = [r for r in run.log.history if r.get("event") == "resume"]
+    idle = summary["status"] == "completed" and bool(resumes) and int(resumes[-1]["step"]) == run.state.step
+    shown = ("step", "train_loss", "eval_loss", "eval_ppl", *(() if idle else ("tokens_per_sec",)))
+    figures = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                        for k, v in summary.items() if k in shown)
+    key = "train.max_steps" if run.cfg.train.max_steps != -1 else "train.num_train_epochs"
+    return figures + (f"\nnothing to train: the run was already at its last step ({run.state.step}); "
+                      f"raise {key} to train on" if idle else "")
 
 
 def _save_final(run: Run, status: str) -> str:
