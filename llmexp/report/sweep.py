@@ -92,21 +92,15 @@ def collect_job(job_dir: Path, records: list[dict], launched: list[str] | None =
         entry[key] = value if value is not None else last_value(records, event, rec_key)
     if isinstance(entry["train_loss"], int | float) and (summary or {}).get("train_loss") is not None:
         entry["train_ppl"] = math.exp(min(entry["train_loss"], 50.0))  # consistent with the loss shown
-    objective = _objective(job_dir)
-    entry["metric"], entry["direction"] = objective
-    entry["metric_value"] = metric_value(objective[0], summary, records)  # what the recommendation ranks by
+    config = load_config(job_dir)  # a job from before sweep.metric and sweep.direction existed: the eval loss
+    entry["metric"] = str(config_value(config, "sweep.metric") or "eval_loss")
+    entry["direction"] = str(config_value(config, "sweep.direction") or "minimize")
+    entry["metric_value"] = metric_value(entry["metric"], summary, records)  # what the recommendation ranks by
     entry["tasks"] = (summary or {}).get("tasks") or final_tasks(records)
     entry["findings"] = run_findings(job_dir, records)
     entry["worst_severity"] = worst_severity(entry["findings"])
     entry["stability"] = stability(records)
     return entry
-
-
-def _objective(job_dir: Path) -> tuple[str, str]:
-    """(`sweep.metric`, `sweep.direction`) of a job's config; a job from before they existed: the eval loss."""
-    config = load_config(job_dir)
-    return (str(config_value(config, "sweep.metric") or "eval_loss"),
-            str(config_value(config, "sweep.direction") or "minimize"))
 
 
 def varying_params(jobs: list[dict], swept: list[str] | None = None) -> list[str]:
@@ -123,11 +117,10 @@ def _swept(job: dict, keys: list[str]) -> str:
     return " ".join(f"{k}={job['params'].get(k)}" for k in keys) or "(defaults)"
 
 
-def recommend(jobs: list[dict], varying: list[str] | None = None) -> dict[str, Any] | None:
+def recommend(jobs: list[dict], varying: list[str]) -> dict[str, Any] | None:
     """The setting with the best final `sweep.metric` (the lowest eval loss unless the jobs' configs say
     otherwise) among finished jobs with no error findings (the mean over seeds when seeds are swept too), with
     the reason and how stably its loss fell."""
-    varying = varying_params(jobs) if varying is None else varying
     ok = [j for j in jobs if j["status"] in FINISHED and j["worst_severity"] != ERROR
           and isinstance(j["metric_value"], int | float) and math.isfinite(j["metric_value"])]
     if not ok:
