@@ -86,13 +86,6 @@ class Vertex:
         return best, [math.exp(x) for x in self.interval] if self.interval else None, math.exp(self.grid_best)
 
 
-def fit_window(xs: list[float], i_min: int, decades: float = WINDOW_DECADES) -> list[int]:
-    """The indices (xs sorted ascending) of the points near the minimum `i_min`: its immediate neighbours and any
-    further ones within `decades` of it."""
-    reach = decades * math.log(10)
-    return [i for i in range(len(xs)) if abs(i - i_min) <= 1 or abs(xs[i] - xs[i_min]) <= reach + 1e-12]
-
-
 def noise_sigma(ys: list[float], coef: np.ndarray, xs: list[float],
                 replicates: list[list[float]] | None) -> tuple[float | None, str | None]:
     """The noise of the (mean) loss at one point: pooled over replicate seeds where a point has several runs (per run;
@@ -133,7 +126,8 @@ def vertex(xs: list[float], ys: list[float], runs: list[int] | None = None,
     edge = "low" if i_min == 0 else "high" if i_min == len(xs) - 1 else None
     if edge is not None or len(xs) < 3:
         return Vertex(xs[i_min], [i_min], edge)
-    window = fit_window(xs, i_min)
+    reach = WINDOW_DECADES * math.log(10)  # the minimum's immediate neighbours, and any further points within it
+    window = [i for i in range(len(xs)) if abs(i - i_min) <= 1 or abs(xs[i] - xs[i_min]) <= reach + 1e-12]
     wx, wy = [xs[i] for i in window], [ys[i] for i in window]
     coef = np.polyfit(wx, wy, 2)
     v = Vertex(xs[i_min], window, coef=coef.tolist())
@@ -240,13 +234,6 @@ def _damaged(path: Path, why: str) -> UserError:
                      "without it")
 
 
-def _parametrization(config: dict) -> str:
-    """`model.parametrization` of a job's composed config. Read defensively: the key is newer than some runs, which
-    were all trained in the standard parametrization."""
-    value = config_value(config, "model.parametrization")
-    return str(value) if isinstance(value, str) else STANDARD
-
-
 def read_job(job_dir: Path) -> Job | str:
     """A finished job of a sweep, or why it is left out. A summary.json that is there but unreadable is an error
     (its reader said what is wrong with it): fitting without it would quietly move the optimum."""
@@ -270,8 +257,10 @@ def read_job(job_dir: Path) -> Job | str:
     diverged = status == "diverged" or (isinstance(loss, float) and not math.isfinite(loss))
     if loss is None and not diverged:
         return "no eval loss (train.eval_steps off?)"
+    # model.parametrization is newer than some runs, which were all trained in the standard parametrization
+    parametrization = config_value(load_config(job_dir), "model.parametrization")
     return Job(job_dir, int(params), float(lr), None if diverged else float(loss), int(batch), int(context),
-               float(step or 0) * batch * context, _parametrization(load_config(job_dir)))
+               float(step or 0) * batch * context, parametrization if isinstance(parametrization, str) else STANDARD)
 
 
 def collect(sweep_dirs: list[Path]) -> tuple[list[Job], list[dict[str, str]]]:
