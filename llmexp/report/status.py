@@ -69,14 +69,14 @@ class Row:
     job: str
     overrides: str
     status: str
-    step: int | None
-    max_steps: int | None
-    loss: float | None
-    eval_loss: float | None
-    best_eval: float | None
-    eta_s: float | None
-    slurm_id: str | None
-    slurm_state: str | None
+    step: int | None = None
+    max_steps: int | None = None
+    loss: float | None = None
+    eval_loss: float | None = None
+    best_eval: float | None = None
+    eta_s: float | None = None
+    slurm_id: str | None = None
+    slurm_state: str | None = None
 
 
 # ----------------------------------------------------------------------------- the scheduler
@@ -209,8 +209,7 @@ def rows(path: Path, scheduler_timeout_s: float = SCHEDULER_TIMEOUT_S) -> list[R
     shown = {name: shown_overrides(job, keys) for name, job in overrides.items()}
     sweeper = dirs == [path] or lock_holder(path) is not None
     table = [job_row(d, shown[d.name], slurm.get(d.name), states, sweeper) for d in dirs]
-    table += [Row(job=name, overrides=shown[name], status=missing_status(path), step=None, max_steps=None, loss=None,
-                  eval_loss=None, best_eval=None, eta_s=None, slurm_id=None, slurm_state=None) for name in gone]
+    table += [Row(job=name, overrides=shown[name], status=missing_status(path)) for name in gone]
     return sorted(table, key=lambda row: job_order(row.job))
 
 
