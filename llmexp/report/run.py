@@ -62,11 +62,7 @@ _SETTINGS = (
 
 def settings_rows(cfg: dict) -> list[tuple[str, str]]:
     """The settings that decide how training behaves, as (label, value) rows; unset ones left out."""
-    rows = []
-    for label, key in _SETTINGS:
-        if (value := config_value(cfg, key)) is not None:
-            rows.append((label, fmt(value)))
-    return rows
+    return [(label, fmt(value)) for label, key in _SETTINGS if (value := config_value(cfg, key)) is not None]
 
 
 def _with_auto_batch(cfg: dict, records: list[dict]) -> dict:
