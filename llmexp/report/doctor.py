@@ -34,7 +34,7 @@ def _painter(stream: TextIO) -> Paint:
     return lambda text, style: f"{_COLOURS.get(style, _BOLD)}{text}{_RESET}"
 
 
-def format_findings(findings: list[dict], paint: Paint = lambda text, style: text) -> str:
+def format_findings(findings: list[dict], paint: Paint) -> str:
     """Findings as readable text: one block per finding, the advice indented under it."""
     if not findings:
         return paint("No findings: the run looks healthy.", "ok")
