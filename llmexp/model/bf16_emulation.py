@@ -60,15 +60,6 @@ def round_to_bf16(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).to(t.dtype)
 
 
-def _is_bf16(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16
-
-
-def _widen(x: Any) -> Any:
-    """bf16 tensors to fp32: exact, so the fp32 kernel sees the very values the bf16 kernel would."""
-    return x.float() if _is_bf16(x) else x
-
-
 def _emulable(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     """True when the op would run a bf16 kernel: some operand is bf16 and none is fp16/fp64 (left to torch).
     fp32 operands beside bf16 ones are allowed: the attention backward takes an fp32 logsumexp."""
@@ -80,7 +71,7 @@ def _emulable(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
 Widen = Callable[[Any], Any]
 
 
-def _gemm(func: Any, args: Sequence[Any], kwargs: dict[str, Any], widen: Widen = _widen) -> Any:
+def _gemm(func: Any, args: Sequence[Any], kwargs: dict[str, Any], widen: Widen) -> Any:
     """A gemm on bf16 operands: fp32 kernel on their exact fp32 values, result rounded to bf16 once."""
     kwargs = dict(kwargs)
     out = kwargs.pop("out", None)
@@ -89,17 +80,18 @@ def _gemm(func: Any, args: Sequence[Any], kwargs: dict[str, Any], widen: Widen =
     return result if out is None else out.copy_(result)
 
 
-def _inplace_gemm(func: Any, args: Sequence[Any], kwargs: dict[str, Any], widen: Widen = _widen) -> Any:
+def _inplace_gemm(func: Any, args: Sequence[Any], kwargs: dict[str, Any], widen: Widen) -> Any:
     """`addmm_(self, ...)` and friends: the functional gemm, copied into `self` (which is bf16)."""
     functional = getattr(aten, func.overloadpacket.__name__.rstrip("_")).default
     return args[0].copy_(_gemm(functional, args, kwargs, widen))
 
 
 class _WideCache:
-    """The last few bf16 -> fp32 copies, so that a shared operand is widened once: dY in a linear's two backward
-    gemms (dX = dY @ W, dW = dY^T @ X), the softmax gradient in the fused head's two (measured on the tiny model:
-    a third of the elements widened in a step). An entry holds its bf16 source, so no other tensor can take that
-    memory while it is cached, and the version counter in the key catches in-place changes."""
+    """bf16 operands widened to fp32 (exact: the fp32 kernel sees the very values the bf16 kernel would), the last
+    few copies kept so that a shared operand is widened once: dY in a linear's two backward gemms (dX = dY @ W,
+    dW = dY^T @ X), the softmax gradient in the fused head's two (measured on the tiny model: a third of the
+    elements widened in a step). An entry holds its bf16 source, so no other tensor can take that memory while it
+    is cached, and the version counter in the key catches in-place changes."""
 
     ENTRIES = 4
     MAX_BYTES = 1 << 29
@@ -109,7 +101,7 @@ class _WideCache:
         self._entries: OrderedDict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 
     def widen(self, x: Any) -> Any:
-        if not _is_bf16(x):
+        if not (isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16):
             return x
         if x.is_inference() or x.dim() > 4:  # inference tensors have no version counter
             return x.float()
@@ -206,7 +198,7 @@ def _arg(args: Sequence[Any], kwargs: dict[str, Any], index: int, name: str, def
     return args[index] if len(args) > index else kwargs.get(name, default)
 
 
-def _attention_fwd(func: Any, args: Sequence[Any], kwargs: dict[str, Any], widen: Widen = _widen) -> Any:
+def _attention_fwd(func: Any, args: Sequence[Any], kwargs: dict[str, Any], widen: Widen) -> Any:
     """The bf16 CPU flash kernel, emulated: scores from bf16 q, k with fp32 accumulation; softmax numerator
     exp(s - max) in fp32, summed in fp32 and rounded to bf16 before P @ V (as the bf16 kernel and a GPU's flash
     attention do); output rounded to bf16, logsumexp in fp32. Query rows in chunks so the scores stay small."""
@@ -230,7 +222,7 @@ def _attention_fwd(func: Any, args: Sequence[Any], kwargs: dict[str, Any], widen
     return att.unflat(out).to(torch.bfloat16), lse_kernel_layout.copy_(att.unflat(lse))
 
 
-def _attention_bwd(func: Any, args: Sequence[Any], kwargs: dict[str, Any], widen: Widen = _widen) -> Any:
+def _attention_bwd(func: Any, args: Sequence[Any], kwargs: dict[str, Any], widen: Widen) -> Any:
     """The bf16 CPU flash backward, emulated: probabilities recomputed in fp32 from the logsumexp, P and dS rounded
     to bf16 before their matmuls (as the bf16 kernel does), every matmul accumulated in fp32, grads rounded once
     (the kernel rounds its dK, dV accumulators to bf16 after each block of 32-256 queries; a GPU does not)."""
