@@ -80,9 +80,6 @@ class JobOutcome:
     job_id: str | None = None
     """The SLURM job id (array form), when there is one."""
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 # ----------------------------------------------------------------------------- composing and running
 
@@ -277,7 +274,7 @@ def record_outcome(spec: JobSpec, outcome: JobOutcome) -> None:
     if ended_well and (spec.job_dir / "summary.json").exists():
         status_path.unlink(missing_ok=True)
         return
-    write_json_atomic(status_path, {**outcome.to_json(), "overrides": spec.overrides})
+    write_json_atomic(status_path, {**asdict(outcome), "overrides": spec.overrides})
     overrides_yaml = spec.job_dir / ".hydra" / "overrides.yaml"
     if not overrides_yaml.exists():  # what Hydra would have written, so reports show the job's settings
         import yaml

@@ -27,7 +27,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -346,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         outcome = execute(spec, task_function, hydra_context, state)
     else:
         outcome = _run_other_app(spec, task_function, hydra_context, state, Path(outcome_path))
-    write_json_atomic(Path(outcome_path), outcome.to_json())
+    write_json_atomic(Path(outcome_path), asdict(outcome))
     return 0
 
 

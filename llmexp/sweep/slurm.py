@@ -42,7 +42,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +132,7 @@ class SlurmJob(submitit.helpers.Checkpointable):
         if env.global_rank == 0:  # for `cluster.wait=false`: nobody else may be watching
             record_outcome(spec, outcome)
         job_over()
-        return outcome.to_json()
+        return asdict(outcome)
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
         """The same job again, resuming from the newest checkpoint in its run directory."""
