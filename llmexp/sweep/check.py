@@ -66,18 +66,14 @@ def check_inputs(cfg: DictConfig) -> None:
     parsed and checked (file, line, record), the harness and its task names (`harness.check_before_start`), and
     a `train.resume=<path>` checkpoint's files against its manifest (present, each of its size: what
     `list_checkpoints` calls complete; the hashes are checked as the run loads it)."""
+    from llmexp.checkpoint.serialize import CorruptCheckpoint
+    from llmexp.checkpoint.store import verify_checkpoint
     from llmexp.evals.harness import check_before_start
     from llmexp.evals.items import read_task_files
 
     read_task_files(cfg)
     check_before_start(cfg.eval.lm_eval)
-    _check_resume(str(cfg.train.resume))
-
-
-def _check_resume(choice: str) -> None:
-    from llmexp.checkpoint.serialize import CorruptCheckpoint
-    from llmexp.checkpoint.store import verify_checkpoint
-
+    choice = str(cfg.train.resume)
     if choice in ("auto", "never"):  # (a path that is no checkpoint directory: `paths.checkpoint_problem`)
         return
     try:
