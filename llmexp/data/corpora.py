@@ -36,7 +36,6 @@ SFT_RECIPE_VERSION = 1
 
 
 def stdlib_root() -> Path:
-    """The running interpreter's standard library directory."""
     return Path(sysconfig.get_paths()["stdlib"])
 
 
@@ -197,7 +196,7 @@ def split_text(texts: list[str], eval_fraction: float) -> tuple[list[str], list[
 # ---------------------------------------------------------------- stdlib_sft
 
 
-def _docstring_pairs(root: str, rel: str, max_doc_chars: int) -> list[Record]:
+def _docstring_pairs(root: str, rel: str) -> list[Record]:
     """signature -> docstring pairs of one module's public functions and methods."""
     try:
         tree = ast.parse(read_source(Path(root) / rel))
@@ -212,7 +211,7 @@ def _docstring_pairs(root: str, rel: str, max_doc_chars: int) -> list[Record]:
             elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
                 doc = ast.get_docstring(child)
                 if doc and not child.name.startswith("_") and len(doc) >= 20:
-                    doc = inspect.cleandoc(doc).split("\n\n")[0][:max_doc_chars]
+                    doc = inspect.cleandoc(doc).split("\n\n")[0][:400]
                     kw = "async def" if isinstance(child, ast.AsyncFunctionDef) else "def"
                     ret = f" -> {ast.unparse(child.returns)}" if child.returns else ""
                     prompt = f"# {rel}: {owner}{child.name}\n{kw} {child.name}({ast.unparse(child.args)}){ret}:\n"
@@ -223,16 +222,15 @@ def _docstring_pairs(root: str, rel: str, max_doc_chars: int) -> list[Record]:
     return pairs
 
 
-def stdlib_sft_records(rel_paths: list[str], num_proc: int, max_doc_chars: int = 400) -> list[Record]:
+def stdlib_sft_records(rel_paths: list[str], num_proc: int) -> list[Record]:
     """Instruction pairs from the stdlib: a function's signature is the prompt, its docstring's first
-    paragraph the completion. Parsing runs on `num_proc` processes."""
+    paragraph (at most 400 characters) the completion. Parsing runs on `num_proc` processes."""
     root = str(stdlib_root())
-    args = [(root, rel, max_doc_chars) for rel in rel_paths]
     if num_proc > 1 and len(rel_paths) > 50:
         with ProcessPoolExecutor(num_proc) as pool:
-            chunks = list(pool.map(_docstring_pairs, *zip(*args, strict=True), chunksize=16))
+            chunks = list(pool.map(_docstring_pairs, [root] * len(rel_paths), rel_paths, chunksize=16))
     else:
-        chunks = [_docstring_pairs(*a) for a in args]
+        chunks = [_docstring_pairs(root, rel) for rel in rel_paths]
     return [pair for chunk in chunks for pair in chunk]
 
 
