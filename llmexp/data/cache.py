@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import numpy as np
 from filelock import FileLock
 
-from llmexp.errors import first_line
+from llmexp.errors import UserError, first_line
 from llmexp.rundir.files import staged_dir
 from llmexp.rundir.readers import Damaged, file_sha256, load_json, reader
 
@@ -131,8 +131,6 @@ def cached(root: Path, kind: str, key: str, build: Callable[[Path], dict[str, An
     """(`load(entry, meta)`, meta, cache hit?) of a verified entry, built on a miss. A hit that `load` cannot
     read (a meta.json edited by hand, or a library that now reads it otherwise) is a miss too: warned about,
     rebuilt, loaded again; what `load` raises then is a real error and propagates."""
-    from llmexp.errors import UserError
-
     entry, meta, hit = get_or_build(root, kind, key, build)
     if not hit:
         return load(entry, meta), meta, False
