@@ -53,8 +53,7 @@ def hub_load_kwargs(name: str, key: str = "model.name_or_path") -> dict[str, Any
     """Extra `from_pretrained` kwargs for `name`: a local path as it is; a hub id offline reads only the
     local HF cache (`local_files_only`), which raises at once when the model is not there.
     Raises `hub_error` for a local-looking path that does not exist."""
-    path = Path(name).expanduser()
-    if path.exists():
+    if Path(name).expanduser().exists():
         return {}
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise hub_error(name, key=key)
