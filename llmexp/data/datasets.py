@@ -15,8 +15,7 @@ Examples are cut one of three ways, chosen from the records and `data.packing`:
 
 The token arrays are cached (`tokens/<key>/`, uint16 when the vocabulary fits) under a key of the
 corpus content, the tokenizer and these settings, and memory-mapped on a hit. With `data.streaming=true`
-the trainer builds from `llmexp.data.stream` instead, which cuts with the same `encode_records` and
-`cut_examples` as it reads, and caches nothing.
+the trainer builds from `llmexp.data.stream` instead, which cuts as it reads and caches nothing.
 """
 
 from __future__ import annotations
@@ -306,7 +305,6 @@ def pad_id_of(tok: Any) -> int:
 
 
 MODES = ("lm_packed", "sft_packed", "padded")
-"""How records become rows (module docstring)."""
 
 
 def example_mode(sft: bool, packing: bool) -> str:

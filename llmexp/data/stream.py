@@ -1,9 +1,6 @@
 """`data.streaming=true` (data=hf): the train split read as training goes, never tokenised into the cache (what
-it does for the user: docs/how-to/data.md, "Streaming").
-
-    train, eval, stats = build_stream_datasets(cfg, tokenizer)  # through llmexp.data.datasets.build_datasets
-    idx = train.step_indices(seed, step, global_batch)         # arange(G): the rows of this step's batch
-    batch = train.get_batch(micro_batch(idx, rank, world, micro, micro_batch_size))
+it does for the user: docs/how-to/data.md, "Streaming"). `build_stream_datasets` stands in for `build_datasets`,
+used as `llmexp.data.datasets`' docstring shows; its `step_indices` are arange(G), the rows of the step's batch.
 
 The global batch at step t is examples [t*G, (t+1)*G) of an endless stream: the split's rows in windows of
 `data.shuffle_window` rows, each permuted by an rng seeded by (seed, epoch, window), mapped to records with
