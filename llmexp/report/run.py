@@ -171,10 +171,8 @@ def run_report_markdown(run_dir: Path, records: list[dict], summary: dict | None
 
 
 def write_run_report(run_dir: Path, findings: list[Finding] | list[dict] | None = None) -> None:
-    """Write report.md and curves.png from metrics.jsonl, summary.json and .hydra/.
-
-    `findings` defaults to a fresh diagnosis of metrics.jsonl (or summary.json's when there are no metrics).
-    """
+    """Write report.md and curves.png from metrics.jsonl, summary.json and .hydra/; `findings` defaults to a fresh
+    diagnosis of metrics.jsonl (or summary.json's when there are no metrics)."""
     from llmexp.report.plots import plot_run
 
     run_dir = Path(run_dir)
