@@ -34,6 +34,7 @@ from llmexp.rundir.read import (
     load_records,
     load_summary,
     missing_status,
+    override_key,
     swept_keys,
     varying_keys,
 )
@@ -156,7 +157,7 @@ def sweep_report_markdown(summary: dict) -> str:
     rec, varying, jobs = summary["recommendation"], summary["varying"], summary["jobs"]
     # a column for sweep.metric when it is not the eval loss (the jobs of one sweep share it)
     metric = next((j["metric"] for j in jobs if j.get("metric") not in (None, "eval_loss")), None)
-    common = [o for o in (jobs[0]["overrides"] if jobs else []) if o.lstrip("+~").partition("=")[0] not in varying
+    common = [o for o in (jobs[0]["overrides"] if jobs else []) if override_key(o) not in varying
               and all(o in j["overrides"] for j in jobs)]
     lines = [f"# Sweep report: {Path(summary['sweep_dir']).name}\n",
              f"**Jobs:** {summary['num_jobs']} (" + ", ".join(f"{n} {s}" for s, n in summary["status_counts"].items())
