@@ -93,7 +93,7 @@ def collect_job(job_dir: Path, records: list[dict], launched: list[str] | None =
         entry[key] = value if value is not None else last_value(records, event, rec_key)
     if isinstance(entry["train_loss"], int | float) and (summary or {}).get("train_loss") is not None:
         entry["train_ppl"] = math.exp(min(entry["train_loss"], 50.0))  # consistent with the loss shown
-    config = load_config(job_dir)  # a job from before sweep.metric and sweep.direction existed: the eval loss
+    config = load_config(job_dir)  # a job from before sweep.metric and sweep.direction: the eval loss, minimised
     entry["metric"] = str(config_value(config, "sweep.metric") or "eval_loss")
     entry["direction"] = str(config_value(config, "sweep.direction") or "minimize")
     entry["metric_value"] = metric_value(entry["metric"], summary, records)  # what the recommendation ranks by
