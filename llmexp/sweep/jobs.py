@@ -125,8 +125,7 @@ def compose_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
     compose = compose or "override" in str(subdir)  # e.g. `${hydra.job.override_dirname}`
     open_parent(launcher.config, sweep_dir)  # logger=mlflow: the jobs' runs nest under it
     specs = []
-    for offset, overrides in enumerate(job_overrides):
-        num = initial_job_idx + offset
+    for num, overrides in enumerate(job_overrides, start=initial_job_idx):
         cfg = compose_job(launcher, list(overrides), num) if compose else None
         specs.append(JobSpec(num=num, overrides=list(overrides), config=cfg,
                              job_dir=job_dir_of(cfg if cfg is not None else launcher.config, num)))
