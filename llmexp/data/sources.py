@@ -15,7 +15,6 @@ from llmexp.errors import UserError
 
 CORPORA = {"stdlib": stdlib_corpus, "stdlib_sft": stdlib_corpus, "json": user_corpus, "text": user_corpus,
            "hf": hf_corpus}
-"""The corpus of each `data.name`."""
 
 
 def load_corpora(d: Any) -> list[Corpus]:
