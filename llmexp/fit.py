@@ -1,5 +1,4 @@
-"""`python -m llmexp.fit SWEEP_DIR ... [--target-params N] [--out DIR]`: an entry point; the command is
-`llmexp.cli.fit`."""
+"""`python -m llmexp.fit SWEEP_DIR ...`: an entry point; the command is `llmexp.cli.fit`."""
 
 from llmexp.cli.fit import main
 from llmexp.process import run_entry
