@@ -198,19 +198,18 @@ def _state_bytes_per_param(opt: DictConfig) -> float:
 
 def estimate(cfg: DictConfig, *, num_params: int, precision: str, world: int,
              adapters: AdapterFacts | None = None, micro_batch: int | None = None,
-             units: FsdpUnits | None = None, shards: int | None = None, model: Any = None) -> MemoryEstimate:
+             units: FsdpUnits | None = None, model: Any = None) -> MemoryEstimate:
     """The per-device memory of one configuration (see the module docstring for the accounting).
 
-    `micro_batch` replaces `batch_size` (which may be `auto`: 1 then); under FSDP `units` (default: read
-    off the meta model) and `shards` (default: world; hybrid_shard: LOCAL_WORLD_SIZE) may be given; so may
-    `model`, the model's transformers config (default: `model_config(cfg)`)."""
+    `micro_batch` replaces `batch_size` (which may be `auto`: 1 then); under FSDP `units` (default: read off the
+    meta model) may be given; so may `model`, the model's transformers config (default: `model_config(cfg)`)."""
     micro = micro_batch or parse_batch_size(cfg.batch_size) or 1
     activations = activation_bytes(cfg, precision, micro, model)
     if adapters is not None:
         return _estimate_adapters(cfg, num_params, precision, adapters, micro, activations)
     if cfg.fsdp.name != "none":
-        return _estimate_fsdp(cfg, num_params, precision, units or fsdp_units(cfg),
-                              shards or fsdp_shards(cfg.fsdp.name, world), activations)
+        return _estimate_fsdp(cfg, num_params, precision, units or fsdp_units(cfg), fsdp_shards(cfg.fsdp.name, world),
+                              activations)
     ds, opt = cfg.deepspeed, cfg.optimizer
     zero = max(ds.stage, 0)
     half_module = zero > 0 and precision in ("bf16", "fp16")  # DeepSpeed keeps 16-bit module weights
