@@ -23,12 +23,11 @@ Use: `with torch.autocast("cpu", torch.bfloat16), Bf16Emulation(): loss = model(
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
 
@@ -378,7 +377,7 @@ def settle_on_cpu(precision: Precision) -> Precision:
         return precision
     probe = probe_bf16_slowdown()
     emulate = use_bf16_emulation(precision.name, "cpu", precision.bf16, probe)
-    return dataclasses.replace(
+    return replace(
         precision, emulate_bf16=emulate,
         bf16_slowdown=probe.emulated_slowdown if emulate else probe.native_slowdown,
         warning=emulation_message(probe, emulate) if precision.bf16 == "emulated" else None)

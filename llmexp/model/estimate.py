@@ -28,6 +28,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from llmexp.config.derived import parse_batch_size
+from llmexp.model.build import count_params, field_kwargs
 
 MiB = 2**20
 NF4_BYTES_PER_PARAM = 0.5 + 0.127 / 8  # 4-bit NF4 with double quantisation (module docstring)
@@ -85,7 +86,6 @@ def model_config(cfg: DictConfig) -> Any:
 
     from llmexp.data.tokenizer import hub_error, is_local_name
     from llmexp.machine.gguf import local_gguf
-    from llmexp.model.build import field_kwargs
 
     m = cfg.model
     gguf = local_gguf(str(m.name_or_path), str(m.gguf_file)) if m.name_or_path and m.gguf_file else None
@@ -112,16 +112,12 @@ def meta_model(cfg: DictConfig) -> Any:
 
 def count_params_meta(cfg: DictConfig) -> int:
     """Parameters of the configured model, built on the meta device: nothing is allocated."""
-    from llmexp.model.build import count_params
-
     return count_params(meta_model(cfg), trainable_only=False)
 
 
 def meta_facts(cfg: DictConfig, precision: str, world: int) -> dict[str, Any]:
     """What `estimate` and `largest_fitting` read off the model, from one meta model: the parameter count, the
     adapters (`adapter_facts`) and FSDP's units (`fsdp_units`, under fsdp), with `precision` and `world`."""
-    from llmexp.model.build import count_params
-
     model = meta_model(cfg)
     return {"num_params": count_params(model, trainable_only=False), "precision": precision, "world": world,
             "adapters": adapter_facts(cfg, model), "units": fsdp_units(cfg, model) if cfg.fsdp.name != "none" else None}
