@@ -11,7 +11,9 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+from llmexp.config.derived import model_sizes
 from llmexp.errors import UserError, first_line
+from llmexp.model.mup import granite_multipliers, lr_mult, mup_groups, rescale_init
 
 if TYPE_CHECKING:
     import torch
@@ -79,8 +81,6 @@ def build_model(cfg: DictConfig, vocab_size: int, precision: str = "fp32") -> Pr
 
 def field_kwargs(m: DictConfig, vocab_size: int) -> dict[str, Any]:
     """The config of a model built from `model.*`, its sizes times `model.width_mult` (`derived.model_sizes`)."""
-    from llmexp.config.derived import model_sizes
-
     sizes = model_sizes(m)
     return dict(vocab_size=vocab_size, hidden_size=sizes.hidden_size, intermediate_size=sizes.intermediate_size,
                 num_hidden_layers=m.num_hidden_layers, num_attention_heads=sizes.num_attention_heads,
@@ -93,9 +93,6 @@ def _mup_model(m: DictConfig, vocab_size: int) -> PreTrainedModel:
     """model.parametrization=mup: Granite (Llama's layout with muP's multipliers), its init rescaled
     (`llmexp.model.mup`). At model.mup_base_width it is the standard Llama, weight for weight."""
     from transformers import GraniteConfig, GraniteForCausalLM
-
-    from llmexp.config.derived import model_sizes
-    from llmexp.model.mup import granite_multipliers, rescale_init
 
     sizes = model_sizes(m)
     model = GraniteForCausalLM(GraniteConfig(**field_kwargs(m, vocab_size),
@@ -204,9 +201,6 @@ def param_groups(model: torch.nn.Module, weight_decay: float, decay_all: bool) -
 def optimizer_groups(cfg: DictConfig, model: torch.nn.Module) -> list[dict[str, Any]]:
     """The param groups: muP's per-part groups (each with its `lr_mult`), or the standard two."""
     if cfg.model.parametrization == "mup" and not cfg.model.name_or_path:
-        from llmexp.config.derived import model_sizes
-        from llmexp.model.mup import mup_groups
-
         return mup_groups(cfg, model, model_sizes(cfg.model).mup_width_mult(cfg.model.mup_base_width))
     return param_groups(model, cfg.train.weight_decay, cfg.optimizer.decay_norms_and_biases)
 
@@ -235,8 +229,6 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module, lr: float, device_t
     except (ValueError, TypeError) as err:  # torch and bitsandbytes check their arguments: e.g. eps < 0
         raise UserError(f"optimizer: {target} rejected its arguments {kwargs} ({err}); "
                         "fix optimizer.* or optimizer.kwargs.*") from err
-    from llmexp.model.mup import lr_mult
-
     for group in optimizer.param_groups:  # muP's per-part lrs from the start (the trainer sets them each step)
         group["lr"] = lr * lr_mult(group)
     return optimizer
