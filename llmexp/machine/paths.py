@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from llmexp.machine.task_code import code_in_task_dir
 from llmexp.rundir.read import is_run_dir, is_sweep_dir
-from llmexp.rundir.readers import Damaged, load_json, reader
+from llmexp.rundir.readers import NOT_FILES, Damaged, load_json, reader
 
 HF_BUILDERS = ("parquet", "arrow", "json", "csv", "text")
 """`data.path` values that name one of the `datasets` file builders: `data.data_files` says which files."""
@@ -43,10 +43,6 @@ def _stat(path: Path) -> tuple[os.stat_result | None, str | None]:
         return None, f"cannot be read ({os.strerror(err.errno or 0) or err})"
 
 
-_SPECIAL = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device", stat.S_IFSOCK: "a socket"}
-"""What a path is that is neither a regular file nor a directory: reading one could block (a FIFO) or never end."""
-
-
 def _look(key: str, value: Any, what: str, directory: bool | None) -> tuple[Path, os.stat_result | None, str | None]:
     """The path `value` names, its stat (None: it does not exist), and why it will not do whatever it holds: it
     cannot be looked at, it is a directory where a file belongs (`directory` false) or the reverse, or it is neither
@@ -57,7 +53,7 @@ def _look(key: str, value: Any, what: str, directory: bool | None) -> tuple[Path
     if found is not None and directory is not None and is_dir != directory:
         why = "is a file, not a directory" if directory else "is a directory"
     elif found is not None and not is_dir and not stat.S_ISREG(found.st_mode):
-        why = f"is not a regular file ({_SPECIAL.get(stat.S_IFMT(found.st_mode), 'a special file')})"
+        why = f"is not a regular file ({NOT_FILES.get(stat.S_IFMT(found.st_mode), 'a special file')})"
     return path, found, why and f"{key}={value}: {why}; point it at {what}"
 
 

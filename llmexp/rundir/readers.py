@@ -236,8 +236,9 @@ def _checked(path: Path, fn: Callable[..., Any], value: Any) -> Any:
 # ----------------------------------------------------------------------------- bytes and text
 
 
-_NOT_FILES = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device",
-              stat.S_IFSOCK: "a socket"}
+NOT_FILES = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device",
+             stat.S_IFSOCK: "a socket"}
+"""What a path is that is not a regular file: reading one could block (a FIFO) or never end (a device)."""
 
 
 @contextmanager
@@ -248,7 +249,7 @@ def open_regular(path: Path | str) -> Iterator[IO[bytes]]:
     with os.fdopen(fd, "rb") as f:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise Damaged(path, f"it is {_NOT_FILES.get(stat.S_IFMT(mode), 'not a regular file')}, not a file")
+            raise Damaged(path, f"it is {NOT_FILES.get(stat.S_IFMT(mode), 'not a regular file')}, not a file")
         yield f
 
 
