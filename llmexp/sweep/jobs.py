@@ -42,7 +42,7 @@ from llmexp.rundir.read import (
     swept_keys,
     varying_keys,
 )
-from llmexp.rundir.redact import scrub_overrides
+from llmexp.rundir.redact import print_user_error, scrub_overrides
 from llmexp.sweep.tracking import close_parent, open_parent
 
 T = TypeVar("T")
@@ -100,12 +100,11 @@ def objective(config: Any) -> tuple[str | None, str]:
 
 def exit_2_on_user_error(action: Callable[..., T], *args: Any) -> T:
     """`action(*args)`, a user's mistake inside a launcher or sweeper (Hydra would print it as a traceback and
-    exit 1) printed as one line and exit 2, as the CLI prints its own."""
+    exit 1) printed as one line, secrets scrubbed, and exit 2, as the CLI prints its own."""
     try:
         return action(*args)
     except UserError as err:
-        print(f"llmexp: error: {err}", file=sys.stderr)
-        raise SystemExit(EXIT_USER) from None
+        raise SystemExit(print_user_error("llmexp", err)) from None
 
 
 def compose_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int,
