@@ -1,17 +1,10 @@
 """Checkpoints that never lose work: atomic save, verification, safe rotation and resume.
 
-A checkpoint is a directory `<run_dir>/checkpoints/step_<N>/` holding whatever the trainer's `write(dir)` callback
-put there plus `manifest.json`, which lists every file's size and sha256. The life of a save:
-
-    .tmp-step_<N>-<host>-<pid>/   write(tmp) fills it, manifest.json last, fsync every file and dir
-    step_<N>/                     one rename makes it visible (an existing step_<N> is swapped out)
-    rotate()                      only now are old checkpoints deleted
-
-So a crash at any point leaves either the previous checkpoints untouched or the new one complete; a half-written
-directory is never called `step_<N>`. Only complete checkpoints (manifest present, every size right) are listed,
-loaded, or counted and deleted by rotation; directories this module did not write are never touched, and nothing is
-deleted through a symbolic link: a `step_<N>` that is a link is moved aside (`step_<N>.displaced-<ns>`), never
-followed. No torch at import time: this module sits beside the config path.
+`.tmp-step_<N>-<host>-<pid>/` is filled by the trainer's `write(tmp)`, then `manifest.json` (every file's size and
+sha256), all fsynced; one rename publishes it as `step_<N>/`, and only then does `rotate()` delete old ones. So a
+crash leaves the previous checkpoints or the new one complete. Only complete checkpoints are listed, loaded or
+rotated; nothing is deleted through a symbolic link (docs/explanation/checkpoints-and-resume.md).
+No torch at import time: this module sits beside the config path.
 """
 from __future__ import annotations
 
