@@ -1,18 +1,10 @@
 """Sharded checkpoints through torch.distributed.checkpoint (DCP), read without running pickle code.
 
-DCP writes one `.distcp` file per rank plus a `.metadata` index, and reads them back whatever the
-number of processes now (it reshards). Its stock reader runs pickle code twice:
-
-- `FileSystemReader.read_metadata` calls a plain `pickle.load` on `.metadata`;
-- `DefaultLoadPlanner.load_bytes` loads every non-tensor entry with an unrestricted `torch.load`
-  (the optimizer's param groups, for instance).
-
-`SafeReader` reads `.metadata` with `MetadataUnpickler`, which builds only DCP's own metadata
-classes, dtypes, layouts, `torch.Size` and paths, and refuses any other global (so a crafted
-`.metadata` cannot call `os.system`); `SafePlanner` loads the non-tensor entries with
-`torch.load(weights_only=True)`. Tensor data DCP already reads with `weights_only=True`. A refusal
-is a `CorruptCheckpoint` naming the file (exit 2, or the next older checkpoint with resume=auto).
-
+DCP's stock reader runs pickle code twice: `FileSystemReader.read_metadata` calls a plain `pickle.load` on
+`.metadata`, and `DefaultLoadPlanner.load_bytes` an unrestricted `torch.load` on every non-tensor entry (the
+optimizer's param groups). `SafeReader` reads `.metadata` with `MetadataUnpickler` (DCP's own metadata classes,
+dtypes, layouts, `torch.Size` and paths; any other global is refused), `SafePlanner` loads the non-tensor entries
+with `weights_only=True`; a refusal is a `CorruptCheckpoint` naming the file. See docs/how-to/fsdp-and-deepspeed.md.
 torch is imported inside the functions: this module sits beside the config path.
 """
 

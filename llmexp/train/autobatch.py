@@ -1,18 +1,9 @@
-"""`batch_size=auto`: the largest micro-batch that fits in memory, found before the run's model is built.
-
-    candidates (`config.derived.auto_batch_candidates`: steps of at most 3/4, capped by the global batch per process
-      and the train set) -> upper bound: the largest whose estimate (`llmexp.model.estimate`) fits the budget
-      (a share of CUDA's free memory, or of the available RAM split between this host's processes)
-    -> probe, largest first: one real forward + backward + optimizer step of a throwaway model
-      built as the run builds it, at that micro-batch
-        CUDA: torch.OutOfMemoryError means "too large", the next candidate is tried
-        CPU:  there is no exception (the kernel kills the process), so the estimate keeps the probe
-              below the budget and the probe's measured peak RSS must fit it too
-    -> the minimum over ranks (every rank must run the same micro-batch).
+"""`batch_size=auto`: the largest micro-batch that fits in memory, found before the run's model is built: the
+estimate's upper bound, then one real step of a throwaway model per candidate, largest first, and the minimum over
+ranks (docs/how-to/fsdp-and-deepspeed.md, "Memory").
 
 Accelerate's `find_executable_batch_size` retries the whole training function on OOM: it cannot see a
 CPU running out, and a retry would rebuild data and logger too; this probe is one step, then gone.
-A resumed run reuses the choice its checkpoint's loop state holds (`LoopState.batch_size_auto`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""Downstream tasks at every eval (`eval` config group): what the loop calls besides the held-out loss.
-
-    build_suite(...)            once, after the data: the demo items, the extra held-out sets, the harness index
-                                (None with eval=loss: the run scores no task)
-    run_tasks(suite, run, ...)  at every eval: each task on this rank's share, summed over the ranks,
-                                one `eval_task` record per task (rank 0 logs)
-
-The scorers are `llmexp.evals`'; this module only splits the work between ranks and adds it up. Every rank
+"""Downstream tasks at every eval (`eval` config group): `build_suite` once, after the data; `run_tasks` at every
+eval. The scorers are `llmexp.evals`'; this module only splits the work between ranks and adds it up. Every rank
 scores items i with i % world == rank (every rank runs as many forwards, since a forward may be collective);
 harness tasks run on rank 0, which holds whole weights (generate and lm_eval are refused under
 sharded weights), while the others wait at the next collective.

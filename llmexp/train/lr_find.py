@@ -1,28 +1,10 @@
 """`lr=find`: an lr range test in the run's own process, then training at its pick from a fresh start.
 
-The test (Smith 2015, "Cyclical Learning Rates for Training Neural Networks", section 3.3; fastai's `lr_find`):
-a throwaway copy of the run's model, built as the run builds it, trains on the run's first batches while the lr
-rises exponentially from `train.lr_find_start` over `train.lr_find_steps` steps towards `train.lr_find_end`; the
-loss is smoothed (an exponential moving average, beta 0.98, bias-corrected: fastai's) and the test stops once
-the smoothed loss passes 4x its minimum or is not finite (diverged). Three rules read a pick off the same curve
-(`RULES`; `train.lr_find_rule` chooses the one the run trains at, and `lr_find.json` records all three): `steep`,
-the steepest descent of the smoothed loss against log lr (Lightning's `suggestion()`); `minimum`, the lr at the
-smoothed loss's minimum divided by 10 (Smith's rule of thumb; fastai's `lr_min`); `valley`, half-way along the
-longest stretch over which the smoothed loss keeps falling (fastai's default since its PR #3377).
-
-The defaults, 200 steps and `steep`, are the measured best (benchmarks/lr_finder.py, two models, two seeds, against
-a sqrt(2)-spaced grid of 150-step runs): the EMA lags ~49 steps, 4 decades of lr at fastai's 100 steps, so the
-smoothed minimum sits far above the one-step losses' and `minimum` landed 1.3-3.5x from the grid's best at 100
-steps and 12-30x at 200; `valley` follows the range (its pick moved 9x when the start moved 100x); `steep` at 200
-steps landed within 1.4x in three runs of four and 2.1x in the fourth.
-
-The test leaves no trace in the run: its model, optimizer and engine are set up by `setup.describe` as the
-run's own are (at the test's first lr), stepped through the same `Engine` calls as the loop's, then dropped
-and released from Accelerate (`free_memory`); every RNG (python, numpy, torch, CUDA) is restored afterwards;
-the data sampler is a pure function of (seed, step); fp16's loss scaler is the throwaway engine's own. The run
-then builds its model from the seed as a plain run at that lr would, so its training is bitwise that run's
-(tests/test_lr_find.py). `lr_find.json` holds the curve and the pick, and a
-rerun in the same directory (a resume, a requeue) reads it instead of testing again.
+The test, its three rules (`RULES`) and why the defaults (200 steps, `steep`) are the measured best:
+docs/how-to/schedules.md. The test leaves no trace in the run: its throwaway run is set up by `setup.describe`
+as the run's own is, stepped through the same `Engine` calls, then released from Accelerate (`free_memory`);
+every RNG is restored, and the sampler is a pure function of (seed, step). So the training after it is bitwise
+that of a plain run at the pick (tests/test_lr_find.py). A rerun in the same directory reads `lr_find.json`.
 """
 
 from __future__ import annotations

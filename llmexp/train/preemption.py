@@ -14,16 +14,11 @@ from llmexp.monitor.console import silence_dead_stdio
 
 
 class PreemptionSignal:
-    """While active, SIGTERM, SIGUSR2 and SIGINT (Ctrl-C) only set `.requested` (and `.signal_name`).
-
-    The trainer checks `.requested` at each step boundary (the first one is before the loop,
-    so a signal during start-up counts too), saves a checkpoint and exits with status
-    `preempted`, so a scheduler can requeue the run. A second SIGINT ends the process at once,
-    by SIGINT's default action, as Ctrl-C normally does: no checkpoint, no summary. On exit the
-    previous handlers are restored. Outside the main thread Python cannot install handlers:
-    then it stays inert (`.active` is False). Entered while another one is active, it hands out
-    that one, so an early, outer guard and the trainer's share one flag.
-    """
+    """While active, SIGTERM, SIGUSR2 and SIGINT (Ctrl-C) only set `.requested` (and `.signal_name`), which the
+    trainer checks at each step boundary (docs/explanation/checkpoints-and-resume.md); a second SIGINT ends the
+    process at once, by SIGINT's default action. Outside the main thread Python cannot install handlers: then it
+    stays inert (`.active` is False). Entered while another one is active, it hands out that one, so an early,
+    outer guard and the trainer's share one flag."""
 
     _current: ClassVar[PreemptionSignal | None] = None
 

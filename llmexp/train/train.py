@@ -8,14 +8,9 @@
                 -> [log] [save] [preempt?]
     _finish  -> final eval and samples -> model/ -> summary.json -> report
 
-Each eval scores the held-out loss and the downstream tasks of the `eval` group (`eval_suite.run_tasks`). `lr=find`
-runs its range test before set-up (`lr_find.settle_lr`) and the run then starts afresh at its pick.
-
-Everything that decides *what* to do lives in components: set-up (`setup.describe`, resolved once into a
-`RunDescription` the loop only reads), the schedule (`schedule.lr_at`), the anomaly policy (`anomaly.judge_step`),
-the detectors (`monitor`), the sampler (`TokenDataset.step_indices`), the step engine (`engines`: plain,
-DeepSpeed or FSDP), checkpoint I/O (`resume`, `finish`). The loop only calls them in the right order, and writes
-only its `LoopState`.
+Everything that decides *what* to do lives in the components the loop calls (set-up, schedule, anomaly policy,
+detectors, sampler, step engine, checkpoint I/O); the loop calls them in the right order and writes only its
+`LoopState`.
 """
 
 from __future__ import annotations

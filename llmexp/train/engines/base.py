@@ -2,16 +2,9 @@
 Accelerate's (one process or DDP) and a plain optimizer step; the plain engine (`plain.py`: one process or DDP),
 DeepSpeed ZeRO (`deepspeed.py`) and FSDP2 (`fsdp.py`) override what they do otherwise.
 
-The loop (`llmexp.train.train`) calls, for every optimizer step:
-
-    engine.backward(loss)                   each micro-batch (fp16: through the loss scaler)
-    engine.clip(model, optimizer, norm, d)  the pre-clip global grad norm (inf/nan if non-finite), on device d
-    engine.step(optimizer)                  the optimizer step, when the anomaly policy says ok
-    optimizer.zero_grad()
-
-An engine that `steps_first` (DeepSpeed: it measures and clips the gradients only inside its own step) is
-stepped before `clip`, which then reports the norm of the step just taken, and the policy judges a step that
-cannot be undone. For checkpoints each engine says how its weights and optimizer state are written and read.
+For every optimizer step the loop calls `backward` on each micro-batch, then `clip` (the pre-clip grad norm),
+then `step` when the anomaly policy says ok. An engine that `steps_first` (DeepSpeed: it measures and clips the
+gradients only inside its own step) is stepped before `clip`, and the policy judges a step that cannot be undone.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """The DeepSpeed ZeRO engine, prepared by Accelerate (its config: `llmexp.train.distributed`). ZeRO owns
 accumulation boundaries, clipping, fp16 loss scaling and the step itself; it computes the gradient norm only inside
-that step, so the loop calls `step` first (norm, clip, step, or skip on a non-finite norm: `steps_first`), `clip` then
-reports that step's norm, and the anomaly policy judges a step already taken.
+that step, so the loop calls `step` first (`steps_first`), and the anomaly policy judges a step already taken.
 
-Checkpoints never unpickle: DeepSpeed's own `save_checkpoint`/`load_checkpoint` would read back with
-an unrestricted `torch.load`. Each rank's optimizer shard (fp32 master partition, moments, loss scale)
-is converted to tensors and plain data and saved as `zero_rank<R>.pt` through `checkpoint.serialize`,
-which loads back with `weights_only=True`; ZeRO's own `load_state_dict` then restores it. Resuming a
-ZeRO checkpoint needs the same number of processes.
+Checkpoints never unpickle: DeepSpeed's own `save_checkpoint`/`load_checkpoint` would read back with an
+unrestricted `torch.load`, so each rank's optimizer shard is saved as tensors and plain data (`zero_rank<R>.pt`,
+`checkpoint.serialize`) and restored by ZeRO's own `load_state_dict`. Resuming needs as many processes.
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """The FSDP2 step engine: every decoder layer and the model root sharded with torch's `fully_shard`,
-checkpoints through torch.distributed.checkpoint (DCP), which reshards on load.
+checkpoints through torch.distributed.checkpoint (DCP), which reshards on load. The options, their mixed
+precision and the checkpoints' guarantees: docs/how-to/fsdp-and-deepspeed.md.
 
 Why torch's `fully_shard` and not Accelerate's FSDP plugin: Accelerate 1.15 turns the plugin on only
 for multi-accelerator runs (MULTI_GPU, MULTI_XPU, ...; `AcceleratorState.__init__`), so on CPU and on
 one process it silently drops it and runs DDP or nothing. One code path, sharded the same way on
 one process, on CPU with gloo (the tests) and on GPUs, is worth more than the plugin's wrapping.
-
-- `fsdp.name`: full_shard (parameters re-sharded after the forward), shard_grad_op (kept gathered
-  from the forward to the backward: more memory, fewer all-gathers), hybrid_shard (a 2-D mesh:
-  sharded within a node, `LOCAL_WORLD_SIZE` ranks; replicated across nodes).
-- mixed precision follows `precision`: bf16 gathers bf16 parameters and reduces gradients in fp32
-  (the sharded master weights stay fp32); fp32 changes nothing. fp16 is refused by validation
-  (it would need a sharded loss scaler).
-- activation checkpointing follows `model.gradient_checkpointing` (transformers' non-reentrant
-  checkpointing inside each layer, set by `build.build_model`; it composes with fully_shard).
-- the loop's loss is scaled by world / target tokens, because FSDP2's reduce-scatter averages over
-  ranks exactly as DDP's all-reduce does; accumulation skips that reduce-scatter until the last
-  micro-batch (`no_sync`).
-- a checkpoint holds `dcp/` (each rank's shard of weights and optimizer state, and `.metadata`; staged by
-  `Engine.staged_writer`), still published by one rename and listed in the manifest. It loads on any number
-  of processes, through `llmexp.checkpoint.dcp`'s pickle-free reader.
-- `model/` is the full state dict gathered to rank 0 (CPU), saved as safetensors.
 """
 
 from __future__ import annotations
