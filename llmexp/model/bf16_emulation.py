@@ -1,24 +1,16 @@
-"""bf16 numerics at fp32 speed on CPUs without native bf16 (no AVX512-BF16 or AMX: AMD Zen 2/3, most Intel desktops).
+"""bf16 numerics at fp32 speed on CPUs without native bf16 (no AVX512-BF16 or AMX); see docs/how-to/precision.md.
 
-Why: there torch has no fast bf16 gemm. oneDNN refuses bf16 below AVX512 (`ideep::has_bf16_type_support`), so
-every bf16 matmul, linear and attention falls back to ATen's reference gemm (`cpublas::gemm`), on one thread:
-~1-3 GFLOP/s a core against ~100 for MKL's fp32 sgemm, and a bf16 autocast step of the tiny model costs 12.7x
-fp32's per core (benchmarks/bf16_cpu.py, AVX2 reproduction), about twice that on 2 threads. Emulated: 1.1x.
+Why: there oneDNN refuses bf16 (`ideep::has_bf16_type_support`), so every bf16 gemm falls back to ATen's
+one-thread reference gemm (`cpublas::gemm`): ~1-3 GFLOP/s a core against ~100 for MKL's sgemm; a bf16 autocast
+step of the tiny model costs 12.7x fp32's per core (benchmarks/bf16_cpu.py, AVX2 reproduction). Emulated: 1.1x.
 
-What: `Bf16Emulation` is a `TorchDispatchMode` used *inside* the usual `torch.autocast("cpu", torch.bfloat16)`.
-Autocast still decides every dtype (which ops run in bf16, which in fp32, the bf16 weight copies, the bf16
-activations and gradients autograd saves and passes back). The mode only swaps the kernel of each bf16 gemm-type
-aten op: its bf16 operands are widened to fp32 (exact), the fp32 kernel runs (MKL sgemm: fast), and the result
-is rounded to bf16 (round-to-nearest-even), which is what a bf16 gemm does: exact products of bf16 inputs,
-accumulated in fp32, rounded once. Only the accumulation order differs from a native bf16 kernel.
+`Bf16Emulation` runs *inside* `torch.autocast("cpu", torch.bfloat16)`, which still decides every dtype; it only
+swaps the kernel of each bf16 gemm-type aten op: operands widened to fp32 (exact), MKL's sgemm, the result rounded
+once to bf16, as a bf16 gemm does (only the accumulation order differs).
 
-Why a dispatch mode (below autograd) rather than a function mode (above it): it sees the aten ops of backward
-too (autograd's mm for the weight and input gradients, the attention backward), and the ops that run in Python
-during backward (gradient-checkpoint recomputation, bitsandbytes' 4-bit backward), provided backward runs inside
-the context. A function mode is disabled while it handles a call, so it sees neither `loss.backward()`'s ops nor
-anything nested in a function it passes on.
-
-Use: `with torch.autocast("cpu", torch.bfloat16), Bf16Emulation(): loss = model(**batch); loss.backward()`.
+Why a dispatch mode (below autograd), not a function mode: it also sees backward's aten ops and the Python ones
+run during backward (checkpoint recomputation, bitsandbytes' 4-bit backward) when backward runs inside it; a
+function mode is disabled while it handles a call, so it sees neither.
 """
 
 from __future__ import annotations
@@ -258,9 +250,8 @@ _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
 
 class Bf16Emulation(TorchDispatchMode):
-    """Within it, every bf16 gemm-type aten op on CPU runs as fp32 gemm on its (exact) bf16 operands, rounded to
-    bf16: bf16 numerics at about fp32's speed. Use it inside bf16 autocast, around forward *and* backward.
-
+    """Each bf16 gemm-type aten op on CPU as an fp32 gemm rounded to bf16. Open it inside bf16 autocast, around
+    forward *and* backward.
     `calls` counts the ops it replaced (0 after a step means it covered nothing: worth a warning)."""
 
     def __init__(self) -> None:
@@ -313,22 +304,18 @@ class Bf16Probe:
     emulated_slowdown: float
     """the emulation (widen, fp32 matmul, round) over fp32's: ~1.1-1.5."""
     seconds: float
-    """what the probe took."""
 
 
 def probe_bf16_slowdown(size: int = 256, budget_s: float = 0.25) -> Bf16Probe:
     """Time a size x size matmul in fp32, in torch's bf16 and emulated, alternating, for about `budget_s`, on one
-    thread: the factors per core.
-
-    Robust to busy cores (`cpu_matmul.fastest_calls`: at load 5 on 2 cores, 2 threads read torch's bf16 as 1.3x
-    fp32's where it is ~50x; wall time on one thread read 88-131x at load 10, as the slow calls were preempted).
-    256 is large enough for MKL's sgemm to be efficient and small enough that the slow bf16 gemm (~2 GFLOP/s) takes
-    ~20 ms a call. The emulated arm is what `Bf16Emulation` runs for a gemm (widen, fp32 gemm, round) without
+    thread: the factors per core. Robust to busy cores (`cpu_matmul.fastest_calls`: at load 5 on 2 cores, 2 threads
+    read torch's bf16 as 1.3x fp32's where it is ~50x; wall time on one thread read 88-131x at load 10, as the slow
+    calls were preempted). 256 is large enough for MKL's sgemm to be efficient and small enough that the slow bf16
+    gemm (~2 GFLOP/s) takes ~20 ms a call. The emulated arm is what `Bf16Emulation` runs for a gemm, without
     entering the mode, whose first entry imports torch._dynamo (~1 s).
 
     torch's fallback bf16 gemm runs on one thread whatever `torch.get_num_threads()` says (measured: the same
-    wall time with 1 and 2), so with T threads a run's bf16 matmuls are up to T times slower still than this.
-    """
+    wall time with 1 and 2), so with T threads a run's bf16 matmuls are up to T times slower still than this."""
     start = time.perf_counter()
     g = torch.Generator().manual_seed(0)
     a32, b32 = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
@@ -343,12 +330,8 @@ def probe_bf16_slowdown(size: int = 256, budget_s: float = 0.25) -> Bf16Probe:
 
 # ---------------------------------------------------------------------------------------------------- the decision
 def use_bf16_emulation(precision: str, device_type: str, bf16_support: str, probe: Bf16Probe | None = None) -> bool:
-    """Whether a run should emulate bf16: `precision` resolved (bf16/fp16/fp32), `bf16_support` as
-    `llmexp.machine.precision.bf16_support` says (`native`, `emulated`, `none`).
-
-    Only for bf16 on a CPU: there as `EMULATION_ENV` says, else where bf16 is not native and (with a probe) the
-    emulation is faster than torch's bf16 (a CPU with AVX512 but no AVX512-BF16 runs oneDNN's own emulation,
-    which may be close to it)."""
+    """Whether a run should emulate bf16 (`bf16_support` as `llmexp.machine.precision.bf16_support` says). The
+    probe's comparison matters on a CPU with AVX512 but no AVX512-BF16: oneDNN's own emulation may be as fast."""
     if precision != "bf16" or device_type != "cpu":
         return False
     forced = os.environ.get(EMULATION_ENV)
@@ -360,7 +343,7 @@ def use_bf16_emulation(precision: str, device_type: str, bf16_support: str, prob
 
 
 def emulation_message(probe: Bf16Probe, emulating: bool) -> str:
-    """The start-up line of a bf16 run on a CPU without native bf16, with the factors the probe measured."""
+    """The start-up line of a bf16 run on a CPU without native bf16."""
     head = "precision=bf16 on a CPU without native bf16 (AVX512-BF16 or AMX)"
     native = f"torch's bf16 matmuls measured {probe.native_slowdown:.1f}x fp32's time on this CPU"
     if emulating:
@@ -370,9 +353,8 @@ def emulation_message(probe: Bf16Probe, emulating: bool) -> str:
 
 
 def settle_on_cpu(precision: Precision) -> Precision:
-    """A CPU run's precision with the bf16 path decided: where bf16 is not native (or `LLMEXP_BF16_EMULATION=1`
-    asks for the emulation), the probe measures torch's bf16 and the emulation against fp32 (~0.25 s), the faster
-    one is taken (`use_bf16_emulation`), and the warning states the factors measured here, not a guess."""
+    """A CPU run's precision with the bf16 path decided by the probe (~0.25 s), whose measured factors the
+    warning states, not a guess."""
     if precision.name != "bf16" or (precision.bf16 != "emulated" and os.environ.get(EMULATION_ENV) != "1"):
         return precision
     probe = probe_bf16_slowdown()

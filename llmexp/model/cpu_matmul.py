@@ -1,21 +1,15 @@
 """fp32 matmuls through oneDNN on CPUs where torch's default BLAS is slower; a start-up probe decides.
+See docs/how-to/precision.md and docs/explanation/performance.md.
 
-Why: torch's x86 CPU wheel sends fp32 `mm` / `linear` to MKL's sgemm, and on AMD CPUs MKL takes a narrower
-kernel even where the CPU has AVX-512 (Zen 4/5). Measured on a Zen 5 EPYC core, on every shape of a 135M
-Llama's training step: MKL 85-108 GFLOP/s, oneDNN 170-240, with fp32 results (differences ~1e-6 relative:
-summation order). On Intel CPUs MKL takes its AVX-512 path and the two are about equal; the probe then keeps
-torch's path.
+Why: torch's x86 wheel sends fp32 `mm` / `linear` to MKL's sgemm, which takes a narrower kernel on AMD CPUs even
+with AVX-512 (Zen 4/5). Measured on a Zen 5 EPYC core on every shape of a 135M Llama's step: MKL 85-108 GFLOP/s,
+oneDNN 170-240, results equal to ~1e-6 relative (summation order). On Intel the two are about equal.
 
-Why a private op: torch's public API has no way to run a *trainable fp32* linear through oneDNN.
-`torch.backends.mkldnn`'s matmul precision settings route fp32 GEMMs to oneDNN only with reduced precision
-(bf32/tf32: other results), `MKL_ENABLE_INSTRUCTIONS` can only lower MKL's choice, and `torch.utils.mkldnn.
-to_mkldnn` converts Linears for inference (opaque weight buffers, no gradients). The op inductor emits for CPU
-linears, `torch.ops.mkldnn._linear_pointwise`, takes dense (and transposed, strided) fp32 tensors; this module is
-the one place that calls it, as `x @ w.T` in a custom autograd Function (forward, d input, d weight: three calls,
-no copies). It is used only where `route` is called: on CPU, fp32, eager (not under `torch.compile`, whose
-inductor picks its own kernels, nor under the bf16 emulation, which owns bf16 matmuls: `bf16_emulation.py`), with
-the plain engine; and only after `probe` measured both paths on the model's own shape and found oneDNN faster
-and equal to torch's result. Without the op (another torch build), `probe` says so and torch's path is kept.
+Why a private op: torch's public API cannot run a *trainable fp32* linear through oneDNN (`torch.backends.mkldnn`
+does it only at reduced precision, bf32/tf32; `MKL_ENABLE_INSTRUCTIONS` can only lower MKL's choice;
+`torch.utils.mkldnn.to_mkldnn` is inference-only). `torch.ops.mkldnn._linear_pointwise`, which inductor emits for
+CPU linears, takes dense and strided fp32 tensors; this module is the one place that calls it. Used only where
+`route` is called (CPU, fp32, eager, plain engine) and `probe` found it faster and equal on the model's shape.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
-"""muP (maximal update parametrization; Yang et al. 2022, "Tensor Programs V", table 3 / table 8) for models
-built from `model.*` with `model.parametrization=mup`: a config tuned at `model.mup_base_width` keeps its optimum
-as the width grows ("tune small, train big").
+"""muP (maximal update parametrization; Yang et al. 2022, "Tensor Programs V", tables 3 and 8) for
+`model.parametrization=mup`: a config tuned at `model.mup_base_width` keeps its optimum as the width grows.
+The rules per parameter part are in docs/tutorials/tune-small-train-big.md; the model is transformers'
+`GraniteForCausalLM` (Llama's layout plus muP's multipliers).
 
-With m = hidden_size / mup_base_width (1 at the base width, where muP equals the standard parametrization):
-
-    hidden matrices (q, k, v, o, gate, up, down)   init std / sqrt(m); Adam-like lr / m (weight decay x m)
-    embeddings, norms                               init and lr unchanged
-    output head (lm_head)                           logits x 1/m (Granite's `logits_scaling` = m), init and
-                                                    Adam-like lr unchanged
-    alpha_input, alpha_output (`mup_input_mult`,     the embeddings' output and the logits multiplied by them
-    `mup_output_mult`; 1 by default)                 at every width: hyperparameters tuned at the base width
-                                                    with the lr and carried over (Tensor Programs V, section
-                                                    5: the multipliers transfer as the lr does)
-    SGD instead of Adam (the mup package's MuSGD)   hidden matrices' lr unchanged; embeddings, norms and the
-                                                    head (one width dimension) lr x m, weight decay / m
-
-The model is transformers' `GraniteForCausalLM`: Llama's layout plus the multipliers muP needs. The rules are
-those of the `mup` package (microsoft/mup: `MuReadout`, `MuAdam`, `MuSGD`), written out here instead of depending
-on it: it has had no commit since 2023, and the `infshape` it attaches to every parameter does not survive
-`torch.save` / a checkpoint's load, which a resumed run would need. The per-group lr factor is the group's
-`lr_mult`, applied by the trainer wherever it sets the lr (`train.schedule.set_lr`).
+The rules are the `mup` package's (microsoft/mup), written out instead of depending on it: it has had no commit
+since 2023, and the `infshape` it attaches to every parameter does not survive `torch.save` / a checkpoint's load,
+which a resumed run needs. A group's lr factor is its `lr_mult`, applied by `train.schedule.set_lr`.
 """
 
 from __future__ import annotations
