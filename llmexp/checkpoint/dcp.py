@@ -66,12 +66,9 @@ def read_metadata(directory: Path, rank: int | None = None) -> Any:
 
 
 def storage_problem(directory: Path, metadata: Any) -> str | None:
-    """Why the storage entries of `metadata` are not confined to `directory`, or None.
-
-    DCP's reader opens `directory / relative_path` for each entry, and a path that is absolute, climbs with
-    `..`, or passes through a symbolic link leads anywhere: a crafted `.metadata` could load another file's
-    bytes into the model. So each path must be a plain relative name whose real path (links followed) lies
-    inside the checkpoint directory, with a non-negative offset and length; checked before any byte is read."""
+    """Why the storage entries of `metadata` are not confined to `directory`, or None. DCP's reader opens
+    `directory / relative_path` for each entry, and a path that is absolute, climbs with `..`, or passes through a
+    symbolic link leads anywhere: a crafted `.metadata` could load another file's bytes into the model."""
     root = os.path.realpath(directory)
     for info in (getattr(metadata, "storage_data", None) or {}).values():
         rel = getattr(info, "relative_path", None)

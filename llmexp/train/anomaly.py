@@ -1,10 +1,6 @@
-"""The anomaly policy: what to do with a step whose loss or grad norm is non-finite or a spike.
-
-It runs after backward and clipping, before the optimizer step, so a bad batch never reaches
-the weights unless the policy lets it:
-    stop      end the run as `diverged` (exit code 3)
-    skip      drop this step's gradients; after `max_consecutive_anomalies` in a row, diverged
-    rollback  restore the last good checkpoint, skip the data window that led here, lower the lr
+"""The anomaly policy (`train.on_anomaly`: stop, skip or rollback; docs/how-to/accumulation-and-clipping.md): what
+to do with a step whose loss or grad norm is non-finite or a spike. It runs after backward and clipping, before the
+optimizer step, so a bad batch never reaches the weights unless the policy lets it.
 """
 
 from __future__ import annotations

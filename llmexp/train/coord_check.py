@@ -1,8 +1,6 @@
 """muP's coordinate check (Yang et al. 2022, "Tensor Programs V", appendix D.1; the mup package's
-`get_coord_data`): train the same config at several widths for a few steps and record, at each step's forward,
-the mean absolute value of each layer group's output ("coordinate size"). Under muP every curve stays flat as the
-width grows; under the standard parametrization with Adam the logits (and the hidden outputs) grow with the width,
-which is why its tuned lr does not carry over.
+`get_coord_data`; docs/tutorials/tune-small-train-big.md): the mean |output| of each layer group at several widths,
+which stays flat under muP and grows with the width under the standard parametrization.
 
 Every width trains on the same batch of random tokens from the same seed: coordinate sizes are about how the
 parametrization scales with width, not about the text, and a fixed batch keeps the check to seconds.

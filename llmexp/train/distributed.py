@@ -25,13 +25,9 @@ TORCH_EXTENSIONS_DIR: the first build takes minutes, later runs load the .so in 
 
 
 def accelerator_kwargs(cfg: DictConfig, plan: BatchPlan | None, precision: str) -> dict[str, Any]:
-    """Arguments for `accelerate.Accelerator`.
-
-    Mixed precision is left to the trainer (its own autocast and fp16 scaler): Accelerate's
-    wrapper would cast the whole logits tensor to fp32 after every forward. Under DeepSpeed
-    the engine owns precision and the batch plan, so the plugin carries them (see `deepspeed_config`;
-    `plan` is needed only then).
-    """
+    """Arguments for `accelerate.Accelerator`. Mixed precision is left to the trainer (its own autocast and fp16
+    scaler): Accelerate's wrapper would cast the whole logits tensor to fp32 after every forward. Under DeepSpeed
+    the engine owns precision and the batch plan (`plan`, needed only then), so the plugin carries them."""
     import torch
 
     check_launch_env(cfg, dict(os.environ))

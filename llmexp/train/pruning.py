@@ -1,8 +1,6 @@
 """In a search sweep's job: report `sweep.metric` at each eval to the study and ask the pruner whether to stop.
-
-The trial asks at its own evals, in its own process, so that a pruned trial stops exactly at the eval
-that condemned it, and through the same path as a preemption (a checkpoint, then status `pruned`);
-the sweeper need not watch it, and a sweeper killed meanwhile loses none of its reports.
+The trial asks in its own process, so that it stops exactly at the eval that condemned it, as a preemption stops
+(a checkpoint, then status `pruned`), and a sweeper killed meanwhile loses none of its reports.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Samples while training: the model continues `train.sample_prompts` every `train.sample_steps`.
-
-Reading a few continuations is the quickest check that a fine-tune does what the loss says. The
-samples must not change training, so generation runs on rank 0 only, in eval mode, without
-gradients, with the RNG of every device forked (`torch.random.fork_rng`) and seeded from
-`train.sample_seed`: the losses of a run are bitwise the same with and without samples.
+"""Samples while training: the model continues `train.sample_prompts` every `train.sample_steps`. They must not
+change training: rank 0 generates in eval mode, without gradients, on every device's RNG forked and seeded from
+`train.sample_seed`, so the losses are bitwise the same with and without samples.
 """
 
 from __future__ import annotations

@@ -45,15 +45,9 @@ def auto_lr(num_params: int, finetune: bool) -> float:
 
 def lr_at(step: int, *, name: str, peak_lr: float, max_steps: int, warmup_steps: int,
           min_lr_ratio: float = 0.0, decay_ratio: float = 0.2) -> float:
-    """The lr used by optimizer step `step` (0-based).
-
-    Warmup rises linearly to the peak over `warmup_steps` (step 0 already gets a non-zero lr,
-    so no step is wasted). Afterwards:
-      cosine:   min + (peak - min) * (1 + cos(pi * progress)) / 2
-      linear:   peak -> min linearly
-      constant: peak
-      wsd:      peak until the last `decay_ratio` of the steps, then linear to min
-    """
+    """The lr used by optimizer step `step` (0-based): a linear warm-up to the peak over `warmup_steps` (step 0
+    already gets a non-zero lr, so no step is wasted), then `name`'s decay to `min_lr_ratio` of the peak (wsd: over
+    the last `decay_ratio` of the steps)."""
     if step < warmup_steps:
         return peak_lr * (step + 1) / warmup_steps
     min_lr = peak_lr * min_lr_ratio

@@ -52,11 +52,9 @@ class RunResult:
 
 
 def train(cfg: DictConfig, preempt: PreemptionSignal | None = None) -> RunResult:
-    """Train one run described by a composed, validated config. Writes the run directory.
-
-    SIGTERM, SIGUSR2 and Ctrl-C are caught from the start by `preempt`, the caller's guard (`guarded.run_guarded`
-    enters it before the trainer is even imported), or by one entered here for a direct call: one during
-    start-up stops the run at its first step boundary, before the loop, with status `preempted` and a summary."""
+    """Train one run described by a composed, validated config; writes the run directory. Signals are caught from
+    the start by `preempt`, the caller's guard (`guarded.run_guarded` enters it before the trainer is imported), or
+    by one entered here for a direct call."""
     with nullcontext(preempt) if preempt is not None else PreemptionSignal() as guard:
         return _train(cfg, guard)
 
@@ -179,12 +177,9 @@ def _finish(run: Run, eval_ds: data_lib.TokenDataset, suite: TaskSuite | None, s
 
 def forward_backward(run: Run, train_ds: data_lib.TokenDataset | stream_lib.StreamDataset
                      ) -> tuple[torch.Tensor, int, int]:
-    """Forward and backward over every micro-batch of one global batch; returns (loss sum on this rank,
-    target tokens of the global batch, tokens of the global batch).
-
-    Each micro-batch's loss *sum* is divided by the target-token count of the whole global batch,
-    so accumulation and world size do not change the loss (a mean of means would).
-    """
+    """Forward and backward over every micro-batch of one global batch: (loss sum on this rank, target tokens and
+    tokens of the global batch). Each micro-batch's loss *sum* is divided by the global batch's target tokens, so
+    accumulation and world size do not change the loss (a mean of means would)."""
     rt, plan, state, engine, model = run.rt, run.desc.plan, run.state, run.engine, run.model
     indices = train_ds.step_indices(run.desc.data_seed, state.step + state.data_offset, plan.global_batch)
     n_targets = max(1, train_ds.num_targets(indices))
