@@ -23,11 +23,9 @@ detector has enough history (an absurd lr wrecks the weights in one or two steps
 
 def judge_step(train: DictConfig, state: LoopState, loss: float, grad_norm: float, *, fp16: bool, stepped: bool,
                settings: MonitorSettings, log: MetricsLogger) -> str:
-    """ok (take the step), skipped, rollback or diverged, by `train.on_anomaly`.
-
-    `stepped`: the engine has already applied or skipped the step (DeepSpeed computes the norm inside
-    its step). A non-finite step was then skipped by the engine and is judged as usual (stop ->
-    diverged, skip -> counted); a finite spike cannot be undone and is left to the detectors."""
+    """ok (take the step), skipped, rollback or diverged, by `train.on_anomaly`. `stepped`: the engine has already
+    applied or skipped the step (DeepSpeed computes the norm inside its step). A non-finite step was then skipped
+    by the engine and is judged as usual; a finite spike cannot be undone and is left to the detectors."""
     if fp16 and math.isfinite(loss) and not math.isfinite(grad_norm):
         if stepped:  # DeepSpeed's scaler skipped it (GradScaler's skips are counted where it steps)
             state.skipped_steps += 1

@@ -68,9 +68,8 @@ def coord_sizes(cfg: DictConfig, settings: CheckSettings, device: torch.device) 
     torch.manual_seed(settings.seed)
     model = build_model(cfg, int(cfg.model.vocab_size)).to(device)
     optimizer = build_optimizer(cfg, model, settings.lr, device.type)
-    generator = torch.Generator().manual_seed(settings.seed)
-    tokens = torch.randint(0, int(cfg.model.vocab_size), (settings.batch, settings.seq_len), generator=generator)
-    tokens = tokens.to(device)
+    tokens = torch.randint(0, int(cfg.model.vocab_size), (settings.batch, settings.seq_len),
+                           generator=torch.Generator().manual_seed(settings.seed)).to(device)
     out = []
     for step in range(settings.steps):
         sizes: dict[str, list[float]] = {g: [] for g in GROUPS}

@@ -24,12 +24,10 @@ if TYPE_CHECKING:
 
 
 def save_merged(cfg: DictConfig, lm: Any, model_dir: Path, tokenizer: Any) -> None:
-    """`model/merged/`: the base with the adapters added into its weights, a plain transformers model
-    (in its own directory: next to adapter_config.json, transformers would load the adapter instead).
-
-    A 4-bit base is not merged into: its weights would be rounded to 4 bits again. The base is loaded
-    again in fp32 from `model.name_or_path` and the saved adapter merged into that (the usual QLoRA
-    recipe). A 16/32-bit base is merged in place: the run is over, and this needs no second copy."""
+    """`model/merged/`: the base with the adapters added into its weights, a plain transformers model (in its own
+    directory: next to adapter_config.json, transformers would load the adapter instead). A 4-bit base would be
+    rounded to 4 bits again, so the base is loaded again in fp32 and the saved adapter merged into that (the usual
+    QLoRA recipe); a 16/32-bit base is merged in place: the run is over, and this needs no second copy."""
     import torch
 
     if cfg.peft.load_in_4bit:

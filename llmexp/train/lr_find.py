@@ -20,6 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from llmexp.config.validation import is_lr_find
+from llmexp.errors import UserError
 from llmexp.model.rng import rng_untouched
 from llmexp.rundir.files import write_json_atomic
 from llmexp.rundir.readers import Damaged, load_json, reader
@@ -102,8 +103,6 @@ def range_test(cfg: DictConfig, rt: Runtime, vocab_size: int, train_ds: Any, dat
         del run
         rt.accelerator.free_memory()  # Accelerate's references to the throwaway model and optimizer
     if len(curve) < 3:
-        from llmexp.errors import UserError
-
         raise UserError(f"lr=find: the loss diverged within {len(curve)} steps of train.lr_find_start="
                         f"{first:g}; lower train.lr_find_start (e.g. 1e-8) or check the data")
     picked = suggest([c["lr"] for c in curve], [c["smoothed"] for c in curve], t.lr_find_rule)

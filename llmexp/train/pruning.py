@@ -12,6 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from llmexp.errors import UserError
 from llmexp.rundir.study import SEARCHES, load_study, make_pruner
 from llmexp.rundir.task_metrics import metric_at
 
@@ -60,8 +61,6 @@ def sweep_value(cfg: DictConfig, eval_record: dict[str, Any], task_records: list
     """`sweep.metric` at this eval, on rank 0 (NaN when not finite: the pruner leaves it be). Validation knows
     every metric but a harness task's: one the harness does not record is the user's mistake, found at the
     first eval (exit 2, naming what the evals record)."""
-    from llmexp.errors import UserError
-
     value = metric_at(str(cfg.sweep.metric), eval_record, task_records)
     if value is None:
         offered = ", ".join(f"tasks/{r['task']}/{m}" for r in task_records for m in r["metrics"])

@@ -19,6 +19,7 @@ from llmexp.monitor.console import quiet_console
 from llmexp.monitor.logger import MetricsLogger
 from llmexp.monitor.sinks import make_sinks
 from llmexp.monitor.throughput import load_ceilings, measure_ceiling, save_ceilings
+from llmexp.train.distributed import accelerator_kwargs, check_engine
 
 
 class Runtime:
@@ -29,8 +30,6 @@ class Runtime:
     def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
         from accelerate import Accelerator
         from transformers.utils import logging as hf_logging
-
-        from llmexp.train.distributed import accelerator_kwargs
 
         hf_logging.disable_progress_bar()  # our own bar and lines are the console output
         quiet_console()  # third-party INFO lines go to llmexp.log only
@@ -52,8 +51,6 @@ class Runtime:
         deepspeed_plan = make_plan(cfg, self.world) if cfg.deepspeed.stage > 0 else None
         self.accelerator = Accelerator(**accelerator_kwargs(cfg, deepspeed_plan, self.precision.name))
         if cfg.deepspeed.stage > 0:  # before anything reads the process layout (see check_engine)
-            from llmexp.train.distributed import check_engine
-
             check_engine(self.accelerator)
         if self.accelerator.num_processes != self.world:
             raise RuntimeError(f"Accelerate runs {self.accelerator.num_processes} processes, but WORLD_SIZE says "

@@ -95,9 +95,8 @@ class Engine(ABC):
 
     @abstractmethod
     def optimizer_writer(self, optimizer: Any, run_dir: Path, step: int) -> OptimizerWriter:
-        """What writes the optimizer state (and the plain engine's fp16 loss scaler) into the checkpoint of `step`
-        (called on every rank: ZeRO and FSDP write their shards now, collectively; the writer runs on rank 0
-        inside the save)."""
+        """What writes the optimizer state (and the plain engine's fp16 loss scaler) into the checkpoint of `step`,
+        on rank 0 inside the save; called on every rank: ZeRO and FSDP write their shards now, collectively."""
 
     @abstractmethod
     def load_state(self, model: torch.nn.Module, optimizer: Any, payload: dict[str, Any]) -> None:
