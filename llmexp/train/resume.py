@@ -1,10 +1,7 @@
 """How a run is saved to a checkpoint, resumed from one, and rolled back to one.
 
-A checkpoint holds everything that decides the next step, so a resumed run continues bitwise
-where the saved one was: weights (safetensors), optimizer state, the fp16 scaler, every rank's
-RNG states, and this loop state (step = the sampler position, data offset, lr scale, the
-recent losses the spike detector looks at, and the metric history the detectors need).
-A checkpoint whose files verify but whose content does not fit this run is found out before
+A checkpoint holds everything that decides the next step (docs/explanation/checkpoints-and-resume.md), so a
+resumed run continues bitwise. One whose files verify but whose content does not fit this run is found out before
 anything is applied (`_check_fits`), so `train.resume=auto` falls back to the previous one.
 """
 
@@ -74,11 +71,8 @@ def save_state_checkpoint(run: Run) -> bool:
 
 def _load_checked(run: Run, path: Path) -> dict[str, Any]:
     """Read (and so verify) every file of a checkpoint this rank needs, no pickle code running, and check that it
-    fits the run (`_check_fits`), applying nothing yet.
-
-    An FSDP checkpoint holds `dcp/` instead of model.safetensors and optimizer.pt: its `.metadata` is
-    read here through the restricted unpickler (a refusal falls back like any corrupt file), its
-    shards by `FsdpEngine.load_state`, collectively. The manifest says which files must be there."""
+    fits the run (`_check_fits`), applying nothing yet. An FSDP checkpoint's `dcp/` has only its `.metadata` read
+    here (a refusal falls back like any corrupt file); its shards are read by `FsdpEngine.load_state`."""
     rank, model_file, dcp_dir = run.rt.rank, path / "model.safetensors", path / "dcp"
     if dcp_dir.is_dir():
         dcp.read_metadata(dcp_dir)
