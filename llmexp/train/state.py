@@ -5,6 +5,7 @@ evaluating and finishing all take as one argument."""
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -61,8 +62,6 @@ class RunDescription:
     """What the model is (`llmexp.model.facts.model_facts`), and `cpu_matmul`: where its fp32 CPU matmuls go."""
 
     def elapsed(self) -> float:
-        import time
-
         return time.perf_counter() - self.started
 
 
