@@ -182,8 +182,7 @@ def type_problem(key: str, value: Any) -> str | None:
 
 def _suggest(parts: list[str], i: int, fields: dict[str, Any]) -> str:
     prefix = ".".join(parts[:i])
-    close = difflib.get_close_matches(parts[i], list(fields), n=1, cutoff=0.6)
-    if close:
+    if close := difflib.get_close_matches(parts[i], list(fields), n=1, cutoff=0.6):
         return f"did you mean {prefix + '.' if prefix else ''}{close[0]}?"
     for key in leaves():  # the first key, node or leaf, of that name
         found = key.split(".")
@@ -241,8 +240,7 @@ def _unknown_keys(data: Any, prefix: str = "") -> list[str]:
     errors = []
     for key, value in data.items() if isinstance(data, dict) else []:
         dotted = f"{prefix}{key}"
-        problem = unknown_key(dotted)
-        if problem:
+        if problem := unknown_key(dotted):
             errors.append(problem + " (added with +? remove it)")
         elif isinstance(value, dict):
             errors.extend(_unknown_keys(value, dotted + "."))

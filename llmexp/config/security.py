@@ -1,13 +1,8 @@
 """What llmexp does not trust in a config: `_target_` strings, logging configs, and names that become paths.
 
-`check_config` runs on every config a command runs (the CLI's run, `--help` and each sweep job before `@hydra.main`
-starts, `llmexp.cli.compose`; each job again in llmexp's launchers and in its own process, `llmexp.sweep.jobs`). It
-walks the whole tree, `hydra` node included, interpolations resolved, before Hydra instantiates or creates anything:
-each `_target_` must be one of the objects allowed at its key, compared by identity after import (only llmexp's and
-Hydra's modules are imported to find out); logging configs use logging's own classes and write inside the run
-directory; `hydra.job.env_set` sets only ENV_SET_ALLOWED; every path Hydra derives (`.hydra`, the job log, sweep
-subdirs, submitit's folder) stays inside the run or sweep directory. Secrets: `llmexp.rundir.redact`; names that end
-up in paths: `llmexp.rundir.names.safe_name`. Nothing here imports torch.
+`check_config` runs on every config a command runs, `hydra` node included, interpolations resolved, before Hydra
+instantiates or creates anything; docs/explanation/security-model.md says what passes and where it is called.
+Secrets: `llmexp.rundir.redact`; names that end up in paths: `llmexp.rundir.names.safe_name`. No torch here.
 """
 
 from __future__ import annotations
@@ -223,8 +218,8 @@ def outside_problem(path: str, base_dir: str | Path, relative_to: str | Path | N
 
 
 def config_problems(cfg: DictConfig) -> list[tuple[str, str]]:
-    """Every (key, problem) of a config composed by Hydra (its `hydra` node included) that llmexp refuses (the
-    module's docstring says what). `cfg` is not changed (a copy is resolved), except that resolving `hydra.run.dir` /
+    """Every (key, problem) of a config composed by Hydra (its `hydra` node included) that llmexp refuses.
+    `cfg` is not changed (a copy is resolved), except that resolving `hydra.run.dir` /
     `hydra.sweep.dir` caches their values (their `${llmexp_run_id:}`) in it, so Hydra later uses exactly the
     directories checked here."""
     import copy

@@ -1,10 +1,9 @@
 """What a schema cannot express: value ranges, option names and cross-field rules of a composed config.
 
-`validate(cfg)` runs after Hydra composed the config against `llmexp.config.schema`'s schemas and before
-anything loads; it reports every problem at once, each naming the key and the fix (exit 2). It is
-a pure function of the config, so a config validates on any machine; what depends on the machine
-is `llmexp.machine.environment.check_environment`'s. Each key's own rule is on its schema field (`rules.key`):
-`_leaf_errors` checks every leaf by it; the functions below add the rules between keys. No torch here.
+`validate(cfg)` reports every problem at once, each naming the key and the fix (exit 2; docs/explanation/
+bad-input.md). A pure function of the config, so a config validates on any machine; what depends on the machine
+is `llmexp.machine.environment.check_environment`'s. Each key's own rule is on its schema field (`rules.key`);
+the functions below add the rules between keys. No torch here.
 """
 
 from __future__ import annotations
