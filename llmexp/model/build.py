@@ -95,8 +95,7 @@ def _mup_model(m: DictConfig, vocab_size: int) -> PreTrainedModel:
     from transformers import GraniteConfig, GraniteForCausalLM
 
     sizes = model_sizes(m)
-    model = GraniteForCausalLM(GraniteConfig(**field_kwargs(m, vocab_size),
-                                             **granite_multipliers(sizes, m)))
+    model = GraniteForCausalLM(GraniteConfig(**field_kwargs(m, vocab_size), **granite_multipliers(sizes, m)))
     rescale_init(model, sizes.mup_width_mult(m.mup_base_width))
     return model
 
@@ -223,9 +222,8 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module, lr: float, device_t
     if "fused" in accepted and o.name == "adamw":
         kwargs["fused"] = True  # one kernel per step instead of a loop over tensors; CPU and CUDA both have it
     kwargs.update(dict(o.kwargs))
-    groups = optimizer_groups(cfg, model)
     try:
-        optimizer = cls(groups, lr=lr, **kwargs)
+        optimizer = cls(optimizer_groups(cfg, model), lr=lr, **kwargs)
     except (ValueError, TypeError) as err:  # torch and bitsandbytes check their arguments: e.g. eps < 0
         raise UserError(f"optimizer: {target} rejected its arguments {kwargs} ({err}); "
                         "fix optimizer.* or optimizer.kwargs.*") from err

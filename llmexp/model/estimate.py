@@ -10,12 +10,10 @@ With adapters (`peft=lora` / `qlora`) only the adapters have gradients and optim
 adapter weights, plus the optimizer's bytes). The frozen base is in the autocast dtype under lora (2 B/param in
 bf16/fp16, 4 B in fp32); under qlora every linear layer but the head is 4-bit NF4: 0.5 B/param plus 0.127 bits/param
 of constants with double quantisation (QLoRA paper, section 3), while embeddings, norms and the head stay fp32.
-LoRA's dropout keeps a copy of each adapted layer's input for backward.
-
-The parameter count comes from the model built on the meta device (no memory is allocated), so it is exact for
-`model=llama2-7b` too. The figures are the ZeRO paper's accounting (Rajbhandari et al. 2020) with our trainer's
-specifics; `benchmarks/memory.py` measures the real peak (`benchmarks/memory_fsdp.py` the per-rank peak under FSDP)
-and `tests/test_estimate.py` holds the estimate to both.
+LoRA's dropout keeps a copy of each adapted layer's input for backward. The parameter count is the meta model's:
+exact for `model=llama2-7b` too. The figures are the ZeRO paper's accounting (Rajbhandari et al. 2020) with our
+trainer's specifics; `benchmarks/memory.py` measures the real peak (`benchmarks/memory_fsdp.py` the per-rank peak
+under FSDP) and `tests/test_estimate.py` holds the estimate to both.
 """
 
 from __future__ import annotations
