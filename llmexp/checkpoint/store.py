@@ -65,14 +65,6 @@ def _tmp_dir(root: Path, tag: str) -> Path:
     return root / f".tmp-{tag}-{_host()}-{os.getpid()}"
 
 
-def _remove_tree(path: Path, step: int) -> None:
-    """Delete a directory by first renaming it to our own tmp name, so that a crash half-way leaves a dead process's
-    tmp dir (cleaned later) rather than a damaged `step_<N>`."""
-    trash = _tmp_dir(path.parent, f"del-step_{step}")
-    os.replace(path, trash)
-    shutil.rmtree(trash)
-
-
 def _step_of(path: Path) -> int | None:
     match = STEP_DIR.match(path.name)
     return int(match.group(1)) if match else None
@@ -80,9 +72,8 @@ def _step_of(path: Path) -> int | None:
 
 def _write_manifest(tmp: Path, step: int, extra: Mapping[str, Any] | None) -> None:
     found = _files_under(tmp)
-    hashes = _sha256_all(list(found.values()))
     files = {rel: {"size": path.stat().st_size, "sha256": digest}
-             for (rel, path), digest in zip(found.items(), hashes, strict=True)}
+             for (rel, path), digest in zip(found.items(), _sha256_all(list(found.values())), strict=True)}
     manifest = {"format_version": FORMAT_VERSION, "step": step, "created_unix": time.time(),
                 "files": files, "extra": dict(extra or {})}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
@@ -97,9 +88,8 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise CorruptCheckpoint(f"{file}: missing; the checkpoint is incomplete") from None
     except (OSError, Damaged) as err:
         raise CorruptCheckpoint(f"{file}: unreadable manifest ({err})") from None
-    ok = (isinstance(manifest, dict) and isinstance(manifest.get("files"), dict)
-          and isinstance(manifest.get("step"), int))
-    if not ok:
+    if not (isinstance(manifest, dict) and isinstance(manifest.get("files"), dict)
+            and isinstance(manifest.get("step"), int)):
         raise CorruptCheckpoint(f"{file}: malformed manifest (no 'files' or 'step')")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CorruptCheckpoint(f"{file}: format_version {manifest.get('format_version')!r} is not "
@@ -116,8 +106,7 @@ def verify_checkpoint(path: Path, *, full: bool = True) -> None:
     step = _step_of(path)
     if step is not None and step != manifest["step"]:
         raise CorruptCheckpoint(f"{path / MANIFEST}: says step {manifest['step']} but the dir is {path.name}")
-    unlisted = sorted(set(_files_under(path)) - set(manifest["files"]))
-    if unlisted:
+    if unlisted := sorted(set(_files_under(path)) - set(manifest["files"])):
         raise CorruptCheckpoint(f"{path / unlisted[0]}: not listed in the manifest (added after the save?)")
     for rel, entry in manifest["files"].items():
         file = path / rel
@@ -199,8 +188,10 @@ def rotate(root: Path, keep: int, best_step: int | None, *, protect: Path | None
     if complete:
         oldest_kept = min(_step_of(p) or 0 for p in complete[-keep:])
         doomed += [(path, step) for path, step in _displaced_dirs(root) if step < oldest_kept and step != best_step]
-    for path, step in doomed:
-        _remove_tree(path, step)
+    for path, step in doomed:  # renamed to our tmp name first: a crash half-way leaves a dead process's tmp dir
+        trash = _tmp_dir(root, f"del-step_{step}")  # (cleaned later), not a damaged `step_<N>`
+        os.replace(path, trash)
+        shutil.rmtree(trash)
     if doomed:
         fsync_path(root)
 
