@@ -64,8 +64,7 @@ def choose_batch_size(cfg: DictConfig, rt: Runtime, vocab_size: int, num_example
     # On CPU the processes of one host share its RAM; on CUDA each rank has its GPU.
     processes = 1 if on_cuda else int(os.environ.get("LOCAL_WORLD_SIZE", rt.world))
     budget = memory_budget(rt.device.type, processes)
-    facts = meta_facts(cfg, rt.precision.name, rt.world)
-    upper = largest_fitting(cfg, candidates, budget, on_cpu=not on_cuda, **facts)
+    upper = largest_fitting(cfg, candidates, budget, on_cpu=not on_cuda, **meta_facts(cfg, rt.precision.name, rt.world))
     chosen, probed, note = 0, [], ""
     if cfg.fsdp.name != "none":
         # The probe builds the model unwrapped: under FSDP it would measure unsharded memory and pick far too

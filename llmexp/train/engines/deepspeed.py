@@ -113,8 +113,7 @@ class DeepSpeedEngine(Engine):
         for key, value in shard["loss_scaler"].items():
             setattr(scaler, key, value)
         state[LOSS_SCALER] = scaler
-        rank = self.accelerator.process_index
-        states = [state if r == rank else {} for r in range(self.plan.world)]
+        states = [state if r == self.accelerator.process_index else {} for r in range(self.plan.world)]
         zero.load_state_dict(states, load_optimizer_states=True, load_from_fp32_weights=True)
 
 
