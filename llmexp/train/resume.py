@@ -7,6 +7,7 @@ anything is applied (`_check_fits`), so `train.resume=auto` falls back to the pr
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -31,11 +32,9 @@ TRAINER_STATE = "trainer_state.json"
 
 
 def save_state_checkpoint(run: Run) -> bool:
-    """Save `checkpoints/step_<N>/` atomically (rank 0 writes; every rank's RNG is gathered).
-
-    Returns False on every rank when the disk was full (reported; older checkpoints kept): the
-    run must stop as `failed` rather than go on without a way back.
-    """
+    """Save `checkpoints/step_<N>/` atomically (rank 0 writes; every rank's RNG is gathered). False on every rank
+    when the disk was full (reported; older checkpoints kept): the run must stop as `failed`, not go on without a
+    way back."""
     from accelerate.utils import gather_object
 
     cfg, rt, model, state, log, engine = run.cfg, run.rt, run.model, run.state, run.log, run.engine
@@ -193,8 +192,6 @@ def base_model_fingerprint(cfg: DictConfig) -> str:
     """What identifies the pretrained base: its name, revision and, for a local directory, its config
     and the names and sizes of its weight files (cheap: no weight is read). With adapters a checkpoint
     holds no base weights, so resuming on another base would silently train a different model."""
-    import hashlib
-
     m = cfg.model
     if not m.name_or_path:
         return "from-config"
