@@ -7,6 +7,8 @@ Secrets: `llmexp.rundir.redact`; names that end up in paths: `llmexp.rundir.name
 
 from __future__ import annotations
 
+import copy
+import importlib
 import os
 import re
 from collections.abc import Mapping
@@ -70,8 +72,6 @@ def allowed_targets(key: str) -> tuple[str, ...]:
 def _identity_problem(obj: object, target: str, key: str) -> str | None:
     """Why the object `target` resolved to is none of the objects allowed at `key`, or None: compared by identity,
     so no attribute walk through a module's own imports (`llmexp.sweep.local.subprocess.Popen`) can pass."""
-    import importlib
-
     allowed = allowed_targets(key)
     if any(getattr(importlib.import_module(n.rpartition(".")[0]), n.rpartition(".")[2], None) is obj for n in allowed):
         return None
@@ -141,8 +141,6 @@ def _hydra_target_problem(key: str, value: object) -> str | None:
 
 def import_target(key: str, target: Any, base: type | None = None) -> Any:
     """The class `target` names at `key`, imported only once the name is one allowed there, then `check_located`."""
-    import importlib
-
     if problem := _job_target_problem(key, target):
         raise UserError(f"{key}: {problem}")
     module_name, _, attr = target.rpartition(".")
@@ -222,8 +220,6 @@ def config_problems(cfg: DictConfig) -> list[tuple[str, str]]:
     `cfg` is not changed (a copy is resolved), except that resolving `hydra.run.dir` /
     `hydra.sweep.dir` caches their values (their `${llmexp_run_id:}`) in it, so Hydra later uses exactly the
     directories checked here."""
-    import copy
-
     from hydra.types import RunMode
     from omegaconf import OmegaConf, open_dict, read_write
 

@@ -12,12 +12,14 @@ import dataclasses
 import math
 import typing
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from llmexp.config.derived import model_sizes, parse_batch_size, warmup_problem, width_problems
-from llmexp.config.keys import MIRRORS, leaf_for, leaves, leaves_of
+from llmexp.config.derived import MIX_ROUND, mix_quotas, model_sizes, parse_batch_size, warmup_problem, width_problems
+from llmexp.config.keys import MIRRORS, entry_node, group_options, leaf_for, leaves, leaves_of, node_fields
 from llmexp.config.rules import FRACTION
+from llmexp.config.security import remote_code_errors
 from llmexp.errors import UserError
 
 if TYPE_CHECKING:
@@ -64,7 +66,6 @@ def configured_lr(cfg: Any) -> tuple[float, str] | None:
 def _deleted_node_errors(node: DictConfig, cls: Any = None, prefix: str = "") -> list[str]:
     """Keys of the schema that the config lacks: deleted with `~key` (or by a config file), and config
     groups with no option chosen (`~model` leaves `model` at ???)."""
-    from llmexp.config.keys import group_options, node_fields
     from llmexp.config.schema import Config
 
     errors = []
@@ -168,8 +169,6 @@ def validate(cfg: DictConfig | Config) -> None:
 
 def _value_errors(cfg: DictConfig) -> list[str]:
     """Each leaf by its rule, then the rules between keys: each reads only keys whose own rule holds."""
-    from llmexp.config.security import remote_code_errors
-
     leaf_errors = _leaf_errors(cfg)
     errors, bad = list(leaf_errors.values()), leaf_errors.keys()
     t = cfg.train
@@ -269,8 +268,6 @@ def _validate_fsdp(cfg: DictConfig, errors: list[str]) -> None:
 
 def _validate_mix(d: DictConfig, errors: list[str]) -> None:
     """`data.mix`: hf sources only, instead of data.path, each with a share of at least 1 in MIX_ROUND."""
-    from llmexp.config.derived import MIX_ROUND, mix_quotas
-
     if not d.mix:
         return
     _check(errors, d.name == "hf", "data.mix", f"mixes datasets read by data=hf; data={d.name} reads one source: "
@@ -379,9 +376,6 @@ def _validate_peft(cfg: DictConfig, errors: list[str]) -> None:
         return
     _check(errors, not pe.load_in_4bit or bool(cfg.model.name_or_path), "model.name_or_path",
            f"peft={pe.name} loads a pretrained model in 4 bits; set model.name_or_path=<a model directory or hub id>")
-    # llmexp's ZeRO checkpoints save every rank's optimizer partition and the whole model; an adapter-only
-    # checkpoint and resume under ZeRO are not implemented, and ZeRO-3 cannot partition bitsandbytes' packed
-    # 4-bit weights. One GPU or DDP (accelerate launch / torchrun, deepspeed=none) trains adapters.
     _check(errors, cfg.deepspeed.stage == 0, "deepspeed",
            f"peft={pe.name} does not run under DeepSpeed in llmexp (adapter-only ZeRO checkpoints are not "
            "implemented, and ZeRO cannot partition 4-bit weights); adapters and their optimizer state are "
@@ -422,7 +416,6 @@ def _validate_eval(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet[s
 def _validate_tasks(ev: DictConfig, errors: list[str]) -> list[str]:
     """Each `eval.<kind>.<name>` entry: its name (it becomes `tasks/<name>/...`), its fields by their rules
     (`schema.ChoiceTaskConfig`, ...), its file and stop strings; a perplexity set's source. Returns the names."""
-    from llmexp.config.keys import entry_node, node_fields
     from llmexp.config.schema import EvalConfig
 
     names: list[str] = []
@@ -520,8 +513,6 @@ _URI_EXAMPLE = "e.g. logger.tracking_uri=http://127.0.0.1:5000, or leave it null
 
 def tracking_uri_problem(uri: Any) -> str | None:
     """Why `logger.tracking_uri` cannot work (the message names the fix), or None; null is the local store."""
-    from urllib.parse import urlsplit
-
     if uri is None:
         return None
     if not isinstance(uri, str) or not uri.strip() or len(uri) > MAX_URI_LEN or not uri.isprintable() or " " in uri:
