@@ -120,13 +120,6 @@ def safe_planner() -> Any:
     return SafePlanner()
 
 
-def save(state: dict[str, Any], directory: Path) -> None:
-    """`dcp.save` of a (sharded) state dict into `directory` (collective: every rank calls)."""
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(state, checkpoint_id=str(directory))
-
-
 def load(state: dict[str, Any], directory: Path) -> None:
     """`dcp.load` into `state` in place (collective), through `safe_reader` and `safe_planner`. The metadata is
     read (and its storage paths checked) first: inside `dcp.load` a refusal would come back wrapped in DCP's

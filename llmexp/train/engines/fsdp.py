@@ -137,8 +137,11 @@ class FsdpEngine(Engine):
         return {"model": model_state, "optimizer": optim_state}
 
     def optimizer_writer(self, optimizer: Any, run_dir: Path, step: int) -> OptimizerWriter:
+        from torch.distributed.checkpoint import save as dcp_save  # collective: every rank writes its shard
+
         return self.staged_writer(run_dir / ".fsdp_dcp" / f"step_{step}",
-                                  lambda staging: dcp.save(self._state(optimizer), staging), into=DCP_DIR)
+                                  lambda staging: dcp_save(self._state(optimizer), checkpoint_id=str(staging)),
+                                  into=DCP_DIR)
 
     def load_state(self, model: torch.nn.Module, optimizer: Any, payload: dict[str, Any]) -> None:
         """dcp.load into this run's shards, whatever the number of processes that saved them."""
