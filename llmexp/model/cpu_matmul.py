@@ -27,6 +27,7 @@ from torch.autograd.function import once_differentiable
 
 from llmexp.data.cache import warn
 from llmexp.errors import first_line
+from llmexp.rundir.files import write_json_atomic
 from llmexp.rundir.readers import Damaged, load_json, reader
 
 MIN_SPEEDUP = 1.15
@@ -185,8 +186,6 @@ def probe_once(cache: Path, rows: int, in_features: int, out_features: int) -> M
     data.cache_dir): a timing near `MIN_SPEEDUP` would otherwise flip between runs, and with it the last bits of
     every loss (a resumed run, or an lr=find run against a plain one, would not be bitwise the same). A damaged
     cache is a miss: probed again."""
-    from llmexp.rundir.files import write_json_atomic
-
     key = f"{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}|{min(rows, PROBE_MAX_ROWS)}x" \
           f"{in_features}x{out_features}|{torch.get_num_threads()} thread(s)"
     known = read_verdicts(cache) or {}

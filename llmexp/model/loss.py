@@ -1,17 +1,15 @@
 """The causal-LM loss as a *sum* over target tokens, computed without a full fp32 logits copy.
 
-Why a sum: with gradient accumulation and several processes, the right loss is the mean over
-every target token of the whole global batch. A mean of micro-batch means weights short
-sequences too much (transformers #34191). The trainer divides each micro-batch's sum by the
-global batch's token count, known up front from the deterministic sampler.
+Why a sum: with gradient accumulation and several processes, the right loss is the mean over every target token of
+the whole global batch; a mean of micro-batch means weights short sequences too much (transformers #34191). The
+trainer divides each micro-batch's sum by the global batch's token count, known up front (deterministic sampler).
 
-Why our own head: HF's forward materialises (B, L, V) logits and Accelerate then casts them to
-fp32 (`convert_outputs_to_fp32`); cross-entropy then runs log-softmax forward and backward over
-an fp32 copy. We run the decoder, project every position in chunks, and fuse the projection with
-the loss (`LinearCrossEntropy`): per chunk one softmax in fp32 gives both the loss and d loss / d logits
-(softmax - one-hot), so the logits are never kept for backward and never copied to fp32 as a whole. On
-CPU the loss part of the head takes about 4x less time. Positions without a target (prompt, padding)
-are masked, not dropped: fixed shapes, so torch.compile sees one graph and no step waits on the host.
+Why our own head: HF's forward materialises (B, L, V) logits, Accelerate casts them to fp32
+(`convert_outputs_to_fp32`), and cross-entropy runs log-softmax forward and backward over that fp32 copy. We run the
+decoder and fuse the projection with the loss in chunks (`LinearCrossEntropy`): per chunk one fp32 softmax gives both
+the loss and d loss / d logits (softmax - one-hot), so the logits are never kept for backward nor copied to fp32 as a
+whole; on CPU the loss part of the head takes about 4x less time. Positions without a target (prompt, padding) are
+masked, not dropped: fixed shapes, so torch.compile sees one graph and no step waits on the host.
 """
 
 from __future__ import annotations
