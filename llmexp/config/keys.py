@@ -224,9 +224,7 @@ def _interpolation_errors(cfg: Any) -> list[str]:
     from omegaconf.errors import OmegaConfBaseException
 
     errors = []
-    for key in cfg:
-        if key == "hydra":
-            continue
+    for key in [k for k in cfg if k != "hydra"]:
         try:
             node = cfg[key]
             if isinstance(node, DictConfig):
@@ -252,8 +250,5 @@ def _strings(data: Any, prefix: str = "") -> list[tuple[str, str]]:
     out = []
     for key, value in items:
         dotted = f"{prefix}{key}"
-        if isinstance(value, str):
-            out.append((dotted, value))
-        else:
-            out.extend(_strings(value, dotted + "."))
+        out.extend([(dotted, value)] if isinstance(value, str) else _strings(value, dotted + "."))
     return out
