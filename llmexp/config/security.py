@@ -362,8 +362,7 @@ def _derived_path_problems(hydra: dict[str, Any], job_dir: str) -> list[tuple[st
 def check_config(cfg: DictConfig, origin: Any = None) -> None:
     """Raise one UserError naming, for each problem of `config_problems`, the key and where it came from
     (`origin(key)`: a YAML file or "command line")."""
-    problems = config_problems(cfg)
-    if not problems:
+    if not (problems := config_problems(cfg)):
         return
     lines = [f"{origin(key) if origin else 'config'}: {key}: {problem}" for key, problem in problems]
     raise UserError("refused config (llmexp runs no code named in a config and writes only inside the run or "
