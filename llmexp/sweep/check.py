@@ -1,19 +1,10 @@
 """A sweep checked whole before it launches: every config it can run passes the checks a single run passes.
 
-    grid     every job, composed as the sweeper will compose it
-    search   its space (tags, bounds, sizes: `space.search_space`), then one config per value at the space's
-             edges (`space.edge_values`): every value of a categorical and both ends of an interval. A value
-             between two ends that pass a `Range` passes it too, so the edges stand for every trial.
-    both     `validate` on each config (so `sweep.*`, `cluster.*` and `hydra.launcher.*` / `hydra.sweeper.*`
-             too, and `sweep.metric`: a metric that a job does not record is refused here, before any trial
-             runs), `check_environment` when the jobs run on this machine (files a SLURM node may see and this
-             one not are left to the job), one `sweep.metric` and `sweep.direction` for every job (the report,
-             the study and its pruner rank the jobs by it); the CLI also reads the study journal of a search that
-             continues (`rundir.study.check_journal`)
-
-All before the sweeper creates the sweep directory. A refusal is one UserError: the problems every job shares
-once, then each job's own under its swept values. The CLI composes (`llmexp.cli.compose.check_sweep`),
-this module judges. Nothing here imports torch.
+A grid checks every job; a search checks one config per value at its space's edges (`space.edge_values`), since a
+value between two ends that pass a `Range` passes it too. Each runs `validate` (a `sweep.metric` that a job does
+not record is refused here), `check_environment` for jobs on this machine, and one `sweep.metric` and
+`sweep.direction` for all jobs. A refusal is one UserError: shared problems once, then each job's own. The CLI
+composes (`llmexp.cli.compose.check_sweep`), this module judges. Nothing here imports torch.
 """
 
 from __future__ import annotations

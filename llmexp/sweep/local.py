@@ -1,16 +1,11 @@
-"""The local launcher: `hydra/launcher=llmexp_local` (llmexp's `cluster=local`, the default) runs every
-job of a `--multirun` in its own process, so a crash or a `kill -9` of one job loses only that job: with GPUs,
-one job per visible GPU (times `hydra.launcher.jobs_per_gpu`) side by side, each with its own
-`CUDA_VISIBLE_DEVICES`; on CPU, `hydra.launcher.max_parallel` at once (1: one after another).
+"""`hydra/launcher=llmexp_local` (llmexp's `cluster=local`, the default): every job of a `--multirun` in its own
+process, so a crash or `kill -9` loses only that job; with GPUs, `jobs_per_gpu` jobs per visible GPU, each with
+its own `CUDA_VISIBLE_DEVICES`; on CPU, `max_parallel` at once.
 
-The parent composes each job's config (so composition errors stop the sweep before anything runs), pickles it
-with the task function into `<sweep dir>/.llmexp/<num>.job.pkl`, and starts `python -m llmexp.sweep.local
-<pickle>`, whose stdout and stderr go to `<sweep dir>/<num>/job.log`. The child runs Hydra's `run_job` (so
-`.hydra/` lands in the job's directory as usual) and writes `<num>.outcome.json`; a child that dies without one
-is recorded from how it ended. llmexp's CPU jobs start warm instead, forked from a preloaded server (`_WarmJob`);
-GPU jobs always get a fresh process: CUDA must initialise in the job's own process. Ctrl-C stops every running
-job with a checkpoint, and the launcher returns only once each has ended (`_stop_all`). What the SLURM launcher
-shares is in `llmexp.sweep.jobs`. The launcher's process imports neither torch nor submitit.
+The parent composes each config (so composition errors stop the sweep before anything runs) and pickles it into
+`<sweep dir>/.llmexp/<num>.job.pkl` for `python -m llmexp.sweep.local <pickle>`, which writes
+`<num>.outcome.json`. CPU jobs fork from a preloaded server (`_WarmJob`); GPU jobs get a fresh process, as CUDA
+must initialise in the job's own process. The launcher's process imports neither torch nor submitit.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
-"""`sweep=random|tpe`: an optuna search whose trials are sweep jobs, pruned from their live evals.
+"""`sweep=random|tpe`: an optuna search whose trials are sweep jobs, pruned from their live evals
+(`llmexp.train.pruning`, in each trial's own process). It asks `sweep.parallel` trials, launches them as one
+batch, and tells each how its run ended, until `sweep.n_trials` have ended.
 
-The study optimises `sweep.metric` (the eval loss by default, or any recorded task metric such as
-`tasks/demo/acc`) in `sweep.direction`:
-
-    ask `sweep.parallel` trials -> launch them as one batch through the launcher (local or SLURM)
-        each trial, at each eval: trial.report(sweep.metric, step) -> should_prune? -> checkpoint, `pruned`
-        (in the trial's own process: `llmexp.train.pruning`)
-    -> tell each trial how its run ended -> until `sweep.n_trials` trials have ended
-
-The study lives in the sweep directory (`llmexp.rundir.study.journal_storage`), trial N is job N
-(`SWEEP_DIR/N`), and a trial's result is read from its run directory, never held only in this process. So
-running the same command again with the same `hydra.sweep.dir` continues the search: ended trials are not run
-again, trials that were running are launched again and resume from their checkpoints (a job still running
-from the earlier sweeper is waited for), and a `kill -9` of the sweeper loses no result.
-
-A space of categorical keys only with no more points than `sweep.n_trials` is its grid: each point runs
-once (a sampler would draw points again, and llmexp's runs are deterministic, so a repeat is the same run
-again). For an app other than llmexp (Hydra's sweeper suites, tests/test_hydra_conformance.py), a trial's
-result is its task's return value (`returned_result`), nothing prunes, and no llmexp report is written.
+The study lives in the sweep directory and trial N is job N, read back from its run directory, so the same command
+with the same `hydra.sweep.dir` continues the search and a `kill -9` of the sweeper loses no result. A categorical
+space with no more points than `sweep.n_trials` runs as its grid (llmexp's runs are deterministic, so a sampler's
+repeat would be the same run). For another app, a trial's result is its task's return value and nothing prunes.
 """
 
 from __future__ import annotations

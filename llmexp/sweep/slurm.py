@@ -1,36 +1,12 @@
-"""`hydra/launcher=llmexp_slurm` (llmexp's `cluster=slurm`): a sweep as one SLURM job array through
-submitit, and the job that runs on a node. Settings are `hydra.launcher.*` (llmexp maps `cluster.*` there).
-For an app other than llmexp, each job runs Hydra's `run_job` on its node and the launcher waits for
-the array and hands the JobReturns back, as hydra-submitit-launcher does; what follows is llmexp's.
+"""`hydra/launcher=llmexp_slurm` (llmexp's `cluster=slurm`): a sweep as one SLURM job array through submitit
+(`SlurmJob` composes each job's config on its node), and the job that runs there. With `cluster.wait=true` the
+launcher polls `sacct` and records every job however it ended, instead of raising at the first failure.
 
-Submission. Each job, its run directory pinned (`llmexp.sweep.jobs.compose_jobs`), is wrapped in a `SlurmJob`
-(which composes its config on the node, as Hydra's sweeper has already validated it); `executor.batch()` submits
-them as one `sbatch --array=0-N%array_parallelism`. With `cluster.wait=false` the launcher returns at once: each
-job records how it ended itself. Otherwise it polls `sacct` until every job ended, and every job is recorded
-(`job_status.json`), however it ended, instead of raising submitit's UncompletedJobError at the first.
-
-Timeout and preemption, and who handles which signal:
-
-1. submitit starts the job with `--signal=USR2@signal_delay_s` and, before calling `SlurmJob`,
-   installs its handlers: SIGUSR2 -> checkpoint-and-requeue, SIGTERM -> log and ignore.
-2. From the start of llmexp's task (before torch is imported) until the run has finished, llmexp's `PreemptionSignal`
-   replaces both: SIGUSR2 (time limit near, or `scancel --signal=USR2`) and SIGTERM (scancel, preemption) only set a
-   flag; at the next step boundary (the first is before the loop, so start-up counts) the trainer saves a checkpoint and
-   returns status `preempted`. A signal after the last step lets the run finish. On return it restores submitit's
-   handlers.
-3. `SlurmJob` then asks SLURM about the job. Still RUNNING means the signal was a warning (time limit or USR2
-   preemption): it calls submitit's SIGUSR2 handler itself, which calls `SlurmJob.checkpoint()` (the same job, with
-   `train.resume=auto`), counts the timeout against `cluster.max_num_timeout`, runs `scontrol requeue` and exits. The
-   requeued job starts in the same run directory and resumes from the checkpoint just written. Not RUNNING (cancelled,
-   timed out, preempted with PreemptMode=REQUEUE, which requeues by itself) means SLURM decided: the job just returns,
-   so a `scancel` is never undone.
-4. A SIGUSR2 before the task starts (submitit loading the job) reaches submitit's handler
-   directly: the job is requeued at once and resumes from its last checkpoint.
-5. Once the outcome is final, SIGUSR2 is ignored until the process exits (`job_over`).
-
-Multi-task jobs (`tasks_per_node` > 1 or `nodes` > 1) run `SlurmJob` on every task (srun), each
-with MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE from SLURM's
-variables; only rank 0 writes `.hydra/` and decides about requeueing.
+Signals: submitit installs SIGUSR2 -> checkpoint-and-requeue; while the run lasts, llmexp's `PreemptionSignal`
+replaces it (and SIGTERM) with a flag, so the trainer checkpoints at the next step boundary and returns `preempted`.
+`SlurmJob` then requeues through submitit's handler only if SLURM still runs the job, so a `scancel` is never
+undone; once the outcome is final SIGUSR2 is ignored (`job_over`). Only rank 0 of a multi-task job writes
+`.hydra/` and decides about requeueing. See docs/tutorials/slurm-and-preemption.md and docs/how-to/sweeps.md.
 """
 
 from __future__ import annotations
