@@ -1,8 +1,5 @@
-"""Reading a run or sweep directory, and how a sweep's jobs ended.
-
-Pure functions of what a run (or sweep) directory holds: `metrics.jsonl`, `summary.json`,
-`.hydra/`, job subdirectories. `llmexp.report.run` (one run), `llmexp.report.sweep` (a sweep) and
-`llmexp.report.doctor` read through these, so a killed run, a finished one and a sweep job read alike.
+"""Reading a run or sweep directory, and how a sweep's jobs ended: pure functions of its files, so the reports
+and the doctor read a killed run, a finished one and a sweep job alike.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""Secrets never reach a run's files: what counts as one, and how it is hidden.
-
-Values of keys named like credentials (`api_key`, `hf_token`, `*_password`, ...), strings shaped like well-known tokens
-(`hf_...`, `sk-...`, `ghp_...`, AWS key ids) and the values of environment variables named like credentials
-(`WANDB_API_KEY`, `HF_TOKEN`, `*_TOKEN`, `*_KEY`, `*_SECRET`, `*_PASSWORD`) are replaced by `REDACTED` wherever llmexp
-writes. A secret given on the command line never reaches Hydra: `redact_overrides` moves it into a private environment
-variable and leaves `${oc.env:LLMEXP_SECRET_<n>}` in its place, so `.hydra/`, Hydra's error messages and wandb's
-recorded argv only ever see the placeholder; the Hydra callback `RedactRunFiles` scrubs a job's own files as it starts.
-Writers of run files call `scrub`. Nothing here imports torch.
+"""Secrets never reach a run's files: what counts as one (credential-named keys and environment variables, strings
+shaped like well-known tokens), and how it is hidden (`REDACTED`). A secret on the command line never reaches Hydra:
+`redact_overrides` moves it into a private environment variable behind `${oc.env:LLMEXP_SECRET_<n>}`, so `.hydra/`,
+Hydra's errors and wandb's argv see only the placeholder. Writers of run files call `scrub`. No torch here.
+See docs/explanation/security-model.md.
 """
 
 from __future__ import annotations

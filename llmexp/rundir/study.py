@@ -1,9 +1,7 @@
-"""A search's optuna study as every layer meets it: where it is stored, and its pruner.
-
-The sweeper (`llmexp.sweep.search`) asks and tells; each trial's trainer reports its evals and asks whether to stop
-(`llmexp.train.pruning`), in its own process, on whatever node it runs; the report reads it. All three open the same
-file (`study_journal`) and build the pruner from the same config keys, so a trial needs nothing from the sweeper but its
-config. optuna is imported in the functions only: `--help` never pays for it.
+"""A search's optuna study as every layer meets it: where it is stored, and its pruner. The sweeper
+(`llmexp.sweep.search`), each trial's trainer (`llmexp.train.pruning`, on whatever node) and the report open the
+same file (`study_journal`) and build the pruner from the same config keys, so a trial needs nothing from the
+sweeper but its config. optuna is imported in the functions only: `--help` never pays for it.
 """
 
 from __future__ import annotations

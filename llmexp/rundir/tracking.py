@@ -1,10 +1,7 @@
-"""Where a run's or a sweep's MLflow run lives, as a file in its directory, so that a resumed or requeued run
-continues the same MLflow run and a sweep's jobs find their parent.
-
-`mlflow_run.json` holds `tracking_uri`, `experiment_id` and `run_id`; the trainer's sink writes one per run
-directory, the sweep layer one per sweep directory (the parent run). Without `logger.tracking_uri` both use a
-SQLite store beside them (`mlflow.db`, artifacts in `mlartifacts/`), so MLflow works with no server. Plain
-files and strings only: no mlflow import here.
+"""Where a run's or a sweep's MLflow run lives (`mlflow_run.json` in its directory), so that a resumed or requeued
+run continues the same MLflow run and a sweep's jobs find their parent. Without `logger.tracking_uri`, a SQLite
+store beside it (`mlflow.db`, `mlartifacts/`), so MLflow needs no server. No mlflow import here.
+See docs/how-to/trackers.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Sweep jobs, whatever runs them (`llmexp.sweep.local`: a process per job; `llmexp.sweep.slurm`: a job array).
 
-Both launchers pin the sweep directory with `compose_jobs`. For llmexp's own config (`is_llmexp_config`) a job
-runs through `execute` (the security check, the run-directory lock, an outcome read from `summary.json`), in the
-job's own process or on its node, and the sweep ends with `finish_sweep`: every job that does not end `completed`
-gets `<job dir>/job_status.json`, the sweep report is written, and the command exits 1 if any job did not finish.
-Any other app's job runs through `run_task`, as Hydra's basic launcher runs it, and its JobReturn goes back to
-Hydra unchanged. Nothing here imports torch or submitit.
+llmexp's own jobs (`is_llmexp_config`) run through `execute` (security check, run-directory lock, outcome from
+`summary.json`) and the sweep ends with `finish_sweep` (`job_status.json`, the report, exit 1 if a job did not
+finish); another app's run through `run_task` as Hydra's basic launcher runs them. No torch or submitit here.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""A sweep's parent MLflow run (`logger=mlflow`): opened by the launcher before the first job runs, its id kept
-in the sweep directory (`mlflow_run.json`), where each job's run finds it and nests under it; ended with the
-sweep. A rerun of the sweep, or a search's next batch, continues the same parent. The sweep report uploads
-itself to it (`llmexp.report.sweep`).
-
-MLflow trouble never stops a sweep: an unreachable server gives the sweep directory's local store (as for a
-run), anything else a warning and jobs that are not nested. mlflow is imported only for `logger=mlflow`.
+"""A sweep's parent MLflow run (`logger=mlflow`), its id kept in the sweep directory where each job's run finds it
+and nests under it; a rerun or a search's next batch continues it. MLflow trouble never stops a sweep: an
+unreachable server gives the local store, anything else a warning and unnested jobs. See docs/how-to/trackers.md.
 """
 
 from __future__ import annotations
