@@ -22,10 +22,8 @@ FULL_DISK_FREE_BYTES = 1 << 20
 
 @contextmanager
 def atomic_file(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
-    """`path` opened to be written in place: every llmexp file written in place (summary.json, report.md, plots,
-    metrics.jsonl on resume, a scrubbed `.hydra/` file, a job's pickle) goes through here. A unique temp file beside
-    it (concurrent writers never share one) is fsync'd, then renamed over it; on any failure the temp file is
-    removed and the old file stays."""
+    """`path` opened to be written in place: a unique temp file beside it (concurrent writers never share one),
+    fsync'd, then renamed over it; on any failure the temp file is removed and the old file stays."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -176,15 +174,10 @@ def publish_dir(staging: Path, final: Path, replace: Replace = replace_dir) -> N
 
 @contextmanager
 def staged_dir(final: Path, staging: Path | None = None, replace: Replace = replace_dir) -> Iterator[Path]:
-    """A directory that appears at `final` complete, or not at all: every directory llmexp publishes (a
-    checkpoint, `model/`, a data cache entry) is filled here.
-
-    Yields the staging directory (`staging`, default `.<name>.tmp-<pid>` beside `final`: the same filesystem,
-    so that publishing is a rename), emptied of an earlier attempt's leftover; when the block ends it is
-    published (`publish_dir`). If the block or the publish raises, the staging directory is removed, and an
-    error that means the disk is full becomes `DiskFull` naming `final`. (The DeepSpeed and FSDP engines
-    fill their shards on every rank, so they call `stage_dir` and `publish_dir` themselves.)
-    """
+    """A directory that appears at `final` complete, or not at all: yields an empty staging directory (default
+    `.<name>.tmp-<pid>` beside `final`, so that publishing is a rename) and publishes it (`publish_dir`) as the block
+    ends. If either raises, the staging directory is removed, and a full disk becomes `DiskFull` naming `final`.
+    (DeepSpeed and FSDP fill shards on every rank, so they call `stage_dir` and `publish_dir` themselves.)"""
     final = Path(final)
     staging = Path(staging) if staging is not None else final.with_name(f".{final.name}.tmp-{os.getpid()}")
     try:

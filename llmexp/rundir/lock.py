@@ -17,21 +17,16 @@ _held_locks: dict[str, object] = {}
 
 
 def lock_run_dir(run_dir: Path | str) -> None:
-    """Lock `run_dir` for the life of this process, or raise UserError naming the pid that holds it.
-
-    A second run on the same directory would interleave metrics, checkpoints and summaries. Only the first rank
-    of a distributed launch locks (all ranks share the directory)."""
+    """Lock `run_dir` for the life of this process, or raise UserError naming the pid that holds it (a second run
+    would interleave metrics, checkpoints and summaries). Only rank 0 locks: all ranks share the directory."""
     if os.environ.get("RANK", "0") != "0":
         return
     _lock(Path(run_dir), "run", "hydra.run.dir")
 
 
 def lock_sweep_dir(sweep_dir: Path | str) -> None:
-    """Lock `sweep_dir` for the life of this sweeper, or raise UserError naming the pid that holds it.
-
-    Two sweepers on one directory would launch the same jobs twice and, for a search, ask the same study
-    for trials that both then tell: each corrupts the other's results. The jobs lock their own run
-    directories; a job left running by a killed sweeper holds its own lock, which a rerun waits for."""
+    """Lock `sweep_dir` for the life of this sweeper, or raise UserError naming the pid that holds it: two sweepers
+    would launch the same jobs twice and, for a search, tell the same study's trials twice."""
     _lock(Path(sweep_dir), "sweep", "hydra.sweep.dir")
 
 

@@ -190,7 +190,7 @@ def is_run_dir(path: Path) -> bool:
 
 
 def job_dirs(sweep_dir: Path) -> list[Path]:
-    """Job subdirectories of a sweep, in job-number order (non-numeric names after, by name)."""
+    """Job subdirectories of a sweep, in `job_order`."""
     found = [p for p in Path(sweep_dir).iterdir()
              if p.is_dir() and (is_run_dir(p) or os.path.lexists(p / "job_status.json"))]
     return sorted(found, key=lambda p: job_order(p.name))

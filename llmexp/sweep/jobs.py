@@ -106,12 +106,10 @@ def exit_2_on_user_error(action: Callable[..., T], *args: Any) -> T:
 
 def compose_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int,
                  compose: bool = True) -> list[JobSpec]:
-    """Every job's spec, its sweep directory pinned; its config composed now unless `compose=False`. `hydra.sweep.dir`
-    is resolved once here: its `${llmexp_run_id:}` must not be re-evaluated in a child process or on a
-    SLURM node, where time and pid differ. Composition takes ~0.3 s a job (Hydra's sweeper has already composed each
-    once to validate it), so the SLURM launcher leaves it to the node (`compose_job`); the job directory is then derived
-    from the sweep config unless `hydra.sweep.subdir` names the overrides, which only a composition knows.
-    """
+    """Every job's spec, its config composed now unless `compose=False`. `hydra.sweep.dir` is resolved once here: its
+    `${llmexp_run_id:}` must not be re-evaluated in a child process or on a SLURM node, where time and pid differ.
+    Composition takes ~0.3 s a job (Hydra's sweeper has already composed each once), so the SLURM launcher leaves it to
+    the node, unless `hydra.sweep.subdir` names the overrides, which only a composition knows."""
     global _launched
     _launched = True
     sweep_dir = Path(str(launcher.config.hydra.sweep.dir)).absolute()
@@ -233,9 +231,7 @@ def launched_before(job_dir: Path, num: int, overrides: Sequence[str] | None) ->
 
 def ended_before(spec: JobSpec) -> JobOutcome | None:
     """The outcome of a job that this sweep directory already holds, ended (`ENDED`), or None. A job still running
-    from an earlier launch of the sweep (whose launcher was killed) is waited for first: the run directory's lock
-    says so. A directory that holds a job with other overrides belongs to another sweep, which is refused rather
-    than mixed into this one's report (`launched_before`)."""
+    from an earlier launch (whose launcher was killed) holds its run directory's lock and is waited for first."""
     if not launched_before(spec.job_dir, spec.num, spec.overrides):
         return None  # no earlier launch of this job (a lock held by anything else fails the job, as always)
     wait_for_lock(spec.job_dir, lambda pid: log.info(f"  {spec.job_dir} is still running from an earlier launch "
