@@ -24,13 +24,10 @@ def _start_time(pid: int) -> dt.datetime:
 
 
 def run_id() -> str:
-    """A run directory name that every rank of one launch agrees on.
-
-    `${now:}` would be resolved separately on each rank (and may straddle a second), so distributed ranks derive the id
-    from their common parent (torchrun / accelerate launch), the SLURM job, or (several nodes) torchrun's `--rdzv_id`; a
-    plain run uses the current time and its own pid (the time it first asked, so that it gets one id). Several nodes
-    without SLURM or an rdzv id: set LLMEXP_RUN_ID or hydra.run.dir.
-    """
+    """A run directory name that every rank of one launch agrees on: `${now:}` would be resolved on each rank (and
+    may straddle a second), so ranks derive it from their common parent (torchrun / accelerate launch), the SLURM job,
+    or torchrun's `--rdzv_id` (several nodes); a plain run from the time it first asked and its pid. Several nodes
+    without SLURM or an rdzv id: set LLMEXP_RUN_ID or hydra.run.dir."""
     if os.environ.get("LLMEXP_RUN_ID"):
         return safe_name(os.environ["LLMEXP_RUN_ID"])
     if os.environ.get("SLURM_JOB_ID") and int(os.environ.get("WORLD_SIZE", "1")) > 1:

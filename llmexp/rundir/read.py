@@ -265,11 +265,10 @@ def _recorded(data: dict, key: str) -> Any:
 
 
 def launched_jobs(sweep_dir: Path) -> dict[str, list[str]]:
-    """Job directory name -> overrides, of every job a grid sweep launches: the jobs of the command its
-    `multirun.yaml` recorded, listed as `llmexp.sweep.space.grid_jobs` lists them (the product in command-line
-    order, the `sweep.zip` keys paired), so a job whose directory is gone is still known. With `sweep.lr_scaling`
-    the lr of each job is left out (its scaled value needs the job's config). {} for a search (its trials are in its
-    study), a `hydra.sweep.subdir` other than the job number, or no readable record."""
+    """Job directory name -> overrides, of every job a grid sweep launches, listed from its `multirun.yaml` as
+    `llmexp.sweep.space.grid_jobs` lists them, so a job whose directory is gone is still known. With
+    `sweep.lr_scaling` the lr is left out (its scaled value needs the job's config). {} for a search, a
+    `hydra.sweep.subdir` other than the job number, or no readable record."""
     recorded = _recorded_overrides(sweep_dir)
     if recorded is None:
         return {}

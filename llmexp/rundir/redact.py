@@ -95,13 +95,9 @@ def scrub_overrides(overrides: Iterable[str], secrets: Iterable[str] | None = No
 
 
 def redact_overrides(args: list[str], environ: dict[str, str] | None = None) -> list[str]:
-    """Command-line arguments with secret override values moved into `LLMEXP_SECRET_<n>` env variables.
-
-    `+logger.api_key=abc` becomes `+logger.api_key=${oc.env:LLMEXP_SECRET_0}`: the config still
-    resolves to `abc`, but Hydra's saved files, run names and wandb's recorded argv hold the
-    placeholder. Child processes (sweep jobs) inherit the variable. Elsewhere each secret-looking part of a value
-    is lifted alone, so that `train.sample_prompts=[hi,sk-...]` stays a list and `{foo: sk-...}` a dict.
-    """
+    """Command-line arguments with secret override values moved into `LLMEXP_SECRET_<n>` env variables (which sweep
+    jobs inherit): `+logger.api_key=abc` becomes `+logger.api_key=${oc.env:LLMEXP_SECRET_0}`. Elsewhere each
+    secret-looking part of a value is lifted alone, so that `train.sample_prompts=[hi,sk-...]` stays a list."""
     env = os.environ if environ is None else environ
     inside = re.compile("|".join([*map(re.escape, secret_env_values(env)), _SECRET_VALUE.pattern]))
     names = (f"{SECRET_ENV_PREFIX}{n}" for n in itertools.count())
@@ -173,12 +169,9 @@ class RedactRunFiles(Callback):
 
 
 def _sanitize_hydra_overrides() -> None:
-    """Make `HydraConfig.get().overrides.task` and `job.override_dirname` safe to read and write out.
-
-    They hold the overrides as typed, so reading them resolves `${oc.env:LLMEXP_SECRET_0}` (or any
-    `${oc.env:HF_TOKEN}` a user typed) to the secret itself, e.g. into summary.json or a run name.
-    Secret-named values become REDACTED and other interpolations are escaped so they read as typed.
-    """
+    """Make `HydraConfig.get().overrides.task` and `job.override_dirname` safe to read and write out: as typed,
+    reading them would resolve `${oc.env:LLMEXP_SECRET_0}` (or a typed `${oc.env:HF_TOKEN}`) to the secret itself.
+    Secret-named values become REDACTED and other interpolations are escaped so they read as typed."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, read_write
 

@@ -42,11 +42,9 @@ def journal_storage(sweep_dir: Path) -> Any:
 
 
 def check_journal(sweep_dir: Path) -> None:
-    """Before a search continues in `sweep_dir`: its `study.journal`, if there is one, is a whole optuna journal.
-
-    Every line must be a complete JSON object with one of optuna's operation codes, and the whole must replay.
-    optuna itself skips a last line cut short, and then appends after it, which damages the file for good; a
-    line of garbage raises deep inside optuna."""
+    """Before a search continues in `sweep_dir`: its `study.journal`, if any, is a whole optuna journal that replays.
+    optuna itself skips a last line cut short and appends after it, which damages the file for good; a line of
+    garbage raises deep inside optuna."""
     path = study_journal(sweep_dir)
     if not path.exists() and not path.is_symlink():
         return

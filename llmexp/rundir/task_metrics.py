@@ -1,7 +1,5 @@
-"""Reading a run's task metrics: the `eval_task` records of metrics.jsonl (one per task and eval step), and
-the value of any recorded metric by its `sweep.metric` name (`eval_loss`, `eval_ppl`, `tasks/<name>/<metric>`).
-
-Pure functions of records, so summary.json, the reports, a search's pruner and the sweep report read alike."""
+"""A run's task metrics (`eval_task` records of metrics.jsonl) and any metric by its `sweep.metric` name, as pure
+functions of records, so summary.json, the reports and a search's pruner read alike."""
 
 from __future__ import annotations
 
