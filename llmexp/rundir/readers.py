@@ -389,9 +389,8 @@ def _fits(value: Any, spec: Any, finite: bool = False) -> bool:
 def check_fields(value: Any, spec: Any, finite: bool = False) -> tuple[Any, list[str]]:
     """`value` with what does not fit `spec` left out, and what was left out. A spec is a type (`float` takes an
     int, never a bool, and NaN or infinity, as a number or `NON_FINITE`'s strings, only unless `finite`; `float |
-    None` takes null), `[item]` a list,
-    `{field: spec}` an object whose named fields are checked (others kept; a `Need` field must be there),
-    `{str: spec}` an object of any keys. A value that does not fit at all is None."""
+    None` takes null), `[item]` a list, `{field: spec}` an object whose named fields are checked (others kept; a
+    `Need` field must be there), `{str: spec}` an object of any keys. A value that does not fit at all is None."""
     problems: list[str] = []
 
     def fit(v: Any, s: Any, at: str) -> Any:

@@ -181,10 +181,8 @@ def failed_return(spec: JobSpec, message: str) -> JobReturn:
 
 
 def execute(spec: JobSpec, task_function: Any, hydra_context: Any, singleton_state: Any) -> JobOutcome:
-    """Run one of llmexp's jobs in this process through Hydra's `run_job`; never raises for a failing task.
-
-    The CLI's security check and the job directory's lock come first, in the job's own process (local) or on its
-    node (SLURM), before Hydra writes anything there; a refusal is this job's user error."""
+    """Run one of llmexp's jobs in this process through Hydra's `run_job`; never raises for a failing task. The
+    security check and the job directory's lock come first, before Hydra writes there; a refusal is this job's."""
     from llmexp.train.guarded import last_user_error, user_error_exit
 
     register_resolvers()
@@ -256,10 +254,9 @@ def split_ended(specs: Sequence[JobSpec]) -> tuple[list[JobSpec], dict[int, JobO
 
 
 def record_outcome(spec: JobSpec, outcome: JobOutcome) -> None:
-    """Leave `job_status.json` in the job dir of every job that did not complete or left no summary.json: the
-    launcher's verdict (a trainer's summary may say `preempted` for a job SLURM then cancelled). A job that ended
-    well with its own summary has none, so a stale one (`submitted`, or from an earlier attempt) is removed. Its
-    `overrides` name a job that never started; `.hydra/overrides.yaml` is also written for it, as Hydra would have."""
+    """Leave `job_status.json`, the launcher's verdict (a summary may say `preempted` for a job SLURM then cancelled),
+    in the job dir of every job that did not complete or left no summary.json; remove a stale one from a job that
+    ended well. Its `overrides` (and `.hydra/overrides.yaml`, as Hydra writes it) name a job that never started."""
     status_path = spec.job_dir / "job_status.json"
     ended_well = outcome.status in FINISHED and outcome.exit_code in (0, None)
     if ended_well and (spec.job_dir / "summary.json").exists():
@@ -289,9 +286,8 @@ def write_report(sweep_dir: Path) -> None:
 
 
 def job_returns(specs: Sequence[JobSpec], outcomes: Sequence[JobOutcome]) -> list[JobReturn]:
-    """What Hydra expects back: one COMPLETED JobReturn per job, its value the job's exit code. Failures are
-    reported by `finish_sweep` (report, summary line, exit code), not by raising the first job's exception from
-    Hydra's sweeper, which would hide the others."""
+    """One COMPLETED JobReturn per job, its value the job's exit code: failures are reported by `finish_sweep`, not by
+    raising the first job's exception from Hydra's sweeper, which would hide the others."""
     returns = []
     for spec, outcome in zip(specs, outcomes, strict=True):
         name = str(spec.config.hydra.job.name) if spec.config is not None else None

@@ -72,10 +72,9 @@ def visible_gpus(env: Mapping[str, str] | None = None) -> list[str]:
 
 def device_slots(gpus: Sequence[str], jobs_per_gpu: int, max_parallel: int,
                  prefix: str = "hydra.launcher.") -> list[str | None]:
-    """One entry per job that may run at once: a CUDA_VISIBLE_DEVICES value, or None for a CPU slot. With GPUs, each
-    GPU appears `jobs_per_gpu` times (interleaved, so the first jobs spread over all GPUs); without, there are
-    `max_parallel` CPU slots. `prefix` spells the keys in an error as the user wrote them: `cluster.` for llmexp,
-    `hydra.launcher.` for any other app."""
+    """One entry per job that may run at once: a CUDA_VISIBLE_DEVICES value (each GPU `jobs_per_gpu` times,
+    interleaved so the first jobs spread over all GPUs), or None for each of `max_parallel` CPU slots. `prefix`
+    spells the keys in an error as the user wrote them (`cluster.` for llmexp)."""
     if jobs_per_gpu < 1 or max_parallel < 1:
         raise UserError(f"{prefix}jobs_per_gpu={jobs_per_gpu} and {prefix}max_parallel={max_parallel}: "
                         f"both must be >= 1; e.g. {prefix}max_parallel=2")
