@@ -86,11 +86,9 @@ def lock_pid(path: Path) -> int | None:
 
 
 def lock_holder(run_dir: Path) -> int | None:
-    """The pid of the process holding `run_dir`'s lock now, or None; read-only, never taking the lock (a run
-    starting at that moment must not find it held by a reader).
-
-    Linux lists every flock in /proc/locks by device and inode; elsewhere, the pid in the lock file counts if
-    that process is alive. A run on another host (a SLURM node) is not seen: ask the scheduler."""
+    """The pid of the process holding `run_dir`'s lock now, or None, never taking the lock (a run starting then must
+    not find it held by a reader): from /proc/locks on Linux, else the lock file's pid if alive. A run on another
+    host (a SLURM node) is not seen: ask the scheduler."""
     path = Path(run_dir) / LOCK_NAME
     try:
         st = path.stat()

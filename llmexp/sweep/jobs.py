@@ -346,8 +346,7 @@ def exit_for_results(results: Sequence[TrialResult], what: str, sweep_dir: Path)
 
 class StopRequest:
     """While active, SIGINT (Ctrl-C) and SIGTERM are counted in `count`, not raised, so that the block acts on them
-    where it is safe to: the local launcher stops its jobs (none left running, none started unrecorded), an optuna
-    write to the journal ends whole. A request is passed on as KeyboardInterrupt as the block ends. Inert outside
+    where it is safe (an optuna write ends whole), and raised as KeyboardInterrupt as the block ends. Inert outside
     the main thread, and for a signal this process ignores (a script's background job ignores SIGINT)."""
 
     def __enter__(self) -> StopRequest:

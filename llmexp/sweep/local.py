@@ -273,13 +273,10 @@ def _cold(why: str) -> bool:
 
 
 class _WarmJob:
-    """A CPU job forked from the sweep's fork server (multiprocessing's forkserver, `PRELOAD` imported once: it skips
-    the ~3 s of CPU a fresh process spends on imports), with the part of Popen's interface the queue uses.
-
-    The job is the server's child, not the launcher's: its end is learnt from its pidfd (Linux), which holds whether
-    or not the server lives, and it is signalled through it (never a reused pid); while the server lives, it reports
-    the job's exit status. A server that dies, at start-up or mid-job, leaves its jobs running, watched
-    (`lost_server`), their exit status unknown (255, as multiprocessing says), and later jobs start fresh."""
+    """A CPU job forked from the sweep's fork server (`PRELOAD` imported once: it skips the ~3 s of CPU a fresh
+    process spends on imports), with the part of Popen's interface the queue uses. The job is the server's child, so
+    its end is learnt, and it is signalled, through its pidfd (never a reused pid), whether or not the server lives;
+    a server that dies leaves its jobs running, watched (`lost_server`), their exit status unknown (255)."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str]) -> None:
         context = multiprocessing.get_context("forkserver")  # the server `_warm_server` started
