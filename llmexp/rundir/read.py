@@ -146,11 +146,9 @@ class TrialResult:
 
 
 def read_result(job_dir: Path, metric: str = "eval_loss") -> TrialResult:
-    """A trial's result from its run directory: summary.json, and job_status.json when the launcher wrote one;
-    its value is `metric` (`sweep.metric`: `eval_loss`, `eval_ppl` or `tasks/<name>/<metric>`) at the end.
-
-    A run whose doctor found an error (non_finite, divergence) or that diverged is `failed` with that
-    finding as its reason: a result about the region, not a crash."""
+    """A trial's result from summary.json (and job_status.json where the launcher wrote one), its value `metric` at
+    the end. A run that diverged or whose doctor found an error is `failed` with that finding as its reason: a
+    result about the region, not a crash."""
     summary = load_summary(job_dir) or {}
     verdict = load_job_status(job_dir)
     status = verdict.get("status") or summary.get("status")
@@ -243,9 +241,9 @@ def swept_keys(sweep_dir: Path) -> list[str]:
 GRID_SWEEPERS = ("GridSweeper", "BasicSweeper")
 """The `hydra.sweeper._target_` class names of a grid, whose jobs the command alone fixes (llmexp's, Hydra's)."""
 MAX_GRID_JOBS = 10_000
-"""The most jobs a grid may have, and values a categorical may hold (`llmexp.sweep.space` refuses more before
-anything launches, so `launched_jobs` never expands more): `seed=range(0,100000000)` is a typo, and listing its
-jobs would take minutes and gigabytes before anything ran."""
+"""The most jobs a grid may have, and values a categorical may hold (`llmexp.sweep.space` refuses more, so
+`launched_jobs` never expands more): listing the jobs of a typo like `seed=range(0,100000000)` takes minutes
+and gigabytes."""
 
 
 def grid_product(axes: dict[str, list[str]], zip_keys: Sequence[str]) -> list[list[str]]:

@@ -27,9 +27,8 @@ def study_journal(sweep_dir: Path) -> Path:
 
 
 def journal_storage(sweep_dir: Path) -> Any:
-    """The sweep directory's optuna JournalStorage: one append-only file under a lock file, which works on
-    a shared filesystem (optuna's symlink lock), so jobs on SLURM nodes and the sweeper share it. A journal
-    optuna cannot replay is a UserError (`damaged`), not optuna's traceback."""
+    """The sweep directory's optuna JournalStorage, which SLURM nodes and the sweeper share (optuna's symlink lock
+    works on a shared filesystem); a journal optuna cannot replay is a UserError (`damaged`), not a traceback."""
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
