@@ -1,18 +1,9 @@
 """`logger=mlflow`: each run is an MLflow run, a sweep's jobs nested runs of one parent run.
 
-What a run sends: its config flattened into params (secrets redacted, as for wandb), every train and eval
-record as metrics at its step, the findings as tags (`finding.<kind>`), and at the end `summary.json`,
-`report.md`, `curves.png` (and `model/` with `logger.log_model=true`) as artifacts, with the MLflow status
-the run ended with. The run's id is kept in the run directory (`mlflow_run.json`), so a resumed or requeued
-run continues the same MLflow run; the steps MLflow already has are not sent again, and those of the
-checkpoint's history it lacks (sent by nobody before a `kill -9`) are sent on resume, so the metric history
-holds every step once.
-
-Without `logger.tracking_uri` the store is a SQLite file in the run directory (a sweep's: the sweep
-directory), so it works with no server. A server that cannot be reached within `logger.init_timeout_s` gives
-one warning and the run logs to that local store instead; a server lost mid-run gives one warning, and the
-run goes on (its metrics are in `metrics.jsonl` whatever MLflow does). Metrics go out from a thread of
-their own, so a slow server never stalls a step. mlflow is imported only when this sink is used.
+What a run sends, where the store is and what a lost server does: docs/how-to/trackers.md. Why it is built so:
+the run's id is kept in the run directory (`mlflow_run.json`) so that a resumed or requeued run continues the
+same MLflow run, sending only the steps MLflow lacks (a `kill -9` leaves some unsent); metrics go out from a
+thread of their own, so a slow or lost server never stalls a step. mlflow is imported only when this sink is used.
 """
 
 from __future__ import annotations
