@@ -1,23 +1,10 @@
 """`python -m llmexp.status DIR [--watch [SECONDS]]`: where a run, or every job of a sweep, stands.
 
-One table, local or SLURM, running or ended: job, the overrides of the swept keys and of any that differ between
-jobs, status, step of max_steps, the last train loss, the last eval loss, the best eval loss so far, the ETA, and
-on SLURM the job id and its state (`squeue`, then `sacct`). It reads only files (the run directories, through
-`llmexp.rundir.read`) and asks the scheduler: no torch (Hydra only for its override parser, to read a sweep's
-record and redact secrets), an answer in well under a second.
-`--watch` redraws the table in place every SECONDS (2) until Ctrl-C.
-
-A job's status: `running` while a process holds its run directory's lock (or SLURM runs it), `queued` before
-it starts (`requeued` when SLURM queued it again after a checkpoint), then what the run wrote to
-summary.json (`completed`, `early_stopped`, `pruned`, `diverged`, `failed`, `preempted`) or, when the
-launcher knows more, its verdict (`cancelled`, `timeout`, `killed`); `killed` also for a run directory whose
-process is gone without a summary, `failed` for one whose process is gone before its first record (a user's mistake
-found as it started: its message went to the command's output, not to the directory); `missing` for a job that the
-sweep's `multirun.yaml` launched and whose directory is gone; `not_started` for a local job still waiting when
-its sweeper is gone (killed: no process holds the sweep directory's lock), which the sweep's command, run again,
-starts. Damaged files are skipped, each said in one line on stderr.
-
-Exit codes: 0 the table was shown, 2 DIR is neither a run nor a sweep directory.
+One table, local or SLURM, running or ended; what each status means: docs/reference/commands.md. It reads only
+files (the run directories, through `llmexp.rundir.read`) and asks the scheduler: no torch (Hydra only for its
+override parser, to read a sweep's record and redact secrets), so it answers in well under a second. A job is
+`running` while a process holds its run directory's lock (or SLURM runs it); damaged files are skipped, each said
+in one line on stderr. Exit codes: 0 the table was shown, 2 DIR is neither a run nor a sweep directory.
 """
 
 from __future__ import annotations
