@@ -194,7 +194,7 @@ def forward_backward(run: Run, train_ds: data_lib.TokenDataset | stream_lib.Stre
     batch = fetch(0)
     for micro in range(plan.accum):
         n_tokens += batch["input_ids"].numel()
-        # DDP averages gradients over ranks, so scale by world / n_targets to get the global mean.
+        # DDP's all-reduce and FSDP2's reduce-scatter average over ranks: world / n_targets gives the global mean.
         sync = nullcontext() if micro == plan.accum - 1 else engine.no_sync(model)
         with rt.emulation():  # emulated bf16 (CPUs without it): backward's matmuls are bf16 too
             with sync, rt.autocast():
