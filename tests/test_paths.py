@@ -32,6 +32,10 @@ def tree(tmp_path: Path) -> Path:
     scripted.mkdir()
     (scripted / "scripted.py").write_text(f"open({str(tmp_path / MARKER)!r}, 'w').close()\n")
     (scripted / "train.jsonl").write_text('{"text": "hello"}\n')
+    no_text = tmp_path / "no_text"  # data=text reads neither hidden nor empty files
+    no_text.mkdir()
+    (no_text / ".notes").write_text("hidden\n")
+    (no_text / "empty.txt").write_text("")
     return tmp_path
 
 
@@ -102,6 +106,10 @@ PATH_MISTAKES: list[tuple[str, list[str], list[str]]] = [
      ["data.path={t}/scripted/scripted.py: is a dataset loading script (code)"]),
     ("hf_path_a_loop", ["data=hf", "data.path={t}/loop"], ["data.path={t}/loop: is a symbolic link loop"]),
     ("hf_path_a_file", ["data=hf", "data.path={t}/rows.jsonl"], ["data.path={t}/rows.jsonl: is a file"]),
+    ("text_dir_without_text", ["data=text", "data.train_file={t}/no_text"],
+     ["data.train_file={t}/no_text: is a directory with no non-empty file in it"]),
+    ("text_glob_of_empty_files", ["data=text", "data.train_file={t}/no_text/*.txt"],
+     ["data.train_file={t}/no_text/*.txt: no such file, directory or glob match with text in it"]),
     ("json_empty", ["data=json", "data.train_file={t}/empty.jsonl"], ["data.train_file={t}/empty.jsonl: is empty"]),
     ("json_is_a_directory", ["data=json", "data.train_file={t}/scripted"], ["data.train_file={t}/scripted: is a dir"]),
     ("json_is_a_loop", ["data=json", "data.train_file={t}/loop"], ["data.train_file={t}/loop: is a symbolic link"]),

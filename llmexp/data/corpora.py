@@ -8,7 +8,6 @@ Bad input raises `UserError` naming the file, line or record and what was expect
 from __future__ import annotations
 
 import ast
-import glob
 import hashlib
 import inspect
 import json
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from llmexp.errors import UserError
+from llmexp.machine.paths import text_source_files
 from llmexp.rundir import readers
 from llmexp.rundir.readers import Damaged, entry_of, file_sha256, parse_json, reader
 
@@ -113,17 +113,12 @@ def require_file(path_str: str | None, key: str) -> Path:
 
 
 def text_files(spec: str | None, key: str) -> list[Path]:
-    """A file, a directory (every file under it, recursively) or a glob, as sorted files."""
+    """A file, a directory (every file under it, recursively, but hidden ones) or a glob, as sorted files."""
     if not spec:
         raise UserError(f"{key} is not set; set {key}=path/to/file_dir_or_glob")
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
-    elif any(ch in spec for ch in "*?["):
-        files = sorted(Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file())
-    else:
-        files = [require_file(spec, key)]
-    files = [f for f in files if f.stat().st_size > 0]
+    if not Path(spec).expanduser().is_dir() and not any(ch in spec for ch in "*?["):
+        return [require_file(spec, key)]
+    files = text_source_files(spec)
     if not files:
         raise UserError(f"{key}={spec}: matches no non-empty files")
     return files

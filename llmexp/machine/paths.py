@@ -94,20 +94,31 @@ def _input_file_problem(key: str, value: Any, what: str) -> str | None:
     return None if found.st_size else f"{key}={value}: is empty (0 bytes); add records, or point it at {what}"
 
 
+def text_source_files(spec: str) -> list[Path]:
+    """data=text's files, sorted: the file itself, every file under a directory but hidden ones, or a glob's
+    matches; the empty ones left out (they hold no text)."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        files = [p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    else:
+        files = [Path(p) for p in glob.iglob(os.path.expanduser(spec), recursive=True) if Path(p).is_file()]
+    return sorted(f for f in files if f.stat().st_size > 0)
+
+
 def _text_source_problem(key: str, value: Any) -> str | None:
-    """data=text: a non-empty file, a directory holding a file, or a glob that matches one."""
+    """data=text: a non-empty file, a directory holding one, or a glob that matches one."""
     path, found, problem = _look(key, value, "a text file, a directory of them, or a glob", directory=None)
     if problem:
         return problem
     if found is not None and stat.S_ISDIR(found.st_mode):
-        return None if any(p.is_file() for p in path.rglob("*")) else \
-            f"{key}={value}: is a directory with no file in it; add text files or point it elsewhere"
+        return None if text_source_files(str(value)) else \
+            f"{key}={value}: is a directory with no non-empty file in it; add text files or point it elsewhere"
     if found is not None:
         return None if found.st_size else f"{key}={value}: is empty (0 bytes); add text or point it elsewhere"
-    if any(Path(p).is_file() for p in glob.iglob(os.path.expanduser(str(value)), recursive=True)):
+    if text_source_files(str(value)):
         return None
-    return (f"{key}={value}: no such file, directory or glob match (looked at {path.absolute()}); fix "
-            f"the path or set {key}=path/to/{'train' if 'train' in key else 'eval'}.txt")
+    return (f"{key}={value}: no such file, directory or glob match with text in it (looked at {path.absolute()}); "
+            f"fix the path or set {key}=path/to/{'train' if 'train' in key else 'eval'}.txt")
 
 
 def data_file_problem(cfg: Any, key: str, value: Any, kind: str | None = None) -> str | None:
