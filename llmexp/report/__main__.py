@@ -1,13 +1,5 @@
-"""`python -m llmexp.report DIR`: (re)write a run's report or a sweep's report, whichever DIR is.
-
-    python -m llmexp.report RUN_DIR      # report.md + curves.png
-    python -m llmexp.report SWEEP_DIR    # sweep_summary.json, sweep_report.md, sweep_curves.png
-                                         # (+ sweep_search.png for sweep=random|tpe); also mid-sweep
-
-Exit codes: for a sweep, the sweep's own (`rundir.read.sweep_exit_code`, as the sweeper ends with: 0 every job
-ended by itself, a diverged one included; 3 none completed and one diverged; 1 a job did not end by itself, or runs
-still); for a run 0; 1 a report that cannot be written (report.md a directory, a read-only directory); 2 not a run
-or sweep directory.
+"""`python -m llmexp.report DIR`: (re)write a run's report or a sweep's report, whichever DIR is. What it writes
+and its exit codes (a sweep's own: `rundir.read.sweep_exit_code`): docs/reference/commands.md.
 """
 
 from __future__ import annotations
@@ -16,6 +8,7 @@ import sys
 from pathlib import Path
 
 from llmexp.report.run import write_run_report
+from llmexp.report.status import NEITHER
 from llmexp.report.sweep import write_sweep_report
 from llmexp.rundir.files import unwritable
 from llmexp.rundir.read import is_run_dir, is_sweep_dir, read_result, sweep_exit_code
@@ -42,8 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         print(f"llmexp.report: error: {unwritable(path, err)}", file=sys.stderr)
         return 1
-    print(f"llmexp.report: error: {path} is neither a run directory (metrics.jsonl, summary.json, .hydra/) "
-          "nor a sweep directory (multirun.yaml, job subdirectories)", file=sys.stderr)
+    print(f"llmexp.report: error: {NEITHER.format(path)}", file=sys.stderr)
     return 2
 
 

@@ -47,6 +47,9 @@ SCHEDULER_TIMEOUT_S = 0.7
 WAITING = ("submitted", "queued")
 """Launcher records of a job that has not started (SLURM's `submitted`, the local launcher's `queued`)."""
 QUEUED_STATES = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "SUSPENDED")
+NEITHER = ("{} is neither a run directory (metrics.jsonl, summary.json, .hydra/) nor a sweep directory (multirun.yaml, "
+           "job subdirectories)")
+"""The error of `llmexp.status` and `llmexp.report` for a DIR that is neither."""
 
 
 @dataclass
@@ -240,8 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--watch and --scheduler-timeout take a number of seconds in (0, 86400]")
     sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]  # (a directory named in bytes)
     if not (is_run_dir(args.dir) or is_sweep_dir(args.dir)):
-        print(f"llmexp.status: error: {args.dir} is neither a run directory (metrics.jsonl, summary.json, .hydra/) "
-              "nor a sweep directory (multirun.yaml, job subdirectories)", file=sys.stderr)
+        print(f"llmexp.status: error: {NEITHER.format(args.dir)}", file=sys.stderr)
         return 2
     width = shutil.get_terminal_size((160, 24)).columns
     if args.watch is None:
