@@ -1,12 +1,7 @@
 """`python -m llmexp.fit SWEEP_DIR [SWEEP_DIR ...] [--target-params N] [--out DIR]`: the best lr per model size
-from the jobs of finished sweeps (grid or search, local or SLURM), and the power law that carries it across sizes.
-
-Per size (parameter count, the start record's `model_params`): the vertex of a parabola fitted in log(lr) through the
-final eval losses near the grid's minimum, with a 95% interval, or a flag when the minimum is at the grid's edge;
-across sizes: best_lr = a * N^b (and best batch, where batch_size was swept); with --target-params, the lr there.
-Writes fit.json and fit.png (`llmexp.report.fit_plot`) and prints a table. Reads run directories only through
-`llmexp.rundir.read`; no torch. Exit codes: 0 written, 2 input it cannot fit (the message names the dir or file and
-the fix), nothing written then.
+from the jobs of finished sweeps, and the power law that carries it across sizes. What it fits, prints and writes
+(fit.json, fit.png): docs/tutorials/tune-small-train-big.md, section 4; exit codes: docs/reference/commands.md. Reads
+run directories only through `llmexp.rundir.read`; no torch.
 
 Every x is a natural log (of an lr, a batch size, a parameter count): a loss is close to a parabola in log(lr) near
 its minimum (and far from one away from it: a too-high lr diverges steeply, a too-low one rises slowly), and an
@@ -290,11 +285,8 @@ def collect(sweep_dirs: list[Path]) -> tuple[list[Job], list[dict[str, str]]]:
 
 def _means(jobs: list[Job]) -> tuple[list[float], list[float], list[int], list[list[float]]]:
     """Per distinct lr (ascending): the lr, the mean loss over its runs (seeds, sweeps), the run count, the losses."""
-    by_lr: dict[float, list[float]] = {}
-    for j in jobs:
-        if j.loss is not None:
-            by_lr.setdefault(j.lr, []).append(j.loss)
-    lrs = sorted(by_lr)
+    lrs = sorted({j.lr for j in jobs if j.loss is not None})
+    by_lr = {lr: [j.loss for j in jobs if j.lr == lr and j.loss is not None] for lr in lrs}
     return lrs, [float(np.mean(by_lr[lr])) for lr in lrs], [len(by_lr[lr]) for lr in lrs], [by_lr[lr] for lr in lrs]
 
 
@@ -418,10 +410,7 @@ def fit_sweeps(sweep_dirs: list[Path], target_params: float | None = None,
     if len(kinds) > 1:
         raise UserError(f"the jobs mix model.parametrization={' and '.join(kinds)}; their best lrs follow different "
                         "rules: fit each parametrization's sweeps separately")
-    by_size: dict[int, list[Job]] = {}
-    for j in jobs:
-        by_size.setdefault(j.params, []).append(j)
-    fits = [size_fit(n, by_size[n], seed_lr) for n in sorted(by_size)]
+    fits = [size_fit(n, [j for j in jobs if j.params == n], seed_lr) for n in sorted({j.params for j in jobs})]
     sizes, vertices = [f[0] for f in fits], [f[1] for f in fits]
     mup = mup_transfer(sizes, jobs) if kinds == [MUP] else None
     # an edge has no vertex: its best lr is only bounded
