@@ -1,10 +1,7 @@
-"""The search part of a sweep report (`sweep=random|tpe`): what the optuna study holds, read from its journal.
-
-The sweeper keeps the study in `rundir.study.study_journal(SWEEP_DIR)` (`rundir.study.load_study`); trial N is job
-`SWEEP_DIR/N`. Everything here is a pure function of that journal and the job directories, so the report can
-be written at any time, also while the sweeper is still appending to the journal (optuna's file backend
-reads only whole lines, and a torn last line is skipped until it is complete). A grid sweep has no study:
-`load_study` returns None and the sweep report stays as it was.
+"""The search part of a sweep report (`sweep=random|tpe`; what it shows: docs/how-to/sweeps.md): the optuna study
+(`rundir.study.load_study`), trial N being job `SWEEP_DIR/N`. A pure function of the study's journal and the job
+directories, so it can be written while the sweeper still appends to the journal (optuna's file backend reads only
+whole lines, and a torn last line is skipped until it is complete). A grid sweep has no study.
 """
 
 from __future__ import annotations
@@ -39,8 +36,7 @@ def load_study(sweep_dir: Path) -> tuple[Any | None, str | None]:
 
 
 def search_setup(sweep_dir: Path, jobs: list[dict]) -> dict[str, Any]:
-    """sweep.name, pruner, n_trials, seed, parallel and train.max_steps as the sweep was started with
-    (`multirun.yaml`, else the first job's `.hydra/config.yaml`)."""
+    """The search's settings as the sweep was started with (`multirun.yaml`, else the first job's config)."""
     config = read_yaml(Path(sweep_dir) / "multirun.yaml")
     if not isinstance(config, dict) or not isinstance(config.get("sweep"), dict):
         config = load_config(Path(jobs[0]["dir"])) if jobs else {}
