@@ -1,8 +1,6 @@
 """Pictures for the reports: a run's curves with its findings marked, a sweep's overlaid curves, a search's
-history; and `figure`, the skeleton every picture (fit_plot, lr_find, coord_check too) is drawn in.
-
-matplotlib (Agg backend) is imported inside the functions, so importing this module costs nothing.
-"""
+history; and `figure`, the skeleton every picture (fit_plot, lr_find, coord_check too) is drawn in. matplotlib
+(Agg backend) is imported inside the functions, so importing this module costs nothing."""
 
 from __future__ import annotations
 
@@ -375,9 +373,7 @@ def _trial_curves_panel(ax: Any, rows: list[dict]) -> None:
 
 
 def plot_search(search: dict[str, Any], path: Path, title: str = "") -> None:
-    """sweep_search.png: the optimisation history (value per trial, best-so-far line), every trial's eval
-    curve with pruned ones ending in a marker at their stop step, and the loss against the first numeric
-    parameter searched (pruned trials at their last eval loss)."""
+    """sweep_search.png: the three panels docs/how-to/sweeps.md describes (pruned trials at their last eval loss)."""
     rows, counts = search["trials"], search["counts"]
     numeric = [k for k, v in search["space"].items() if not v.startswith("one of")]
     title += (f"  ·  {search['sampler']} + {search['pruner']}: {counts['complete']} complete, "

@@ -1,10 +1,9 @@
 """`python -m llmexp.status DIR [--watch [SECONDS]]`: where a run, or every job of a sweep, stands.
 
-One table, local or SLURM, running or ended; what each status means: docs/reference/commands.md. It reads only
-files (the run directories, through `llmexp.rundir.read`) and asks the scheduler: no torch (Hydra only for its
-override parser, to read a sweep's record and redact secrets), so it answers in well under a second. A job is
-`running` while a process holds its run directory's lock (or SLURM runs it); damaged files are skipped, each said
-in one line on stderr. Exit codes: 0 the table was shown, 2 DIR is neither a run nor a sweep directory.
+One table, local or SLURM, running or ended; what each status means, and the exit codes: docs/reference/commands.md.
+It reads only files (the run directories, through `llmexp.rundir.read`) and asks the scheduler: no torch (Hydra only
+for its override parser, to read a sweep's record and redact secrets), so it answers in well under a second. Damaged
+files are skipped, each said in one line on stderr.
 """
 
 from __future__ import annotations
@@ -135,7 +134,7 @@ def _ended(run_dir: Path, summary: dict | None) -> bool:
 
 def _status(run_dir: Path, summary: dict | None, verdict: dict, records: list[dict], state: str | None,
             sweeper: bool) -> str:
-    """What the job is doing now, or how it ended (see the module docstring)."""
+    """What the job is doing now, or how it ended (the legend: docs/reference/commands.md)."""
     if verdict.get("status") == "cancelled":  # the launcher's word, final: SLURM may still say RUNNING as it tidies up
         return "cancelled"
     unknown = state in (None, "", "?")  # not on SLURM, or the scheduler said nothing: the lock tells

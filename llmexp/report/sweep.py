@@ -1,7 +1,6 @@
 """The sweep report (`python -m llmexp.report SWEEP_DIR`): one table, one recommendation and one plot over a
 sweep's job directories, read with the loaders of `llmexp.rundir.read` as the run report does, and a search's
-optuna study with `llmexp.report.search`. Works at any time, also in the middle of a sweep.
-"""
+optuna study with `llmexp.report.search`. Works at any time, also in the middle of a sweep."""
 
 from __future__ import annotations
 
@@ -119,9 +118,8 @@ def _swept(job: dict, keys: list[str]) -> str:
 
 
 def recommend(jobs: list[dict], varying: list[str]) -> dict[str, Any] | None:
-    """The setting with the best final `sweep.metric` (the lowest eval loss unless the jobs' configs say
-    otherwise) among finished jobs with no error findings (the mean over seeds when seeds are swept too), with
-    the reason and how stably its loss fell."""
+    """The recommended setting, chosen as docs/how-to/sweeps.md says (`sweep.metric` among finished jobs with no
+    error findings, the mean over seeds), with the reason and how stably its loss fell."""
     ok = [j for j in jobs if j["status"] in FINISHED and j["worst_severity"] != ERROR
           and isinstance(j["metric_value"], int | float) and math.isfinite(j["metric_value"])]
     if not ok:
