@@ -19,9 +19,13 @@ def fmt(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
+def is_finite(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
 def fmt_rate(value: Any) -> str:
     """A throughput (tokens/s): whole numbers with thousands separators read at a glance."""
-    return f"{value:,.0f}" if isinstance(value, int | float) and math.isfinite(value) else fmt(value)
+    return f"{value:,.0f}" if is_finite(value) else fmt(value)
 
 
 def md_table(header: list[str], rows: Iterable[list[str]]) -> list[str]:

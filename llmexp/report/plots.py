@@ -14,6 +14,7 @@ import numpy as np
 
 from llmexp.monitor.detectors import MonitorSettings
 from llmexp.report.findings import finding_state
+from llmexp.report.formats import is_finite
 from llmexp.rundir.files import atomic_file
 from llmexp.rundir.read import FINISHED
 from llmexp.rundir.task_metrics import task_history, task_records
@@ -64,13 +65,9 @@ def figure(path: Path, title: str, shape: tuple[int, int], panel_in: tuple[float
         plt.close(fig)
 
 
-def _finite(value: Any) -> bool:
-    return isinstance(value, int | float) and math.isfinite(value)
-
-
 def _finite_xy(points: Iterable[tuple[Any, Any]]) -> tuple[list[int], list[float]]:
     """The points with a finite y, as the x and y lists `ax.plot` takes."""
-    pairs = [(int(x), float(y)) for x, y in points if _finite(y)]
+    pairs = [(int(x), float(y)) for x, y in points if is_finite(y)]
     return [x for x, _ in pairs], [y for _, y in pairs]
 
 
@@ -102,7 +99,7 @@ def _loss_panel(ax: Any, records: list[dict]) -> None:
     ex, ey = _xy(records, "eval", "eval_loss")
     ax.plot(ex, ey, "o-", ms=4, lw=1.5, color="#2ca02c", label="eval loss")
     anomalies = [r for r in records if r.get("event") == "anomaly"]
-    bad = [int(r["step"]) for r in records if r.get("event") == "train" and "loss" in r and not _finite(r["loss"])]
+    bad = [int(r["step"]) for r in records if r.get("event") == "train" and "loss" in r and not is_finite(r["loss"])]
     bad += [int(r["step"]) for r in anomalies]
     if bad:  # drawn along the bottom edge: a NaN has no height, and a blow-up would squash the curve
         _along_bottom(ax, bad, "x", SEVERITY_COLOURS["error"], "non-finite / anomaly")
@@ -327,7 +324,7 @@ def _trial_points(ax: Any, rows: list[dict], x_of: Callable[[dict], Any], legend
     trial's latest eval loss, hollow."""
     for state, (key, label) in _LOSS_OF.items():
         marker, colour = _STATE_STYLE[state]
-        pts = [(x_of(r), r[key]) for r in rows if r["state"] == state and x_of(r) is not None and _finite(r[key])]
+        pts = [(x_of(r), r[key]) for r in rows if r["state"] == state and x_of(r) is not None and is_finite(r[key])]
         if pts:
             ax.plot(*zip(*pts, strict=True), marker, ls="none", color=colour, ms=7, mew=1.5,
                     mfc=colour if state == "complete" else "none", label=label if legend else None)
@@ -383,7 +380,7 @@ def plot_search(search: dict[str, Any], path: Path, title: str = "") -> None:
         _trial_curves_panel(axes[1], rows)
         if numeric:
             name = numeric[0]
-            _trial_points(axes[2], rows, lambda r: r["params"][name] if _finite(r["params"].get(name)) else None,
+            _trial_points(axes[2], rows, lambda r: r["params"][name] if is_finite(r["params"].get(name)) else None,
                           legend=False)
             axes[2].set(xscale="log" if search["space"][name].startswith("log") else "linear", xlabel=name,
                         title=f"eval loss by {name}")

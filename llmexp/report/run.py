@@ -3,21 +3,19 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 from llmexp.monitor.detectors import ERROR, Finding, is_open, worst_severity
 from llmexp.report.findings import finding_state, run_findings
-from llmexp.report.formats import fmt, fmt_rate, md_cell, md_table
+from llmexp.report.formats import fmt, fmt_rate, is_finite, md_cell, md_table
 from llmexp.rundir.files import write_text_atomic
 from llmexp.rundir.read import config_value, last_value, load_config, load_overrides, load_records, load_summary
 from llmexp.rundir.task_metrics import task_history, task_records
 
 
 def _key_metrics(records: list[dict], summary: dict) -> list[tuple[str, str]]:
-    evals = [(r["step"], r["eval_loss"]) for r in records if r.get("event") == "eval"
-             and isinstance(r.get("eval_loss"), int | float) and math.isfinite(r["eval_loss"])]
+    evals = [(r["step"], r["eval_loss"]) for r in records if r.get("event") == "eval" and is_finite(r.get("eval_loss"))]
     best = min(evals, key=lambda sv: sv[1]) if evals else None
     pick = lambda key, event="train": summary.get(key, last_value(records, event, key))  # noqa: E731
     rows = [

@@ -16,7 +16,7 @@ from typing import Any
 
 from llmexp.monitor.detectors import ERROR, worst_severity
 from llmexp.report.findings import run_findings
-from llmexp.report.formats import fmt, fmt_rate, md_table
+from llmexp.report.formats import fmt, fmt_rate, is_finite, md_table
 from llmexp.report.search import PRUNED, load_study, search_markdown, search_summary
 from llmexp.rundir.files import write_text_atomic
 from llmexp.rundir.lock import lock_holder
@@ -45,8 +45,7 @@ log = logging.getLogger(__name__)
 def stability(records: list[dict]) -> dict[str, float | None]:
     """How steadily a run's train loss fell: its drop, the share of logged steps where it rose,
     and its noise (median deviation from a 5-point running median) relative to the drop."""
-    losses = [float(r["loss"]) for r in records if r.get("event") == "train"
-              and isinstance(r.get("loss"), int | float) and math.isfinite(r["loss"])]
+    losses = [float(r["loss"]) for r in records if r.get("event") == "train" and is_finite(r.get("loss"))]
     if len(losses) < 3:
         return {"drop": None, "rise_fraction": None, "noise_to_drop": None}
     k = min(3, len(losses) // 2)
@@ -120,8 +119,7 @@ def _swept(job: dict, keys: list[str]) -> str:
 def recommend(jobs: list[dict], varying: list[str]) -> dict[str, Any] | None:
     """The recommended setting, chosen as docs/how-to/sweeps.md says (`sweep.metric` among finished jobs with no
     error findings, the mean over seeds), with the reason and how stably its loss fell."""
-    ok = [j for j in jobs if j["status"] in FINISHED and j["worst_severity"] != ERROR
-          and isinstance(j["metric_value"], int | float) and math.isfinite(j["metric_value"])]
+    ok = [j for j in jobs if j["status"] in FINISHED and j["worst_severity"] != ERROR and is_finite(j["metric_value"])]
     if not ok:
         return None
     metric, direction = jobs[0]["metric"], jobs[0]["direction"]  # the jobs of one sweep share them
