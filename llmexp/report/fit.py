@@ -443,8 +443,7 @@ def table(result: dict[str, Any]) -> str:
             f"– (grid's best {fmt(s['grid_best_lr'], 3)})"
         rows.append(f"{i:<5} {fmt_params(s['params']):>8}  {best:<44} {len(s['points']):>6}  "
                     f"{s['advice'] or '–'}")
-        if s["batch"]:
-            b = s["batch"]
+        if b := s["batch"]:
             rows.append(f"{'':<5} {'':>8}  best batch {fmt(b['best_batch'], 3)} (grid's {b['grid_best_batch']}; lrs "
                         f"fitted at it)  {b['advice'] or ''}")
     rows.append(_law_line("lr", result["lr_law"]))

@@ -169,9 +169,8 @@ def job_row(run_dir: Path, shown: str, slurm_id: str | None, states: dict[str, s
     status = _status(run_dir, summary, verdict, records, state, sweeper)
     trains = [r for r in records if r.get("event") == "train"]
     evals = [v for r in records if r.get("event") == "eval" and (v := _finite(r.get("eval_loss"))) is not None]
-    start = next((r for r in reversed(records) if r.get("event") == "start"), {})
     step = trains[-1]["step"] if trains else (summary or {}).get("step")
-    max_steps = start.get("max_steps")
+    max_steps = next((r for r in reversed(records) if r.get("event") == "start"), {}).get("max_steps")
     return Row(job=run_dir.name, overrides=shown, status=status, step=step, max_steps=max_steps,
                loss=_finite(trains[-1].get("loss")) if trains else None, eval_loss=evals[-1] if evals else None,
                best_eval=min(evals) if evals else None,
