@@ -10,9 +10,8 @@ from llmexp.rundir.read import load_config, load_records, load_summary
 
 
 def run_findings(run_dir: Path, records: list[dict] | None = None) -> list[dict]:
-    """Findings of a run, as its summary.json holds them (`monitor.reconcile`): re-diagnosed from its
-    metrics with the detectors the trainer ran live, every finding it printed kept (open, resolved or
-    superseded), plus any of summary.json's of a kind the detectors do not produce."""
+    """A run's findings as summary.json holds them (`monitor.reconcile`): every finding the trainer printed kept
+    (open, resolved or superseded), plus any of summary.json's of a kind the detectors do not produce."""
     run_dir = Path(run_dir)
     records = load_records(run_dir) if records is None else records
     summary = load_summary(run_dir) or {}

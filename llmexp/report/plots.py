@@ -273,9 +273,8 @@ _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
 def plot_sweep(jobs: list[dict], curves: dict[str, list[dict]], varying: list[str], path: Path,
                title: str = "", recommended: str | None = None) -> None:
-    """sweep_curves.png: train and eval loss of every job, coloured by the first swept parameter,
-    marked by the second; a heatmap of the final eval loss when two or more parameters vary.
-    Unfinished jobs are dashed; the recommended job (by job name) is drawn thick."""
+    """sweep_curves.png: train and eval loss of every job, coloured by the first swept parameter, marked by the
+    second; a heatmap of the final eval loss when two or more vary. Unfinished jobs dashed, the recommended thick."""
     key = varying[0] if varying else None
     second = varying[1] if len(varying) >= 2 else None
     colours = _colour_map([j["params"].get(key, "") if key else j["job"] for j in jobs])

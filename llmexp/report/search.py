@@ -65,8 +65,7 @@ def _space(trials: list[Any]) -> dict[str, str]:
 
 
 def trial_rows(study: Any, jobs_by_name: dict[str, dict]) -> list[dict[str, Any]]:
-    """One row per trial, in trial order: params, state, value, best so far, steps trained, where a pruned
-    trial stopped and a failed one's reason, and its eval curve (the intermediate values pruning saw)."""
+    """One row per trial, in trial order; its curve: the intermediate values pruning saw."""
     sign = _sign(study)  # best = lowest of sign * value
     rows, best = [], math.inf
     for trial in study.get_trials(deepcopy=False):
@@ -80,7 +79,6 @@ def trial_rows(study: Any, jobs_by_name: dict[str, dict]) -> list[dict[str, Any]
             best = min(best, sign * value)
         job = jobs_by_name.get(str(trial.number), {})
         curve = sorted((int(step), float(v)) for step, v in trial.intermediate_values.items())
-        # steps trained: the job's, else the last step pruning saw
         steps = job.get("step") if isinstance(job.get("step"), int) else curve[-1][0] if curve else None
         stopped = trial.user_attrs.get("stopped_step")
         if state == PRUNED and not isinstance(stopped, int):
@@ -116,8 +114,7 @@ def importances(study: Any, rows: list[dict]) -> tuple[dict[str, float] | None, 
 
 
 def search_summary(sweep_dir: Path, study: Any, jobs: list[dict]) -> dict[str, Any]:
-    """The `search` entry of sweep_summary.json: setup, counts, steps spent against the budget, the
-    trials' history and the parameter importances. Marks jobs whose trial still runs as running."""
+    """The `search` entry of sweep_summary.json; marks the jobs whose trial still runs as running."""
     by_name = {j["job"]: j for j in jobs}
     rows = trial_rows(study, by_name)
     for row in rows:

@@ -183,8 +183,7 @@ def sweep_report_markdown(summary: dict) -> str:
 
 
 def write_sweep_report(sweep_dir: Path) -> dict[str, Any]:
-    """Write sweep_summary.json, sweep_report.md and sweep_curves.png (and, for a search, sweep_search.png);
-    return the summary."""
+    """Write sweep_summary.json, sweep_report.md, sweep_curves.png (a search: sweep_search.png); return the summary."""
     from llmexp.report.plots import plot_search, plot_sweep
 
     sweep_dir = Path(sweep_dir)
