@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 
@@ -28,7 +28,7 @@ def fmt_rate(value: Any) -> str:
     return f"{value:,.0f}" if is_finite(value) else fmt(value)
 
 
-def md_table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
+def md_table(header: list[str], rows: Iterable[Sequence[str]]) -> list[str]:
     """The lines of a markdown table."""
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
 

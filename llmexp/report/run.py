@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,7 @@ def samples_markdown(records: list[dict]) -> str:
     header = ["prompt", f"step {first['step']}", *([f"step {last['step']}"] if both else [])]
     rows = [[md_cell(a["prompt"]), md_cell(a["completion"])] + ([md_cell(b["completion"])] if both else [])
             for a, b in zip(first["samples"], last["samples"], strict=False)]
-    return "## Samples\n\n" + "\n".join(md_table(header, rows)) + "\n"
+    return "## Samples\n\n" + _table(header, rows)
 
 
 SHOWN_STEPS = 12
@@ -121,9 +122,8 @@ def tasks_markdown(records: list[dict]) -> str:
         steps = _steps_shown(list(by_step))
         metrics = list(points[-1][1])
         parts.append(f"**{task}** ({kinds.get(task, '')}), by eval step: `tasks/{task}/<metric>`\n")
-        rows = md_table(["metric", *(f"step {s}" for s in steps)],
-                        ([m, *(fmt(by_step[s].get(m), 4) for s in steps)] for m in metrics))
-        parts.append("\n".join(rows) + "\n")
+        parts.append(_table(["metric", *(f"step {s}" for s in steps)],
+                            ([m, *(fmt(by_step[s].get(m), 4) for s in steps)] for m in metrics)))
         parts.append(_examples(records, task))
     return "\n".join(p for p in parts if p)
 
@@ -132,13 +132,12 @@ def _examples(records: list[dict], task: str) -> str:
     last = next((r for r in reversed(task_records(records)) if r["task"] == task and r.get("examples")), None)
     if last is None:
         return ""
-    rows = md_table(["prompt", "completion", "target"],
-                    ([md_cell(e["prompt"]), md_cell(e["completion"]), md_cell(e["target"])] for e in last["examples"]))
-    return "\n".join([f"Examples at step {last['step']}:\n", *rows]) + "\n"
+    return f"Examples at step {last['step']}:\n\n" + _table(["prompt", "completion", "target"], (
+        [md_cell(e["prompt"]), md_cell(e["completion"]), md_cell(e["target"])] for e in last["examples"]))
 
 
-def _table(rows: list[tuple[str, str]], what: str) -> str:
-    return "\n".join(md_table([what, "value"], (list(row) for row in rows))) + "\n"
+def _table(header: list[str], rows: Iterable[Sequence[str]]) -> str:
+    return "\n".join(md_table(header, rows)) + "\n"
 
 
 def run_report_markdown(run_dir: Path, records: list[dict], summary: dict | None, findings: list[dict],
@@ -155,10 +154,10 @@ def run_report_markdown(run_dir: Path, records: list[dict], summary: dict | None
         f"**Status:** {status}" + (f" (exit code {summary['exit_code']})" if summary and "exit_code" in summary else "")
         + f" · **health:** {health} ({counts})\n",
         f"**Overrides:** `{' '.join(overrides)}`\n" if overrides else "**Overrides:** none (the default run)\n",
-        "## Key metrics\n", _table(_key_metrics(records, summary or {}), "metric"),
+        "## Key metrics\n", _table(["metric", "value"], _key_metrics(records, summary or {})),
         "## Findings\n", findings_markdown(findings),
         "## Settings that mattered\n",
-        _table(settings_rows(_with_auto_batch(cfg, records)), "setting") if cfg
+        _table(["setting", "value"], settings_rows(_with_auto_batch(cfg, records))) if cfg
         else "No `.hydra/config.yaml` found.\n",
         *([samples] if (samples := samples_markdown(records)) else []),
         *([tasks] if (tasks := tasks_markdown(records)) else []),
