@@ -12,7 +12,6 @@ from llmexp.report.plots import _pyplot, figure
 
 
 def plot_coord_check(result: dict[str, Any], path: Path) -> None:
-    """Rows: the parametrizations checked; columns: the layer groups; x: hidden size; a line per step."""
     runs, groups, steps = result["runs"], result["groups"], result["steps"]
     widths = [f"{w:g}" for w in result["widths"]]
     hidden = [result["hidden_sizes"][w] for w in widths]

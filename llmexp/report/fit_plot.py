@@ -1,6 +1,5 @@
-"""fit.png for `python -m llmexp.fit`: loss against lr per size with each parabola and vertex; the best lr against
-parameters in log-log with the fitted law, the seed's lr-by-size table and DeepSeek LLM's law; and the best batch the
-same way where batch_size was swept. Drawn in `plots.figure`."""
+"""fit.png for `python -m llmexp.fit`, drawn in `plots.figure`: what docs/tutorials/tune-small-train-big.md (section 4)
+says it draws, and the best batch as the best lr where batch_size was swept."""
 
 from __future__ import annotations
 

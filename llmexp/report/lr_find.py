@@ -1,4 +1,4 @@
-"""lr_find.png: an lr range test's loss against the lr (log scale), with each rule's pick and the minimum marked."""
+"""lr_find.png: an lr range test's raw and smoothed loss against the lr (log scale), each rule's pick, the minimum."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from llmexp.report.plots import figure
 
 
 def plot_lr_find(result: dict[str, Any], path: Path) -> None:
-    """The raw and smoothed losses of `lr_find.json`'s curve; vertical lines at each rule's pick and the minimum."""
     curve = [c for c in result["curve"] if math.isfinite(c["loss"])]
     lrs, losses, smoothed = ([c[key] for c in curve] for key in ("lr", "loss", "smoothed"))
     title = f"lr range test: {result['steps_run']} steps, {result['stopped']}"
