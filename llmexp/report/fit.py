@@ -266,12 +266,9 @@ def collect(sweep_dirs: list[Path]) -> tuple[list[Job], list[dict[str, str]]]:
         if not is_sweep_dir(sweep):
             raise UserError(f"{sweep} is not a sweep directory (no multirun.yaml, no job subdirectories); point "
                             "llmexp.fit at the directory `python -m llmexp --multirun` wrote (hydra.sweep.dir)")
-        for job_dir in job_dirs(sweep):
-            job = read_job(job_dir)
-            if isinstance(job, str):
-                left_out.append({"job": str(job_dir), "why": job})
-            else:
-                jobs.append(job)
+        read = [(job_dir, read_job(job_dir)) for job_dir in job_dirs(sweep)]
+        jobs += [job for _, job in read if isinstance(job, Job)]
+        left_out += [{"job": str(job_dir), "why": job} for job_dir, job in read if isinstance(job, str)]
     if jobs and all(j.loss is None for j in jobs):
         raise UserError(f"every finished job in {', '.join(map(str, sweep_dirs))} diverged: sweep lower lrs (the "
                         f"lowest here, {min(j.lr for j in jobs):.3g}, is still too high)")
