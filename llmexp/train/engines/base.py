@@ -1,10 +1,7 @@
 """What every step engine offers the loop, the checkpoints and resume: the `Engine` base, whose defaults are
 Accelerate's (one process or DDP) and a plain optimizer step; the plain engine (`plain.py`: one process or DDP),
-DeepSpeed ZeRO (`deepspeed.py`) and FSDP2 (`fsdp.py`) override what they do otherwise.
-
-For every optimizer step the loop calls `backward` on each micro-batch, then `clip` (the pre-clip grad norm),
-then `step` when the anomaly policy says ok. An engine that `steps_first` (DeepSpeed: it measures and clips the
-gradients only inside its own step) is stepped before `clip`, and the policy judges a step that cannot be undone.
+DeepSpeed ZeRO (`deepspeed.py`) and FSDP2 (`fsdp.py`) override what they do otherwise. The order the loop calls
+them in: `train.py`'s docstring (`steps_first`: `deepspeed.py`'s).
 """
 
 from __future__ import annotations

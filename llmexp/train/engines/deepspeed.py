@@ -108,11 +108,9 @@ class DeepSpeedEngine(Engine):
         if shard["world_size"] != self.plan.world:
             raise zero_world_mismatch(shard["world_size"], self.plan.world)
         zero = inner_optimizer(optimizer)
-        state = dict(shard["zero"])
-        scaler = zero.loss_scaler
         for key, value in shard["loss_scaler"].items():
-            setattr(scaler, key, value)
-        state[LOSS_SCALER] = scaler
+            setattr(zero.loss_scaler, key, value)
+        state = {**shard["zero"], LOSS_SCALER: zero.loss_scaler}
         states = [state if r == self.accelerator.process_index else {} for r in range(self.plan.world)]
         zero.load_state_dict(states, load_optimizer_states=True, load_from_fp32_weights=True)
 

@@ -71,18 +71,16 @@ class FsdpEngine(Engine):
     def _mesh(self) -> Any:
         from torch.distributed.device_mesh import init_device_mesh
 
-        device = self.accelerator.device.type
+        names, shape = ("shard",), (self.plan.world,)
+        if self.strategy == "hybrid_shard":
+            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.plan.world))
+            if self.plan.world % per_node:
+                raise UserError(f"fsdp=hybrid_shard shards within a node: {self.plan.world} processes do not split "
+                                f"into nodes of LOCAL_WORLD_SIZE={per_node}; use fsdp=full_shard")
+            names, shape = ("replicate", "shard"), (self.plan.world // per_node, per_node)
         # Accelerate opened an NCCL-only default group under torchrun: the mesh's own groups carry CPU tensors too
-        names = ("shard",) if self.strategy != "hybrid_shard" else ("replicate", "shard")
         override = {n: OFFLOAD_BACKEND for n in names} if backend(self.cpu_offload) == OFFLOAD_BACKEND else None
-        if self.strategy != "hybrid_shard":
-            return init_device_mesh(device, (self.plan.world,), mesh_dim_names=names, backend_override=override)
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.plan.world))
-        if self.plan.world % per_node:
-            raise UserError(f"fsdp=hybrid_shard shards within a node: {self.plan.world} processes do not split into "
-                            f"nodes of LOCAL_WORLD_SIZE={per_node}; use fsdp=full_shard")
-        return init_device_mesh(device, (self.plan.world // per_node, per_node), mesh_dim_names=names,
-                                backend_override=override)
+        return init_device_mesh(self.accelerator.device.type, shape, mesh_dim_names=names, backend_override=override)
 
     def shard(self, model: torch.nn.Module) -> torch.nn.Module:
         """fully_shard each decoder layer (transformers' `_no_split_modules`), then the root."""

@@ -20,14 +20,12 @@ class PlainEngine(Engine):
         self.accelerator = accelerator
         self.scaler = (torch.amp.GradScaler(accelerator.device.type, init_scale=init_scale,
                                             growth_interval=growth_interval) if precision == "fp16" else None)
-        self.trainable_only = trainable_only
-        """With adapters: checkpoints hold only the trainable weights (`checkpoint_weights`)."""
+        self.trainable_only = trainable_only  # with adapters (`checkpoint_weights`)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.accelerator.backward(self.scaler.scale(loss) if self.scaler is not None else loss)
 
     def clip(self, model: torch.nn.Module, optimizer: Any, max_norm: float, device: torch.device) -> torch.Tensor:
-        """fp16: the grads unscaled first."""
         if self.scaler is not None:
             self.scaler.unscale_(inner_optimizer(optimizer))
         return super().clip(model, optimizer, max_norm, device)
