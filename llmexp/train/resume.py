@@ -126,9 +126,8 @@ def _check_fits(run: Run, path: Path, payload: dict[str, Any]) -> None:
                                      f"{unexpected[:3]})")
     if not run.engine.params_partitioned:  # ZeRO-3: no rank holds whole parameters to compare
         for name, tensor in saved.items():
-            if tuple(tensor.shape) != tuple(live[name].shape):
-                raise ckpt.CorruptCheckpoint(f"{file}: {name} has shape {tuple(tensor.shape)}, the model's is "
-                                             f"{tuple(live[name].shape)}")
+            if (got := tuple(tensor.shape)) != (want := tuple(live[name].shape)):
+                raise ckpt.CorruptCheckpoint(f"{file}: {name} has shape {got}, the model's is {want}")
     if payload["optimizer"] is not None:
         _check_optimizer_fits(run.optimizer, path / "optimizer.pt", payload["optimizer"])
 
@@ -153,9 +152,9 @@ def _check_optimizer_fits(optimizer: Any, file: Path, saved: Any) -> None:
             raise ckpt.CorruptCheckpoint(f"{file}: state for unknown parameter {pid!r}")
         for key in _MOMENTS:
             value, want = entry.get(key), tuple(by_id[pid].shape)
-            if value is not None and tuple(getattr(value, "shape", ())) != want:
-                raise ckpt.CorruptCheckpoint(f"{file}: {key} of parameter {pid} has shape "
-                                             f"{tuple(getattr(value, 'shape', ()))}, the parameter's is {want}")
+            if value is not None and (got := tuple(getattr(value, "shape", ()))) != want:
+                raise ckpt.CorruptCheckpoint(f"{file}: {key} of parameter {pid} has shape {got}, the parameter's is "
+                                             f"{want}")
 
 
 def _apply_payload(run: Run, payload: dict[str, Any], path: Path) -> LoopState:
@@ -295,14 +294,13 @@ def saved_auto_batch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     newest here), read before any model exists so that a resumed run does not probe again. Unverified: a bad
     checkpoint is found out by `load_resume_state` later; here it only means probing again (None)."""
     choice = cfg.train.resume
-    if choice == "never":
-        return None
     found = ckpt.list_checkpoints(run_dir / "checkpoints") if choice == "auto" else [Path(choice)]
+    if choice == "never" or not found:
+        return None
     try:
-        state = _read_trainer_state(found[-1] / TRAINER_STATE)["state"] if found else {}
+        saved = _read_trainer_state(found[-1] / TRAINER_STATE)["state"].get("batch_size_auto")
     except ckpt.CorruptCheckpoint:
         return None
-    saved = state.get("batch_size_auto")
     return saved if isinstance(saved, dict) and saved else None
 
 
