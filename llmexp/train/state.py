@@ -36,14 +36,11 @@ class RunDescription:
     plan: BatchPlan
     """Micro-batch x accumulation x processes (batch_size=auto settled before any engine was built)."""
     auto_batch: AutoBatch | None
-    """batch_size=auto: how the micro-batch was chosen; None otherwise."""
     lr: float
     """The peak learning rate."""
     lr_source: str
-    """`config` (the `lr` key), `data` (the data's pretraining lr, from scratch), `auto` (the seed's lr-by-size
-    rule), `auto-adapter` (the QLoRA paper's) or `find` (lr=find's range test)."""
+    """Where `lr` came from: one of `schedule.resolve_lr`'s sources, or `find` (lr=find's range test)."""
     monitor: MonitorSettings
-    """The detectors' settings for this run."""
     max_steps: int
     warmup_steps: int
     num_params: int
@@ -115,7 +112,6 @@ class Run:
 
     def __post_init__(self) -> None:
         # On a CPU an MFU above CPU_MFU_PLAUSIBLE means a ceiling measured on busy cores: measured again, once.
-        on_cpu = self.rt.device.type == "cpu"
         self.mfu = Mfu(self.desc.flops_per_token, self.desc.peak_tflops, self.desc.plan.world,
-                       plausible=CPU_MFU_PLAUSIBLE if on_cpu else 1.0,
+                       plausible=CPU_MFU_PLAUSIBLE if self.rt.device.type == "cpu" else 1.0,
                        remeasure=None if self.cfg.train.peak_tflops else self.rt.remeasure_peak)

@@ -211,11 +211,9 @@ def evaluate(run: Run, eval_ds: data_lib.TokenDataset) -> float:
     """Mean loss per target token over a fixed slice of the eval set, summed across ranks."""
     rt, plan, model = run.rt, run.desc.plan, run.model
     model.eval()
-    total_examples = len(eval_ds)
-    if run.cfg.train.eval_batches > 0:
-        total_examples = min(total_examples, run.cfg.train.eval_batches * plan.micro * plan.world)
+    stride, batches = plan.micro * plan.world, run.cfg.train.eval_batches
+    total_examples = min(len(eval_ds), batches * stride) if batches > 0 else len(eval_ds)
     sums = torch.zeros(2, device=rt.device)
-    stride = plan.micro * plan.world
     starts = list(range(rt.rank * plan.micro, total_examples, stride))
     # FSDP: each forward all-gathers, so every rank runs as many; a rank out of examples repeats one, unsummed.
     rounds = -(-total_examples // stride) if run.engine.collective_forward else len(starts)
@@ -262,8 +260,7 @@ def evaluate_and_record(run: Run, eval_ds: data_lib.TokenDataset, suite: TaskSui
 
 
 def train_record(run: Run, loss: float, grad_norm: float) -> dict[str, Any]:
-    """The `train` record of the step just taken: loss, lr, grad norm, throughput and MFU of the window since the
-    last one, memory."""
+    """The `train` record of the step just taken (throughput and MFU: of the window since the last record)."""
     state, plan = run.state, run.desc.plan
     tokens_per_sec = run.window.take()
     record = {"event": "train", "step": state.step, "loss": loss, "ppl": safe_exp(loss),
