@@ -1,8 +1,6 @@
 """Downstream tasks at every eval (`eval` config group): `build_suite` once, after the data; `run_tasks` at every
-eval. The scorers are `llmexp.evals`'; this module only splits the work between ranks and adds it up. Every rank
-scores items i with i % world == rank (every rank runs as many forwards, since a forward may be collective);
-harness tasks run on rank 0, which holds whole weights (generate and lm_eval are refused under
-sharded weights), while the others wait at the next collective.
+eval. The scorers are `llmexp.evals`'; this module only splits the work between ranks and adds it up (item i on
+rank i % world; the harness on rank 0 alone): docs/how-to/evals.md, "Several processes".
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """`lr=find`: an lr range test in the run's own process, then training at its pick from a fresh start.
 
-The test, its three rules (`RULES`) and why the defaults (200 steps, `steep`) are the measured best:
-docs/how-to/schedules.md. The test leaves no trace in the run: its throwaway run is set up by `setup.describe`
-as the run's own is, stepped through the same `Engine` calls, then released from Accelerate (`free_memory`);
-every RNG is restored, and the sampler is a pure function of (seed, step). So the training after it is bitwise
-that of a plain run at the pick (tests/test_lr_find.py). A rerun in the same directory reads `lr_find.json`.
+The test, its three rules (`RULES`), why the defaults (200 steps, `steep`) are the measured best, and how it
+leaves no trace in the run (the training after it is bitwise that of a plain run at the pick, tests/test_lr_find.py):
+docs/how-to/schedules.md. A rerun in the same directory reads `lr_find.json`.
 """
 
 from __future__ import annotations
