@@ -103,8 +103,7 @@ def collect_job(job_dir: Path, records: list[dict], launched: list[str] | None =
 
 
 def varying_params(jobs: list[dict], swept: list[str] | None = None) -> list[str]:
-    """The keys that name a job's setting (`rundir.read.varying_keys`): those the sweep swept (`swept`, from its
-    record), then override keys whose values differ between jobs, in the order they were given."""
+    """The keys that tell the jobs apart: `rundir.read.varying_keys` of their params (`swept`: the sweep's record)."""
     return varying_keys([[f"{k}={v}" for k, v in job["params"].items()] for job in jobs], swept or [])
 
 
