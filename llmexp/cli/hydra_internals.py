@@ -1,17 +1,15 @@
 """The only module of llmexp that imports Hydra's private API (`hydra._internal`), for three things Hydra 1.3's
-public API does not offer. `tests/test_security.py` pins each name, and the source of `_run_hydra`, whose steps
-`compose_api_as_hydra_main` repeats: a Hydra upgrade fails there, by name, until this file is compared again.
+public API lacks (docs/explanation/security-model.md). `tests/test_security.py` pins each name, and the source of
+`_run_hydra`, whose steps `compose_api_as_hydra_main` repeats: a Hydra upgrade fails there until this file is
+compared again. Why no public API will do:
 
-* `args_parser`: Hydra's own argparse parser. llmexp reads the command line before `@hydra.main` does (its typo
-  checks, `--experimental-rerun`, the mode), and must read it exactly as Hydra will: every flag and each
-  abbreviation argparse accepts (`--config-d`). Hydra has no public accessor for its parser.
-* `compose_api_as_hydra_main`: the Compose API (`hydra.compose`), initialized with the config search path `@hydra.main`
-  builds from `--config-path` and `--config-dir`. The public initializers take one directory (`initialize_config_dir`)
-  or one module; `--config-dir` adds a second, ahead of the structured schemas, and the primary config may lie there.
-  `hydra.searchpath` cannot stand in for it: its entries are added only after the primary config has been looked up.
-* `guard_package_sources`: `pkg://` config sources limited to trusted packages. Reading `pkg://X` imports X
-  (its code runs) while Hydra composes, before any check of the composed config can run; Hydra's registry of
-  config sources by scheme is private, and a plugin cannot replace the `pkg` source it registers.
+* `args_parser`: Hydra has no public accessor for its parser, and llmexp must read argv before `@hydra.main`
+  exactly as it will, each abbreviation argparse accepts (`--config-d`) included.
+* `compose_api_as_hydra_main`: the public initializers take one directory or one module; `--config-dir` adds a
+  second, ahead of the structured schemas, which may hold the primary config. `hydra.searchpath` cannot stand in
+  for it: its entries are added only after the primary config has been looked up.
+* `guard_package_sources`: reading `pkg://X` imports X (its code runs) while Hydra composes, before any check can
+  run; Hydra's registry of config sources by scheme is private, and a plugin cannot replace the `pkg` source.
 """
 
 from __future__ import annotations

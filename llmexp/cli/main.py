@@ -1,16 +1,8 @@
-"""`python -m llmexp`: check the command line and the configs it composes, then hand over to `@hydra.main`.
-
-    argv checks (cli/argv.py: typos, unknown options, wrong types; secrets moved out of sight)
-    -> --help / --hydra-help: composed once and checked (cli/compose.py), printed from Hydra's help template
-    -> a run: composed with Hydra's Compose API, checked, validated, checked against this machine, its directory
-       locked; a sweep: every job composed and checked
-    -> `@hydra.main` (Hydra's own flow: its composition, callbacks, logging, run directory, sweeper, launcher),
-       whose task is `run_job`; sweep jobs are checked again by llmexp's launchers and in each job's process
-
-So nothing a config names runs, and no directory is created, for a refused or invalid config. `--cfg`,
-`--info` and `--shell-completion` go to `@hydra.main` directly: they instantiate nothing. Nothing heavy is
-imported here: `--help` and `--cfg job` never import torch. Exit codes: 0 finished, 2 a user's mistake,
-3 diverged, 1 anything else. Hydra's private API is used in one place only: `cli/hydra_internals.py`.
+"""`python -m llmexp`: check the command line (cli/argv.py) and every config it will run (cli/compose.py), then
+hand over to `@hydra.main`, whose task is `run_job` (docs/explanation/security-model.md, "One check, on the
+composed config"): so nothing a config names runs, and no directory is created, for a refused or invalid config.
+Nothing heavy is imported here: `--help` and `--cfg job` never import torch. Exit codes: docs/reference/commands.md.
+Hydra's private API is used in one place only: `cli/hydra_internals.py`.
 """
 
 from __future__ import annotations
@@ -74,13 +66,9 @@ def _preflight(args: argparse.Namespace, args_parser: argparse.ArgumentParser) -
                 print(compose.help_text(cfg, args_parser, hydra_help=not args.help, resolve=args.resolve))
                 sys.exit(0)
             # Hydra reads the run mode from the config (one more composition); llmexp takes it from --multirun.
-            mode = "MULTIRUN" if args.multirun else "RUN"
-            sys.argv.append(f"hydra.mode={mode}")
-            overrides = [*args.overrides, f"hydra.mode={mode}"]
-            if args.multirun:
-                compose.check_sweep(config_name, overrides)
-            else:
-                compose.check_run(config_name, overrides)
+            sys.argv.append(f"hydra.mode={'MULTIRUN' if args.multirun else 'RUN'}")
+            check = compose.check_sweep if args.multirun else compose.check_run
+            check(config_name, [*args.overrides, sys.argv[-1]])
     except (UserError, SystemExit, BrokenPipeError):
         raise
     except Exception as err:  # Hydra's and OmegaConf's composition errors

@@ -68,17 +68,11 @@ collective with a dead peer can block for the process group's timeout, 30 minute
 
 
 def watch_launcher(poll_s: float = 1.0, grace_s: float = ORPHAN_GRACE_S) -> None:
-    """End this worker when the launcher that started it dies (kill -9, a closed terminal): torchrun and
-    accelerate start each worker in a session of its own, so no signal reaches it, and it would train on as an
-    orphan, holding the run directory's lock and its device.
-
-    A daemon thread polls the parent pid. When it changes (the worker was re-parented to init or a subreaper),
-    the worker sends itself SIGTERM, which stops the run as a preemption does (a checkpoint at the next step
-    boundary, status `preempted`: the same command resumes it), and exits after `grace_s` if that has not
-    happened. A thread rather than `prctl(PR_SET_DEATHSIG)`: the kernel sends that signal when the parent
-    *thread* that forked the worker exits, not the process (a launcher may fork from a helper thread), it
-    exists on Linux only, and it has no second step for a checkpoint that hangs on a dead peer; the thread
-    watches the process, runs anywhere, and escalates."""
+    """End this worker when the launcher that started it dies (docs/explanation/checkpoints-and-resume.md): a
+    daemon thread polls the parent pid and, once it changes, sends SIGTERM (a preemption's stop, with a checkpoint)
+    and exits after `grace_s`. Not `prctl(PR_SET_DEATHSIG)`: the kernel sends that when the parent *thread* that
+    forked the worker exits, not the process (a launcher may fork from a helper thread), it exists on Linux only,
+    and it has no second step for a checkpoint that hangs on a dead peer."""
     parent = os.getppid()
     if parent == 1:  # started by init itself: no launcher to watch
         return

@@ -1,15 +1,9 @@
-"""What Python a folder of harness task YAMLs (`eval.lm_eval.include_path`) would run, found before it runs.
-
-lm-evaluation-harness runs code from a task YAML in two ways: a `!function utils.process_docs` tag imports the
-module beside the YAML (or any importable one) and calls it, and an `include:` pulls in another YAML, whose tags
-count the same. Its Jinja templates (`doc_to_text: "{{question}}"`) render in a non-sandboxed Jinja environment, so
-a template that reaches a private attribute (`{{ lipsum.__globals__ }}`), the `attr` filter or one of Jinja's own
-global objects can run code too. Each such place is code the user did not install: it runs only when they opt in
-(`eval.lm_eval.trust_code=true`). YAMLs inside the installed harness's own task tree are code the user installed,
-like any package: an `include:` of one is not followed.
-
-Nothing here imports the harness or runs a template: YAML is composed with PyYAML's safe loader (a tag is recorded,
-never constructed) and templates are parsed, not rendered, by Jinja.
+"""What Python a folder of harness task YAMLs (`eval.lm_eval.include_path`) would run, found before it runs: the
+places docs/explanation/security-model.md lists ("Harness task folders"). A `!function` tag imports the module
+it names and calls it; Jinja templates count because lm-evaluation-harness renders them in a non-sandboxed Jinja
+environment. YAMLs inside the installed harness's own task tree are code the user installed: an `include:` of one
+is not followed. Nothing here imports the harness or runs a template: YAML is composed with PyYAML's safe loader
+(a tag is recorded, never constructed) and templates are parsed, not rendered, by Jinja.
 """
 
 from __future__ import annotations
