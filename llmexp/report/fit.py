@@ -113,10 +113,9 @@ def vertex(xs: list[float], ys: list[float], runs: list[int] | None = None,
     interval. `xs` ascending and distinct, `ys` the mean loss at each, `runs` how many runs each mean is of,
     `replicates` each point's individual losses (for the noise estimate).
 
-    The interval is a parametric bootstrap: each fitted point's loss is redrawn as the parabola's value there plus
-    Gaussian noise of `noise_sigma` / sqrt(runs), the parabola refitted, and its minimiser over the fitted points'
-    range taken (a draw that is not convex counts at its lower end): the 2.5% and 97.5% percentiles. A bootstrap
-    rather than the delta method because the vertex, -b / 2a, is far from linear in the fit when a is small."""
+    The interval is a parametric bootstrap (each fitted point's loss redrawn as the parabola's value there plus
+    Gaussian noise of `noise_sigma` / sqrt(runs), the parabola refitted and minimised: `_minimisers`) rather than
+    the delta method, because the vertex, -b / 2a, is far from linear in the fit when a is small."""
     i_min = int(np.argmin(ys))
     edge = "low" if i_min == 0 else "high" if i_min == len(xs) - 1 else None
     if edge is not None or len(xs) < 3:
