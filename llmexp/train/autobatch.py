@@ -53,9 +53,8 @@ class AutoBatch:
 
 def choose_batch_size(cfg: DictConfig, rt: Runtime, vocab_size: int, num_examples: int,
                       saved: dict[str, Any] | None) -> AutoBatch:
-    """Settle `batch_size=auto` before any engine is built: the saved choice when resuming on as many processes,
-    else the estimate's upper bound and the probe, largest first, down to the first that fits (0: none). Runs on
-    every rank (it ends in one collective); the batch plan is then `make_plan(cfg, world, micro=choice.chosen)`."""
+    """Settle `batch_size=auto` (the module's docstring) before any engine is built, on every rank (it ends in one
+    collective); the batch plan is then `make_plan(cfg, world, micro=choice.chosen)`."""
     if saved and saved.get("world_size") == rt.world and isinstance(saved.get("chosen"), int):
         return AutoBatch(**{**saved, "source": "checkpoint"})
     started = time.perf_counter()

@@ -2,9 +2,8 @@
 launcher's workers: `llmexp.cli.relaunch`).
 
 Multi-process runs use torch.distributed through Accelerate (DDP; gloo on CPU, NCCL on GPU). DeepSpeed ZeRO runs
-through Accelerate's `DeepSpeedPlugin`, with a DeepSpeed config derived here from the composed config
-(`deepspeed_config`: the loop's batch plan, `train.max_grad_norm`, the precision and its loss scaling), so that
-the two can never disagree; the step and checkpoints under ZeRO: `llmexp.train.engines.deepspeed`.
+through Accelerate's `DeepSpeedPlugin` with a config derived here (`deepspeed_config`; why and from what:
+docs/how-to/fsdp-and-deepspeed.md, "DeepSpeed ZeRO"); the step and checkpoints under ZeRO: `engines/deepspeed.py`.
 """
 
 from __future__ import annotations

@@ -110,9 +110,8 @@ def _read_trainer_state(file: Path) -> dict[str, Any]:
 
 
 def _check_fits(run: Run, path: Path, payload: dict[str, Any]) -> None:
-    """Raise CorruptCheckpoint unless the payload's weights (names, shapes) and optimizer state
-    (groups, moment shapes) fit this run's model, so nothing is applied from a checkpoint that
-    would fail half-way through loading."""
+    """Raise CorruptCheckpoint unless the payload's weights (names, shapes) and optimizer state (groups, moment
+    shapes) fit this run's model (why: the module's docstring)."""
     saved = payload["model"]
     # FSDP's dcp/: dcp.load checks every shard's shape. A checkpoint of the other kind passes here so that
     # the engine's load_state names the mismatch (exit 2) instead of resume=auto falling back past it.

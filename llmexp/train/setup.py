@@ -28,9 +28,7 @@ def describe(cfg: DictConfig, rt: Runtime, vocab_size: int, train_data: Any, dat
              lr_found: bool = False) -> tuple[RunDescription, Engine, torch.nn.Module, Any]:
     """Resolve everything the loop reads, once, in the order it depends on: the batch plan (batch_size=auto
     probes here, before any engine exists), the engine, the model and optimizer (whose size sets lr=auto and
-    the FLOPs per token), the matmul ceiling, the monitor settings. Returns the frozen description with the
-    engine, the prepared model and the optimizer. `lr_found`: `cfg.lr` is lr=find's pick (`lr_source: find`)."""
-
+    the FLOPs per token), the matmul ceiling, the monitor settings. `lr_found`: `cfg.lr` is lr=find's pick."""
     auto_batch = None
     if parse_batch_size(cfg.batch_size) is None:  # batch_size=auto: the checkpoint's choice, else estimate and probe
         from llmexp.train.autobatch import choose_batch_size
