@@ -44,6 +44,7 @@ def _discard_refused_run_dir() -> None:
     """A single run refused while it set up (a setting only torch or the data can judge, e.g. an optimizer
     argument) leaves no directory behind, as a refusal before Hydra starts does. Only a directory that holds
     nothing but `RUN_START_FILES` goes: never a resumed run's, a user's own files, or a sweep job's (its record)."""
+    import contextlib
     import shutil
     from pathlib import Path
 
@@ -53,11 +54,9 @@ def _discard_refused_run_dir() -> None:
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.RUN:
         return
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    try:
+    with contextlib.suppress(OSError):  # gone already, or not ours to judge: leave it
         if all({p.name for p in (run_dir / sub).iterdir()} <= names for sub, names in RUN_START_FILES.items()):
             shutil.rmtree(run_dir)
-    except OSError:  # gone already, or not ours to judge: leave it
-        pass
 
 
 _last_user_error: str | None = None

@@ -14,10 +14,8 @@ from llmexp.train.state import Run
 
 def due(train: DictConfig, step: int, max_steps: int) -> bool:
     """Sample at step 0, every `sample_steps`, and at the end (only at the end when `sample_steps` is 0)."""
-    if not train.sample_prompts:
-        return False
     every = train.sample_steps
-    return step == max_steps or (every > 0 and step % every == 0)
+    return bool(train.sample_prompts) and (step == max_steps or (every > 0 and step % every == 0))
 
 
 @torch.no_grad()
