@@ -2,9 +2,8 @@
 accumulation boundaries, clipping, fp16 loss scaling and the step itself; it computes the gradient norm only inside
 that step, so the loop calls `step` first (`steps_first`), and the anomaly policy judges a step already taken.
 
-Checkpoints never unpickle: DeepSpeed's own `save_checkpoint`/`load_checkpoint` would read back with an
-unrestricted `torch.load`, so each rank's optimizer shard is saved as tensors and plain data (`zero_rank<R>.pt`,
-`checkpoint.serialize`) and restored by ZeRO's own `load_state_dict`. Resuming needs as many processes.
+Checkpoints never unpickle (why: docs/how-to/fsdp-and-deepspeed.md): each rank's optimizer shard is
+`zero_rank<R>.pt` (`checkpoint.serialize`), restored by ZeRO's own `load_state_dict`. Resuming needs as many processes.
 """
 
 from __future__ import annotations
