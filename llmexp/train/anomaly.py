@@ -27,8 +27,7 @@ def judge_step(train: DictConfig, state: LoopState, loss: float, grad_norm: floa
     applied or skipped the step (DeepSpeed computes the norm inside its step). A non-finite step was then skipped
     by the engine and is judged as usual; a finite spike cannot be undone and is left to the detectors."""
     if fp16 and math.isfinite(loss) and not math.isfinite(grad_norm):
-        if stepped:  # DeepSpeed's scaler skipped it (GradScaler's skips are counted where it steps)
-            state.skipped_steps += 1
+        state.skipped_steps += stepped  # DeepSpeed's scaler skipped it (GradScaler's skips are counted where it steps)
         return "ok"  # an fp16 overflow: the loss scaler skips this step and lowers the scale itself
     finite, recent = math.isfinite(loss) and math.isfinite(grad_norm), state.recent_losses
     if finite and (stepped or not (is_spike(recent, loss, settings)
