@@ -1,8 +1,6 @@
-"""The CLI's checks on composed configs, before `@hydra.main` runs: every config a command will run is composed
-with Hydra's Compose API (`hydra.compose`, from the search path `@hydra.main` uses) and passes
-`security.check_config` (each problem named with the YAML file it came from); a run is also validated, checked
-against this machine and its directory locked; `--help` is printed from its one checked composition. Nothing
-here creates a directory (but the run directory's lock), instantiates anything a config names, or imports torch.
+"""The CLI's checks on composed configs, before `@hydra.main` runs (docs/explanation/security-model.md, "One
+check, on the composed config"); `--help` is printed from its one checked composition. Nothing here creates a
+directory (but the run directory's lock), instantiates anything a config names, or imports torch.
 """
 
 from __future__ import annotations

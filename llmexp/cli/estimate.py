@@ -1,9 +1,4 @@
-"""`python -m llmexp.estimate [overrides]`: the memory a run needs, before you start it.
-
-Composes the config as `python -m llmexp OVERRIDES` would (validated, no run directory), builds the
-model on the meta device and prints `llmexp.model.estimate`'s accounting per device; with
-`batch_size=auto`, also where the micro-batch search would start on this machine.
-"""
+"""`python -m llmexp.estimate [overrides]`: the memory a run needs, before you start it."""
 
 from __future__ import annotations
 
@@ -81,7 +76,3 @@ def _auto_upper_bound(cfg: DictConfig, world: int, facts: dict[str, Any]) -> tup
     upper = largest_fitting(cfg, auto_batch_candidates(cfg, world, 0), budget, on_cpu=device_type == "cpu", **facts)
     return upper, (f"\nbatch_size=auto: up to {upper} per device by this estimate ({budget / MiB:,.0f} MiB to plan "
                    f"with on this {device_type}); the run's probe step confirms it")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

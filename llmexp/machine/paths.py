@@ -1,9 +1,6 @@
-"""Every key that names a file or directory, checked against this machine before anything is written.
-
-One check per kind of path (`KIND_CHECKS`; a key's kind is the `PathRule` on its schema field): a path is looked at
-once with `os.stat`, which follows symbolic links, so a missing path, a file where a directory belongs (and the
-reverse), an empty file, a FIFO or device where a file belongs, a part of the path that is a file and a link loop
-are each named with the key and the fix; so is what a directory must hold. No torch, no transformers: plain files only.
+"""Every key that names a file or directory, checked against this machine before anything is written (what is
+refused: docs/explanation/bad-input.md). One check per kind of path (`KIND_CHECKS`; a key's kind is the `PathRule` on
+its schema field); a path is looked at once with `os.stat`, which follows symbolic links. No torch, no transformers.
 """
 
 from __future__ import annotations
@@ -148,9 +145,7 @@ def read_model_json(path: Path) -> dict[str, Any] | None:
 
 
 def model_dir_problem(key: str, path: Path, trust_remote_code: bool) -> str | None:
-    """What a local model directory must be for llmexp to load it without running code it was not allowed to:
-    a model (not a peft adapter, not a run directory), its weights in safetensors (a pickle can run code),
-    and modelling code of its own (`auto_map`) only with `model.trust_remote_code=true`."""
+    """What a local model directory must be for llmexp to load it without running code it was not allowed to."""
     shown = f"{key}={path}"
     names = {p.name for p in path.iterdir()}
     if "config.json" not in names:
@@ -273,8 +268,7 @@ def hf_source_problem(cfg: Any, key: str, value: Any) -> str | None:
         return None
     convert = ("convert the dataset to files where you trust the script (datasets.load_dataset(...)"
                ".to_parquet(FILE)), then set data.path=parquet data.data_files=FILE")
-    name = str(value)
-    if name.endswith(".py"):
+    if str(value).endswith(".py"):
         return f"{key}={value}: is a dataset loading script (code); llmexp runs no code from data: {convert}"
     path, why = _local_dir(key, value, "a save_to_disk directory, a hub id, or a file builder (data.path=parquet "
                                        "data.data_files=FILE)")
@@ -388,7 +382,6 @@ def mix_errors(cfg: Any) -> list[str]:
 
 
 def _path_keys() -> dict[str, str]:
-    """Each leaf whose rule is a `PathRule` -> its kind."""
     from llmexp.config.keys import leaves
     from llmexp.config.rules import PathRule
 
@@ -402,9 +395,8 @@ def directory_errors(cfg: Any) -> list[str]:
     hydra = cfg.get("hydra") if isinstance(cfg, DictConfig) else None
     if isinstance(hydra, DictConfig):
         keys.append("hydra.sweep.dir" if str(hydra.get("mode")) == "RunMode.MULTIRUN" else "hydra.run.dir")
-    values = {key: OmegaConf.select(cfg, key) for key in keys}
-    return [problem for key, value in values.items()
-            if value not in (None, "") and (problem := dir_out_problem(key, value) or _other_kind(key, value))]
+    return [problem for key in keys if (value := OmegaConf.select(cfg, key)) not in (None, "")
+            and (problem := dir_out_problem(key, value) or _other_kind(key, value))]
 
 
 def _other_kind(key: str, value: Any) -> str | None:
