@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,9 +46,6 @@ class AutoBatch:
     """Seconds the search took on this rank (the probe steps, their model builds and the estimate)."""
     note: str = ""
     """Why nothing was probed, when that is so."""
-
-    def record(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def choose_batch_size(cfg: DictConfig, rt: Runtime, vocab_size: int, num_examples: int,

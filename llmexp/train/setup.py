@@ -4,6 +4,7 @@ frozen `RunDescription` the loop reads; `start_facts` is the `start` record that
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -169,7 +170,7 @@ def start_facts(cfg: DictConfig, rt: Runtime, desc: RunDescription) -> dict[str,
     if rt.device.type == "cuda":
         facts["tf32"] = bool(cfg.precision.tf32)
     if desc.auto_batch:
-        facts["batch_size_auto"] = desc.auto_batch.record()
+        facts["batch_size_auto"] = asdict(desc.auto_batch)
     if desc.precision.warning:
         compile_note = ("; train.compile=true is not applied: torch.compile traces nothing under the emulation"
                         if cfg.train.compile and not rt.compiles else "")

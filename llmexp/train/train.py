@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -86,7 +86,7 @@ def _start(run: Run, data_stats: dict[str, Any], preempt: PreemptionSignal) -> s
     `completed` (go on), `failed` (no room for the start checkpoint) or `preempted` (a signal during start-up)."""
     cfg, rt, desc, train_ds = run.cfg, run.rt, run.desc, run.train_data
     run.state = state = load_resume_state(run) or LoopState()
-    state.batch_size_auto = desc.auto_batch.record() if desc.auto_batch else {}  # checkpoints keep the choice
+    state.batch_size_auto = asdict(desc.auto_batch) if desc.auto_batch else {}  # checkpoints keep the choice
     train_ds.restore(state.data_state)  # a stream continues at its checkpoint's window; the cached data is stateless
     state.num_examples = len(train_ds)  # 0 for a stream: its length is unknown
     status = "completed"
