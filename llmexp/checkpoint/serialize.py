@@ -44,9 +44,6 @@ def loading(path: Path) -> Iterator[None]:
                                 ) from None
 
 
-# ----------------------------------------------------------------------------- tensors
-
-
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """Save a flat dict of tensors as safetensors (CPU, contiguous; shared storage is copied)."""
     from safetensors.torch import save_file
@@ -63,15 +60,12 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     save_file(out, str(path), metadata={"format": "pt"})
 
 
-def load_tensors(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Load a safetensors file; CorruptCheckpoint naming the file if it is damaged."""
     from safetensors.torch import load_file
 
     with loading(path), open_regular(path):  # (a FIFO would block the reader)
-        return load_file(str(path), device=device)
-
-
-# ----------------------------------------------------------------------------- other state
+        return load_file(str(path))
 
 
 _PLAIN = (str, bytes, int, float, bool, complex, type(None))
@@ -108,9 +102,6 @@ def load_state(path: Path) -> Any:
 
     with loading(path), open_regular(path) as f:
         return torch.load(f, map_location="cpu", weights_only=True)
-
-
-# ----------------------------------------------------------------------------- RNG
 
 
 def capture_rng() -> dict[str, Any]:
