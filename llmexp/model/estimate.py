@@ -61,7 +61,6 @@ class FsdpUnits:
     root: int
     """Parameters outside the decoder layers (embeddings, head, final norm; tied weights once)."""
     layer: int
-    """Parameters of one decoder layer."""
     num_layers: int
 
 
@@ -114,8 +113,7 @@ def count_params_meta(cfg: DictConfig) -> int:
 
 
 def meta_facts(cfg: DictConfig, precision: str, world: int) -> dict[str, Any]:
-    """What `estimate` and `largest_fitting` read off the model, from one meta model: the parameter count, the
-    adapters (`adapter_facts`) and FSDP's units (`fsdp_units`, under fsdp), with `precision` and `world`."""
+    """`estimate`'s and `largest_fitting`'s keyword arguments: what one meta model says, `precision` and `world`."""
     model = meta_model(cfg)
     return {"num_params": count_params(model, trainable_only=False), "precision": precision, "world": world,
             "adapters": adapter_facts(cfg, model), "units": fsdp_units(cfg, model) if cfg.fsdp.name != "none" else None}
@@ -164,7 +162,7 @@ def activation_bytes(cfg: DictConfig, precision: str, micro_batch: int, model: A
     """
     from llmexp.model.loss import CHUNK_TOKENS
 
-    m, tokens = cfg.model, micro_batch * cfg.data.max_length
+    tokens = micro_batch * cfg.data.max_length
     # a pretrained model's own sizes, not the `model.*` fields' (those describe a new one)
     c = model if model is not None else model_config(cfg)
     d, layers, vocab = c.hidden_size, c.num_hidden_layers, c.vocab_size
@@ -175,12 +173,10 @@ def activation_bytes(cfg: DictConfig, precision: str, micro_batch: int, model: A
     fp32_elems = 4 * d  # residual inputs and norm outputs
     mm_elems = 3 * d + 2 * kv_dim + 4 * i  # q, k, v, attention out, o_proj in, the MLP's four
     per_layer_token = 4 * fp32_elems + half * mm_elems
-    if m.gradient_checkpointing:  # keep each layer's input; recompute one layer at a time in backward
-        layer_bytes = tokens * (layers * 4 * d + per_layer_token)
-    else:
-        layer_bytes = tokens * layers * per_layer_token
-    head_tokens = min(tokens, CHUNK_TOKENS)
-    logits_bytes = 3 * head_tokens * vocab * 4  # fp32 logits, softmax and its gradient, one chunk
+    # gradient checkpointing keeps each layer's input and recomputes one layer at a time in backward
+    layer_bytes = tokens * (layers * 4 * d + per_layer_token if cfg.model.gradient_checkpointing
+                            else layers * per_layer_token)
+    logits_bytes = 3 * min(tokens, CHUNK_TOKENS) * vocab * 4  # fp32 logits, softmax and its gradient, one chunk
     # Backward's working set on top of what is saved: one layer's activation gradients (MLP-sized).
     working_bytes = tokens * (4 * i + 2 * d) * 4
     return float(layer_bytes + tokens * 4 * 2 * d + logits_bytes + working_bytes)  # + final norm in/out
@@ -204,13 +200,12 @@ def estimate(cfg: DictConfig, *, num_params: int, precision: str, world: int,
     if cfg.fsdp.name != "none":
         return _estimate_fsdp(cfg, num_params, precision, units or fsdp_units(cfg), fsdp_shards(cfg.fsdp.name, world),
                               activations)
-    ds, opt = cfg.deepspeed, cfg.optimizer
+    ds = cfg.deepspeed
     zero = max(ds.stage, 0)
     half_module = zero > 0 and precision in ("bf16", "fp16")  # DeepSpeed keeps 16-bit module weights
     weight_b = 2.0 if half_module else 4.0
-    state_b = _state_bytes_per_param(opt)
-    if half_module:
-        state_b += 4.0  # the fp32 master copy lives with the optimizer state
+    # with 16-bit module weights the fp32 master copy lives with the optimizer state
+    state_b = _state_bytes_per_param(cfg.optimizer) + (4.0 if half_module else 0.0)
     n = float(num_params)
     weights = n * weight_b / (world if zero >= 3 else 1)
     if not half_module and precision in ("bf16", "fp16"):
@@ -261,6 +256,8 @@ def _estimate_adapters(cfg: DictConfig, num_params: int, precision: str, adapter
     dropout_copies = micro * cfg.data.max_length * adapters.dropout_elems_per_token * (2 if autocast else 4)
     return MemoryEstimate(num_params, weights, n_a * 4.0, n_a * _state_bytes_per_param(cfg.optimizer),
                           activations + dropout_copies, 0.0, trainable_params=adapters.trainable)
+
+
 def resolved_precision(name: str) -> str:
     """The precision a run would use on this machine (`machine.precision.resolve_precision`: `auto` is bf16 where it
     is native, else fp32; bf16 stays bf16, emulated or not)."""
