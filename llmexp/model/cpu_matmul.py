@@ -46,9 +46,9 @@ def _op() -> Any | None:
     return getattr(torch.ops.mkldnn, "_linear_pointwise", None)
 
 
-def mm_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b.T through oneDNN: 2-D fp32 CPU tensors, either of them possibly a transposed view."""
-    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+def mm_t(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b.T (+ bias) through oneDNN: 2-D fp32 CPU tensors, either of them possibly a transposed view."""
+    return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
 
 
 def torch_mm_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -64,8 +64,7 @@ class _Linear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(x2, weight)
         ctx.in_shape, ctx.has_bias = x.shape, bias is not None
-        out = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+        return mm_t(x2, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     @once_differentiable
@@ -87,9 +86,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through oneDNN where `applies`."""
-    if applies(x, weight):
-        return _Linear.apply(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return _Linear.apply(x, weight, bias) if applies(x, weight) else F.linear(x, weight, bias)
 
 
 def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -133,8 +130,7 @@ class MatmulPath:
 def probe(rows: int, in_features: int, out_features: int) -> MatmulPath:
     """Time torch's and oneDNN's `x @ W.T` on the model's own shape (`fastest_calls`, `PROBE_ROUNDS` rounds), and
     check that forward, d input and d weight agree."""
-    op = _op()
-    if op is None:
+    if _op() is None:
         return MatmulPath("torch", f"torch.ops.mkldnn._linear_pointwise is not in torch {torch.__version__}")
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(min(rows, PROBE_MAX_ROWS), in_features, generator=gen)
