@@ -239,10 +239,7 @@ def _attention_bwd(func: Any, args: Sequence[Any], kwargs: dict[str, Any], widen
     return d_q.to(torch.bfloat16), d_k.to(torch.bfloat16), d_v.to(torch.bfloat16)
 
 
-Handler = Callable[[Any, Sequence[Any], dict[str, Any], Widen], Any]
-
-
-_HANDLERS: dict[Any, Handler] = {
+_HANDLERS: dict[Any, Callable[[Any, Sequence[Any], dict[str, Any], Widen], Any]] = {
     **{getattr(aten, name): _gemm for name in _GEMMS if hasattr(aten, name)},
     **{getattr(aten, name): _inplace_gemm for name in _INPLACE_GEMMS if hasattr(aten, name)},
     _ATTENTION_FWD: _attention_fwd, _ATTENTION_BWD: _attention_bwd}
@@ -294,7 +291,6 @@ def _on_cpu(args: Sequence[Any]) -> bool:
     return all(a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor))
 
 
-# ---------------------------------------------------------------------------------------------------- the probe
 @dataclass(frozen=True)
 class Bf16Probe:
     """Matmul time of torch's own bf16 and of the emulation, each over fp32's, measured on this CPU."""
@@ -328,7 +324,6 @@ def probe_bf16_slowdown(size: int = 256, budget_s: float = 0.25) -> Bf16Probe:
     return Bf16Probe(best["bf16"] / fp32, best["emulated"] / fp32, time.perf_counter() - start)
 
 
-# ---------------------------------------------------------------------------------------------------- the decision
 def use_bf16_emulation(precision: str, device_type: str, bf16_support: str, probe: Bf16Probe | None = None) -> bool:
     """Whether a run should emulate bf16 (`bf16_support` as `llmexp.machine.precision.bf16_support` says). The
     probe's comparison matters on a CPU with AVX512 but no AVX512-BF16: oneDNN's own emulation may be as fast."""

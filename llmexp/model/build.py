@@ -40,10 +40,10 @@ def _from_pretrained(cls: Any, cfg: DictConfig, converted: str | None = None, **
     try:
         return cls.from_pretrained(m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code,
                                    **kwargs, **extra)
-    except (OSError, ValueError) as err:  # ValueError: custom code without trust_remote_code, an unknown model_type
+    # ValueError: custom code without trust_remote_code, an unknown model_type; RuntimeError, KeyError and
+    # SafetensorError: weights cut short, shaped unlike config.json, an index without its weight_map (a damaged dir)
+    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as err:
         raise hub_error(m.name_or_path, err) from err
-    except (RuntimeError, KeyError, SafetensorError) as err:  # weights cut short, shaped unlike config.json, an
-        raise hub_error(m.name_or_path, err) from err  # index without its weight_map: a damaged directory
 
 
 def build_model(cfg: DictConfig, vocab_size: int, precision: str = "fp32") -> PreTrainedModel:

@@ -61,5 +61,4 @@ def gguf_model_dir(cfg: DictConfig, dtype: torch.dtype) -> Path:
     (a file lock makes concurrent sweep jobs convert it once)."""
     path = gguf_path(cfg)
     key = "gguf-" + gguf_key(path, dtype=str(dtype))
-    entry, _, _ = get_or_build(Path(str(cfg.data.cache_dir)), "models", key, lambda tmp: convert(path, tmp, dtype))
-    return entry
+    return get_or_build(Path(str(cfg.data.cache_dir)), "models", key, lambda tmp: convert(path, tmp, dtype))[0]

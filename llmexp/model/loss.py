@@ -46,7 +46,6 @@ class LinearCrossEntropy(torch.autograd.Function):
         # caller's grad mode, every eval batch would compute the head's gradients for nothing.
         # A frozen head (LoRA leaves lm_head out) needs no weight gradient: that matmul is skipped.
         grad_h, grad_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
-        needs_grad = grad_h or grad_w
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(compute_dtype)
             total = hidden.new_zeros((), dtype=torch.float32)
@@ -63,7 +62,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                 lse = _logsumexp_fp32(logits)
                 target_logit = logits.gather(1, t[:, None]).squeeze(1).float()
                 total = total + (lse - target_logit).where(keep, 0).sum()
-                if needs_grad:
+                if grad_h or grad_w:
                     grad_logits = torch.softmax(logits, dim=1)  # computed in fp32, stored in compute_dtype
                     one_hot_term = (torch.exp(target_logit - lse) - 1.0).to(compute_dtype)  # p_target - 1
                     grad_logits.scatter_(1, t[:, None], one_hot_term[:, None])
