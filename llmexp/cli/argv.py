@@ -46,7 +46,6 @@ def _values(override: Any) -> list[Any]:
 
 
 def _override_errors(ov: Any, custom_tree: bool) -> list[str]:
-    """Problems of one parsed override (see `check_args`)."""
     key, values = ov.key_or_group, _values(ov)
     if ov.is_delete() or "/" in key or ov.package:
         return []

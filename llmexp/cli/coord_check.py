@@ -87,7 +87,6 @@ def _table(result: dict[str, Any]) -> str:
 
 
 def run(argv: list[str]) -> int:
-    """Parse, compose, check every config, run the check, write and print; raises UserError for a mistake."""
     args = _parser().parse_intermixed_args(argv)  # --help before torch is imported; flags among overrides
     out = _out_dir(args.out)
     import torch

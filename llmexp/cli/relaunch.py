@@ -45,7 +45,6 @@ def _flag_value(args: list[str], flag: str) -> int | None:
 
 
 def maybe_relaunch() -> None:
-    """Called first by the CLI (see the module's docstring); this process becomes the N ranks' torchrun."""
     if "LOCAL_RANK" in os.environ:  # torchrun, accelerate and deepspeed set it in every worker they start
         watch_launcher()
         return

@@ -18,8 +18,7 @@ from llmexp.rundir.readers import open_regular
 
 
 def check_environment(cfg: Any) -> None:
-    """Raise one UserError listing every problem of this config on this machine and launch (the world size, every
-    file and directory the config names: `paths.path_errors`, the tracker's store)."""
+    """Raise one UserError listing every problem of this config on this machine and launch."""
     errors = [*_batch_errors(cfg), *deepspeed_errors(cfg, gpu_visible()), *path_errors(cfg), *_tracking_errors(cfg)]
     if errors:
         raise UserError("cannot run this config here:\n  " + "\n  ".join(errors))

@@ -53,7 +53,6 @@ def loadable_architectures() -> list[str]:
 
 
 def gguf_file_problem(path: Path) -> str | None:
-    """Why `path` cannot be loaded as a GGUF model here, or None."""
     import importlib.util
 
     key = "model.gguf_file"

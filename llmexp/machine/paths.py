@@ -82,7 +82,6 @@ def dir_out_problem(key: str, value: Any) -> str | None:
 
 
 def _input_file_problem(key: str, value: Any, what: str) -> str | None:
-    """An existing, non-empty regular file."""
     path, found, problem = _look(key, value, what, directory=False)
     if problem:
         return problem
@@ -140,7 +139,6 @@ def _local_dir(key: str, value: Any, what: str) -> tuple[Path | None, str | None
 
 @reader
 def read_model_json(path: Path) -> dict[str, Any] | None:
-    """A model's or tokenizer's JSON file (config.json, adapter_config.json, tokenizer_config.json)."""
     return load_json(path, read_model_json)
 
 

@@ -56,7 +56,6 @@ def resolve_precision(name: str, device_type: str) -> str:
 
 
 def bf16_emulation_warning(precision: str, device_type: str) -> str | None:
-    """The warning for a bf16 run on hardware that emulates it (None when bf16 is native or unused)."""
     if precision != "bf16" or bf16_support(device_type) != "emulated":
         return None
     if device_type == "cpu":  # set-up measures the slowdown and says it (`model.bf16_emulation.settle_on_cpu`)
@@ -86,7 +85,6 @@ class Precision:
 
 
 def precision_on(requested: str, device_type: str) -> Precision:
-    """`precision.name` resolved for this device, with the bf16 facts that go with it."""
     name = resolve_precision(requested, device_type)
     return Precision(requested=requested, name=name, bf16=bf16_support(device_type),
                      warning=bf16_emulation_warning(name, device_type))
