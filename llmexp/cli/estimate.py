@@ -58,11 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     auto_line, micro = "", None
     if parse_batch_size(cfg.batch_size) is None:
         micro, auto_line = _auto_upper_bound(cfg, world, facts)
-    est = estimate(cfg, micro_batch=micro, **facts)
     label = (f"model={cfg.model.name} peft={cfg.peft.name} precision={precision} optimizer={cfg.optimizer.name} "
              f"deepspeed={cfg.deepspeed.name} fsdp={cfg.fsdp.name}{' cpu_offload' if cfg.fsdp.cpu_offload else ''} "
              f"world_size={world} batch_size={micro or cfg.batch_size} max_length={cfg.data.max_length}")
-    print(format_estimate(est, label=label) + auto_line)
+    print(format_estimate(estimate(cfg, micro_batch=micro, **facts), label=label) + auto_line)
     return 0
 
 
