@@ -105,8 +105,7 @@ def load_state(path: Path) -> Any:
 
 
 def capture_rng() -> dict[str, Any]:
-    """The RNG states of python `random`, numpy's global RandomState, torch CPU and every CUDA
-    device, as tensors and ints (loadable with weights_only=True)."""
+    """The RNG states of python, numpy, torch and CUDA, as tensors and ints (loadable with weights_only=True)."""
     import numpy as np
     import torch
 

@@ -305,9 +305,8 @@ def memory_budget(device_type: str, processes_on_host: int) -> float:
 
 
 def largest_fitting(cfg: DictConfig, candidates: list[int], budget: float, **kwargs: Any) -> int:
-    """The largest candidate micro-batch whose estimate (device plus offloaded host memory when both are the
-    host's, i.e. on CPU) fits `budget`; the smallest candidate when none does (the probe decides then).
-    `kwargs` go to `estimate` (num_params, precision, world, adapters, units)."""
+    """The largest candidate micro-batch whose estimate fits `budget`, offloaded host memory included when `on_cpu`
+    (device and host are one); the smallest when none does (the probe decides then). `kwargs` go to `estimate`."""
     on_cpu = kwargs.pop("on_cpu", True)
     kwargs.setdefault("model", model_config(cfg))  # read once (a GGUF's header), not once per candidate
     for micro in sorted(candidates, reverse=True):
