@@ -41,9 +41,8 @@ def _stat(path: Path) -> tuple[os.stat_result | None, str | None]:
 
 
 def _look(key: str, value: Any, what: str, directory: bool | None) -> tuple[Path, os.stat_result | None, str | None]:
-    """The path `value` names, its stat (None: it does not exist), and why it will not do whatever it holds: it
-    cannot be looked at, it is a directory where a file belongs (`directory` false) or the reverse, or it is neither
-    a file nor a directory (its size, 0, says nothing of what reading it would give)."""
+    """The path `value` names, its stat (None: it does not exist), and why it will not do whatever it holds
+    (`directory`: which it must be; a special file's size, 0, says nothing of what reading it would give)."""
     path = Path(str(value)).expanduser()
     found, why = _stat(path)
     is_dir = found is not None and stat.S_ISDIR(found.st_mode)
