@@ -204,12 +204,17 @@ def test_an_argument_the_optimizer_rejects_exits_2(tmp_path: Path) -> None:
 
 def test_a_run_refused_while_it_sets_up_leaves_no_directory_but_keeps_an_earlier_runs(tmp_path: Path) -> None:
     """The optimizer's arguments are judged once it is built, after Hydra made the run directory: a refused fresh
-    run removes it (Hydra's files, llmexp.log, the lock), a refused rerun in a finished run's directory keeps it."""
+    run removes it (Hydra's files, llmexp.log, the lock; in the working directory, only those), a refused rerun in a
+    finished run's directory keeps it."""
     env = {"LLMEXP_CACHE": str(tmp_path / "cache")}
     bogus = [*TINY, "+optimizer.kwargs.bogus=1", "train.max_steps=1"]
     refused = run_cli([*bogus, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
     assert "optimizer.kwargs" in refused.stderr and not (tmp_path / "run").exists()
+    here = tmp_path / "here"  # hydra.run.dir=.: the start files go, the working directory stays
+    here.mkdir()
+    refused = run_cli([*bogus, "hydra.run.dir=."], cwd=here, env=env)
+    assert refused.returncode == 2 and here.is_dir() and not any(here.iterdir()), refused.stderr[-2000:]
     done = run_cli([*TINY, "train.max_steps=1", "train.eval_steps=100", f"hydra.run.dir={tmp_path / 'done'}"],
                    cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr[-2000:]

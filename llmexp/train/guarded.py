@@ -43,7 +43,8 @@ the CLI's lock."""
 def _discard_refused_run_dir() -> None:
     """A single run refused while it set up (a setting only torch or the data can judge, e.g. an optimizer
     argument) leaves no directory behind, as a refusal before Hydra starts does. Only a directory that holds
-    nothing but `RUN_START_FILES` goes: never a resumed run's, a user's own files, or a sweep job's (its record)."""
+    nothing but `RUN_START_FILES` goes: never a resumed run's, a user's own files, or a sweep job's (its record);
+    with `hydra.run.dir=.` only the start files go, never the working directory itself."""
     import contextlib
     import shutil
     from pathlib import Path
@@ -56,7 +57,11 @@ def _discard_refused_run_dir() -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     with contextlib.suppress(OSError):  # gone already, or not ours to judge: leave it
         if all({p.name for p in (run_dir / sub).iterdir()} <= names for sub, names in RUN_START_FILES.items()):
-            shutil.rmtree(run_dir)
+            shutil.rmtree(run_dir / ".hydra")
+            for name in RUN_START_FILES["."] - {".hydra"}:
+                (run_dir / name).unlink(missing_ok=True)
+            if run_dir.resolve() != Path.cwd().resolve():
+                run_dir.rmdir()
 
 
 _last_user_error: str | None = None
