@@ -52,11 +52,12 @@ def round_to_bf16(t: torch.Tensor) -> torch.Tensor:
 
 
 def _emulable(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
-    """True when the op would run a bf16 kernel: some operand is bf16 and none is fp16/fp64 (left to torch).
-    fp32 operands beside bf16 ones are allowed: the attention backward takes an fp32 logsumexp."""
+    """True when the op would run a bf16 CPU kernel: some operand is bf16, none fp16/fp64 (left to torch), and its
+    positional tensors on the CPU. fp32 beside bf16 is allowed: the attention backward takes an fp32 logsumexp."""
     tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor) and x.is_floating_point()]
     return any(t.dtype == torch.bfloat16 for t in tensors) and all(
-        t.dtype in (torch.bfloat16, torch.float32) for t in tensors)
+        t.dtype in (torch.bfloat16, torch.float32) for t in tensors) and all(
+        a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor))
 
 
 Widen = Callable[[Any], Any]
@@ -270,8 +271,8 @@ class Bf16Emulation(TorchDispatchMode):
                 return result
         # the plain and out= overloads only: `.dtype` ones (fp32 results from bf16) have no CPU kernel to stand in for
         handler = _HANDLERS.get(func.overloadpacket) if func._schema.overload_name in ("", "out") else None
-        if handler is None or not _emulable(args, kwargs) or not _on_cpu(args):
-            if getattr(func, "_defined_in_python", False) and _emulable(args, kwargs) and _on_cpu(args):
+        if handler is None or not _emulable(args, kwargs):
+            if getattr(func, "_defined_in_python", False) and _emulable(args, kwargs):
                 # A custom op defined in Python, on bf16 (bitsandbytes' 4-bit gemm: dequantize, then F.linear): its
                 # CPU kernel runs with this mode on, so the gemms inside it come back here. (Ops defined in C++,
                 # c10d's collectives among them, are left alone.)
@@ -285,10 +286,6 @@ class Bf16Emulation(TorchDispatchMode):
 @cache
 def _is_composite(func: Any) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
-
-
-def _on_cpu(args: Sequence[Any]) -> bool:
-    return all(a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor))
 
 
 @dataclass(frozen=True)
