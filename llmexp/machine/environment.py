@@ -7,6 +7,7 @@ stays a pure function of the config, so a config validates on any machine.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any
@@ -67,8 +68,6 @@ def _batch_errors(cfg: Any) -> list[str]:
 
 def _tracking_errors(cfg: Any) -> list[str]:
     """`logger=mlflow` needs the mlflow package, and a SQLite store's directory must exist (its file is created)."""
-    import importlib.util
-
     lg = cfg.logger
     if lg.name != "mlflow":
         return []

@@ -6,6 +6,7 @@ download or a damaged header is refused naming the file, not found out by a trac
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from llmexp.errors import UserError
@@ -53,8 +54,6 @@ def loadable_architectures() -> list[str]:
 
 
 def gguf_file_problem(path: Path) -> str | None:
-    import importlib.util
-
     key = "model.gguf_file"
     fix = "point it at a .gguf file from llama.cpp (or drop it to load the directory's safetensors)"
     if not path.is_file():
