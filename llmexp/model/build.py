@@ -125,10 +125,9 @@ def quantization_kwargs(cfg: DictConfig, precision: str) -> dict[str, Any]:
     compute = autocast_dtype(precision) or torch.float32
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=pe.bnb_4bit_quant_type,
                                bnb_4bit_use_double_quant=pe.bnb_4bit_use_double_quant, bnb_4bit_compute_dtype=compute)
-    local = int(os.environ.get("LOCAL_RANK", "0"))
     # the whole model on this process's device: 4-bit weights cannot be moved after loading
     return {"quantization_config": quant, "dtype": torch.float32,
-            "device_map": {"": local if device == "cuda" else "cpu"}}
+            "device_map": {"": int(os.environ.get("LOCAL_RANK", "0")) if device == "cuda" else "cpu"}}
 
 
 def four_bit_problem(device: str) -> str | None:
