@@ -205,7 +205,7 @@ def test_an_argument_the_optimizer_rejects_exits_2(tmp_path: Path) -> None:
 def test_a_run_refused_while_it_sets_up_leaves_no_directory_but_keeps_an_earlier_runs(tmp_path: Path) -> None:
     """The optimizer's arguments are judged once it is built, after Hydra made the run directory: a refused fresh
     run removes it (Hydra's files, llmexp.log, the lock; in the working directory, only those), a refused rerun in a
-    finished run's directory keeps it."""
+    finished run's directory keeps it, and its job log says why."""
     env = {"LLMEXP_CACHE": str(tmp_path / "cache")}
     bogus = [*TINY, "+optimizer.kwargs.bogus=1", "train.max_steps=1"]
     refused = run_cli([*bogus, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env)
@@ -220,6 +220,8 @@ def test_a_run_refused_while_it_sets_up_leaves_no_directory_but_keeps_an_earlier
     assert done.returncode == 0, done.stderr[-2000:]
     refused = run_cli([*bogus, "train.resume=never", f"hydra.run.dir={tmp_path / 'done'}"], cwd=tmp_path, env=env)
     assert refused.returncode == 2 and (tmp_path / "done" / "metrics.jsonl").exists(), refused.stderr[-2000:]
+    last = (tmp_path / "done" / "llmexp.log").read_text().splitlines()[-1]  # the kept run's log says why
+    assert "refused: optimizer: torch.optim.AdamW rejected its arguments" in last and "bogus" in last, last
 
 
 def test_an_empty_resume_is_one_message_naming_what_it_takes(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from llmexp.config.derived import use_shared_compile_cache
 from llmexp.config.validation import validate
 from llmexp.errors import STATUS_EXIT, UserError
 from llmexp.machine.environment import check_environment
+from llmexp.monitor.console import job_log
 from llmexp.rundir.lock import LOCK_NAME
 from llmexp.rundir.redact import print_user_error, scrub_text
 
@@ -30,8 +31,9 @@ def run_guarded(cfg: DictConfig) -> int:
 
             result = train(cfg, preempt)
     except UserError as err:
-        _discard_refused_run_dir()
-        return user_error_exit(err)
+        code = user_error_exit(err)
+        _leave_refused_run_dir(str(_last_user_error))
+        return code
     return STATUS_EXIT[result.status]
 
 
@@ -40,11 +42,12 @@ RUN_START_FILES = {".": {".hydra", "llmexp.log", LOCK_NAME}, ".hydra": {"config.
 the CLI's lock."""
 
 
-def _discard_refused_run_dir() -> None:
+def _leave_refused_run_dir(message: str) -> None:
     """A single run refused while it set up (a setting only torch or the data can judge, e.g. an optimizer
     argument) leaves no directory behind, as a refusal before Hydra starts does. Only a directory that holds
     nothing but `RUN_START_FILES` goes: never a resumed run's, a user's own files, or a sweep job's (its record);
-    with `hydra.run.dir=.` only the start files go, never the working directory itself."""
+    with `hydra.run.dir=.` only the start files go, never the working directory itself. A directory that stays
+    (an earlier run's) gets the refusal in its job log, where the next reader of that run looks."""
     import contextlib
     import shutil
     from pathlib import Path
@@ -56,12 +59,17 @@ def _discard_refused_run_dir() -> None:
         return
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     with contextlib.suppress(OSError):  # gone already, or not ours to judge: leave it
-        if all({p.name for p in (run_dir / sub).iterdir()} <= names for sub, names in RUN_START_FILES.items()):
-            shutil.rmtree(run_dir / ".hydra")
-            for name in RUN_START_FILES["."] - {".hydra"}:
-                (run_dir / name).unlink(missing_ok=True)
-            if run_dir.resolve() != Path.cwd().resolve():
-                run_dir.rmdir()
+        if not all({p.name for p in (run_dir / sub).iterdir()} <= names for sub, names in RUN_START_FILES.items()):
+            logger, own = job_log(run_dir)
+            logger.error("refused: %s (nothing in this directory changed)", message)
+            if own is not None:
+                own.close()
+            return
+        shutil.rmtree(run_dir / ".hydra")
+        for name in RUN_START_FILES["."] - {".hydra"}:
+            (run_dir / name).unlink(missing_ok=True)
+        if run_dir.resolve() != Path.cwd().resolve():
+            run_dir.rmdir()
 
 
 _last_user_error: str | None = None
