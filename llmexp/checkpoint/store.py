@@ -52,9 +52,8 @@ def _sha256_all(paths: list[Path]) -> list[str]:
 
 def _files_under(root: Path) -> dict[str, Path]:
     """Every file under root by its posix path relative to root (the manifest excluded)."""
-    found = {path.relative_to(root).as_posix(): path for path in root.rglob("*") if not path.is_dir()}
-    found.pop(MANIFEST, None)
-    return dict(sorted(found.items()))
+    found = ((path.relative_to(root).as_posix(), path) for path in root.rglob("*") if not path.is_dir())
+    return dict(sorted((rel, path) for rel, path in found if rel != MANIFEST))
 
 
 def _host() -> str:
