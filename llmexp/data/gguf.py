@@ -45,6 +45,7 @@ def gguf_path(cfg: DictConfig) -> Path:
 
 @functools.cache
 def _file_hash(path: Path, size: int, mtime_ns: int) -> str:
+    # size and mtime_ns are read only as the cache key: a GGUF file rewritten in place is hashed again
     return file_sha256(path)
 
 
