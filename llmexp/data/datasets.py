@@ -5,17 +5,10 @@
     idx = train.step_indices(seed, step, global_batch)  # batch_indices(seed, step, global_batch, len(train))
     batch = train.get_batch(micro_batch(idx, rank, world, micro, micro_batch_size))
 
-Examples are cut one of three ways, chosen from the records and `data.packing`:
-- `lm_packed`: `text` records joined with eos and cut into full blocks of `max_length`
-  (pretraining; the last partial block of the train split is dropped and reported);
-- `padded`: one example per row, truncated to `max_length`, padded on the right per batch (no attention mask:
-  causal attention already keeps each token from the padding after it);
-- `sft_packed`: whole SFT examples packed into rows of at most `max_length`, each with its own
-  `position_ids` starting at 0, which the model's attention turns into block-diagonal masks.
-
-The token arrays are cached (`tokens/<key>/`, uint16 when the vocabulary fits) under a key of the
-corpus content, the tokenizer and these settings, and memory-mapped on a hit. With `data.streaming=true`
-the trainer builds from `llmexp.data.stream` instead, which cuts as it reads and caches nothing.
+Examples are cut one of three ways (`MODES`, chosen from the records and `data.packing` by `example_mode`), and
+the token arrays cached under `tokens/<key>/`: docs/explanation/gpu-path.md ("Attention and the mask") and
+docs/how-to/data.md ("Records, length and packing", "Tokenizer and cache") say what each way and the cache are.
+With `data.streaming=true` the trainer builds from `llmexp.data.stream`, which cuts as it reads and caches nothing.
 """
 
 from __future__ import annotations
@@ -220,10 +213,9 @@ def _truncate(ids: list[np.ndarray], masks: list[np.ndarray] | None, max_length:
 
 def _row_targets(offsets: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
     """Per row, the label tokens left after the shift (the row's first token is never a target)."""
-    starts = offsets[:-1]
     if mask is None:
         return (np.diff(offsets) - 1).astype(np.int64)
-    return (np.add.reduceat(mask.astype(np.int64), starts) - mask[starts]).astype(np.int64)
+    return (np.add.reduceat(mask.astype(np.int64), offsets[:-1]) - mask[offsets[:-1]]).astype(np.int64)
 
 
 def _cut_blocks(ids: list[np.ndarray], max_length: int, keep_tail: bool,
@@ -308,7 +300,7 @@ MODES = ("lm_packed", "sft_packed", "padded")
 
 
 def example_mode(sft: bool, packing: bool) -> str:
-    """How records become rows: `lm_packed`, `sft_packed` or `padded` (module docstring)."""
+    """How records become rows: `lm_packed`, `sft_packed` or `padded` (the module docstring's pages)."""
     return ("sft_packed" if sft else "lm_packed") if packing else "padded"
 
 
@@ -430,14 +422,12 @@ def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[TokenDataset, Token
             stats["train_source_examples"] = examples
         return {"key": key, "settings": _settings(cfg), "stats": stats}
 
-    pad_id = pad_id_of(tokenizer)
-
     def load(entry: Path, meta: dict[str, Any]) -> tuple[TokenDataset, TokenDataset, Any, dict[str, Any]]:
         # the build's stats are read here, where an entry whose meta.json lacks them is a miss (`cached`)
         built = meta["stats"]
         if not isinstance(built, dict) or "mode" not in built or built["mode"] not in MODES:
             raise ValueError(f"its meta.json's stats.mode is not one of {', '.join(MODES)}")
-        train, held = (TokenDataset.load(entry, split, pad_id) for split in ("train", "eval"))
+        train, held = (TokenDataset.load(entry, split, pad_id_of(tokenizer)) for split in ("train", "eval"))
         return train, held, np.load(entry / "train_sources.npy") if cfg.data.mix else None, built
 
     (train, held, sources, built), _, hit = cached(Path(str(cfg.data.cache_dir)), "tokens", key, build, load)

@@ -5,12 +5,8 @@ tokenised once (so prompt and completion tokenise jointly, exactly as at inferen
 is a target when its first character lies inside a span. A token that straddles the prompt/
 completion boundary counts with the prompt.
 
-- `text`: the text + eos, every token a target (pretraining-style).
-- `prompt` + `completion`: joined as they are (put your own separator in the prompt) + eos;
-  targets: the completion and the eos.
-- `messages`: the tokenizer's chat template when it has one (targets: each assistant turn as
-  the template renders it, end-of-turn tokens included), else the plain template of
-  `llmexp.data.corpora.PLAIN_ROLE_HEADERS` (targets: assistant content + eos).
+Each record shape and which of its tokens are targets: docs/how-to/data.md ("Records, length and packing"); with a
+chat template, an assistant turn's targets are the turn as the template renders it, end-of-turn tokens included.
 
 Tokenisation runs in the `tokenizers` Rust thread pool (all cores); rendering is plain Python.
 """
