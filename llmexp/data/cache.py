@@ -132,13 +132,13 @@ def cached(root: Path, kind: str, key: str, build: Callable[[Path], dict[str, An
     read (a meta.json edited by hand, or a library that now reads it otherwise) is a miss too: warned about,
     rebuilt, loaded again; what `load` raises then is a real error and propagates."""
     entry, meta, hit = get_or_build(root, kind, key, build)
-    if not hit:
-        return load(entry, meta), meta, False
     try:
-        return load(entry, meta), meta, True
+        return load(entry, meta), meta, hit
     except UserError:
         raise
     except Exception as err:  # whatever a reader raises on bytes it cannot parse
+        if not hit:
+            raise
         first = first_line(err) or type(err).__name__
         warn(f"the cache entry {entry} cannot be read ({type(err).__name__}: {first}); rebuilding it")
     entry, meta, _ = get_or_build(root, kind, key, build, rebuild=True)

@@ -4,7 +4,6 @@ dataset, or (`data.mix`) several `datasets` datasets, one corpus each."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -43,8 +42,5 @@ def _joined(corpora: list[Corpus]) -> Corpus:
         parts = [c.load() for c in corpora]
         return [r for train, _ in parts for r in train], [r for _, held in parts for r in held]
 
-    def bpe_texts() -> Iterator[str]:
-        return itertools.chain.from_iterable(c.bpe_texts() for c in corpora)
-
     return Corpus("mix", {"mix": [c.fingerprint for c in corpora]}, {"mix": [c.bpe_fingerprint for c in corpora]},
-                  load, bpe_texts)
+                  load, lambda: itertools.chain.from_iterable(c.bpe_texts() for c in corpora))

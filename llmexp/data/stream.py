@@ -268,9 +268,8 @@ def _columns_of(source: Any, d: Any, where: str) -> dict[str, str]:
 
 def _eval_dataset(d: Any, mode: str, tok: Any, max_length: int, pad_id: int) -> tuple[TokenDataset, dict[str, int]]:
     """The eval set, in memory: data.eval_split, else the split's first data.stream_eval_rows rows."""
-    split = d.eval_split or d.split
-    where = f"{d.path} [{split}]"
-    source = load_split(d, split, streaming=True)
+    where = f"{d.path} [{d.eval_split or d.split}]"
+    source = load_split(d, d.eval_split or d.split, streaming=True)
     columns = _columns_of(source, d, where)
     rows = iter(source) if d.eval_split else itertools.islice(iter(source), int(d.stream_eval_rows))
     recs = row_records(rows, columns, where)
@@ -306,9 +305,8 @@ def stream_fingerprint(cfg: DictConfig, tok: Any) -> str:
     d = cfg.data
     keys = ("name", "path", "config_name", "split", "eval_split", "text_field", "prompt_field", "completion_field",
             "messages_field", "max_length", "packing", "shuffle_window", "stream_eval_rows")
-    settings = {k: d[k] for k in keys}
-    settings["data_files"] = str(d.data_files)
-    return hash_obj({"format": FORMAT_VERSION, "stream": STREAM_VERSION, **settings, "files": _local_files(d),
+    return hash_obj({"format": FORMAT_VERSION, "stream": STREAM_VERSION, **{k: d[k] for k in keys},
+                     "data_files": str(d.data_files), "files": _local_files(d),
                      "tokenizer": tokenizer_fingerprint(tok)})
 
 
