@@ -145,12 +145,6 @@ def cut_at_stop(text: str, stop: Sequence[str]) -> str:
     return text[:cut]
 
 
-def match(completion: str, target: str) -> tuple[float, float]:
-    """(exact match, target contained): whitespace at either end does not count."""
-    want = target.strip()
-    return float(completion.strip() == want), float(want in completion)
-
-
 @torch.no_grad()
 def greedy_completions(lm: Any, tokenizer: Any, prompts: Sequence[str], *, max_new_tokens: int, stop: Sequence[str],
                        batch_size: int, max_length: int, device: torch.device,
@@ -175,9 +169,9 @@ def greedy_completions(lm: Any, tokenizer: Any, prompts: Sequence[str], *, max_n
 
 def generate_tally(items: Sequence[GenerateItem], indices: Sequence[int],
                    completions: Sequence[str]) -> list[float]:
-    """[exact matches, targets contained, items]."""
+    """[exact matches, targets contained, items]: whitespace at either end of a completion or target does not count."""
     em = contains = 0.0
     for i, completion in zip(indices, completions, strict=True):
-        e, c = match(completion, items[i].target)
-        em, contains = em + e, contains + c
+        want = items[i].target.strip()
+        em, contains = em + float(completion.strip() == want), contains + float(want in completion)
     return [em, contains, float(len(indices))]
