@@ -10,10 +10,12 @@ from __future__ import annotations
 import ast
 import hashlib
 import inspect
+import io
 import json
 import os
 import sys
 import sysconfig
+import tokenize
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -87,9 +89,6 @@ def read_text(path: Path) -> str:
 @reader
 def read_source(path: Path) -> str:
     """A Python source file of the stdlib corpus, decoded as Python decodes it (PEP 263: UTF-8 unless it says)."""
-    import io
-    import tokenize
-
     data = readers.read_bytes(path, entry_of(read_source).max_bytes)
     try:
         return data.decode(tokenize.detect_encoding(io.BytesIO(data).readline)[0])
