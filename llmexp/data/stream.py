@@ -2,15 +2,11 @@
 it does for the user: docs/how-to/data.md, "Streaming"). `build_stream_datasets` stands in for `build_datasets`,
 used as `llmexp.data.datasets`' docstring shows; its `step_indices` are arange(G), the rows of the step's batch.
 
-The global batch at step t is examples [t*G, (t+1)*G) of an endless stream: the split's rows in windows of
-`data.shuffle_window` rows, each permuted by an rng seeded by (seed, epoch, window), mapped to records with
-hub.py's columns, tokenised in one call and cut by `llmexp.data.datasets.cut_examples`. What does not fill a row
-yet (the packer's carry-over) goes on into the next window, and into the next epoch. datasets' shuffle buffer is
-not used: its content is not part of `state_dict()`, so a resume through it could not be exact.
-
-Resume: at each window start the stream keeps a `WindowStart` (datasets' `state_dict()`, the carry-over, the
-example count); `position(step)` is the one that step's first example lies in (JSON, in the checkpoint's trainer
-state), and `restore` continues from it, reading at most one window again. The eval set is held in memory.
+The stream's order and its resume are that page's: each window's rows are mapped to records with hub.py's columns,
+tokenised in one call and cut by `llmexp.data.datasets.cut_examples`. What does not fill a row yet (the packer's
+carry-over) goes on into the next window, and into the next epoch. datasets' shuffle buffer is not used: its content
+is not part of `state_dict()`, so a resume through it could not be exact. `position(step)` is the `WindowStart` that
+step's first example lies in (JSON, in the checkpoint's trainer state). The eval set is held in memory.
 """
 
 from __future__ import annotations
