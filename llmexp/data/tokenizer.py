@@ -1,8 +1,6 @@
-"""The tokenizer (`load_tokenizer`), in order: `data.tokenizer` (a directory or hub id), the tokenizer of
-`model.name_or_path`, or a byte-level BPE (vocab = `model.vocab_size`) trained on the corpus's train split and
-cached by a hash of that split; always with an eos and a pad token. `hub_error(name)` is the one message for a
-model or tokenizer the hub cannot serve here (`llmexp.model.build` uses it too). transformers is imported inside
-functions only.
+"""The tokenizer (`load_tokenizer`; which one: docs/how-to/data.md, "Tokenizer and cache"), always with an eos and a
+pad token. `hub_error(name)` is the one message for a model or tokenizer the hub cannot serve here
+(`llmexp.model.build` uses it too). transformers is imported inside functions only.
 """
 
 from __future__ import annotations
@@ -65,9 +63,10 @@ def _from_pretrained(name: str, key: str, revision: str | None = None, trust_rem
 
     kwargs = hub_load_kwargs(name, key)
     try:
-        return AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code, **kwargs)
+        tok = AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError, ImportError) as err:  # hub errors subclass OSError; bad dirs raise ValueError
         raise hub_error(name, err, key) from None
+    return _ensure_special_tokens(tok, name)
 
 
 def _ensure_special_tokens(tok: Any, name: str) -> Any:
@@ -106,23 +105,21 @@ def tokenizer_fingerprint(tok: Any) -> str:
 
 
 def load_tokenizer(cfg: DictConfig) -> PreTrainedTokenizerFast:
-    """The run's tokenizer (the module docstring says which)."""
+    """The run's tokenizer (the page the module docstring names says which)."""
     if cfg.data.finetune_only and not cfg.model.name_or_path:
         via = f" (experiment={cfg.experiment})" if cfg.experiment else ""
         raise UserError(f"data={cfg.data.name}{via} fine-tunes an earlier model: set model.name_or_path to a "
                         "run's model/ directory, e.g. "
                         "model.name_or_path=outputs/<date>/<time>/model (run `python -m llmexp` first to make one)")
     if cfg.data.tokenizer:
-        name = str(cfg.data.tokenizer)
-        return _ensure_special_tokens(_from_pretrained(name, "data.tokenizer"), name)
+        return _from_pretrained(str(cfg.data.tokenizer), "data.tokenizer")
     if cfg.model.name_or_path and cfg.model.gguf_file:
         from llmexp.data.gguf import gguf_tokenizer
 
         return _ensure_special_tokens(gguf_tokenizer(cfg), f"{cfg.model.name_or_path}/{cfg.model.gguf_file}")
     if cfg.model.name_or_path:
-        name = str(cfg.model.name_or_path)
-        tok = _from_pretrained(name, "model.name_or_path", cfg.model.revision, bool(cfg.model.trust_remote_code))
-        return _ensure_special_tokens(tok, name)
+        m = cfg.model
+        return _from_pretrained(str(m.name_or_path), "model.name_or_path", m.revision, bool(m.trust_remote_code))
     return trained_tokenizer(cfg)
 
 
