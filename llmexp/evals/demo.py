@@ -1,9 +1,7 @@
-"""The demo task (`eval=demo`): "which line comes next?", built from the held-out part of the run's data.
-
-Each item is a few consecutive lines of a held-out document as the context and four candidate next lines: the true one
-and three lines drawn from other held-out documents. On the default data (the standard library's held-out files, which
-training never sees) a model that learns Python ranks the true line first more often as it trains, from chance (0.25)
-up. Built the same way on every machine from the same data (a seeded RNG), so it needs no download and no shipped file.
+"""The demo task (`eval=demo`): "which line comes next?", built from the held-out part of the run's data (its items:
+docs/how-to/evals.md's table). On the default data (the standard library's held-out files, which training never sees)
+a model that learns Python ranks the true line first more often as it trains, from chance (0.25) up. Built the same
+way on every machine from the same data (a seeded RNG), so it needs no download and no shipped file.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """lm-evaluation-harness tasks by name (`eval.lm_eval.tasks`), on the in-memory model, through the harness's
 Python API: `lm_eval.models.huggingface.HFLM(pretrained=<the model>)` and `lm_eval.simple_evaluate`.
 
-An optional extra (`pip install llmexp[eval]`): imported only when a run names harness tasks. Offline use: a directory
-of task YAMLs (`eval.lm_eval.include_path`) whose `dataset_path: json` and `dataset_kwargs.data_files` point at local
-files, with `eval.lm_eval.include_defaults=false` so the harness does not index its ~15,000 built-in tasks (~25 s here).
-
-The harness seeds python's, numpy's and torch's global RNGs unless told not to, which would change the
-training that follows: it is told not to (every seed None), and runs inside a forked RNG all the same.
+An optional extra (`pip install llmexp[eval]`), imported only when a run names harness tasks; offline use:
+docs/how-to/evals.md ("lm-evaluation-harness is an optional extra"). The harness seeds python's, numpy's and torch's
+global RNGs unless told not to, which would change the training that follows: it is told not to (every seed None),
+and runs inside a forked RNG all the same.
 """
 
 from __future__ import annotations

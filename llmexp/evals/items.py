@@ -1,7 +1,5 @@
-"""Task files: JSONL of `{context, choices, answer}` (multiple_choice) or `{prompt, target}` (generate).
-
-Read before anything loads, so a bad file exits 2 with nothing written: malformed JSON names the file and
-line, a record with empty choices or an answer index out of range names the file, line and record.
+"""Task files: JSONL of `{context, choices, answer}` (multiple_choice) or `{prompt, target}` (generate), read before
+anything loads, so a bad file exits 2 with nothing written (what each mistake names: docs/how-to/evals.md).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The scorers: the log-likelihood of each choice of a multiple-choice item, and greedy generation.
 
 Multiple choice follows lm-evaluation-harness (`lm_eval.api.model.TemplateLM.loglikelihood` and `_encode_pair`,
-`lm_eval.api.task.ConfigurableTask.process_results`), so the numbers are those the harness and OLMo report: each choice
-is the continuation `delimiter + choice` of the context; trailing whitespace of the context moves into the continuation;
-the pair is encoded whole and the continuation's tokens are those after the context's own encoding; the score is the sum
-of the continuation tokens' log-probabilities. `acc` takes the choice with the highest score, `acc_norm` the highest
-score per character of the choice. tests/test_evals.py checks the per-choice log-likelihoods against the harness itself.
+`lm_eval.api.task.ConfigurableTask.process_results`), so the numbers are those the harness and OLMo report; how a
+choice is encoded and scored, and how tests/test_evals.py checks it against the harness itself: docs/how-to/evals.md
+("The scorer is the harness's"). `acc_norm` is the highest score per character of the choice.
 
 Ranks share the items (item i goes to rank i % world); each returns sums the caller adds up over the ranks.
 """
