@@ -4,9 +4,8 @@ entries are verified on read.
 An entry `<root>/<kind>/<key>/` is built in a sibling temp directory and renamed into place complete
 (`rundir.files.staged_dir`). A per-key file lock serialises builders: of two sweep jobs that miss at once, one
 builds and the other waits, then finds the entry. An entry's `meta.json` lists the size and sha256 of each of its
-files, and a hit checks them (about a second per GB read): a file truncated, altered, replaced or deleted since,
-a meta.json without that record, or an entry its loader cannot read (`cached`), is a miss, rebuilt under the lock
-with one warning naming the file, never a crash. No torch here.
+files, and a hit checks them (about a second per GB read); what counts as damage, a miss rebuilt under the lock with
+one warning (`cached`): docs/explanation/bad-input.md ("Caches are not refused but rebuilt"). No torch here.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""`data=hf`: anything the `datasets` library loads (a hub id, a `save_to_disk` directory, files through one of
-datasets' builders), its columns turned into llmexp's records (the user's side: docs/how-to/data.md, "Hub datasets").
-The token cache is keyed by the dataset's own fingerprint (datasets computes one per loaded table), so a changed
-dataset is tokenised again.
+"""`data=hf`: anything the `datasets` library loads, its columns turned into llmexp's records (the user's side:
+docs/how-to/data.md, "Hub datasets"). The token cache is keyed by the dataset's own fingerprint (datasets computes
+one per loaded table), so a changed dataset is tokenised again.
 """
 
 from __future__ import annotations

@@ -66,13 +66,9 @@ def encode_pair(tokenizer: Any, context: str, continuation: str) -> tuple[list[i
 def choice_requests(tokenizer: Any, items: Sequence[ChoiceItem], indices: Sequence[int],
                     delimiter: str) -> list[Request]:
     """Every choice of the items at `indices` as a request."""
-    out = []
-    for i in indices:
-        item = items[i]
-        for j, choice in enumerate(item.choices):
-            ctx, cont = encode_pair(tokenizer, item.context, delimiter + choice)
-            out.append(Request(i, j, tuple(ctx), tuple(cont)))
-    return out
+    encoded = [(i, j, encode_pair(tokenizer, items[i].context, delimiter + choice))
+               for i in indices for j, choice in enumerate(items[i].choices)]
+    return [Request(i, j, tuple(ctx), tuple(cont)) for i, j, (ctx, cont) in encoded]
 
 
 def _batch(requests: Sequence[Request], max_length: int, pad_id: int) -> dict[str, torch.Tensor]:
