@@ -90,9 +90,7 @@ def is_llmexp_config(config: Any) -> bool:
 def objective(config: Any) -> tuple[str | None, str]:
     """What a sweep ranks its jobs by: (`sweep.metric`, `sweep.direction`) of llmexp's config; (None, minimize)
     for another app, whose trials return the value to minimize."""
-    if not is_llmexp_config(config):
-        return None, "minimize"
-    return str(config.sweep.metric), str(config.sweep.direction)
+    return (str(config.sweep.metric), str(config.sweep.direction)) if is_llmexp_config(config) else (None, "minimize")
 
 
 def exit_2_on_user_error(action: Callable[..., T], *args: Any) -> T:

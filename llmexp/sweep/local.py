@@ -237,8 +237,7 @@ def _collect(job: _Running) -> JobOutcome:
             how = "ended (how is unknown: its fork server had died)" if lost else f"exited with code {code}"
             outcome = JobOutcome(num, "failed", code, f"the job process {how} without an outcome; "
                                  f"see {job.spec.job_dir / 'job.log'}")
-    took_s = time.monotonic() - job.started_s
-    log.info(f"  #{num} {outcome.status} after {took_s:.1f} s (exit {outcome.exit_code})")
+    log.info(f"  #{num} {outcome.status} after {time.monotonic() - job.started_s:.1f} s (exit {outcome.exit_code})")
     return outcome
 
 

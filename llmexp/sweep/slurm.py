@@ -49,8 +49,6 @@ from llmexp.sweep.jobs import (
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 2.0
-
 
 def sbatch_parameters(cluster: DictConfig, job_name: str) -> dict[str, Any]:
     """submitit's SlurmExecutor parameters from the launcher's settings (`hydra.launcher.*`)."""
@@ -224,7 +222,7 @@ def other_app_returns(specs: Sequence[JobSpec], jobs: Sequence[submitit.Job]) ->
     return returns
 
 
-def wait_for_jobs(specs: Sequence[JobSpec], jobs: Sequence[submitit.Job], poll_s: float = _POLL_S) -> list[JobOutcome]:
+def wait_for_jobs(specs: Sequence[JobSpec], jobs: Sequence[submitit.Job], poll_s: float = 2.0) -> list[JobOutcome]:
     """Poll until every job has ended; one sacct call per poll covers the whole array."""
     outcomes: dict[int, JobOutcome] = {}
     remaining = {spec.num: (spec, job) for spec, job in zip(specs, jobs, strict=True)}
