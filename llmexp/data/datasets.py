@@ -48,12 +48,8 @@ def _permutation(seed: int, epoch: int, num_examples: int, stream: int = 0) -> n
 
 
 def batch_indices(seed: int, step: int, global_batch_size: int, num_examples: int) -> np.ndarray:
-    """The example indices of the global batch at optimizer step `step` (0-based).
-
-    A pure function of its arguments: position p = step * G + i of an endless stream made of one
-    fresh permutation per epoch (epoch = p // N). Resume, a different world size or a different
-    accumulation split all see the same examples at the same step.
-    """
+    """The example indices of the global batch at optimizer step `step` (0-based): positions step * G + i of
+    `_stream_positions`' stream, a pure function of the arguments (docs/how-to/data.md: "The sampler is stateless")."""
     if num_examples <= 0:
         raise ValueError("batch_indices needs at least one example")
     positions = step * global_batch_size + np.arange(global_batch_size, dtype=np.int64)
@@ -167,11 +163,9 @@ class TokenDataset:
         return int(self.row_targets[np.asarray(indices)].sum())
 
     def get_batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
-        """input_ids and labels (B, L) int64, aligned (the loss shifts); position_ids for packed SFT rows.
-
-        Never an attention_mask: rows are padded on the right, so under causal attention no real token can see
-        the padding (it comes after), and the padding's own targets are -100. A mask would change no loss, but
-        transformers would build a dense (B, 1, L, L) mask from it and SDPA would leave its flash path."""
+        """input_ids and labels (B, L) int64, aligned (the loss shifts); position_ids for packed SFT rows. Never an
+        attention_mask: the padding is on the right, after every real token, and its targets are -100, so a mask would
+        change no loss but cost SDPA its flash path (docs/explanation/gpu-path.md, "Attention and the mask")."""
         import torch
 
         indices = np.asarray(indices, dtype=np.int64)
@@ -378,11 +372,6 @@ def _empty_split_error(cfg: DictConfig, split: str, index: int) -> UserError:
     return UserError(f"data={cfg.data.name}: the eval split is empty; {fix}")
 
 
-def _interleave(lists: list[list[Record]]) -> list[Record]:
-    """Records taken in turn from each list: a mixture's eval slice (`train.eval_batches`) covers every source."""
-    return [r for group in itertools.zip_longest(*lists) for r in group if r is not None]
-
-
 def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[TokenDataset, TokenDataset, dict[str, Any]]:
     """The train and eval datasets and their stats (for summary.json), from the cache when possible."""
     from llmexp.data.tokenizer import tokenizer_fingerprint
@@ -399,7 +388,8 @@ def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[TokenDataset, Token
         for i, (train_recs, _) in enumerate(loaded):
             if not train_recs:
                 raise _empty_split_error(cfg, "train", i)
-        eval_recs = _interleave([held for _, held in loaded])
+        # records taken in turn from each source: a mixture's eval slice (`train.eval_batches`) covers every source
+        eval_recs = [r for turn in itertools.zip_longest(*(held for _, held in loaded)) for r in turn if r is not None]
         if not eval_recs:
             raise _empty_split_error(cfg, "eval", 0)
         sft = cfg.data.name == "stdlib_sft" or any("text" not in r for recs, held in loaded for r in recs + held)
