@@ -260,8 +260,7 @@ class Corpus:
 
 
 PLAIN_ROLE_HEADERS = {"system": "### System:\n", "user": "### User:\n", "assistant": "### Assistant:\n"}
-"""The plain chat template, for tokenizers without one: each turn is `<header><content>\\n\\n`, and an
-assistant turn is followed by eos; the loss covers assistant content and that eos."""
+"""The plain chat template, for tokenizers without one (docs/how-to/data.md, "Records, length and packing")."""
 
 
 def plain_text(rec: Record) -> str:

@@ -70,8 +70,5 @@ def gguf_tokenizer(cfg: DictConfig) -> Any:
         tok.save_pretrained(str(tmp))
         return {"gguf_file": str(path), "vocab_size": len(tok)}
 
-    def load(entry: Path, _meta: dict[str, Any]) -> Any:
-        return AutoTokenizer.from_pretrained(str(entry))
-
-    tok, _, _ = cached(Path(str(cfg.data.cache_dir)), "tokenizers", "gguf-" + gguf_key(path), build, load)
-    return tok
+    return cached(Path(str(cfg.data.cache_dir)), "tokenizers", "gguf-" + gguf_key(path), build,
+                  lambda entry, _meta: AutoTokenizer.from_pretrained(str(entry)))[0]
