@@ -12,8 +12,7 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._=,+-]+")
 
 def safe_name(text: str, max_len: int = 120) -> str:
     """A single path component: no separators, no `..`, no NUL, never empty."""
-    cleaned = _UNSAFE.sub("_", text.replace("\x00", "")).strip("._") or "run"
-    return cleaned[:max_len]
+    return (_UNSAFE.sub("_", text.replace("\x00", "")).strip("._") or "run")[:max_len]
 
 
 def _start_time(pid: int) -> dt.datetime:

@@ -160,12 +160,9 @@ class RedactRunFiles(Callback):
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         install_log_filter()
         _sanitize_hydra_overrides()
-        subdir = config.hydra.output_subdir
-        if subdir is None:
-            return
-        hydra_dir = Path(config.hydra.runtime.output_dir) / str(subdir)
-        for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
-            scrub_yaml_file(hydra_dir / name)
+        if (subdir := config.hydra.output_subdir) is not None:
+            for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+                scrub_yaml_file(Path(config.hydra.runtime.output_dir) / str(subdir) / name)
 
 
 def _sanitize_hydra_overrides() -> None:

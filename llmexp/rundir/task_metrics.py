@@ -24,10 +24,7 @@ def task_history(records: list[dict]) -> dict[str, list[tuple[int, dict[str, flo
 
 def final_tasks(records: list[dict]) -> dict[str, dict[str, Any]]:
     """summary.json's `tasks`: each task's metrics at its last eval, with that step and its kind."""
-    out: dict[str, dict[str, Any]] = {}
-    for r in task_records(records):
-        out[str(r["task"])] = {**r["metrics"], "step": r["step"], "kind": r.get("kind")}
-    return out
+    return {str(r["task"]): {**r["metrics"], "step": r["step"], "kind": r.get("kind")} for r in task_records(records)}
 
 
 def metric_value(metric: str, summary: dict | None, records: list[dict]) -> float | None:

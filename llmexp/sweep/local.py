@@ -203,8 +203,7 @@ def _start(spec: JobSpec, slot: str | None, num_slots: int, work: Path, warm: bo
             proc = subprocess.Popen([sys.executable, "-m", "llmexp.sweep.local", *args], stdout=job_log,
                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
     device = f"GPU {slot}" if slot is not None else "CPU"
-    how = ", warm" if warm else ""
-    log.info(f"  #{spec.num} started (pid {proc.pid}, {device}{how}): {' '.join(spec.overrides)}")
+    log.info(f"  #{spec.num} started (pid {proc.pid}, {device}{', warm' if warm else ''}): {' '.join(spec.overrides)}")
     return _Running(spec, slot, proc, outcome_path, time.monotonic())
 
 
