@@ -62,10 +62,8 @@ def render(rec: Record, tok: Any) -> tuple[str, Spans, bool]:
         text = rec["prompt"] + rec["completion"] + eos
         return text, [(len(rec["prompt"]), len(text))], True
     if getattr(tok, "chat_template", None):
-        text, spans = _chat_spans(rec["messages"], tok)
-        return text, spans, False  # templates write their own bos
-    text, spans = _plain_spans(rec["messages"], eos)
-    return text, spans, True
+        return (*_chat_spans(rec["messages"], tok), False)  # templates write their own bos
+    return (*_plain_spans(rec["messages"], eos), True)
 
 
 def _rendered(i: int, rec: Record, tok: Any) -> tuple[str, Spans, bool]:
