@@ -33,9 +33,8 @@ def demo_items(records: Sequence[Record], n: int, seed: int = 0) -> list[ChoiceI
     if len(docs) < 2 or not spots:
         return []
     rng = random.Random(seed)
-    picked = rng.sample(spots, min(n, len(spots)))
     items = []
-    for d, i in picked:
+    for d, i in rng.sample(spots, min(n, len(spots))):
         lines = docs[d]
         indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
         context = "\n".join(lines[i - CONTEXT_LINES:i]) + "\n" + indent
