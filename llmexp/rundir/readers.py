@@ -1,11 +1,7 @@
 """Every file llmexp reads, listed in one place with its kind, and the primitives its readers share.
 
-What a damaged file of each kind owes the user:
-- INPUT, a user's file (data, task files, a GGUF model, a config file): a UserError (exit 2) naming the file, the
-  line where there is one, and the fix; nothing is written.
-- CACHE, a file llmexp made to save time: a miss, made again, with one info line at most; never trusted.
-- RECORD, a file a run or sweep wrote: what is damaged is skipped, with one line saying what; no reader hangs (a
-  FIFO) or fills memory (a link to /dev/zero).
+What a damaged file of each kind (INPUT: a user's file; CACHE: one llmexp made to save time; RECORD: one a run or
+sweep wrote) owes the user: docs/reference/files.md, and docs/explanation/bad-input.md ("Every file llmexp reads").
 
 A reader takes the file's path; it is registered in `READERS` under its `module:qualname` and decorated `@reader`,
 which gives it its kind's duty (an unregistered `@reader` fails at import). A reader whose damage its caller handles
@@ -174,7 +170,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def reader(fn: F) -> F:
-    """Give a registered reader its kind's duty on a damaged file (the module's docstring says each); a missing
+    """Give a registered reader its kind's duty on a damaged file (docs/reference/files.md says each); a missing
     file is None, an INPUT's a UserError."""
     name = _name_of(fn)
     entry = READERS.get(name)
@@ -204,7 +200,6 @@ def reader(fn: F) -> F:
 
 
 def entry_of(fn: Callable[..., Any]) -> Reader:
-    """A reader's registry entry."""
     return READERS[_name_of(fn)]
 
 
@@ -217,20 +212,17 @@ def _name_of(fn: Callable[..., Any]) -> str:
     return f"{module}:{fn.__qualname__}"
 
 
-def load_json(path: Path, fn: Callable[..., Any]) -> Any:
-    """The body of a JSON file's reader `fn`: the file read within its size, parsed, and its fields checked (a
-    record keeps what fits, says what it skipped; an input's or a cache's fits whole)."""
-    return _checked(path, fn, parse_json(read_text(path, entry_of(fn).max_bytes), path))
+def load_json(path: Path, fn: Callable[..., Any], parse: Callable[[str, Path], Any] | None = None) -> Any:
+    """The body of a JSON (or, with `parse`, another) file's reader `fn`: the file read within its size, parsed,
+    and its fields checked (a record keeps what fits, says what it skipped; an input's or a cache's fits whole)."""
+    entry = entry_of(fn)
+    value = (parse or parse_json)(read_text(path, entry.max_bytes), path)
+    return value if entry.fields is None else fields_of(path, value, entry.fields, strict=entry.kind != RECORD)
 
 
 def load_yaml(path: Path, fn: Callable[..., Any]) -> Any:
     """`load_json` for a YAML file."""
-    return _checked(path, fn, parse_yaml(read_text(path, entry_of(fn).max_bytes), path))
-
-
-def _checked(path: Path, fn: Callable[..., Any], value: Any) -> Any:
-    entry = entry_of(fn)
-    return value if entry.fields is None else fields_of(path, value, entry.fields, strict=entry.kind != RECORD)
+    return load_json(path, fn, parse_yaml)
 
 
 # ----------------------------------------------------------------------------- bytes and text

@@ -1,11 +1,10 @@
 """`hydra/launcher=llmexp_local` (llmexp's `cluster=local`, the default): every job of a `--multirun` in its own
-process, so a crash or `kill -9` loses only that job; with GPUs, `jobs_per_gpu` jobs per visible GPU, each with
-its own `CUDA_VISIBLE_DEVICES`; on CPU, `max_parallel` at once.
+process, `jobs_per_gpu` per visible GPU or `max_parallel` on CPU (docs/how-to/sweeps.md, "Jobs on this machine").
 
 The parent composes each config (so composition errors stop the sweep before anything runs) and pickles it into
-`<sweep dir>/.llmexp/<num>.job.pkl` for `python -m llmexp.sweep.local <pickle>`, which writes
-`<num>.outcome.json`. CPU jobs fork from a preloaded server (`_WarmJob`); GPU jobs get a fresh process, as CUDA
-must initialise in the job's own process. The launcher's process imports neither torch nor submitit.
+`<sweep dir>/.llmexp/<num>.job.pkl` for `python -m llmexp.sweep.local <pickle>`, which writes `<num>.outcome.json`.
+CPU jobs fork from a preloaded server (`_WarmJob`); GPU jobs get a fresh process, as CUDA must initialise in the
+job's own process. The launcher's process imports neither torch nor submitit.
 """
 
 from __future__ import annotations
