@@ -195,10 +195,8 @@ def execute(spec: JobSpec, task_function: Any, hydra_context: Any, singleton_sta
         value = ret._return_value
         code = value if isinstance(value, int) and not isinstance(value, bool) else 0
         status = run_status(spec.job_dir) or ("completed" if code == 0 else "failed")
-        error = None
-        if code:  # a user error's own message, when it was one
-            error = (last_user_error() if code == EXIT_USER else None) or f"the task exited with code {code}"
-        return JobOutcome(spec.num, status, code, error)
+        user_error = last_user_error() if code == EXIT_USER else None  # a user error's own message, when it was one
+        return JobOutcome(spec.num, status, code, (user_error or f"the task exited with code {code}") if code else None)
     err = ret._return_value
     traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
     return JobOutcome(spec.num, "failed", 1, f"{type(err).__name__}: {err}")

@@ -45,11 +45,9 @@ def _axes(overrides: Sequence[Override]) -> dict[str, list[str]]:
         raise UserError(f"this grid has {jobs} jobs ({shown}); a grid takes at most {MAX_GRID_JOBS}: sweep fewer "
                         "values, or search the space with sweep=tpe sweep.n_trials=N")
     axes: dict[str, list[str]] = {}
-    for override in overrides:
-        key = override.get_key_element()
-        swept = override.is_sweep_override()
-        values = override.sweep_string_iterator() if swept else [override.get_value_element_as_str()]
-        axes[key] = [f"{key}={value}" for value in values]
+    for o in overrides:
+        values = o.sweep_string_iterator() if o.is_sweep_override() else [o.get_value_element_as_str()]
+        axes[o.get_key_element()] = [f"{o.get_key_element()}={value}" for value in values]
     return axes
 
 
