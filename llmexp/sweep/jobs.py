@@ -232,9 +232,7 @@ def ended_before(spec: JobSpec) -> JobOutcome | None:
                                                      f"(pid {pid}); waiting for it to end"))
     status = run_status(spec.job_dir)
     verdict = load_job_status(spec.job_dir).get("status", status)
-    if status not in ENDED or verdict != status:
-        return None
-    return JobOutcome(spec.num, status, STATUS_EXIT[status], None)
+    return JobOutcome(spec.num, status, STATUS_EXIT[status], None) if status in ENDED and verdict == status else None
 
 
 def split_ended(specs: Sequence[JobSpec]) -> tuple[list[JobSpec], dict[int, JobOutcome]]:

@@ -77,9 +77,7 @@ def device_slots(gpus: Sequence[str], jobs_per_gpu: int, max_parallel: int,
     if jobs_per_gpu < 1 or max_parallel < 1:
         raise UserError(f"{prefix}jobs_per_gpu={jobs_per_gpu} and {prefix}max_parallel={max_parallel}: "
                         f"both must be >= 1; e.g. {prefix}max_parallel=2")
-    if gpus:
-        return [gpu for _ in range(jobs_per_gpu) for gpu in gpus]
-    return [None] * max_parallel
+    return [gpu for _ in range(jobs_per_gpu) for gpu in gpus] if gpus else [None] * max_parallel
 
 
 def child_env(slot: str | None, num_slots: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
