@@ -177,9 +177,7 @@ def sweep_exit_code(results: Sequence[TrialResult]) -> int:
     statuses = [r.status for r in results]
     if not statuses or any(s in ("crashed", "running") for s in statuses):
         return EXIT_ERROR
-    if "completed" not in statuses and "failed" in statuses:
-        return EXIT_DIVERGED
-    return EXIT_OK
+    return EXIT_DIVERGED if "completed" not in statuses and "failed" in statuses else EXIT_OK
 
 
 def is_run_dir(path: Path) -> bool:
