@@ -244,6 +244,13 @@ MAX_GRID_JOBS = 10_000
 and gigabytes."""
 
 
+def override_axes(overrides: Sequence[Override], limit: int | None = None) -> dict[str, list[str]]:
+    """key -> its `key=value` strings (at most `limit`), in command-line order, as Hydra's basic sweeper reads them."""
+    return {o.get_key_element(): [f"{o.get_key_element()}={v}" for v in itertools.islice(
+        o.sweep_string_iterator() if o.is_sweep_override() else [o.get_value_element_as_str()], limit)]
+        for o in overrides}
+
+
 def grid_product(axes: dict[str, list[str]], zip_keys: Sequence[str]) -> list[list[str]]:
     """Every job's overrides: the product of the axes (key -> its `key=value` strings) in command-line order, the
     `zip_keys` axes paired value by value (the caller checked they have as many values each)."""
@@ -275,9 +282,7 @@ def launched_jobs(sweep_dir: Path) -> dict[str, list[str]]:
             or any(o.is_interval_sweep() for o in overrides):
         return {}
     zip_keys = [str(k) for k in _recorded(data, "hydra.sweeper.zip") or []]
-    axes = {o.get_key_element(): [f"{o.get_key_element()}={v}" for v in itertools.islice(
-        o.sweep_string_iterator() if o.is_sweep_override() else [o.get_value_element_as_str()], MAX_GRID_JOBS + 1)]
-        for o in overrides}
+    axes = override_axes(overrides, MAX_GRID_JOBS + 1)
     if math.prod(len(v) for k, v in axes.items() if k not in zip_keys[1:]) > MAX_GRID_JOBS \
             or len({len(axes.get(k, [])) for k in zip_keys}) > 1 or any(len(axes.get(k, [])) < 2 for k in zip_keys):
         return {}  # (a grid the sweeper refused: nothing was launched)

@@ -23,7 +23,7 @@ from hydra.core.override_parser.types import IntervalSweep, Override, RangeSweep
 from llmexp.config.rules import Choice
 from llmexp.config.validation import configured_lr
 from llmexp.errors import UserError
-from llmexp.rundir.read import MAX_GRID_JOBS, grid_product
+from llmexp.rundir.read import MAX_GRID_JOBS, grid_product, override_axes
 
 if TYPE_CHECKING:
     from optuna.distributions import BaseDistribution
@@ -38,17 +38,13 @@ scaling for Adam-type optimizers, linear as in Goyal et al. for SGD)."""
 
 
 def _axes(overrides: Sequence[Override]) -> dict[str, list[str]]:
-    """key -> its `key=value` strings, in command-line order (as Hydra's basic sweeper reads them)."""
+    """`override_axes`, refused beyond MAX_GRID_JOBS jobs, counted without listing them."""
     sizes = {o.get_key_element(): discrete_size(o) if o.is_sweep_override() else 1 for o in overrides}
     if (jobs := math.prod(sizes.values())) > MAX_GRID_JOBS:
         shown = " x ".join(f"{k}: {n}" for k, n in sizes.items() if n > 1)
         raise UserError(f"this grid has {jobs} jobs ({shown}); a grid takes at most {MAX_GRID_JOBS}: sweep fewer "
                         "values, or search the space with sweep=tpe sweep.n_trials=N")
-    axes: dict[str, list[str]] = {}
-    for o in overrides:
-        values = o.sweep_string_iterator() if o.is_sweep_override() else [o.get_value_element_as_str()]
-        axes[o.get_key_element()] = [f"{o.get_key_element()}={value}" for value in values]
-    return axes
+    return override_axes(overrides)
 
 
 def discrete_size(override: Override) -> int:
