@@ -99,15 +99,6 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def fsync_tree(root: Path) -> None:
-    """fsync every file and directory, bottom-up, so the whole tree is on disk (before a rename publishes it:
-    otherwise a crash could leave the new name pointing at files not yet written)."""
-    for dirpath, _, filenames in os.walk(root, topdown=False):
-        for name in filenames:
-            fsync_path(Path(dirpath) / name)
-        fsync_path(Path(dirpath))
-
-
 def _exchange(a: Path, b: Path) -> bool:
     """Atomically swap two paths with Linux renameat2(RENAME_EXCHANGE); False where unsupported."""
     import ctypes
@@ -167,7 +158,11 @@ def publish_dir(staging: Path, final: Path, replace: Replace = replace_dir) -> N
     """Make a finished staging directory visible under its final name in one step: fsync it, rename it
     (`replace`: an existing `final` is swapped out, then deleted), fsync the parent. Readers see the old or
     the new directory, never a mix or nothing."""
-    fsync_tree(Path(staging))
+    # every file and directory bottom-up, before the rename: else a crash could leave it naming unwritten files
+    for dirpath, _, filenames in os.walk(staging, topdown=False):
+        for name in filenames:
+            fsync_path(Path(dirpath) / name)
+        fsync_path(Path(dirpath))
     replace(Path(staging), Path(final))
     fsync_path(Path(final).parent)
 
