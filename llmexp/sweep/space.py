@@ -1,14 +1,6 @@
 """What a `--multirun` command line asks to explore: the grid's jobs (with paired axes and lr scaling)
-and an optuna search space, both read from Hydra's parsed overrides.
-
-    lr=1e-4,3e-4 batch_size=4,8                       grid: 4 jobs (the product)
-    ... sweep.zip=[lr,batch_size]                     grid: 2 jobs, the i-th values paired
-    ... sweep.lr_scaling=sqrt                         grid: lr x (batch_size / base) ** 0.5 in each job
-    lr='tag(log,interval(1e-5,1e-1))' batch_size=choice(4,8)   search (sweep=random|tpe)
-
-The search syntax is that of Hydra's Optuna sweeper: `choice(...)` and `a,b,c` are categorical,
-`range(...)` is categorical over its values, `interval(a,b)` is uniform (integers with
-`tag(int, interval(a,b))`), and `tag(log, interval(a,b))` is log-uniform. Nothing here imports torch.
+and an optuna search space (Hydra's Optuna sweeper's syntax), both read from Hydra's parsed overrides, as
+docs/how-to/sweeps.md ("Paired axes and lr scaling", "Search") writes them. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -144,7 +136,7 @@ def search_space(overrides: Sequence[Override]) -> tuple[dict[str, BaseDistribut
 
 
 def _distribution(override: Override) -> BaseDistribution:
-    """The optuna distribution of one swept override (the rules in this module's docstring); a UserError for
+    """The optuna distribution of one swept override (docs/how-to/sweeps.md, "Search space"); a UserError for
     an unknown tag, a tag on a list of values, too many values, or interval bounds that are not a range."""
     from optuna.distributions import CategoricalDistribution
 
