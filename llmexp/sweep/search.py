@@ -1,11 +1,8 @@
 """`sweep=random|tpe`: an optuna search whose trials are sweep jobs, pruned from their live evals
 (`llmexp.train.pruning`, in each trial's own process). It asks `sweep.parallel` trials, launches them as one
-batch, and tells each how its run ended, until `sweep.n_trials` have ended.
-
-The study lives in the sweep directory and trial N is job N, read back from its run directory, so the same command
-with the same `hydra.sweep.dir` continues the search and a `kill -9` of the sweeper loses no result. A categorical
-space with no more points than `sweep.n_trials` runs as its grid (llmexp's runs are deterministic, so a sampler's
-repeat would be the same run). For another app, a trial's result is its task's return value and nothing prunes.
+batch, and tells each how its run ended, until `sweep.n_trials` have ended. How the same command continues it, and
+why a small categorical space runs as its grid: docs/how-to/sweeps.md ("Search", Resumable). For another app, a
+trial's result is its task's return value and nothing prunes.
 """
 
 from __future__ import annotations
