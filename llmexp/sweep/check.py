@@ -1,10 +1,7 @@
-"""A sweep checked whole before it launches: every config it can run passes the checks a single run passes.
-
-A grid checks every job; a search checks one config per value at its space's edges (`space.edge_values`), since a
-value between two ends that pass a `Range` passes it too. Each runs `validate` (a `sweep.metric` that a job does
-not record is refused here), `check_environment` for jobs on this machine, and one `sweep.metric` and
-`sweep.direction` for all jobs. A refusal is one UserError: shared problems once, then each job's own. The CLI
-composes (`llmexp.cli.compose.check_sweep`), this module judges. Nothing here imports torch.
+"""A sweep checked whole before it launches: every config it can run (each job of a grid, a search's space at
+its edges, `space.edge_values`) passes the checks a single run passes (docs/how-to/sweeps.md, "Checked before it
+launches"), and all rank by one `sweep.metric` and `sweep.direction`. A refusal is one UserError: shared problems
+once, then each job's own. The CLI composes (`llmexp.cli.compose.check_sweep`), this module judges. No torch here.
 """
 
 from __future__ import annotations
