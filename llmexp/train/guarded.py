@@ -61,7 +61,7 @@ def _leave_refused_run_dir(message: str) -> None:
     with contextlib.suppress(OSError):  # gone already, or not ours to judge: leave it
         if not all({p.name for p in (run_dir / sub).iterdir()} <= names for sub, names in RUN_START_FILES.items()):
             logger, own = job_log(run_dir)
-            logger.error("refused: %s (nothing in this directory changed)", message)
+            logger.error("refused: %s (no step ran; checkpoints, metrics and model/ are as they were)", message)
             if own is not None:
                 own.close()
             return
