@@ -13,28 +13,19 @@ if accelerate moves its check, saving works as before, only slower.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 
 def save_model_dir(model: Any, out: Path, **kwargs: Any) -> None:
     """`model.save_pretrained(out, safe_serialization=True, **kwargs)`, a transformers or peft model."""
-    with _deepspeed_probe_only_if_imported():
-        model.save_pretrained(out, safe_serialization=True, **kwargs)
-
-
-@contextmanager
-def _deepspeed_probe_only_if_imported() -> Iterator[None]:
     import accelerate.utils.other as unwrapping  # where extract_model_from_parallel looks its check up
 
     original = getattr(unwrapping, "is_deepspeed_available", None)
-    if original is None:
-        yield
-        return
-    unwrapping.is_deepspeed_available = lambda: "deepspeed" in sys.modules and original()
+    if original is not None:
+        unwrapping.is_deepspeed_available = lambda: "deepspeed" in sys.modules and original()
     try:
-        yield
+        model.save_pretrained(out, safe_serialization=True, **kwargs)
     finally:
-        unwrapping.is_deepspeed_available = original
+        if original is not None:
+            unwrapping.is_deepspeed_available = original
