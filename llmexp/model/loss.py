@@ -116,7 +116,7 @@ class CausalLMLoss(nn.Module):
                   "use_cache": False}
         if not self.split:
             logits = self.lm(**inputs).logits.flatten(0, 1)
-            return _reduce(_token_losses(lambda a, b: logits[a:b], targets), labels.shape, per_row)
+            return _token_loss_sum(lambda a, b: logits[a:b], targets, labels.shape, per_row)
         causal = causal_lm(self.lm)
         hidden = causal.model(**inputs).last_hidden_state.flatten(0, 1)
         if divisor := LOGIT_DIVISORS.get(causal.config.model_type):
@@ -130,19 +130,17 @@ class CausalLMLoss(nn.Module):
         # As in the fused head, an ignored row adds exactly 0 even if its hidden state is NaN/inf. Calling the
         # head module, not reading its weight: a ZeRO-3 hook gathers it first.
         hidden = hidden.where((targets != IGNORE_INDEX)[:, None], 0)
-        return _reduce(_token_losses(lambda a, b: head(hidden[a:b]), targets), labels.shape, per_row)
+        return _token_loss_sum(lambda a, b: head(hidden[a:b]), targets, labels.shape, per_row)
 
 
-def _token_losses(logits_of: Callable[[int, int], torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
-    """Each position's fp32 cross-entropy (0 where its target is -100), from `logits_of(start, stop)` in chunks
-    of CHUNK_TOKENS positions: the fp32 copy of the logits is one chunk's, never the whole batch's."""
-    return torch.cat([F.cross_entropy(logits_of(a, a + CHUNK_TOKENS).float(), targets[a:a + CHUNK_TOKENS],
-                                      ignore_index=IGNORE_INDEX, reduction="none")
-                      for a in range(0, targets.shape[0], CHUNK_TOKENS)])
-
-
-def _reduce(token_losses: torch.Tensor, shape: torch.Size, per_row: bool) -> torch.Tensor:
-    return token_losses.view(shape).sum(1) if per_row else token_losses.sum()
+def _token_loss_sum(logits_of: Callable[[int, int], torch.Tensor], targets: torch.Tensor, shape: torch.Size,
+                    per_row: bool) -> torch.Tensor:
+    """Each position's fp32 cross-entropy (0 where its target is -100), summed (`per_row`: per row of `shape`), from
+    `logits_of(start, stop)` in chunks of CHUNK_TOKENS positions: the fp32 copy of the logits is one chunk's."""
+    losses = torch.cat([F.cross_entropy(logits_of(a, a + CHUNK_TOKENS).float(), targets[a:a + CHUNK_TOKENS],
+                                        ignore_index=IGNORE_INDEX, reduction="none")
+                        for a in range(0, targets.shape[0], CHUNK_TOKENS)])
+    return losses.view(shape).sum(1) if per_row else losses.sum()
 
 
 FUSED_HEAD_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "smollm3", "granite")
