@@ -198,8 +198,7 @@ def estimate(cfg: DictConfig, *, num_params: int, precision: str, world: int,
     if adapters is not None:
         return _estimate_adapters(cfg, num_params, precision, adapters, micro, activations)
     if cfg.fsdp.name != "none":
-        return _estimate_fsdp(cfg, num_params, precision, units or fsdp_units(cfg), fsdp_shards(cfg.fsdp.name, world),
-                              activations)
+        return _estimate_fsdp(cfg, num_params, precision, units or fsdp_units(cfg), world, activations)
     ds = cfg.deepspeed
     zero = max(ds.stage, 0)
     half_module = zero > 0 and precision in ("bf16", "fp16")  # DeepSpeed keeps 16-bit module weights
@@ -220,16 +219,12 @@ def estimate(cfg: DictConfig, *, num_params: int, precision: str, world: int,
     return MemoryEstimate(num_params, weights, gradients, optimizer, activations, cpu)
 
 
-def fsdp_shards(strategy: str, world: int) -> int:
-    """Ranks one parameter is split over: all of them, or under hybrid_shard those of one node."""
-    if strategy == "hybrid_shard":
-        return max(1, min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-    return max(1, world)
-
-
-def _estimate_fsdp(cfg: DictConfig, num_params: int, precision: str, units: FsdpUnits, shards: int,
+def _estimate_fsdp(cfg: DictConfig, num_params: int, precision: str, units: FsdpUnits, world: int,
                    activations: float) -> MemoryEstimate:
     """FSDP2: fp32 shards of parameters, gradients and optimizer state, plus the gathered units."""
+    # a parameter is split over every rank, or under hybrid_shard over those of one node
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if cfg.fsdp.name == "hybrid_shard" else world
+    shards = max(1, min(world, local))
     n = float(num_params)
     compute_b = 2.0 if precision in ("bf16", "fp16") else 4.0  # FSDP's param_dtype: the autocast dtype
     weights, gradients = n * 4.0 / shards, n * 4.0 / shards
