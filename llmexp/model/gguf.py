@@ -34,7 +34,13 @@ def convert(gguf_file: Path, out: Path, dtype: torch.dtype) -> dict[str, Any]:
     if last := bar.getvalue().strip().rsplit("\r", 1)[-1]:
         logging.getLogger("transformers.modeling_gguf_pytorch_utils").info("%s", last)  # third-party: the log only
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
-    drop_gguf_quantizer(model)
+    # transformers 5 keeps its GGUF quantizer on a model whose every weight it dequantised into a plain nn.Linear, and
+    # then refuses to save it ("quantized with gguf and is not serializable") or to train it (`is_trainable` is
+    # False). The weights are dense here, so the quantizer and its config entry are dropped.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     save_model_dir(model, out)
     tokenizer.save_pretrained(out)
     config = model.config
@@ -44,16 +50,6 @@ def convert(gguf_file: Path, out: Path, dtype: torch.dtype) -> dict[str, Any]:
             "context_length": config.max_position_embeddings, "tie_word_embeddings": bool(config.tie_word_embeddings),
             "hidden_size": config.hidden_size, "num_hidden_layers": config.num_hidden_layers,
             "transformers": transformers.__version__}
-
-
-def drop_gguf_quantizer(model: Any) -> None:
-    """transformers 5 keeps its GGUF quantizer on a model whose every weight it dequantised into a plain nn.Linear,
-    and then refuses to save it ("quantized with gguf and is not serializable") or to train it (`is_trainable` is
-    False). The weights are dense here, so the quantizer and its config entry are dropped."""
-    model.hf_quantizer = None
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
 
 
 def gguf_model_dir(cfg: DictConfig, dtype: torch.dtype) -> Path:
