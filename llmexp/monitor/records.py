@@ -38,13 +38,9 @@ def numbers(record: Mapping[str, Any]) -> dict[str, float]:
     `tasks/<name>/`; NaN/inf kept as floats."""
     event = record.get("event")
     if event == "eval_task":  # tasks/<name>/<metric>: the names sweep.metric takes
-        return {f"tasks/{record['task']}/{k}": float(v) for k, v in record["metrics"].items()
-                if isinstance(v, int | float) and not isinstance(v, bool)}
-    if event not in ("train", "eval"):
+        prefix, values = f"tasks/{record['task']}/", record["metrics"]
+    elif event in ("train", "eval"):
+        prefix, values = f"{event}/", {k: v for k, v in record.items() if k not in ("event", "step")}
+    else:
         return {}
-    out = {}
-    for key, value in record.items():
-        if key in ("event", "step") or isinstance(value, bool) or not isinstance(value, int | float):
-            continue
-        out[f"{event}/{key}"] = float(value)
-    return out
+    return {prefix + k: float(v) for k, v in values.items() if isinstance(v, int | float) and not isinstance(v, bool)}
