@@ -41,8 +41,6 @@ class Finding:
 
 def _num(value: Any) -> float:
     """A metric as a float; missing or null values (how some writers encode NaN) become NaN."""
-    if value is None:
-        return math.nan
     try:
         return float(value)
     except (TypeError, ValueError):
