@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from llmexp.checkpoint.serialize import CorruptCheckpoint, loading
-from llmexp.errors import first_line
 from llmexp.rundir.readers import open_regular
 
 METADATA_FILE = ".metadata"
@@ -107,11 +106,8 @@ def safe_planner() -> Any:
         # The stock load_bytes, with weights_only=True (it has no switch for it).
         def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
             fqn = read_item.dest_index.fqn
-            try:
+            with loading(f"DCP entry {fqn}", 200):
                 obj = torch.load(value, weights_only=True)
-            except Exception as err:
-                raise CorruptCheckpoint(f"DCP entry {fqn}: cannot be loaded safely ({type(err).__name__}: "
-                                        f"{first_line(err)})") from None
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[fqn], obj)
             else:

@@ -34,13 +34,13 @@ def rng_filename(rank: int) -> str:
 
 
 @contextmanager
-def loading(path: Path) -> Iterator[None]:
+def loading(path: Path | str, quoted: int = 300) -> Iterator[None]:
     """Whatever a library raises while it loads `path` (SafetensorError, an unsafe pickle, a bad zip, EOFError,
-    OSError ...) means "this file is bad": a CorruptCheckpoint naming it, quoting the error."""
+    OSError ...) means "this file is bad": a CorruptCheckpoint naming it, quoting the error (`quoted` characters)."""
     try:
         yield
     except Exception as err:
-        raise CorruptCheckpoint(f"{path}: cannot be loaded safely ({type(err).__name__}: {first_line(err, 300)})"
+        raise CorruptCheckpoint(f"{path}: cannot be loaded safely ({type(err).__name__}: {first_line(err, quoted)})"
                                 ) from None
 
 
