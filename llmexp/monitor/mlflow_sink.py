@@ -148,16 +148,14 @@ def continue_or_create(store: Store, folder: Path, run_name: str, tags: dict[str
     (not deleted); else a new run with `tags`, recorded in `folder`. Returns the run and whether it was continued.
     A run's sink and a sweep's parent run both use it."""
     known = None if new_run else read_mlflow_run(folder)
-    run = None
     if known is not None and known["tracking_uri"] == store.uri:
+        run = None
         with contextlib.suppress(Exception), _quiet():  # gone from the store (deleted, another database)
             run = store.client.get_run(known["run_id"])
-        if run is not None and run.info.lifecycle_stage == "deleted":
-            run = None
-    if run is not None:
-        with _quiet():
-            store.client.update_run(run.info.run_id, status="RUNNING")
-        return run, True
+        if run is not None and run.info.lifecycle_stage != "deleted":
+            with _quiet():
+                store.client.update_run(run.info.run_id, status="RUNNING")
+            return run, True
     with _quiet():
         run = store.client.create_run(store.experiment_id, run_name=run_name, tags=tags)
     folder.mkdir(parents=True, exist_ok=True)
@@ -301,10 +299,8 @@ class MlflowSink(Sink):
         changed = sorted(k for k, v in params.items() if k in existing and existing[k] != v)
         tags = [RunTag("llmexp.params_changed_on_resume", cut(", ".join(changed), MAX_TAG_LEN))] if changed else []
         with _quiet():
-            for i in range(0, len(new), BATCH_PARAMS):
+            for i in range(0, max(len(new), len(tags)), BATCH_PARAMS):  # the tag goes with the first batch
                 client.log_batch(self.run_id, params=new[i:i + BATCH_PARAMS], tags=tags if i == 0 else [])
-            if tags and not new:
-                client.log_batch(self.run_id, tags=tags)
 
     # ------------------------------------------------------------------ the Sink protocol
     def reset(self, records: list[dict[str, Any]]) -> None:
@@ -359,19 +355,16 @@ class MlflowSink(Sink):
             return
         if sender.dropped:
             _log.warning(f"mlflow: {sender.dropped} metrics were dropped while the server was unreachable")
+        client = self.store.client
         try:
-            self._finish(status)
+            with _quiet():
+                _upload(client, self.run_id, self.run_dir, ARTIFACTS)
+                if self.log_model and (self.run_dir / "model").is_dir():
+                    client.log_artifacts(self.run_id, str(self.run_dir / "model"), artifact_path="model")
+                client.set_terminated(self.run_id, status=STATUS_OF.get(status, "FAILED"))
         except Exception as err:  # a failed upload must not fail a finished run
             _log.warning(f"mlflow: uploading the artifacts failed ({type(err).__name__}: "
                          f"{scrub_text(str(err))[:300]})")
-
-    def _finish(self, status: str) -> None:
-        client = self.store.client
-        with _quiet():
-            _upload(client, self.run_id, self.run_dir, ARTIFACTS)
-            if self.log_model and (self.run_dir / "model").is_dir():
-                client.log_artifacts(self.run_id, str(self.run_dir / "model"), artifact_path="model")
-            client.set_terminated(self.run_id, status=STATUS_OF.get(status, "FAILED"))
 
 
 SWEEP_ARTIFACTS = ("sweep_summary.json", "sweep_report.md", "sweep_curves.png", "sweep_search.png")
