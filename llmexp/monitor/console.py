@@ -125,14 +125,6 @@ def model_lines(r: dict[str, Any]) -> list[str]:
     return [f"model      {head}", f"           {size}" + (f"; {', '.join(shape)}" if shape else "")]
 
 
-def matmul_note(r: dict[str, Any]) -> str:
-    """Where the fp32 CPU matmuls go (`llmexp.model.cpu_matmul`), for the precision line."""
-    m = r.get("cpu_matmul")
-    if not isinstance(m, dict):
-        return ""
-    return f"; matmuls through {'oneDNN' if m.get('path') == 'onednn' else 'torch'}: {m.get('reason')}"
-
-
 def format_header(r: dict[str, Any]) -> str:
     """The console's first lines, from the `start` record: where the run writes, what it trains on, how."""
     cache = "cache hit" if r.get("data_cache_hit") else "tokenised now, cached"
@@ -142,7 +134,9 @@ def format_header(r: dict[str, Any]) -> str:
     accum, world, micro = r.get("gradient_accumulation_steps"), r.get("world_size"), r.get("batch_size")
     batch = r.get("global_batch_size")
     tokens = batch * r["max_length"] if isinstance(batch, int) and isinstance(r.get("max_length"), int) else None
-    precision = f"{r.get('precision')} (precision={r.get('precision_requested')})" + matmul_note(r)
+    precision = f"{r.get('precision')} (precision={r.get('precision_requested')})"
+    if isinstance(m := r.get("cpu_matmul"), dict):  # where the fp32 CPU matmuls go (llmexp.model.cpu_matmul)
+        precision += f"; matmuls through {'oneDNN' if m.get('path') == 'onednn' else 'torch'}: {m.get('reason')}"
     measured = f" ({r['bf16_slowdown']:.1f}x fp32's matmul time, measured here)" \
         if isinstance(r.get("bf16_slowdown"), float) else ""
     if r.get("bf16_emulation"):

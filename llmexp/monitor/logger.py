@@ -43,8 +43,7 @@ def _json_line(record: dict[str, Any]) -> str:
 class MetricsLogger:
     """Fans each record out to metrics.jsonl, the console and the optional sinks (rank 0 only)."""
 
-    def __init__(self, run_dir: Path, max_steps: int, enabled: bool, sinks: list[Sink] | None = None,
-                 start_step: int = 0) -> None:
+    def __init__(self, run_dir: Path, max_steps: int, enabled: bool, sinks: list[Sink] | None = None) -> None:
         from llmexp.rundir.redact import secret_env_values
 
         self.enabled = enabled
@@ -55,7 +54,7 @@ class MetricsLogger:
         self._bar = None
         self.max_steps = max_steps
         self._step_times: list[tuple[float, int]] = []  # (time, steps done) at each advance, for the ETA
-        self._steps_done = start_step
+        self._steps_done = 0
         self._eta_said = False
         self._job_log: logging.Logger | None = None
         self._own_handler: logging.Handler | None = None
@@ -63,7 +62,7 @@ class MetricsLogger:
             from tqdm.auto import tqdm
 
             self._job_log, self._own_handler = job_log(run_dir)
-            self._bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+            self._bar = tqdm(total=max_steps, desc="train", unit="step", dynamic_ncols=True,
                              file=sys.stderr, disable=None if os.environ.get("LLMEXP_NO_BAR") != "1" else True)
 
     def log(self, record: dict[str, Any]) -> None:
