@@ -38,9 +38,9 @@ aten = torch.ops.aten
 EMULATION_ENV = "LLMEXP_BF16_EMULATION"
 """`1` forces the emulation on (e.g. to test it on a CPU with native bf16), `0` off; unset: `use_bf16_emulation`."""
 
-_GEMMS = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "_addmm_activation")
+_GEMMS = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "_addmm_activation",
+          "addmm_", "baddbmm_", "addbmm_", "addmv_")
 """aten ops whose bf16 CPU kernel is a gemm (`linear` and `matmul` decompose into these before the mode sees them)."""
-_INPLACE_GEMMS = ("addmm_", "baddbmm_", "addbmm_", "addmv_")
 _ATTENTION_FWD = aten._scaled_dot_product_flash_attention_for_cpu
 """SDPA's CPU kernel: its bf16 form runs both of its matmuls on the same slow gemm. Returns (out, logsumexp)."""
 _ATTENTION_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -64,18 +64,14 @@ Widen = Callable[[Any], Any]
 
 
 def _gemm(func: Any, args: Sequence[Any], kwargs: dict[str, Any], widen: Widen) -> Any:
-    """A gemm on bf16 operands: fp32 kernel on their exact fp32 values, result rounded to bf16 once."""
+    """A gemm on bf16 operands: fp32 kernel on their exact fp32 values, result rounded to bf16 once; an out= or an
+    in-place one (`addmm_(self, ...)` and friends) runs the functional gemm and copies it into `out` or `self`."""
     kwargs = dict(kwargs)
-    out = kwargs.pop("out", None)
-    functional = func.overloadpacket.default if out is not None else func
+    name = func.overloadpacket.__name__
+    out = args[0] if name.endswith("_") else kwargs.pop("out", None)
+    functional = getattr(aten, name.rstrip("_")).default if out is not None else func
     result = functional(*tree_map(widen, tuple(args)), **tree_map(widen, kwargs)).to(torch.bfloat16)
     return result if out is None else out.copy_(result)
-
-
-def _inplace_gemm(func: Any, args: Sequence[Any], kwargs: dict[str, Any], widen: Widen) -> Any:
-    """`addmm_(self, ...)` and friends: the functional gemm, copied into `self` (which is bf16)."""
-    functional = getattr(aten, func.overloadpacket.__name__.rstrip("_")).default
-    return args[0].copy_(_gemm(functional, args, kwargs, widen))
 
 
 class _WideCache:
@@ -242,7 +238,6 @@ def _attention_bwd(func: Any, args: Sequence[Any], kwargs: dict[str, Any], widen
 
 _HANDLERS: dict[Any, Callable[[Any, Sequence[Any], dict[str, Any], Widen], Any]] = {
     **{getattr(aten, name): _gemm for name in _GEMMS if hasattr(aten, name)},
-    **{getattr(aten, name): _inplace_gemm for name in _INPLACE_GEMMS if hasattr(aten, name)},
     _ATTENTION_FWD: _attention_fwd, _ATTENTION_BWD: _attention_bwd}
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
