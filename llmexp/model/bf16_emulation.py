@@ -324,9 +324,7 @@ def use_bf16_emulation(precision: str, device_type: str, bf16_support: str, prob
     forced = os.environ.get(EMULATION_ENV)
     if forced in ("0", "1"):
         return forced == "1"
-    if bf16_support != "emulated":
-        return False
-    return probe is None or probe.emulated_slowdown < probe.native_slowdown
+    return bf16_support == "emulated" and (probe is None or probe.emulated_slowdown < probe.native_slowdown)
 
 
 def emulation_message(probe: Bf16Probe, emulating: bool) -> str:

@@ -41,9 +41,7 @@ PROBE_MAX_ROWS = 1024
 
 def _op() -> Any | None:
     """The private op, or None where this torch build lacks it (or oneDNN)."""
-    if not torch.backends.mkldnn.is_available():
-        return None
-    return getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    return getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 
 
 def mm_t(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
