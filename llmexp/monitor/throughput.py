@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import torch
 
 from llmexp.data.cache import warn
 from llmexp.machine.precision import cpu_has_fast_bf16
+from llmexp.rundir.files import write_json_atomic
 from llmexp.rundir.readers import Damaged, load_json, reader
 
 
@@ -41,8 +44,6 @@ torchtitan and llm-foundry divide by, so that an MFU compares across frameworks.
 
 def datasheet_peak(device_name: str, dtype: torch.dtype | None) -> tuple[str, float] | None:
     """(card, dense TFLOP/s) for a known GPU training in bf16 or fp16; None otherwise (fp32, a CPU, an unknown card)."""
-    import re
-
     if dtype not in (torch.bfloat16, torch.float16):
         return None
     return next(((card, tflops) for pattern, card, tflops in DATASHEET_TFLOPS if re.search(pattern, device_name)),
@@ -209,8 +210,6 @@ def load_ceilings(path: Path) -> dict[str, float]:
 def save_ceilings(path: Path, ceilings: dict[str, float]) -> None:
     """Write the ceilings back; a cache that cannot be written (a directory in the way) costs a measurement
     next run, not this run."""
-    from llmexp.rundir.files import write_json_atomic
-
     try:
         write_json_atomic(Path(path), ceilings)
     except OSError as err:
@@ -244,13 +243,9 @@ def peak_rss_mb() -> float:
 
 def process_age_s() -> float:
     """Seconds since this process started: its imports included, which no timer inside it can see."""
-    import psutil
-
     return time.time() - psutil.Process().create_time()
 
 
 def rss_mb() -> float:
     """This process's resident memory now."""
-    import psutil
-
     return psutil.Process().memory_info().rss / 2**20
