@@ -155,10 +155,8 @@ class ThroughputWindow:
 class Mfu:
     """Model FLOPs utilisation in [0, 1] of a tokens/s figure, or None when the ceiling is not trusted.
 
-    A value above `plausible` (on a CPU, `CPU_MFU_PLAUSIBLE`: a training step cannot reach a large matmul's rate)
-    says the ceiling was measured too low, on busy cores: it is measured again, once (`remeasure`, which keeps the
-    higher one for later runs), and the value recomputed. Still above 1, MFU is None for good and the next record
-    says why, once (`take_note`); still above `plausible`, it stands and the detectors flag it. Owned by whoever
+    A value above `plausible` (on a CPU, `CPU_MFU_PLAUSIBLE`) measures the ceiling again, once (`remeasure`); why and
+    what follows: docs/explanation/performance.md ("The default run, throughput and start-up"). Owned by whoever
     logs (the loop's train records and the summary); the ceiling it starts from is the run description's."""
 
     def __init__(self, flops_per_token: float, peak_tflops: float | None, world: int, plausible: float = 1.0,
