@@ -279,11 +279,6 @@ def hf_source_problem(cfg: Any, key: str, value: Any) -> str | None:
     return None
 
 
-def hf_files_problem(cfg: Any, key: str, value: Any) -> str | None:
-    """`data.data_files` (data=hf), the files of `data.path`."""
-    return None if cfg.data.name != "hf" else builder_files_problem(key, value, cfg.data.path)
-
-
 def builder_files_problem(key: str, value: Any, source: Any) -> str | None:
     """`data_files` read from this machine for the dataset `source` (`data.path`, a `data.mix` entry's `path`) when
     it is a builder or a local directory, not a hub repo's own files: a file, glob or list of them, each matching
@@ -324,20 +319,16 @@ def task_file_errors(cfg: Any) -> list[str]:
     """The files of the `eval` group's tasks: each `eval.multiple_choice.<name>.file` and `eval.generate.<name>
     .file` an existing, non-empty JSONL file, and each extra held-out set's json or text file. Entries of a dict
     have no `PathRule` of their own; a task file's lines are read and checked when the run starts."""
-    ev, errors = cfg.eval, []
+    ev, problems = cfg.eval, []
     shapes = {"multiple_choice": '{"context", "choices", "answer"}', "generate": '{"prompt", "target"}'}
     for kind, shape in shapes.items():
-        for name, task in ev[kind].items():
-            key = f"eval.{kind}.{name}.file"
-            if task.file and (problem := _input_file_problem(key, task.file, f"a JSONL file of {shape} records")):
-                errors.append(problem)
+        problems += [_input_file_problem(f"eval.{kind}.{name}.file", task.file, f"a JSONL file of {shape} records")
+                     for name, task in ev[kind].items() if task.file]
     for name, entry in ev.perplexity.items():
         data_kind = str(entry.name or cfg.data.name)
-        for field in ("train_file", "eval_file"):
-            key = f"eval.perplexity.{name}.{field}"
-            if entry[field] and (problem := data_file_problem(cfg, key, entry[field], data_kind)):
-                errors.append(problem)
-    return errors
+        problems += [data_file_problem(cfg, f"eval.perplexity.{name}.{field}", entry[field], data_kind)
+                     for field in ("train_file", "eval_file") if entry[field]]
+    return [problem for problem in problems if problem]
 
 
 KIND_CHECKS: dict[str, Callable[[Any, str, Any], str | None]] = {
@@ -347,7 +338,8 @@ KIND_CHECKS: dict[str, Callable[[Any, str, Any], str | None]] = {
     "tokenizer": tokenizer_problem,
     "checkpoint": checkpoint_problem,
     "hf_source": hf_source_problem,
-    "hf_files": hf_files_problem,
+    "hf_files": lambda cfg, key, value: (builder_files_problem(key, value, cfg.data.path)
+                                         if cfg.data.name == "hf" else None),
     "task_dir": task_dir_problem,
 }
 """One check per kind of path (`rules.PATH_KINDS`); `tests/test_schema_property.py` asserts they match."""
@@ -367,15 +359,13 @@ def path_errors(cfg: Any) -> list[str]:
 def mix_errors(cfg: Any) -> list[str]:
     """Each `data.mix` source's `path` and `data_files`, checked as `data.path` and `data.data_files` are (entries
     of a list have no `PathRule` of their own)."""
-    errors = []
+    problems = []
     for i, source in enumerate(cfg.data.mix if cfg.data.name == "hf" else []):
-        if not source.get("path"):  # no dataset named: the config's validation says so
-            continue
-        problems = [hf_source_problem(cfg, f"data.mix[{i}].path", source.path)]
-        if source.data_files not in (None, ""):
-            problems.append(builder_files_problem(f"data.mix[{i}].data_files", source.data_files, source.path))
-        errors += [problem for problem in problems if problem]
-    return errors
+        if source.get("path"):  # (no dataset named: the config's validation says so)
+            problems.append(hf_source_problem(cfg, f"data.mix[{i}].path", source.path))
+            if source.data_files not in (None, ""):
+                problems.append(builder_files_problem(f"data.mix[{i}].data_files", source.data_files, source.path))
+    return [problem for problem in problems if problem]
 
 
 def _path_keys() -> dict[str, str]:
