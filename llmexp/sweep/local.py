@@ -125,9 +125,7 @@ def launch_local(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
         outcomes.update(_run_queue(to_run, slots, work, warm, stop))
         returns = None if extras else [_job_return(s, outcomes[s.num], work) for s in specs]
         shutil.rmtree(work, ignore_errors=True)  # the pickles; llmexp's outcomes are recorded by finish_sweep
-        if returns is None:
-            returns = finish_sweep(specs, [outcomes[s.num] for s in specs], launcher.within_search)
-    return returns
+        return returns or finish_sweep(specs, [outcomes[s.num] for s in specs], launcher.within_search)
 
 
 def _job_return(spec: JobSpec, outcome: JobOutcome, work: Path) -> JobReturn:
@@ -262,7 +260,6 @@ def _warm_server() -> bool:
 
 
 def _cold(why: str) -> bool:
-    """Warn that jobs start fresh processes from now on, and why; False (no more warm jobs)."""
     log.warning(f"jobs start fresh processes: the fork server of warm jobs {why}")
     return False
 
@@ -327,11 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     job_path, outcome_path = (sys.argv[1:] if argv is None else list(argv))[:2]
     if (job := read_pickle(Path(job_path))) is None:
         return 1
-    spec, task_function, hydra_context, state, extras = job
-    if extras:
-        outcome = execute(spec, task_function, hydra_context, state)
-    else:
-        outcome = _run_other_app(spec, task_function, hydra_context, state, Path(outcome_path))
+    *task, extras = job  # (spec, task function, Hydra context, singleton state), as `launch_local` pickled it
+    outcome = execute(*task) if extras else _run_other_app(*task, Path(outcome_path))
     write_json_atomic(Path(outcome_path), asdict(outcome))
     return 0
 
