@@ -121,17 +121,11 @@ def _number(text: str | None, key: str) -> float:
 
 def search_space(overrides: Sequence[Override]) -> tuple[dict[str, BaseDistribution], list[str]]:
     """(key -> optuna distribution for each swept key, the fixed `key=value` overrides)."""
-    space: dict[str, BaseDistribution] = {}
-    fixed: list[str] = []
-    for override in overrides:
-        key = override.get_key_element()
-        if override.is_sweep_override():
-            space[key] = _distribution(override)
-        else:
-            fixed.append(f"{key}={override.get_value_element_as_str()}")
+    space = {o.get_key_element(): _distribution(o) for o in overrides if o.is_sweep_override()}
     if not space:
         raise UserError("a search (sweep=random or sweep=tpe) needs at least one swept key, e.g. "
                         "'lr=tag(log,interval(1e-5,1e-2))' or batch_size=choice(4,8,16)")
+    fixed = [f"{o.get_key_element()}={o.get_value_element_as_str()}" for o in overrides if not o.is_sweep_override()]
     return space, fixed
 
 
@@ -208,11 +202,9 @@ def edge_values(override: Override) -> list[Any]:
 def trial_overrides(params: dict[str, Any], overrides: Sequence[Override]) -> list[str]:
     """A trial's overrides: the command line's, in its order (Hydra applies them in that order, and a job's
     `.hydra/overrides.yaml` shows them so, as the grid's jobs do), each swept key at its sampled value."""
-    job = []
-    for override in overrides:
-        key = override.get_key_element()
-        job.append(f"{key}={params[key] if override.is_sweep_override() else override.get_value_element_as_str()}")
-    return job
+    return [f"{o.get_key_element()}="
+            f"{params[o.get_key_element()] if o.is_sweep_override() else o.get_value_element_as_str()}"
+            for o in overrides]
 
 
 def finite_grid(space: dict[str, BaseDistribution], limit: int) -> list[dict[str, Any]] | None:
