@@ -361,13 +361,10 @@ def _name(value: Any) -> str:
 
 
 def _kinds(spec: Any) -> tuple[type, ...]:
-    spec = spec.spec if isinstance(spec, Need) else spec
     return tuple(type(None) if k is None else k for k in (get_args(spec) or (spec,)))
 
 
 def _fits(value: Any, spec: Any, finite: bool = False) -> bool:
-    if isinstance(spec, Need):
-        return _fits(value, spec.spec, finite)
     if spec is Any:
         return True
     kinds = _kinds(spec)
@@ -386,6 +383,7 @@ def check_fields(value: Any, spec: Any, finite: bool = False) -> tuple[Any, list
     problems: list[str] = []
 
     def fit(v: Any, s: Any, at: str) -> Any:
+        s = s.spec if isinstance(s, Need) else s  # (the object that holds the field checks that it is there)
         shape = type(s) if isinstance(s, list | dict) else None  # `[item]` takes a list, `{field: spec}` an object
         if shape is not None and not isinstance(v, shape):
             problems.append(f"{at or 'the file'} is {_name(v)}, not {_JSON_NAMES[shape]}")
