@@ -29,6 +29,7 @@ from llmexp.data.corpora import check_record, files_signature
 from llmexp.data.datasets import (
     FORMAT_VERSION,
     TokenDataset,
+    _concat,
     check_packing_supported,
     cut_examples,
     encode_records,
@@ -202,32 +203,22 @@ class StreamDataset:
         """The finished rows, and what goes on into the next window: a text block's unfilled tail, or the
         examples of the last packed SFT row (more may still fit beside them)."""
         offsets = arrays["offsets"]
-        rows = len(offsets) - 1
+        rows, carry, carry_masks = len(offsets) - 1, [], None
         if self.spec.mode == "lm_packed":
             tail = np.concatenate(ids)[int(offsets[-1]):] if ids else np.empty(0, np.int64)
-            return _take(arrays, rows, self.spec.pad_id), [tail.tolist()] if len(tail) else [], None
-        if self.spec.mode == "padded" or rows == 0:
-            return _take(arrays, rows, self.spec.pad_id), [], None
-        a = int(offsets[-2])
-        cuts = np.flatnonzero(arrays["positions"][a:] == 0)[1:]
-        carry = [x.tolist() for x in np.split(arrays["ids"][a:], cuts)]
-        carry_masks = [x.astype(int).tolist() for x in np.split(arrays["mask"][a:], cuts)]
-        return _take(arrays, rows - 1, self.spec.pad_id), carry, carry_masks
+            carry = [tail.tolist()] if len(tail) else []
+        elif self.spec.mode == "sft_packed" and rows:
+            a = int(offsets[-2])
+            cuts = np.flatnonzero(arrays["positions"][a:] == 0)[1:]
+            carry = [x.tolist() for x in np.split(arrays["ids"][a:], cuts)]
+            carry_masks = [x.astype(int).tolist() for x in np.split(arrays["mask"][a:], cuts)]
+            rows -= 1
+        return _dataset(_rows(arrays, 0, rows), self.spec.pad_id), carry, carry_masks
 
     def _examples(self, lo: int, hi: int) -> TokenDataset:
         """Examples [lo, hi) of the kept windows, in order, as one TokenDataset (a step's global batch)."""
-        clipped = [(rows, max(lo, first) - first, min(hi, first + len(rows)) - first) for first, rows in self._windows]
-        parts = [(rows, a, b) for rows, a, b in clipped if a < b]
-
-        def cat(name: str) -> np.ndarray | None:
-            if getattr(parts[0][0], name) is None:
-                return None
-            return np.concatenate([getattr(ds, name)[ds.offsets[a]:ds.offsets[b]] for ds, a, b in parts])
-
-        lengths = np.concatenate([np.diff(ds.offsets[a:b + 1]) for ds, a, b in parts])
-        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        targets = np.concatenate([ds.row_targets[a:b] for ds, a, b in parts])
-        return TokenDataset(cat("ids"), offsets, cat("mask"), cat("positions"), targets, self.spec.pad_id)
+        spans = [(vars(ds), max(lo, first) - first, min(hi, first + len(ds)) - first) for first, ds in self._windows]
+        return _dataset(_concat([_rows(arrays, a, b) for arrays, a, b in spans if a < b]), self.spec.pad_id)
 
     def _forget_before(self, lo: int) -> None:
         """Drop rows and window starts that no step from `lo` on can need."""
@@ -239,13 +230,16 @@ class StreamDataset:
 # ---------------------------------------------------------------- rows
 
 
-def _take(arrays: dict[str, np.ndarray], rows: int, pad_id: int) -> TokenDataset:
-    """The first `rows` rows of `cut_examples`' arrays as a TokenDataset."""
-    end = int(arrays["offsets"][rows])
-    mask, positions = arrays.get("mask"), arrays.get("positions")
-    return TokenDataset(arrays["ids"][:end], arrays["offsets"][: rows + 1],
-                        mask[:end] if mask is not None else None, positions[:end] if positions is not None else None,
-                        arrays["row_targets"][:rows], pad_id)
+def _rows(arrays: dict[str, Any], a: int, b: int) -> dict[str, np.ndarray]:
+    """Rows [a, b) of `cut_examples`' arrays (or of a TokenDataset's `vars`), their offsets counted from 0."""
+    lo, hi = int(arrays["offsets"][a]), int(arrays["offsets"][b])
+    out = {name: arrays[name][lo:hi] for name in ("ids", "mask", "positions") if arrays.get(name) is not None}
+    return {**out, "offsets": arrays["offsets"][a:b + 1] - lo, "row_targets": arrays["row_targets"][a:b]}
+
+
+def _dataset(arrays: dict[str, np.ndarray], pad_id: int) -> TokenDataset:
+    return TokenDataset(arrays["ids"], arrays["offsets"], arrays.get("mask"), arrays.get("positions"),
+                        arrays["row_targets"], pad_id)
 
 
 # ---------------------------------------------------------------- build
@@ -278,7 +272,7 @@ def _eval_dataset(d: Any, mode: str, tok: Any, max_length: int, pad_id: int) -> 
         held = f"data.eval_split={d.eval_split}" if d.eval_split else f"data.stream_eval_rows={d.stream_eval_rows}"
         raise UserError(f"{where}: the eval set ({held}) has no usable records: {len(recs)} row(s); raise "
                         "data.stream_eval_rows, set data.eval_split, or raise data.max_length")
-    return _take(arrays, len(arrays["offsets"]) - 1, pad_id), stats
+    return _dataset(arrays, pad_id), stats
 
 
 def _local_files(d: Any) -> list[tuple[str, int, int]]:
