@@ -42,11 +42,9 @@ T = TypeVar("T")
 def _sha256_all(paths: list[Path]) -> list[str]:
     """Hash files in parallel: hashlib releases the GIL, and a 7B run's checkpoint (weights, Adam moments, per-rank
     ZeRO shards) is tens of GB in several files."""
-    if len(paths) < 2:
-        return [file_sha256(p) for p in paths]
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=min(4, len(paths), os.cpu_count() or 1)) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, min(4, len(paths), os.cpu_count() or 1))) as pool:
         return list(pool.map(file_sha256, paths))
 
 
