@@ -133,10 +133,8 @@ def cached(root: Path, kind: str, key: str, build: Callable[[Path], dict[str, An
     entry, meta, hit = get_or_build(root, kind, key, build)
     try:
         return load(entry, meta), meta, hit
-    except UserError:
-        raise
-    except Exception as err:  # whatever a reader raises on bytes it cannot parse
-        if not hit:
+    except Exception as err:  # whatever a reader raises on bytes it cannot parse (a UserError is no such thing)
+        if not hit or isinstance(err, UserError):
             raise
         first = first_line(err) or type(err).__name__
         warn(f"the cache entry {entry} cannot be read ({type(err).__name__}: {first}); rebuilding it")

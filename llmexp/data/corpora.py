@@ -157,14 +157,10 @@ def read_json_records(path: Path) -> list[Record]:
     """Records of a JSON list or a JSONL file, validated; errors name the file and line."""
     text = readers.read_text(path, entry_of(read_json_records).max_bytes)
     if text.lstrip().startswith("["):
-        items = parse_json(text, path)
-        return [check_record(rec, f"{path}: record {i}") for i, rec in enumerate(items)]
-    records: list[Record] = []
+        return [check_record(rec, f"{path}: record {i}") for i, rec in enumerate(parse_json(text, path))]
     # "\n" only: str.splitlines also breaks at U+2028, U+2029 and U+0085, which JSON strings may hold raw
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        if line.strip():
-            records.append(check_record(parse_json(line, path, lineno), f"{path}:{lineno}: record {len(records)}"))
-    return records
+    lines = [(lineno, line) for lineno, line in enumerate(text.split("\n"), start=1) if line.strip()]
+    return [check_record(parse_json(line, path, n), f"{path}:{n}: record {i}") for i, (n, line) in enumerate(lines)]
 
 
 def split_records(records: list[Record], eval_fraction: float) -> tuple[list[Record], list[Record]]:
