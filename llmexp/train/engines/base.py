@@ -125,16 +125,17 @@ def inner_optimizer(optimizer: Any) -> Any:
     return getattr(optimizer, "optimizer", optimizer)
 
 
-def refuse_dcp(payload: dict[str, Any]) -> None:
-    """A checkpoint FSDP saved (it holds dcp/) cannot load into an engine that does not shard that way."""
-    if payload["dcp"] is not None:
+def refuse_other_kind(payload: dict[str, Any], *, dcp: bool = False, zero: bool = False) -> None:
+    """A checkpoint another engine saved (FSDP's holds dcp/, ZeRO's each rank's zero_rank<R>.pt) cannot load into
+    this one, which saves `dcp` and `zero` ones or neither."""
+    if payload["dcp"] is not None and not dcp:
         raise UserError("this checkpoint was saved with FSDP (it holds dcp/); resume it with the fsdp option it "
                         "was saved with (any of full_shard, shard_grad_op, hybrid_shard), or start afresh with "
                         "train.resume=never")
-
-
-def zero_mismatch(saved_with_zero: bool) -> UserError:
-    saved = "with" if saved_with_zero else "without"
-    return UserError(f"this checkpoint was saved {saved} DeepSpeed ZeRO and cannot be resumed "
-                     f"{'without' if saved_with_zero else 'with'} it; resume with the deepspeed option it was saved "
-                     "with, or start afresh with train.resume=never")
+    if payload["dcp"] is None and dcp:
+        raise UserError("this checkpoint was saved without FSDP (fsdp=none or deepspeed); resume it with the "
+                        "options it was saved with, or start afresh with train.resume=never")
+    if not dcp and (payload["zero"] is not None) != zero:
+        saved, now = ("without", "with") if zero else ("with", "without")
+        raise UserError(f"this checkpoint was saved {saved} DeepSpeed ZeRO and cannot be resumed {now} it; resume "
+                        "with the deepspeed option it was saved with, or start afresh with train.resume=never")

@@ -18,7 +18,7 @@ import torch
 from llmexp.checkpoint import serialize
 from llmexp.config.derived import BatchPlan
 from llmexp.errors import UserError
-from llmexp.train.engines.base import Engine, OptimizerWriter, inner_optimizer, refuse_dcp, zero_mismatch
+from llmexp.train.engines.base import Engine, OptimizerWriter, inner_optimizer, refuse_other_kind
 
 
 def zero_world_mismatch(saved: int, now: int) -> UserError:
@@ -98,12 +98,10 @@ class DeepSpeedEngine(Engine):
         import deepspeed
         from deepspeed.checkpoint.constants import LOSS_SCALER
 
-        refuse_dcp(payload)
+        refuse_other_kind(payload, zero=True)
         with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0, enabled=self.stage >= 3):
             self.lm(model).load_state_dict(payload["model"])
         shard = payload["zero"]
-        if shard is None:
-            raise zero_mismatch(saved_with_zero=False)
         if shard["world_size"] != self.plan.world:
             raise zero_world_mismatch(shard["world_size"], self.plan.world)
         zero = inner_optimizer(optimizer)

@@ -23,7 +23,7 @@ from llmexp.checkpoint.serialize import CorruptCheckpoint
 from llmexp.config.derived import BatchPlan
 from llmexp.errors import UserError
 from llmexp.model.build import decoder_blocks
-from llmexp.train.engines.base import Engine, OptimizerWriter
+from llmexp.train.engines.base import Engine, OptimizerWriter, refuse_other_kind
 
 DCP_DIR = "dcp"
 """The directory inside `checkpoints/step_<N>/` that holds the DCP checkpoint."""
@@ -146,9 +146,7 @@ class FsdpEngine(Engine):
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        if payload["dcp"] is None:
-            raise UserError("this checkpoint was saved without FSDP (fsdp=none or deepspeed); resume it with the "
-                            "options it was saved with, or start afresh with train.resume=never")
+        refuse_other_kind(payload, dcp=True)
         state = self._state(optimizer)
         try:
             dcp.load(state, payload["dcp"])
