@@ -57,18 +57,14 @@ def sbatch_parameters(cluster: DictConfig, job_name: str) -> dict[str, Any]:
         "ntasks_per_node": int(cluster.tasks_per_node), "cpus_per_task": int(cluster.cpus_per_task),
         "signal_delay_s": int(cluster.signal_delay_s), "array_parallelism": int(cluster.array_parallelism),
     }
-    if cluster.gpus_per_node:
-        params["gpus_per_node"] = int(cluster.gpus_per_node)
-    if cluster.mem_gb:
-        params["mem"] = f"{int(cluster.mem_gb)}GB"
-    for key in ("partition", "account", "qos", "constraint"):
-        if cluster.get(key):
-            params[key] = str(cluster[key])
-    if extra := OmegaConf.to_container(cluster.additional_parameters, resolve=True):
-        params["additional_parameters"] = extra
-    if cluster.setup:
-        params["setup"] = [str(line) for line in cluster.setup]
-    return params
+    optional = {  # each only where it is set
+        "gpus_per_node": cluster.gpus_per_node and int(cluster.gpus_per_node),
+        "mem": cluster.mem_gb and f"{int(cluster.mem_gb)}GB",
+        **{key: cluster.get(key) and str(cluster[key]) for key in ("partition", "account", "qos", "constraint")},
+        "additional_parameters": OmegaConf.to_container(cluster.additional_parameters, resolve=True),
+        "setup": cluster.setup and [str(line) for line in cluster.setup],
+    }
+    return {**params, **{key: value for key, value in optional.items() if value}}
 
 
 class SlurmJob(submitit.helpers.Checkpointable):
