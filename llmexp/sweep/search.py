@@ -88,10 +88,8 @@ def tell(study: Any, trial: optuna.Trial, result: TrialResult) -> None:
         trial.set_user_attr("reason", result.reason)
     if result.status == "completed":
         study.tell(trial, result.value)
-    elif result.status in ("pruned", "failed"):
-        study.tell(trial, state=TrialState.PRUNED)
     else:
-        study.tell(trial, state=TrialState.FAIL)
+        study.tell(trial, state=TrialState.PRUNED if result.status in ("pruned", "failed") else TrialState.FAIL)
 
 
 # ----------------------------------------------------------------------------- the search loop
@@ -176,7 +174,6 @@ def _run_batch(sweeper: Any, study: Any, batch: list[optuna.Trial], sweep_dir: P
                returns: list[Sequence[JobReturn]], metric: str | None) -> bool:
     """Launch one batch of trials (each prunes itself), tell how each ended (its `metric` at the end; None: another
     app's trial, its returned value); False if the sweep was interrupted."""
-    first = batch[0].number
     jobs = [list(t.user_attrs["overrides"]) for t in batch]
     sweeper.validate_batch_is_legal(jobs)
     job_dirs = {t.number: job_dir_of(sweeper.config, t.number) for t in batch}
@@ -184,7 +181,7 @@ def _run_batch(sweeper: Any, study: Any, batch: list[optuna.Trial], sweep_dir: P
         log.info(f"  trial {trial.number}: {' '.join(f'{k}={v}' for k, v in trial.params.items())}")
     stopped = interrupted = False
     try:
-        returns.append(sweeper.launcher.launch(jobs, initial_job_idx=first))  # each trial prunes itself
+        returns.append(sweeper.launcher.launch(jobs, initial_job_idx=batch[0].number))  # each trial prunes itself
     except KeyboardInterrupt:  # the launcher stopped the trials still running: tell those that ended, then stop
         if metric is None:  # another app's trials: their results were the launch's returns
             raise
