@@ -119,16 +119,11 @@ def help_text(cfg: Any, args_parser: argparse.ArgumentParser, hydra_help: bool, 
 
     HydraConfig.instance().set_config(cfg)
     help_cfg = cfg.hydra.hydra_help if hydra_help else cfg.hydra.help
-    shown = copy.deepcopy(cfg)
-    with flag_override(shown, ["struct", "readonly"], [False, False]):
-        if hydra_help:  # Hydra's own node, less its help pages
-            for key in [k for k in shown if k != "hydra"]:
-                del shown[key]
-            with flag_override(shown.hydra, ["struct", "readonly"], [False, False]):
-                del shown.hydra["hydra_help"]
-                del shown.hydra["help"]
-        else:
-            del shown["hydra"]
+    shown = OmegaConf.masked_copy(cfg, ["hydra"] if hydra_help else [k for k in cfg if k != "hydra"])
+    if hydra_help:  # Hydra's own node, less its help pages
+        with flag_override(shown.hydra, ["struct", "readonly"], [False, False]):
+            del shown.hydra["hydra_help"]
+            del shown.hydra["help"]
     groups = _config_groups(GlobalHydra.instance().config_loader().get_sources())
     return string.Template(help_cfg.template).substitute(
         FLAGS_HELP=_flags_help(args_parser),
