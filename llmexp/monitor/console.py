@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 from pathlib import Path
 from typing import Any
 
@@ -211,8 +212,6 @@ def silence_dead_stdio() -> None:
     EIO): in the next console line, or in the checkpoint a stop is saving. Called where a write failed and where a
     stop begins; after it, the console's lines still reach the run's own log, llmexp.log. poll(2) tells without writing:
     a pipe without a reader reports POLLERR, a hung-up terminal or socket POLLHUP."""
-    import select
-
     poller = select.poll()
     for fd in (1, 2):
         poller.register(fd, select.POLLOUT)

@@ -22,7 +22,7 @@ from llmexp.monitor.console import (
 )
 from llmexp.monitor.records import Sink
 from llmexp.rundir.files import atomic_file
-from llmexp.rundir.redact import scrub
+from llmexp.rundir.redact import scrub, secret_env_values
 
 
 def safe_exp(x: float) -> float:
@@ -44,8 +44,6 @@ class MetricsLogger:
     """Fans each record out to metrics.jsonl, the console and the optional sinks (rank 0 only)."""
 
     def __init__(self, run_dir: Path, max_steps: int, enabled: bool, sinks: list[Sink] | None = None) -> None:
-        from llmexp.rundir.redact import secret_env_values
-
         self.enabled = enabled
         self.sinks = sinks or []
         self._secrets = secret_env_values()  # no record (nor the history a checkpoint keeps) may hold one

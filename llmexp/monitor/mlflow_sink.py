@@ -15,6 +15,7 @@ import math
 import os
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,8 +94,6 @@ def _http_limits(timeout_s: float, retries: int) -> Iterator[None]:
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """mlflow's store emits SQLAlchemy deprecation warnings on stderr: not the user's business."""
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield

@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from llmexp.errors import first_line
+from llmexp.errors import UserError, first_line
 from llmexp.monitor.records import Sink, numbers, run_name_from_overrides
 from llmexp.rundir.read import load_summary, swept_keys
 from llmexp.rundir.redact import scrub, scrub_text  # one definition of a secret, shared by every writer
@@ -156,8 +156,6 @@ class TensorBoardSink(Sink):
         try:
             self.writer: Any = SummaryWriter(log_dir=str(self.log_dir))
         except OSError as err:  # a file where the directory belongs, a directory without write permission
-            from llmexp.errors import UserError
-
             raise UserError(f"logger=tensorboard: cannot write its event files in {self.log_dir} "
                             f"({err.strerror or err}); remove or rename what is there, or pick another logger"
                             ) from None
