@@ -313,8 +313,6 @@ def build_stream_datasets(cfg: DictConfig, tok: Any) -> tuple[StreamDataset, Tok
     held, eval_stats = _eval_dataset(d, mode, tok, int(d.max_length), pad_id)
     spec = StreamSpec(lambda: load_split(d, d.split, streaming=True), columns, mode, tok, int(d.max_length),
                       int(d.shuffle_window), 0 if d.eval_split else int(d.stream_eval_rows), pad_id, where)
-    stats: dict[str, Any] = {"data_mode": mode, "data_streaming": True, "data_cache_hit": False,
-                             "data_cache_key": stream_fingerprint(cfg, tok)}
-    stats.update({f"data_eval_{k}": v for k, v in eval_stats.items()})
-    stats["data_prep_s"] = round(time.perf_counter() - began, 3)
-    return StreamDataset(spec), held, stats
+    stats = {"data_mode": mode, "data_streaming": True, "data_cache_hit": False,
+             "data_cache_key": stream_fingerprint(cfg, tok), **{f"data_eval_{k}": v for k, v in eval_stats.items()}}
+    return StreamDataset(spec), held, {**stats, "data_prep_s": round(time.perf_counter() - began, 3)}

@@ -123,8 +123,7 @@ def choice_tally(items: Sequence[ChoiceItem], requests: Sequence[Request], score
         by_item.setdefault(req.item, [math.nan] * len(items[req.item].choices))[req.choice] = score
     right = right_norm = 0.0
     for i, lls in by_item.items():
-        choices = items[i].choices
-        norm = [ll / len(c) for ll, c in zip(lls, choices, strict=True)]
+        norm = [ll / len(c) for ll, c in zip(lls, items[i].choices, strict=True)]
         right += float(max(range(len(lls)), key=lambda j: (lls[j], -j)) == items[i].answer)
         right_norm += float(max(range(len(norm)), key=lambda j: (norm[j], -j)) == items[i].answer)
     return [right, right_norm, float(len(by_item))]
