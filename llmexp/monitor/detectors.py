@@ -560,11 +560,7 @@ def _stopped_at(records: list[dict], start: int, key: tuple[str, int, str], sett
 
 def reconcile(records: list[dict], settings: MonitorSettings) -> list[dict]:
     """The run's findings as summary.json, report.md and the doctor show them: one truth with the console.
-
-    Every finding of the final diagnosis (`status: open`), and every finding the run printed that the
-    final diagnosis no longer holds: `resolved` (e.g. the perplexity came down) or `superseded` (the
-    same kind at the same step changed severity), with `resolved_at`, the step where it stopped holding.
-    """
+    Each `open`, `resolved` or `superseded`, with `resolved_at`: docs/explanation/doctor.md, below its table."""
     final = diagnose(records, settings)
     said = {_key(f) for f in final}  # and each printed finding once: its first `finding` record
     out = [{**f.to_dict(), "status": "open", "resolved_at": None} for f in final]
