@@ -144,9 +144,8 @@ class WandbSink(Sink):
 
 
 class TensorBoardSink(Sink):
-    """TensorBoard event files under `run_dir/tensorboard`: train/* and eval/* scalars by step, findings as text,
-    and at the end the HParams view's data (`hparams`: its hyper-parameters and summary.json's final metrics,
-    in `tensorboard/hparams/`), so `tensorboard --logdir SWEEP_DIR` compares a sweep's jobs side by side."""
+    """TensorBoard event files under `run_dir/tensorboard`: train/* and eval/* scalars by step, findings as text, and
+    at the end the HParams view's data (`hparams`): docs/how-to/trackers.md ("TensorBoard", "Comparing runs")."""
 
     def __init__(self, run_dir: Path, hparams: dict[str, Any] | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
