@@ -9,9 +9,6 @@ import select
 from pathlib import Path
 from typing import Any
 
-CONSOLE_LOGGER = "llmexp.console"
-"""The logger that copies every console line into the job log (`llmexp.log`), never to the console itself."""
-
 ETA_AFTER_STEPS = 3
 """Steps timed (after the first, which warms up) before the console prints an ETA."""
 
@@ -65,7 +62,7 @@ def job_log(run_dir: Path) -> tuple[logging.Logger, logging.Handler | None]:
     """
     from llmexp.rundir.redact import install_log_filter
 
-    logger = logging.getLogger(CONSOLE_LOGGER)
+    logger = logging.getLogger("llmexp.console")
     logger.propagate = False  # never twice on the console
     logger.setLevel(logging.INFO)
     root = Path(run_dir).resolve()
