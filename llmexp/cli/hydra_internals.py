@@ -20,6 +20,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from hydra._internal.core_plugins.importlib_resources_config_source import (
+    ImportlibResourcesConfigSource as _PackageSource,  # Hydra 1.3's `pkg://` config source
+)
+
 from llmexp.errors import UserError
 
 
@@ -60,19 +64,11 @@ def compose_api_as_hydra_main(task_function: Callable[..., Any], config_path: st
         GlobalHydra.instance().clear()  # `@hydra.main` initializes its own
 
 
-try:  # Hydra 1.3's `pkg://` config source; Hydra is always installed, but keep this module importable without it
-    from hydra._internal.core_plugins.importlib_resources_config_source import (
-        ImportlibResourcesConfigSource as _PackageSource,
-    )
-except ImportError:  # pragma: no cover
-    _PackageSource = object  # type: ignore[assignment,misc]
-
-
 TRUSTED_PACKAGES: tuple[str, ...] = ("hydra", "hydra_plugins", "llmexp")
 """Packages a `pkg://` search path may name."""
 
 
-class TrustedPackageSource(_PackageSource):  # type: ignore[misc,valid-type]
+class TrustedPackageSource(_PackageSource):
     """Hydra's `pkg://` config source for TRUSTED_PACKAGES only, wherever a search path names it (`hydra.searchpath`,
     from the command line or a primary config). Installed by `guard_package_sources`."""
 
