@@ -6,7 +6,6 @@ import contextlib
 import os
 import signal
 import threading
-from collections.abc import Iterable
 from types import FrameType
 from typing import Any, ClassVar
 
@@ -22,8 +21,7 @@ class PreemptionSignal:
 
     _current: ClassVar[PreemptionSignal | None] = None
 
-    def __init__(self, signals: Iterable[str] = ("SIGTERM", "SIGUSR2", "SIGINT")) -> None:
-        self.signals = [getattr(signal, name) for name in signals]
+    def __init__(self) -> None:
         self.requested = False
         self.signal_name: str | None = None
         self.active = False
@@ -49,7 +47,7 @@ class PreemptionSignal:
             return PreemptionSignal._current
         if threading.current_thread() is not threading.main_thread():
             return self
-        for sig in self.signals:
+        for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
         self.active = True
         PreemptionSignal._current = self
