@@ -70,10 +70,6 @@ def hparams_of(cfg: DictConfig, keys: list[str]) -> dict[str, Any]:
     return scrub(out)
 
 
-DEFAULT_INIT_TIMEOUT_S = 10.0
-"""The default of `logger.init_timeout_s`, for sink configs made without the schema."""
-
-
 def wandb_mode(configured: str) -> str:
     """offline when asked to be, or when there is no API key: a run must never block on a login prompt."""
     if (forced := os.environ.get("WANDB_MODE")) in ("offline", "disabled"):
@@ -96,7 +92,7 @@ class WandbSink(Sink):
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         tags = get("tags", None)
-        timeout_s = float(get("init_timeout_s", DEFAULT_INIT_TIMEOUT_S))
+        timeout_s = float(get("init_timeout_s", 10.0))  # the schema's default, for a config made without it
 
         def start(mode: str) -> Any:
             return wandb.init(
