@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from llmexp.config.derived import mix_quotas
 from llmexp.data.cache import cached, hash_obj, save_array
@@ -346,22 +346,15 @@ def _source_name(cfg: DictConfig, split: str, index: int) -> str:
     return f"the {split} split of data={d.name}"
 
 
-def _own_eval(cfg: DictConfig, index: int) -> tuple[str | None, Any]:
-    """(the key that gives source `index` an eval set of its own, its value); (None, None) where there is no such
-    key (stdlib holds out files). Unset, the source holds out data.eval_fraction of its training records."""
-    d = cfg.data
-    if d.mix:
-        return f"data.mix[{index}].eval_split", d.mix[index].eval_split
-    if d.name in ("json", "text"):
-        return "data.eval_file", d.eval_file
-    if d.name == "hf":
-        return "data.eval_split", d.eval_split
-    return None, None
+OWN_EVAL = {"json": "eval_file", "text": "eval_file", "hf": "eval_split"}
+"""The `data` key that gives a corpus an eval set of its own (stdlib holds out files); unset, a corpus holds out
+data.eval_fraction of its training records."""
 
 
 def _empty_split_error(cfg: DictConfig, split: str, index: int) -> UserError:
     """The error for a split with no records: its fix depends on whether it is held out of the training records."""
-    key, own = _own_eval(cfg, index)
+    name = f"mix[{index}].eval_split" if cfg.data.mix else OWN_EVAL.get(cfg.data.name)
+    key, own = (f"data.{name}", OmegaConf.select(cfg.data, name)) if name else (None, None)
     if split == "train":
         fix = "add records to it" if own else "add data or lower data.eval_fraction"
         return UserError(f"{_source_name(cfg, 'train', index)} is empty; {fix}")
