@@ -433,8 +433,7 @@ def _run_facts(h: _History, settings: MonitorSettings) -> Iterator[Finding]:
 def _mfu_plausibility(h: _History, settings: MonitorSettings) -> Iterator[Finding]:
     """MFU above the CPU sanity bound: the ceiling it divides by was measured too low."""
     start = next((r for r in reversed(h.live) if r.get("event") == "start"), {})
-    high = [(int(r["step"]), _num(r.get("mfu"))) for r in h.live if r.get("event") == "train"
-            and _num(r.get("mfu")) > CPU_MFU_PLAUSIBLE]
+    high = [(step, mfu) for step, mfu in _series(h.live, "train", "mfu") if mfu > CPU_MFU_PLAUSIBLE]
     if start.get("device") == "cpu" and high:
         step, value = high[0]
         yield Finding("mfu_implausible", step, WARNING,
