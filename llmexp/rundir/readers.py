@@ -217,7 +217,14 @@ def load_json(path: Path, fn: Callable[..., Any], parse: Callable[[str, Path], A
     and its fields checked (a record keeps what fits, says what it skipped; an input's or a cache's fits whole)."""
     entry = entry_of(fn)
     value = (parse or parse_json)(read_text(path, entry.max_bytes), path)
-    return value if entry.fields is None else fields_of(path, value, entry.fields, strict=entry.kind != RECORD)
+    if entry.fields is None:
+        return value
+    out, problems = check_fields(value, entry.fields, finite=entry.kind != RECORD)
+    if problems and (entry.kind != RECORD or out is None):
+        raise Damaged(path, f"{problems[0]}{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}")
+    if problems:
+        skipped(f"fields of {path}: {', '.join(problems[:3])}{' ...' if len(problems) > 3 else ''}")
+    return out
 
 
 def load_yaml(path: Path, fn: Callable[..., Any]) -> Any:
@@ -285,9 +292,7 @@ def read_lines(path: Path | str, max_line_bytes: int | None) -> Iterator[tuple[i
     `max_line_bytes` or not UTF-8 comes as a Damaged naming it (a record's reader skips it, an input's raises)."""
     limit = -1 if max_line_bytes is None else max_line_bytes + 1
     with open_regular(path) as f:
-        number = 0
-        while raw := f.readline(limit):
-            number += 1
+        for number, raw in enumerate(iter(functools.partial(f.readline, limit), b""), start=1):
             if max_line_bytes is not None and len(raw) > max_line_bytes:
                 while raw and not raw.endswith(b"\n"):  # the rest of the line, unread
                     raw = f.readline(limit)
@@ -415,17 +420,6 @@ def check_fields(value: Any, spec: Any, finite: bool = False) -> tuple[Any, list
 _OUT = object()
 NON_FINITE = ("nan", "inf", "-inf")
 """NaN and infinity as `monitor.logger` writes them to metrics.jsonl: strings, which a float field reads back."""
-
-
-def fields_of(path: Path | str, value: Any, spec: Any, strict: bool = False) -> Any:
-    """A record's (or cache's, `strict`) value checked against `spec`: a record keeps what fits and says what it
-    skipped; a strict reader's value fits whole, or is Damaged."""
-    out, problems = check_fields(value, spec, finite=strict)
-    if problems and (strict or out is None):
-        raise Damaged(path, f"{problems[0]}{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}")
-    if problems:
-        skipped(f"fields of {path}: {', '.join(problems[:3])}{' ...' if len(problems) > 3 else ''}")
-    return out
 
 
 @reader
