@@ -87,23 +87,19 @@ def coord_sizes(cfg: DictConfig, settings: CheckSettings, device: torch.device) 
     return out
 
 
-def growth(curves: dict[str, list[dict[str, float]]], widths: tuple[float, ...]) -> dict[str, float]:
-    """Per group: its coordinate size at the last step, widest width over narrowest (1: flat)."""
-    narrow, wide = curves[_key(min(widths))][-1], curves[_key(max(widths))][-1]
-    return {g: wide[g] / narrow[g] for g in GROUPS}
-
-
 def _key(width: float) -> str:
     return f"{width:g}"
 
 
 def coord_check(cfg: DictConfig, settings: CheckSettings, parametrizations: tuple[str, ...],
                 device: torch.device) -> dict[str, Any]:
-    """The check for each parametrization: every width's curves and each group's growth (widest / narrowest)."""
+    """The check for each parametrization: every width's curves and each group's growth (its size at the last step,
+    widest width over narrowest; 1: flat)."""
     runs: dict[str, Any] = {}
     for name in parametrizations:
         curves = {_key(w): coord_sizes(at_width(cfg, w, name), settings, device) for w in settings.widths}
-        runs[name] = {"curves": curves, "growth": growth(curves, settings.widths)}
+        narrow, wide = curves[_key(min(settings.widths))][-1], curves[_key(max(settings.widths))][-1]
+        runs[name] = {"curves": curves, "growth": {g: wide[g] / narrow[g] for g in GROUPS}}
     base = model_sizes(at_width(cfg, 1.0, "standard").model)
     return {"widths": list(settings.widths), "steps": settings.steps, "lr": settings.lr,
             "optimizer": str(cfg.optimizer.name), "seed": settings.seed, "batch": settings.batch,
