@@ -98,8 +98,7 @@ def generate_item(value: Any, where: str) -> GenerateItem:
 def _read_items(path: str | Path, key: str, max_items: int | None, item: Callable[[Any, str], T]) -> list[T]:
     """The items of a task file (the first `max_items`), every record checked by `item`."""
     path = Path(path).expanduser()
-    items = [item(v, f"{path}:{n}: record {i}") for i, (n, v) in enumerate(_json_lines(path, key))]
-    return items[:max_items] if max_items is not None else items
+    return [item(v, f"{path}:{n}: record {i}") for i, (n, v) in enumerate(_json_lines(path, key))][:max_items]
 
 
 def read_choice_items(path: str | Path, key: str, max_items: int | None = None) -> list[ChoiceItem]:

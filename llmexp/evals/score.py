@@ -134,8 +134,7 @@ def choice_tally(items: Sequence[ChoiceItem], requests: Sequence[Request], score
 
 def cut_at_stop(text: str, stop: Sequence[str]) -> str:
     """The completion up to the first stop string."""
-    cut = min((i for s in stop if s and (i := text.find(s)) >= 0), default=len(text))
-    return text[:cut]
+    return text[:min((i for s in stop if s and (i := text.find(s)) >= 0), default=len(text))]
 
 
 @torch.no_grad()
