@@ -75,8 +75,12 @@ def check_sweep(config_name: str | None, overrides: list[str]) -> None:
     parsed = parser.parse_overrides(list(overrides))
     hydra_overrides = [ov.input_line for ov in parsed if ov.is_hydra_override()]
     task = [ov for ov in parsed if not ov.is_hydra_override()]
-    first = [*hydra_overrides, *probe_job(task)]
-    probe = compose_checked(config_name, first, job_num=0)
+
+    def compose_job(job: list[str], num: int = 0) -> Any:
+        return compose_checked(config_name, [*hydra_overrides, *job], job_num=num)
+
+    first = probe_job(task)
+    probe = compose_job(first)
     sweeper = probe.hydra.sweeper
     params = OmegaConf.to_container(sweeper.params) if sweeper.get("params") else {}
     asked = parser.parse_overrides([*(f"{k}={v}" for k, v in params.items()), *(ov.input_line for ov in task)])  # type: ignore[union-attr]
@@ -84,9 +88,7 @@ def check_sweep(config_name: str | None, overrides: list[str]) -> None:
     sweep_dir = Path(str(probe.hydra.sweep.dir))
     if str(sweeper._target_).endswith(".SearchSweeper"):
         groups = _config_groups(loader.get_sources())
-        configs = edge_configs(asked, lambda job: compose_checked(config_name, [*hydra_overrides, *job], job_num=0),
-                               lambda key: key in groups)
-        check_configs(configs, on_this_machine=local)
+        check_configs(edge_configs(asked, compose_job, lambda key: key in groups), on_this_machine=local)
         check_journal(sweep_dir)  # a search that continues there must find its study journal readable
         if not study_journal(sweep_dir).exists():  # a new search must not start among another sweep's jobs
             launched_before(job_dir_of(probe, 0), 0, None)
@@ -94,11 +96,8 @@ def check_sweep(config_name: str | None, overrides: list[str]) -> None:
         jobs = grid_jobs(asked, list(sweeper.get("zip") or []))
         jobs = scale_lr(jobs, str(sweeper.get("lr_scaling") or "none"), sweeper.get("base_batch_size"),
                         lr_to_scale(probe))
-        def composed(num: int, job: list[str]) -> Any:  # (the first job is usually the probe itself)
-            same = num == 0 and [*hydra_overrides, *job] == first
-            return probe if same else compose_checked(config_name, [*hydra_overrides, *job], job_num=num)
-
-        composed_jobs = [(num, job, composed(num, list(job))) for num, job in enumerate(jobs)]
+        composed_jobs = [(num, job, probe if num == 0 and job == first else compose_job(job, num))
+                         for num, job in enumerate(jobs)]  # (job 0 is usually the probe itself)
         check_configs([(f"job #{num} ({swept(job, jobs)})", cfg) for num, job, cfg in composed_jobs],
                       on_this_machine=local)
         for num, job, cfg in composed_jobs:  # another sweep's directory: refused before Hydra writes multirun.yaml
