@@ -168,13 +168,11 @@ def publish_dir(staging: Path, final: Path, replace: Replace = replace_dir) -> N
 
 
 @contextmanager
-def staged_dir(final: Path, staging: Path | None = None, replace: Replace = replace_dir) -> Iterator[Path]:
-    """A directory that appears at `final` complete, or not at all: yields an empty staging directory (default
-    `.<name>.tmp-<pid>` beside `final`, so that publishing is a rename) and publishes it (`publish_dir`) as the block
-    ends. If either raises, the staging directory is removed, and a full disk becomes `DiskFull` naming `final`.
-    (DeepSpeed and FSDP fill shards on every rank, so they call `stage_dir` and `publish_dir` themselves.)"""
-    final = Path(final)
-    staging = Path(staging) if staging is not None else final.with_name(f".{final.name}.tmp-{os.getpid()}")
+def staged_dir(final: Path, staging: Path, replace: Replace = replace_dir) -> Iterator[Path]:
+    """A directory that appears at `final` complete, or not at all: yields `staging` (beside `final`, so that
+    publishing is a rename), emptied, and publishes it (`publish_dir`) as the block ends. If either raises, the
+    staging directory is removed, and a full disk becomes `DiskFull` naming `final`. (DeepSpeed and FSDP fill
+    shards on every rank, so they call `stage_dir` and `publish_dir` themselves.)"""
     try:
         yield stage_dir(staging)
         publish_dir(staging, final, replace)
