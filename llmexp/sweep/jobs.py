@@ -297,8 +297,7 @@ def swept(job: Sequence[str], jobs: Sequence[Sequence[str]], keys: Sequence[str]
     return shown_overrides(job, varying_keys(jobs, keys))
 
 
-def finish_sweep(specs: Sequence[JobSpec], outcomes: Sequence[JobOutcome], within_search: bool = False
-                 ) -> list[JobReturn]:
+def finish_sweep(specs: Sequence[JobSpec], outcomes: Sequence[JobOutcome], within_search: bool) -> list[JobReturn]:
     """Record every outcome, write the sweep report, print a summary; exit 1 if a job did not end by itself
     (`ENDED`: a diverged job did, and is a result), unless the batch belongs to a search (`within_search`),
     which reads each trial's end itself. Whether every job diverged (exit 3) is the sweeper's to say, once
