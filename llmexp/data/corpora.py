@@ -271,7 +271,6 @@ def plain_text(rec: Record) -> str:
 def stdlib_corpus(d: Any) -> Corpus:
     root = stdlib_root()
     train, held = split_by_hash(stdlib_files(root), float(d.eval_fraction))
-    whole_train = train
     if d.name == "stdlib":
         train = limit(train, d.max_examples)
     base = {"root": str(root), "version": sys.version, "eval_fraction": d.eval_fraction}
@@ -282,12 +281,11 @@ def stdlib_corpus(d: Any) -> Corpus:
     def load() -> tuple[list[Record], list[Record]]:
         if d.name == "stdlib":
             return ([{"text": read_source(root / r)} for r in train], [{"text": read_source(root / r)} for r in held])
-        return _first_pairs(whole_train, d.max_examples, int(d.num_proc)), stdlib_sft_records(held, int(d.num_proc))
+        return _first_pairs(train, d.max_examples, int(d.num_proc)), stdlib_sft_records(held, int(d.num_proc))
 
     # stdlib_sft shares the stdlib tokenizer: both are trained on the stdlib's train files
-    bpe_files = train if d.name == "stdlib" else whole_train
-    return Corpus(d.name, fp, {**base, "kind": "stdlib", "train": files_signature(root, bpe_files)}, load,
-                  lambda: (read_source(root / r) for r in bpe_files))
+    return Corpus(d.name, fp, {**base, "kind": "stdlib", "train": files_signature(root, train)}, load,
+                  lambda: (read_source(root / r) for r in train))
 
 
 def user_corpus(d: Any) -> Corpus:
