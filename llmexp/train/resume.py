@@ -214,8 +214,13 @@ def _compare_resume_key(run: Run, path: Path) -> dict[str, Any]:
         # world_size: `_check_world_size`; fsdp: the engine's load_state
         if key not in saved_key or saved_key[key] == now or key in ("world_size", "fsdp"):
             continue
-        if key == "data":
-            _data_mismatch(run.cfg.train, path, saved_key[key], now, run.log)
+        if key == "data":  # validation: resume_data_mismatch is error or warn
+            what = (f"checkpoint {path} was saved with data fingerprint {saved_key[key]}, but this run's data has "
+                    f"fingerprint {now} (the data files, the tokenizer or the data.* settings changed)")
+            if run.cfg.train.resume_data_mismatch != "warn":
+                raise UserError(f"{what}. Restore the original data, start over with train.resume=never, or set "
+                                "train.resume_data_mismatch=warn to resume on the new data")
+            run.log.write(f"warning: {what}; resuming anyway (train.resume_data_mismatch=warn)")
             continue
         if key == "base_model" and run.cfg.peft.name != "none":
             raise UserError(f"checkpoint {path} holds adapters trained on another base model (fingerprint "
@@ -241,18 +246,6 @@ def _check_world_size(run: Run, saved: int | None) -> None:
     run.log.write(f"resuming a checkpoint saved by {saved} process(es) on {plan.world}: the global batch is "
                   f"{plan.global_batch} as before, so the run continues as an uninterrupted {plan.world}-process "
                   "run would (up to fp32 reduction order)")
-
-
-def _data_mismatch(train: DictConfig, path: Path, saved: str, now: str, log: MetricsLogger) -> None:
-    what = (f"checkpoint {path} was saved with data fingerprint {saved}, but this run's data has fingerprint {now} "
-            "(the data files, the tokenizer or the data.* settings changed)")
-    if train.resume_data_mismatch == "warn":
-        log.write(f"warning: {what}; resuming anyway (train.resume_data_mismatch=warn)")
-        return
-    raise UserError(f"{what}. Restore the original data, start over with train.resume=never, or set "
-                    "train.resume_data_mismatch=warn to resume on the new data"
-                    + ("" if train.resume_data_mismatch == "error" else
-                       f" (train.resume_data_mismatch={train.resume_data_mismatch!r} is neither error nor warn)"))
 
 
 def _set_aside(rt: Runtime, log: MetricsLogger) -> None:
