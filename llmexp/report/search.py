@@ -65,7 +65,8 @@ def _space(trials: list[Any]) -> dict[str, str]:
 
 
 def trial_rows(study: Any, jobs_by_name: dict[str, dict]) -> list[dict[str, Any]]:
-    """One row per trial, in trial order; its curve: the intermediate values pruning saw."""
+    """One row per trial, in trial order (a running trial's job marked so); its curve: the intermediate values
+    pruning saw."""
     sign = _sign(study)  # best = lowest of sign * value
     rows, best = [], math.inf
     for trial in study.get_trials(deepcopy=False):
@@ -78,6 +79,9 @@ def trial_rows(study: Any, jobs_by_name: dict[str, dict]) -> list[dict[str, Any]
         if value is not None and math.isfinite(value):
             best = min(best, sign * value)
         job = jobs_by_name.get(str(trial.number), {})
+        # A live (or interrupted) trial's job has no summary.json yet: it is running, not failed.
+        if job and state == RUNNING and load_summary(Path(job["dir"])) is None:
+            job["status"], job["error"] = RUNNING, None
         curve = sorted((int(step), float(v)) for step, v in trial.intermediate_values.items())
         steps = job.get("step") if isinstance(job.get("step"), int) else curve[-1][0] if curve else None
         stopped = trial.user_attrs.get("stopped_step")
@@ -115,13 +119,7 @@ def importances(study: Any, rows: list[dict]) -> tuple[dict[str, float] | None, 
 
 def search_summary(sweep_dir: Path, study: Any, jobs: list[dict]) -> dict[str, Any]:
     """The `search` entry of sweep_summary.json; marks the jobs whose trial still runs as running."""
-    by_name = {j["job"]: j for j in jobs}
-    rows = trial_rows(study, by_name)
-    for row in rows:
-        job = by_name.get(str(row["number"]))
-        # A live (or interrupted) trial's job has no summary.json yet: it is running, not failed.
-        if job is not None and row["state"] == RUNNING and load_summary(Path(job["dir"])) is None:
-            job["status"], job["error"] = RUNNING, None
+    rows = trial_rows(study, {j["job"]: j for j in jobs})
     setup = search_setup(sweep_dir, jobs)
     counts = {s: sum(r["state"] == s for r in rows) for s in ("complete", PRUNED, "fail", RUNNING)}
     spent = sum(r["steps"] for r in rows)
@@ -140,9 +138,7 @@ def search_summary(sweep_dir: Path, study: Any, jobs: list[dict]) -> dict[str, A
 
 def _sign(study: Any) -> float:
     """1 when the study minimises, -1 when it maximises (`sweep.direction`)."""
-    from optuna.study import StudyDirection
-
-    return -1.0 if study.direction == StudyDirection.MAXIMIZE else 1.0
+    return -1.0 if study.direction.name == "MAXIMIZE" else 1.0
 
 
 def _params_text(params: dict[str, Any]) -> str:
