@@ -140,12 +140,9 @@ def _tasks_panel(ax: Any, records: list[dict]) -> None:
             (twin if metric == "loss" else ax).plot(steps, [m.get(metric) for _, m in points], marker="o", ms=3,
                                                     ls="--" if metric == "loss" else "-", label=f"{task}/{metric}")
     ax.set_title("tasks (scores; dashed: loss, right axis)", fontsize=10)
-    handles, labels = ax.get_legend_handles_labels()
-    if twin is not None:
-        more = twin.get_legend_handles_labels()
-        handles, labels = handles + more[0], labels + more[1]
+    handles = [h for a in (ax, twin) if a is not None for h in a.get_legend_handles_labels()[0]]
     if handles:
-        ax.legend(handles, labels, fontsize=7, loc="best")
+        ax.legend(handles=handles, fontsize=7, loc="best")
 
 
 def _mark_events(axes: list[Any], records: list[dict], findings: list[dict]) -> None:
