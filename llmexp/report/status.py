@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import getpass
-import math
 import shutil
 import signal
 import subprocess
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from llmexp.monitor.console import format_duration
+from llmexp.report.formats import is_finite
 from llmexp.rundir.lock import LOCK_NAME, lock_holder
 from llmexp.rundir.read import (
     is_run_dir,
@@ -102,8 +102,7 @@ def scheduler_states(job_ids: list[str], timeout_s: float = SCHEDULER_TIMEOUT_S)
 
 
 def _finite(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) \
-        else None
+    return float(value) if is_finite(value) and not isinstance(value, bool) else None
 
 
 def _eta_s(records: list[dict], step: int | None, max_steps: int | None, run_dir: Path) -> float | None:
@@ -207,7 +206,6 @@ def _fmt(value: float | None) -> str:
 
 def render(path: Path, table: list[Row], width: int = 160) -> str:
     """The table as text: a heading with the counts per status, then one line per job."""
-    counts = Counter(r.status for r in table)
     slurm = any(r.slurm_id for r in table)
     head = ["job", "overrides", "status", "step", "loss", "eval", "best", "eta"] + (["slurm"] if slurm else [])
     cells = [[r.job, r.overrides or "–", r.status,
@@ -219,7 +217,7 @@ def render(path: Path, table: list[Row], width: int = 160) -> str:
     spare = width - sum(widths) - 2 * (len(widths) - 1)
     if spare < 0 and widths[1] > 12:  # the overrides column gives way on a narrow terminal
         widths[1] = max(12, widths[1] + spare)
-    tally = ", ".join(f"{n} {s}" for s, n in counts.items())
+    tally = ", ".join(f"{n} {s}" for s, n in Counter(r.status for r in table).items())
     lines = [f"{path}: {len(table)} {'job' if len(table) == 1 else 'jobs'}" + (f" ({tally})" if tally else ""),
              "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
     for c in cells:

@@ -52,9 +52,8 @@ def stability(records: list[dict]) -> dict[str, float | None]:
     drop = statistics.median(losses[:k]) - statistics.median(losses[-k:])
     rises = sum(b > a for a, b in itertools.pairwise(losses)) / (len(losses) - 1)
     resid = [abs(v - statistics.median(losses[max(0, i - 2):i + 3])) for i, v in enumerate(losses)]
-    noise = statistics.median(resid)
     return {"drop": round(drop, 4), "rise_fraction": round(rises, 3),
-            "noise_to_drop": round(noise / drop, 4) if drop > 0 else None}
+            "noise_to_drop": round(statistics.median(resid) / drop, 4) if drop > 0 else None}
 
 
 def _param_dict(overrides: list[str]) -> dict[str, str]:
