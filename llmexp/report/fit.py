@@ -336,8 +336,8 @@ def batch_fit(jobs: list[Job]) -> tuple[dict[str, Any] | None, list[Job]]:
     return fit, [j for j in jobs if j.batch == grid_best]
 
 
-def deepseek(params: float, tokens: float) -> dict[str, float]:
-    """DeepSeek LLM's optimal lr and batch (tokens) at the compute C ~ 6 N D of `params` trained on `tokens`."""
+def deepseek(params: Any, tokens: float) -> dict[str, Any]:
+    """DeepSeek LLM's optimal lr and batch (tokens) at the compute C ~ 6 N D of `params` (or an array) on `tokens`."""
     compute = 6.0 * params * tokens
     return {"compute": compute, **{what: law["a"] * compute ** law["b"] for what, law in DEEPSEEK_LLM.items()}}
 
@@ -349,10 +349,9 @@ def size_fit(params: int, jobs: list[Job], seed_lr: Callable[[float], float] | N
         (f", batch {at_batch[0].batch})" if batch else ")")
     lr, v = lr_fit(at_batch, where)
     tokens = float(np.median([j.tokens for j in at_batch]))
-    out = {"params": params, "jobs": len(jobs), "tokens_seen": tokens, "batch_size": at_batch[0].batch, **lr,
-           "batch": batch, "deepseek": deepseek(params, tokens),
-           "seed_table_lr": seed_lr(params) if seed_lr else None}
-    return out, v
+    return {"params": params, "jobs": len(jobs), "tokens_seen": tokens, "batch_size": at_batch[0].batch, **lr,
+            "batch": batch, "deepseek": deepseek(params, tokens),
+            "seed_table_lr": seed_lr(params) if seed_lr else None}, v
 
 
 # ----------------------------------------------------------------------------- across sizes
@@ -486,10 +485,9 @@ def main(argv: list[str] | None = None, seed_lr: Callable[[float], float] | None
     args = parser.parse_args(argv)
     sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]  # (a directory named in bytes)
     out = args.out or args.sweep_dirs[0]
-    if out.exists() and not out.is_dir():  # mkdir would say only "File exists"
-        print(f"llmexp.fit: error: --out {out} is a file: name a directory (new or existing)", file=sys.stderr)
-        return EXIT_USER
     try:
+        if out.exists() and not out.is_dir():  # mkdir would say only "File exists"
+            raise UserError(f"--out {out} is a file: name a directory (new or existing)")
         result = fit_sweeps(args.sweep_dirs, args.target_params, seed_lr)
         out.mkdir(parents=True, exist_ok=True)
         result["files"] = {"json": str(out / "fit.json"), "png": str(out / "fit.png")}
