@@ -9,14 +9,12 @@ from typing import Any
 
 def fmt(value: Any, digits: int = 4) -> str:
     """A value for a report's table: `–` when unknown, learning rates as 3e-04 rather than 0.0003."""
-    if value is None:
-        return "–"
-    if isinstance(value, float) and math.isfinite(value) and 0 < abs(value) < 1e-2:
-        mantissa, exponent = f"{value:.{digits - 1}e}".split("e")  # learning rates: 3e-04, not 0.0003
+    if not isinstance(value, float):
+        return "–" if value is None else str(value)
+    if math.isfinite(value) and 0 < abs(value) < 1e-2:
+        mantissa, exponent = f"{value:.{digits - 1}e}".split("e")
         return f"{mantissa.rstrip('0').rstrip('.')}e{exponent}"
-    if isinstance(value, float):
-        return f"{value:.{digits}g}" if math.isfinite(value) else str(value)
-    return str(value)
+    return f"{value:.{digits}g}"  # (inf and nan as str() writes them)
 
 
 def is_finite(value: Any) -> bool:
