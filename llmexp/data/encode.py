@@ -102,7 +102,6 @@ def encode_sft(records: list[Record], tok: Any) -> tuple[list[np.ndarray], list[
             mask = np.zeros(len(starts), dtype=bool)
             for a, b in rendered[i][1]:
                 mask |= (starts >= a) & (starts < b)
-            if len(mask):
-                mask[0] = False
+            mask[:1] = False
             ids[i], masks[i] = np.asarray(enc.ids, dtype=np.int64), mask
     return ids, masks
