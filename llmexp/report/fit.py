@@ -343,7 +343,6 @@ def deepseek(params: Any, tokens: float) -> dict[str, Any]:
 
 
 def size_fit(params: int, jobs: list[Job], seed_lr: Callable[[float], float] | None) -> tuple[dict[str, Any], Vertex]:
-    """Everything about one model size."""
     batch, at_batch = batch_fit(jobs)
     where = f"the {fmt_params(params)}-parameter jobs ({jobs[0].dir.parent}" + \
         (f", batch {at_batch[0].batch})" if batch else ")")

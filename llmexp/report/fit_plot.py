@@ -84,7 +84,6 @@ def _batch_panel(ax: Any, result: dict, ns: np.ndarray) -> None:
 
 
 def plot_fit(result: dict, path: Path, seed_lr: Callable[[float], float] | None) -> None:
-    """fit.png."""
     sizes = result["sizes"]
     with_batch = any(s["batch"] for s in sizes)
     tokens = ", ".join(f"{fmt_params(s['tokens_seen'])} at {fmt_params(s['params'])}" for s in sizes)

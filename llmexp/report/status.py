@@ -53,8 +53,6 @@ NEITHER = ("{} is neither a run directory (metrics.jsonl, summary.json, .hydra/)
 
 @dataclass
 class Row:
-    """One line of the table."""
-
     job: str
     overrides: str
     status: str
