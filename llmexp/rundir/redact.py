@@ -14,15 +14,15 @@ import re
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf, read_write
 
 from llmexp.errors import EXIT_USER
 from llmexp.rundir.files import write_text_atomic
-
-if TYPE_CHECKING:
-    from omegaconf import DictConfig
+from llmexp.rundir.readers import read_yaml
 
 REDACTED = "***"
 SECRET_ENV_PREFIX = "LLMEXP_SECRET_"
@@ -140,10 +140,6 @@ def install_log_filter(logger: logging.Logger | None = None) -> None:
 def scrub_yaml_file(path: Path) -> bool:
     """Rewrite a YAML file (Hydra's config.yaml, hydra.yaml, overrides.yaml) atomically with secrets redacted,
     interpolations as written; True when something was redacted."""
-    from omegaconf import OmegaConf
-
-    from llmexp.rundir.readers import read_yaml
-
     if (data := read_yaml(path)) is None:
         return False
     clean = scrub_overrides(data) if isinstance(data, list) and all(isinstance(x, str) for x in data) else scrub(data)
@@ -169,9 +165,6 @@ def _sanitize_hydra_overrides() -> None:
     """Make `HydraConfig.get().overrides.task` and `job.override_dirname` safe to read and write out: as typed,
     reading them would resolve `${oc.env:LLMEXP_SECRET_0}` (or a typed `${oc.env:HF_TOKEN}`) to the secret itself.
     Secret-named values become REDACTED and other interpolations are escaped so they read as typed."""
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf, read_write
-
     hydra_cfg = HydraConfig.instance().cfg.hydra  # type: ignore[union-attr]
     typed = OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)
     clean = [item.replace("${", "\\${") for item in scrub_overrides(typed)]  # type: ignore[arg-type]
