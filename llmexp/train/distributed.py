@@ -59,9 +59,7 @@ def check_launch_env(cfg: DictConfig, env: dict[str, str]) -> None:
     launched = {"stage": env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"),
                 "offload_optimizer": env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"),
                 "offload_param": env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE")}
-    ours = {"stage": str(ds.stage), "offload_optimizer": ds.offload_optimizer, "offload_param": ds.offload_param}
-    clashes = [f"{k}: launcher {v}, deepspeed.{k}={ours[k]}" for k, v in launched.items()
-               if v is not None and v != ours[k]]
+    clashes = [f"{k}: launcher {v}, deepspeed.{k}={ds[k]}" for k, v in launched.items() if v not in (None, str(ds[k]))]
     if ds.stage == 0 or clashes:
         raise UserError("accelerate launch was given a DeepSpeed config that disagrees with llmexp's deepspeed group ("
                         + ("; ".join(clashes) or "deepspeed=none") + "). llmexp builds the DeepSpeed config itself: "
