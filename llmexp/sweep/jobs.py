@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import yaml
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -259,8 +260,6 @@ def record_outcome(spec: JobSpec, outcome: JobOutcome) -> None:
     write_json_atomic(status_path, {**asdict(outcome), "overrides": spec.overrides})
     overrides_yaml = spec.job_dir / ".hydra" / "overrides.yaml"
     if not overrides_yaml.exists():  # what Hydra would have written, so reports show the job's settings
-        import yaml
-
         write_text_atomic(overrides_yaml, yaml.safe_dump(spec.overrides))
 
 
