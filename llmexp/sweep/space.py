@@ -78,8 +78,7 @@ def scale_lr(jobs: list[list[str]], scaling: str, base_batch_size: int | None, c
     command line or in the config) is the lr for `base_batch_size`, by default the smallest batch swept."""
     if scaling not in LR_SCALING_POWER:  # before any job is composed: the rule's own message
         raise UserError(Choice(tuple(LR_SCALING_POWER)).problem("sweep.lr_scaling", scaling) or "")
-    power = LR_SCALING_POWER[scaling]
-    if not power:
+    if not (power := LR_SCALING_POWER[scaling]):
         return jobs
     sizes = [_value(job, "batch_size") for job in jobs]
     if len({s for s in sizes if s is not None}) < 2:
