@@ -239,8 +239,7 @@ def _colour_map(values: list[str]) -> dict[str, Any]:
 
 def _heatmap(ax: Any, jobs: list[dict], keys: list[str]) -> None:
     """Final eval loss over the first two swept parameters (best over any others)."""
-    rows = _ordered({j["params"].get(keys[0], "") for j in jobs})
-    cols = _ordered({j["params"].get(keys[1], "") for j in jobs})
+    rows, cols = (_ordered({j["params"].get(k, "") for j in jobs}) for k in keys[:2])
     grid = np.full((len(rows), len(cols)), np.nan)
     failed = set()
     for j in jobs:
@@ -272,8 +271,7 @@ def plot_sweep(jobs: list[dict], curves: dict[str, list[dict]], varying: list[st
                title: str = "", recommended: str | None = None) -> None:
     """sweep_curves.png: train and eval loss of every job, coloured by the first swept parameter, marked by the
     second; a heatmap of the final eval loss when two or more vary. Unfinished jobs dashed, the recommended thick."""
-    key = varying[0] if varying else None
-    second = varying[1] if len(varying) >= 2 else None
+    key, second = [*varying, None, None][:2]  # None where fewer vary
     colours = _colour_map([j["params"].get(key, "") if key else j["job"] for j in jobs])
     markers = {v: _MARKERS[i % len(_MARKERS)] for i, v in enumerate(_ordered({j["params"].get(second, "")
                                                                                 for j in jobs}))}

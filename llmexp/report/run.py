@@ -20,7 +20,7 @@ def _key_metrics(records: list[dict], summary: dict) -> list[tuple[str, str]]:
     best = min(evals, key=lambda sv: sv[1]) if evals else None
     pick = lambda key, event="train": summary.get(key, last_value(records, event, key))  # noqa: E731
     rows = [
-        ("steps", fmt(summary.get("step", last_value(records, "train", "step")))),
+        ("steps", fmt(pick("step"))),
         ("final train loss", fmt(summary.get("train_loss", last_value(records, "train", "loss")))),
         ("final eval loss", fmt(pick("eval_loss", "eval"))),
         ("final eval ppl", fmt(pick("eval_ppl", "eval"))),
@@ -29,7 +29,7 @@ def _key_metrics(records: list[dict], summary: dict) -> list[tuple[str, str]]:
         ("MFU", "not reported (see the mfu_unavailable finding)" if "mfu" in summary and summary["mfu"] is None
          else fmt(pick("mfu"), 3)),
         ("peak memory (MB)", fmt(summary.get("peak_mem_mb", last_value(records, "train", "mem_mb")))),
-        ("wall time (s)", fmt(summary.get("time_s", last_value(records, "train", "time_s")))),
+        ("wall time (s)", fmt(pick("time_s"))),
         ("parameters", _parameters(summary)),
         ("lr", f"{fmt(summary.get('lr'))} ({summary['lr_source']})" if summary.get("lr_source")
          else fmt(summary.get("lr"))),
@@ -120,10 +120,9 @@ def tasks_markdown(records: list[dict]) -> str:
     for task, points in history.items():
         by_step = dict(points)
         steps = _steps_shown(list(by_step))
-        metrics = list(points[-1][1])
         parts.append(f"**{task}** ({kinds.get(task, '')}), by eval step: `tasks/{task}/<metric>`\n")
         parts.append(_table(["metric", *(f"step {s}" for s in steps)],
-                            ([m, *(fmt(by_step[s].get(m), 4) for s in steps)] for m in metrics)))
+                            ([m, *(fmt(by_step[s].get(m), 4) for s in steps)] for m in points[-1][1])))
         parts.append(_examples(records, task))
     return "\n".join(p for p in parts if p)
 
