@@ -109,8 +109,7 @@ def launch_local(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
     slots = device_slots(visible_gpus(), int(settings.get("jobs_per_gpu", 1)), int(settings.get("max_parallel", 1)),
                          prefix="cluster." if extras else "hydra.launcher.")  # the spelling the user knows
     to_run, outcomes = split_ended(specs) if extras else (specs, {})  # (refuses another sweep's dir: before writing)
-    work = specs[0].job_dir.parent / ".llmexp"
-    work.mkdir(parents=True, exist_ok=True)
+    work = specs[0].job_dir.parent / ".llmexp"  # (made by the first pickle's atomic_file)
     state = Singleton.get_state()
     for spec in specs:
         with atomic_file(work / f"{spec.num}.job.pkl", "wb") as f:
@@ -172,11 +171,9 @@ def _run_queue(specs: Sequence[JobSpec], slots: list[str | None], work: Path, wa
                 warm = _cold(f"died; job #{orphan.spec.num} (pid {orphan.proc.pid}) runs on, still watched")
     finally:  # a stop asked for, or an error here: no job outlives the sweep
         _stop_all(running, stop)
-    for job in running:
-        outcomes[job.spec.num] = _collect(job)
-    for spec in pending:
-        outcomes[spec.num] = JobOutcome(spec.num, "cancelled", None, "the sweep was interrupted before it started")
-    return outcomes
+    outcomes.update({job.spec.num: _collect(job) for job in running})
+    return outcomes | {s.num: JobOutcome(s.num, "cancelled", None, "the sweep was interrupted before it started")
+                       for s in pending}
 
 
 def _start(spec: JobSpec, slot: str | None, num_slots: int, work: Path, warm: bool) -> _Running:
