@@ -343,8 +343,6 @@ def _history_panel(ax: Any, rows: list[dict]) -> None:
 def _trial_curves_panel(ax: Any, rows: list[dict]) -> None:
     """Every trial's eval loss by step; a pruned trial's curve ends in a marker at the step it stopped."""
     for r in rows:
-        if not r["curve"]:
-            continue
         xs, ys = _finite_xy(r["curve"])
         marker, colour = _STATE_STYLE.get(r["state"], ("o", "#7f7f7f"))
         ax.plot(xs, ys, lw=1.0 if r["state"] == "complete" else 1.3, color=colour, alpha=0.6,

@@ -85,11 +85,9 @@ def trial_rows(study: Any, jobs_by_name: dict[str, dict]) -> list[dict[str, Any]
         curve = sorted((int(step), float(v)) for step, v in trial.intermediate_values.items())
         steps = job.get("step") if isinstance(job.get("step"), int) else curve[-1][0] if curve else None
         stopped = trial.user_attrs.get("stopped_step")
-        if state == PRUNED and not isinstance(stopped, int):
-            stopped = steps
         rows.append({"number": trial.number, "params": dict(trial.params), "state": state, "value": value,
                      "best_so_far": sign * best if math.isfinite(best) else None, "steps": steps or 0,
-                     "stopped_step": stopped if state == PRUNED else None,
+                     "stopped_step": (stopped if isinstance(stopped, int) else steps) if state == PRUNED else None,
                      "last_eval_loss": curve[-1][1] if curve else job.get("eval_loss"),
                      "reason": trial.user_attrs.get("reason"), "run_status": trial.user_attrs.get("status"),
                      "curve": curve})
