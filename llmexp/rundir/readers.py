@@ -181,8 +181,6 @@ def reader(fn: F) -> F:
     def read(path: Path | str, *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(Path(path), *args, **kwargs)
-        except UserError:
-            raise
         except FileNotFoundError:
             if entry.kind == INPUT:
                 raise UserError(f"{path}: no such file; point the setting at {entry.fix or 'an existing file'}"
