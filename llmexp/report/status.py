@@ -253,8 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"(every {args.watch:g} s, {time.strftime('%H:%M:%S')}; Ctrl-C stops)")
             if tty:  # in place: home (the first time, clear the screen), each line cleared to its end, then below
                 frame = ("\x1b[2J" if first else "") + "\x1b[H" + frame.replace("\n", "\x1b[K\n") + "\x1b[K\n\x1b[J"
-            sys.stdout.write(frame if tty else frame + "\n\n")
-            sys.stdout.flush()
+            print(frame if tty else frame + "\n\n", end="", flush=True)
             first = False
             time.sleep(max(0.1, args.watch))
     except KeyboardInterrupt:
