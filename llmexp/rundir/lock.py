@@ -96,8 +96,7 @@ def lock_holder(run_dir: Path) -> int | None:
         return None
     pid = lock_pid(path)  # (None: a holder that has not written it yet, or a lock taken by filelock alone)
     try:
-        with open("/proc/locks") as f:
-            locks = f.read()
+        locks = Path("/proc/locks").read_text()
     except OSError:
         return pid if pid is not None and pid_alive(pid) else None
     node = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
