@@ -336,8 +336,8 @@ def batch_fit(jobs: list[Job]) -> tuple[dict[str, Any] | None, list[Job]]:
     return fit, [j for j in jobs if j.batch == grid_best]
 
 
-def deepseek(params: Any, tokens: float) -> dict[str, Any]:
-    """DeepSeek LLM's optimal lr and batch (tokens) at the compute C ~ 6 N D of `params` (or an array) on `tokens`."""
+def deepseek(params: float, tokens: float) -> dict[str, float]:
+    """DeepSeek LLM's optimal lr and batch (tokens) at the compute C ~ 6 N D of `params` trained on `tokens`."""
     compute = 6.0 * params * tokens
     return {"compute": compute, **{what: law["a"] * compute ** law["b"] for what, law in DEEPSEEK_LLM.items()}}
 

@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 
-from llmexp.report.fit import deepseek
 from llmexp.report.formats import fmt_params
 from llmexp.report.plots import _pyplot, figure
 
@@ -43,7 +42,8 @@ def _loss_panel(ax: Any, sizes: list[dict], colours: list[Any]) -> None:
 def _against_size(ax: Any, result: dict, ns: np.ndarray, law: str, ylabel: str, title: str) -> None:
     """DeepSeek LLM's `law` at C ~ 6 N D (D: the jobs' median tokens seen), on log-log axes against the size."""
     tokens = float(np.median([s["tokens_seen"] for s in result["sizes"]]))
-    ax.plot(ns, deepseek(ns, tokens)[law], ":", color="#2ca02c", label="DeepSeek LLM at C~6ND")
+    ds = result["deepseek_llm"][law]
+    ax.plot(ns, ds["a"] * (6 * ns * tokens) ** ds["b"], ":", color="#2ca02c", label="DeepSeek LLM at C~6ND")
     ax.set(xscale="log", yscale="log", xlabel="parameters N", ylabel=ylabel)
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7)
