@@ -14,7 +14,6 @@ compared again. Why no public API will do:
 
 from __future__ import annotations
 
-import argparse
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,15 +22,19 @@ from typing import Any
 from hydra._internal.core_plugins.importlib_resources_config_source import (
     ImportlibResourcesConfigSource as _PackageSource,  # Hydra 1.3's `pkg://` config source
 )
+from hydra._internal.hydra import Hydra
+from hydra._internal.sources_registry import SourcesRegistry
+from hydra._internal.utils import (
+    create_automatic_config_search_path,
+    detect_calling_file_or_module_from_task_function,
+    detect_task_name,
+)
+from hydra._internal.utils import get_args_parser as args_parser  # noqa: F401 (the parser `@hydra.main` uses)
+from hydra.core.config_search_path import SearchPathQuery
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import SearchPathException
 
 from llmexp.errors import UserError
-
-
-def args_parser() -> argparse.ArgumentParser:
-    """Hydra's own command-line parser (`@hydra.main` parses `sys.argv` with it)."""
-    from hydra._internal.utils import get_args_parser
-
-    return get_args_parser()
 
 
 @contextmanager
@@ -39,16 +42,6 @@ def compose_api_as_hydra_main(task_function: Callable[..., Any], config_path: st
                               config_dir: str | None) -> Iterator[None]:
     """Within the block `hydra.compose` composes from the search path `@hydra.main(config_path=...)` on
     `task_function` builds, with `--config-dir` added as `hydra._internal.utils._run_hydra` adds it."""
-    from hydra._internal.hydra import Hydra
-    from hydra._internal.utils import (
-        create_automatic_config_search_path,
-        detect_calling_file_or_module_from_task_function,
-        detect_task_name,
-    )
-    from hydra.core.config_search_path import SearchPathQuery
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import SearchPathException
-
     calling_file, calling_module = detect_calling_file_or_module_from_task_function(task_function)
     search_path = create_automatic_config_search_path(calling_file, calling_module, config_path)
     if config_dir is not None:
@@ -87,6 +80,4 @@ TrustedPackageSource.__name__ = _PackageSource.__name__
 
 def guard_package_sources() -> None:
     """Route Hydra's `pkg://` scheme to TrustedPackageSource, before or after Hydra's plugin scan."""
-    from hydra._internal.sources_registry import SourcesRegistry
-
     SourcesRegistry.instance().types["pkg"] = TrustedPackageSource
