@@ -226,7 +226,6 @@ def load_json(path: Path, fn: Callable[..., Any], parse: Callable[[str, Path], A
 
 
 def load_yaml(path: Path, fn: Callable[..., Any]) -> Any:
-    """`load_json` for a YAML file."""
     return load_json(path, fn, parse_yaml)
 
 

@@ -91,7 +91,6 @@ def _journal_problem(data: bytes) -> str | None:
 
 
 def damaged(path: Path, problem: str) -> UserError:
-    """The UserError for a study journal that cannot be read, with the way out."""
     return UserError(f"{path}: this search's study.journal is damaged ({problem}), so the search cannot continue "
                      f"from it. Start it afresh in a new directory, hydra.sweep.dir=<new dir> (the trials' run "
                      f"directories stay readable: python -m llmexp.report {path.parent}), or, if you keep a copy "

@@ -150,7 +150,6 @@ def compose_job(launcher: Any, overrides: list[str], num: int) -> Any:
 
 
 def run_status(job_dir: Path) -> str | None:
-    """The status the trainer wrote to `summary.json`, or None when there is none (yet)."""
     status = (load_summary(job_dir) or {}).get("status")
     return str(status) if status else None
 
