@@ -14,6 +14,14 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import yaml
+from hydra import compose
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.object_type import ObjectType
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf, flag_override, open_dict
+
 from llmexp.config import security
 from llmexp.config.keys import KeyDoc, reference
 from llmexp.config.origin import origin_of
@@ -22,10 +30,6 @@ from llmexp.config.origin import origin_of
 def compose_checked(config_name: str | None, overrides: list[str], job_num: int | None = None) -> Any:
     """The config `@hydra.main` will compose from `overrides` (`hydra` node included), after the security check;
     a sweep job's with its number (it names the job's directory). Within `compose_api_as_hydra_main`."""
-    from hydra import compose
-    from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import open_dict
-
     cfg = compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
     if job_num is not None:
         with open_dict(cfg.hydra):
@@ -37,9 +41,6 @@ def compose_checked(config_name: str | None, overrides: list[str], job_num: int 
 def check_run(config_name: str | None, overrides: list[str]) -> None:
     """A run: checked, validated, checked against this machine, and its directory locked, before Hydra starts.
     `${llmexp_run_id:}` gives the same directory in `@hydra.main`'s own composition (one id per process)."""
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import open_dict
-
     from llmexp.config.validation import validate
     from llmexp.machine.environment import check_environment
     from llmexp.rundir.lock import lock_run_dir
@@ -60,10 +61,6 @@ def check_sweep(config_name: str | None, overrides: list[str]) -> None:
     """A sweep: every config it can run composed as the sweeper and launcher will compose it (Hydra's overrides,
     then the job's), security-checked and judged (`llmexp.sweep.check`); then the sweep directory is locked: one
     sweeper per sweep directory, as one run per run directory."""
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf import OmegaConf
-
     from llmexp.rundir.lock import lock_sweep_dir
     from llmexp.rundir.study import check_journal, study_journal
     from llmexp.sweep.check import check_configs, edge_configs
@@ -112,10 +109,6 @@ def help_text(cfg: Any, args_parser: argparse.ArgumentParser, hydra_help: bool, 
     """Hydra's `--help` (or `--hydra-help`) page for a composed config: its help template with the flags, the
     config groups and the config, as `hydra._internal.hydra.Hydra.app_help` renders it, the groups listed
     from the config sources directly (Hydra's loader copies its repository on each of ~90 questions)."""
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf, flag_override
-
     HydraConfig.instance().set_config(cfg)
     help_cfg = cfg.hydra.hydra_help if hydra_help else cfg.hydra.help
     shown = OmegaConf.masked_copy(cfg, ["hydra"] if hydra_help else [k for k in cfg if k != "hydra"])
@@ -157,8 +150,6 @@ def _annotated(data: dict[str, Any], template: str, docs: dict[str, KeyDoc], ind
 
 def _inline(value: Any) -> str:
     """A value on one line, as YAML (JSON, which YAML reads too, where a string holds a line break)."""
-    import yaml
-
     dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)  # (libyaml's: ~10x faster)
     text = yaml.dump(value, Dumper=dumper, default_flow_style=True, width=10**6, allow_unicode=True)
     text = text.removesuffix("\n...\n").strip()
@@ -177,8 +168,6 @@ def _flags_help(args_parser: argparse.ArgumentParser) -> str:
 
 def _config_groups(sources: list[Any]) -> dict[str, list[str]]:
     """Every config group with options (`hydra/launcher`, `model`, ...) -> its options, from every source."""
-    from hydra.core.object_type import ObjectType
-
     def options(group: str, kind: ObjectType) -> list[str]:
         return sorted({o for s in sources if s.is_group(group) for o in s.list(group, results_filter=kind)})
 
