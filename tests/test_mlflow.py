@@ -242,3 +242,18 @@ def test_a_sweep_whose_parent_run_was_deleted_gets_a_new_one(tmp_path: Path) -> 
     assert second["run_id"] != first["run_id"]
     run = client.get_run(second["run_id"])
     assert run.info.lifecycle_stage == "active" and run.data.tags["llmexp.overrides"] == "lr=1e-3,2e-3"
+
+
+def test_the_sends_after_connect_keep_the_http_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`connect`'s short limits (logger.init_timeout_s, no retries) end with it; the metric sends after it keep
+    `HTTP_DEFAULTS` (30 s, 2 retries), not mlflow's own 120 s and 7 retries, which would stall a closing run."""
+    from llmexp.monitor.mlflow_sink import HTTP_DEFAULTS, connect
+
+    for name in HTTP_DEFAULTS:
+        monkeypatch.setenv(name, "0")  # recorded, so the teardown removes what connect sets
+        monkeypatch.delenv(name)
+    connect(None, "defaults", tmp_path, timeout_s=5)
+    assert {name: os.environ.get(name) for name in HTTP_DEFAULTS} == HTTP_DEFAULTS
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "7")  # the user's own setting wins, and survives connect
+    connect(None, "defaults", tmp_path, timeout_s=5)
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "7"

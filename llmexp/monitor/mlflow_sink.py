@@ -69,14 +69,20 @@ def client_for(uri: str) -> Any:
     """An MlflowClient for `uri`, with this module's HTTP settings unless the environment has its own."""
     from mlflow import MlflowClient
 
+    _use_http_defaults()
+    return MlflowClient(tracking_uri=uri)
+
+
+def _use_http_defaults() -> None:
     for name, default in HTTP_DEFAULTS.items():  # mlflow's own (7 retries, 120 s) would stall a closing run
         os.environ.setdefault(name, default)
-    return MlflowClient(tracking_uri=uri)
 
 
 @contextlib.contextmanager
 def _http_limits(timeout_s: float, retries: int) -> Iterator[None]:
-    """MLflow's HTTP timeout and retries for the calls inside (read by mlflow at each request)."""
+    """MLflow's HTTP timeout and retries for the calls inside (read by mlflow at each request); after them, the
+    process's own (`HTTP_DEFAULTS`, set first so that the sends after `connect` keep them)."""
+    _use_http_defaults()
     names = {"MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, math.ceil(timeout_s))),
              "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(retries)}
     saved = {k: os.environ.get(k) for k in names}
