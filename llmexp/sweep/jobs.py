@@ -252,8 +252,7 @@ def record_outcome(spec: JobSpec, outcome: JobOutcome) -> None:
     in the job dir of every job that did not complete or left no summary.json; remove a stale one from a job that
     ended well. Its `overrides` (and `.hydra/overrides.yaml`, as Hydra writes it) name a job that never started."""
     status_path = spec.job_dir / "job_status.json"
-    ended_well = outcome.status in FINISHED and outcome.exit_code in (0, None)
-    if ended_well and (spec.job_dir / "summary.json").exists():
+    if outcome.status in FINISHED and outcome.exit_code in (0, None) and (spec.job_dir / "summary.json").exists():
         status_path.unlink(missing_ok=True)
         return
     write_json_atomic(status_path, {**asdict(outcome), "overrides": spec.overrides})
@@ -311,8 +310,7 @@ def finish_sweep(specs: Sequence[JobSpec], outcomes: Sequence[JobOutcome], withi
     for spec, outcome in zip(specs, outcomes, strict=True):
         detail = f": {outcome.error}" if outcome.error and outcome.status not in FINISHED else ""
         log.info(f"  #{spec.num} {outcome.status:<13} {swept(spec.overrides, jobs, keys)}{detail}")
-    bad = [o for o in outcomes if o.status not in ENDED]
-    if bad:
+    if bad := [o for o in outcomes if o.status not in ENDED]:
         log.error(f"{len(bad)} of {len(outcomes)} jobs did not end by themselves; see {sweep_dir} (the same "
                   "command runs them again)")
         raise SystemExit(1)
