@@ -15,6 +15,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from llmexp.config.keys import leaves
+from llmexp.config.rules import PathRule
+from llmexp.machine.gguf import gguf_file_problem
 from llmexp.machine.task_code import code_in_task_dir
 from llmexp.rundir.read import is_run_dir, is_sweep_dir
 from llmexp.rundir.readers import NOT_FILES, Damaged, load_json, reader
@@ -183,8 +186,6 @@ def code_problem(key: str, path: Path, config: dict[str, Any], allowed: bool, sw
 
 def model_problem(cfg: Any, key: str, value: Any) -> str | None:
     """A save_pretrained directory; with `model.gguf_file`, a directory holding that GGUF file instead."""
-    from llmexp.machine.gguf import gguf_file_problem
-
     what = "a model directory written by save_pretrained (e.g. the model/ of an earlier run) or a hub id"
     path, why = _local_dir(key, value, what)
     if why or path is None:
@@ -369,9 +370,6 @@ def mix_errors(cfg: Any) -> list[str]:
 
 
 def _path_keys() -> dict[str, str]:
-    from llmexp.config.keys import leaves
-    from llmexp.config.rules import PathRule
-
     return {leaf.key: leaf.rule.kind for leaf in leaves().values() if isinstance(leaf.rule, PathRule)}
 
 

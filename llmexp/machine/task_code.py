@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from llmexp.errors import first_line
 from llmexp.rundir.readers import MAX_DEPTH, Damaged, entry_of, read_text, reader, too_deep
 
@@ -28,27 +30,22 @@ class _Code:
     line: int
 
 
-def _loader() -> type:
-    import yaml
+class _TaskLoader(yaml.SafeLoader):
+    """The safe loader plus the harness's `!function` tag, recorded (never imported)."""
 
-    class TaskLoader(yaml.SafeLoader):
-        """The safe loader plus the harness's `!function` tag, recorded (never imported)."""
+    def _function(self, node: yaml.Node) -> _Code:
+        return _Code(str(self.construct_scalar(node)), node.start_mark.line + 1)
 
-    def function(loader: yaml.SafeLoader, node: yaml.Node) -> _Code:
-        return _Code(str(loader.construct_scalar(node)), node.start_mark.line + 1)
 
-    TaskLoader.add_constructor("!function", function)
-    return TaskLoader
+_TaskLoader.add_constructor("!function", _TaskLoader._function)
 
 
 @reader
 def read_task_yaml(path: Path) -> Any:
     """A harness task YAML as data, its `!function` tags as `_Code` markers (None for an empty file)."""
-    import yaml
-
     text = read_text(path, entry_of(read_task_yaml).max_bytes)
     try:
-        data = yaml.load(text, Loader=_loader())  # the safe loader, plus one tag recorded
+        data = yaml.load(text, Loader=_TaskLoader)  # the safe loader, plus one tag recorded
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         raise Damaged(path, f"not YAML ({err.problem or err.context})", mark.line + 1 if mark else None) from None
