@@ -8,6 +8,9 @@ import io
 import itertools
 from typing import Any
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
+
+from llmexp.cli.hydra_internals import args_parser
 from llmexp.config import security
 from llmexp.config.keys import group_options, type_problem, unknown_key
 from llmexp.errors import UserError
@@ -17,10 +20,6 @@ from llmexp.rundir import redact
 def _parse_overrides(args: list[str]) -> tuple[Any, list[Any]]:
     """Hydra's own parse of the command line (its flags, then each override); anything it cannot parse is left
     to Hydra. Returns (argparse namespace or None, parsed overrides)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    from llmexp.cli.hydra_internals import args_parser
-
     try:
         with contextlib.redirect_stderr(io.StringIO()):
             namespace, _ = args_parser().parse_known_args(args)
