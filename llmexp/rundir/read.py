@@ -161,8 +161,7 @@ def read_result(job_dir: Path, metric: str = "eval_loss") -> TrialResult:
         return TrialResult("failed", step=step, reason=reason)
     if status == "pruned":
         return TrialResult("pruned", step=step)
-    value = metric_value(metric, summary, [])
-    if status in FINISHED and value is not None:
+    if status in FINISHED and (value := metric_value(metric, summary, [])) is not None:
         return TrialResult("completed", value=value, step=step)
     reason = verdict.get("error") or (f"ended {status} without a finite {metric}" if status in FINISHED
                                       else f"ended {status}")

@@ -275,9 +275,8 @@ def decode(data: bytes, path: Path | str, line: int | None = None) -> str:
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
-        at = line or data.count(b"\n", 0, err.start) + 1
         raise Damaged(path, f"it is not UTF-8 text (byte {data[err.start:err.start + 1]!r}); save it as UTF-8",
-                      at) from None
+                      line or data.count(b"\n", 0, err.start) + 1) from None
 
 
 def read_text(path: Path | str, max_bytes: int | None) -> str:

@@ -116,8 +116,7 @@ def load_study(sweep_dir: Path, pruner: Any = None) -> Any:
     """The sweep directory's study (it must exist), with `pruner` (a trial's own, built from its config)."""
     import optuna
 
-    storage = journal_storage(sweep_dir)
-    try:
-        return optuna.load_study(study_name=STUDY_NAME, storage=storage, pruner=pruner)
+    try:  # (journal_storage raises its own UserError, never a KeyError)
+        return optuna.load_study(study_name=STUDY_NAME, storage=journal_storage(sweep_dir), pruner=pruner)
     except KeyError as err:  # a journal with studies, none of them llmexp's
         raise damaged(study_journal(sweep_dir), f"it holds no study named {STUDY_NAME!r}: {first_line(err)}") from None
