@@ -203,13 +203,11 @@ def structure_errors(cfg: Any) -> list[str]:
     """Problems that make the config's values unreadable or untrusted; checked before any value is.
 
     A `hydra` node (configs composed with `return_hydra_config=True`) is Hydra's and is skipped."""
-    from omegaconf import DictConfig, OmegaConf
+    from omegaconf import OmegaConf
 
-    if not isinstance(cfg, DictConfig):
-        cfg = OmegaConf.structured(cfg)
     data = OmegaConf.to_container(cfg, resolve=False)
     data.pop("hydra", None)  # type: ignore[union-attr]
-    strings = _strings(data)
+    strings = security.find_values(data, pick=lambda key, value: isinstance(value, str))
     errors = [f"{key}: is required but left unset (??? in the config); set {key}=..."
               for key, value in strings if value == "???"]
     errors += _unknown_keys(data)
@@ -243,12 +241,3 @@ def _unknown_keys(data: Any, prefix: str = "") -> list[str]:
         elif isinstance(value, dict):
             errors.extend(_unknown_keys(value, dotted + "."))
     return errors
-
-
-def _strings(data: Any, prefix: str = "") -> list[tuple[str, str]]:
-    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else []
-    out = []
-    for key, value in items:
-        dotted = f"{prefix}{key}"
-        out.extend([(dotted, value)] if isinstance(value, str) else _strings(value, dotted + "."))
-    return out

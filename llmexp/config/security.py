@@ -86,20 +86,21 @@ def target_problem(target: object) -> str | None:
     return None
 
 
-def find_targets(node: Any, path: str = "") -> list[tuple[str, Any]]:
-    """Every (`key.path._target_`, value) in plain nested data."""
+def find_values(node: Any, path: str = "", pick: Any = lambda key, value: key == "_target_") -> list[tuple[str, Any]]:
+    """Every (`key.path`, value) in plain nested data whose key and value `pick` takes (default: every `_target_`);
+    what it takes is not walked into."""
     found: list[tuple[str, Any]] = []
     items = node.items() if isinstance(node, Mapping) else enumerate(node) if isinstance(node, list) else []
     for key, value in items:
         key_path = f"{path}.{key}" if path else str(key)
-        found.extend([(key_path, value)] if key == "_target_" else find_targets(value, key_path))
+        found.extend([(key_path, value)] if pick(key, value) else find_values(value, key_path, pick))
     return found
 
 
 def target_errors(data: Mapping[str, Any]) -> list[str]:
     """Every `_target_` in a job config's plain data (`hydra` node skipped) that llmexp would refuse, as error lines
     (syntactic: `validate` runs this on any config; the CLI's `check_config` has resolved and checked them before)."""
-    return [f"{key}: {problem}" for key, value in find_targets(data)
+    return [f"{key}: {problem}" for key, value in find_values(data)
             if not key.startswith("hydra.") and (problem := _job_target_problem(key, value))]
 
 
@@ -250,7 +251,7 @@ def config_problems(cfg: DictConfig) -> list[tuple[str, str]]:
                                  "hydra.sweep.subdir='${llmexp_safe:${hydra.job.override_dirname}}'"))
         probe.hydra.runtime.output_dir = job_dir
     hydra = _resolve_tree(probe.hydra, "hydra", problems)
-    problems += [(key, p) for key, value in find_targets({"hydra": hydra}) if (p := _hydra_target_problem(key, value))]
+    problems += [(key, p) for key, value in find_values({"hydra": hydra}) if (p := _hydra_target_problem(key, value))]
     problems += _job_target_problems(probe)
     relative_to = job_dir if (hydra.get("job") or {}).get("chdir") else os.getcwd()
     for node in ("job_logging", "hydra_logging"):
@@ -331,7 +332,7 @@ def _job_target_problems(cfg: DictConfig) -> list[tuple[str, str]]:
             data = OmegaConf.to_container(node, resolve=True)
         except OmegaConfBaseException:
             data = OmegaConf.to_container(node, resolve=False)
-        problems += [(k, p) for k, v in find_targets({key: data}) if (p := _job_target_problem(k, v))]
+        problems += [(k, p) for k, v in find_values({key: data}) if (p := _job_target_problem(k, v))]
     return problems
 
 
