@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from llmexp.config.derived import WIDTH_KEYS
 from llmexp.errors import UserError
 from llmexp.rundir.redact import print_user_error
 
@@ -45,8 +46,6 @@ def _out_dir(text: str) -> Path:
 
 
 def _widths(text: str, model: Any) -> tuple[float, ...]:
-    from llmexp.config.derived import WIDTH_KEYS
-
     try:
         widths = tuple(sorted({float(w) for w in text.split(",") if w.strip()}))
     except ValueError:
