@@ -22,11 +22,8 @@ def relaunch_argv(parent_cmdline: list[str], env: dict[str, str], argv: list[str
     ONE process. We start the N ranks with torch.distributed.run instead (gloo), as `--multi_gpu` does on a GPU."""
     if "WORLD_SIZE" in env or env.get("ACCELERATE_USE_CPU", "").lower() not in ("true", "1"):
         return None
-    try:
-        at = next(i for i, a in enumerate(parent_cmdline) if a in ("launch", "accelerate.commands.launch"))
-    except StopIteration:
-        return None
-    num_processes = _flag_value(parent_cmdline[at + 1:], "--num_processes")
+    at = next((i for i, a in enumerate(parent_cmdline) if a in ("launch", "accelerate.commands.launch")), None)
+    num_processes = None if at is None else _flag_value(parent_cmdline[at + 1:], "--num_processes")
     if num_processes is None or num_processes <= 1:
         return None
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}",
