@@ -49,8 +49,7 @@ def maybe_relaunch() -> None:
         return
     import psutil
 
-    parent = psutil.Process(os.getppid()).cmdline()
-    argv = relaunch_argv(parent, dict(os.environ), ["-m", "llmexp", *sys.argv[1:]])
+    argv = relaunch_argv(psutil.Process(os.getppid()).cmdline(), dict(os.environ), ["-m", "llmexp", *sys.argv[1:]])
     if argv is not None:
         end_with_parent()
         os.execv(sys.executable, argv)
