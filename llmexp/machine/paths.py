@@ -317,9 +317,8 @@ def task_dir_problem(cfg: Any, key: str, value: Any) -> str | None:
 
 
 def task_file_errors(cfg: Any) -> list[str]:
-    """The files of the `eval` group's tasks: each `eval.multiple_choice.<name>.file` and `eval.generate.<name>
-    .file` an existing, non-empty JSONL file, and each extra held-out set's json or text file. Entries of a dict
-    have no `PathRule` of their own; a task file's lines are read and checked when the run starts."""
+    """The `eval` group's task files and extra held-out sets' files, entries of dicts, which have no `PathRule` of
+    their own (a task file's lines are read and checked when the run starts)."""
     ev, problems = cfg.eval, []
     shapes = {"multiple_choice": '{"context", "choices", "answer"}', "generate": '{"prompt", "target"}'}
     for kind, shape in shapes.items():
