@@ -1,7 +1,6 @@
 """The only module of llmexp that imports Hydra's private API (`hydra._internal`), for three things Hydra 1.3's
-public API lacks (docs/explanation/security-model.md). `tests/test_security.py` pins each name, and the source of
-`_run_hydra`, whose steps `compose_api_as_hydra_main` repeats: a Hydra upgrade fails there until this file is
-compared again. Why no public API will do:
+public API lacks (docs/explanation/security-model.md says how `tests/test_security.py` pins each name and the
+source of `_run_hydra`, whose steps `compose_api_as_hydra_main` repeats). Why no public API will do:
 
 * `args_parser`: Hydra has no public accessor for its parser, and llmexp must read argv before `@hydra.main`
   exactly as it will, each abbreviation argparse accepts (`--config-d`) included.
