@@ -29,16 +29,6 @@ LR_SCALING_POWER = {"none": 0.0, "sqrt": 0.5, "linear": 1.0}
 scaling for Adam-type optimizers, linear as in Goyal et al. for SGD)."""
 
 
-def _axes(overrides: Sequence[Override]) -> dict[str, list[str]]:
-    """`override_axes`, refused beyond MAX_GRID_JOBS jobs, counted without listing them."""
-    sizes = {o.get_key_element(): discrete_size(o) if o.is_sweep_override() else 1 for o in overrides}
-    if (jobs := math.prod(sizes.values())) > MAX_GRID_JOBS:
-        shown = " x ".join(f"{k}: {n}" for k, n in sizes.items() if n > 1)
-        raise UserError(f"this grid has {jobs} jobs ({shown}); a grid takes at most {MAX_GRID_JOBS}: sweep fewer "
-                        "values, or search the space with sweep=tpe sweep.n_trials=N")
-    return override_axes(overrides)
-
-
 def discrete_size(override: Override) -> int:
     """How many values a swept override holds, counted without listing them; a UserError for an interval (a
     search's), a range of step 0, or an empty sweep."""
@@ -59,8 +49,14 @@ def discrete_size(override: Override) -> int:
 
 
 def grid_jobs(overrides: Sequence[Override], zip_keys: Sequence[str]) -> list[list[str]]:
-    """Every job's overrides: the product of the swept axes, the `zip_keys` axes paired value by value."""
-    axes = _axes(overrides)
+    """Every job's overrides: the product of the swept axes (refused beyond MAX_GRID_JOBS jobs, counted without
+    listing them), the `zip_keys` axes paired value by value."""
+    sizes = {o.get_key_element(): discrete_size(o) if o.is_sweep_override() else 1 for o in overrides}
+    if (jobs := math.prod(sizes.values())) > MAX_GRID_JOBS:
+        shown = " x ".join(f"{k}: {n}" for k, n in sizes.items() if n > 1)
+        raise UserError(f"this grid has {jobs} jobs ({shown}); a grid takes at most {MAX_GRID_JOBS}: sweep fewer "
+                        "values, or search the space with sweep=tpe sweep.n_trials=N")
+    axes = override_axes(overrides)
     zip_keys = [str(k) for k in zip_keys]
     for key in zip_keys:
         if key not in axes or len(axes[key]) < 2:
