@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -19,11 +19,10 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from llmexp.config.derived import MIX_ROUND, mix_quotas, model_sizes, parse_batch_size, warmup_problem, width_problems
 from llmexp.config.keys import MIRRORS, entry_node, group_options, leaf_for, leaves, leaves_of, node_fields
 from llmexp.config.rules import FRACTION
+from llmexp.config.schema import Config, EvalConfig
 from llmexp.config.security import remote_code_errors
+from llmexp.config.tree import conf_dir
 from llmexp.errors import UserError
-
-if TYPE_CHECKING:
-    from llmexp.config.schema import Config
 
 
 class ConfigError(UserError):
@@ -66,8 +65,6 @@ def configured_lr(cfg: Any) -> tuple[float, str] | None:
 def _deleted_node_errors(node: DictConfig, cls: Any = None, prefix: str = "") -> list[str]:
     """Keys of the schema that the config lacks: deleted with `~key` (or by a config file), and config
     groups with no option chosen (`~model` leaves `model` at ???)."""
-    from llmexp.config.schema import Config
-
     errors = []
     for name, tp in (node_fields(Config if cls is None else cls) or {}).items():
         key = prefix + name
@@ -85,8 +82,6 @@ def _deleted_node_errors(node: DictConfig, cls: Any = None, prefix: str = "") ->
 
 def _default_option(group: str) -> str | None:
     """The option `llmexp/conf/config.yaml`'s defaults list picks for `group`."""
-    from llmexp.config.tree import conf_dir
-
     defaults = OmegaConf.load(conf_dir() / "config.yaml").defaults
     return next((str(d[group]) for d in defaults if isinstance(d, DictConfig) and group in d), None)
 
@@ -121,8 +116,7 @@ def _leaf_errors(cfg: DictConfig) -> dict[str, str]:
                                   "e.g. optimizer.betas=[0.9,0.999]")
     bad.update(_kwargs_errors(cfg.optimizer.kwargs, "optimizer.kwargs"))
     bad.update(_kwargs_errors(cfg.cluster.additional_parameters, "cluster.additional_parameters"))
-    if isinstance(cfg.get("hydra"), DictConfig):
-        bad.update(_hydra_setting_errors(cfg))
+    bad.update(_hydra_setting_errors(cfg))
     return bad
 
 
@@ -416,8 +410,6 @@ def _validate_eval(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet[s
 def _validate_tasks(ev: DictConfig, errors: list[str]) -> list[str]:
     """Each `eval.<kind>.<name>` entry: its name (it becomes `tasks/<name>/...`), its fields by their rules
     (`schema.ChoiceTaskConfig`, ...), its file and stop strings; a perplexity set's source. Returns the names."""
-    from llmexp.config.schema import EvalConfig
-
     names: list[str] = []
     for kind in TASK_METRICS:
         for name, task in ev[kind].items():
