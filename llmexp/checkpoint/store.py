@@ -22,7 +22,6 @@ from typing import Any, TypeVar
 from llmexp.checkpoint.serialize import CorruptCheckpoint
 from llmexp.rundir.files import DiskFull as DiskFull  # what a full disk during a save raises (re-exported)
 from llmexp.rundir.files import fsync_path, replace_dir, staged_dir
-from llmexp.rundir.lock import pid_alive
 from llmexp.rundir.readers import Damaged, MiB, file_sha256, parse_json, read_text
 
 FORMAT_VERSION = 1
@@ -220,7 +219,9 @@ def _remove_stale_tmp(root: Path) -> None:
 
 def _is_stale(path: Path, pid: int, host: str) -> bool:
     if host == _host():
-        return pid != os.getpid() and not pid_alive(pid)
+        import psutil  # (not at import time: this module sits beside the config path)
+
+        return pid != os.getpid() and not psutil.pid_exists(pid)
     try:
         return time.time() - path.stat().st_mtime > FOREIGN_TMP_STALE_S
     except FileNotFoundError:

@@ -69,13 +69,6 @@ def wait_for_lock(run_dir: Path, waiting: Callable[[int | None], None], poll_s: 
     lock.release()
 
 
-def pid_alive(pid: int) -> bool:
-    """A process with this pid exists on this host (someone else's included)."""
-    import psutil
-
-    return psutil.pid_exists(pid)
-
-
 @reader
 def lock_pid(path: Path) -> int | None:
     """The pid a lock file holds (whether or not that process still holds the lock), or None."""
@@ -98,7 +91,9 @@ def lock_holder(run_dir: Path) -> int | None:
     try:
         locks = Path("/proc/locks").read_text()
     except OSError:
-        return pid if pid is not None and pid_alive(pid) else None
+        import psutil
+
+        return pid if pid is not None and psutil.pid_exists(pid) else None
     node = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     holders = [int(fields[4]) for fields in (line.split() for line in locks.splitlines())
                if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == node]
