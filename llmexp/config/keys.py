@@ -12,7 +12,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf, nodes
+from omegaconf.errors import OmegaConfBaseException, ValidationError
+
 from llmexp.config import security
+from llmexp.config.schema import Config, LauncherSettings, SweeperSettings
+from llmexp.config.tree import conf_dir
 
 
 def _unwrap(tp: Any) -> Any:
@@ -87,8 +92,6 @@ def entry_node(tp: Any) -> Any:
 @functools.cache
 def leaves() -> dict[str, Leaf]:
     """Every leaf of `schema.Config`, by dotted key, in schema order."""
-    from llmexp.config.schema import Config
-
     return {leaf.key: leaf for leaf in leaves_of(Config)}
 
 
@@ -99,8 +102,6 @@ MIRRORS = {"hydra.launcher.": "cluster.", "hydra.sweeper.": "sweep."}
 @functools.cache
 def hydra_leaves() -> dict[str, Leaf]:
     """The launchers' and sweepers' settings that no `cluster.*` / `sweep.*` key mirrors, by dotted key."""
-    from llmexp.config.schema import LauncherSettings, SweeperSettings
-
     nodes = {"hydra.launcher.": LauncherSettings, "hydra.sweeper.": SweeperSettings}
     return {leaf.key: leaf for prefix, node in nodes.items() for leaf in leaves_of(node, prefix)}
 
@@ -124,8 +125,6 @@ def rule_for(key: str) -> Any:
 def reference() -> list[KeyDoc]:
     """Every leaf of the schema (with the entries of a dict of nodes), then `hydra_leaves`, each in words: the
     docs' config reference."""
-    from llmexp.config.schema import Config
-
     found = [*leaves_of(Config, entries=True), *hydra_leaves().values()]
     return [KeyDoc(leaf.key, type_words(leaf.annotation), leaf.default, leaf.rule.describe(), leaf.doc)
             for leaf in found]
@@ -145,8 +144,6 @@ def type_words(tp: Any) -> str:
 
 def unknown_key(key: str) -> str | None:
     """None if the schema knows `key` (or it lies under a free-form dict); else a message with a suggestion."""
-    from llmexp.config.schema import Config
-
     node: Any = Config
     parts = key.split(".")
     for i, part in enumerate(parts):
@@ -161,9 +158,6 @@ def unknown_key(key: str) -> str | None:
 
 def type_problem(key: str, value: Any) -> str | None:
     """A value of the wrong type for an int, float or bool field (Hydra would say it less plainly)."""
-    from omegaconf import nodes
-    from omegaconf.errors import ValidationError
-
     kinds = {int: ("an integer", nodes.IntegerNode), float: ("a number", nodes.FloatNode),
              bool: ("true or false", nodes.BooleanNode)}
     leaf = leaves().get(key)
@@ -193,8 +187,6 @@ def _suggest(parts: list[str], i: int, fields: dict[str, Any]) -> str:
 
 def group_options(group: str) -> list[str] | None:
     """The options of a config group (`llmexp/conf/<group>/*.yaml`), or None if `group` is not a group."""
-    from llmexp.config.tree import conf_dir
-
     directory = conf_dir() / group
     return sorted(p.stem for p in directory.glob("*.yaml")) if directory.is_dir() else None
 
@@ -203,8 +195,6 @@ def structure_errors(cfg: Any) -> list[str]:
     """Problems that make the config's values unreadable or untrusted; checked before any value is.
 
     A `hydra` node (configs composed with `return_hydra_config=True`) is Hydra's and is skipped."""
-    from omegaconf import OmegaConf
-
     data = OmegaConf.to_container(cfg, resolve=False)
     data.pop("hydra", None)  # type: ignore[union-attr]
     strings = security.find_values(data, pick=lambda key, value: isinstance(value, str))
@@ -218,9 +208,6 @@ def structure_errors(cfg: Any) -> list[str]:
 
 def _interpolation_errors(cfg: Any) -> list[str]:
     """Resolve every value now (env variables, `${...}` references), not halfway through a run."""
-    from omegaconf import DictConfig, OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     errors = []
     for key in [k for k in cfg if k != "hydra"]:
         try:
