@@ -13,13 +13,13 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from llmexp.config.rules import SECRET_IN_NAME, holds_secret
 from llmexp.errors import UserError, first_line
-
-if TYPE_CHECKING:
-    from omegaconf import DictConfig
 
 _TARGET_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
 
@@ -222,7 +222,6 @@ def config_problems(cfg: DictConfig) -> list[tuple[str, str]]:
     `hydra.sweep.dir` caches their values (their `${llmexp_run_id:}`) in it, so Hydra later uses exactly the
     directories checked here."""
     from hydra.types import RunMode
-    from omegaconf import OmegaConf, open_dict, read_write
 
     problems: list[tuple[str, str]] = []
     dirs = {key: _resolve(cfg, key, problems) for key in ("hydra.run.dir", "hydra.sweep.dir")}
@@ -267,9 +266,6 @@ def config_problems(cfg: DictConfig) -> list[tuple[str, str]]:
 
 def _resolve(cfg: DictConfig, key: str, problems: list[tuple[str, str]]) -> Any:
     """The value at `key` with interpolations resolved; None (and a problem) when they cannot be."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     try:
         value = OmegaConf.select(cfg, key, throw_on_missing=False)
         if OmegaConf.is_config(value):
@@ -294,9 +290,6 @@ Hydra for a path or a class, so they are read as written (resolving them would r
 def _resolve_tree(node: Any, key: str, problems: list[tuple[str, str]]) -> Any:
     """Plain data of a config node, every interpolation resolved (except `_TEXT_ONLY`); a value that does not
     resolve is None, with a problem naming its key. `???` (unset) is None."""
-    from omegaconf import DictConfig, ListConfig, OmegaConf
-    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
-
     if not isinstance(node, DictConfig | ListConfig) or node._is_none() or node._is_missing():
         return None if OmegaConf.is_config(node) else node
     out: dict[Any, Any] = {}
@@ -320,9 +313,6 @@ def _resolve_tree(node: Any, key: str, problems: list[tuple[str, str]]) -> Any:
 def _job_target_problems(cfg: DictConfig) -> list[tuple[str, str]]:
     """`_target_`s outside `hydra`: resolved where they resolve (interpolations that do not are refused by the
     dotted-name rule, and `validate` names the failing reference)."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     problems = []
     for key in [k for k in cfg if k != "hydra"]:
         node = cfg._get_node(key)  # type: ignore[union-attr]
