@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from llmexp.config.tree import conf_dir, register_resolvers
 from llmexp.errors import EXIT_USER, UserError, first_line
 from llmexp.process import run_entry
+from llmexp.rundir.redact import print_user_error, scrub_text
 
 if TYPE_CHECKING:
     import argparse
@@ -74,8 +75,6 @@ def _preflight(args: argparse.Namespace, args_parser: argparse.ArgumentParser) -
     except Exception as err:  # Hydra's and OmegaConf's composition errors
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        from llmexp.rundir.redact import scrub_text
-
         print(scrub_text(str(err)), file=sys.stderr)
         # Hydra's "Could not override 'data.mix'" keeps the reason (a key the schema lacks, a value of the wrong
         # type) in its cause, shown only with HYDRA_FULL_ERROR=1
@@ -95,7 +94,7 @@ def cli() -> None:
     try:  # typos, unknown options, wrong types: before anything is composed
         sys.argv[1:] = check_args(sys.argv[1:])  # secrets become ${oc.env:LLMEXP_SECRET_<n>}
     except UserError as err:
-        _exit_user(err)
+        sys.exit(print_user_error("llmexp", err))
     import hydra
     from hydra import version
 
@@ -117,7 +116,7 @@ def cli() -> None:
             _preflight(args, parser)
         hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(run_job)()  # reads sys.argv
     except UserError as err:
-        _exit_user(err)
+        sys.exit(print_user_error("llmexp", err))
     except BrokenPipeError:  # `python -m llmexp --help | head`: the reader left; no traceback (Python's own recipe)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
@@ -133,9 +132,3 @@ def main() -> None:
     """The process's entry point (`python -m llmexp`, the `llmexp` script, `python -m llmexp.lr_find`). Tests call
     `cli` in their own process, which goes on."""
     run_entry(cli)
-
-
-def _exit_user(err: UserError) -> None:
-    from llmexp.rundir.redact import print_user_error
-
-    sys.exit(print_user_error("llmexp", err))
