@@ -62,11 +62,10 @@ HYDRA_ALLOWED_TARGETS: tuple[str, ...] = ("hydra._internal.core_plugins.", "hydr
 
 def allowed_targets(key: str) -> tuple[str, ...]:
     """The objects a `_target_` at `key` may name; () where llmexp and Hydra instantiate nothing."""
-    if key == "optimizer._target_":
-        return OPTIMIZER_TARGETS
     if re.fullmatch(r"hydra\.callbacks\.[^.]+\._target_", key):
         return CALLBACK_TARGETS
-    return {"hydra.launcher._target_": LAUNCHER_TARGETS, "hydra.sweeper._target_": SWEEPER_TARGETS}.get(key, ())
+    return {"optimizer._target_": OPTIMIZER_TARGETS, "hydra.launcher._target_": LAUNCHER_TARGETS,
+            "hydra.sweeper._target_": SWEEPER_TARGETS}.get(key, ())
 
 
 def _identity_problem(obj: object, target: str, key: str) -> str | None:

@@ -21,10 +21,9 @@ def register_resolvers() -> None:
     """Register `${llmexp_run_id:}` and `${llmexp_safe:...}` once."""
     from omegaconf import OmegaConf
 
-    if not OmegaConf.has_resolver("llmexp_run_id"):
-        OmegaConf.register_new_resolver("llmexp_run_id", run_id, use_cache=True)
-    if not OmegaConf.has_resolver("llmexp_safe"):
-        OmegaConf.register_new_resolver("llmexp_safe", safe_name)
+    for name, resolver, use_cache in (("llmexp_run_id", run_id, True), ("llmexp_safe", safe_name, False)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, resolver, use_cache=use_cache)
 
 
 @cache

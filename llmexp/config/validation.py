@@ -53,8 +53,7 @@ def configured_lr(cfg: Any) -> tuple[float, str] | None:
     """The lr the config sets, and where: `lr` itself (`config`), else the data's pretraining lr for a model
     built from scratch without adapters (`data`: `data.pretrain_lr`); None leaves it to lr=auto. A fine-tune
     never takes a data config's pretraining lr: it is ~10x what fine-tuning a pretrained model wants."""
-    lr = parse_lr(cfg.lr)
-    if lr is not None:
+    if (lr := parse_lr(cfg.lr)) is not None:
         return lr, "config"
     pretrain = cfg.data.pretrain_lr
     if pretrain is not None and not cfg.model.name_or_path and cfg.peft.name == "none":
