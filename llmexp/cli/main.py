@@ -11,6 +11,10 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+import hydra
+from hydra import version
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from llmexp.config.tree import conf_dir, register_resolvers
@@ -28,9 +32,6 @@ def run_job(cfg: DictConfig) -> int:
     """Hydra's task function: validate, then train. In a sweep it returns the exit code."""
     global _task_started
     _task_started = True
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
     from llmexp.rundir.lock import lock_run_dir
     from llmexp.train.guarded import run_guarded, user_error_exit  # (light: the trainer is imported later)
 
@@ -95,9 +96,6 @@ def cli() -> None:
         sys.argv[1:] = check_args(sys.argv[1:])  # secrets become ${oc.env:LLMEXP_SECRET_<n>}
     except UserError as err:
         sys.exit(print_user_error("llmexp", err))
-    import hydra
-    from hydra import version
-
     from llmexp.cli.hydra_internals import args_parser, guard_package_sources
     from llmexp.config.schema import register_configs
     from llmexp.sweep.jobs import jobs_launched
