@@ -5,8 +5,14 @@ and the sources the composed config lists (`hydra.runtime.config_sources`). No t
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.types import RunMode
+from omegaconf import OmegaConf
 
 from llmexp.rundir.readers import load_yaml, reader
 
@@ -19,9 +25,6 @@ def origin_of(loader: Any, cfg: Any, overrides: list[str]) -> Any:
 def key_origin(loader: Any, cfg: Any, overrides: list[str], key: str) -> str:
     """Where the value at `key` came from: "command line" when an override sets the key or a node above it, else
     the last config (in Hydra's defaults order) that sets it; "config" when that cannot be told."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.types import RunMode
-
     try:
         groups = {str(choice).split("@")[0] for choice in cfg.hydra.runtime.choices}
         for ov in reversed(OverridesParser.create().parse_overrides(list(overrides))):
@@ -72,15 +75,10 @@ def _read(schema: str, path: str, config_path: str) -> tuple[str, Any] | None:
         file = Path(location) / f"{config_path}.yaml"
         return (str(file), read_config_yaml(file)) if file.is_file() else None
     if schema == "pkg":  # (only trusted packages get here: `cli.hydra_internals.guard_package_sources`)
-        from importlib import resources
-
         module, _, below = location.partition("/")
         entry = resources.files(module).joinpath(*[p for p in below.split("/") if p], f"{config_path}.yaml")
         return (f"pkg://{location}/{config_path}", read_config_yaml(Path(str(entry)))) if entry.is_file() else None
     if schema == "structured":
-        from hydra.core.config_store import ConfigStore
-        from omegaconf import OmegaConf
-
         try:
             node = ConfigStore.instance().load(f"{config_path}.yaml").node
         except Exception:  # not in the ConfigStore

@@ -332,8 +332,7 @@ def _validate_deepspeed(cfg: Any, errors: list[str]) -> None:
     """Combinations that cannot work under DeepSpeed (the one that depends on the machine, fp16 without a GPU, is
     `environment.check_environment`'s)."""
     ds = cfg.deepspeed
-    offload = ds.offload_optimizer != "none" or ds.offload_param != "none"
-    if offload and cfg.optimizer.name.endswith("8bit"):
+    if (ds.offload_optimizer != "none" or ds.offload_param != "none") and cfg.optimizer.name.endswith("8bit"):
         errors.append(f"optimizer: {cfg.optimizer.name} keeps its state on the accelerator and cannot run under "
                       "DeepSpeed CPU offload; use optimizer=adamw with deepspeed=zero2_offload, or deepspeed=zero2")
     elif ds.offload_optimizer != "none" and cfg.optimizer.name not in OFFLOAD_OPTIMIZERS:
