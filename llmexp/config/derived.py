@@ -49,10 +49,8 @@ def width_problems(m: Any) -> list[str]:
         return [f"model.width_mult: {mult:g} scales a model built from the fields; model.name_or_path="
                 f"{m.name_or_path} loads a pretrained one, whose sizes are fixed: drop model.width_mult"]
     broken = [f"{k}={m[k]} x {mult:g} = {m[k] * mult:g}" for k in WIDTH_KEYS if not float(m[k] * mult).is_integer()]
-    if broken:
-        return [f"model.width_mult: {mult:g} gives sizes that are not whole numbers ({'; '.join(broken)}); "
-                "pick a factor that gives whole sizes, e.g. model.width_mult=2"]
-    return []
+    return [f"model.width_mult: {mult:g} gives sizes that are not whole numbers ({'; '.join(broken)}); "
+            "pick a factor that gives whole sizes, e.g. model.width_mult=2"] if broken else []
 
 
 def model_sizes(m: Any) -> ModelSizes:

@@ -125,9 +125,8 @@ def rule_for(key: str) -> Any:
 def reference() -> list[KeyDoc]:
     """Every leaf of the schema (with the entries of a dict of nodes), then `hydra_leaves`, each in words: the
     docs' config reference."""
-    found = [*leaves_of(Config, entries=True), *hydra_leaves().values()]
     return [KeyDoc(leaf.key, type_words(leaf.annotation), leaf.default, leaf.rule.describe(), leaf.doc)
-            for leaf in found]
+            for leaf in [*leaves_of(Config, entries=True), *hydra_leaves().values()]]
 
 
 def type_words(tp: Any) -> str:
