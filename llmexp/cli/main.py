@@ -17,6 +17,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from llmexp.cli import compose
+from llmexp.cli.argv import check_args
+from llmexp.cli.hydra_internals import args_parser, compose_api_as_hydra_main, guard_package_sources
+from llmexp.cli.relaunch import maybe_relaunch
+from llmexp.config.schema import register_configs
 from llmexp.config.tree import conf_dir, register_resolvers
 from llmexp.errors import EXIT_USER, UserError, first_line
 from llmexp.process import run_entry
@@ -55,9 +60,6 @@ def _preflight(args: argparse.Namespace, args_parser: argparse.ArgumentParser) -
     """Everything checked before `@hydra.main` runs (see the module's docstring); --help is answered here. A
     composition error is printed as Hydra prints it (no traceback unless HYDRA_FULL_ERROR=1) and exits 1, which
     `cli` maps to 2; a UserError goes to `cli` (exit 2 with its own message)."""
-    from llmexp.cli import compose
-    from llmexp.cli.hydra_internals import compose_api_as_hydra_main
-
     config_name = args.config_name if args.config_name is not None else "config"
     config_path = args.config_path if args.config_path is not None else str(conf_dir())
     try:
@@ -87,17 +89,12 @@ def _preflight(args: argparse.Namespace, args_parser: argparse.ArgumentParser) -
 
 def cli() -> None:
     """Entry point. Hydra exits 1 on a compose error; that is a user's mistake, so exit 2."""
-    from llmexp.cli.argv import check_args
-    from llmexp.cli.relaunch import maybe_relaunch
-
     maybe_relaunch()  # `accelerate launch --cpu --num_processes N`: start the N ranks before Hydra runs
 
     try:  # typos, unknown options, wrong types: before anything is composed
         sys.argv[1:] = check_args(sys.argv[1:])  # secrets become ${oc.env:LLMEXP_SECRET_<n>}
     except UserError as err:
         sys.exit(print_user_error("llmexp", err))
-    from llmexp.cli.hydra_internals import args_parser, guard_package_sources
-    from llmexp.config.schema import register_configs
     from llmexp.sweep.jobs import jobs_launched
 
     version.setbase("1.3")
