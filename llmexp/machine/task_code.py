@@ -15,8 +15,7 @@ from typing import Any
 
 import yaml
 
-from llmexp.errors import first_line
-from llmexp.rundir.readers import MAX_DEPTH, Damaged, entry_of, read_text, reader, too_deep
+from llmexp.rundir.readers import entry_of, parse_yaml, read_text, reader
 
 JINJA_GLOBALS = frozenset({"lipsum", "cycler", "joiner", "namespace", "self"})
 """Objects every template of a default Jinja environment can reach, each a way to Python's globals."""
@@ -44,18 +43,7 @@ _TaskLoader.add_constructor("!function", _TaskLoader._function)
 def read_task_yaml(path: Path) -> Any:
     """A harness task YAML as data, its `!function` tags as `_Code` markers (None for an empty file)."""
     text = read_text(path, entry_of(read_task_yaml).max_bytes)
-    try:
-        data = yaml.load(text, Loader=_TaskLoader)  # the safe loader, plus one tag recorded
-    except yaml.MarkedYAMLError as err:
-        mark = err.problem_mark or err.context_mark
-        raise Damaged(path, f"not YAML ({err.problem or err.context})", mark.line + 1 if mark else None) from None
-    except RecursionError:
-        raise Damaged(path, f"YAML nested deeper than {MAX_DEPTH} levels") from None
-    except (yaml.YAMLError, ValueError) as err:  # an unknown tag without a mark, an integer longer than Python reads
-        raise Damaged(path, f"not YAML ({first_line(err, 120)})") from None
-    if too_deep(data):  # outside the try: Damaged is a ValueError, which the handler above would call "not YAML"
-        raise Damaged(path, f"YAML nested deeper than {MAX_DEPTH} levels")
-    return data
+    return parse_yaml(text, path, lambda t: yaml.load(t, Loader=_TaskLoader))  # the safe loader, one tag recorded
 
 
 def code_in_task_dir(folder: Path) -> list[str]:

@@ -331,14 +331,17 @@ def parse_json(text: str, path: Path | str, line: int | None = None) -> Any:
     return value
 
 
-def parse_yaml(text: str, path: Path | str) -> Any:
+def parse_yaml(text: str, path: Path | str, load: Callable[[str], Any] | None = None) -> Any:
     """YAML as OmegaConf reads it (YAML 1.2 numbers: `1e-3` is a float; plain data, interpolations as strings), or
-    Damaged naming the line."""
+    as `load` reads it; Damaged naming the line."""
     import yaml
     from omegaconf import OmegaConf
 
     try:
-        value = OmegaConf.to_container(OmegaConf.create(text), resolve=False) if text.strip() else None
+        if load is not None:
+            value = load(text)
+        else:
+            value = OmegaConf.to_container(OmegaConf.create(text), resolve=False) if text.strip() else None
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         raise Damaged(path, f"not YAML ({err.problem or err.context})", mark.line + 1 if mark else None) from None
