@@ -459,8 +459,9 @@ DETECTOR_KINDS = frozenset({
 
 @dataclass(frozen=True)
 class MonitorSettings:
-    """Detector thresholds and the run facts that change the advice: set up once by the trainer (`for_run`,
-    from the typed config and what it resolved), and by the reports from a run's files (`settings_from_config`)."""
+    """Detector thresholds (their defaults) and the run facts that change the advice: set up once by the trainer
+    (`train.setup`, from the typed config and what it resolved), and by the reports from a run's files
+    (`settings_from_config`)."""
 
     run_kind: str = "pretrain"
     """pretrain or finetune (model.name_or_path set): perplexity ranges differ."""
@@ -519,13 +520,6 @@ class MonitorSettings:
     """fp16: share of steps skipped by the loss scaler above which to warn."""
     skip_error_fraction: float = 0.5
     """Any precision: share of steps skipped (non-finite gradients) above which the run is broken."""
-
-    @classmethod
-    def for_run(cls, *, finetune: bool, max_grad_norm: float, precision: str, lr: float) -> MonitorSettings:
-        """The settings of one run: fine-tuning or not (`model.name_or_path`), its clipping, the precision it
-        computes in and its peak lr; the thresholds keep their defaults."""
-        return cls(run_kind="finetune" if finetune else "pretrain", max_grad_norm=max_grad_norm,
-                   precision=precision, lr=lr)
 
 
 def diagnose(records: list[dict], settings: MonitorSettings) -> list[Finding]:
@@ -603,7 +597,7 @@ def settings_from_config(cfg: dict[str, Any], lr: float | None = None, precision
         cfg_lr = parse_lr(saved("lr"))  # None for auto: the trainer resolved it; summary.json has the value
     except (TypeError, ValueError):
         cfg_lr = None  # find: the range test picked it, as summary.json says
-    return MonitorSettings.for_run(finetune=bool(saved("model.name_or_path")),
-                                   max_grad_norm=float(saved("train.max_grad_norm")),
-                                   precision=precision or str(saved("precision.name")),
-                                   lr=lr if lr is not None else (cfg_lr if cfg_lr is not None else MonitorSettings.lr))
+    return MonitorSettings(run_kind="finetune" if saved("model.name_or_path") else "pretrain",
+                           max_grad_norm=float(saved("train.max_grad_norm")),
+                           precision=precision or str(saved("precision.name")),
+                           lr=lr if lr is not None else (cfg_lr if cfg_lr is not None else MonitorSettings.lr))

@@ -45,8 +45,8 @@ def describe(cfg: DictConfig, rt: Runtime, vocab_size: int, train_data: Any, dat
     run = f"the run's {max_steps} steps (train.num_train_epochs={cfg.train.num_train_epochs} of this data)"
     if cfg.train.max_steps == -1 and (problem := warmup_problem(cfg.train, cfg.scheduler, max_steps, run)):
         raise UserError(": ".join(problem))
-    monitor = MonitorSettings.for_run(finetune=bool(cfg.model.name_or_path), max_grad_norm=cfg.train.max_grad_norm,
-                                      precision=rt.precision.name, lr=built["lr"])
+    monitor = MonitorSettings(run_kind="finetune" if cfg.model.name_or_path else "pretrain",
+                              max_grad_norm=cfg.train.max_grad_norm, precision=rt.precision.name, lr=built["lr"])
     desc = RunDescription(
         precision=rt.precision, plan=plan, auto_batch=auto_batch, monitor=monitor, max_steps=max_steps,
         warmup_steps=warmup_steps_for(max_steps, cfg.train.warmup_ratio, cfg.train.warmup_steps),
