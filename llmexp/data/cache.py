@@ -23,7 +23,7 @@ import numpy as np
 from filelock import FileLock
 
 from llmexp.errors import UserError, first_line
-from llmexp.rundir.files import staged_dir
+from llmexp.rundir.files import staged_dir, write_json_atomic
 from llmexp.rundir.readers import Damaged, file_sha256, load_json, reader
 
 COMPLETE_MARKER = "meta.json"
@@ -56,6 +56,15 @@ def warn(message: str) -> None:
     """A warning on stderr, as llmexp's errors are printed (the data layer runs before any run logger)."""
     sys.stderr.write(f"llmexp: warning: {message}\n")
     sys.stderr.flush()
+
+
+def save_cache(path: Path, data: object, redo: str) -> None:
+    """Write a small JSON cache back; one that cannot be written (a directory in the way) costs `redo` next run,
+    not this run."""
+    try:
+        write_json_atomic(path, data)
+    except OSError as err:
+        warn(f"{path} cannot be written ({type(err).__name__}: {err}); {redo} next run")
 
 
 FILES_KEY = "files"

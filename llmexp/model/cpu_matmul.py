@@ -25,9 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from llmexp.data.cache import warn
+from llmexp.data.cache import save_cache
 from llmexp.errors import first_line
-from llmexp.rundir.files import write_json_atomic
 from llmexp.rundir.readers import Damaged, load_json, reader
 
 MIN_SPEEDUP = 1.15
@@ -187,10 +186,8 @@ def probe_once(cache: Path, rows: int, in_features: int, out_features: int) -> M
         return known[key]
     path = probe(rows, in_features, out_features)
     if path.speedup is not None:  # measured (not "the op is missing"): the same verdict for every later run
-        try:
-            write_json_atomic(cache, {**{k: v.record() for k, v in known.items()}, key: path.record()})
-        except OSError as err:
-            warn(f"{cache} cannot be written ({type(err).__name__}: {err}); the matmul path is probed again next run")
+        save_cache(cache, {**{k: v.record() for k, v in known.items()}, key: path.record()},
+                   "the matmul path is probed again")
     return path
 
 

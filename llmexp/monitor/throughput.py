@@ -15,9 +15,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from llmexp.data.cache import warn
 from llmexp.machine.precision import cpu_has_fast_bf16
-from llmexp.rundir.files import write_json_atomic
 from llmexp.rundir.readers import Damaged, load_json, reader
 
 
@@ -203,15 +201,6 @@ def load_ceilings(path: Path) -> dict[str, float]:
     if bad := [k for k, v in data.items() if not (math.isfinite(v) and v > 0)]:
         raise Damaged(path, f"{bad[0]}: {data[bad[0]]!r} is not a positive number of TFLOP/s")
     return {k: float(v) for k, v in data.items()}
-
-
-def save_ceilings(path: Path, ceilings: dict[str, float]) -> None:
-    """Write the ceilings back; a cache that cannot be written (a directory in the way) costs a measurement
-    next run, not this run."""
-    try:
-        write_json_atomic(Path(path), ceilings)
-    except OSError as err:
-        warn(f"{path} cannot be written ({type(err).__name__}: {err}); the ceiling is measured again next run")
 
 
 def peak_memory_mb(device: torch.device) -> float:

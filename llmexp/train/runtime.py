@@ -13,12 +13,13 @@ from omegaconf import DictConfig
 
 from llmexp.config.derived import make_plan, use_shared_compile_cache
 from llmexp.config.derived import world_size_from_env as world_size
+from llmexp.data.cache import save_cache
 from llmexp.machine.precision import precision_on
 from llmexp.model import build
 from llmexp.monitor.console import quiet_console
 from llmexp.monitor.logger import MetricsLogger
 from llmexp.monitor.sinks import make_sinks
-from llmexp.monitor.throughput import load_ceilings, measure_ceiling, save_ceilings
+from llmexp.monitor.throughput import load_ceilings, measure_ceiling
 from llmexp.train.distributed import accelerator_kwargs, check_engine
 
 
@@ -102,7 +103,7 @@ class Runtime:
         if cores_were_ours:
             known = load_ceilings(self.ceiling_file) or {}
             known[self.ceiling_key()] = max(value, known.get(self.ceiling_key(), 0.0))
-            save_ceilings(self.ceiling_file, known)
+            save_cache(self.ceiling_file, known, "the ceiling is measured again")
         return value, cores_were_ours
 
     def logger(self, max_steps: int) -> MetricsLogger:
