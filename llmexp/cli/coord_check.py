@@ -92,7 +92,7 @@ def run(argv: list[str]) -> int:
 
     from llmexp.cli.estimate import compose
     from llmexp.config.validation import validate
-    from llmexp.report.coord_check import plot_coord_check
+    from llmexp.report.plots import plot_coord_check
     from llmexp.rundir.files import write_json_atomic
     from llmexp.train.coord_check import at_width, coord_check
 

@@ -1,9 +1,10 @@
 """Pictures for the reports: a run's curves with its findings marked, a sweep's overlaid curves, a search's
-history; and `figure`, the skeleton every picture (fit_plot, lr_find, coord_check too) is drawn in. matplotlib
-(Agg backend) is imported inside the functions, so importing this module costs nothing."""
+history, the lr range test and muP's coordinate check; and `figure`, the skeleton every picture (fit_plot's too)
+is drawn in. matplotlib (Agg backend) is imported inside the functions, so importing this module costs nothing."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -378,3 +379,52 @@ def plot_search(search: dict[str, Any], path: Path, title: str = "") -> None:
                         title=f"eval loss by {name}")
         for ax in axes:
             ax.set_ylabel("eval loss")
+
+
+# ----- the lr range test and muP's coordinate check ------------------------------------------
+
+def plot_lr_find(result: dict[str, Any], path: Path) -> None:
+    """lr_find.png: an lr range test's raw and smoothed loss against the lr (log scale), each rule's pick, the
+    minimum."""
+    curve = [c for c in result["curve"] if math.isfinite(c["loss"])]
+    lrs, losses, smoothed = ([c[key] for c in curve] for key in ("lr", "loss", "smoothed"))
+    title = f"lr range test: {result['steps_run']} steps, {result['stopped']}"
+    with figure(path, title, (1, 1), (7.5, 4.5)) as (ax,):
+        ax.plot(lrs, losses, color="#9ecae1", lw=1, label="loss (one step)")
+        ax.plot(lrs, smoothed, color="#1f77b4", lw=2, label="smoothed")
+        styles = {"minimum": "#d62728", "steep": "#2ca02c", "valley": "#9467bd"}
+        for name, lr in result["picks"].items():
+            picked = name == result["rule"]
+            ax.axvline(lr, color=styles[name], ls="--" if picked else ":", lw=2 if picked else 1,
+                       label=f"{name} {lr:.3g}" + (" (the pick)" if picked else ""))
+        ax.axvline(result["lr_min_loss"], color="#7f7f7f", ls=":",
+                   label=f"smoothed minimum {result['lr_min_loss']:.3g}")
+        low, high = min(min(smoothed), min(losses)), smoothed[0]  # the divergence stays off-scale
+        ax.set_ylim(low - 0.1 * (high - low + 1e-9), max(high, low) + 0.3 * (high - low + 1e-9))
+        ax.set(xscale="log", xlabel="learning rate", ylabel="train loss")
+        ax.legend(fontsize=8)
+
+
+def plot_coord_check(result: dict[str, Any], path: Path) -> None:
+    """coord_check.png: muP's coordinate check, one panel per parametrization and layer group: the mean
+    |activation| against the width (both log scales), one line per step. Flat lines: the parametrization keeps
+    coordinates the same size at every width."""
+    runs, groups, steps = result["runs"], result["groups"], result["steps"]
+    widths = [f"{w:g}" for w in result["widths"]]
+    hidden = [result["hidden_sizes"][w] for w in widths]
+    colours = _pyplot().get_cmap("viridis")
+    title = (f"coordinate check: {result['optimizer']}, lr {result['lr']:g}, {steps} steps "
+             "(x: widest / narrowest at the last step)")
+    with figure(path, title, (len(runs), len(groups)), (3.2, 2.8)) as axes:
+        for ax, ((name, run), group) in zip(axes, itertools.product(runs.items(), groups), strict=True):
+            for step in range(steps):
+                ax.plot(hidden, [run["curves"][w][step][group] for w in widths], marker="o", ms=3,
+                        color=colours(step / max(1, steps - 1)), label=f"step {step}")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{name}: {group} (x{run['growth'][group]:.2g})", fontsize=9)
+        for ax in axes[-len(groups):]:
+            ax.set_xlabel("hidden size")
+        for ax in axes[::len(groups)]:
+            ax.set_ylabel("mean |activation|")
+        axes[len(groups) - 1].legend(fontsize=7)

@@ -165,7 +165,7 @@ def settle_lr(cfg: DictConfig, rt: Runtime, vocab_size: int, train_ds: Any, data
     if rt.is_main:
         write_json_atomic(path, result)
         try:
-            from llmexp.report.lr_find import plot_lr_find
+            from llmexp.report.plots import plot_lr_find
 
             plot_lr_find(result, rt.run_dir / "lr_find.png")
         except Exception as err:  # a plotting problem must not lose the result
