@@ -35,6 +35,8 @@ def tree(tmp_path: Path) -> Path:
     no_text = tmp_path / "no_text"  # data=text reads neither hidden nor empty files
     no_text.mkdir()
     (no_text / ".notes").write_text("hidden\n")
+    (no_text / ".git").mkdir()  # nor a hidden directory's files: a checkout's .git/HEAD is no text to train on
+    (no_text / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
     (no_text / "empty.txt").write_text("")
     return tmp_path
 

@@ -93,11 +93,12 @@ def _input_file_problem(key: str, value: Any, what: str) -> str | None:
 
 
 def text_source_files(spec: str) -> list[Path]:
-    """data=text's files, sorted: the file itself, every file under a directory but hidden ones, or a glob's
-    matches; the empty ones left out (they hold no text)."""
+    """data=text's files, sorted: the file itself, every file under a directory but hidden ones (a `.git/` inside
+    included, as a glob skips them), or a glob's matches; the empty ones left out (they hold no text)."""
     path = Path(spec).expanduser()
     if path.is_dir():
-        files = [p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")]
+        files = [p for p in path.rglob("*")
+                 if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)]
     else:
         files = [Path(p) for p in glob.iglob(os.path.expanduser(spec), recursive=True) if Path(p).is_file()]
     return sorted(f for f in files if f.stat().st_size > 0)
@@ -109,8 +110,9 @@ def _text_source_problem(key: str, value: Any) -> str | None:
     if problem:
         return problem
     if found is not None and stat.S_ISDIR(found.st_mode):
-        return None if text_source_files(str(value)) else \
-            f"{key}={value}: is a directory with no non-empty file in it; add text files or point it elsewhere"
+        return None if text_source_files(str(value)) else (
+            f"{key}={value}: is a directory with no non-empty file in it (hidden ones are skipped); add text "
+            "files or point it elsewhere")
     if found is not None:
         return None if found.st_size else f"{key}={value}: is empty (0 bytes); add text or point it elsewhere"
     if text_source_files(str(value)):
