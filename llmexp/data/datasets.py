@@ -323,7 +323,7 @@ def _encode_cut(mode: str, recs: list[Record], tok: Any, cfg: DictConfig, split:
     return arrays, stats
 
 
-def _concat(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+def concat_columns(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """Several sources' arrays as one split: rows follow each other, offsets shifted."""
     if len(parts) == 1:
         return parts[0]
@@ -394,7 +394,7 @@ def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[TokenDataset, Token
         eval_part = _encode_cut(mode, eval_recs, tokenizer, cfg, "eval", _source_name(cfg, "eval", 0))
         stats: dict[str, Any] = {"mode": mode}
         for split, parts in (("train", train_parts), ("eval", [eval_part])):
-            arrays = _concat([p[0] for p in parts])
+            arrays = concat_columns([p[0] for p in parts])
             arrays["ids"] = arrays["ids"].astype(dtype)
             for name, array in arrays.items():
                 save_array(tmp, f"{split}_{name}", array)

@@ -29,8 +29,8 @@ from llmexp.data.corpora import check_record, files_signature
 from llmexp.data.datasets import (
     FORMAT_VERSION,
     TokenDataset,
-    _concat,
     check_packing_supported,
+    concat_columns,
     cut_examples,
     encode_records,
     example_mode,
@@ -218,7 +218,7 @@ class StreamDataset:
     def _examples(self, lo: int, hi: int) -> TokenDataset:
         """Examples [lo, hi) of the kept windows, in order, as one TokenDataset (a step's global batch)."""
         spans = [(vars(ds), max(lo, first) - first, min(hi, first + len(ds)) - first) for first, ds in self._windows]
-        return _dataset(_concat([_rows(arrays, a, b) for arrays, a, b in spans if a < b]), self.spec.pad_id)
+        return _dataset(concat_columns([_rows(arrays, a, b) for arrays, a, b in spans if a < b]), self.spec.pad_id)
 
     def _forget_before(self, lo: int) -> None:
         """Drop rows and window starts that no step from `lo` on can need."""
