@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from llmexp.report.formats import fmt_params
-from llmexp.report.plots import _pyplot, figure
+from llmexp.report.plots import figure, pyplot
 
 CAPTION = ("DeepSeek LLM (2024) fitted eta_opt = 0.3118 C^-0.125 and B_opt = 0.2920 C^0.3271 (tokens) against compute "
            "C in FLOPs; drawn here at C ~ 6 N D, N the parameters, D the tokens the jobs saw ({tokens}), so it is "
@@ -88,7 +88,7 @@ def plot_fit(result: dict, path: Path, seed_lr: Callable[[float], float] | None)
     with_batch = any(s["batch"] for s in sizes)
     tokens = ", ".join(f"{fmt_params(s['tokens_seen'])} at {fmt_params(s['params'])}" for s in sizes)
     caption = textwrap.wrap(CAPTION.format(tokens=tokens), 150 if with_batch else 120)
-    colours = [_pyplot().get_cmap("viridis")(i / max(1, len(sizes) - 1) * 0.9) for i in range(len(sizes))]
+    colours = [pyplot().get_cmap("viridis")(i / max(1, len(sizes) - 1) * 0.9) for i in range(len(sizes))]
     title = "lr fit: " + ", ".join(Path(d).name for d in result["sweep_dirs"])
     counts = [s["params"] for s in sizes] + ([result["target"]["params"]] if result["target"] else [])
     ns = np.geomspace(min(counts) / 2, max(counts) * 2, 80)  # the sizes against which the laws are drawn

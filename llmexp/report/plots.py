@@ -23,7 +23,8 @@ from llmexp.rundir.task_metrics import task_history, task_records
 SEVERITY_COLOURS = {"error": "#d62728", "warning": "#ff7f0e", "info": "#7f7f7f"}
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (files only, no display), imported on first use."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -42,7 +43,7 @@ def figure(path: Path, title: str, shape: tuple[int, int], panel_in: tuple[float
 
     With a caption the margins are fixed, its room reserved below the panels: tight_layout and a tight bounding box
     would lay the figure out three times, ~1 s of CPU at the end of every run (measured on a 2-core AMD Zen 3)."""
-    plt = _pyplot()
+    plt = pyplot()
     rows, cols = shape
     caption_in = 0.3 + 0.14 * len(caption) if caption else 0.0
     height_in = rows * panel_in[1] + caption_in
@@ -226,7 +227,7 @@ def _colour_map(values: list[str]) -> dict[str, Any]:
     """A colour per swept value: a (log-)continuous scale for numbers, a qualitative one otherwise."""
     from matplotlib.colors import LogNorm, Normalize
 
-    plt = _pyplot()
+    plt = pyplot()
     distinct = _ordered(set(values))
     nums = [_as_float(v) for v in distinct]
     if len(distinct) > 1 and all(n is not None for n in nums):
@@ -412,7 +413,7 @@ def plot_coord_check(result: dict[str, Any], path: Path) -> None:
     runs, groups, steps = result["runs"], result["groups"], result["steps"]
     widths = [f"{w:g}" for w in result["widths"]]
     hidden = [result["hidden_sizes"][w] for w in widths]
-    colours = _pyplot().get_cmap("viridis")
+    colours = pyplot().get_cmap("viridis")
     title = (f"coordinate check: {result['optimizer']}, lr {result['lr']:g}, {steps} steps "
              "(x: widest / narrowest at the last step)")
     with figure(path, title, (len(runs), len(groups)), (3.2, 2.8)) as axes:
