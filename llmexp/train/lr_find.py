@@ -1,6 +1,6 @@
 """`lr=find`: an lr range test in the run's own process, then training at its pick from a fresh start.
 
-The test, its three rules (`RULES`), why the defaults (200 steps, `steep`) are the measured best, and how it
+The test, its three rules (`suggest`), why the defaults (200 steps, `steep`) are the measured best, and how it
 leaves no trace in the run (the training after it is bitwise that of a plain run at the pick, tests/test_lr_find.py):
 docs/how-to/schedules.md. A rerun in the same directory reads `lr_find.json`.
 """
@@ -41,17 +41,6 @@ def smooth(losses: list[float]) -> list[float]:
     return out
 
 
-def _minimum(lrs: list[float], smoothed: list[float], finite: list[int]) -> float:
-    return lrs[min(finite, key=smoothed.__getitem__)] / 10
-
-
-def _steep(lrs: list[float], smoothed: list[float], finite: list[int]) -> float:
-    """The most negative slope of the smoothed loss against log lr, before its minimum (past it the loss rises)."""
-    best = min(finite, key=smoothed.__getitem__)
-    slopes = {i: (smoothed[i + 1] - smoothed[i]) / math.log(lrs[i + 1] / lrs[i]) for i in finite if i < best}
-    return lrs[min(slopes, key=slopes.__getitem__)] if slopes else lrs[best]
-
-
 def _valley(lrs: list[float], smoothed: list[float], finite: list[int]) -> float:
     """The longest falling run (a longest strictly decreasing subsequence of the smoothed loss, so that noise does
     not cut it short), and the lr half-way between its first and its last point."""
@@ -65,16 +54,15 @@ def _valley(lrs: list[float], smoothed: list[float], finite: list[int]) -> float
     return lrs[(first[end] + end) // 2]
 
 
-RULES: dict[str, Callable[[list[float], list[float], list[int]], float]] = {
-    "minimum": _minimum, "steep": _steep, "valley": _valley}
-"""`train.lr_find_rule`'s options: (lrs, smoothed losses, the indices where the loss is finite) -> the pick."""
-
-
 def suggest(lrs: list[float], smoothed: list[float], rule: str) -> dict[str, Any]:
-    """Every rule's pick over the finite part of the curve, `rule`'s as the suggestion; and the minimum."""
+    """Every rule's pick (`train.lr_find_rule`'s options) over the finite part of the curve, `rule`'s as the
+    suggestion; and the minimum."""
     finite = [i for i, v in enumerate(smoothed) if math.isfinite(v)]
     best = min(finite, key=smoothed.__getitem__)
-    picks = {name: pick(lrs, smoothed, finite) for name, pick in RULES.items()}
+    # steep: the most negative slope of the smoothed loss against log lr, before its minimum (past it the loss rises)
+    slopes = {i: (smoothed[i + 1] - smoothed[i]) / math.log(lrs[i + 1] / lrs[i]) for i in finite if i < best}
+    picks = {"minimum": lrs[best] / 10, "steep": lrs[min(slopes, key=slopes.__getitem__)] if slopes else lrs[best],
+             "valley": _valley(lrs, smoothed, finite)}
     return {"rule": rule, "suggestion": picks[rule], "picks": picks, "lr_min_loss": lrs[best],
             "min_smoothed_loss": smoothed[best]}
 
