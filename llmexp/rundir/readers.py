@@ -364,21 +364,6 @@ def _name(value: Any) -> str:
     return _JSON_NAMES.get(type(value), type(value).__name__)
 
 
-def _kinds(spec: Any) -> tuple[type, ...]:
-    return tuple(type(None) if k is None else k for k in (get_args(spec) or (spec,)))
-
-
-def _fits(value: Any, spec: Any, finite: bool = False) -> bool:
-    if spec is Any:
-        return True
-    kinds = _kinds(spec)
-    if isinstance(value, bool):
-        return bool in kinds
-    if isinstance(value, float) and finite and not math.isfinite(value):
-        return False
-    return isinstance(value, kinds) or (isinstance(value, int) and float in kinds)
-
-
 def check_fields(value: Any, spec: Any, finite: bool = False) -> tuple[Any, list[str]]:
     """`value` with what does not fit `spec` left out, and what was left out. A spec is a type (`float` takes an
     int, never a bool, and NaN or infinity, as a number or `NON_FINITE`'s strings, only unless `finite`; `float |
@@ -404,12 +389,16 @@ def check_fields(value: Any, spec: Any, finite: bool = False) -> tuple[Any, list
             if any(out[k] is _OUT for k, f in named.items() if isinstance(f, Need)):
                 return _OUT
             return {k: x for k, x in out.items() if x is not _OUT}
-        if isinstance(v, str) and v in NON_FINITE and float in _kinds(s) and not finite:
-            return float(v)  # how the metrics logger writes NaN and infinity, which JSON has no word for
-        if _fits(v, s, finite):
+        if s is Any:
             return v
-        wanted = " or ".join(_JSON_NAMES.get(k, k.__name__) for k in _kinds(s))
-        problems.append(f"{at or 'the file'} is {repr(v) if _fits(v, s) else _name(v)}, not {wanted}")
+        kinds = get_args(s) or (s,)
+        if isinstance(v, str) and v in NON_FINITE and float in kinds and not finite:
+            return float(v)  # how the metrics logger writes NaN and infinity, which JSON has no word for
+        typed = bool in kinds if isinstance(v, bool) else isinstance(v, (*kinds, int) if float in kinds else kinds)
+        if typed and not (finite and isinstance(v, float) and not math.isfinite(v)):
+            return v
+        wanted = " or ".join(_JSON_NAMES.get(k, k.__name__) for k in kinds)
+        problems.append(f"{at or 'the file'} is {repr(v) if typed else _name(v)}, not {wanted}")
         return _OUT
 
     out = fit(value, spec, "")
