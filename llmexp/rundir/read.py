@@ -209,9 +209,9 @@ def last_value(records: list[dict], event: str, key: str) -> Any:
     return next((r[key] for r in reversed(records) if r.get("event") == event and key in r), None)
 
 
-def _recorded_overrides(sweep_dir: Path) -> tuple[dict, list[Override]] | None:
+def _recorded_overrides(sweep_dir: Path) -> tuple[dict, list[Override]]:
     """(multirun.yaml as plain data, the overrides its sweeper expanded: `hydra.sweeper.params`, then the command
-    line's), parsed with Hydra's own parser; None without a readable record."""
+    line's), parsed with Hydra's own parser; ({}, []) without a readable record."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
@@ -219,19 +219,18 @@ def _recorded_overrides(sweep_dir: Path) -> tuple[dict, list[Override]] | None:
     task = config_value(data, "hydra.overrides.task") if isinstance(data, dict) else None
     params = config_value(data, "hydra.sweeper.params") or {}
     if not isinstance(task, list) or not isinstance(params, dict):
-        return None
+        return {}, []
     try:
         return data, OverridesParser.create().parse_overrides([*(f"{k}={v}" for k, v in params.items()),
                                                                *(str(o) for o in task)])
     except HydraException:
-        return None
+        return {}, []
 
 
 def swept_keys(sweep_dir: Path) -> list[str]:
     """The keys a sweep varies (`lr=1e-4,3e-4`, `lr=tag(log,interval(...))`, `optimizer=adamw,lion`), in the
     order given, read from the command its `multirun.yaml` recorded with Hydra's own override parser."""
-    recorded = _recorded_overrides(sweep_dir)
-    overrides = recorded[1] if recorded else []
+    overrides = _recorded_overrides(sweep_dir)[1]
     return list(dict.fromkeys(o.get_key_element().lstrip("+~") for o in overrides if o.is_sweep_override()))
 
 
@@ -271,10 +270,7 @@ def launched_jobs(sweep_dir: Path) -> dict[str, list[str]]:
     `llmexp.sweep.space.grid_jobs` lists them, so a job whose directory is gone is still known. With
     `sweep.lr_scaling` the lr is left out (its scaled value needs the job's config). {} for a search, a
     `hydra.sweep.subdir` other than the job number, or no readable record."""
-    recorded = _recorded_overrides(sweep_dir)
-    if recorded is None:
-        return {}
-    data, overrides = recorded
+    data, overrides = _recorded_overrides(sweep_dir)
     target = str(config_value(data, "hydra.sweeper._target_") or "BasicSweeper")  # (absent: Hydra's default)
     subdir = config_value(data, "hydra.sweep.subdir") or "${hydra.job.num}"
     if not target.endswith(GRID_SWEEPERS) or subdir != "${hydra.job.num}" or not overrides \
