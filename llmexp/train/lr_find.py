@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from llmexp.config.validation import is_lr_find
 from llmexp.errors import UserError
@@ -166,8 +166,6 @@ def settle_lr(cfg: DictConfig, rt: Runtime, vocab_size: int, train_ds: Any, data
 
 def with_lr(cfg: DictConfig, lr: float) -> DictConfig:
     """A copy of the config with `lr` set (the pick: what a plain run at that lr has)."""
-    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    out = OmegaConf.create({**OmegaConf.to_container(cfg, resolve=False), "lr": float(lr)})  # type: ignore[dict-item]
     OmegaConf.set_struct(out, True)
-    with open_dict(out):
-        out.lr = float(lr)
     return out
