@@ -130,8 +130,7 @@ def job_dir_of(config: Any, num: int) -> Path:
     probe = config  # a job's composed config knows its number; the sweep's is given it on a copy
     if OmegaConf.select(config, "hydra.job.num", default=None) != num:
         probe = OmegaConf.create({"hydra": OmegaConf.to_container(config.hydra)})
-        with open_dict(probe):
-            probe.hydra.job.num = num
+        OmegaConf.update(probe, "hydra.job.num", num)
     return Path(str(config.hydra.sweep.dir)).absolute() / str(OmegaConf.select(probe, "hydra.sweep.subdir"))
 
 
@@ -173,9 +172,8 @@ def run_task(spec: JobSpec, task_function: Any, hydra_context: Any, singleton_st
 
 def failed_return(spec: JobSpec, message: str) -> JobReturn:
     """The JobReturn of a job that left none (killed, lost): FAILED, its value the error Hydra re-raises."""
-    ret = JobReturn(overrides=spec.overrides, cfg=spec.config, working_dir=str(spec.job_dir), status=JobStatus.FAILED)
-    ret.return_value = RuntimeError(message)
-    return ret
+    return JobReturn(overrides=spec.overrides, cfg=spec.config, working_dir=str(spec.job_dir), status=JobStatus.FAILED,
+                     _return_value=RuntimeError(message))
 
 
 def execute(spec: JobSpec, task_function: Any, hydra_context: Any, singleton_state: Any) -> JobOutcome:
@@ -279,13 +277,9 @@ def write_report(sweep_dir: Path) -> None:
 def job_returns(specs: Sequence[JobSpec], outcomes: Sequence[JobOutcome]) -> list[JobReturn]:
     """One COMPLETED JobReturn per job, its value the job's exit code: failures are reported by `finish_sweep`, not by
     raising the first job's exception from Hydra's sweeper, which would hide the others."""
-    returns = []
-    for spec, outcome in zip(specs, outcomes, strict=True):
-        name = str(spec.config.hydra.job.name) if spec.config is not None else None
-        ret = JobReturn(overrides=spec.overrides, working_dir=os.getcwd(), task_name=name, status=JobStatus.COMPLETED)
-        ret.return_value = outcome.exit_code
-        returns.append(ret)
-    return returns
+    return [JobReturn(overrides=spec.overrides, working_dir=os.getcwd(), status=JobStatus.COMPLETED,
+                      task_name=str(spec.config.hydra.job.name) if spec.config is not None else None,
+                      _return_value=outcome.exit_code) for spec, outcome in zip(specs, outcomes, strict=True)]
 
 
 def swept(job: Sequence[str], jobs: Sequence[Sequence[str]], keys: Sequence[str] = ()) -> str:
