@@ -310,10 +310,7 @@ def _warm_main(args: list[str], log_path: str, env: dict[str, str]) -> None:
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     sys.argv = [__file__, *args]
-    code = main(args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    sys.exit(code)
+    sys.exit(main(args))  # (multiprocessing flushes stdout and stderr as the process ends)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
