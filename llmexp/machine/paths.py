@@ -219,8 +219,7 @@ def vocab_problem(cfg: Any, key: str, tokenizer_dir: Path) -> str | None:
     rows = (read_model_json(model_config) or {}).get("vocab_size")
     if not isinstance(rows, int) or not (tokenizer_dir / "tokenizer.json").is_file():
         return None
-    ids = read_tokenizer_size(tokenizer_dir / "tokenizer.json")
-    if ids <= rows:
+    if (ids := read_tokenizer_size(tokenizer_dir / "tokenizer.json")) <= rows:
         return None
     return (f"{key}={tokenizer_dir}: its {ids} token ids outnumber the {rows} embedding rows of "
             f"model.name_or_path={m.name_or_path}; use the model's own tokenizer ({key}=null) or one made for it")
@@ -327,8 +326,7 @@ def task_file_errors(cfg: Any) -> list[str]:
         problems += [_input_file_problem(f"eval.{kind}.{name}.file", task.file, f"a JSONL file of {shape} records")
                      for name, task in ev[kind].items() if task.file]
     for name, entry in ev.perplexity.items():
-        data_kind = str(entry.name or cfg.data.name)
-        problems += [data_file_problem(cfg, f"eval.perplexity.{name}.{field}", entry[field], data_kind)
+        problems += [data_file_problem(cfg, f"eval.perplexity.{name}.{field}", entry[field], entry.name)
                      for field in ("train_file", "eval_file") if entry[field]]
     return [problem for problem in problems if problem]
 
@@ -350,12 +348,9 @@ KIND_CHECKS: dict[str, Callable[[Any, str, Any], str | None]] = {
 def path_errors(cfg: Any) -> list[str]:
     """Every path key of the schema (a `rules.PathRule` on its field; each `data.mix` source's too) that breaks
     its kind's rule, and the run or sweep directory this launch writes."""
-    errors = directory_errors(cfg)
-    for key, kind in _path_keys().items():
-        value = OmegaConf.select(cfg, key)
-        if kind != "dir_out" and value not in (None, "") and (problem := KIND_CHECKS[kind](cfg, key, value)):
-            errors.append(problem)
-    return errors + mix_errors(cfg) + task_file_errors(cfg)
+    problems = [KIND_CHECKS[kind](cfg, key, value) for key, kind in _path_keys().items()
+                if kind != "dir_out" and (value := OmegaConf.select(cfg, key)) not in (None, "")]
+    return directory_errors(cfg) + [p for p in problems if p] + mix_errors(cfg) + task_file_errors(cfg)
 
 
 def mix_errors(cfg: Any) -> list[str]:
