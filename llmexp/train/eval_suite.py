@@ -121,8 +121,9 @@ def _shard(run: Run) -> score.Shard:
     return score.Shard(run.rt.rank, world, world > 1)
 
 
-def _summed(run: Run, tally: list[float]) -> list[float]:
-    return run.rt.reduce_sum(torch.tensor(tally, device=run.rt.device, dtype=torch.float64)).tolist()
+def _shares(run: Run, names: tuple[str, str], tally: list[float]) -> tuple[dict[str, float], int]:
+    *counts, n = run.rt.reduce_sum(torch.tensor(tally, device=run.rt.device, dtype=torch.float64)).tolist()
+    return {name: count / max(n, 1.0) for name, count in zip(names, counts, strict=True)}, int(n)
 
 
 def _choice_task(run: Run, step: int, name: str, items: list[ChoiceItem], delimiter: str) -> dict[str, Any]:
@@ -133,9 +134,8 @@ def _choice_task(run: Run, step: int, name: str, items: list[ChoiceItem], delimi
     lls = score.loglikelihoods(run.model, requests, batch_size=bs, max_length=int(run.cfg.data.max_length),
                                pad_id=pad_id_of(run.tokenizer), device=rt.device, autocast=rt.compute,
                                rounds=score.choice_rounds(items, shard, bs) if shard.lockstep else None)
-    right, right_norm, n = _summed(run, score.choice_tally(items, requests, lls))
-    return _record(step, name, "multiple_choice", {"acc": right / max(n, 1.0), "acc_norm": right_norm / max(n, 1.0)},
-                   int(n), start)
+    metrics, n = _shares(run, ("acc", "acc_norm"), score.choice_tally(items, requests, lls))
+    return _record(step, name, "multiple_choice", metrics, n, start)
 
 
 def _generate_task(run: Run, step: int, name: str, items: list[GenerateItem], task: DictConfig) -> dict[str, Any]:
@@ -146,11 +146,10 @@ def _generate_task(run: Run, step: int, name: str, items: list[GenerateItem], ta
                                            batch_size=int(run.cfg.eval.batch_size),
                                            max_length=int(run.cfg.data.max_length), device=rt.device,
                                            autocast=rt.compute)
-    em, contains, n = _summed(run, score.generate_tally(items, mine, completions))
+    metrics, n = _shares(run, ("exact_match", "contains"), score.generate_tally(items, mine, completions))
     examples = [{"prompt": items[i].prompt, "completion": c, "target": items[i].target}
                 for i, c in zip(mine[:task.examples], completions, strict=False)]
-    return _record(step, name, "generate", {"exact_match": em / max(n, 1.0), "contains": contains / max(n, 1.0)},
-                   int(n), start, examples=examples)
+    return _record(step, name, "generate", metrics, n, start, examples=examples)
 
 
 def _harness_tasks(run: Run, manager: Any, step: int) -> list[dict[str, Any]]:
