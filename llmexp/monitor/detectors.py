@@ -102,29 +102,15 @@ def _series(records: Iterable[dict], event: str, key: str) -> list[tuple[int, fl
     return [(int(r["step"]), _num(r.get(key))) for r in records if r.get("event") == event and key in r]
 
 
-def _finite(series: list[tuple[int, float]]) -> list[tuple[int, float]]:
-    return [(s, v) for s, v in series if math.isfinite(v)]
-
-
-@dataclass(frozen=True)
 class _History:
     """What the detectors read: the records as logged, the live ones (`_effective`), and the finite
     (step, value) points of the live train loss, eval loss, grad norm and eval perplexity."""
 
-    records: list[dict]
-    live: list[dict]
-    train: list[tuple[int, float]]
-    evals: list[tuple[int, float]]
-    grad_norm: list[tuple[int, float]]
-    eval_ppl: list[tuple[int, float]]
-
-    @classmethod
-    def of(cls, records: list[dict]) -> _History:
-        live = _effective(records)
-        return cls(records, live, train=_finite(_series(live, "train", "loss")),
-                   evals=_finite(_series(live, "eval", "eval_loss")),
-                   grad_norm=_finite(_series(live, "train", "grad_norm")),
-                   eval_ppl=_finite(_series(live, "eval", "eval_ppl")))
+    def __init__(self, records: list[dict]) -> None:
+        self.records, self.live = records, _effective(records)
+        self.train, self.evals, self.grad_norm, self.eval_ppl = (
+            [(s, v) for s, v in _series(self.live, event, key) if math.isfinite(v)]
+            for event, key in (("train", "loss"), ("eval", "eval_loss"), ("train", "grad_norm"), ("eval", "eval_ppl")))
 
 
 def _fmt(x: float) -> str:
@@ -372,19 +358,18 @@ def _perplexity(h: _History, settings: MonitorSettings) -> Iterator[Finding]:
     too_high = high * f if settings.run_kind == "pretrain" else settings.finetune_ppl_max * f
     out_of_range = (lambda v: v > too_high) if ppl > too_high else (lambda v: v < low / f)
     step = _streak_start(h.eval_ppl[1:], out_of_range)
-    if settings.run_kind == "finetune":
-        if ppl > too_high:
-            yield Finding("ppl_range", step, WARNING,
-                          f"eval perplexity {ppl:.4g} is far above what a fine-tuned model reaches "
-                          f"(lower is better; > {too_high:g} is suspicious)",
-                          "Check that the tokenizer and chat template match the model and that the data "
-                          "loads correctly; check the lr is not too high.")
+    if ppl > too_high and settings.run_kind == "finetune":
+        yield Finding("ppl_range", step, WARNING,
+                      f"eval perplexity {ppl:.4g} is far above what a fine-tuned model reaches "
+                      f"(lower is better; > {too_high:g} is suspicious)",
+                      "Check that the tokenizer and chat template match the model and that the data "
+                      "loads correctly; check the lr is not too high.")
     elif ppl > too_high:
         yield Finding("ppl_range", step, INFO,
                       f"eval perplexity {ppl:.4g} is far above the typical pretraining range {low:g}-{high:g}",
                       "The model has learned little yet: train longer; if the loss has stalled, raise the lr "
                       "10x or check the data.")
-    elif ppl < low / f:
+    elif ppl < low / f and settings.run_kind != "finetune":
         yield Finding("ppl_range", step, INFO,
                       f"eval perplexity {ppl:.4g} is far below the typical pretraining range {low:g}-{high:g}",
                       "Check that eval data does not overlap the training data and is not trivially "
@@ -524,7 +509,7 @@ class MonitorSettings:
 
 def diagnose(records: list[dict], settings: MonitorSettings) -> list[Finding]:
     """Every finding over a whole metric history, ordered by step, the most severe first."""
-    history = _History.of(records)
+    history = _History(records)
     found = [finding for detect in _DETECTORS for finding in detect(history, settings)]
     return sorted(found, key=lambda f: (f.step, -_SEVERITY_RANK[f.severity], f.kind))
 
