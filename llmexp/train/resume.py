@@ -131,10 +131,6 @@ def _check_fits(run: Run, path: Path, payload: dict[str, Any]) -> None:
         _check_optimizer_fits(run.optimizer, path / "optimizer.pt", payload["optimizer"])
 
 
-_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
-"""torch.optim state entries shaped like their parameter."""
-
-
 def _check_optimizer_fits(optimizer: Any, file: Path, saved: Any) -> None:
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
     if not (isinstance(groups, list) and isinstance(saved.get("state"), dict)):
@@ -149,7 +145,7 @@ def _check_optimizer_fits(optimizer: Any, file: Path, saved: Any) -> None:
     for pid, entry in saved["state"].items():
         if pid not in by_id or not isinstance(entry, dict):
             raise ckpt.CorruptCheckpoint(f"{file}: state for unknown parameter {pid!r}")
-        for key in _MOMENTS:
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"):  # torch.optim's, parameter-shaped
             value, want = entry.get(key), tuple(by_id[pid].shape)
             if value is not None and (got := tuple(getattr(value, "shape", ()))) != want:
                 raise ckpt.CorruptCheckpoint(f"{file}: {key} of parameter {pid} has shape {got}, the parameter's is "
