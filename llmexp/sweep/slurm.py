@@ -202,7 +202,7 @@ def launch_slurm(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
         print(f"Submitted SLURM jobs {', '.join(ids.values())}\nSweep directory: {sweep_dir}\n"
               f"When they have ended: python -m llmexp.report {sweep_dir}", flush=True)
         return job_returns(specs, [JobOutcome(s.num, "submitted", None, None, ids[s.num]) for s in specs])
-    outcomes = {s.num: o for s, o in zip(specs, wait_for_jobs(specs, jobs), strict=True)} | ended
+    outcomes = wait_for_jobs(specs, jobs) | ended
     return finish_sweep(all_specs, [outcomes[s.num] for s in all_specs], launcher.within_search)
 
 
@@ -218,26 +218,24 @@ def other_app_returns(specs: Sequence[JobSpec], jobs: Sequence[submitit.Job]) ->
     return returns
 
 
-def wait_for_jobs(specs: Sequence[JobSpec], jobs: Sequence[submitit.Job], poll_s: float = 2.0) -> list[JobOutcome]:
-    """Poll until every job has ended; one sacct call per poll covers the whole array."""
+def wait_for_jobs(specs: Sequence[JobSpec], jobs: Sequence[submitit.Job], poll_s: float = 2.0) -> dict[int, JobOutcome]:
+    """Poll until every job has ended (their outcomes by job number); one sacct call per poll covers the whole array."""
     outcomes: dict[int, JobOutcome] = {}
-    remaining = {spec.num: (spec, job) for spec, job in zip(specs, jobs, strict=True)}
     overrides = [spec.overrides for spec in specs]
     try:
-        while remaining:
+        while len(outcomes) < len(specs):
             time.sleep(poll_s)
             jobs[0].watcher.update_if_long_enough(mode="force")
-            for num, (spec, job) in list(remaining.items()):
-                if job.done() and not _still_completing(job):
-                    outcomes[num] = collect(spec, job)
-                    record_outcome(spec, outcomes[num])
-                    del remaining[num]
-                    log.info(f"  #{num} ({job.job_id}) {outcomes[num].status}: {swept(spec.overrides, overrides)}")
+            for spec, job in zip(specs, jobs, strict=True):
+                if spec.num not in outcomes and job.done() and not _still_completing(job):
+                    outcome = outcomes[spec.num] = collect(spec, job)
+                    record_outcome(spec, outcome)
+                    log.info(f"  #{spec.num} ({job.job_id}) {outcome.status}: {swept(spec.overrides, overrides)}")
     except KeyboardInterrupt:
-        log.warning(f"stopped watching; {len(remaining)} jobs keep running on SLURM. "
+        log.warning(f"stopped watching; {len(specs) - len(outcomes)} jobs keep running on SLURM. "
                     f"Later: python -m llmexp.report {specs[0].job_dir.parent}")
         raise
-    return [outcomes[s.num] for s in specs]
+    return outcomes
 
 
 def _still_completing(job: submitit.Job) -> bool:
