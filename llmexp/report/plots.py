@@ -171,13 +171,10 @@ def _findings_caption(findings: list[dict]) -> list[str]:
     """The lines under a run's curves: each finding, numbered as its badge on the loss panel."""
     if not findings:
         return ["no findings: the run looks healthy"]
-    lines = []
-    for i, f in enumerate(findings[:12], start=1):
-        message = f["message"] if len(f["message"]) <= 110 else f["message"][:107] + "..."
-        lines.append(f"{i}. [{f['severity']}] {f['kind']} @ step {f['step']}{finding_state(f)}: {message}")
-    if len(findings) > 12:
-        lines.append(f"... and {len(findings) - 12} more (see report.md)")
-    return lines
+    lines = [f"{i}. [{f['severity']}] {f['kind']} @ step {f['step']}{finding_state(f)}: "
+             + (f["message"] if len(f["message"]) <= 110 else f["message"][:107] + "...")
+             for i, f in enumerate(findings[:12], start=1)]
+    return lines + ([f"... and {len(findings) - 12} more (see report.md)"] if len(findings) > 12 else [])
 
 
 def plot_run(records: list[dict], findings: list[dict], path: Path, title: str = "",
