@@ -250,11 +250,10 @@ def _heatmap(ax: Any, jobs: list[dict], keys: list[str]) -> None:
             failed.add((r, c))
     image = ax.imshow(grid, cmap="viridis_r", aspect="auto")
     for (r, c), loss in np.ndenumerate(grid):
-        text = f"{loss:.3g}" if math.isfinite(loss) else ("failed" if (r, c) in failed else "–")
-        colour = "#d62728"
+        text, colour = ("failed" if (r, c) in failed else "–"), "#d62728"
         if math.isfinite(loss):  # dark text on the light end of the colour map
             red, green, blue, _ = image.cmap(image.norm(loss))
-            colour = "black" if 0.299 * red + 0.587 * green + 0.114 * blue > 0.5 else "white"
+            text, colour = f"{loss:.3g}", "black" if 0.299 * red + 0.587 * green + 0.114 * blue > 0.5 else "white"
         ax.text(c, r, text, ha="center", va="center", fontsize=9, color=colour)
     ax.set_xticks(range(len(cols)), cols)
     ax.set_yticks(range(len(rows)), rows)
