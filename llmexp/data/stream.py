@@ -245,22 +245,22 @@ def _dataset(arrays: dict[str, np.ndarray], pad_id: int) -> TokenDataset:
 # ---------------------------------------------------------------- build
 
 
-def _columns_of(source: Any, d: Any, where: str) -> dict[str, str]:
-    """hub.py's column mapping; a stream without declared features shows its columns in its first row."""
+def _open(d: Any, split: str) -> tuple[Any, dict[str, str], str]:
+    """A split as a stream, hub.py's column mapping for it, and its name in messages; a stream without
+    declared features shows its columns in its first row."""
+    where, source = f"{d.path} [{split}]", load_split(d, split, streaming=True)
     names = source.column_names
     if names is None:
         first = next(iter(source), None)
         if first is None:
             raise UserError(f"{where} is empty; add rows or point data.path elsewhere")
         names = list(first)
-    return record_columns(d, list(names))
+    return source, record_columns(d, list(names)), where
 
 
 def _eval_dataset(d: Any, mode: str, tok: Any, max_length: int, pad_id: int) -> tuple[TokenDataset, dict[str, int]]:
     """The eval set, in memory: data.eval_split, else the split's first data.stream_eval_rows rows."""
-    where = f"{d.path} [{d.eval_split or d.split}]"
-    source = load_split(d, d.eval_split or d.split, streaming=True)
-    columns = _columns_of(source, d, where)
+    source, columns, where = _open(d, d.eval_split or d.split)
     rows = iter(source) if d.eval_split else itertools.islice(iter(source), int(d.stream_eval_rows))
     recs = row_records(rows, columns, where)
     if not d.eval_split and len(recs) < int(d.stream_eval_rows):  # found now, not at the first step
@@ -304,8 +304,7 @@ def build_stream_datasets(cfg: DictConfig, tok: Any) -> tuple[StreamDataset, Tok
     """The streamed train split, the in-memory eval set, and their stats (for summary.json)."""
     began = time.perf_counter()
     d = cfg.data
-    where = f"{d.path} [{d.split}]"
-    columns = _columns_of(load_split(d, d.split, streaming=True), d, where)
+    _, columns, where = _open(d, d.split)
     mode = example_mode("text" not in columns, bool(d.packing))
     if mode == "sft_packed":
         check_packing_supported(cfg)
