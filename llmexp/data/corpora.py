@@ -11,6 +11,7 @@ import ast
 import hashlib
 import inspect
 import io
+import itertools
 import json
 import os
 import sys
@@ -163,9 +164,10 @@ def read_json_records(path: Path) -> list[Record]:
     return [check_record(parse_json(line, path, n), f"{path}:{n}: record {i}") for i, (n, line) in enumerate(lines)]
 
 
-def split_records(records: list[Record], eval_fraction: float) -> tuple[list[Record], list[Record]]:
+def split_records(records: list[Any], eval_fraction: float,
+                  content: Callable[[Any], str] = lambda r: json.dumps(r, sort_keys=True)) -> tuple[list, list]:
     """Hold out records by a hash of their content (stable under reordering of the file)."""
-    by_key = {f"{i}:{json.dumps(r, sort_keys=True)}": r for i, r in enumerate(records)}
+    by_key = {f"{i}:{content(r)}": r for i, r in enumerate(records)}
     train_keys, eval_keys = split_by_hash(list(by_key), eval_fraction)
     return [by_key[k] for k in train_keys], [by_key[k] for k in eval_keys]
 
@@ -179,9 +181,7 @@ def split_text(texts: list[str], eval_fraction: float) -> tuple[list[str], list[
             raise UserError("a single one-line text file cannot be split into train and eval; "
                             "set data.eval_file or give more text")
         return ["".join(lines[:cut])], ["".join(lines[cut:])]
-    keys = [f"{i}:{t}" for i, t in enumerate(texts)]
-    train_keys, eval_keys = split_by_hash(keys, eval_fraction)
-    return [k.split(":", 1)[1] for k in train_keys], [k.split(":", 1)[1] for k in eval_keys]
+    return split_records(texts, eval_fraction, content=str)
 
 # ---------------------------------------------------------------- stdlib_sft
 
@@ -228,13 +228,9 @@ def _first_pairs(rel_paths: list[str], max_examples: int | None, num_proc: int) 
     """All pairs, or the first `max_examples` of the files in hash order (parsing only what is needed)."""
     if max_examples is None:
         return stdlib_sft_records(rel_paths, num_proc)
-    pairs: list[Record] = []
-    ordered = sorted(rel_paths, key=hash_fraction)
-    for start in range(0, len(ordered), 32):
-        pairs += stdlib_sft_records(ordered[start:start + 32], 1)
-        if len(pairs) >= max_examples:
-            break
-    return pairs[:max_examples]
+    root = str(stdlib_root())
+    pairs = (pair for rel in sorted(rel_paths, key=hash_fraction) for pair in _docstring_pairs(root, rel))
+    return list(itertools.islice(pairs, max_examples))
 
 
 # ---------------------------------------------------------------- the corpus of a config
