@@ -154,9 +154,8 @@ class StreamDataset:
     def _rewind(self, lo: int) -> None:
         """Go back to the window start at or before example `lo` when what is kept begins after it."""
         kept = self._windows[0][0] if self._windows else self._starts[-1].examples
-        if kept > lo:
-            candidates = [s for s in self._starts if s.examples <= lo]
-            self._reset(max(candidates, key=lambda s: s.examples, default=WindowStart(0, 0, 0)))
+        if kept > lo:  # the start a checkpoint would give for a batch of one example at step `lo`
+            self.restore(self.position(lo, 1))
 
     def _read_window(self) -> None:
         start = self._starts[-1]
