@@ -294,9 +294,7 @@ def user_corpus(d: Any) -> Corpus:
           "eval_fraction": None if eval_files else d.eval_fraction, "max_examples": d.max_examples}
 
     def read(files: list[Path]) -> list[Record]:
-        if d.name == "text":
-            return [{"text": read_text(f)} for f in files]
-        return [rec for f in files for rec in read_json_records(f)]
+        return [rec for f in files for rec in ([{"text": read_text(f)}] if d.name == "text" else read_json_records(f))]
 
     def load() -> tuple[list[Record], list[Record]]:
         train = read(train_files)
