@@ -256,8 +256,6 @@ def cut_examples(mode: str, ids: list[np.ndarray], masks: list[np.ndarray] | Non
             offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         if masks is not None:
             arrays["mask"] = np.concatenate(masks).astype(np.uint8) if masks else np.empty(0, np.uint8)
-    if len(offsets) < 2 or offsets[-1] == 0:
-        offsets = np.zeros(1, dtype=np.int64)
     arrays["ids"], arrays["offsets"] = flat, offsets
     arrays["row_targets"] = _row_targets(offsets, arrays.get("mask"))
     stats.update(examples=len(offsets) - 1, tokens=int(offsets[-1]), target_tokens=int(arrays["row_targets"].sum()))
