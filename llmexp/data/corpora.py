@@ -73,14 +73,6 @@ def split_by_hash(names: list[str], eval_fraction: float) -> tuple[list[str], li
     return [n for n in names if n not in held], eval_names
 
 
-def limit(names: list[str], max_examples: int | None) -> list[str]:
-    """At most `max_examples` names, a hash-ordered (so unbiased, yet stable) subset."""
-    if max_examples is None or len(names) <= max_examples:
-        return names
-    keep = set(sorted(names, key=hash_fraction)[:max_examples])
-    return [n for n in names if n in keep]
-
-
 @reader
 def read_text(path: Path) -> str:
     """A user's text file (data=text): UTF-8, or exit 2 naming the line of the first byte that is not."""
@@ -267,8 +259,9 @@ def plain_text(rec: Record) -> str:
 def stdlib_corpus(d: Any) -> Corpus:
     root = stdlib_root()
     train, held = split_by_hash(stdlib_files(root), float(d.eval_fraction))
-    if d.name == "stdlib":
-        train = limit(train, d.max_examples)
+    if d.name == "stdlib" and d.max_examples is not None:  # a hash-ordered (so unbiased, yet stable) subset
+        keep = set(sorted(train, key=hash_fraction)[: int(d.max_examples)])
+        train = [rel for rel in train if rel in keep]
     base = {"root": str(root), "version": sys.version, "eval_fraction": d.eval_fraction}
     fp = {**base, "kind": d.name, "train": files_signature(root, train), "eval": files_signature(root, held)}
     if d.name == "stdlib_sft":
