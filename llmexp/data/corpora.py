@@ -204,25 +204,20 @@ def _docstring_pairs(root: str, rel: str) -> list[Record]:
     return pairs
 
 
-def stdlib_sft_records(rel_paths: list[str], num_proc: int) -> list[Record]:
+def stdlib_sft_records(rel_paths: list[str], num_proc: int, max_examples: int | None = None) -> list[Record]:
     """Instruction pairs from the stdlib: a function's signature is the prompt, its docstring's first
-    paragraph (at most 400 characters) the completion. Parsing runs on `num_proc` processes."""
+    paragraph (at most 400 characters) the completion. Parsing runs on `num_proc` processes; with `max_examples`,
+    the first that many pairs of the files in hash order, parsing only what is needed (in this process)."""
     root = str(stdlib_root())
+    if max_examples is not None:
+        pairs = (pair for rel in sorted(rel_paths, key=hash_fraction) for pair in _docstring_pairs(root, rel))
+        return list(itertools.islice(pairs, max_examples))
     if num_proc > 1 and len(rel_paths) > 50:
         with ProcessPoolExecutor(num_proc) as pool:
             chunks = list(pool.map(_docstring_pairs, [root] * len(rel_paths), rel_paths, chunksize=16))
     else:
         chunks = [_docstring_pairs(root, rel) for rel in rel_paths]
     return [pair for chunk in chunks for pair in chunk]
-
-
-def _first_pairs(rel_paths: list[str], max_examples: int | None, num_proc: int) -> list[Record]:
-    """All pairs, or the first `max_examples` of the files in hash order (parsing only what is needed)."""
-    if max_examples is None:
-        return stdlib_sft_records(rel_paths, num_proc)
-    root = str(stdlib_root())
-    pairs = (pair for rel in sorted(rel_paths, key=hash_fraction) for pair in _docstring_pairs(root, rel))
-    return list(itertools.islice(pairs, max_examples))
 
 
 # ---------------------------------------------------------------- the corpus of a config
@@ -270,7 +265,7 @@ def stdlib_corpus(d: Any) -> Corpus:
     def load() -> tuple[list[Record], list[Record]]:
         if d.name == "stdlib":
             return ([{"text": read_source(root / r)} for r in train], [{"text": read_source(root / r)} for r in held])
-        return _first_pairs(train, d.max_examples, int(d.num_proc)), stdlib_sft_records(held, int(d.num_proc))
+        return stdlib_sft_records(train, int(d.num_proc), d.max_examples), stdlib_sft_records(held, int(d.num_proc))
 
     # stdlib_sft shares the stdlib tokenizer: both are trained on the stdlib's train files
     return Corpus(d.name, fp, {**base, "kind": "stdlib", "train": files_signature(root, train)}, load,
