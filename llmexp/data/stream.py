@@ -185,8 +185,7 @@ class StreamDataset:
             self._reader = iter(self._source)
             if start.source is None:  # an epoch's first rows: the eval set is never trained on
                 self._epoch_first = (start.epoch, start.examples)
-                for _ in itertools.islice(self._reader, self.spec.skip_rows):
-                    pass
+                next(itertools.islice(self._reader, self.spec.skip_rows, self.spec.skip_rows), None)
         return list(itertools.islice(self._reader, self.spec.window))
 
     def _next_epoch(self, end: WindowStart) -> None:
