@@ -291,9 +291,13 @@ def pad_id_of(tok: Any) -> int:
 MODES = ("lm_packed", "sft_packed", "padded")
 
 
-def example_mode(sft: bool, packing: bool) -> str:
-    """How records become rows: `lm_packed`, `sft_packed` or `padded` (the module docstring's pages)."""
-    return ("sft_packed" if sft else "lm_packed") if packing else "padded"
+def example_mode(cfg: DictConfig, sft: bool) -> str:
+    """How records become rows: `lm_packed`, `sft_packed` (where `check_packing_supported` allows it) or `padded`
+    (the module docstring's pages)."""
+    mode = ("sft_packed" if sft else "lm_packed") if cfg.data.packing else "padded"
+    if mode == "sft_packed":
+        check_packing_supported(cfg)
+    return mode
 
 
 def encode_records(mode: str, recs: list[Record], tok: Any) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
@@ -384,9 +388,7 @@ def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[TokenDataset, Token
         if not eval_recs:
             raise _empty_split_error(cfg, "eval", 0)
         sft = cfg.data.name == "stdlib_sft" or any("text" not in r for recs, held in loaded for r in recs + held)
-        mode = example_mode(sft, bool(cfg.data.packing))
-        if mode == "sft_packed":
-            check_packing_supported(cfg)
+        mode = example_mode(cfg, sft)
         train_parts = [_encode_cut(mode, recs, tokenizer, cfg, "train", _source_name(cfg, "train", i))
                        for i, (recs, _) in enumerate(loaded)]
         eval_part = _encode_cut(mode, eval_recs, tokenizer, cfg, "eval", _source_name(cfg, "eval", 0))

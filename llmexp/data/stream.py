@@ -29,7 +29,6 @@ from llmexp.data.corpora import check_record, files_signature
 from llmexp.data.datasets import (
     FORMAT_VERSION,
     TokenDataset,
-    check_packing_supported,
     concat_columns,
     cut_examples,
     encode_records,
@@ -303,9 +302,7 @@ def build_stream_datasets(cfg: DictConfig, tok: Any) -> tuple[StreamDataset, Tok
     began = time.perf_counter()
     d = cfg.data
     _, columns, where = _open(d, d.split)
-    mode = example_mode("text" not in columns, bool(d.packing))
-    if mode == "sft_packed":
-        check_packing_supported(cfg)
+    mode = example_mode(cfg, "text" not in columns)
     pad_id = pad_id_of(tok)
     held, eval_stats = _eval_dataset(d, mode, tok, int(d.max_length), pad_id)
     spec = StreamSpec(lambda: load_split(d, d.split, streaming=True), columns, mode, tok, int(d.max_length),
