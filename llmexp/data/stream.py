@@ -129,9 +129,7 @@ class StreamDataset:
 
     def position(self, step: int, global_batch_size: int) -> dict[str, Any]:
         """The window start that step `step`'s first example lies in, as JSON-able data for a checkpoint."""
-        first = step * global_batch_size
-        return copy.deepcopy(asdict(max((s for s in self._starts if s.examples <= first),
-                                        key=lambda s: s.examples, default=WindowStart(0, 0, 0))))
+        return copy.deepcopy(asdict(self._start_at(step * global_batch_size)))
 
     def restore(self, position: dict[str, Any]) -> None:
         """Continue from a checkpoint's `position` (an empty one: from the start)."""
@@ -150,11 +148,16 @@ class StreamDataset:
         self.close()
         self._starts, self._windows = [start], []
 
+    def _start_at(self, example: int) -> WindowStart:
+        """The last known window start at or before `example` (the split's start when none is known)."""
+        return max((s for s in self._starts if s.examples <= example), key=lambda s: s.examples,
+                   default=WindowStart(0, 0, 0))
+
     def _rewind(self, lo: int) -> None:
         """Go back to the window start at or before example `lo` when what is kept begins after it."""
         kept = self._windows[0][0] if self._windows else self._starts[-1].examples
-        if kept > lo:  # the start a checkpoint would give for a batch of one example at step `lo`
-            self.restore(self.position(lo, 1))
+        if kept > lo:
+            self._reset(self._start_at(lo))
 
     def _read_window(self) -> None:
         start = self._starts[-1]
