@@ -124,7 +124,8 @@ def launch_local(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
         outcomes.update(_run_queue(to_run, slots, work, warm, stop))
         returns = None if extras else [_job_return(s, outcomes[s.num], work) for s in specs]
         shutil.rmtree(work, ignore_errors=True)  # the pickles; llmexp's outcomes are recorded by finish_sweep
-        return returns or finish_sweep(specs, [outcomes[s.num] for s in specs], launcher.within_search)
+        return returns if returns is not None else finish_sweep(specs, [outcomes[s.num] for s in specs],
+                                                                launcher.within_search)
 
 
 def _job_return(spec: JobSpec, outcome: JobOutcome, work: Path) -> JobReturn:
