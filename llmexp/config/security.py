@@ -11,7 +11,7 @@ import copy
 import importlib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +85,8 @@ def target_problem(target: object) -> str | None:
     return None
 
 
-def find_values(node: Any, path: str = "", pick: Any = lambda key, value: key == "_target_") -> list[tuple[str, Any]]:
+def find_values(node: Any, path: str = "",
+                pick: Callable[[Any, Any], bool] = lambda key, value: key == "_target_") -> list[tuple[str, Any]]:
     """Every (`key.path`, value) in plain nested data whose key and value `pick` takes (default: every `_target_`);
     what it takes is not walked into."""
     found: list[tuple[str, Any]] = []
