@@ -74,8 +74,12 @@ def evaluate(lm: Any, tokenizer: Any, manager: Any, names: list[str], *, batch_s
 def metrics_of(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
     """The harness's `results` as {task: {metric: value}}: `acc,none` -> `acc`, `exact_match,strict-match` ->
     `exact_match_strict-match`; stderr and non-numbers left out."""
-    return {task: {metric if filt == "none" else f"{metric}_{filt}": float(value)
-                   for (metric, _, filt), value in ((key.partition(","), value) for key, value in values.items())
-                   if isinstance(value, int | float) and not isinstance(value, bool) and filt
-                   and not metric.endswith("_stderr")}
-            for task, values in results.items()}
+    out: dict[str, dict[str, float]] = {}
+    for task, values in results.items():
+        out[task] = {}
+        for key, value in values.items():
+            metric, _, filt = key.partition(",")
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if number and filt and not metric.endswith("_stderr"):
+                out[task][metric if filt == "none" else f"{metric}_{filt}"] = float(value)
+    return out
