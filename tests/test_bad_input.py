@@ -205,7 +205,7 @@ def test_an_argument_the_optimizer_rejects_exits_2(tmp_path: Path) -> None:
 def test_a_run_refused_while_it_sets_up_leaves_no_directory_but_keeps_an_earlier_runs(tmp_path: Path) -> None:
     """The optimizer's arguments are judged once it is built, after Hydra made the run directory: a refused fresh
     run removes it (Hydra's files, llmexp.log, the lock; in the working directory, only those), a refused rerun in a
-    finished run's directory keeps it, and its job log says why."""
+    finished run's directory keeps it and its `.hydra/` as they were, and its job log says why."""
     env = {"LLMEXP_CACHE": str(tmp_path / "cache")}
     bogus = [*TINY, "+optimizer.kwargs.bogus=1", "train.max_steps=1"]
     refused = run_cli([*bogus, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env)
@@ -218,8 +218,11 @@ def test_a_run_refused_while_it_sets_up_leaves_no_directory_but_keeps_an_earlier
     done = run_cli([*TINY, "train.max_steps=1", "train.eval_steps=100", f"hydra.run.dir={tmp_path / 'done'}"],
                    cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
+    hydra_files = {p.name: p.read_bytes() for p in (tmp_path / "done" / ".hydra").iterdir()}
     refused = run_cli([*bogus, "train.resume=never", f"hydra.run.dir={tmp_path / 'done'}"], cwd=tmp_path, env=env)
     assert refused.returncode == 2 and (tmp_path / "done" / "metrics.jsonl").exists(), refused.stderr[-2000:]
+    # the kept run's config is the one it ran with, not the refused one's
+    assert {p.name: p.read_bytes() for p in (tmp_path / "done" / ".hydra").iterdir()} == hydra_files
     last = (tmp_path / "done" / "llmexp.log").read_text().splitlines()[-1]  # the kept run's log says why
     assert "refused: optimizer: torch.optim.AdamW rejected its arguments" in last and "bogus" in last, last
 

@@ -184,6 +184,7 @@ SAMPLES: dict[str, tuple[str, Callable[[], bytes], tuple[Any, ...]]] = {
     "llmexp.rundir.tracking:read_run_file": ("json", lambda: b'{"tracking_uri": "sqlite:///m.db", '
                                              b'"experiment_id": "1", "run_id": "ab"}', ()),
     "llmexp.rundir.lock:lock_pid": ("text", lambda: b"4242\n", ()),
+    "llmexp.rundir.lock:read_hydra_file": ("bytes", lambda: b"lr: 0.1\n", ()),
     "llmexp.rundir.study:read_journal": ("bytes", lambda: b'{"op_code": 0, "worker_id": "w"}\n', ()),
     "llmexp.sweep.local:read_outcome": ("json", lambda: b'{"num": 0, "status": "completed", "exit_code": 0, '
                                         b'"error": null, "job_id": null}', ()),

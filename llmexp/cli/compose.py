@@ -43,7 +43,7 @@ def check_run(config_name: str | None, overrides: list[str]) -> None:
     `${llmexp_run_id:}` gives the same directory in `@hydra.main`'s own composition (one id per process)."""
     from llmexp.config.validation import validate
     from llmexp.machine.environment import check_environment
-    from llmexp.rundir.lock import lock_run_dir
+    from llmexp.rundir.lock import keep_hydra_files, lock_run_dir
     from llmexp.sweep.check import check_inputs
 
     cfg = compose_checked(config_name, overrides)
@@ -55,6 +55,7 @@ def check_run(config_name: str | None, overrides: list[str]) -> None:
     check_environment(cfg)
     check_inputs(cfg)
     lock_run_dir(str(cfg.hydra.run.dir))
+    keep_hydra_files(str(cfg.hydra.run.dir))
 
 
 def check_sweep(config_name: str | None, overrides: list[str]) -> None:

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
 
 from llmexp.errors import UserError
-from llmexp.rundir.readers import Damaged, entry_of, read_text, reader
+from llmexp.rundir.files import atomic_file
+from llmexp.rundir.readers import Damaged, entry_of, read_bytes, read_text, reader
 
 LOCK_NAME = ".llmexp.lock"
+HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
+"""What Hydra writes in `.hydra/` as a run starts, before llmexp can refuse it."""
 
 
 _held_locks: dict[str, object] = {}
@@ -51,6 +55,36 @@ def _lock(directory: Path, what: str, key: str) -> None:
                         f"for it to end, or choose another directory with {key}=...") from None
     path.write_text(f"{os.getpid()}\n")
     _held_locks[str(path.resolve())] = lock
+
+
+_found: dict[Path, bytes | None] = {}
+"""`.hydra/`'s files in the directory the CLI locked, as it found them (None: none), for `put_back_hydra_files`."""
+
+
+def keep_hydra_files(run_dir: Path | str) -> None:
+    """Called by the CLI once it locked `run_dir`, before Hydra writes there."""
+    _found.clear()
+    _found.update({path: read_hydra_file(path) for path in (Path(run_dir, ".hydra", n) for n in HYDRA_FILES)})
+
+
+@reader
+def read_hydra_file(path: Path) -> bytes:
+    return read_bytes(path, entry_of(read_hydra_file).max_bytes)
+
+
+def put_back_hydra_files(run_dir: Path) -> None:
+    """A run refused in a directory that stays (an earlier run's): `.hydra/` as the CLI found it, so that the
+    directory keeps the config it ran with, not the refused one's."""
+    for path, data in _found.items():
+        if path.parent.parent.resolve() != run_dir.resolve():
+            continue  # (another directory: the run's own composition resolved a ${now:} anew)
+        if data is None:
+            path.unlink(missing_ok=True)
+        else:
+            with atomic_file(path, "wb") as f:
+                f.write(data)
+    with contextlib.suppress(OSError):  # (an empty one: the directory had none)
+        (run_dir / ".hydra").rmdir()
 
 
 def wait_for_lock(run_dir: Path, waiting: Callable[[int | None], None], poll_s: float = 2.0) -> None:

@@ -117,6 +117,7 @@ READERS: dict[str, Reader] = {  # module:qualname -> Reader
     "llmexp.rundir.readers:read_yaml": Reader(RECORD, ".hydra/*.yaml, multirun.yaml", "", 16 * MiB),
     "llmexp.rundir.tracking:read_run_file": Reader(RECORD, "mlflow_run.json", fields=MLFLOW_RUN),
     "llmexp.rundir.lock:lock_pid": Reader(RECORD, ".llmexp.lock", max_bytes=KiB),
+    "llmexp.rundir.lock:read_hydra_file": Reader(RECORD, ".hydra/*.yaml, kept to be put back", "", 16 * MiB),
     "llmexp.rundir.study:read_journal": Reader(RECORD, "study.journal", max_bytes=None),
     "llmexp.sweep.local:read_outcome": Reader(RECORD, ".llmexp/<N>.outcome.json", fields=JOB_OUTCOME),
     "llmexp.sweep.local:read_pickle": Reader(RECORD, ".llmexp/<N>.job.pkl, <N>.return.pkl", max_bytes=None),

@@ -12,7 +12,7 @@ from llmexp.config.validation import validate
 from llmexp.errors import STATUS_EXIT, UserError
 from llmexp.machine.environment import check_environment
 from llmexp.monitor.console import job_log
-from llmexp.rundir.lock import LOCK_NAME
+from llmexp.rundir.lock import HYDRA_FILES, LOCK_NAME, put_back_hydra_files
 from llmexp.rundir.redact import print_user_error, scrub_text
 
 
@@ -37,7 +37,7 @@ def run_guarded(cfg: DictConfig) -> int:
     return STATUS_EXIT[result.status]
 
 
-RUN_START_FILES = {".": {".hydra", "llmexp.log", LOCK_NAME}, ".hydra": {"config.yaml", "hydra.yaml", "overrides.yaml"}}
+RUN_START_FILES = {".": {".hydra", "llmexp.log", LOCK_NAME}, ".hydra": set(HYDRA_FILES)}
 """What a single run's directory holds before the run has written anything: Hydra's config files and job log, and
 the CLI's lock."""
 
@@ -47,7 +47,8 @@ def _leave_refused_run_dir(message: str) -> None:
     argument) leaves no directory behind, as a refusal before Hydra starts does. Only a directory that holds
     nothing but `RUN_START_FILES` goes: never a resumed run's, a user's own files, or a sweep job's (its record);
     with `hydra.run.dir=.` only the start files go, never the working directory itself. A directory that stays
-    (an earlier run's) gets the refusal in its job log, where the next reader of that run looks."""
+    (an earlier run's) keeps `.hydra/` as it was (`put_back_hydra_files`) and gets the refusal in its job log, where
+    the next reader of that run looks."""
     import contextlib
     import shutil
     from pathlib import Path
@@ -64,6 +65,7 @@ def _leave_refused_run_dir(message: str) -> None:
             logger.error("refused: %s (no step ran; checkpoints, metrics and model/ are as they were)", message)
             if own is not None:
                 own.close()
+            put_back_hydra_files(run_dir)
             return
         shutil.rmtree(run_dir / ".hydra")
         for name in RUN_START_FILES["."] - {".hydra"}:
