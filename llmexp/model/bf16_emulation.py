@@ -105,9 +105,6 @@ class _WideCache:
             self._entries.popitem(last=False)
         return wide
 
-    def clear(self) -> None:
-        self._entries.clear()
-
 
 def _storage_key(x: torch.Tensor, shape: Sequence[int], stride: Sequence[int]) -> tuple[Any, ...]:
     return (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(shape), tuple(stride), x._version)
@@ -205,8 +202,7 @@ def _attention_fwd(func: Any, args: Sequence[Any], kwargs: dict[str, Any], widen
         torch.bmm(_round_(numerator), att.v[:, :keys], out=out[:, start:stop])
         out[:, start:stop].mul_(total.reciprocal())
         lse[:, start:stop] = (peak + total.log()).squeeze(-1)
-    n = q.shape[2]
-    lse_kernel_layout = torch.empty(q.shape[0], n, q.shape[1]).permute(0, 2, 1)  # (batch, query, head) in memory
+    lse_kernel_layout = torch.empty(q.shape[0], q.shape[2], q.shape[1]).permute(0, 2, 1)  # memory: batch, query, head
     return att.unflat(out).to(torch.bfloat16), lse_kernel_layout.copy_(att.unflat(lse))
 
 
@@ -253,7 +249,7 @@ class Bf16Emulation(TorchDispatchMode):
         self._wide = _WideCache()
 
     def __exit__(self, *exc: Any) -> Any:
-        self._wide.clear()  # nothing outlives the context
+        self._wide = _WideCache()  # nothing outlives the context
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (),

@@ -170,9 +170,8 @@ def activation_bytes(cfg: DictConfig, precision: str, micro_batch: int, model: A
     heads = c.num_attention_heads
     kv_dim = (getattr(c, "head_dim", None) or d // heads) * (getattr(c, "num_key_value_heads", None) or heads)
     half = 2 if precision in ("bf16", "fp16") else 4
-    fp32_elems = 4 * d  # residual inputs and norm outputs
-    mm_elems = 3 * d + 2 * kv_dim + 4 * i  # q, k, v, attention out, o_proj in, the MLP's four
-    per_layer_token = 4 * fp32_elems + half * mm_elems
+    # 4d fp32 residual inputs and norm outputs; q, k, v, attention out, o_proj in, the MLP's four in `half` bytes
+    per_layer_token = 4 * 4 * d + half * (3 * d + 2 * kv_dim + 4 * i)
     # gradient checkpointing keeps each layer's input and recomputes one layer at a time in backward
     layer_bytes = tokens * (layers * 4 * d + per_layer_token if cfg.model.gradient_checkpointing
                             else layers * per_layer_token)
@@ -268,14 +267,13 @@ def resolved_precision(name: str) -> str:
 def format_estimate(est: MemoryEstimate, *, label: str) -> str:
     rows = [("weights", est.weights), ("gradients", est.gradients), ("optimizer state", est.optimizer),
             *([("FSDP gathered", est.gathered)] if est.gathered else []),
-            ("activations", est.activations), ("total per device", est.total)]
+            ("activations", est.activations), ("total per device", est.total),
+            *([("CPU (offloaded)", est.cpu_offloaded)] if est.cpu_offloaded else [])]
     lines = [label, f"  parameters        {est.num_params / 1e6:,.1f} M"]
     if est.trainable_params is not None:
         share = est.trainable_params / max(1, est.num_params)
         lines.append(f"  trainable         {est.trainable_params / 1e6:,.2f} M ({share:.2%}: the adapters)")
     lines += [f"  {name:<17} {value / MiB:>12,.1f} MiB" for name, value in rows]
-    if est.cpu_offloaded:
-        lines.append(f"  {'CPU (offloaded)':<17} {est.cpu_offloaded / MiB:>12,.1f} MiB")
     return "\n".join(lines)
 
 
@@ -299,10 +297,9 @@ def memory_budget(device_type: str, processes_on_host: int) -> float:
     return psutil.virtual_memory().available * CPU_RAM_SHARE / max(1, processes_on_host)
 
 
-def largest_fitting(cfg: DictConfig, candidates: list[int], budget: float, **kwargs: Any) -> int:
+def largest_fitting(cfg: DictConfig, candidates: list[int], budget: float, on_cpu: bool = True, **kwargs: Any) -> int:
     """The largest candidate micro-batch whose estimate fits `budget`, offloaded host memory included when `on_cpu`
     (device and host are one); the smallest when none does (the probe decides then). `kwargs` go to `estimate`."""
-    on_cpu = kwargs.pop("on_cpu", True)
     kwargs.setdefault("model", model_config(cfg))  # read once (a GGUF's header), not once per candidate
     for micro in sorted(candidates, reverse=True):
         est = estimate(cfg, micro_batch=micro, **kwargs)
