@@ -8,25 +8,22 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from omegaconf import DictConfig
-
-from llmexp.monitor.detectors import MonitorSettings, diagnose, is_spike
+from llmexp.monitor.detectors import diagnose, is_spike
 
 if TYPE_CHECKING:
-    from llmexp.monitor.logger import MetricsLogger
-    from llmexp.train.state import LoopState, Run
+    from llmexp.train.state import Run
 
 BLOWUP_FACTOR = 3.0
 """A loss above this multiple of the lowest recent loss is a blow-up even before the spike
 detector has enough history (an absurd lr wrecks the weights in one or two steps)."""
 
 
-def judge_step(train: DictConfig, state: LoopState, loss: float, grad_norm: float, *, fp16: bool, stepped: bool,
-               settings: MonitorSettings, log: MetricsLogger) -> str:
-    """ok (take the step), skipped, rollback or diverged, by `train.on_anomaly`. `stepped`: the engine has already
-    applied or skipped the step (DeepSpeed computes the norm inside its step). A non-finite step was then skipped
-    by the engine and is judged as usual; a finite spike cannot be undone and is left to the detectors."""
-    if fp16 and math.isfinite(loss) and not math.isfinite(grad_norm):
+def judge_step(run: Run, loss: float, grad_norm: float) -> str:
+    """ok (take the step), skipped, rollback or diverged, by `train.on_anomaly`. `stepped`: the engine steps first and
+    has already applied or skipped the step (DeepSpeed computes the norm inside its step). A non-finite step was then
+    skipped by the engine and is judged as usual; a finite spike cannot be undone and is left to the detectors."""
+    train, state, settings, stepped = run.cfg.train, run.state, run.desc.monitor, run.engine.steps_first
+    if run.desc.precision.name == "fp16" and math.isfinite(loss) and not math.isfinite(grad_norm):
         state.skipped_steps += stepped  # DeepSpeed's scaler skipped it (GradScaler's skips are counted where it steps)
         return "ok"  # an fp16 overflow: the loss scaler skips this step and lowers the scale itself
     finite, recent = math.isfinite(loss) and math.isfinite(grad_norm), state.recent_losses
@@ -44,8 +41,8 @@ def judge_step(train: DictConfig, state: LoopState, loss: float, grad_norm: floa
         verdict = "diverged" if state.consecutive_anomalies > train.max_consecutive_anomalies else "skipped"
     else:
         verdict = "diverged" if state.rollbacks >= train.max_rollbacks else "rollback"
-    log.log({"event": "anomaly", "step": state.step, "loss": loss, "grad_norm": grad_norm,
-             "policy": policy, "action": verdict})
+    run.log.log({"event": "anomaly", "step": state.step, "loss": loss, "grad_norm": grad_norm,
+                 "policy": policy, "action": verdict})
     return verdict
 
 

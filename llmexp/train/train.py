@@ -133,8 +133,7 @@ def _loop(run: Run, eval_ds: data_lib.TokenDataset, suite: TaskSuite | None, pre
         loss, grad_norm = torch.stack([rt.reduce_sum(loss_sum) / n_targets,
                                        grad_norm.float().reshape(())]).tolist()
         # Non-finite or spiking: the policy decides BEFORE the weights change (DeepSpeed: after, its step is taken).
-        verdict = judge_step(cfg.train, state, loss, grad_norm, fp16=desc.precision.name == "fp16",
-                             stepped=engine.steps_first, settings=desc.monitor, log=log)
+        verdict = judge_step(run, loss, grad_norm)
         if verdict == "ok" and not engine.steps_first:
             state.skipped_steps += not engine.step(optimizer)  # optimizer.step(); fp16: the scaler skips overflows
         optimizer.zero_grad(set_to_none=True)
