@@ -72,7 +72,6 @@ class Engine(ABC):
         """fp16's current loss scale (train records log it), None without one."""
         return None
 
-    # ------------------------------------------------------------------ checkpoints
     def lm(self, model: torch.nn.Module) -> torch.nn.Module:
         """The Hugging Face model inside the engine's, compile's and the loss head's wrappers."""
         return getattr(model, "module", model).lm  # DistributedDataParallel's, DeepSpeed's engine

@@ -76,7 +76,6 @@ class DeepSpeedEngine(Engine):
     def loss_scale(self) -> float | None:
         return float(self._ds.optimizer.loss_scale) if self.precision == "fp16" else None
 
-    # ------------------------------------------------------------------ checkpoints
     def full_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """ZeRO-3: the LM's weights gathered layer by layer (rank 0 gets the tensors)."""
         if self.stage < 3:

@@ -25,10 +25,6 @@ from llmexp.errors import UserError
 from llmexp.model.build import decoder_blocks
 from llmexp.train.engines.base import Engine, OptimizerWriter, refuse_other_kind
 
-DCP_DIR = "dcp"
-"""The directory inside `checkpoints/step_<N>/` that holds the DCP checkpoint."""
-
-
 OFFLOAD_BACKEND = "cuda:nccl,cpu:gloo"
 """fsdp.cpu_offload keeps the gradients, and so the grad norm clip reduces, on the CPU, which NCCL cannot carry:
 gloo takes the CPU tensors (torchtitan opens the same group for its CPU offload)."""
@@ -67,7 +63,6 @@ class FsdpEngine(Engine):
         self.cpu_offload = cpu_offload
         self.model: torch.nn.Module | None = None  # the sharded model, for the checkpoint writer
 
-    # ------------------------------------------------------------------ building
     def _mesh(self) -> Any:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -106,7 +101,6 @@ class FsdpEngine(Engine):
     def prepare(self, model: torch.nn.Module, optimizer: Any) -> tuple[torch.nn.Module, Any]:
         return model, optimizer  # already sharded; Accelerate's DDP wrapper must stay out
 
-    # ------------------------------------------------------------------ the step
     @contextmanager
     def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
         """Accumulate unsharded gradients; the last micro-batch reduce-scatters them once."""
@@ -116,7 +110,6 @@ class FsdpEngine(Engine):
         finally:
             model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
-    # ------------------------------------------------------------------ checkpoints
     def checkpoint_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {}  # the weights are in dcp/, written by `optimizer_writer`
 
@@ -139,7 +132,7 @@ class FsdpEngine(Engine):
 
         return self.staged_writer(run_dir / ".fsdp_dcp" / f"step_{step}",
                                   lambda staging: dcp_save(self._state(optimizer), checkpoint_id=str(staging)),
-                                  into=DCP_DIR)
+                                  into="dcp")  # checkpoints/step_<N>/dcp/, where resume looks for it
 
     def load_state(self, model: torch.nn.Module, optimizer: Any, payload: dict[str, Any]) -> None:
         """dcp.load into this run's shards, whatever the number of processes that saved them."""

@@ -42,7 +42,6 @@ class PlainEngine(Engine):
     def loss_scale(self) -> float | None:
         return self.scaler.get_scale() if self.scaler is not None else None
 
-    # ------------------------------------------------------------------ checkpoints
     def checkpoint_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The weights a checkpoint holds: all of them, or with adapters only the trainable ones. The
         frozen base is rebuilt identically on resume (loaded from `model.name_or_path`, or initialised
