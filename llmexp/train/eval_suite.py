@@ -35,9 +35,6 @@ class TaskSuite:
     harness: Any = None
     """lm-evaluation-harness's task index, when `eval.lm_eval.tasks` names any (rank 0 only)."""
 
-    def __bool__(self) -> bool:
-        return bool(self.choice or self.generate or self.perplexity or self.harness is not None)
-
 
 def perplexity_cfg(cfg: DictConfig, entry: DictConfig) -> DictConfig:
     """The run's config with `data` replaced by an extra held-out set's: the entry's fields over the run's data
@@ -73,7 +70,8 @@ def build_suite(cfg: DictConfig, tokenizer: Any, files: TaskFiles, is_main: bool
         lm = ev.lm_eval
         suite.harness = harness.task_manager(lm.include_path, lm.include_defaults)
         harness.check_tasks(suite.harness, list(lm.tasks), lm.include_path, lm.include_defaults)
-    return suite if suite else None  # (a harness-only suite is rank 0's: the others wait at the next collective)
+    named = suite.choice or suite.generate or suite.perplexity or suite.harness is not None
+    return suite if named else None  # (a harness-only suite is rank 0's: the others wait at the next collective)
 
 
 def _demo_items(cfg: DictConfig) -> list[ChoiceItem]:
