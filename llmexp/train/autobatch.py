@@ -22,11 +22,10 @@ from llmexp.errors import UserError
 from llmexp.model import build
 from llmexp.model.estimate import largest_fitting, memory_budget, meta_facts
 from llmexp.monitor.throughput import peak_rss_mb, reset_peak_rss, rss_mb
+from llmexp.rundir.readers import MiB
 
 if TYPE_CHECKING:
     from llmexp.train.runtime import Runtime
-
-MiB = 2**20
 
 
 @dataclass(frozen=True)
