@@ -203,7 +203,6 @@ def grid_step(values: list[float]) -> float:
 DEEPSEEK_LLM = {"lr": {"a": 0.3118, "b": -0.1250}, "batch_tokens": {"a": 0.2920, "b": 0.3271}}
 """DeepSeek LLM (2024, arXiv:2401.02954, section 3.1): eta_opt = 0.3118 * C^-0.1250 and B_opt = 0.2920 * C^0.3271
 (tokens per step), C the compute in FLOPs."""
-STANDARD, MUP = "standard", "mup"
 
 
 @dataclass
@@ -254,7 +253,7 @@ def read_job(job_dir: Path) -> Job | str:
     # model.parametrization is newer than some runs, which were all trained in the standard parametrization
     parametrization = config_value(load_config(job_dir), "model.parametrization")
     return Job(job_dir, int(params), float(lr), None if diverged else float(loss), int(batch), int(context),
-               float(step or 0) * batch * context, parametrization if isinstance(parametrization, str) else STANDARD)
+               float(step or 0) * batch * context, parametrization if isinstance(parametrization, str) else "standard")
 
 
 def collect(sweep_dirs: list[Path]) -> tuple[list[Job], list[dict[str, str]]]:
@@ -288,13 +287,11 @@ def _means(jobs: list[Job]) -> tuple[list[float], list[float], list[int], list[l
 
 def _advice(axis: str, edge: str | None, best: float, above: list[float]) -> str | None:
     """What to do about a minimum at the grid's edge."""
-    if edge == "low":
-        return f"{axis} grid too narrow, extend it down (its best is its lowest, {best:.3g})"
     if edge == "high" and above:  # a higher lr diverged: the optimum lies between the two
         return f"{axis} grid too narrow: add {axis}s between {best:.3g} and {min(above):.3g}, which diverged"
-    if edge == "high":
-        return f"{axis} grid too narrow, extend it up (its best is its highest, {best:.3g})"
-    return None
+    if edge == "low":
+        return f"{axis} grid too narrow, extend it down (its best is its lowest, {best:.3g})"
+    return f"{axis} grid too narrow, extend it up (its best is its highest, {best:.3g})" if edge else None
 
 
 def lr_fit(jobs: list[Job], where: str) -> tuple[dict[str, Any], Vertex]:
@@ -406,7 +403,7 @@ def fit_sweeps(sweep_dirs: list[Path], target_params: float | None = None,
                         "rules: fit each parametrization's sweeps separately")
     fits = [size_fit(n, [j for j in jobs if j.params == n], seed_lr) for n in sorted({j.params for j in jobs})]
     sizes, vertices = [f[0] for f in fits], [f[1] for f in fits]
-    mup = mup_transfer(sizes, jobs) if kinds == [MUP] else None
+    mup = mup_transfer(sizes, jobs) if kinds == ["mup"] else None
     # an edge has no vertex: its best lr is only bounded
     best_lrs = [(s["params"], v.x_best, v.draws) for s, v in zip(sizes, vertices, strict=True) if v.x_best is not None]
     why = "muP: the best lr is not expected to scale with size" if mup else \
