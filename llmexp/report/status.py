@@ -86,10 +86,8 @@ def scheduler_states(job_ids: list[str], timeout_s: float = SCHEDULER_TIMEOUT_S)
             proc.kill()
             proc.communicate()
             continue
-        for line in out.splitlines():
-            job_id, _, state = line.strip().partition("|")
-            if state:
-                found[i][job_id] = state.split()[0]  # `CANCELLED by 0` -> CANCELLED
+        pairs = (line.strip().partition("|") for line in out.splitlines())
+        found[i] = {job_id: state.split()[0] for job_id, _, state in pairs if state}  # `CANCELLED by 0` -> CANCELLED
     live, ended = found  # sacct's RUNNING can lag behind a job that squeue no longer lists: only its final states
     ended = {j: state for j, state in ended.items() if state not in ("RUNNING", "PENDING", *QUEUED_STATES)}
     answered = all(proc.returncode is not None and proc.returncode >= 0 for proc in procs)
