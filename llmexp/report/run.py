@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from llmexp.monitor.detectors import ERROR, Finding, is_open, worst_severity
+from llmexp.monitor.detectors import ERROR, is_open, worst_severity
 from llmexp.report.findings import finding_state, run_findings
 from llmexp.report.formats import fmt, fmt_rate, is_finite, md_cell, md_table
 from llmexp.rundir.files import write_text_atomic
@@ -158,23 +158,21 @@ def run_report_markdown(run_dir: Path, records: list[dict], summary: dict | None
         "## Settings that mattered\n",
         _table(["setting", "value"], settings_rows(_with_auto_batch(cfg, records))) if cfg
         else "No `.hydra/config.yaml` found.\n",
-        *([samples] if (samples := samples_markdown(records)) else []),
-        *([tasks] if (tasks := tasks_markdown(records)) else []),
+        samples_markdown(records), tasks_markdown(records),
         "## Curves\n", "![curves](curves.png)\n",
         "Regenerate with `python -m llmexp.doctor RUN_DIR`.\n",
     ]
-    return "\n".join(parts)
+    return "\n".join(p for p in parts if p)  # (no samples or tasks: no section)
 
 
-def write_run_report(run_dir: Path, findings: list[Finding] | list[dict] | None = None) -> None:
+def write_run_report(run_dir: Path, findings: list[dict] | None = None) -> None:
     """Write report.md and curves.png from metrics.jsonl, summary.json and .hydra/; `findings` defaults to a fresh
     diagnosis of metrics.jsonl (or summary.json's when there are no metrics)."""
     from llmexp.report.plots import plot_run
 
     run_dir = Path(run_dir)
     records = load_records(run_dir)
-    found = run_findings(run_dir, records) if findings is None else \
-        [f.to_dict() if isinstance(f, Finding) else dict(f) for f in findings]
+    found = run_findings(run_dir, records) if findings is None else findings
     cfg = load_config(run_dir)
     text = run_report_markdown(run_dir, records, load_summary(run_dir), found, cfg,
                                load_overrides(run_dir))
