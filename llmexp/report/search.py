@@ -13,6 +13,7 @@ from typing import Any
 from llmexp.report.formats import fmt, md_table
 from llmexp.rundir.read import config_value, load_config, load_summary
 from llmexp.rundir.readers import read_yaml
+from llmexp.rundir.study import load_study as open_study
 from llmexp.rundir.study import study_journal
 
 PRUNED = "pruned"
@@ -24,8 +25,6 @@ RUNNING = "running"
 def load_study(sweep_dir: Path) -> tuple[Any | None, str | None]:
     """(the study, None), (None, None) for a sweep without one (a grid), or (None, why) when the journal
     exists but cannot be read, which the report says in one line rather than failing."""
-    from llmexp.rundir.study import load_study as open_study
-
     path = study_journal(sweep_dir)
     if not path.is_file():
         return None, None
@@ -135,7 +134,6 @@ def search_summary(sweep_dir: Path, study: Any, jobs: list[dict]) -> dict[str, A
 
 
 def _sign(study: Any) -> float:
-    """1 when the study minimises, -1 when it maximises (`sweep.direction`)."""
     return -1.0 if study.direction.name == "MAXIMIZE" else 1.0
 
 
