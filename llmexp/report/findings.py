@@ -6,14 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from llmexp.monitor.detectors import DETECTOR_KINDS, reconcile, settings_from_config
-from llmexp.rundir.read import load_config, load_records, load_summary
+from llmexp.rundir.read import load_config, load_summary
 
 
-def run_findings(run_dir: Path, records: list[dict] | None = None) -> list[dict]:
+def run_findings(run_dir: Path, records: list[dict]) -> list[dict]:
     """A run's findings as summary.json holds them (`monitor.reconcile`): every finding the trainer printed kept
     (open, resolved or superseded), plus any of summary.json's of a kind the detectors do not produce."""
-    run_dir = Path(run_dir)
-    records = load_records(run_dir) if records is None else records
     summary = load_summary(run_dir) or {}
     if not records:
         return [f for f in summary.get("findings", []) if isinstance(f, dict)]
