@@ -278,13 +278,6 @@ def collect(sweep_dirs: list[Path]) -> tuple[list[Job], list[dict[str, str]]]:
 
 # ----------------------------------------------------------------------------- one size
 
-def _means(jobs: list[Job]) -> tuple[list[float], list[float], list[int], list[list[float]]]:
-    """Per distinct lr (ascending): the lr, the mean loss over its runs (seeds, sweeps), the run count, the losses."""
-    lrs = sorted({j.lr for j in jobs if j.loss is not None})
-    by_lr = {lr: [j.loss for j in jobs if j.lr == lr and j.loss is not None] for lr in lrs}
-    return lrs, [float(np.mean(by_lr[lr])) for lr in lrs], [len(by_lr[lr]) for lr in lrs], [by_lr[lr] for lr in lrs]
-
-
 def _advice(axis: str, edge: str | None, best: float, above: list[float]) -> str | None:
     """What to do about a minimum at the grid's edge."""
     if edge == "high" and above:  # a higher lr diverged: the optimum lies between the two
@@ -296,11 +289,13 @@ def _advice(axis: str, edge: str | None, best: float, above: list[float]) -> str
 
 def lr_fit(jobs: list[Job], where: str) -> tuple[dict[str, Any], Vertex]:
     """The best lr of one size's jobs (one batch size): the points, the parabola and its vertex."""
-    lrs, losses, runs, reps = _means(jobs)
+    lrs = sorted({j.lr for j in jobs if j.loss is not None})
+    reps = [[j.loss for j in jobs if j.lr == lr and j.loss is not None] for lr in lrs]  # each lr's runs (seeds, sweeps)
     if len(lrs) < 3:
         raise UserError(f"{where}: {len(lrs)} lr(s) with an eval loss ({', '.join(f'{lr:.3g}' for lr in lrs)}); a "
                         "parabola needs at least 3: sweep lr at this size over 3 or more values ~3x apart around "
                         "the expected best (e.g. lr=1e-3,3e-3,1e-2)")
+    losses, runs = [float(np.mean(r)) for r in reps], [len(r) for r in reps]
     v = vertex([math.log(lr) for lr in lrs], losses, runs, reps)
     diverged = sorted({j.lr for j in jobs if j.loss is None})
     best, interval, grid_best = v.in_units()
