@@ -170,8 +170,9 @@ def activation_bytes(cfg: DictConfig, precision: str, micro_batch: int, model: A
     heads = c.num_attention_heads
     kv_dim = (getattr(c, "head_dim", None) or d // heads) * (getattr(c, "num_key_value_heads", None) or heads)
     half = 2 if precision in ("bf16", "fp16") else 4
-    # 4d fp32 residual inputs and norm outputs; q, k, v, attention out, o_proj in, the MLP's four in `half` bytes
-    per_layer_token = 4 * 4 * d + half * (3 * d + 2 * kv_dim + 4 * i)
+    fp32_elems = 4 * d  # residual inputs and norm outputs
+    mm_elems = 3 * d + 2 * kv_dim + 4 * i  # q, k, v, attention out, o_proj in, the MLP's four
+    per_layer_token = 4 * fp32_elems + half * mm_elems
     # gradient checkpointing keeps each layer's input and recomputes one layer at a time in backward
     layer_bytes = tokens * (layers * 4 * d + per_layer_token if cfg.model.gradient_checkpointing
                             else layers * per_layer_token)
