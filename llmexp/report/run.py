@@ -31,8 +31,7 @@ def _key_metrics(records: list[dict], summary: dict) -> list[tuple[str, str]]:
         ("peak memory (MB)", fmt(summary.get("peak_mem_mb", last_value(records, "train", "mem_mb")))),
         ("wall time (s)", fmt(pick("time_s"))),
         ("parameters", _parameters(summary)),
-        ("lr", f"{fmt(summary.get('lr'))} ({summary['lr_source']})" if summary.get("lr_source")
-         else fmt(summary.get("lr"))),
+        ("lr", fmt(summary.get("lr")) + (f" ({summary['lr_source']})" if summary.get("lr_source") else "")),
     ]
     return [(k, v) for k, v in rows if v != "–"]
 
