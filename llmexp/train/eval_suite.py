@@ -95,10 +95,8 @@ def run_tasks(suite: TaskSuite, run: Run, step: int, loss_of: Callable[[TokenDat
         start = time.perf_counter()
         loss = loss_of(ds)
         records.append(_record(step, name, "perplexity", {"loss": loss, "ppl": safe_exp(loss)}, len(ds), start))
-    for name, (items, delimiter) in suite.choice.items():
-        records.append(_choice_task(run, step, name, items, delimiter))
-    for name, (items, task_cfg) in suite.generate.items():
-        records.append(_generate_task(run, step, name, items, task_cfg))
+    records += [_choice_task(run, step, name, items, delimiter) for name, (items, delimiter) in suite.choice.items()]
+    records += [_generate_task(run, step, name, items, task) for name, (items, task) in suite.generate.items()]
     if suite.harness is not None:
         records += _harness_tasks(run, suite.harness, step)
     for record in records:
