@@ -49,7 +49,6 @@ def format_findings(findings: list[dict], paint: Paint) -> str:
 def diagnose_run(run_dir: Path) -> tuple[int, str]:
     """(exit code, text to print) for one run directory; rewrites its report."""
     records = load_records(run_dir)
-    summary = load_summary(run_dir) or {}
     findings = run_findings(run_dir, records)
     try:
         write_run_report(run_dir, findings)
@@ -57,7 +56,7 @@ def diagnose_run(run_dir: Path) -> tuple[int, str]:
     except OSError as err:  # the diagnosis stands without its report
         wrote = f"report.md not written: {unwritable(run_dir, err)}"
     paint = _painter(sys.stdout)
-    status = summary.get("status", "no summary.json (killed, or still running)")
+    status = (load_summary(run_dir) or {}).get("status", "no summary.json (killed, or still running)")
     steps = max((int(r["step"]) for r in records if r.get("event") == "train"), default=0)
     header = f"{paint(str(run_dir), 'bold')}: status {status}, {steps} steps, {len(records)} metric records"
     counts = {s: sum(f["severity"] == s and is_open(f) for f in findings) for s in ("error", "warning", "info")}
