@@ -30,7 +30,7 @@ def load_study(sweep_dir: Path) -> tuple[Any | None, str | None]:
         return None, None
     try:
         return open_study(sweep_dir), None
-    except (KeyError, ValueError, OSError) as err:  # no study in it yet, or a corrupt line mid-file
+    except (ValueError, OSError) as err:  # a damaged journal (a UserError), or one that cannot be opened
         return None, f"{path} could not be read ({type(err).__name__}: {err})"
 
 
