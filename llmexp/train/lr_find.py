@@ -91,9 +91,10 @@ def range_test(cfg: DictConfig, rt: Runtime, vocab_size: int, train_ds: Any, dat
     if len(curve) < 3:
         raise UserError(f"lr=find: the loss diverged within {len(curve)} steps of train.lr_find_start="
                         f"{first:g}; lower train.lr_find_start (e.g. 1e-8) or check the data")
-    return {**suggest([c["lr"] for c in curve], [c["smoothed"] for c in curve], t.lr_find_rule), "stopped": stopped,
-            "steps_run": len(curve), "lr_find_steps": steps, "lr_find_start": first, "lr_find_end": last,
-            "seconds": round(time.perf_counter() - start_s, 2), "curve": curve}
+    picked = suggest([c["lr"] for c in curve], [c["smoothed"] for c in curve], t.lr_find_rule)
+    return {**picked, "stopped": stopped, "steps_run": len(curve), "lr_find_steps": steps,
+            "lr_find_start": first, "lr_find_end": last, "seconds": round(time.perf_counter() - start_s, 2),
+            "curve": curve}
 
 
 def _rising_lr(run: Run, train_ds: Any, forward_backward: ForwardBackward, steps: int, first: float,
