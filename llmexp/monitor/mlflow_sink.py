@@ -85,16 +85,12 @@ def _http_limits(timeout_s: float, retries: int) -> Iterator[None]:
     _use_http_defaults()
     names = {"MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, math.ceil(timeout_s))),
              "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(retries)}
-    saved = {k: os.environ.get(k) for k in names}
+    saved = {k: os.environ[k] for k in names}  # both are HTTP_DEFAULTS' keys: set by now
     os.environ.update(names)
     try:
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        os.environ.update(saved)
 
 
 @contextlib.contextmanager
