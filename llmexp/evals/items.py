@@ -4,6 +4,7 @@ anything loads, so a bad file exits 2 with nothing written (what each mistake na
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,18 +96,14 @@ def generate_item(value: Any, where: str) -> GenerateItem:
     return GenerateItem(prompt, target)
 
 
-def _read_items(path: str | Path, key: str, max_items: int | None, item: Callable[[Any, str], T]) -> list[T]:
+def _read_items(item: Callable[[Any, str], T], path: str | Path, key: str, max_items: int | None = None) -> list[T]:
     """The items of a task file (the first `max_items`), every record checked by `item`."""
     path = Path(path).expanduser()
     return [item(v, f"{path}:{n}: record {i}") for i, (n, v) in enumerate(_json_lines(path, key))][:max_items]
 
 
-def read_choice_items(path: str | Path, key: str, max_items: int | None = None) -> list[ChoiceItem]:
-    return _read_items(path, key, max_items, choice_item)
-
-
-def read_generate_items(path: str | Path, key: str, max_items: int | None = None) -> list[GenerateItem]:
-    return _read_items(path, key, max_items, generate_item)
+read_choice_items = functools.partial(_read_items, choice_item)
+read_generate_items = functools.partial(_read_items, generate_item)
 
 
 @dataclass
