@@ -151,8 +151,7 @@ def _non_finite(h: _History, settings: MonitorSettings) -> Iterator[Finding]:
         if math.isfinite(loss) and not math.isfinite(gnorm) and settings.precision == "fp16":
             scaler_overflows += 1  # the fp16 loss scaler overflowed and skipped the step: by design
             continue
-        what = [name for name, v in (("loss", loss), ("grad norm", gnorm)) if not math.isfinite(v)]
-        if what:
+        if what := [name for name, v in (("loss", loss), ("grad norm", gnorm)) if not math.isfinite(v)]:
             bad.append((int(rec["step"]), " and ".join(what)))
     if bad:
         first_step, what = bad[0]

@@ -74,8 +74,7 @@ class MetricsLogger:
         self._file.flush()
         for sink in self.sinks:
             sink.log(record)
-        line = format_line(record)
-        if line:
+        if line := format_line(record):
             eta = self.eta_s() if record["event"] == "train" else None
             self.write(line + (f" | eta {format_duration(eta)}" if eta is not None else ""))
 

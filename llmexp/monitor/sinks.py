@@ -126,8 +126,7 @@ class WandbSink(Sink):
             self.run.log({"trainer/step": int(record["step"]),
                           "samples": wandb.Table(columns=["step", "prompt", "completion"], data=rows)})
             return
-        data = numbers(record)
-        if data:
+        if data := numbers(record):
             self.run.log({"trainer/step": int(record["step"]), **data})
 
     def close(self) -> None:
