@@ -91,9 +91,8 @@ def measure_peak_tflops(device: torch.device, dtype: torch.dtype, seconds: float
     return 2.0 * n**3 * count / (time.perf_counter() - start) / 1e12
 
 
-def measure_ceiling(device: torch.device, dtype: torch.dtype, windows: int = 3,
-                    seconds: float = 0.1) -> tuple[float, bool]:
-    """(the best of `windows` matmul ceilings, whether this process had its cores to itself).
+def measure_ceiling(device: torch.device, dtype: torch.dtype, seconds: float = 0.1) -> tuple[float, bool]:
+    """(the best of three matmul ceilings, whether this process had its cores to itself).
 
     On CPU, cores shared with other processes show as CPU time below threads x wall time while the
     matmuls run (~0.97 alone here, ~0.5-0.6 beside one or two busy processes). The load average
@@ -101,7 +100,7 @@ def measure_ceiling(device: torch.device, dtype: torch.dtype, windows: int = 3,
     divided by it too high, so it must not be kept.
     """
     wall, cpu = time.perf_counter(), time.process_time()
-    best = max(measure_peak_tflops(device, dtype, seconds) for _ in range(windows))
+    best = max(measure_peak_tflops(device, dtype, seconds) for _ in range(3))
     if device.type != "cpu":
         return best, True
     share = (time.process_time() - cpu) / (torch.get_num_threads() * (time.perf_counter() - wall))
