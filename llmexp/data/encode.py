@@ -52,8 +52,9 @@ def _plain_spans(messages: list[dict[str, str]], eos: str) -> tuple[str, Spans]:
     return text, spans
 
 
-def render(rec: Record, tok: Any) -> tuple[str, Spans, bool]:
-    """(text, target character spans, add the tokenizer's own special tokens?) of one record."""
+def render(i: int, rec: Record, tok: Any) -> tuple[str, Spans, bool]:
+    """(text, target character spans, add the tokenizer's own special tokens?) of record `i`; a chat template's own
+    refusal (Gemma's and Mistral's raise on a system turn) or syntax error is the user's mistake it is."""
     eos = tok.eos_token
     if "text" in rec:
         text = rec["text"] + eos
@@ -61,18 +62,12 @@ def render(rec: Record, tok: Any) -> tuple[str, Spans, bool]:
     if "prompt" in rec:
         text = rec["prompt"] + rec["completion"] + eos
         return text, [(len(rec["prompt"]), len(text))], True
-    if getattr(tok, "chat_template", None):
-        return (*_chat_spans(rec["messages"], tok), False)  # templates write their own bos
-    return (*_plain_spans(rec["messages"], eos), True)
-
-
-def _rendered(i: int, rec: Record, tok: Any) -> tuple[str, Spans, bool]:
-    """`render`, with a chat template's own refusal (Gemma's and Mistral's raise on a system turn) or syntax error
-    as the user's mistake it is."""
+    if not getattr(tok, "chat_template", None):
+        return (*_plain_spans(rec["messages"], eos), True)
     from jinja2 import TemplateError
 
     try:
-        return render(rec, tok)
+        return (*_chat_spans(rec["messages"], tok), False)  # templates write their own bos
     except TemplateError as err:
         raise UserError(f"record {i}: the tokenizer's chat template fails on it ({type(err).__name__}: "
                         f"{first_line(err)}); change the conversation (a role the template refuses?), or set "
@@ -89,7 +84,7 @@ def encode_lm(texts: list[str], tok: Any) -> list[np.ndarray]:
 def encode_sft(records: list[Record], tok: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """SFT examples: ids and a boolean target mask per record. The first token is never a target
     (nothing precedes it), which also keeps packed examples from predicting across boundaries."""
-    rendered = [_rendered(i, r, tok) for i, r in enumerate(records)]
+    rendered = [render(i, r, tok) for i, r in enumerate(records)]
     ids: list[np.ndarray] = [np.empty(0, np.int64)] * len(records)
     masks: list[np.ndarray] = [np.empty(0, bool)] * len(records)
     for special in (True, False):
