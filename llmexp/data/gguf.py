@@ -34,10 +34,9 @@ def gguf_path(cfg: DictConfig) -> Path:
             path = Path(hf_hub_download(str(m.name_or_path), str(m.gguf_file), revision=m.revision,
                                         local_files_only=not hub_reachable()))
         except Exception as err:  # huggingface_hub's errors (no repo, no file, offline) share no base class
-            reason = f"{type(err).__name__}: {first_line(err)}"
             raise UserError(f"model.gguf_file={m.gguf_file}: cannot fetch it from the hub repo {m.name_or_path} "
-                            f"({reason}); download it where the hub is reachable and set model.name_or_path to the "
-                            "directory that holds it") from None
+                            f"({type(err).__name__}: {first_line(err)}); download it where the hub is reachable and "
+                            "set model.name_or_path to the directory that holds it") from None
     if problem := gguf_file_problem(path):
         raise UserError(problem)
     return path
