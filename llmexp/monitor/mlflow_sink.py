@@ -278,17 +278,16 @@ class MlflowSink(Sink):
             self.sender = None
 
     def _start(self, cfg_container: dict, lg: Any, run_name: str, sweep_dir: Path | None, new_run: bool) -> None:
-        store = connect(lg.tracking_uri, str(lg.experiment), sweep_dir or self.run_dir, float(lg.init_timeout_s))
-        self.store = store
+        self.store = connect(lg.tracking_uri, str(lg.experiment), sweep_dir or self.run_dir, float(lg.init_timeout_s))
         tags = {"llmexp.run_dir": str(self.run_dir.absolute())}
         parent = read_mlflow_run(sweep_dir) if sweep_dir is not None else None
-        if parent is not None and parent["tracking_uri"] == store.uri:
+        if parent is not None and parent["tracking_uri"] == self.store.uri:
             tags["mlflow.parentRunId"] = parent["run_id"]
-        run, self.continued = continue_or_create(store, self.run_dir, run_name_from_overrides(run_name), tags,
+        run, self.continued = continue_or_create(self.store, self.run_dir, run_name_from_overrides(run_name), tags,
                                                  new_run=new_run)
         self.run_id = run.info.run_id
-        self._log_params(store.client, flat_params(scrub(cfg_container)), dict(run.data.params))
-        self.sender = _Sender(store.client, self.run_id)
+        self._log_params(self.store.client, flat_params(scrub(cfg_container)), dict(run.data.params))
+        self.sender = _Sender(self.store.client, self.run_id)
         self.sender.start()
 
     def _log_params(self, client: Any, params: dict[str, str], existing: dict[str, str]) -> None:
