@@ -109,14 +109,13 @@ def _text_source_problem(key: str, value: Any) -> str | None:
     path, found, problem = _look(key, value, "a text file, a directory of them, or a glob", directory=None)
     if problem:
         return problem
-    if found is not None and stat.S_ISDIR(found.st_mode):
-        return None if text_source_files(str(value)) else (
-            f"{key}={value}: is a directory with no non-empty file in it (hidden ones are skipped); add text "
-            "files or point it elsewhere")
-    if found is not None:
+    if found is not None and not stat.S_ISDIR(found.st_mode):
         return None if found.st_size else f"{key}={value}: is empty (0 bytes); add text or point it elsewhere"
-    if text_source_files(str(value)):
+    if text_source_files(str(value)):  # a directory's files, or a glob's matches
         return None
+    if found is not None:
+        return (f"{key}={value}: is a directory with no non-empty file in it (hidden ones are skipped); add text "
+                "files or point it elsewhere")
     return (f"{key}={value}: no such file, directory or glob match with text in it (looked at {path.absolute()}); "
             f"fix the path or set {key}=path/to/{'train' if 'train' in key else 'eval'}.txt")
 
