@@ -18,27 +18,26 @@ from llmexp.rundir.readers import load_yaml, reader
 
 
 def origin_of(loader: Any, cfg: Any, overrides: list[str]) -> Any:
-    """`key -> origin` for a config composed by `loader` (a Hydra ConfigLoader) from `overrides`."""
-    return lambda key: key_origin(loader, cfg, overrides, key)
+    """`key -> origin` for a config composed by `loader` (a Hydra ConfigLoader) from `overrides`: "command line"
+    when an override sets the key or a node above it, else the last config (in Hydra's defaults order) that sets
+    it; "config" when that cannot be told."""
+    def key_origin(key: str) -> str:
+        try:
+            groups = {str(choice).split("@")[0] for choice in cfg.hydra.runtime.choices}
+            for ov in reversed(OverridesParser.create().parse_overrides(list(overrides))):
+                name = ov.key_or_group
+                if not ov.is_delete() and name not in groups and (key == name or key.startswith(f"{name}.")):
+                    return "command line"
+            defaults = loader.compute_defaults_list(cfg.hydra.job.config_name, list(overrides), RunMode.RUN).defaults
+            sources = [(str(s.schema), str(s.path)) for s in cfg.hydra.runtime.config_sources]
+            for default in reversed(defaults):
+                if found := _setting_source(sources, default, key):
+                    return found
+        except Exception:  # the origin is a courtesy; the refusal stands without it
+            pass
+        return "config"
 
-
-def key_origin(loader: Any, cfg: Any, overrides: list[str], key: str) -> str:
-    """Where the value at `key` came from: "command line" when an override sets the key or a node above it, else
-    the last config (in Hydra's defaults order) that sets it; "config" when that cannot be told."""
-    try:
-        groups = {str(choice).split("@")[0] for choice in cfg.hydra.runtime.choices}
-        for ov in reversed(OverridesParser.create().parse_overrides(list(overrides))):
-            name = ov.key_or_group
-            if not ov.is_delete() and name not in groups and (key == name or key.startswith(f"{name}.")):
-                return "command line"
-        defaults = loader.compute_defaults_list(cfg.hydra.job.config_name, list(overrides), RunMode.RUN).defaults
-        sources = [(str(s.schema), str(s.path)) for s in cfg.hydra.runtime.config_sources]
-        for default in reversed(defaults):
-            if found := _setting_source(sources, default, key):
-                return found
-    except Exception:  # the origin is a courtesy; the refusal stands without it
-        pass
-    return "config"
+    return key_origin
 
 
 def _setting_source(sources: list[tuple[str, str]], default: Any, key: str) -> str | None:
