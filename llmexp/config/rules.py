@@ -42,11 +42,9 @@ class Range:
     """What a special value means, e.g. "(0 disables)"."""
 
     def contains(self, value: float) -> bool:
-        if value in self.also:
-            return True
         above = value > self.low if self.low_open else value >= self.low
         below = value < self.high if self.high_open else value <= self.high
-        return above and below
+        return value in self.also or (above and below)
 
     def describe(self) -> str:
         if self.high == math.inf:
