@@ -253,8 +253,7 @@ def config_problems(cfg: DictConfig) -> list[tuple[str, str]]:
     problems += [(key, p) for key, value in find_values({"hydra": hydra}) if (p := _hydra_target_problem(key, value))]
     problems += _job_target_problems(probe)
     relative_to = job_dir if (hydra.get("job") or {}).get("chdir") else os.getcwd()
-    for node in ("job_logging", "hydra_logging"):
-        base = job_dir if node == "job_logging" else (sweep_dir if multirun else run_dir)
+    for node, base in (("job_logging", job_dir), ("hydra_logging", sweep_dir if multirun else run_dir)):
         problems += _logging_problems(hydra.get(node) or {}, f"hydra.{node}", base, relative_to)
     problems += _derived_path_problems(hydra, job_dir)
     problems += _env_set_problems(hydra.get("job") or {})
