@@ -53,9 +53,8 @@ def _widths(text: str, model: Any) -> tuple[float, ...]:
     if len(widths) < 2 or widths[0] <= 0:
         raise UserError(f"--widths {text}: give two or more positive width multipliers, e.g. --widths 1,2,4,8")
     for width in widths:  # here, or `validate` would name model.width_mult, which the user never wrote
-        broken = [f"{k}={model[k]} x {width:g} = {model[k] * width:g}" for k in WIDTH_KEYS
-                  if isinstance(model[k], int) and not float(model[k] * width).is_integer()]
-        if broken:
+        if broken := [f"{k}={model[k]} x {width:g} = {model[k] * width:g}" for k in WIDTH_KEYS
+                      if isinstance(model[k], int) and not float(model[k] * width).is_integer()]:
             raise UserError(f"--widths {text}: {width:g} gives sizes that are not whole numbers "
                             f"({'; '.join(broken)}); whole multipliers always do, e.g. --widths 1,2,4,8")
     return widths

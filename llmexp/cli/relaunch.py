@@ -100,8 +100,7 @@ def end_with_parent(sig: int = signal.SIGTERM) -> None:
     import ctypes
 
     parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_DEATHSIG, int(sig), 0, 0, 0) != 0:
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DEATHSIG, int(sig), 0, 0, 0) != 0:
         return  # best effort: the workers still watch their own launcher
     if os.getppid() != parent:  # the parent died before the setting took hold: nobody is left to serve
         os._exit(EXIT_ERROR)
