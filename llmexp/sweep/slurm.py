@@ -241,13 +241,12 @@ def wait_for_jobs(specs: Sequence[JobSpec], jobs: Sequence[submitit.Job], poll_s
 def _still_completing(job: submitit.Job) -> bool:
     """sacct says the job ended, but its processes are still finishing (a cancelled trainer saving a
     checkpoint and summary): wait for them, at most SLURM's KillWait, so the record is complete."""
-    task0 = job.task(0) if job.num_tasks > 1 else job
-    return not task0.paths.result_pickle.exists() and bool(slurm_state(job.job_id))
+    return not job.task(0).paths.result_pickle.exists() and bool(slurm_state(job.job_id))
 
 
 def collect(spec: JobSpec, job: submitit.Job) -> JobOutcome:
     """A finished job's outcome: its own result (rank 0), else what sacct says happened."""
-    task0 = job.task(0) if job.num_tasks > 1 else job
+    task0 = job.task(0)  # (the job itself when it has one task)
     state = str(job.state).upper()
     ended = slurm_end_status(state) or "failed"  # SLURM's end state as a run status (COMPLETED, no result: failed)
     if task0.paths.result_pickle.exists():
