@@ -69,7 +69,7 @@ def _scan(path: Path, seen: set[Path], found: list[str]) -> None:
     includes = data.get("include") if isinstance(data, dict) else None
     for include in includes if isinstance(includes, list) else [includes] if includes else []:
         if isinstance(include, str):
-            _scan(Path(include) if Path(include).is_absolute() else path.parent / include, seen, found)
+            _scan(path.parent / include, seen, found)  # (an absolute include replaces path.parent)
 
 
 def _leaves(value: Any, where: str = "") -> list[tuple[str, Any]]:
