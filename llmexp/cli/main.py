@@ -90,11 +90,6 @@ def _preflight(args: argparse.Namespace, args_parser: argparse.ArgumentParser) -
 def cli() -> None:
     """Entry point. Hydra exits 1 on a compose error; that is a user's mistake, so exit 2."""
     maybe_relaunch()  # `accelerate launch --cpu --num_processes N`: start the N ranks before Hydra runs
-
-    try:  # typos, unknown options, wrong types: before anything is composed
-        sys.argv[1:] = check_args(sys.argv[1:])  # secrets become ${oc.env:LLMEXP_SECRET_<n>}
-    except UserError as err:
-        sys.exit(print_user_error("llmexp", err))
     from llmexp.sweep.jobs import jobs_launched
 
     version.setbase("1.3")
@@ -103,6 +98,7 @@ def cli() -> None:
     guard_package_sources()  # pkg:// search paths import only llmexp's and Hydra's packages
     parser = args_parser()
     try:
+        sys.argv[1:] = check_args(sys.argv[1:])  # typos first; secrets become ${oc.env:LLMEXP_SECRET_<n>}
         args = parser.parse_args()
         if args.experimental_rerun is not None:
             raise UserError(f"--experimental-rerun {args.experimental_rerun}: refused, it unpickles that file (code "
