@@ -45,14 +45,12 @@ def _values(override: Any) -> list[Any]:
 
 
 def _override_errors(ov: Any, custom_tree: bool) -> list[str]:
-    key, values = ov.key_or_group, _values(ov)
-    if ov.is_delete() or "/" in key or ov.package:
-        return []
-    if key == "_target_" or key.endswith("._target_") or key.startswith("hydra."):
-        return []  # judged on the composed config, after interpolation (`security.config_problems`)
+    key = ov.key_or_group
+    if ov.is_delete() or "/" in key or ov.package or key.split(".")[-1] == "_target_" or key.startswith("hydra."):
+        return []  # a _target_ or hydra.*: judged on the composed config, interpolated (`security.config_problems`)
     options = group_options(key)
     if options is not None and not (ov.is_add() or ov.is_force_add()):
-        return [e for e in (_option_error(key, v, options, custom_tree) for v in values if v is not None) if e]
+        return [e for e in (_option_error(key, v, options, custom_tree) for v in _values(ov) if v is not None) if e]
     problem = unknown_key(key)
     if problem and (ov.is_add() or ov.is_force_add()):
         problem += " (`+` adds keys to free-form dicts only, e.g. +optimizer.kwargs.foo=1)"
