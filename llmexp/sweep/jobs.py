@@ -25,7 +25,6 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from llmexp.config.origin import origin_of
 from llmexp.config.security import check_config
-from llmexp.config.tree import register_resolvers
 from llmexp.errors import EXIT_USER, STATUS_EXIT, UserError
 from llmexp.rundir.files import write_json_atomic, write_text_atomic
 from llmexp.rundir.lock import lock_run_dir, wait_for_lock
@@ -181,7 +180,6 @@ def execute(spec: JobSpec, task_function: Any, hydra_context: Any, singleton_sta
     security check and the job directory's lock come first, before Hydra writes there; a refusal is this job's."""
     from llmexp.train.guarded import last_user_error, user_error_exit
 
-    register_resolvers()
     _enter(singleton_state)
     try:
         check_config(spec.config)
