@@ -44,8 +44,7 @@ def node_fields(cls: Any) -> dict[str, Any] | None:
 
 @dataclass(frozen=True)
 class Leaf:
-    """A leaf of the schema as its field declares it (`rules.key`): dotted key, type (`X | None` unwrapped), the
-    annotation as written, default, rule and doc."""
+    """A leaf of the schema as its field declares it (`rules.key`); `type` is its annotation with `| None` removed."""
 
     key: str
     type: Any
