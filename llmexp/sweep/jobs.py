@@ -261,10 +261,7 @@ def write_report(sweep_dir: Path) -> None:
     """The sweep report (llmexp.report.sweep); a failing report must not hide the jobs' outcomes."""
     try:
         from llmexp.report.sweep import write_sweep_report
-    except ImportError as err:
-        log.warning(f"sweep report skipped ({err}); run `python -m llmexp.report {sweep_dir}` later")
-        return
-    try:
+
         write_sweep_report(sweep_dir)
     except Exception as err:  # report bugs must not turn a finished sweep into a crash
         log.warning(f"writing the sweep report failed: {type(err).__name__}: {err}")
