@@ -30,7 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import PY, REPO, load_average, machine, markdown_table, publish, run_process, utc_now
 from transfer import fit
 
-from llmexp.train.lr_find import RULES  # the rules lr_find.json records a pick for
+from llmexp.config.keys import leaves
+
+RULES = leaves()["train.lr_find_rule"].rule.options
+"""The rules lr_find.json records a pick for: train.lr_find_rule's options, read from its schema field."""
 
 SCHEDULE = ["data.max_length=128", "batch_size=8", "optimizer=adamw", "scheduler=cosine", "train.save_steps=0",
             "train.save_final=false", "train.eval_batches=8", "train.logging_steps=50"]
