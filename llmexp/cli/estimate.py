@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
@@ -68,8 +67,7 @@ def _auto_upper_bound(cfg: DictConfig, world: int, facts: dict[str, Any]) -> tup
     import torch
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    processes = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if device_type == "cpu" else 1
-    budget = memory_budget(device_type, processes)
+    budget = memory_budget(device_type, world)
     upper = largest_fitting(cfg, auto_batch_candidates(cfg, world, 0), budget, on_cpu=device_type == "cpu", **facts)
     return upper, (f"\nbatch_size=auto: up to {upper} per device by this estimate ({budget / MiB:,.0f} MiB to plan "
                    f"with on this {device_type}); the run's probe step confirms it")

@@ -286,16 +286,18 @@ CUDA_FREE_SHARE = 0.9
 context are not in the accounting (the probe then finds out for sure)."""
 
 
-def memory_budget(device_type: str, processes_on_host: int) -> float:
-    """Bytes one process may plan with: a share of this GPU's free memory, or on CPU a share of the
-    available RAM split between the processes of this host (they share it)."""
+def memory_budget(device_type: str, world: int) -> float:
+    """Bytes one process of a `world`-process run may plan with: a share of this GPU's free memory, or on CPU a
+    share of the available RAM split between the processes of this host (they share it: `LOCAL_WORLD_SIZE` of them,
+    else the whole world)."""
     if device_type == "cuda":
         import torch
 
         return torch.cuda.mem_get_info()[0] * CUDA_FREE_SHARE
     import psutil
 
-    return psutil.virtual_memory().available * CPU_RAM_SHARE / max(1, processes_on_host)
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return psutil.virtual_memory().available * CPU_RAM_SHARE / max(1, processes)
 
 
 def largest_fitting(cfg: DictConfig, candidates: list[int], budget: float, on_cpu: bool = True, **kwargs: Any) -> int:

@@ -9,7 +9,6 @@ CPU running out, and a retry would rebuild data and logger too; this probe is on
 from __future__ import annotations
 
 import gc
-import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -55,11 +54,9 @@ def choose_batch_size(cfg: DictConfig, rt: Runtime, vocab_size: int, num_example
         return AutoBatch(**{**saved, "source": "checkpoint"})
     started = time.perf_counter()
     candidates = auto_batch_candidates(cfg, rt.world, num_examples)
-    on_cuda = rt.device.type == "cuda"
-    # On CPU the processes of one host share its RAM; on CUDA each rank has its GPU.
-    processes = 1 if on_cuda else int(os.environ.get("LOCAL_WORLD_SIZE", rt.world))
-    budget = memory_budget(rt.device.type, processes)
-    upper = largest_fitting(cfg, candidates, budget, on_cpu=not on_cuda, **meta_facts(cfg, rt.precision.name, rt.world))
+    budget = memory_budget(rt.device.type, rt.world)
+    on_cpu = rt.device.type != "cuda"
+    upper = largest_fitting(cfg, candidates, budget, on_cpu=on_cpu, **meta_facts(cfg, rt.precision.name, rt.world))
     chosen, probed, note = 0, [], ""
     if cfg.fsdp.name != "none":
         # The probe builds the model unwrapped: under FSDP it would measure unsharded memory and pick far too
