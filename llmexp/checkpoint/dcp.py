@@ -19,6 +19,8 @@ from typing import Any
 from llmexp.checkpoint.serialize import CorruptCheckpoint, loading
 from llmexp.rundir.readers import open_regular
 
+DIR_NAME = "dcp"
+"""The directory in `checkpoints/step_<N>/` that holds an FSDP checkpoint (the engine writes it, resume reads it)."""
 METADATA_FILE = ".metadata"
 
 _ALLOWED_GLOBALS: dict[str, frozenset[str]] = {

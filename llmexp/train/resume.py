@@ -72,7 +72,7 @@ def _load_checked(run: Run, path: Path) -> dict[str, Any]:
     """Read (and so verify) every file of a checkpoint this rank needs, no pickle code running, and check that it
     fits the run (`_check_fits`), applying nothing yet. An FSDP checkpoint's `dcp/` has only its `.metadata` read
     here (a refusal falls back like any corrupt file); its shards are read by `FsdpEngine.load_state`."""
-    rank, model_file, dcp_dir = run.rt.rank, path / "model.safetensors", path / "dcp"
+    rank, model_file, dcp_dir = run.rt.rank, path / "model.safetensors", path / dcp.DIR_NAME
     if dcp_dir.is_dir():
         dcp.read_metadata(dcp_dir)
     elif not model_file.exists():

@@ -132,7 +132,7 @@ class FsdpEngine(Engine):
 
         return self.staged_writer(run_dir / ".fsdp_dcp" / f"step_{step}",
                                   lambda staging: dcp_save(self._state(optimizer), checkpoint_id=str(staging)),
-                                  into="dcp")  # checkpoints/step_<N>/dcp/, where resume looks for it
+                                  into=dcp.DIR_NAME)
 
     def load_state(self, model: torch.nn.Module, optimizer: Any, payload: dict[str, Any]) -> None:
         """dcp.load into this run's shards, whatever the number of processes that saved them."""
