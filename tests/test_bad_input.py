@@ -227,6 +227,24 @@ def test_a_run_refused_while_it_sets_up_leaves_no_directory_but_keeps_an_earlier
     assert "refused: optimizer: torch.optim.AdamW rejected its arguments" in last and "bogus" in last, last
 
 
+def test_a_refusal_puts_back_the_hydra_files_it_could_read_and_no_others(tmp_path: Path) -> None:
+    """What the CLI keeps of `.hydra/` before Hydra writes: a readable file comes back byte for byte, one that was
+    not there goes, and one that was there but could not be read (larger than its reader's 16 MiB) keeps what
+    Hydra wrote rather than being removed."""
+    from llmexp.rundir.lock import keep_hydra_files, put_back_hydra_files
+
+    hydra = tmp_path / ".hydra"
+    hydra.mkdir()
+    (hydra / "config.yaml").write_bytes(b"lr: 1\n")
+    (hydra / "hydra.yaml").write_bytes(b"\0" * (16 * 2**20 + 1))
+    keep_hydra_files(tmp_path)
+    for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):  # what Hydra writes for the refused run
+        (hydra / name).write_bytes(b"refused\n")
+    put_back_hydra_files(tmp_path)
+    assert sorted(p.name for p in hydra.iterdir()) == ["config.yaml", "hydra.yaml"]
+    assert (hydra / "config.yaml").read_bytes() == b"lr: 1\n" and (hydra / "hydra.yaml").read_bytes() == b"refused\n"
+
+
 def test_an_empty_resume_is_one_message_naming_what_it_takes(tmp_path: Path) -> None:
     """train.resume defaults to auto, not null: an empty value is one mistake, one message, and it names the
     values the key takes (not "leave it out (null)")."""

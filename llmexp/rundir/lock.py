@@ -62,9 +62,12 @@ _found: dict[Path, bytes | None] = {}
 
 
 def keep_hydra_files(run_dir: Path | str) -> None:
-    """Called by the CLI once it locked `run_dir`, before Hydra writes there."""
+    """Called by the CLI once it locked `run_dir`, before Hydra writes there. A file that is there but cannot be
+    read (its reader said so) is not kept: a refusal leaves Hydra's in its place rather than removing it."""
     _found.clear()
-    _found.update({path: read_hydra_file(path) for path in (Path(run_dir, ".hydra", n) for n in HYDRA_FILES)})
+    for path in (Path(run_dir, ".hydra", n) for n in HYDRA_FILES):
+        if (data := read_hydra_file(path)) is not None or not path.exists():
+            _found[path] = data
 
 
 @reader
