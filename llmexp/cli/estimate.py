@@ -54,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         facts = meta_facts(cfg, precision, world)
     except UserError as err:  # a model directory whose config.json transformers cannot read
         return print_user_error("llmexp.estimate", err)
-    micro, auto_line = _auto_upper_bound(cfg, world, facts) if parse_batch_size(cfg.batch_size) is None else (None, "")
+    auto_line, micro = "", None
+    if parse_batch_size(cfg.batch_size) is None:
+        micro, auto_line = _auto_upper_bound(cfg, world, facts)
     label = (f"model={cfg.model.name} peft={cfg.peft.name} precision={precision} optimizer={cfg.optimizer.name} "
              f"deepspeed={cfg.deepspeed.name} fsdp={cfg.fsdp.name}{' cpu_offload' if cfg.fsdp.cpu_offload else ''} "
              f"world_size={world} batch_size={micro or cfg.batch_size} max_length={cfg.data.max_length}")

@@ -71,7 +71,8 @@ def _preflight(args: argparse.Namespace, args_parser: argparse.ArgumentParser) -
                 sys.exit(0)
             # Hydra reads the run mode from the config (one more composition); llmexp takes it from --multirun.
             sys.argv.append(f"hydra.mode={'MULTIRUN' if args.multirun else 'RUN'}")
-            (compose.check_sweep if args.multirun else compose.check_run)(config_name, [*args.overrides, sys.argv[-1]])
+            check = compose.check_sweep if args.multirun else compose.check_run
+            check(config_name, [*args.overrides, sys.argv[-1]])
     except (UserError, SystemExit, BrokenPipeError):
         raise
     except Exception as err:  # Hydra's and OmegaConf's composition errors

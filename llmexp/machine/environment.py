@@ -70,11 +70,13 @@ def _tracking_errors(cfg: Any) -> list[str]:
     """`logger=mlflow` needs the mlflow package, and a SQLite store's directory must exist (its file is created)."""
     if cfg.logger.name != "mlflow":
         return []
-    errors = [] if importlib.util.find_spec("mlflow") else [
-        "logger=mlflow needs the mlflow package: pip install 'llmexp[mlflow]' (or pip install mlflow), or pick another "
-        "logger"]
-    if isinstance(uri := cfg.logger.tracking_uri, str) and uri.startswith("sqlite:///"):
-        errors += _sqlite_errors(uri, Path(uri.removeprefix("sqlite:///")).absolute())
+    errors = []
+    if importlib.util.find_spec("mlflow") is None:
+        errors.append("logger=mlflow needs the mlflow package: pip install 'llmexp[mlflow]' (or pip install mlflow), "
+                      "or pick another logger")
+    uri = cfg.logger.tracking_uri
+    if isinstance(uri, str) and uri.startswith("sqlite:///"):
+        errors.extend(_sqlite_errors(uri, Path(uri.removeprefix("sqlite:///")).absolute()))
     return errors
 
 
