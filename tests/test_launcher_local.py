@@ -153,6 +153,7 @@ def test_the_launcher_refuses_another_sweeps_directory_before_it_writes(tmp_path
     """The second guard, behind the CLI's (`check_sweep`): no job pickles left in the other sweep's directory."""
     from types import SimpleNamespace
 
+    from hydra_plugins.llmexp_launcher.llmexp_launcher import LocalLauncherConf
     from llmexp.sweep import local
     from llmexp.sweep.jobs import JobSpec
 
@@ -162,7 +163,7 @@ def test_the_launcher_refuses_another_sweeps_directory_before_it_writes(tmp_path
     before = sorted(tmp_path.rglob("*"))
     monkeypatch.setattr(local, "compose_jobs", lambda *_: [JobSpec(0, ["lr=0.001"], None, job_dir)])
     monkeypatch.setattr(local, "is_llmexp_config", lambda _: True)
-    launcher = SimpleNamespace(settings={}, config=None, task_function=None, hydra_context=None)
+    launcher = SimpleNamespace(settings=LocalLauncherConf(), config=None, task_function=None, hydra_context=None)
     with pytest.raises(UserError, match="holds a job of another sweep"):
         local.launch_local(launcher, [["lr=0.001"]], 0)
     assert sorted(tmp_path.rglob("*")) == before

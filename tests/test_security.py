@@ -195,12 +195,13 @@ def test_wandb_config_never_holds_an_env_secret_the_config_references(tmp_path: 
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """`+x.ref=${oc.env:MY_SERVICE_PASSWORD}` resolves to the secret in the config wandb receives; neither
     the key name nor the value's shape gives it away, only its being an env secret's value."""
+    from llmexp.config.schema import LoggerConfig
     from llmexp.monitor.sinks import WandbSink
 
     monkeypatch.setenv("MY_SERVICE_PASSWORD", "canary-env-password-31")
     monkeypatch.setenv("WANDB_MODE", "offline")
     config = {"cluster": {"additional_parameters": {"ref": "canary-env-password-31", "marker": "VISIBLE_MARKER_4712"}}}
-    sink = WandbSink(tmp_path, config, "default", {"mode": "offline", "project": "llmexp"})
+    sink = WandbSink(tmp_path, config, "default", LoggerConfig(name="wandb", mode="offline", project="llmexp"))
     sink.log({"event": "train", "step": 1, "loss": 1.0})
     sink.close()
     blobs = [p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()]

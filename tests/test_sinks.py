@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
+from llmexp.config.schema import LoggerConfig
 from llmexp.errors import UserError
 from llmexp.monitor.sinks import TensorBoardSink, WandbSink, run_name_from_overrides, wandb_mode
 from llmexp.rundir.redact import REDACTED, is_secret_key, scrub
@@ -99,8 +99,7 @@ def test_wandb_offline_run_is_readable_and_has_no_secrets(tmp_path: Path, monkey
     monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
     cfg = {"lr": 1e-3, "batch_size": 4, "model": {"hidden_size": 64}, "hub": {"hf_token": CANARY}}
-    logger_cfg = OmegaConf.create({"name": "wandb", "project": "llmexp-test", "entity": None, "mode": "auto",
-                                   "tags": ["ci"]})
+    logger_cfg = LoggerConfig(name="wandb", project="llmexp-test", entity=None, mode="auto", tags=["ci"])
     sink = WandbSink(tmp_path, cfg, f"lr=1e-3,+hub.hf_token={CANARY}", logger_cfg)
     assert sink.mode == "offline"
     for record in records():

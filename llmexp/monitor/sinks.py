@@ -13,6 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from llmexp.config.schema import LoggerConfig, to_container
 from llmexp.errors import UserError, first_line
 from llmexp.monitor.records import Sink, numbers, run_name_from_overrides
 from llmexp.rundir.read import load_summary, swept_keys
@@ -25,8 +26,6 @@ def make_sinks(cfg: DictConfig, run_dir: Path) -> list[Sink]:
     """The optional sink the `logger` group picks (wandb, tensorboard or mlflow); jsonl is always on."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
-
-    from llmexp.config.schema import to_container
 
     if cfg.logger.name not in ("wandb", "tensorboard", "mlflow"):
         return []
@@ -82,21 +81,19 @@ def wandb_mode(configured: str) -> str:
 class WandbSink(Sink):
     """Weights & Biases: the resolved config (secrets removed), train/*, eval/* and tasks/* against trainer/step."""
 
-    def __init__(self, run_dir: Path, cfg_container: dict, run_name: str, logger_cfg: Any) -> None:
+    def __init__(self, run_dir: Path, cfg_container: dict, run_name: str, logger_cfg: LoggerConfig) -> None:
         if os.environ.get("WANDB_MODE") == "":  # empty means unset to a shell user; wandb would raise on it
             del os.environ["WANDB_MODE"]
         import wandb
 
-        get = logger_cfg.get if hasattr(logger_cfg, "get") else lambda k, d=None: getattr(logger_cfg, k, d)
-        self.mode = wandb_mode(str(get("mode", "auto") or "auto"))
+        self.mode = wandb_mode(logger_cfg.mode)
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        tags = get("tags", None)
-        timeout_s = float(get("init_timeout_s", 10.0))  # the schema's default, for a config made without it
+        tags, timeout_s = logger_cfg.tags, float(logger_cfg.init_timeout_s)
 
         def start(mode: str) -> Any:
             return wandb.init(
-                project=get("project", "llmexp"), entity=get("entity", None), name=run_name_from_overrides(run_name),
+                project=logger_cfg.project, entity=logger_cfg.entity, name=run_name_from_overrides(run_name),
                 dir=str(run_dir), config=scrub(cfg_container), tags=list(tags) if tags else None, mode=mode,
                 reinit="create_new",
                 settings=wandb.Settings(silent=True, console="off", x_disable_stats=True, init_timeout=timeout_s),

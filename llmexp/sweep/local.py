@@ -52,9 +52,6 @@ log = logging.getLogger(__name__)
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
 
 
-# ----------------------------------------------------------------------------- devices
-
-
 def visible_gpus(env: Mapping[str, str] | None = None) -> list[str]:
     """The GPUs jobs may use: CUDA_VISIBLE_DEVICES when set (ids or UUIDs), else those nvidia-smi lists."""
     env = os.environ if env is None else env
@@ -90,9 +87,6 @@ def child_env(slot: str | None, num_slots: int, base: Mapping[str, str] | None =
     return env
 
 
-# ----------------------------------------------------------------------------- the local launcher
-
-
 @dataclass
 class _Running:
     spec: JobSpec
@@ -106,7 +100,7 @@ def launch_local(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
     """Hydra's `launch` for `hydra/launcher=llmexp_local`."""
     settings, extras = launcher.settings, is_llmexp_config(launcher.config)
     specs = compose_jobs(launcher, job_overrides, initial_job_idx)
-    slots = device_slots(visible_gpus(), int(settings.get("jobs_per_gpu", 1)), int(settings.get("max_parallel", 1)),
+    slots = device_slots(visible_gpus(), int(settings.jobs_per_gpu), int(settings.max_parallel),
                          prefix="cluster." if extras else "hydra.launcher.")  # the spelling the user knows
     to_run, outcomes = split_ended(specs) if extras else (specs, {})  # (refuses another sweep's dir: before writing)
     work = specs[0].job_dir.parent / ".llmexp"  # (made by the first pickle's atomic_file)
@@ -232,8 +226,6 @@ def _collect(job: _Running) -> JobOutcome:
     log.info(f"  #{num} {outcome.status} after {time.monotonic() - job.started_s:.1f} s (exit {outcome.exit_code})")
     return outcome
 
-
-# ----------------------------------------------------------------------------- warm CPU jobs
 
 PRELOAD = ["llmexp.train.train", "transformers.models.llama.modeling_llama", "accelerate", "matplotlib.pyplot"]
 """What the fork server imports once per sweep: the trainer (and with it torch), and what a run imports only when

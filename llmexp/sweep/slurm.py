@@ -60,7 +60,7 @@ def sbatch_parameters(cluster: DictConfig, job_name: str) -> dict[str, Any]:
     optional = {  # each only where it is set
         "gpus_per_node": cluster.gpus_per_node and int(cluster.gpus_per_node),
         "mem": cluster.mem_gb and f"{int(cluster.mem_gb)}GB",
-        **{key: cluster.get(key) and str(cluster[key]) for key in ("partition", "account", "qos", "constraint")},
+        **{key: cluster[key] and str(cluster[key]) for key in ("partition", "account", "qos", "constraint")},
         "additional_parameters": OmegaConf.to_container(cluster.additional_parameters, resolve=True),
         "setup": cluster.setup and [str(line) for line in cluster.setup],
     }
@@ -169,9 +169,6 @@ def _requeue_or_stop(outcome: JobOutcome, requeue_handler: Any) -> JobOutcome:
     return outcome  # not reached when the requeue succeeded: submitit exits the process
 
 
-# ----------------------------------------------------------------------------- the launcher side
-
-
 def launch_slurm(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list:
     """Hydra's `launch` for `hydra/launcher=llmexp_slurm`: submit every job as one array, then wait or return."""
     settings, extras = launcher.settings, is_llmexp_config(launcher.config)
@@ -183,7 +180,7 @@ def launch_slurm(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
     sweep_dir = all_specs[0].job_dir.parent
     if not specs:  # a rerun of a sweep whose jobs all ended: nothing to submit
         return finish_sweep(all_specs, [ended[s.num] for s in all_specs], launcher.within_search)
-    folder = Path(str(settings.get("submitit_folder") or sweep_dir / ".submitit" / "%j")).absolute()
+    folder = Path(str(settings.submitit_folder or sweep_dir / ".submitit" / "%j")).absolute()
     executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=int(settings.max_num_timeout))
     executor.update_parameters(**sbatch_parameters(settings, str(launcher.config.hydra.job.name)))
     state = Singleton.get_state()
@@ -198,7 +195,7 @@ def launch_slurm(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
     earlier = (read_slurm_jobs(sweep_dir / "slurm_jobs.json") or {}).get("jobs", {})  # a search submits batch by batch
     write_json_atomic(sweep_dir / "slurm_jobs.json", {"jobs": {**earlier, **{str(k): v for k, v in ids.items()}},
                                                       "submitit_folder": str(folder)})
-    if not settings.get("wait", True):
+    if not settings.wait:
         print(f"Submitted SLURM jobs {', '.join(ids.values())}\nSweep directory: {sweep_dir}\n"
               f"When they have ended: python -m llmexp.report {sweep_dir}", flush=True)
         return job_returns(specs, [JobOutcome(s.num, "submitted", None, None, ids[s.num]) for s in specs])
