@@ -103,9 +103,6 @@ def check_sweep(config_name: str | None, overrides: list[str]) -> None:
     lock_sweep_dir(str(sweep_dir))
 
 
-# ----------------------------------------------------------------------------- --help and --hydra-help
-
-
 def help_text(cfg: Any, args_parser: argparse.ArgumentParser, hydra_help: bool, resolve: bool) -> str:
     """Hydra's `--help` (or `--hydra-help`) page for a composed config: its help template with the flags, the
     config groups and the config, as `hydra._internal.hydra.Hydra.app_help` renders it, the groups listed

@@ -55,8 +55,6 @@ def maybe_relaunch() -> None:
         os.execv(sys.executable, argv)
 
 
-# ----------------------------------------------------------------------------- ending with the launcher
-
 ORPHAN_GRACE_S = 120.0
 """How long a worker whose launcher died may take to checkpoint and stop before it exits regardless (a
 collective with a dead peer can block for the process group's timeout, 30 minutes by default)."""

@@ -89,9 +89,6 @@ def read_source(path: Path) -> str:
         raise Damaged(path, f"not Python source ({err})") from None
 
 
-# ---------------------------------------------------------------- user files
-
-
 def require_file(path_str: str | None, key: str) -> Path:
     """The path as an existing, non-empty file, or a UserError naming the key."""
     if not path_str:
@@ -175,8 +172,6 @@ def split_text(texts: list[str], eval_fraction: float) -> tuple[list[str], list[
         return ["".join(lines[:cut])], ["".join(lines[cut:])]
     return split_records(texts, eval_fraction, content=str)
 
-# ---------------------------------------------------------------- stdlib_sft
-
 
 def _docstring_pairs(root: str, rel: str) -> list[Record]:
     """signature -> docstring pairs of one module's public functions and methods."""
@@ -218,9 +213,6 @@ def stdlib_sft_records(rel_paths: list[str], num_proc: int, max_examples: int | 
     else:
         chunks = [_docstring_pairs(root, rel) for rel in rel_paths]
     return [pair for chunk in chunks for pair in chunk]
-
-
-# ---------------------------------------------------------------- the corpus of a config
 
 
 @dataclass

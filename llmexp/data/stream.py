@@ -106,8 +106,6 @@ class StreamDataset:
     def __len__(self) -> int:
         return 0  # unknown until the stream ends; the trainer needs train.max_steps (validated)
 
-    # ------------------------------------------------------------ the trainer's questions
-
     def step_indices(self, seed: int, step: int, global_batch_size: int) -> np.ndarray:
         """Rows 0..G-1 of the step's batch: examples [step*G, (step+1)*G) of the stream, read as needed."""
         lo, hi = step * global_batch_size, (step + 1) * global_batch_size
@@ -134,8 +132,6 @@ class StreamDataset:
     def restore(self, position: dict[str, Any]) -> None:
         """Continue from a checkpoint's `position` (an empty one: from the start)."""
         self._reset(WindowStart(**copy.deepcopy(position)) if position else WindowStart(0, 0, 0))
-
-    # ------------------------------------------------------------ reading and cutting
 
     def close(self) -> None:
         """Close the open reader now: one left to the interpreter's exit finds pyarrow torn down and
@@ -227,9 +223,6 @@ class StreamDataset:
                         if after is None or after.examples > lo]
 
 
-# ---------------------------------------------------------------- rows
-
-
 def _rows(arrays: dict[str, Any], a: int, b: int) -> dict[str, np.ndarray]:
     """Rows [a, b) of `cut_examples`' arrays (or of a TokenDataset's `vars`), their offsets counted from 0."""
     lo, hi = int(arrays["offsets"][a]), int(arrays["offsets"][b])
@@ -240,9 +233,6 @@ def _rows(arrays: dict[str, Any], a: int, b: int) -> dict[str, np.ndarray]:
 def _dataset(arrays: dict[str, np.ndarray], pad_id: int) -> TokenDataset:
     return TokenDataset(arrays["ids"], arrays["offsets"], arrays.get("mask"), arrays.get("positions"),
                         arrays["row_targets"], pad_id)
-
-
-# ---------------------------------------------------------------- build
 
 
 def _open(d: Any, split: str) -> tuple[Any, dict[str, str], str]:

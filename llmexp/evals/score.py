@@ -129,9 +129,6 @@ def choice_tally(items: Sequence[ChoiceItem], requests: Sequence[Request], score
     return [right, right_norm, float(len(by_item))]
 
 
-# ----------------------------------------------------------------------------- generation
-
-
 def cut_at_stop(text: str, stop: Sequence[str]) -> str:
     """The completion up to the first stop string."""
     return text[:min((i for s in stop if s and (i := text.find(s)) >= 0), default=len(text))]

@@ -66,9 +66,6 @@ class Row:
     slurm_state: str | None = None
 
 
-# ----------------------------------------------------------------------------- the scheduler
-
-
 def scheduler_states(job_ids: list[str], timeout_s: float = SCHEDULER_TIMEOUT_S) -> dict[str, str]:
     """SLURM job id -> its state: squeue for queued and running jobs, sacct for the ended ones; `?` when a
     command did not answer in time, '' when neither knows the id; {} without SLURM."""
@@ -92,9 +89,6 @@ def scheduler_states(job_ids: list[str], timeout_s: float = SCHEDULER_TIMEOUT_S)
     ended = {j: state for j, state in ended.items() if state not in ("RUNNING", "PENDING", *QUEUED_STATES)}
     answered = all(proc.returncode is not None and proc.returncode >= 0 for proc in procs)
     return {j: live.get(j) or ended.get(j) or ("" if answered else "?") for j in job_ids}
-
-
-# ----------------------------------------------------------------------------- one job
 
 
 def _finite(value: Any) -> float | None:
@@ -171,9 +165,6 @@ def job_row(run_dir: Path, shown: str, slurm_id: str | None, states: dict[str, s
                best_eval=min(evals) if evals else None,
                eta_s=_eta_s(records, step, max_steps, run_dir) if status == "running" else None,
                slurm_id=slurm_id, slurm_state=state)
-
-
-# ----------------------------------------------------------------------------- a run or a sweep
 
 
 def rows(path: Path, scheduler_timeout_s: float = SCHEDULER_TIMEOUT_S) -> list[Row]:

@@ -53,9 +53,6 @@ def unwritable(directory: Path, err: OSError) -> str:
     return f"cannot write in {directory} ({err.strerror or type(err).__name__}: {err.filename2 or err.filename})"
 
 
-# ----------------------------------------------------------------------------- a full disk
-
-
 class DiskFull(RuntimeError):
     """A write ran out of space. The message names the path and the free bytes; the partial write was removed
     and what was there before is untouched."""
@@ -82,9 +79,6 @@ def _free_bytes(path: Path) -> int | None:
         except OSError:
             continue
     return None
-
-
-# ----------------------------------------------------------------------------- directories
 
 
 def fsync_path(path: Path) -> None:

@@ -35,8 +35,6 @@ FINISHED = ("completed", "early_stopped")
 """Statuses of a run that ended as intended."""
 
 
-# ----- reading a run directory (each file's reader is registered in `llmexp.rundir.readers`) -------------------
-
 @reader
 def read_metrics(path: Path) -> list[dict]:
     """The records of metrics.jsonl, each with an integer `step`; a line that is not one (a torn last line of a
@@ -114,8 +112,6 @@ def load_overrides(run_dir: Path) -> list[str]:
         data = (load_summary(run_dir) or {}).get("overrides")
     return scrub_overrides([str(o) for o in data]) if isinstance(data, list) else []
 
-
-# ----- how a sweep's jobs ended, and what the sweep exits with ------------------------------------------
 
 INTERRUPTED = ("preempted", "cancelled", "submitted")
 """Run statuses of a job that did not end by itself: a search's trial stays RUNNING in the study, and a rerun
@@ -199,9 +195,6 @@ def job_order(name: str) -> tuple[int, int, str]:
 def is_sweep_dir(path: Path) -> bool:
     path = Path(path)
     return path.is_dir() and ((path / "multirun.yaml").is_file() or bool(job_dirs(path)))
-
-
-# ----- what a run last logged, what a sweep varies -------------------------------------------
 
 
 def last_value(records: list[dict], event: str, key: str) -> Any:

@@ -79,7 +79,6 @@ TOKEN_CACHE = "llmexp.data.cache:cached"
 DATA_FIX = "one JSON object per line (JSONL) or one JSON list of objects with `text`, `prompt` + `completion`, " \
     "or `messages`"
 READERS: dict[str, Reader] = {  # module:qualname -> Reader
-    # ----- a user's files
     "llmexp.data.corpora:read_json_records": Reader(INPUT, "data.train_file (json)", DATA_FIX, None),
     "llmexp.data.corpora:read_text": Reader(INPUT, "data.train_file (text)", "UTF-8 text", None),
     "llmexp.data.corpora:read_source": Reader(INPUT, "the stdlib corpus's .py files", "Python source", 16 * MiB),
@@ -96,7 +95,6 @@ READERS: dict[str, Reader] = {  # module:qualname -> Reader
                                                       fields=TOKENIZER_JSON),
     "llmexp.machine.environment:_sqlite_errors": Reader(INPUT, "logger.tracking_uri's SQLite file",
                                                        duty="llmexp.config.validation:validate"),
-    # ----- caches
     "llmexp.train.lr_find:read_lr_find": Reader(CACHE, "lr_find.json", "the range test runs again", 16 * MiB,
                                                 fields=LR_FIND),
     "llmexp.model.cpu_matmul:read_verdicts": Reader(CACHE, "cpu_matmul.json", "the matmul path is probed again",
@@ -109,7 +107,6 @@ READERS: dict[str, Reader] = {  # module:qualname -> Reader
     "llmexp.data.datasets:TokenDataset.load.<locals>.get": Reader(CACHE, "tokens/<key>/*.npy", duty=TOKEN_CACHE),
     "llmexp.data.datasets:build_datasets.<locals>.load": Reader(CACHE, "tokens/<key>/*.npy", duty=TOKEN_CACHE),
     "llmexp.data.tokenizer:trained_tokenizer.<locals>.load": Reader(CACHE, "tokenizers/<key>/", duty=TOKEN_CACHE),
-    # ----- records
     "llmexp.rundir.read:read_metrics": Reader(RECORD, "metrics.jsonl", "", None, MiB, METRIC),
     "llmexp.rundir.read:read_summary": Reader(RECORD, "summary.json", "", 64 * MiB, fields=RUN_SUMMARY),
     "llmexp.rundir.read:read_job_status": Reader(RECORD, "job_status.json", fields=JOB_STATUS),

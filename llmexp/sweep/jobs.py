@@ -78,9 +78,6 @@ class JobOutcome:
     """The SLURM job id (array form), when there is one."""
 
 
-# ----------------------------------------------------------------------------- composing and running
-
-
 def is_llmexp_config(config: Any) -> bool:
     """The composed config is llmexp's trainer config (it has `cluster` and `train` nodes), so the
     launchers add llmexp's extras: resume on requeue, `job_status.json`, the sweep report."""
@@ -198,8 +195,6 @@ def execute(spec: JobSpec, task_function: Any, hydra_context: Any, singleton_sta
     return JobOutcome(spec.num, "failed", 1, f"{type(err).__name__}: {err}")
 
 
-# ----------------------------------------------------------------------------- running a sweep again
-
 ENDED = (*FINISHED, "diverged", "pruned")
 """Statuses of a job that a rerun of its sweep does not run again: it reached an end of its own. Any other
 (preempted, cancelled, killed, timeout, failed, or no summary) runs again and resumes from its checkpoint."""
@@ -238,9 +233,6 @@ def split_ended(specs: Sequence[JobSpec]) -> tuple[list[JobSpec], dict[int, JobO
         log.info(f"{len(ended)} of {len(specs)} jobs already ended in {specs[0].job_dir.parent}; not run again: "
                  f"{', '.join(f'#{n}' for n in sorted(ended))}")
     return [spec for spec in specs if spec.num not in ended], ended
-
-
-# ----------------------------------------------------------------------------- how a job ended, and the sweep
 
 
 def record_outcome(spec: JobSpec, outcome: JobOutcome) -> None:
@@ -317,9 +309,6 @@ def exit_for_results(results: Sequence[TrialResult], what: str, sweep_dir: Path)
                   f"end by themselves (exit 1); run the same command to continue; see {sweep_dir / 'sweep_report.md'}")
     if code:
         raise SystemExit(code)
-
-
-# ----------------------------------------------------------------------------- Ctrl-C in a sweeper
 
 
 class StopRequest:

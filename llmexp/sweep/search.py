@@ -31,9 +31,6 @@ from llmexp.sweep.tracking import close_parent
 log = logging.getLogger(__name__)
 
 
-# ----------------------------------------------------------------------------- the study
-
-
 def make_sampler(name: str, seed: int, n_trials: int) -> optuna.samplers.BaseSampler:
     """TPE starts from random points: a quarter of the budget (2 to 10), since optuna's default of 10 would
     leave a 12-trial search almost random; `constant_liar` keeps parallel trials apart."""
@@ -62,9 +59,6 @@ def open_study(sweep_dir: Path, space: dict[str, Any], fixed: Sequence[str], sam
     return study
 
 
-# ----------------------------------------------------------------------------- how a trial ended
-
-
 def returned_result(ret: JobReturn) -> TrialResult:
     """Another app's trial: its task's return value is the value to minimize, as Hydra's Optuna sweeper reads it."""
     if ret.status != JobStatus.COMPLETED:
@@ -90,9 +84,6 @@ def tell(study: Any, trial: optuna.Trial, result: TrialResult) -> None:
         study.tell(trial, result.value)
     else:
         study.tell(trial, state=TrialState.PRUNED if result.status in ("pruned", "failed") else TrialState.FAIL)
-
-
-# ----------------------------------------------------------------------------- the search loop
 
 
 def _pruner(config: Any, search: SearchSweepConfig, llmexp_app: bool) -> Any:

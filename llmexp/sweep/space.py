@@ -111,9 +111,6 @@ def _number(text: str | None, key: str) -> float:
         raise UserError(f"sweep.lr_scaling needs a number for {key}, got {text!r}; e.g. {example}") from None
 
 
-# ----------------------------------------------------------------------------- the search space
-
-
 def search_space(overrides: Sequence[Override]) -> tuple[dict[str, BaseDistribution], list[str]]:
     """(key -> optuna distribution for each swept key, the fixed `key=value` overrides)."""
     space = {o.get_key_element(): _distribution(o) for o in overrides if o.is_sweep_override()}

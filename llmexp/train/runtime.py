@@ -110,7 +110,6 @@ class Runtime:
         sinks = make_sinks(self.cfg, self.run_dir) if self.is_main else []
         return MetricsLogger(self.run_dir, max_steps, enabled=self.is_main, sinks=sinks)
 
-    # ------------------------------------------------------------------ what the loop asks of the process
     def autocast(self) -> AbstractContextManager[Any]:
         """The compute precision around every forward: the one place that opens it."""
         dtype = build.autocast_dtype(self.precision.name)
