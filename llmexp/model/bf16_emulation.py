@@ -46,11 +46,6 @@ _ATTENTION_FWD = aten._scaled_dot_product_flash_attention_for_cpu
 _ATTENTION_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def round_to_bf16(t: torch.Tensor) -> torch.Tensor:
-    """`t` rounded to the nearest bf16 value (ties to even), in its own dtype."""
-    return t.to(torch.bfloat16).to(t.dtype)
-
-
 def _emulable(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     """True when the op would run a bf16 CPU kernel: some operand is bf16, none fp16/fp64 (left to torch), and its
     positional tensors on the CPU. fp32 beside bf16 is allowed: the attention backward takes an fp32 logsumexp."""
