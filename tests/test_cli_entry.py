@@ -200,6 +200,22 @@ def test_help_lists_every_group_and_its_options(tmp_path: Path) -> None:
     assert "hydra/launcher" not in proc.stdout.split("== Config ==")[0]  # Hydra's own groups stay in --hydra-help
 
 
+def test_help_and_the_commands_page_name_every_entry_point(tmp_path: Path) -> None:
+    """Each `python -m llmexp.X` module (a top-level module or package with a `__main__`) is named in `--help`'s
+    header and in docs/reference/commands.md's synopsis, so a new command is found where users look."""
+    package = REPO / "llmexp"
+    modules = {p.stem for p in package.glob("*.py") if 'if __name__ == "__main__"' in p.read_text()} - {"__main__"}
+    entries = sorted(modules | {p.parent.name for p in package.glob("*/__main__.py")})
+    assert {"coord_check", "fit", "report", "status"} <= set(entries), entries
+    proc = run_llmexp(["--help"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    header = proc.stdout.split("== Configuration groups ==")[0]
+    synopsis = (REPO / "docs" / "reference" / "commands.md").read_text().split("```")[1]
+    for name in entries:
+        assert f"llmexp.{name} " in header, f"--help's header (llmexp/conf/config.yaml) does not name llmexp.{name}"
+        assert f"python -m llmexp.{name} " in synopsis, f"docs/reference/commands.md does not name llmexp.{name}"
+
+
 def test_help_shows_each_keys_doc_and_rule_beside_it(tmp_path: Path) -> None:
     """`--help`'s Config section comments every key with the doc and the rule its schema field carries (the text
     `keys.reference()` gives the docs), so a key and what it takes are read in one place."""
