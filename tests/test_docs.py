@@ -56,6 +56,17 @@ def test_readme_is_short_and_stays_inside_the_repository() -> None:
         assert path.exists() and path.is_relative_to(ROOT), f"README links to {target}, outside the repository"
 
 
+def test_the_readme_and_the_sites_front_page_offer_the_same_pages() -> None:
+    """README.md's "What it does" table is docs/index.md's with links from the repository's root: a page added to
+    one is added to the other."""
+    def rows(text: str) -> list[str]:
+        section = text.split("## What it does")[1].split("\n## ")[0]
+        return [line for line in section.splitlines() if line.startswith("|")]
+
+    site = [row.replace("](", "](docs/") for row in rows((DOCS / "index.md").read_text())]
+    assert rows((ROOT / "README.md").read_text()) == site
+
+
 # ----------------------------------------------------------------------------- the commands in the docs
 
 
