@@ -53,6 +53,17 @@ def test_grid_is_the_product_and_zip_pairs_axes() -> None:
                       ["lr=2", "batch_size=8", "optimizer=adamw"], ["lr=2", "batch_size=8", "optimizer=lion"]]
 
 
+def test_a_zipped_grid_is_counted_as_the_jobs_it_launches() -> None:
+    """Keys paired by sweep.zip make one axis: 101 lrs zipped with 101 seeds are 101 jobs, within MAX_GRID_JOBS
+    (10,000), as `rundir.read.launched_jobs` counts them, not their 10,201-job product."""
+    from llmexp.rundir.read import MAX_GRID_JOBS
+
+    args = ("lr=range(1,102)", "seed=range(0,101)")
+    assert len(grid_jobs(parse(*args), ["lr", "seed"])) == 101 < MAX_GRID_JOBS < 101 * 101
+    with pytest.raises(UserError, match="10201 jobs"):
+        grid_jobs(parse(*args), [])
+
+
 @pytest.mark.parametrize(("args", "keys", "fragment"), [
     (("lr=1,2", "batch_size=4,8,16"), ["lr", "batch_size"], "lr: 2, batch_size: 3"),
     (("lr=1,2", "batch_size=4"), ["lr", "batch_size"], "names batch_size, which this sweep does not vary"),

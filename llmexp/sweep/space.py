@@ -52,7 +52,8 @@ def grid_jobs(overrides: Sequence[Override], zip_keys: Sequence[str]) -> list[li
     """Every job's overrides: the product of the swept axes (refused beyond MAX_GRID_JOBS jobs, counted without
     listing them), the `zip_keys` axes paired value by value."""
     sizes = {o.get_key_element(): discrete_size(o) if o.is_sweep_override() else 1 for o in overrides}
-    if (jobs := math.prod(sizes.values())) > MAX_GRID_JOBS:
+    paired = {str(k) for k in zip_keys[1:]}  # (the first zip key's axis carries them: no axis of their own)
+    if (jobs := math.prod(n for key, n in sizes.items() if key not in paired)) > MAX_GRID_JOBS:
         shown = " x ".join(f"{k}: {n}" for k, n in sizes.items() if n > 1)
         raise UserError(f"this grid has {jobs} jobs ({shown}); a grid takes at most {MAX_GRID_JOBS}: sweep fewer "
                         "values, or search the space with sweep=tpe sweep.n_trials=N")
