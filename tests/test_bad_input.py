@@ -211,6 +211,10 @@ def test_a_run_refused_while_it_sets_up_leaves_no_directory_but_keeps_an_earlier
     refused = run_cli([*bogus, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
     assert "optimizer.kwargs" in refused.stderr and not (tmp_path / "run").exists()
+    for subdir in ("null", "meta"):  # Hydra's config files in another subdirectory, or none: gone all the same
+        refused = run_cli([*bogus, f"hydra.output_subdir={subdir}", f"hydra.run.dir={tmp_path / subdir}"],
+                          cwd=tmp_path, env=env)
+        assert refused.returncode == 2 and not (tmp_path / subdir).exists(), refused.stderr[-2000:]
     here = tmp_path / "here"  # hydra.run.dir=.: the start files go, the working directory stays
     here.mkdir()
     refused = run_cli([*bogus, "hydra.run.dir=."], cwd=here, env=env)
@@ -227,17 +231,18 @@ def test_a_run_refused_while_it_sets_up_leaves_no_directory_but_keeps_an_earlier
     assert "refused: optimizer: torch.optim.AdamW rejected its arguments" in last and "bogus" in last, last
 
 
-def test_a_refusal_puts_back_the_hydra_files_it_could_read_and_no_others(tmp_path: Path) -> None:
-    """What the CLI keeps of `.hydra/` before Hydra writes: a readable file comes back byte for byte, one that was
-    not there goes, and one that was there but could not be read (larger than its reader's 16 MiB) keeps what
-    Hydra wrote rather than being removed."""
+@pytest.mark.parametrize("subdir", [".hydra", "meta"])
+def test_a_refusal_puts_back_the_hydra_files_it_could_read_and_no_others(subdir: str, tmp_path: Path) -> None:
+    """What the CLI keeps of Hydra's config files (`hydra.output_subdir`) before Hydra writes: a readable file
+    comes back byte for byte, one that was not there goes, and one that was there but could not be read (larger
+    than its reader's 16 MiB) keeps what Hydra wrote rather than being removed."""
     from llmexp.rundir.lock import keep_hydra_files, put_back_hydra_files
 
-    hydra = tmp_path / ".hydra"
+    hydra = tmp_path / subdir
     hydra.mkdir()
     (hydra / "config.yaml").write_bytes(b"lr: 1\n")
     (hydra / "hydra.yaml").write_bytes(b"\0" * (16 * 2**20 + 1))
-    keep_hydra_files(tmp_path)
+    keep_hydra_files(tmp_path, subdir)
     for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):  # what Hydra writes for the refused run
         (hydra / name).write_bytes(b"refused\n")
     put_back_hydra_files(tmp_path)

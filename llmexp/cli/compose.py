@@ -55,7 +55,7 @@ def check_run(config_name: str | None, overrides: list[str]) -> None:
     check_environment(cfg)
     check_inputs(cfg)
     lock_run_dir(str(cfg.hydra.run.dir))
-    keep_hydra_files(str(cfg.hydra.run.dir))
+    keep_hydra_files(str(cfg.hydra.run.dir), cfg.hydra.output_subdir)
 
 
 def check_sweep(config_name: str | None, overrides: list[str]) -> None:

@@ -13,7 +13,7 @@ from llmexp.rundir.readers import Damaged, entry_of, read_bytes, read_text, read
 
 LOCK_NAME = ".llmexp.lock"
 HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
-"""What Hydra writes in `.hydra/` as a run starts, before llmexp can refuse it."""
+"""What Hydra writes in `hydra.output_subdir` (`.hydra/`) as a run starts, before llmexp can refuse it."""
 
 
 _held_locks: dict[str, object] = {}
@@ -58,14 +58,15 @@ def _lock(directory: Path, what: str, key: str) -> None:
 
 
 _found: dict[Path, bytes | None] = {}
-"""`.hydra/`'s files in the directory the CLI locked, as it found them (None: none), for `put_back_hydra_files`."""
+"""Hydra's config files in the directory the CLI locked, as it found them (None: none), for `put_back_hydra_files`."""
 
 
-def keep_hydra_files(run_dir: Path | str) -> None:
-    """Called by the CLI once it locked `run_dir`, before Hydra writes there. A file that is there but cannot be
-    read (its reader said so) is not kept: a refusal leaves Hydra's in its place rather than removing it."""
+def keep_hydra_files(run_dir: Path | str, subdir: str | None) -> None:
+    """Called by the CLI once it locked `run_dir`, before Hydra writes its config files there, in `subdir`
+    (`hydra.output_subdir`; null: none). A file that is there but cannot be read (its reader said so) is not kept:
+    a refusal leaves Hydra's in its place rather than removing it."""
     _found.clear()
-    for path in (Path(run_dir, ".hydra", n) for n in HYDRA_FILES):
+    for path in (Path(run_dir, subdir, n) for n in HYDRA_FILES) if subdir else ():
         if (data := read_hydra_file(path)) is not None or not path.exists():
             _found[path] = data
 
@@ -76,18 +77,19 @@ def read_hydra_file(path: Path) -> bytes:
 
 
 def put_back_hydra_files(run_dir: Path) -> None:
-    """A run refused in a directory that stays (an earlier run's): `.hydra/` as the CLI found it, so that the
-    directory keeps the config it ran with, not the refused one's."""
+    """A run refused in a directory that stays (an earlier run's): Hydra's config files as the CLI found them, so
+    that the directory keeps the config it ran with, not the refused one's."""
     for path, data in _found.items():
-        if path.parent.parent.resolve() != run_dir.resolve():
+        if not path.resolve().is_relative_to(run_dir.resolve()):
             continue  # (another directory: the run's own composition resolved a ${now:} anew)
         if data is None:
             path.unlink(missing_ok=True)
         else:
             with atomic_file(path, "wb") as f:
                 f.write(data)
-    with contextlib.suppress(OSError):  # (an empty one: the directory had none)
-        (run_dir / ".hydra").rmdir()
+    for folder in {path.parent for path in _found}:
+        with contextlib.suppress(OSError):  # (an empty one: the directory had none)
+            folder.rmdir()
 
 
 def wait_for_lock(run_dir: Path, waiting: Callable[[int | None], None], poll_s: float = 2.0) -> None:

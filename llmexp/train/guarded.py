@@ -37,18 +37,21 @@ def run_guarded(cfg: DictConfig) -> int:
     return STATUS_EXIT[result.status]
 
 
-RUN_START_FILES = {".": {".hydra", "llmexp.log", LOCK_NAME}, ".hydra": set(HYDRA_FILES)}
-"""What a single run's directory holds before the run has written anything: Hydra's config files and job log, and
-the CLI's lock."""
+def run_start_files(subdir: str | None) -> dict[str, set[str]]:
+    """What a single run's directory holds before the run has written anything: Hydra's config files (in `subdir`,
+    `hydra.output_subdir`; null: none) and job log, and the CLI's lock."""
+    if not subdir:
+        return {".": {"llmexp.log", LOCK_NAME}}
+    return {".": {subdir, "llmexp.log", LOCK_NAME}, subdir: set(HYDRA_FILES)}
 
 
 def _leave_refused_run_dir(message: str) -> None:
     """A single run refused while it set up (a setting only torch or the data can judge, e.g. an optimizer
     argument) leaves no directory behind, as a refusal before Hydra starts does. Only a directory that holds
-    nothing but `RUN_START_FILES` goes: never a resumed run's, a user's own files, or a sweep job's (its record);
+    nothing but `run_start_files` goes: never a resumed run's, a user's own files, or a sweep job's (its record);
     with `hydra.run.dir=.` only the start files go, never the working directory itself. A directory that stays
-    (an earlier run's) keeps `.hydra/` as it was (`put_back_hydra_files`) and gets the refusal in its job log, where
-    the next reader of that run looks."""
+    (an earlier run's) keeps Hydra's config files as they were (`put_back_hydra_files`) and gets the refusal in its
+    job log, where the next reader of that run looks."""
     import contextlib
     import shutil
     from pathlib import Path
@@ -58,17 +61,19 @@ def _leave_refused_run_dir(message: str) -> None:
 
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.RUN:
         return
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    run_dir, subdir = Path(HydraConfig.get().runtime.output_dir), HydraConfig.get().output_subdir
     with contextlib.suppress(OSError):  # gone already, or not ours to judge: leave it
-        if not all({p.name for p in (run_dir / sub).iterdir()} <= names for sub, names in RUN_START_FILES.items()):
+        if not all({p.name for p in (run_dir / sub).iterdir()} <= names
+                   for sub, names in run_start_files(subdir).items()):
             logger, own = job_log(run_dir)
             logger.error("refused: %s (no step ran; checkpoints, metrics and model/ are as they were)", message)
             if own is not None:
                 own.close()
             put_back_hydra_files(run_dir)
             return
-        shutil.rmtree(run_dir / ".hydra")
-        for name in RUN_START_FILES["."] - {".hydra"}:
+        if subdir:
+            shutil.rmtree(run_dir / subdir)
+        for name in ("llmexp.log", LOCK_NAME):
             (run_dir / name).unlink(missing_ok=True)
         if run_dir.resolve() != Path.cwd().resolve():
             run_dir.rmdir()
