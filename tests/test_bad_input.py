@@ -204,8 +204,9 @@ def test_an_argument_the_optimizer_rejects_exits_2(tmp_path: Path) -> None:
 
 def test_a_run_refused_while_it_sets_up_leaves_no_directory_but_keeps_an_earlier_runs(tmp_path: Path) -> None:
     """The optimizer's arguments are judged once it is built, after Hydra made the run directory: a refused fresh
-    run removes it (Hydra's files, llmexp.log, the lock; in the working directory, only those), a refused rerun in a
-    finished run's directory keeps it and its `.hydra/` as they were, and its job log says why."""
+    run removes it (Hydra's files, llmexp.log, the lock; in the working directory, only those) and the parents
+    made for it, a refused rerun in a finished run's directory keeps it and its `.hydra/` as they were, and its
+    job log says why."""
     env = {"LLMEXP_CACHE": str(tmp_path / "cache")}
     bogus = [*TINY, "+optimizer.kwargs.bogus=1", "train.max_steps=1"]
     refused = run_cli([*bogus, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env)
@@ -215,6 +216,10 @@ def test_a_run_refused_while_it_sets_up_leaves_no_directory_but_keeps_an_earlier
         refused = run_cli([*bogus, f"hydra.output_subdir={subdir}", f"hydra.run.dir={tmp_path / subdir}"],
                           cwd=tmp_path, env=env)
         assert refused.returncode == 2 and not (tmp_path / subdir).exists(), refused.stderr[-2000:]
+    fresh = tmp_path / "fresh"  # the default outputs/<date>/<time>: the parents made for it go too
+    fresh.mkdir()
+    refused = run_cli(bogus, cwd=fresh, env=env)
+    assert refused.returncode == 2 and not any(fresh.iterdir()), refused.stderr[-2000:]
     here = tmp_path / "here"  # hydra.run.dir=.: the start files go, the working directory stays
     here.mkdir()
     refused = run_cli([*bogus, "hydra.run.dir=."], cwd=here, env=env)

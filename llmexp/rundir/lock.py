@@ -18,6 +18,8 @@ HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
 
 _held_locks: dict[str, object] = {}
 """Directory -> the lock this process holds on it; kept referenced so that it lasts as long as the process."""
+_made_parents: dict[Path, list[Path]] = {}
+"""Directory -> the missing parents `_lock` created for it, deepest first."""
 
 
 def lock_run_dir(run_dir: Path | str) -> None:
@@ -40,6 +42,7 @@ def _lock(directory: Path, what: str, key: str) -> None:
     resume; the file descriptor is not inherited by child processes (subprocess closes it)."""
     from filelock import FileLock, Timeout
 
+    made = [parent for parent in directory.parents if not parent.exists()]
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / LOCK_NAME
     if str(path.resolve()) in _held_locks:  # this process holds it already (the CLI, then the sweeper)
@@ -55,6 +58,7 @@ def _lock(directory: Path, what: str, key: str) -> None:
                         f"for it to end, or choose another directory with {key}=...") from None
     path.write_text(f"{os.getpid()}\n")
     _held_locks[str(path.resolve())] = lock
+    _made_parents[directory.resolve()] = made
 
 
 _found: dict[Path, bytes | None] = {}
@@ -89,6 +93,14 @@ def put_back_hydra_files(run_dir: Path) -> None:
                 f.write(data)
     for folder in {path.parent for path in _found}:
         with contextlib.suppress(OSError):  # (an empty one: the directory had none)
+            folder.rmdir()
+
+
+def remove_made_parents(run_dir: Path) -> None:
+    """The parents the lock made for a refused run's directory (`outputs/<date>/`), where they are empty: never
+    one that was there before."""
+    for folder in _made_parents.get(run_dir.resolve(), []):
+        with contextlib.suppress(OSError):
             folder.rmdir()
 
 

@@ -12,7 +12,7 @@ from llmexp.config.validation import validate
 from llmexp.errors import STATUS_EXIT, UserError
 from llmexp.machine.environment import check_environment
 from llmexp.monitor.console import job_log
-from llmexp.rundir.lock import HYDRA_FILES, LOCK_NAME, put_back_hydra_files
+from llmexp.rundir.lock import HYDRA_FILES, LOCK_NAME, put_back_hydra_files, remove_made_parents
 from llmexp.rundir.redact import print_user_error, scrub_text
 
 
@@ -77,6 +77,7 @@ def _leave_refused_run_dir(message: str) -> None:
             (run_dir / name).unlink(missing_ok=True)
         if run_dir.resolve() != Path.cwd().resolve():
             run_dir.rmdir()
+            remove_made_parents(run_dir)
 
 
 _last_user_error: str | None = None
