@@ -83,15 +83,15 @@ def read_hydra_file(path: Path) -> bytes:
 def put_back_hydra_files(run_dir: Path) -> None:
     """A run refused in a directory that stays (an earlier run's): Hydra's config files as the CLI found them, so
     that the directory keeps the config it ran with, not the refused one's."""
-    for path, data in _found.items():
-        if not path.resolve().is_relative_to(run_dir.resolve()):
-            continue  # (another directory: the run's own composition resolved a ${now:} anew)
+    # (only those under run_dir: the run's own composition may have resolved a ${now:} anew, elsewhere)
+    kept = {path: data for path, data in _found.items() if path.resolve().is_relative_to(run_dir.resolve())}
+    for path, data in kept.items():
         if data is None:
             path.unlink(missing_ok=True)
         else:
             with atomic_file(path, "wb") as f:
                 f.write(data)
-    for folder in {path.parent for path in _found}:
+    for folder in {path.parent for path in kept}:
         with contextlib.suppress(OSError):  # (an empty one: the directory had none)
             folder.rmdir()
 
