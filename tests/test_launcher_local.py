@@ -71,6 +71,20 @@ def test_a_user_error_in_a_job_is_recorded_with_its_message(tmp_path: Path) -> N
     assert "data.train_file=/nowhere.jsonl" in (sweep / "sweep_report.md").read_text()
 
 
+def test_a_mistake_every_job_hit_ends_the_sweep_with_exit_2(tmp_path: Path) -> None:
+    """docs/reference/commands.md: a sweep exits 2 for a mistake every job would repeat; running the same command
+    again would only repeat it, so the sweep says to fix it (one job's own mistake, above, is exit 1)."""
+    sweep = tmp_path / "sweep"
+    proc = run_toy(sweep, ["model.name=usererror", "lr=0.1,0.2"])
+    log = (tmp_path / "sweep.log").read_text()
+    assert proc.returncode == 2, log
+    assert "every job stopped on a mistake in its config or data (exit 2): toy: data.train_file=" in log
+    assert "runs them again" not in log
+    assert [j["status"] for j in json.loads((sweep / "sweep_summary.json").read_text())["jobs"]] == ["failed"] * 2
+    report = subprocess.run([sys.executable, "-m", "llmexp.report", str(sweep)], capture_output=True, text=True)
+    assert report.returncode == 2, report.stderr  # the sweep's own code, read again from its directory
+
+
 def test_cpu_jobs_run_serially_by_default_and_max_parallel_at_once(tmp_path: Path) -> None:
     serial = tmp_path / "serial"
     assert run_toy(serial, ["lr=0.5,0.5"]).returncode == 0

@@ -233,6 +233,8 @@ def test_the_sweep_lock_ends_with_its_holder(tmp_path: Path) -> None:
 
 
 def _result(status: str) -> TrialResult:
+    if status == "mistake":  # exited 2, as `read_result` reads a job that stopped on a user's mistake
+        return TrialResult("crashed", user_error=True)
     return TrialResult(status, value=3.0 if status == "completed" else None)
 
 
@@ -245,6 +247,8 @@ def _result(status: str) -> TrialResult:
     (["failed", "pruned"], 3),
     (["completed", "crashed"], 1),  # a job that did not end by itself: run the command again
     (["failed", "running"], 1),
+    (["completed", "mistake"], 1),  # one job's own mistake
+    (["mistake", "mistake"], 2),  # a mistake every job hit: the same command would repeat it
     ([], 1),
 ])
 def test_the_sweep_exit_code(statuses: list[str], code: int) -> None:

@@ -168,8 +168,11 @@ def sweep_exit_code(results: Sequence[TrialResult]) -> int:
     """The exit code of a sweep, grid or search alike, from how each job ended (`read_result`; the codes are
     docs/reference/commands.md's). A sweep asks a question of its jobs, and a diverged lr is an answer (the lr is
     too high) that the report shows; so the code says whether the sweep got its answers, not whether each job
-    trained: a job that did not end by itself leaves the sweep incomplete (the same command continues it)."""
+    trained: a job that did not end by itself leaves the sweep incomplete (the same command continues it), unless
+    every job stopped on a user's mistake."""
     statuses = [r.status for r in results]
+    if statuses and all(r.user_error for r in results):  # a mistake every job hit: the same command repeats it
+        return EXIT_USER
     if not statuses or any(s in ("crashed", "running") for s in statuses):
         return EXIT_ERROR
     return EXIT_DIVERGED if "completed" not in statuses and "failed" in statuses else EXIT_OK
