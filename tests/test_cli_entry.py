@@ -6,6 +6,7 @@ Every case runs the real CLI (`python -m llmexp ...`) in a subprocess, in a fres
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -167,6 +168,7 @@ def test_a_sweep_job_locks_its_directory_and_a_held_one_fails_that_job(tmp_path:
     assert proc.returncode == 1, proc.stderr[-3000:]
     record = (sweep / "0" / "job_status.json").read_text()
     assert f"is in use by another llmexp run (pid {holder.pid})" in record
+    assert json.loads(record)["exit_code"] == 1  # busy, not mistaken: neither the grid nor a search stops on it
     assert not (sweep / "0" / "metrics.jsonl").exists()
 
 

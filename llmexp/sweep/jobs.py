@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from llmexp.config.origin import origin_of
 from llmexp.config.security import check_config
-from llmexp.errors import EXIT_USER, STATUS_EXIT, UserError
+from llmexp.errors import EXIT_ERROR, EXIT_USER, STATUS_EXIT, UserError
 from llmexp.rundir.files import write_json_atomic, write_text_atomic
 from llmexp.rundir.lock import lock_run_dir, wait_for_lock
 from llmexp.rundir.read import (
@@ -180,9 +180,13 @@ def execute(spec: JobSpec, task_function: Any, hydra_context: Any, singleton_sta
     _enter(singleton_state)
     try:
         check_config(spec.config)
-        lock_run_dir(spec.job_dir)
     except UserError as err:
         return JobOutcome(spec.num, "failed", user_error_exit(err), last_user_error())
+    try:
+        lock_run_dir(spec.job_dir)
+    except UserError as err:  # busy, not a mistake: the same command runs the job once its holder has ended
+        user_error_exit(err)
+        return JobOutcome(spec.num, "failed", EXIT_ERROR, last_user_error())
     ret = _run_job(spec, task_function, hydra_context)
     if ret.status == JobStatus.COMPLETED:
         value = ret._return_value
