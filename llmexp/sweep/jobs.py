@@ -282,9 +282,8 @@ def swept(job: Sequence[str], jobs: Sequence[Sequence[str]], keys: Sequence[str]
 def finish_sweep(specs: Sequence[JobSpec], outcomes: Sequence[JobOutcome], within_search: bool) -> list[JobReturn]:
     """Record every outcome, write the sweep report, print a summary; exit 2 if every job stopped on a user's
     mistake, else 1 if a job did not end by itself (`ENDED`: a diverged job did, and is a result), unless the batch
-    belongs to a search (`within_search`),
-    which reads each trial's end itself. Whether every job diverged (exit 3) is the sweeper's to say, once
-    every batch has run (`sweep_exit_code`)."""
+    belongs to a search (`within_search`), which reads each trial's end itself. Whether every job diverged (exit
+    3) is the sweeper's to say, once every batch has run (`sweep_exit_code`)."""
     for spec, outcome in zip(specs, outcomes, strict=True):
         record_outcome(spec, outcome)
     sweep_dir = specs[0].job_dir.parent
@@ -296,7 +295,7 @@ def finish_sweep(specs: Sequence[JobSpec], outcomes: Sequence[JobOutcome], withi
     for spec, outcome in zip(specs, outcomes, strict=True):
         detail = f": {outcome.error}" if outcome.error and outcome.status not in FINISHED else ""
         log.info(f"  #{spec.num} {outcome.status:<13} {swept(spec.overrides, jobs, keys)}{detail}")
-    if all(o.exit_code == EXIT_USER for o in outcomes):  # the same command would only repeat it
+    if outcomes and all(o.exit_code == EXIT_USER for o in outcomes):  # the same command would only repeat it
         log.error(f"every job stopped on a mistake in its config or data (exit 2): {outcomes[0].error}; fix it and "
                   "run the sweep again")
         raise SystemExit(EXIT_USER)
