@@ -178,6 +178,8 @@ def test_a_directory_to_be_created_needs_a_directory_above_it(tmp_path: Path) ->
     assert "its parent" in dir_out_problem("hydra.run.dir", tmp_path / "f" / "x" / "y") or \
         "part that is a file" in dir_out_problem("hydra.run.dir", tmp_path / "f" / "x" / "y")
     assert dir_out_problem("hydra.run.dir", tmp_path) is None
+    for root in ("/", "/..", "//"):  # what `hydra.run.dir=$UNSET_VAR/` becomes: run files among /bin, /etc...
+        assert "is the filesystem's root" in dir_out_problem("hydra.run.dir", root)
 
 
 def test_data_hf_load_errors_are_one_message(tmp_path: Path) -> None:

@@ -61,8 +61,10 @@ def _look(key: str, value: Any, what: str, directory: bool | None) -> tuple[Path
 
 def dir_out_problem(key: str, value: Any) -> str | None:
     """A directory llmexp creates and writes (run, sweep, cache): if it exists it is a writable directory; if
-    not, its nearest existing parent is one."""
+    not, its nearest existing parent is one. Never the filesystem's root (what `$UNSET_VAR/` becomes)."""
     path = Path(str(value)).expanduser()
+    if not os.path.abspath(path).strip(os.sep):  # `/` (`//`, `/..`): what `hydra.run.dir=$UNSET_VAR/` becomes
+        return f"{key}={value}: is the filesystem's root; name a directory of its own for llmexp to write in"
     for place in (path, *path.absolute().parents):
         found, why = _stat(place)
         subject = f"{key}={value}:" + ("" if place is path else f" its parent {place}")
