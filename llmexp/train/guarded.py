@@ -37,12 +37,16 @@ def run_guarded(cfg: DictConfig) -> int:
     return STATUS_EXIT[result.status]
 
 
+RUN_LOG_AND_LOCK = {"llmexp.log", LOCK_NAME}
+"""Hydra's job log and the CLI's lock: in a single run's directory before the run has written anything."""
+
+
 def run_start_files(subdir: str | None) -> dict[str, set[str]]:
-    """What a single run's directory holds before the run has written anything: Hydra's config files (in `subdir`,
-    `hydra.output_subdir`; null: none) and job log, and the CLI's lock."""
+    """What a single run's directory holds before the run has written anything: `RUN_LOG_AND_LOCK`, and Hydra's
+    config files in `subdir` (`hydra.output_subdir`; null: none)."""
     if not subdir:
-        return {".": {"llmexp.log", LOCK_NAME}}
-    return {".": {subdir, "llmexp.log", LOCK_NAME}, subdir: set(HYDRA_FILES)}
+        return {".": RUN_LOG_AND_LOCK}
+    return {".": RUN_LOG_AND_LOCK | {subdir}, subdir: set(HYDRA_FILES)}
 
 
 def _leave_refused_run_dir(message: str) -> None:
@@ -73,7 +77,7 @@ def _leave_refused_run_dir(message: str) -> None:
             return
         if subdir:
             shutil.rmtree(run_dir / subdir)
-        for name in ("llmexp.log", LOCK_NAME):
+        for name in RUN_LOG_AND_LOCK:
             (run_dir / name).unlink(missing_ok=True)
         if run_dir.resolve() != Path.cwd().resolve():
             run_dir.rmdir()
