@@ -23,13 +23,13 @@ def run_guarded(cfg: DictConfig) -> int:
     from llmexp.train.preemption import PreemptionSignal
 
     try:
-        with PreemptionSignal() as preempt:
+        with PreemptionSignal():
             validate(cfg)  # (the CLI ran both before Hydra did anything; a sweep job runs them here, in its process)
             check_environment(cfg)  # bf16 support, world size, files: before anything loads
             use_shared_compile_cache(cfg)  # before the trainer imports torch._dynamo
             from llmexp.train.train import train
 
-            result = train(cfg, preempt)
+            result = train(cfg)  # its own guard is this one (PreemptionSignal hands out the active one)
     except UserError as err:
         code = user_error_exit(err)
         _leave_refused_run_dir(str(_last_user_error))

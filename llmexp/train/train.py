@@ -1,6 +1,6 @@
 """The training loop, top to bottom.
 
-    _train   setup (process, data, then the frozen run description: batch plan, engine, model, optimizer, lr)
+    train    setup (process, data, then the frozen run description: batch plan, engine, model, optimizer, lr)
     _start   -> (resume) -> the start record
     _loop    -> for each step:
                 [eval] [samples] -> micro-batches (forward, backward) -> unscale -> grad norm + clip
@@ -51,34 +51,29 @@ class RunResult:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
-def train(cfg: DictConfig, preempt: PreemptionSignal | None = None) -> RunResult:
-    """Train one run described by a composed, validated config; writes the run directory. Signals are caught from
-    the start by `preempt`, the caller's guard (`guarded.run_guarded` enters it before the trainer is imported), or
-    by one entered here for a direct call."""
-    with nullcontext(preempt) if preempt is not None else PreemptionSignal() as guard:
-        return _train(cfg, guard)
-
-
-def _train(cfg: DictConfig, preempt: PreemptionSignal) -> RunResult:
-    """`train` inside its signal guard: set up, start (or resume), loop, finish."""
-    task_files = read_task_files(cfg)  # before anything loads: a bad task file is exit 2 with nothing written
-    rt = setup_runtime(cfg)
-    tokenizer = load_tokenizer(cfg)
-    build = stream_lib.build_stream_datasets if cfg.data.streaming else data_lib.build_datasets  # stream: uncached
-    train_ds, eval_ds, data_stats = build(cfg, tokenizer)
-    fingerprint = str(data_stats["data_cache_key"])
-    cfg, found = lr_find.settle_lr(cfg, rt, len(tokenizer), train_ds, fingerprint, forward_backward)
-    if found is not None and cfg.train.lr_find_only:
-        return RunResult(status="completed", step=0, summary=found)
-    desc, engine, model, optimizer = describe(cfg, rt, len(tokenizer), train_ds, fingerprint,
-                                              lr_found=found is not None)
-    log = rt.logger(desc.max_steps)
-    suite = build_suite(cfg, tokenizer, task_files, rt.is_main)  # eval=loss: None
-    run = Run(cfg, rt, desc, engine, model, optimizer, log, train_data=train_ds, tokenizer=tokenizer,
-              pruning=TrialPruning.for_job(cfg, rt.is_main))  # a search's trial reports its evals to the study
-    status = _start(run, data_stats, preempt)
-    status = _loop(run, eval_ds, suite, preempt, status)
-    return _finish(run, eval_ds, suite, status)
+def train(cfg: DictConfig) -> RunResult:
+    """Train one run described by a composed, validated config: set up, start (or resume), loop, finish; writes
+    the run directory. Signals are caught from the start: by `guarded.run_guarded`'s guard, entered before the
+    trainer is imported (the one entered here then hands it out), else by the one entered here."""
+    with PreemptionSignal() as preempt:
+        task_files = read_task_files(cfg)  # before anything loads: a bad task file is exit 2 with nothing written
+        rt = setup_runtime(cfg)
+        tokenizer = load_tokenizer(cfg)
+        build = stream_lib.build_stream_datasets if cfg.data.streaming else data_lib.build_datasets  # stream: uncached
+        train_ds, eval_ds, data_stats = build(cfg, tokenizer)
+        fingerprint = str(data_stats["data_cache_key"])
+        cfg, found = lr_find.settle_lr(cfg, rt, len(tokenizer), train_ds, fingerprint, forward_backward)
+        if found is not None and cfg.train.lr_find_only:
+            return RunResult(status="completed", step=0, summary=found)
+        desc, engine, model, optimizer = describe(cfg, rt, len(tokenizer), train_ds, fingerprint,
+                                                  lr_found=found is not None)
+        log = rt.logger(desc.max_steps)
+        suite = build_suite(cfg, tokenizer, task_files, rt.is_main)  # eval=loss: None
+        run = Run(cfg, rt, desc, engine, model, optimizer, log, train_data=train_ds, tokenizer=tokenizer,
+                  pruning=TrialPruning.for_job(cfg, rt.is_main))  # a search's trial reports its evals to the study
+        status = _start(run, data_stats, preempt)
+        status = _loop(run, eval_ds, suite, preempt, status)
+        return _finish(run, eval_ds, suite, status)
 
 
 def _start(run: Run, data_stats: dict[str, Any], preempt: PreemptionSignal) -> str:
