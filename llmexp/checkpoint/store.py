@@ -99,8 +99,7 @@ def verify_checkpoint(path: Path, *, full: bool = True) -> None:
     files must not pick up a stranger)."""
     path = Path(path)
     manifest = read_manifest(path)
-    step = _step_of(path)
-    if step is not None and step != manifest["step"]:
+    if _step_of(path) not in (None, manifest["step"]):  # a `step_<N>` dir holds step N
         raise CorruptCheckpoint(f"{path / MANIFEST}: says step {manifest['step']} but the dir is {path.name}")
     if unlisted := sorted(set(_files_under(path)) - set(manifest["files"])):
         raise CorruptCheckpoint(f"{path / unlisted[0]}: not listed in the manifest (added after the save?)")
