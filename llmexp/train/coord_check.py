@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from llmexp.config.derived import model_sizes
 from llmexp.model.build import build_model, build_optimizer
@@ -42,9 +42,8 @@ def at_width(cfg: DictConfig, width: float, parametrization: str) -> DictConfig:
     """A copy of `cfg` with `model.width_mult` and `model.parametrization` set."""
     keys = [k for k in cfg if k != "hydra"]  # a run's Hydra node, where composed with it, is none of the check's
     out = OmegaConf.create(OmegaConf.to_container(OmegaConf.masked_copy(cfg, keys), resolve=True))
-    with open_dict(out):
-        out.model.width_mult = float(width)
-        out.model.parametrization = parametrization
+    out.model.width_mult = float(width)
+    out.model.parametrization = parametrization
     return out
 
 
