@@ -152,10 +152,3 @@ def use_tf32(on: bool) -> None:
     alone: `torch.set_float32_matmul_precision` would reach oneDNN's CPU matmuls too."""
     torch.backends.cuda.matmul.fp32_precision = "tf32" if on else "ieee"
     torch.backends.cudnn.conv.fp32_precision = "tf32" if on else "ieee"
-
-
-def setup_runtime(cfg: DictConfig) -> Runtime:
-    """The runtime of this Hydra job; its output directory (the same on every rank) is the run directory."""
-    from hydra.core.hydra_config import HydraConfig
-
-    return Runtime(cfg, Path(HydraConfig.get().runtime.output_dir))

@@ -18,9 +18,11 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from llmexp.data import datasets as data_lib
@@ -36,7 +38,7 @@ from llmexp.train.finish import finish_run
 from llmexp.train.preemption import PreemptionSignal
 from llmexp.train.pruning import TrialPruning, sweep_value
 from llmexp.train.resume import load_resume_state, rollback, save_state_checkpoint
-from llmexp.train.runtime import setup_runtime
+from llmexp.train.runtime import Runtime
 from llmexp.train.schedule import base_lr, lr_at, set_lr
 from llmexp.train.setup import describe, start_facts
 from llmexp.train.state import LoopState, Run
@@ -57,7 +59,7 @@ def train(cfg: DictConfig) -> RunResult:
     trainer is imported (the one entered here then hands it out), else by the one entered here."""
     with PreemptionSignal() as preempt:
         task_files = read_task_files(cfg)  # before anything loads: a bad task file is exit 2 with nothing written
-        rt = setup_runtime(cfg)
+        rt = Runtime(cfg, Path(HydraConfig.get().runtime.output_dir))  # the job's output dir, every rank's
         tokenizer = load_tokenizer(cfg)
         build = stream_lib.build_stream_datasets if cfg.data.streaming else data_lib.build_datasets  # stream: uncached
         train_ds, eval_ds, data_stats = build(cfg, tokenizer)
