@@ -1,6 +1,6 @@
-"""Side computations on a model that must leave no trace: the lr range test (`train.lr_find`) and
-lm-evaluation-harness tasks (`evals.harness`) draw from every generator, and the run after them must be bitwise
-the run without them; an eval leaves the model in the mode it found it in."""
+"""Side computations on a model that must leave no trace: the lr range test (`train.lr_find`), samples
+(`train.samples`) and lm-evaluation-harness tasks (`evals.harness`) draw from generators, and the run after them
+must be bitwise the run without them; an eval leaves the model in the mode it found it in."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
-from llmexp.model.rng import eval_mode
+from llmexp.model.rng import eval_mode, rng_untouched
 from llmexp.train.state import Run
 
 
@@ -26,10 +26,9 @@ def record(run: Run, step: int) -> None:
     if not rt.is_main:
         return
     lm = run.engine.lm(run.model)
-    devices = [rt.device.index or 0] if rt.device.type == "cuda" else []
     sampled = train.sample_temperature > 0
     samples = []
-    with eval_mode(lm), torch.random.fork_rng(devices=devices), rt.compute():
+    with eval_mode(lm), rng_untouched(rt.device), rt.compute():
         torch.manual_seed(train.sample_seed)
         for prompt in train.sample_prompts:
             ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(rt.device)
