@@ -64,8 +64,7 @@ def save_state_checkpoint(run: Run) -> bool:
             kept = [p.name for p in ckpt.list_checkpoints(rt.run_dir / "checkpoints")]
             log.write(f"error: {err}; the run stops (status failed). Kept: {', '.join(kept) or 'no checkpoint'}. "
                       "Free some space (or lower train.save_total_limit), then run the same command to resume.")
-    rt.accelerator.wait_for_everyone()
-    return not rt.any_rank(full is not None)
+    return not rt.any_rank(full is not None)  # (a collective: every rank waits here for rank 0's save)
 
 
 def _load_checked(run: Run, path: Path) -> dict[str, Any]:
