@@ -10,7 +10,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Any
 
@@ -74,10 +74,8 @@ def disk_full_error(err: BaseException, path: Path) -> DiskFull | None:
 
 def _free_bytes(path: Path) -> int | None:
     for candidate in (Path(path), *Path(path).parents):
-        try:
+        with suppress(OSError):
             return shutil.disk_usage(candidate).free
-        except OSError:
-            continue
     return None
 
 
