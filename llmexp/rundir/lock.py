@@ -25,9 +25,8 @@ _made_parents: dict[Path, list[Path]] = {}
 def lock_run_dir(run_dir: Path | str) -> None:
     """Lock `run_dir` for the life of this process, or raise UserError naming the pid that holds it (a second run
     would interleave metrics, checkpoints and summaries). Only rank 0 locks: all ranks share the directory."""
-    if os.environ.get("RANK", "0") != "0":
-        return
-    _lock(Path(run_dir), "run", "hydra.run.dir")
+    if os.environ.get("RANK", "0") == "0":
+        _lock(Path(run_dir), "run", "hydra.run.dir")
 
 
 def lock_sweep_dir(sweep_dir: Path | str) -> None:
