@@ -177,9 +177,8 @@ def search_markdown(search: dict[str, Any]) -> list[str]:
                             ([str(r["number"]), f"`{_params_text(r['params'])}`", str(r["stopped_step"]),
                               fmt(r["last_eval_loss"])] for r in pruned))]
     lines += ["", "### Parameter importances (PED-ANOVA, `optuna.importance`)", ""]
-    if search["importances"]:
-        importance = search["importances"].items()
-        lines += md_table(["parameter", "importance"], ([f"`{k}`", f"{v:.2f}"] for k, v in importance))
+    if importances := search["importances"]:
+        lines += md_table(["parameter", "importance"], ([f"`{k}`", f"{v:.2f}"] for k, v in importances.items()))
     else:
         lines.append(search["importances_note"])
     goal = search.get("direction", "minimize")
