@@ -8,15 +8,17 @@ imported when a sweep starts. llmexp's `sweep=` group selects these sweepers and
 them (`sweep.n_trials=20` is `hydra.sweeper.n_trials=20`; `llmexp/conf/hydra/sweeper/sweep_*.yaml`).
 """
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.types import Override
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from llmexp.config.schema import GridSweepConfig, SearchSweepConfig  # dataclasses only: no torch
 
@@ -76,10 +78,6 @@ class _LaunchingSweeper(Sweeper):
 
     def _save_config(self) -> None:
         """The sweep's config in its directory, `multirun.yaml`, as Hydra's sweepers save it."""
-        from pathlib import Path
-
-        from omegaconf import OmegaConf
-
         assert self.config is not None
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -101,9 +99,6 @@ class GridSweeper(_LaunchingSweeper):
         """Hydra's grid, then the sweep's exit code from how every job ended (`jobs.sweep_exit_code`): a
         launcher exits 1 for a batch with a job that did not end by itself, as a Ctrl-C does; 3 needs every
         batch's jobs."""
-        import logging
-        from pathlib import Path
-
         from llmexp.rundir.read import TrialResult, read_result
         from llmexp.sweep.jobs import exit_for_results, job_dir_of, objective
 
