@@ -13,7 +13,7 @@ setting; `llmexp/conf/hydra/launcher/cluster_*.yaml`). The extras that only make
 (`llmexp.sweep.jobs.is_llmexp_config`); any other app gets Hydra's usual job returns.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,27 +72,22 @@ class _LlmexpLauncher(Launcher):
         self.hydra_context = hydra_context
         self.task_function = task_function
 
-    def _guarded(self, launch: Callable[..., Sequence[JobReturn]], job_overrides: Sequence[Sequence[str]],
-                 initial_job_idx: int) -> Sequence[JobReturn]:
-        """A user's mistake (e.g. llmexp_slurm without SLURM) is one message and exit 2, no traceback."""
-        from llmexp.sweep.jobs import exit_2_on_user_error
-
-        return exit_2_on_user_error(launch, self, job_overrides, initial_job_idx)
-
 
 class LocalLauncher(_LlmexpLauncher):
     """`hydra/launcher=llmexp_local` (llmexp: `cluster=local`): see `llmexp.sweep.local.launch_local`."""
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from llmexp.sweep.jobs import exit_2_on_user_error  # a user's mistake: one message and exit 2
         from llmexp.sweep.local import launch_local
 
-        return self._guarded(launch_local, job_overrides, initial_job_idx)
+        return exit_2_on_user_error(launch_local, self, job_overrides, initial_job_idx)
 
 
 class SlurmLauncher(_LlmexpLauncher):
     """`hydra/launcher=llmexp_slurm` (llmexp: `cluster=slurm`): see `llmexp.sweep.slurm.launch_slurm`."""
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from llmexp.sweep.jobs import exit_2_on_user_error  # a user's mistake: one message and exit 2
         from llmexp.sweep.slurm import launch_slurm
 
-        return self._guarded(launch_slurm, job_overrides, initial_job_idx)
+        return exit_2_on_user_error(launch_slurm, self, job_overrides, initial_job_idx)
