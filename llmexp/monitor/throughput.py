@@ -134,10 +134,6 @@ class ThroughputWindow:
         `compile_s[graph]`, not throughput."""
         self.compile_s[graph] = time.perf_counter() - self._start
 
-    def compiled(self, graph: str) -> bool:
-        """`graph` was compiled, and its seconds set aside, in this process."""
-        return graph in self.compile_s
-
     def take(self) -> float:
         """Tokens per second since the last `take`."""
         rate = self.tokens / self.seconds if self.seconds > 0 else 0.0

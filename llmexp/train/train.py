@@ -140,7 +140,7 @@ def _loop(run: Run, eval_ds: data_lib.TokenDataset, suite: TaskSuite | None, pre
         if verdict == "rollback":
             rollback(run)
             continue
-        if rt.compiles and not window.compiled("train"):
+        if rt.compiles and "train" not in window.compile_s:
             window.set_aside_compile("train")  # the first step compiles: report it apart
         else:
             window.add(n_tokens)
@@ -234,7 +234,7 @@ def evaluate_and_record(run: Run, eval_ds: data_lib.TokenDataset, suite: TaskSui
     cfg, state = run.cfg, run.state
     run.window.begin()  # (the next train step begins its own timing)
     eval_loss = evaluate(run, eval_ds)
-    if run.rt.compiles and not run.window.compiled("eval"):  # the first eval compiles the no-grad graph
+    if run.rt.compiles and "eval" not in run.window.compile_s:  # the first eval compiles the no-grad graph
         run.window.set_aside_compile("eval")
     state.last_eval_step = step
     record = {"event": "eval", "step": step, "eval_loss": eval_loss, "eval_ppl": safe_exp(eval_loss)}
