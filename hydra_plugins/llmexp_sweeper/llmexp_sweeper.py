@@ -182,5 +182,4 @@ class SearchSweeper(_LaunchingSweeper):
                             "the next ones; use cluster.wait=true (the default)")
         self.launcher.within_search = True
         if isinstance(self.launcher, LocalLauncher):  # CPU slots; with GPUs the launcher uses one per GPU
-            slots = max(int(self.launcher.settings.max_parallel), search.parallel)
-            self.launcher.settings.max_parallel = slots
+            self.launcher.settings.max_parallel = max(int(self.launcher.settings.max_parallel), search.parallel)
