@@ -171,14 +171,32 @@ def test_a_pretrained_models_activations_come_from_its_own_config(tmp_path: Path
 def test_estimate_cli_refuses_a_bad_argument_with_exit_2_and_no_secret(args: list[str],
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """A bad world_size names the key and the fix (it raised ValueError, or was taken as 0 processes); an override
-    Hydra cannot parse is quoted with its token-shaped text redacted, as `python -m llmexp` does."""
+    Hydra cannot parse is quoted with its token-shaped text lifted into an environment variable, as `python -m llmexp`
+    does."""
     from llmexp.cli.estimate import main
 
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("llmexp.estimate: error: ") and "Traceback" not in err
     assert "sk-abcdefghijklmnopqrstuvwxyz123456" not in err
-    assert "world_size" in err or "***" in err
+    assert "world_size" in err or "${oc.env:LLMEXP_SECRET_" in err  # the secret lifted out, as the CLI lifts it
+
+
+@pytest.mark.parametrize("command", ["estimate", "coord_check"])
+@pytest.mark.parametrize("override, fix", [("model.hidden_size=abc", "must be an integer, e.g. model.hidden_size=256"),
+                                           ("modle.hidden_size=3", "no such key; did you mean model?")])
+def test_the_config_commands_refuse_a_typo_as_the_training_command_does(command: str, override: str, fix: str,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """`python -m llmexp.estimate` and `llmexp.coord_check` compose as `python -m llmexp` does, so a wrong type or a
+    typo'd key gets its message and fix (they printed Hydra's bare "Error merging override ...", or advised
+    `+modle.hidden_size=3`, which the schema refuses too)."""
+    import importlib
+
+    main = importlib.import_module(f"llmexp.cli.{command}").main
+    assert main([override]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"llmexp.{command}: error: invalid command line:") and f"{override.split('=')[0]}" in err
+    assert fix in err and "+modle" not in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("content", [None, "no config", {"architectures": ["X"]}])

@@ -22,11 +22,13 @@ from llmexp.rundir.redact import print_user_error
 
 
 def compose(overrides: list[str]) -> DictConfig:
-    """The config `python -m llmexp OVERRIDES` would train with (validated), without a run dir."""
+    """The config `python -m llmexp OVERRIDES` would train with (validated), without a run dir; a typo'd key or a
+    value of the wrong type is refused as `python -m llmexp` refuses it (`check_args`), naming the fix."""
+    from llmexp.cli.argv import check_args
     from llmexp.config.schema import compose_config
     from llmexp.config.validation import validate
 
-    cfg = compose_config(overrides)
+    cfg = compose_config(check_args(overrides))
     validate(cfg)
     return cfg
 
