@@ -29,13 +29,13 @@ def run_id() -> str:
     without SLURM or an rdzv id: set LLMEXP_RUN_ID or hydra.run.dir."""
     if os.environ.get("LLMEXP_RUN_ID"):
         return safe_name(os.environ["LLMEXP_RUN_ID"])
-    if os.environ.get("SLURM_JOB_ID") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if os.environ.get("SLURM_JOB_ID") and world > 1:
         return f"slurm-{safe_name(os.environ['SLURM_JOB_ID'])}"
     rdzv_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    multi_node = int(os.environ.get("WORLD_SIZE", "1")) > int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if multi_node and rdzv_id not in ("", "none"):  # torchrun --rdzv_id: the one name all nodes share
-        return f"torchrun-{safe_name(rdzv_id)}"
-    pid = os.getppid() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else os.getpid()
+    if world > int(os.environ.get("LOCAL_WORLD_SIZE", "1")) and rdzv_id not in ("", "none"):
+        return f"torchrun-{safe_name(rdzv_id)}"  # several nodes: torchrun --rdzv_id, the one name they all share
+    pid = os.getppid() if world > 1 else os.getpid()
     stamp = _start_time(pid) if pid != os.getpid() else _first_asked()
     return f"{stamp:%Y-%m-%d}/{stamp:%H-%M-%S}-{pid}"
 

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf, read_write
 
 from llmexp.errors import EXIT_USER
 from llmexp.rundir.files import write_text_atomic
+from llmexp.rundir.lock import HYDRA_FILES
 from llmexp.rundir.readers import read_yaml
 
 REDACTED = "***"
@@ -157,7 +158,7 @@ class RedactRunFiles(Callback):
         install_log_filter()
         _sanitize_hydra_overrides()
         if (subdir := config.hydra.output_subdir) is not None:
-            for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+            for name in HYDRA_FILES:
                 scrub_yaml_file(Path(config.hydra.runtime.output_dir) / str(subdir) / name)
 
 
