@@ -38,6 +38,8 @@ def tree(tmp_path: Path) -> Path:
     (no_text / ".git").mkdir()  # nor a hidden directory's files: a checkout's .git/HEAD is no text to train on
     (no_text / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
     (no_text / "empty.txt").write_text("")
+    for step in (9, 10):  # a run's checkpoints, without manifests: as far as the hint reads them
+        (tmp_path / "old_run" / "checkpoints" / f"step_{step}").mkdir(parents=True)
     return tmp_path
 
 
@@ -128,6 +130,10 @@ PATH_MISTAKES: list[tuple[str, list[str], list[str]]] = [
     ("tokenizer_custom_code", ["data.tokenizer={t}/models/tokenizer"],
      ["data.tokenizer={t}/models/tokenizer: ships code of its own (tokenization_x.py"]),
     ("resume_a_loop", ["train.resume={t}/loop"], ["train.resume={t}/loop: is a symbolic link loop"]),
+    ("resume_a_run_dir", ["train.resume={t}/old_run"],  # the newest by number, not by name (step_9)
+     ["train.resume={t}/old_run: holds no manifest.json", "train.resume={t}/old_run/checkpoints/step_10?"]),
+    ("resume_its_checkpoints", ["train.resume={t}/old_run/checkpoints"],
+     ["(it holds step_10: train.resume={t}/old_run/checkpoints/step_10?)"]),
 ]
 
 

@@ -254,9 +254,10 @@ def checkpoint_problem(cfg: Any, key: str, value: Any) -> str | None:
         return f"{key}={value}: {why}; {fix}"
     if found is None or not stat.S_ISDIR(found.st_mode):
         return f"{key}={value}: no such checkpoint directory; {fix}"
-    if not (path / "manifest.json").is_file():
-        steps = sorted(p.name for p in path.glob("step_*"))
-        hint = f" (it holds {steps[-1]}: train.resume={path / steps[-1]}?)" if steps else ""
+    if not (path / "manifest.json").is_file():  # a run directory, or its checkpoints/: the newest step in it
+        steps = [s for d in (path, path / "checkpoints") for s in d.glob("step_*") if s.name[5:].isdigit()]
+        newest = max(steps, key=lambda s: int(s.name[5:]), default=None)
+        hint = f" (it holds {newest.relative_to(path)}: train.resume={newest}?)" if newest else ""
         return f"{key}={value}: holds no manifest.json, so it is not an llmexp checkpoint{hint}; {fix}"
     return None
 
