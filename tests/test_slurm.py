@@ -102,6 +102,20 @@ def test_lr_sweep_completes_as_one_job_array(tmp_path: Path) -> None:
         assert (sweep / ".submitit" / ids[str(job)] / f"{ids[str(job)]}_0_result.pkl").exists()
 
 
+def test_a_sweep_sbatch_refuses_exits_2_leaving_no_job_and_a_corrected_one_runs_there(tmp_path: Path) -> None:
+    """An unknown partition: sbatch refuses the array, so the sweep exits 2 with sbatch's reason and no traceback
+    (it raised submitit's FailedJobError), and no job directory says `submitted` (each did, forever); so the
+    corrected command may use the same sweep directory (it found "a job of another sweep" there)."""
+    proc, sweep, log = start_sweep(tmp_path, "refused", ["cluster.partition=no_such_partition", "lr=1e-3,2e-3"])
+    assert proc.wait(timeout=120) == 2, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "sbatch submitted none of the 2 jobs" in text and "Invalid partition" in text, text[-3000:]
+    assert "Traceback" not in text and not [p for p in sweep.iterdir() if p.name.isdigit()]
+    proc, sweep, log = start_sweep(tmp_path, "refused", ["lr=1e-3", "train.max_steps=1", *QUICK])
+    assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
+    assert json.loads((sweep / "0" / "summary.json").read_text())["step"] == 1
+
+
 def test_two_task_jobs_train_as_one_distributed_job(tmp_path: Path) -> None:
     # The trainer runs on both tasks, as ranks 0 and 1, with the torch.distributed env from SLURM's.
     proc, sweep, log = start_sweep(tmp_path, "tasks", ["lr=1e-3,3e-3", "train.max_steps=5",

@@ -183,11 +183,17 @@ def launch_slurm(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
     folder = Path(str(settings.submitit_folder or sweep_dir / ".submitit" / "%j")).absolute()
     executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=int(settings.max_num_timeout))
     executor.update_parameters(**sbatch_parameters(settings, str(launcher.config.hydra.job.name)))
-    state = Singleton.get_state()
+    state, fresh = Singleton.get_state(), [s.job_dir for s in specs if not s.job_dir.exists()]
     for spec in specs if extras else ():  # until the job records how it ended, the report shows it as submitted
         record_outcome(spec, JobOutcome(spec.num, "submitted", None, "submitted to SLURM; see slurm_jobs.json"))
-    with executor.batch():
-        jobs = [executor.submit(SlurmJob(spec, launcher, state, extras)) for spec in specs]
+    try:
+        with executor.batch():
+            jobs = [executor.submit(SlurmJob(spec, launcher, state, extras)) for spec in specs]
+    except submitit.core.utils.FailedJobError as err:  # sbatch refused the array: not one job was submitted
+        _unsubmitted(specs if extras else [], fresh, why := _last_line(str(err)))
+        raise UserError(f"cluster=slurm: sbatch submitted none of the {len(specs)} jobs ({why}); check cluster.* "
+                        "(a partition or account `sinfo` does not list?) and that SLURM runs (a one-machine "
+                        "cluster: sudo bash launch/slurm-local.sh up)") from None
     log.info(f"Submitted {len(jobs)} jobs to SLURM as array {jobs[0].job_id.split('_')[0]}: {sweep_dir}")
     if not extras:  # another app: Hydra's JobReturns, as hydra-submitit-launcher returns them
         return other_app_returns(specs, jobs)
@@ -201,6 +207,16 @@ def launch_slurm(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
         return job_returns(specs, [JobOutcome(s.num, "submitted", None, None, ids[s.num]) for s in specs])
     outcomes = wait_for_jobs(specs, jobs) | ended
     return finish_sweep(all_specs, [outcomes[s.num] for s in all_specs], launcher.within_search)
+
+
+def _unsubmitted(specs: Sequence[JobSpec], fresh: list[Path], why: str) -> None:
+    """After sbatch refused the jobs: a job directory this launch made goes (it held only the `submitted` record, so
+    a corrected command may use the sweep directory again); an earlier launch's job records that it was not run."""
+    for spec in specs:
+        if spec.job_dir in fresh:
+            shutil.rmtree(spec.job_dir, ignore_errors=True)
+        else:
+            record_outcome(spec, JobOutcome(spec.num, "failed", None, f"not submitted: {why}"))
 
 
 def other_app_returns(specs: Sequence[JobSpec], jobs: Sequence[submitit.Job]) -> list:
