@@ -227,6 +227,8 @@ def _kept(name: str, path: Path, out: Any, lines: list[str], damaged: bool) -> N
     if isinstance(out, Exception):
         assert kind == INPUT and isinstance(out, UserError), f"{name} raised {type(out).__name__}: {out}"
         assert shown in str(out), f"{name}: the error does not name the file: {out}"
+        fix = READERS[name].fix  # e.g. "UTF-8 text": "...: it is not UTF-8 text (...); save it as UTF-8" says it
+        assert not fix or str(out).count(fix) <= 1, f"{name}: the error says its fix {str(out).count(fix)} times: {out}"
         return
     assert len(lines) <= 1, f"{name} said more than one line: {lines}"
     if damaged:

@@ -187,7 +187,8 @@ def reader(fn: F) -> F:
         except (Damaged, OSError) as err:
             damage = err if isinstance(err, Damaged) else Damaged(path, f"cannot be read ({err.strerror or err})")
         if entry.kind == INPUT:
-            raise UserError(f"{damage}; {entry.fix and f'it must be {entry.fix}'}".rstrip("; ")) from None
+            fix = f"; it must be {entry.fix}" if entry.fix and entry.fix not in str(damage) else ""  # (once)
+            raise UserError(f"{damage}{fix}") from None
         skipped(f"{damage}; {entry.fix}" if entry.kind == CACHE else str(damage),
                 logging.INFO if entry.kind == CACHE else logging.WARNING)
         return None
