@@ -130,6 +130,11 @@ PATH_MISTAKES: list[tuple[str, list[str], list[str]]] = [
     ("tokenizer_custom_code", ["data.tokenizer={t}/models/tokenizer"],
      ["data.tokenizer={t}/models/tokenizer: ships code of its own (tokenization_x.py"]),
     ("resume_a_loop", ["train.resume={t}/loop"], ["train.resume={t}/loop: is a symbolic link loop"]),
+    # a name the filesystem cannot hold (over 255 bytes), below a directory that does not exist yet (stat: ENOENT)
+    ("run_dir_name_too_long", ["hydra.run.dir={t}/new/" + "a" * 256], ["is a name longer than the filesystem allows"]),
+    ("sweep_job_dir_name_too_long", ["--multirun", "lr=1e-3,2e-3", "hydra.sweep.subdir=${{hydra.job.override_dirname}}",
+                                     "model.name=" + "b" * 250], ["invalid sweep (nothing was launched):\n  job #0",
+                                                                  "is a name longer than the filesystem allows"]),
     ("resume_a_run_dir", ["train.resume={t}/old_run"],  # the newest by number, not by name (step_9)
      ["train.resume={t}/old_run: holds no manifest.json", "train.resume={t}/old_run/checkpoints/step_10?"]),
     ("resume_its_checkpoints", ["train.resume={t}/old_run/checkpoints"],

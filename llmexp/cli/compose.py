@@ -25,6 +25,7 @@ from omegaconf import OmegaConf, flag_override, open_dict
 from llmexp.config import security
 from llmexp.config.keys import KeyDoc, reference
 from llmexp.config.origin import origin_of
+from llmexp.errors import UserError
 
 
 def compose_checked(config_name: str | None, overrides: list[str], job_num: int | None = None) -> Any:
@@ -62,6 +63,7 @@ def check_sweep(config_name: str | None, overrides: list[str]) -> None:
     """A sweep: every config it can run composed as the sweeper and launcher will compose it (Hydra's overrides,
     then the job's), security-checked and judged (`llmexp.sweep.check`); then the sweep directory is locked: one
     sweeper per sweep directory, as one run per run directory."""
+    from llmexp.machine.paths import dir_out_problem
     from llmexp.rundir.lock import lock_sweep_dir
     from llmexp.rundir.study import check_journal, study_journal
     from llmexp.sweep.check import check_configs, edge_configs
@@ -99,6 +101,8 @@ def check_sweep(config_name: str | None, overrides: list[str]) -> None:
         check_configs([(f"job #{num} ({swept(job, jobs)})", cfg) for num, job, cfg in composed_jobs],
                       on_this_machine=local)
         for num, job, cfg in composed_jobs:  # another sweep's directory: refused before Hydra writes multirun.yaml
+            if problem := dir_out_problem("hydra.sweep.subdir", job_dir_of(cfg, num)):  # e.g. a name too long
+                raise UserError(f"invalid sweep (nothing was launched):\n  job #{num} ({swept(job, jobs)}): {problem}")
             launched_before(job_dir_of(cfg, num), num, job)
     lock_sweep_dir(str(sweep_dir))
 

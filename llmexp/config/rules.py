@@ -183,7 +183,7 @@ FLAG = Flag()
 
 PATH_KINDS = {
     "dir_out": "a directory llmexp creates and writes, not the filesystem's root: if it exists it is a directory, "
-               "and so is its nearest existing parent",
+               "and so is its nearest existing parent; no name in it longer than the filesystem allows",
     "data_file": "data=json: an existing, non-empty JSON/JSONL file; data=text: a non-empty file, a directory "
                  "holding non-empty files (hidden ones skipped, and hidden directories), or a glob matching some",
     "model": "a local model directory (config.json and safetensors weights, no code unless trusted), or a hub id",

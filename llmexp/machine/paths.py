@@ -40,6 +40,8 @@ def _stat(path: Path) -> tuple[os.stat_result | None, str | None]:
             return None, "is a symbolic link loop (or a chain of links too long to follow)"
         if err.errno == errno.ENOTDIR:
             return None, "has a part that is a file, not a directory"
+        if err.errno == errno.ENAMETOOLONG:
+            return None, "has a name longer than the filesystem allows (shorten it)"
         return None, f"cannot be read ({os.strerror(err.errno or 0) or err})"
 
 
@@ -75,11 +77,19 @@ def dir_out_problem(key: str, value: Any) -> str | None:
         if not stat.S_ISDIR(found.st_mode):
             fix = f"remove it or set {key} to a directory" if place is path else f"set {key} elsewhere"
             return f"{subject} is a file, not a directory; {fix}"
+        if long := _name_too_long(path, place):  # (below a missing directory, stat says ENOENT, not ENAMETOOLONG)
+            return f"{key}={value}: {long[:40]}... is a name longer than the filesystem allows; shorten it"
         if os.access(place, os.W_OK | os.X_OK):
             return None
         return f"{subject} is not writable by you" if place is path else \
             f"{key}={value}: cannot be created, {place} is not writable by you"
     return None
+
+
+def _name_too_long(path: Path, place: Path) -> str | None:
+    """The first name in `path` below its existing directory `place` that the filesystem there cannot hold."""
+    limit = os.pathconf(place, "PC_NAME_MAX")
+    return next((p for p in path.absolute().relative_to(place.absolute()).parts if len(os.fsencode(p)) > limit), None)
 
 
 # ----------------------------------------------------------------------------- files and directories llmexp reads
