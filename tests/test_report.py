@@ -193,6 +193,17 @@ def test_doctor_exit_codes_and_report(tmp_path: Path, capsys: pytest.CaptureFixt
     assert proc.returncode == 2 and "is not a run directory" in proc.stderr
 
 
+def test_the_doctor_counts_the_steps_a_run_skipped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run whose every step spiked and was skipped until it diverged at step 6 reached step 6, though it logged no
+    `train` record (the header said "0 steps")."""
+    records = [{"event": "start", "step": 0}] + [
+        {"event": "anomaly", "step": s, "loss": 3e3, "grad_norm": 1e4, "policy": "skip",
+         "action": "diverged" if s == 6 else "skipped"} for s in range(1, 7)]
+    run = make_run(tmp_path / "run", records, {"status": "diverged", "step": 6, "findings": []})
+    doctor.main([str(run)])
+    assert f"{run}: status diverged, 6 steps, 7 metric records" in capsys.readouterr().out
+
+
 def test_recommendation_averages_over_seeds(tmp_path: Path) -> None:
     """lr=1e-3 wins one seed by luck, lr=3e-4 wins on average: 3e-4 is recommended, named without the seed."""
     finals = {("1e-3", "0"): 2.0, ("1e-3", "1"): 3.0, ("3e-4", "0"): 2.2, ("3e-4", "1"): 2.3}

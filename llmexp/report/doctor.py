@@ -57,7 +57,7 @@ def diagnose_run(run_dir: Path) -> tuple[int, str]:
         wrote = f"report.md not written: {unwritable(run_dir, err)}"
     paint = _painter(sys.stdout)
     status = (load_summary(run_dir) or {}).get("status", "no summary.json (killed, or still running)")
-    steps = max((int(r["step"]) for r in records if r.get("event") == "train"), default=0)
+    steps = max((int(r["step"]) for r in records if isinstance(r.get("step"), int)), default=0)  # skipped ones too
     header = f"{paint(str(run_dir), 'bold')}: status {status}, {steps} steps, {len(records)} metric records"
     counts = {s: sum(f["severity"] == s and is_open(f) for f in findings) for s in ("error", "warning", "info")}
     verdict = ", ".join(f"{n} {s}" for s, n in counts.items())
