@@ -15,8 +15,10 @@ from tests.conftest import TINY, run_cli
 def test_absurd_lr_is_diverged_and_the_doctor_says_why(tmp_path: Path) -> None:
     run_dir = tmp_path / "hot"
     proc = run_cli([*TINY, "lr=10", "train.on_anomaly=stop", "train.max_steps=10", "train.eval_steps=5",
+                    "train.logging_steps=100",  # no train record before it diverges: its last line has no loss
                     "logger=tensorboard", f"hydra.run.dir={run_dir}"])
     assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "diverged: " in proc.stderr and "=None" not in proc.stderr  # the last line shows only what it has
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "diverged"
     assert any(f["severity"] == "error" for f in summary["findings"]), summary["findings"]

@@ -72,7 +72,7 @@ def _final_line(run: Run, summary: dict[str, Any]) -> str:
     idle = summary["status"] == "completed" and bool(resumes) and int(resumes[-1]["step"]) == run.state.step
     shown = ("step", "train_loss", "eval_loss", "eval_ppl", *(() if idle else ("tokens_per_sec",)))
     figures = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                        for k, v in summary.items() if k in shown)
+                        for k, v in summary.items() if k in shown and v is not None)  # (diverged: no loss)
     key = "train.max_steps" if run.cfg.train.max_steps != -1 else "train.num_train_epochs"
     return figures + (f"\nnothing to train: the run was already at its last step ({run.state.step}); "
                       f"raise {key} to train on" if idle else "")
