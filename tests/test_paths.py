@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -72,6 +73,8 @@ def models(tmp_path: Path) -> Path:
     (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/models/base",
                                                              "peft_type": "LORA"}))
     (adapter / "adapter_model.safetensors").write_bytes(b"\0" * 8)
+    shutil.copytree(adapter, root / "merged_adapter")
+    _model_dir(root / "merged_adapter" / "merged")
     tokenizer = root / "tokenizer"
     tokenizer.mkdir()
     (tokenizer / "tokenizer_config.json").write_text(json.dumps({"auto_map": {
@@ -125,6 +128,9 @@ PATH_MISTAKES: list[tuple[str, list[str], list[str]]] = [
     ("model_adapter", ["model.name_or_path={t}/models/adapter"],
      ["model.name_or_path={t}/models/adapter: is a peft adapter", "model.name_or_path=/models/base", "merge"]),
     ("model_run_dir", ["model.name_or_path={t}/models/run"], ["did you mean model.name_or_path={t}/models/run/model"]),
+    ("model_adapter_merged", ["model.name_or_path={t}/models/merged_adapter"],  # train.merge_adapter=true's model/
+     ["model.name_or_path={t}/models/merged_adapter: is a peft adapter; the model merged with it is beside it: "
+      "model.name_or_path={t}/models/merged_adapter/merged?"]),
     ("model_is_a_file", ["model.name_or_path={t}/a_file"], ["model.name_or_path={t}/a_file: is a file"]),
     ("model_is_a_loop", ["model.name_or_path={t}/loop"], ["model.name_or_path={t}/loop: is a symbolic link loop"]),
     ("tokenizer_custom_code", ["data.tokenizer={t}/models/tokenizer"],

@@ -162,6 +162,8 @@ def model_dir_problem(key: str, path: Path, trust_remote_code: bool) -> str | No
     shown = f"{key}={path}"
     names = {p.name for p in path.iterdir()}
     if "config.json" not in names:
+        if "adapter_config.json" in names and (path / "merged" / "config.json").is_file():  # train.merge_adapter
+            return f"{shown}: is a peft adapter; the model merged with it is beside it: {key}={path / 'merged'}?"
         if "adapter_config.json" in names:
             base = (read_model_json(path / "adapter_config.json") or {}).get("base_model_name_or_path") or "<its base>"
             return (f"{shown}: is a peft adapter (adapter_config.json), not a model; set {key}={base} (its base "
