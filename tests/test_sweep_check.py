@@ -73,6 +73,13 @@ SWEEP_MISTAKES: list[tuple[str, list[str], list[str]]] = [
     ("direction_against_the_metric", [*SEARCH, "eval=demo", "sweep.metric=tasks/demo/acc"],
      ["sweep.direction=minimize: tasks/demo/acc is better higher; set sweep.direction=maximize"]),
     ("direction_unknown", [*GRID, "sweep.direction=up"], ["sweep.direction: 'up' is not one of minimize, maximize"]),
+    # hydra.sweep.subdir: a directory of each job's own (they ran in one, their metrics and checkpoints mixed)
+    ("subdir_shared", [*GRID, "hydra.sweep.subdir=same"],
+     ["hydra.sweep.subdir: job #1 (lr=0.002) would run in ", "/sweep/same, as job #0 (lr=0.001) does"]),
+    ("subdir_the_sweep_dir", [*GRID, "hydra.sweep.subdir=."], ["job #0 (lr=0.001) would run in", "as the sweep"]),
+    ("subdir_shared_by_trials", [*SEARCH, "hydra.sweep.subdir=trial"], ["trial #1 would run in", "as trial #0 does"]),
+    ("subdir_of_a_trials_values", [*SEARCH, "hydra.sweep.subdir=${hydra.job.num}_${hydra.job.override_dirname}"],
+     ["hydra.sweep.subdir: a search names each trial's directory by its number"]),
 ]
 
 
@@ -274,3 +281,17 @@ def test_a_grid_and_a_search_agree_on_diverged_jobs(tmp_path: Path) -> None:
     assert search.returncode == 3, search.stderr[-3000:]
     assert "every trial diverged" in search.stdout + search.stderr, search.stdout[-3000:]
     assert time.monotonic() - started < 300
+
+
+@pytest.mark.slow
+def test_a_grid_whose_job_directories_name_their_values_reads_each_job_there(tmp_path: Path) -> None:
+    """hydra.sweep.subdir=seed${seed}: each job runs in its own named directory and the sweep's verdict reads it
+    there: every job diverged, exit 3 (the sweeper read job N back from directory N: an InterpolationKeyError
+    traceback after the jobs had run, and with ${hydra.job.override_dirname} a verdict from directories that
+    do not exist)."""
+    sweep = tmp_path / "sweep"
+    proc = run_cli(["--multirun", *DIVERGE, "lr=1e4", "seed=0,1", "hydra.sweep.subdir=seed${seed}",
+                    f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["seed0", "seed1"]
+    assert [j["status"] for j in json.loads((sweep / "sweep_summary.json").read_text())["jobs"]] == ["diverged"] * 2

@@ -100,7 +100,7 @@ class GridSweeper(_LaunchingSweeper):
         launcher exits 1 for a batch with a job that did not end by itself, as a Ctrl-C does; 3 needs every
         batch's jobs."""
         from llmexp.rundir.read import TrialResult, read_result
-        from llmexp.sweep.jobs import exit_for_results, job_dir_of, objective
+        from llmexp.sweep.jobs import exit_for_results, objective
 
         try:
             returns = self._grid(arguments)
@@ -111,8 +111,8 @@ class GridSweeper(_LaunchingSweeper):
         if self.config is None or metric is None:  # another app gets Hydra's returns only
             return returns
         results = []
-        for num, ret in enumerate(r for batch in returns for r in batch):  # numbered from 0, batch after batch
-            job_dir = job_dir_of(self.config, num)
+        for ret in (r for batch in returns for r in batch):
+            job_dir = Path(str(ret.working_dir))  # llmexp's launchers: the job's directory (`jobs.job_returns`)
             result = read_result(job_dir, metric)  # completed: ended with a finite `sweep.metric`
             if ret.return_value == 0 and not (job_dir / "summary.json").exists():  # ended well, writes no summary
                 result = TrialResult("completed")

@@ -63,11 +63,10 @@ def check_sweep(config_name: str | None, overrides: list[str]) -> None:
     """A sweep: every config it can run composed as the sweeper and launcher will compose it (Hydra's overrides,
     then the job's), security-checked and judged (`llmexp.sweep.check`); then the sweep directory is locked: one
     sweeper per sweep directory, as one run per run directory."""
-    from llmexp.machine.paths import dir_out_problem
     from llmexp.rundir.lock import lock_sweep_dir
     from llmexp.rundir.study import check_journal, study_journal
-    from llmexp.sweep.check import check_configs, edge_configs
-    from llmexp.sweep.jobs import job_dir_of, launched_before, swept
+    from llmexp.sweep.check import check_configs, edge_configs, job_dir_problem
+    from llmexp.sweep.jobs import job_dir_of, launched_before, subdir_names_values, swept
     from llmexp.sweep.space import grid_jobs, lr_to_scale, probe_job, scale_lr
 
     loader = GlobalHydra.instance().config_loader()
@@ -90,6 +89,12 @@ def check_sweep(config_name: str | None, overrides: list[str]) -> None:
         groups = _config_groups(loader.get_sources())
         check_configs(edge_configs(asked, compose_job, lambda key: key in groups), on_this_machine=local)
         check_journal(sweep_dir)  # a search that continues there must find its study journal readable
+        if subdir_names_values(probe):  # the study finds each trial's directory by its number alone
+            raise UserError("invalid sweep (nothing was launched):\n  hydra.sweep.subdir: a search names each trial's "
+                            "directory by its number: drop the trial's values from it (${hydra.job.override_dirname}, "
+                            "${lr}, ...), e.g. hydra.sweep.subdir='trial_${hydra.job.num}'")
+        if problem := job_dir_problem(sweep_dir, [(f"trial #{n}", job_dir_of(probe, n)) for n in (0, 1)]):
+            raise UserError(f"invalid sweep (nothing was launched):\n  {problem}")
         if not study_journal(sweep_dir).exists():  # a new search must not start among another sweep's jobs
             launched_before(job_dir_of(probe, 0), 0, None)
     else:  # Hydra's BasicSweeper or llmexp's GridSweeper (zip, lr scaling), the two SWEEPER_TARGETS allow
@@ -100,10 +105,11 @@ def check_sweep(config_name: str | None, overrides: list[str]) -> None:
                          for num, job in enumerate(jobs)]  # (job 0 is usually the probe itself)
         check_configs([(f"job #{num} ({swept(job, jobs)})", cfg) for num, job, cfg in composed_jobs],
                       on_this_machine=local)
-        for num, job, cfg in composed_jobs:  # another sweep's directory: refused before Hydra writes multirun.yaml
-            if problem := dir_out_problem("hydra.sweep.subdir", job_dir_of(cfg, num)):  # e.g. a name too long
-                raise UserError(f"invalid sweep (nothing was launched):\n  job #{num} ({swept(job, jobs)}): {problem}")
-            launched_before(job_dir_of(cfg, num), num, job)
+        dirs = [(f"job #{num} ({swept(job, jobs)})", job_dir_of(cfg, num)) for num, job, cfg in composed_jobs]
+        if problem := job_dir_problem(sweep_dir, dirs):
+            raise UserError(f"invalid sweep (nothing was launched):\n  {problem}")
+        for (num, job, _), (_, job_dir) in zip(composed_jobs, dirs, strict=True):  # another sweep's: refused before
+            launched_before(job_dir, num, job)  # Hydra writes multirun.yaml
     lock_sweep_dir(str(sweep_dir))
 
 

@@ -7,6 +7,7 @@ once, then each job's own. The CLI composes (`llmexp.cli.compose.check_sweep`), 
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,23 @@ def check_configs(configs: Labelled, on_this_machine: bool) -> None:
     if len(failures) > 5:
         lines.append(f"  ... and {len(failures) - 5} more jobs")
     raise UserError("invalid sweep (nothing was launched):\n" + "\n".join(lines))
+
+
+def job_dir_problem(sweep_dir: Path, dirs: Sequence[tuple[str, Path]]) -> str | None:
+    """Why the jobs' directories, (label, path) each, cannot hold them: the sweep directory itself, one that two
+    jobs share (their metrics and checkpoints would mix: a `hydra.sweep.subdir` without `${hydra.job.num}`), or
+    one this machine cannot make (`dir_out_problem`, e.g. a name too long)."""
+    from llmexp.machine.paths import dir_out_problem
+
+    fix = "keep ${hydra.job.num} in hydra.sweep.subdir, as its default does (e.g. 'lr${lr}_${hydra.job.num}')"
+    seen = {os.path.normpath(sweep_dir.absolute()): "the sweep itself"}
+    for label, path in dirs:
+        if (where := os.path.normpath(path)) in seen:
+            return f"hydra.sweep.subdir: {label} would run in {where}, as {seen[where]} does; {fix}"
+        seen[where] = label
+        if problem := dir_out_problem("hydra.sweep.subdir", path):
+            return f"{label}: {problem}"
+    return None
 
 
 def _problems(err: UserError) -> list[str]:

@@ -8,7 +8,6 @@ finish); another app's run through `run_task` as Hydra's basic launcher runs the
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 import threading
@@ -104,14 +103,13 @@ def compose_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
     """Every job's spec, its config composed now unless `compose=False`. `hydra.sweep.dir` is resolved once here: its
     `${llmexp_run_id:}` must not be re-evaluated in a child process or on a SLURM node, where time and pid differ.
     Composition takes ~0.3 s a job (Hydra's sweeper has already composed each once), so the SLURM launcher leaves it to
-    the node, unless `hydra.sweep.subdir` names the overrides, which only a composition knows."""
+    the node, unless the job's directory depends on its values (`subdir_names_values`)."""
     global _launched
     _launched = True
     sweep_dir = Path(str(launcher.config.hydra.sweep.dir)).absolute()
     with open_dict(launcher.config):
         launcher.config.hydra.sweep.dir = str(sweep_dir)
-    subdir = OmegaConf.to_container(launcher.config.hydra.sweep, resolve=False).get("subdir")  # type: ignore[union-attr]
-    compose = compose or "override" in str(subdir)  # e.g. `${hydra.job.override_dirname}`
+    compose = compose or subdir_names_values(launcher.config)
     open_parent(launcher.config, sweep_dir)  # logger=mlflow: the jobs' runs nest under it
     specs = []
     for num, overrides in enumerate(job_overrides, start=initial_job_idx):
@@ -119,6 +117,13 @@ def compose_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
         specs.append(JobSpec(num=num, overrides=list(overrides), config=cfg,
                              job_dir=job_dir_of(cfg if cfg is not None else launcher.config, num)))
     return specs
+
+
+def subdir_names_values(config: Any) -> bool:
+    """`hydra.sweep.subdir` interpolates more than the job's number (`${hydra.job.override_dirname}`, `${lr}`): only a
+    job's own composed config knows its directory."""
+    subdir = OmegaConf.to_container(config.hydra.sweep, resolve=False).get("subdir")  # type: ignore[union-attr]
+    return "${" in str(subdir).replace("${hydra.job.num}", "")
 
 
 def job_dir_of(config: Any, num: int) -> Path:
@@ -268,7 +273,7 @@ def write_report(sweep_dir: Path) -> None:
 def job_returns(specs: Sequence[JobSpec], outcomes: Sequence[JobOutcome]) -> list[JobReturn]:
     """One COMPLETED JobReturn per job, its value the job's exit code: failures are reported by `finish_sweep`, not by
     raising the first job's exception from Hydra's sweeper, which would hide the others."""
-    return [JobReturn(overrides=spec.overrides, working_dir=os.getcwd(), status=JobStatus.COMPLETED,
+    return [JobReturn(overrides=spec.overrides, working_dir=str(spec.job_dir), status=JobStatus.COMPLETED,
                       task_name=str(spec.config.hydra.job.name) if spec.config is not None else None,
                       _return_value=outcome.exit_code) for spec, outcome in zip(specs, outcomes, strict=True)]
 
