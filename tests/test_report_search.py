@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -176,3 +177,16 @@ def test_a_grid_sweep_has_no_search_section(tmp_path: Path) -> None:
     assert summary["search"] is None and summary["recommendation"] is not None
     assert "## Search" not in (tmp_path / "sweep_report.md").read_text()
     assert not (tmp_path / "sweep_search.png").exists()
+
+
+def test_a_search_whose_trials_have_no_loss_yet_draws_without_a_warning(tmp_path: Path) -> None:
+    """A search's first trial just started (no eval loss): sweep_search.png is drawn without matplotlib's "No
+    artists with labels found to put in legend" warning, which reached the sweep's console."""
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    write_multirun_yaml(sweep, n_trials=2)
+    new_study(sweep).ask(SPACE).set_user_attr("overrides", ["lr=0.001", "batch_size=2"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        write_sweep_report(sweep)
+    assert (sweep / "sweep_search.png").stat().st_size > 10_000

@@ -288,9 +288,16 @@ def plot_sweep(jobs: list[dict], curves: dict[str, list[dict]], varying: list[st
         for ax, name in zip(axes[:2], ("train loss", "eval loss"), strict=True):
             ax.set(title=name + legend, xlabel="step")
             _clip_ylim(ax)
-        axes[1].legend(fontsize=7, loc="upper right")
+        _legend(axes[1], fontsize=7, loc="upper right")
         if second:
             _heatmap(axes[2], jobs, varying)
+
+
+def _legend(ax: Any, **kwargs: Any) -> None:
+    """The legend of what `ax` labels; none where nothing is (no job or trial has a loss yet), which matplotlib
+    would warn about on the sweep's console."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kwargs)
 
 
 def _clip_ylim(ax: Any) -> None:
@@ -335,7 +342,7 @@ def _history_panel(ax: Any, rows: list[dict]) -> None:
         ax.step(*zip(*best, strict=True), where="post", color="#2ca02c", lw=2, label="best so far")
     ax.set(xlabel="trial", title="optimisation history")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.legend(fontsize=8, loc="best")
+    _legend(ax, fontsize=8, loc="best")
 
 
 def _trial_curves_panel(ax: Any, rows: list[dict]) -> None:
