@@ -201,7 +201,8 @@ def test_a_directory_to_be_created_needs_a_directory_above_it(tmp_path: Path) ->
 
 def test_data_hf_load_errors_are_one_message(tmp_path: Path) -> None:
     """What `datasets` raises on a file it cannot read (here pyarrow's JSON error inside DatasetGenerationError)
-    is a UserError naming data.path and the fix, not a traceback."""
+    is a UserError naming data.path and the fix, not a traceback; for a local file builder the fix is the files,
+    not the hub's advice (save_to_disk where the hub is reachable)."""
     from omegaconf import OmegaConf
 
     from llmexp.data.hub import load_split
@@ -212,7 +213,8 @@ def test_data_hf_load_errors_are_one_message(tmp_path: Path) -> None:
     d = OmegaConf.create({"path": "json", "data_files": str(bad), "config_name": None})
     with pytest.raises(UserError) as err:
         load_split(d, "train")
-    assert "data.path=json: cannot load it (" in str(err.value) and "JSON parse error" in str(err.value)
+    assert "data.path=json: cannot read data.data_files as json (" in str(err.value) and "JSON parse" in str(err.value)
+    assert "point data.data_files at json files" in str(err.value) and "hub" not in str(err.value)
 
 
 @pytest.mark.parametrize(("args", "kind"), [

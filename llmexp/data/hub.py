@@ -76,6 +76,9 @@ def _load_error(path: str, err: BaseException, k: str) -> str:
         return (f"{k}.path={path} needs a dataset loading script (code), which neither datasets 4 nor llmexp runs "
                 f"({first}); convert it to files where you trust the script (datasets.load_dataset(...)"
                 f".to_parquet(FILE)), then set {k}.path=parquet {k}.data_files=FILE")
+    if path in HF_BUILDERS:  # local files: the hub is not the problem
+        return (f"{k}.path={path}: cannot read {k}.data_files as {path} ({type(root).__name__}: {first}); point "
+                f"{k}.data_files at {path} files, or set {k}.path to their format ({', '.join(HF_BUILDERS)})")
     return (f"{k}.path={path}: cannot load it ({type(root).__name__}: {first}). Offline, a hub dataset must be in the "
             "local HF cache; otherwise save it where the hub is reachable with "
             f"`datasets.load_dataset(...).save_to_disk(DIR)`, copy DIR here and set {k}.path=DIR, "
