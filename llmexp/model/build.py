@@ -63,7 +63,9 @@ def build_model(cfg: DictConfig, vocab_size: int, precision: str = "fp32") -> Pr
         config = _from_pretrained(AutoConfig, cfg, converted)
         extra = quantization_kwargs(cfg, precision) if four_bit else {}
         model = _from_pretrained(AutoModelForCausalLM, cfg, converted, **extra)
-        if not four_bit:  # a 4-bit model keeps its own config: it carries the quantization_config
+        if four_bit:  # a 4-bit model keeps its own config: it carries the quantization_config
+            keep_unpackable_layers_unpacked(model)
+        else:
             model.config = config
             model.float()
     elif m.parametrization == "mup":
@@ -77,6 +79,18 @@ def build_model(cfg: DictConfig, vocab_size: int, precision: str = "fp32") -> Pr
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     return model
+
+
+def keep_unpackable_layers_unpacked(model: PreTrainedModel) -> None:
+    """Works around bitsandbytes 0.50: on a CPU with AVX512-BF16 a 4-bit layer's first forward in eval mode without
+    grad repacks its weight for an inference kernel that needs the output width a multiple of 32 and the input width
+    one of the quantisation block (64); any other layer (the default model's down_proj, 688 wide) raised "shape
+    '[256, 10]' is invalid" at the run's first eval. Such a layer keeps the kernel it trains with."""
+    from bitsandbytes.nn import Linear4bit
+
+    for mod in (m for m in model.modules() if isinstance(m, Linear4bit)):
+        if mod.out_features % 32 or mod.in_features % mod.weight.quant_state.blocksize:
+            mod.support_avx512bf16_for_cpu = False
 
 
 def field_kwargs(m: DictConfig, vocab_size: int) -> dict[str, Any]:
