@@ -102,6 +102,14 @@ def check_engine(accelerator: Any) -> None:
             state.local_process_index = int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def builds_cpu_lion(cfg: DictConfig) -> bool:
+    """optimizer=lion under DeepSpeed's optimizer offload: the engine builds DeepSpeedCPULion itself. Accelerate 1.16
+    maps bitsandbytes' Lion to it too, but passes it Adam's `adamw_mode`, which it refuses (a TypeError as the run
+    started); told not to force a CPU optimizer of its own (`zero_force_ds_cpu_optimizer`), Accelerate hands the
+    engine's to DeepSpeed as it is, which accepts it under offload."""
+    return cfg.deepspeed.offload_optimizer != "none" and cfg.optimizer.name == "lion"
+
+
 def deepspeed_config(cfg: DictConfig, *, micro: int, accum: int, world: int, precision: str,
                      cuda: bool) -> dict[str, Any]:
     """The DeepSpeed config, every value derived from the composed config (no `auto`)."""
@@ -122,6 +130,7 @@ def deepspeed_config(cfg: DictConfig, *, micro: int, accum: int, world: int, pre
         "bf16": {"enabled": precision == "bf16", "check_grad_overflow": True},
         "fp16": {"enabled": precision == "fp16"},
         "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": not builds_cpu_lion(cfg),
         "steps_per_print": 2**31 - 1,  # the loop logs; keep DeepSpeed's own step lines out of the console
         "wall_clock_breakdown": False,
     }

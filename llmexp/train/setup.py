@@ -59,9 +59,10 @@ def _engine(cfg: DictConfig, rt: Runtime, plan: BatchPlan) -> Engine:
     from llmexp.train.engines.plain import PlainEngine
 
     if cfg.deepspeed.stage > 0:
+        from llmexp.train.distributed import builds_cpu_lion
         from llmexp.train.engines.deepspeed import DeepSpeedEngine
 
-        return DeepSpeedEngine(rt.accelerator, rt.precision.name, plan, cfg.deepspeed.stage)
+        return DeepSpeedEngine(rt.accelerator, rt.precision.name, plan, cfg.deepspeed.stage, builds_cpu_lion(cfg))
     if cfg.fsdp.name != "none":
         from llmexp.train.engines.fsdp import FsdpEngine
 

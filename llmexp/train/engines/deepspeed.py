@@ -37,14 +37,23 @@ class DeepSpeedEngine(Engine):
     steps_first = True
     reshardable = False  # `zero_world_mismatch`
 
-    def __init__(self, accelerator: Any, precision: str, plan: BatchPlan, stage: int) -> None:
+    def __init__(self, accelerator: Any, precision: str, plan: BatchPlan, stage: int, cpu_lion: bool = False) -> None:
         self.accelerator = accelerator
         self.precision = precision
         self.plan = plan
         self.stage = stage
+        self.cpu_lion = cpu_lion  # `distributed.builds_cpu_lion`
         self.params_partitioned = stage >= 3
         self.micro_steps_done = 0  # backward calls since the last step; the last is the accumulation boundary
         self.last_norm = math.inf  # the pre-clip norm of the last step (inf: DeepSpeed skipped it)
+
+    def prepare(self, model: torch.nn.Module, optimizer: Any) -> tuple[torch.nn.Module, Any]:
+        if self.cpu_lion:  # Lion's step on the CPU, with the groups' lrs, betas and weight decay
+            from deepspeed.ops.lion import DeepSpeedCPULion
+
+            optimizer = DeepSpeedCPULion(optimizer.param_groups, lr=optimizer.defaults["lr"],
+                                         weight_decay=optimizer.defaults["weight_decay"])
+        return self.accelerator.prepare(model, optimizer)
 
     @property
     def _ds(self) -> Any:
