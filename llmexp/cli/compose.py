@@ -11,6 +11,7 @@ import json
 import os
 import string
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,13 +62,10 @@ def check_run(config_name: str | None, overrides: list[str]) -> None:
 
 def check_sweep(config_name: str | None, overrides: list[str]) -> None:
     """A sweep: every config it can run composed as the sweeper and launcher will compose it (Hydra's overrides,
-    then the job's), security-checked and judged (`llmexp.sweep.check`); then the sweep directory is locked: one
-    sweeper per sweep directory, as one run per run directory."""
+    then the job's), security-checked and judged (`llmexp.sweep.check`), each job's directory too; then the sweep
+    directory is locked: one sweeper per sweep directory, as one run per run directory."""
     from llmexp.rundir.lock import lock_sweep_dir
-    from llmexp.rundir.study import check_journal, study_journal
-    from llmexp.sweep.check import check_configs, edge_configs, job_dir_problem
-    from llmexp.sweep.jobs import job_dir_of, launched_before, subdir_names_values, swept
-    from llmexp.sweep.space import grid_jobs, lr_to_scale, probe_job, scale_lr
+    from llmexp.sweep.space import probe_job
 
     loader = GlobalHydra.instance().config_loader()
     parser = OverridesParser.create(config_loader=loader)
@@ -83,34 +81,55 @@ def check_sweep(config_name: str | None, overrides: list[str]) -> None:
     sweeper = probe.hydra.sweeper
     params = OmegaConf.to_container(sweeper.params) if sweeper.get("params") else {}
     asked = parser.parse_overrides([*(f"{k}={v}" for k, v in params.items()), *(ov.input_line for ov in task)])  # type: ignore[union-attr]
-    local = not str(probe.hydra.launcher.get("_target_", "")).endswith(".SlurmLauncher")  # SLURM: files on the node
-    sweep_dir = Path(str(probe.hydra.sweep.dir))
     if str(sweeper._target_).endswith(".SearchSweeper"):
-        groups = _config_groups(loader.get_sources())
-        check_configs(edge_configs(asked, compose_job, lambda key: key in groups), on_this_machine=local)
-        check_journal(sweep_dir)  # a search that continues there must find its study journal readable
-        if subdir_names_values(probe):  # the study finds each trial's directory by its number alone
-            raise UserError("invalid sweep (nothing was launched):\n  hydra.sweep.subdir: a search names each trial's "
-                            "directory by its number: drop the trial's values from it (${hydra.job.override_dirname}, "
-                            "${lr}, ...), e.g. hydra.sweep.subdir='trial_${hydra.job.num}'")
-        if problem := job_dir_problem(sweep_dir, [(f"trial #{n}", job_dir_of(probe, n)) for n in (0, 1)]):
-            raise UserError(f"invalid sweep (nothing was launched):\n  {problem}")
-        if not study_journal(sweep_dir).exists():  # a new search must not start among another sweep's jobs
-            launched_before(job_dir_of(probe, 0), 0, None)
+        _check_search(asked, probe, compose_job, _config_groups(loader.get_sources()))
     else:  # Hydra's BasicSweeper or llmexp's GridSweeper (zip, lr scaling), the two SWEEPER_TARGETS allow
-        jobs = grid_jobs(asked, list(sweeper.get("zip") or []))
-        jobs = scale_lr(jobs, str(sweeper.get("lr_scaling") or "none"), sweeper.get("base_batch_size"),
-                        lr_to_scale(probe))
-        composed_jobs = [(num, job, probe if num == 0 and job == first else compose_job(job, num))
-                         for num, job in enumerate(jobs)]  # (job 0 is usually the probe itself)
-        check_configs([(f"job #{num} ({swept(job, jobs)})", cfg) for num, job, cfg in composed_jobs],
-                      on_this_machine=local)
-        dirs = [(f"job #{num} ({swept(job, jobs)})", job_dir_of(cfg, num)) for num, job, cfg in composed_jobs]
-        if problem := job_dir_problem(sweep_dir, dirs):
-            raise UserError(f"invalid sweep (nothing was launched):\n  {problem}")
-        for (num, job, _), (_, job_dir) in zip(composed_jobs, dirs, strict=True):  # another sweep's: refused before
-            launched_before(job_dir, num, job)  # Hydra writes multirun.yaml
-    lock_sweep_dir(str(sweep_dir))
+        _check_grid(asked, probe, first, compose_job)
+    lock_sweep_dir(str(probe.hydra.sweep.dir))
+
+
+def _runs_here(probe: Any) -> bool:
+    """The jobs run on this machine (SLURM's read their files on the node)."""
+    return not str(probe.hydra.launcher.get("_target_", "")).endswith(".SlurmLauncher")
+
+
+def _check_search(asked: list[Any], probe: Any, compose_job: Callable[..., Any], groups: Any) -> None:
+    """A search: its space at the edges, its study journal, its trials' directories; a new search must not start
+    among another sweep's jobs."""
+    from llmexp.rundir.study import check_journal, study_journal
+    from llmexp.sweep.check import check_configs, edge_configs, search_dir_problem
+    from llmexp.sweep.jobs import job_dir_of, launched_before
+
+    sweep_dir = Path(str(probe.hydra.sweep.dir))
+    check_configs(edge_configs(asked, compose_job, lambda key: key in groups), on_this_machine=_runs_here(probe))
+    check_journal(sweep_dir)  # a search that continues there must find its study journal readable
+    if problem := search_dir_problem(probe, sweep_dir):
+        raise UserError(f"invalid sweep (nothing was launched):\n  {problem}")
+    if not study_journal(sweep_dir).exists():
+        launched_before(job_dir_of(probe, 0), 0, None)
+
+
+def _check_grid(asked: list[Any], probe: Any, first: list[str], compose_job: Callable[..., Any]) -> None:
+    """A grid: every job composed (`probe` is job 0's when its overrides are `first`) and judged, each in a directory
+    of its own, none of another sweep's."""
+    from llmexp.sweep.check import check_configs, job_dir_problem
+    from llmexp.sweep.jobs import job_dir_of, launched_before, swept
+    from llmexp.sweep.space import grid_jobs, lr_to_scale, scale_lr
+
+    sweeper = probe.hydra.sweeper
+    jobs = grid_jobs(asked, list(sweeper.get("zip") or []))
+    jobs = scale_lr(jobs, str(sweeper.get("lr_scaling") or "none"), sweeper.get("base_batch_size"),
+                    lr_to_scale(probe))
+    composed = [(num, job, probe if num == 0 and job == first else compose_job(job, num))
+                for num, job in enumerate(jobs)]  # (job 0 is usually the probe itself)
+    labels = [f"job #{num} ({swept(job, jobs)})" for num, job, _ in composed]
+    check_configs([(label, cfg) for label, (_, _, cfg) in zip(labels, composed, strict=True)],
+                  on_this_machine=_runs_here(probe))
+    dirs = [(label, job_dir_of(cfg, num)) for label, (num, _, cfg) in zip(labels, composed, strict=True)]
+    if problem := job_dir_problem(Path(str(probe.hydra.sweep.dir)), dirs):
+        raise UserError(f"invalid sweep (nothing was launched):\n  {problem}")
+    for (num, job, _), (_, job_dir) in zip(composed, dirs, strict=True):  # before Hydra writes multirun.yaml
+        launched_before(job_dir, num, job)
 
 
 def help_text(cfg: Any, args_parser: argparse.ArgumentParser, hydra_help: bool, resolve: bool) -> str:

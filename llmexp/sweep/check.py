@@ -124,6 +124,17 @@ def job_dir_problem(sweep_dir: Path, dirs: Sequence[tuple[str, Path]]) -> str | 
     return None
 
 
+def search_dir_problem(probe: DictConfig, sweep_dir: Path) -> str | None:
+    """A search's trials' directories (`job_dir_problem`); the study finds each by its number alone, so a
+    `hydra.sweep.subdir` may not name a trial's values."""
+    from llmexp.sweep.jobs import job_dir_of, subdir_names_values
+
+    if subdir_names_values(probe):
+        return ("hydra.sweep.subdir: a search names each trial's directory by its number: drop the trial's values "
+                "from it (${hydra.job.override_dirname}, ${lr}, ...), e.g. hydra.sweep.subdir='trial_${hydra.job.num}'")
+    return job_dir_problem(sweep_dir, [(f"trial #{n}", job_dir_of(probe, n)) for n in (0, 1)])
+
+
 def _problems(err: UserError) -> list[str]:
     """The problem lines of a validation error (`invalid config:\\n  a\\n  b` -> [a, b])."""
     lines = [line.strip() for line in str(err).splitlines()]
