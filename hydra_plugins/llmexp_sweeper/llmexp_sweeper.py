@@ -99,8 +99,9 @@ class GridSweeper(_LaunchingSweeper):
         """Hydra's grid, then the sweep's exit code from how every job ended (`jobs.sweep_exit_code`): a
         launcher exits 1 for a batch with a job that did not end by itself, as a Ctrl-C does; 3 needs every
         batch's jobs."""
+        from hydra_plugins.llmexp_launcher.llmexp_launcher import LocalLauncher, SlurmLauncher
         from llmexp.rundir.read import TrialResult, read_result
-        from llmexp.sweep.jobs import exit_for_results, objective
+        from llmexp.sweep.jobs import exit_for_results, job_dir_of, objective
 
         try:
             returns = self._grid(arguments)
@@ -111,8 +112,10 @@ class GridSweeper(_LaunchingSweeper):
         if self.config is None or metric is None:  # another app gets Hydra's returns only
             return returns
         results = []
-        for ret in (r for batch in returns for r in batch):
-            job_dir = Path(str(ret.working_dir))  # llmexp's launchers: the job's directory (`jobs.job_returns`)
+        ours = isinstance(self.launcher, LocalLauncher | SlurmLauncher)  # (hydra/launcher=basic runs them too)
+        for num, ret in enumerate(r for batch in returns for r in batch):  # numbered from 0, batch after batch
+            # llmexp's launchers return each job's own directory (`jobs.job_returns`): a subdir may name its values
+            job_dir = Path(str(ret.working_dir)) if ours else job_dir_of(self.config, num)
             result = read_result(job_dir, metric)  # completed: ended with a finite `sweep.metric`
             if ret.return_value == 0 and not (job_dir / "summary.json").exists():  # ended well, writes no summary
                 result = TrialResult("completed")
