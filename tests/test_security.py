@@ -400,7 +400,7 @@ def test_route_package_search_path_imports_no_foreign_package(tmp_path: Path) ->
              env={"PYTHONPATH": os.pathsep.join([str(packages), os.environ.get("PYTHONPATH", "")])}, canary=canary)
 
 
-@pytest.mark.parametrize("target", ["llmexp.sweep.local.subprocess.run", "llmexp.sweep.jobs.os.system",
+@pytest.mark.parametrize("target", ["llmexp.sweep.local.subprocess.run", "llmexp.sweep.local.os.system",
                                     "llmexp.config.security.os.system"])
 def test_route_attribute_walk_targets(target: str, tmp_path: Path) -> None:
     canary = tmp_path / "canary"
