@@ -88,7 +88,7 @@ def keep_unpackable_layers_unpacked(model: PreTrainedModel) -> None:
     '[256, 10]' is invalid" at the run's first eval. Such a layer keeps the kernel it trains with."""
     from bitsandbytes.nn import Linear4bit
 
-    for mod in (m for m in model.modules() if isinstance(m, Linear4bit)):
+    for mod in (m for m in model.modules() if isinstance(m, Linear4bit) and m.weight.quant_state is not None):
         if mod.out_features % 32 or mod.in_features % mod.weight.quant_state.blocksize:
             mod.support_avx512bf16_for_cpu = False
 
