@@ -14,6 +14,7 @@ from typing import Any
 
 from llmexp.config.derived import WIDTH_KEYS
 from llmexp.errors import UserError
+from llmexp.machine.paths import dir_out_problem
 from llmexp.rundir.redact import print_user_error
 
 SMALL_MODEL = ("model.hidden_size=64", "model.num_attention_heads=2", "model.num_key_value_heads=2",
@@ -36,13 +37,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _out_dir(text: str) -> Path:
-    """--out, checked before the check's minutes are spent: a directory, new or existing, not under a file."""
-    out = Path(text)
-    existing = next((p for p in (out, *out.parents) if p.exists()), None)
-    if existing is not None and not existing.is_dir():
-        raise UserError(f"--out {text}: {existing} is a file, not a directory: name a directory (new or existing), "
-                        "e.g. --out outputs/coord_check")
-    return out
+    """--out, checked before the check's minutes are spent: a writable directory, new or existing."""
+    if problem := dir_out_problem("--out", text):
+        raise UserError(problem)
+    return Path(text)
 
 
 def _widths(text: str, model: Any) -> tuple[float, ...]:

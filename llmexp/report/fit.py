@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from llmexp.errors import EXIT_OK, EXIT_USER, UserError
+from llmexp.machine.paths import dir_out_problem
 from llmexp.report.formats import fmt, fmt_params
 from llmexp.rundir.files import write_json_atomic
 from llmexp.rundir.read import (
@@ -477,8 +478,8 @@ def main(argv: list[str] | None = None, seed_lr: Callable[[float], float] | None
     sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]  # (a directory named in bytes)
     out = args.out or args.sweep_dirs[0]
     try:
-        if out.exists() and not out.is_dir():  # mkdir would say only "File exists"
-            raise UserError(f"--out {out} is a file: name a directory (new or existing)")
+        if problem := dir_out_problem("--out", out):  # mkdir would say only "File exists"
+            raise UserError(problem)
         result = fit_sweeps(args.sweep_dirs, args.target_params, seed_lr)
         out.mkdir(parents=True, exist_ok=True)
         result["files"] = {"json": str(out / "fit.json"), "png": str(out / "fit.png")}
