@@ -55,7 +55,7 @@ def _json_lines(path: Path, key: str) -> list[tuple[int, Any]]:
 def _text(rec: dict[str, Any], field: str, where: str, expected: str) -> str:
     value = rec.get(field)
     if not isinstance(value, str):
-        found = "missing" if field not in rec else f"a {type(value).__name__}"
+        found = "missing" if field not in rec else f"got {type(value).__name__}"
         raise UserError(f"{where}: `{field}` must be a string ({found}); expected {expected}")
     return value
 
