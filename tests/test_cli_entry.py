@@ -113,6 +113,16 @@ def test_help_and_cfg_compose_once_and_import_no_torch(args: list[str], tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+def test_version_is_printed_once(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from llmexp.cli.main import cli
+
+    monkeypatch.setattr(sys, "argv", ["llmexp", "--version"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli()
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and out.count("Hydra ") == 1, out  # the typo check's parse printed it too
+
+
 _GC_AT_EXIT = """
 import atexit, gc, runpy, sys
 atexit.register(lambda: print("FROZEN", gc.get_freeze_count() > 0, "THRESHOLD", gc.get_threshold()[0],

@@ -21,7 +21,7 @@ def _parse_overrides(args: list[str]) -> tuple[Any, list[Any]]:
     """Hydra's own parse of the command line (its flags, then each override); anything it cannot parse is left
     to Hydra. Returns (argparse namespace or None, parsed overrides)."""
     try:
-        with contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):  # (--version)
             namespace, _ = args_parser().parse_known_args(args)
     except SystemExit:
         return None, []
