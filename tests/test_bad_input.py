@@ -179,6 +179,17 @@ def test_nul_byte_from_a_yaml_file_is_refused(tmp_path: Path) -> None:
     assert "data.cache_dir: contains a NUL byte" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_typo_in_a_yaml_file_gets_the_command_lines_hint(tmp_path: Path) -> None:
+    """Hydra names the config and the key only; the CLI adds what it says of the same typo on the command line."""
+    conf = tmp_path / "extra" / "experiment"
+    conf.mkdir(parents=True)
+    (conf / "mine.yaml").write_text("# @package _global_\ntrain:\n  max_step: 6\n")
+    proc = run_llmexp(["--config-dir", str(tmp_path / "extra"), "experiment=mine",
+                       f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert proc.returncode == 2 and "In 'experiment/mine'" in proc.stderr, proc.stderr
+    assert "did you mean train.max_steps?" in proc.stderr and not (tmp_path / "run").exists()
+
+
 def test_sweep_subdir_outside_the_sweep_dir_is_refused(tmp_path: Path) -> None:
     """`hydra.sweep.subdir` built from an override value must stay inside the sweep directory."""
     proc = run_llmexp(["--multirun", "hydra.sweep.subdir=${data.cache_dir}", f"data.cache_dir={tmp_path / 'elsewhere'}",

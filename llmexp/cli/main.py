@@ -21,6 +21,7 @@ from llmexp.cli import compose
 from llmexp.cli.argv import check_args
 from llmexp.cli.hydra_internals import args_parser, compose_api_as_hydra_main, guard_package_sources
 from llmexp.cli.relaunch import maybe_relaunch
+from llmexp.config.keys import unknown_key
 from llmexp.config.schema import register_configs
 from llmexp.config.tree import conf_dir, register_resolvers
 from llmexp.errors import EXIT_USER, UserError, first_line
@@ -83,6 +84,9 @@ def _preflight(args: argparse.Namespace, args_parser: argparse.ArgumentParser) -
         # type) in its cause, shown only with HYDRA_FULL_ERROR=1
         if err.__cause__ is not None and (why := first_line(err.__cause__)) and why not in str(err):
             print(f"Because: {scrub_text(why)}", file=sys.stderr)
+        key = getattr(err.__cause__ or err.__context__, "full_key", None)  # a key a YAML file sets: its typo
+        if key and (hint := unknown_key(key)):
+            print(scrub_text(hint), file=sys.stderr)
         print("\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.", file=sys.stderr)
         sys.exit(1)
 
