@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -202,6 +203,22 @@ def test_the_doctor_counts_the_steps_a_run_skipped(tmp_path: Path, capsys: pytes
     run = make_run(tmp_path / "run", records, {"status": "diverged", "step": 6, "findings": []})
     doctor.main([str(run)])
     assert f"{run}: status diverged, 6 steps, 7 metric records" in capsys.readouterr().out
+
+
+def test_the_doctor_says_a_run_is_running_while_its_process_holds_it(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A run that resumed after a preemption: summary.json says how its first segment ended, the lock says it runs."""
+    from filelock import FileLock
+
+    from llmexp.rundir.lock import LOCK_NAME
+
+    records = history(num_steps=20)
+    run = make_run(tmp_path / "run", records, {**summary_of(records), "status": "preempted"})
+    with FileLock(str(run / LOCK_NAME)):
+        doctor.main([str(run)])
+        assert f"{run}: status running (pid {os.getpid()})," in capsys.readouterr().out
+    doctor.main([str(run)])
+    assert f"{run}: status preempted," in capsys.readouterr().out
 
 
 def test_recommendation_averages_over_seeds(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from llmexp.monitor.detectors import is_open
 from llmexp.report.findings import finding_state, run_findings
 from llmexp.report.run import write_run_report
 from llmexp.rundir.files import unwritable
+from llmexp.rundir.lock import lock_holder
 from llmexp.rundir.read import is_run_dir, is_sweep_dir, load_records, load_summary
 
 _COLOURS = {"error": "\033[31m", "warning": "\033[33m", "info": "\033[36m", "ok": "\033[32m"}
@@ -56,7 +57,9 @@ def diagnose_run(run_dir: Path) -> tuple[int, str]:
     except OSError as err:  # the diagnosis stands without its report
         wrote = f"report.md not written: {unwritable(run_dir, err)}"
     paint = _painter(sys.stdout)
-    status = (load_summary(run_dir) or {}).get("status", "no summary.json (killed, or still running)")
+    holder = lock_holder(run_dir)  # (a resumed run's summary.json still says how its last segment ended)
+    status = f"running (pid {holder})" if holder is not None else \
+        (load_summary(run_dir) or {}).get("status", "no summary.json (killed, or running on another host)")
     steps = max((int(r["step"]) for r in records if isinstance(r.get("step"), int)), default=0)  # skipped ones too
     header = f"{paint(str(run_dir), 'bold')}: status {status}, {steps} steps, {len(records)} metric records"
     counts = {s: sum(f["severity"] == s and is_open(f) for f in findings) for s in ("error", "warning", "info")}
