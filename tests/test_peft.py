@@ -220,6 +220,34 @@ def test_lora_in_bf16_keeps_the_frozen_base_16_bit_and_the_adapters_fp32(base_di
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in lm.parameters() if p.requires_grad)
 
 
+def test_a_4bit_base_trains_alike_before_and_after_an_eval(base_dir: Path, tmp_path: Path) -> None:
+    """On a CPU with AVX512-BF16, bitsandbytes 0.50 repacked a 4-bit layer for its inference kernel at the first
+    eval and trained through it from then on: the adapters' gradients changed (none through the base layers), and a
+    layer with a bias (attention_bias: Qwen2's layout) raised an in-place error. On other CPUs (AVX2 only) that
+    kernel is never taken, and this passes either way."""
+    biased = tmp_path / "biased"
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(tf.LlamaConfig(**LLAMA, attention_bias=True)).save_pretrained(biased)
+    tf.AutoTokenizer.from_pretrained(base_dir).save_pretrained(biased)
+    cfg = compose([f"model.name_or_path={biased}", "peft=qlora", "peft.lora_dropout=0.0"], tmp_path)
+    lm = build.build_model(cfg, VOCAB, precision="fp32")
+    for p in lm.parameters():
+        if p.requires_grad:  # lora_B starts at 0: give every adapter a gradient path through the base layers
+            torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(p.numel()))
+    ids, labels = batch()
+    grads = []
+    for _ in range(2):
+        lm.train()
+        lm.zero_grad()
+        CausalLMLoss(lm)(ids, labels).backward()
+        grads.append({n: p.grad.clone() for n, p in lm.named_parameters() if p.requires_grad})
+        lm.eval()
+        with torch.no_grad():
+            CausalLMLoss(lm)(ids, labels)
+    for name, grad in grads[0].items():
+        assert torch.allclose(grads[1][name], grad, rtol=1e-4, atol=1e-6), name
+
+
 def test_four_bit_base_matches_its_dequantised_weights(base_dir: Path, tmp_path: Path) -> None:
     """qlora's base is really 4-bit (uint8-packed NF4 in bitsandbytes' Linear4bit), and its loss is the
     loss of the same model with the dequantised weights."""

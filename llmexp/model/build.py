@@ -64,7 +64,7 @@ def build_model(cfg: DictConfig, vocab_size: int, precision: str = "fp32") -> Pr
         extra = quantization_kwargs(cfg, precision) if four_bit else {}
         model = _from_pretrained(AutoModelForCausalLM, cfg, converted, **extra)
         if four_bit:  # a 4-bit model keeps its own config: it carries the quantization_config
-            keep_unpackable_layers_unpacked(model)
+            keep_4bit_layers_on_their_training_kernel(model)
         else:
             model.config = config
             model.float()
@@ -81,16 +81,17 @@ def build_model(cfg: DictConfig, vocab_size: int, precision: str = "fp32") -> Pr
     return model
 
 
-def keep_unpackable_layers_unpacked(model: PreTrainedModel) -> None:
+def keep_4bit_layers_on_their_training_kernel(model: PreTrainedModel) -> None:
     """Works around bitsandbytes 0.50: on a CPU with AVX512-BF16 a 4-bit layer's first forward in eval mode without
-    grad repacks its weight for an inference kernel that needs the output width a multiple of 32 and the input width
-    one of the quantisation block (64); any other layer (the default model's down_proj, 688 wide) raised "shape
-    '[256, 10]' is invalid" at the run's first eval. Such a layer keeps the kernel it trains with."""
+    grad repacks its weight for an inference kernel, which every later forward then takes, in training too. That
+    kernel passes no gradient to the layer's input (the adapters below it learned from the residual stream alone),
+    raised "a view of a leaf Variable that requires grad is being used in an in-place operation" on a layer with a
+    bias (Qwen2's q/k/v_proj, GPT-2's), and "shape '[256, 10]' is invalid" on widths not multiples of 32 and 64 (the
+    default model's down_proj, 688). So no layer is repacked: evals run the training kernel."""
     from bitsandbytes.nn import Linear4bit
 
-    for mod in (m for m in model.modules() if isinstance(m, Linear4bit) and m.weight.quant_state is not None):
-        if mod.out_features % 32 or mod.in_features % mod.weight.quant_state.blocksize:
-            mod.support_avx512bf16_for_cpu = False
+    for mod in (m for m in model.modules() if isinstance(m, Linear4bit)):
+        mod.support_avx512bf16_for_cpu = False
 
 
 def field_kwargs(m: DictConfig, vocab_size: int) -> dict[str, Any]:
