@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -216,3 +217,31 @@ def test_estimate_cli_refuses_a_model_directory_it_cannot_read(content: object, 
     assert main([f"model.name_or_path={model_dir}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"llmexp.estimate: error: model.name_or_path={model_dir}") and "Traceback" not in err
+
+
+def test_a_hub_model_is_sized_from_the_hf_cache_and_said_to_be_a_stand_in_without_it(tmp_path: Path) -> None:
+    """`model.name_or_path=ORG/NAME` (a hub id) was estimated silently as model=tiny's 7.4M parameters."""
+    from transformers import Qwen2Config
+
+    from tests.conftest import run_cli
+
+    snapshot = tmp_path / "hub" / "models--org--qwen-ish" / "snapshots" / ("0" * 40)
+    Qwen2Config(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2,
+                intermediate_size=1536, vocab_size=32000).save_pretrained(snapshot)
+    (tmp_path / "hub" / "models--org--qwen-ish" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--qwen-ish" / "refs" / "main").write_text("0" * 40)
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    cached = run_cli(["model.name_or_path=org/qwen-ish"], env=env, module="llmexp.estimate", timeout_s=300)
+    absent = run_cli(["model.name_or_path=org/absent"], env=env, module="llmexp.estimate", timeout_s=300)
+    assert cached.returncode == absent.returncode == 0, cached.stderr + absent.stderr
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        num_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(Qwen2Config.from_pretrained(snapshot))
+                         .parameters())
+    assert cached.stdout.startswith("model=tiny (org/qwen-ish) peft=none"), cached.stdout
+    assert re.search(rf"parameters +{num_params / 1e6:.1f} M", cached.stdout) and "note:" not in cached.stdout
+    assert re.search(r"parameters +7\.4 M", absent.stdout), absent.stdout
+    assert "note: model.name_or_path=org/absent: its config.json is neither reachable on the hub nor in the local " \
+           "HF cache, so this is the model.* fields' model (model=tiny: 7.4M parameters)" in absent.stdout

@@ -13,6 +13,7 @@ from llmexp.model.estimate import (
     MiB,
     estimate,
     format_estimate,
+    hub_config,
     largest_fitting,
     memory_budget,
     meta_facts,
@@ -59,11 +60,27 @@ def main(argv: list[str] | None = None) -> int:
     auto_line, micro = "", None
     if parse_batch_size(cfg.batch_size) is None:
         micro, auto_line = _auto_upper_bound(cfg, world, facts)
-    label = (f"model={cfg.model.name} peft={cfg.peft.name} precision={precision} optimizer={cfg.optimizer.name} "
-             f"deepspeed={cfg.deepspeed.name} fsdp={cfg.fsdp.name}{' cpu_offload' if cfg.fsdp.cpu_offload else ''} "
+    source = f" ({cfg.model.name_or_path})" if cfg.model.name_or_path else ""  # (the fields' name stays tiny)
+    label = (f"model={cfg.model.name}{source} peft={cfg.peft.name} precision={precision} "
+             f"optimizer={cfg.optimizer.name} deepspeed={cfg.deepspeed.name} fsdp={cfg.fsdp.name}"
+             f"{' cpu_offload' if cfg.fsdp.cpu_offload else ''} "
              f"world_size={world} batch_size={micro or cfg.batch_size} max_length={cfg.data.max_length}")
-    print(format_estimate(estimate(cfg, micro_batch=micro, **facts), label=label) + auto_line)
+    print(format_estimate(estimate(cfg, micro_batch=micro, **facts), label=label) + auto_line + _stand_in(cfg, facts))
     return 0
+
+
+def _stand_in(cfg: DictConfig, facts: dict[str, Any]) -> str:
+    """The line that says a hub model out of reach was estimated from the `model.*` fields, or ""."""
+    from llmexp.data.tokenizer import is_local_name
+
+    m = cfg.model
+    if not m.name_or_path or is_local_name(str(m.name_or_path)) or hub_config(str(m.name_or_path), m.revision,
+                                                                               m.trust_remote_code):
+        return ""
+    return (f"\nnote: model.name_or_path={m.name_or_path}: its config.json is neither reachable on the hub nor in "
+            f"the local HF cache, so this is the model.* fields' model (model={m.name}: "
+            f"{facts['num_params'] / 1e6:,.1f}M parameters); if that is not its size, download its config.json "
+            f"(huggingface-cli download {m.name_or_path} config.json) or set model.* to its sizes")
 
 
 def _auto_upper_bound(cfg: DictConfig, world: int, facts: dict[str, Any]) -> tuple[int, str]:

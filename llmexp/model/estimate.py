@@ -18,6 +18,7 @@ under FSDP) and `tests/test_estimate.py` holds the estimate to both.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from llmexp.config.derived import parse_batch_size
+from llmexp.errors import UserError
 from llmexp.model.build import count_params, field_kwargs
 
 MiB = 2**20
@@ -95,7 +97,23 @@ def model_config(cfg: DictConfig) -> Any:
             raise hub_error(m.name_or_path, err) from err
     if m.name_or_path and is_local_name(str(m.name_or_path)):  # a directory without config.json: estimated
         raise hub_error(m.name_or_path)  # from the fields, it would be another model
-    return LlamaConfig(**field_kwargs(m, m.vocab_size))
+    if m.name_or_path and (config := hub_config(str(m.name_or_path), m.revision, m.trust_remote_code)):
+        return config
+    return LlamaConfig(**field_kwargs(m, m.vocab_size))  # (a hub model out of reach: `cli.estimate` says so)
+
+
+@functools.lru_cache(maxsize=8)
+def hub_config(name: str, revision: str | None, trust_remote_code: bool) -> Any | None:
+    """A hub model's config.json, from the hub or, offline, the local HF cache; None where neither has it."""
+    from transformers import AutoConfig
+
+    from llmexp.data.tokenizer import hub_load_kwargs
+
+    try:
+        return AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code,
+                                          **hub_load_kwargs(name))
+    except (OSError, ValueError, UserError):  # not cached, no such repo, custom code not trusted, a malformed id
+        return None
 
 
 def meta_model(cfg: DictConfig) -> Any:
