@@ -84,8 +84,8 @@ def _preflight(args: argparse.Namespace, args_parser: argparse.ArgumentParser) -
         # type) in its cause, shown only with HYDRA_FULL_ERROR=1
         if err.__cause__ is not None and (why := first_line(err.__cause__)) and why not in str(err):
             print(f"Because: {scrub_text(why)}", file=sys.stderr)
-        key = getattr(err.__cause__ or err.__context__, "full_key", None)  # a key a YAML file sets: its typo
-        if key and (hint := unknown_key(key)):
+        key = str(getattr(err.__cause__ or err.__context__, "full_key", ""))  # a key a YAML file sets: its typo
+        if "." in key and (hint := unknown_key(key)):  # (inside a list's entry, e.g. data.mix, the key is the entry's)
             print(scrub_text(hint), file=sys.stderr)
         print("\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.", file=sys.stderr)
         sys.exit(1)
