@@ -280,6 +280,9 @@ def test_the_grid_recommendation_and_a_search_result_rank_by_the_metric(tmp_path
     (["++eval.generate={qa: {file: g.jsonl, max_new_tokens: 0}}"], "eval.generate.qa.max_new_tokens"),
     (["++eval.multiple_choice={mc: {max_items: 2}}"], "eval.multiple_choice.mc.file: names no task file"),
     (["++eval.perplexity={p: {name: jsonl}}"], "eval.perplexity.p.name"),
+    # a file on a stdlib run: the set was the run's own eval split, the file never read
+    (["++eval.perplexity={p: {eval_file: t.jsonl}}"], "eval.perplexity.p.eval_file: a file is read by data=json or "
+     "text, and this set's data is stdlib; set eval.perplexity.p.name=json"),
     (["++eval.multiple_choice={a+b: {file: m.jsonl}}"], "a task name must be"),
     (["eval=lm_eval"], "eval.lm_eval.tasks"),
     (["eval.lm_eval.tasks=[arc_easy]", "fsdp=full_shard"], "generate and lm_eval tasks run on whole weights"),

@@ -390,7 +390,7 @@ def _validate_eval(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet[s
     """`eval` (its option name is a `rules.Choice`): every task's name and fields, the harness's task list,
     generation only where the weights are whole, and `sweep.metric` against what the tasks record."""
     ev, lm = cfg.eval, cfg.eval.lm_eval
-    names = _validate_tasks(ev, errors) + (["demo"] if ev.demo_items > 0 else [])
+    names = _validate_tasks(ev, str(cfg.data.name), errors) + (["demo"] if ev.demo_items > 0 else [])
     twice = sorted({n for n in names if names.count(n) > 1})
     _check(errors, not twice, "eval", f"task names must differ (demo is the demo task's); got {', '.join(twice)} "
            "twice: rename one")
@@ -405,7 +405,7 @@ def _validate_eval(cfg: DictConfig, errors: list[str], bad: typing.AbstractSet[s
     errors.extend(metric_errors(cfg))
 
 
-def _validate_tasks(ev: DictConfig, errors: list[str]) -> list[str]:
+def _validate_tasks(ev: DictConfig, data_name: str, errors: list[str]) -> list[str]:
     """Each `eval.<kind>.<name>` entry: its name (it becomes `tasks/<name>/...`), its fields by their rules
     (`schema.ChoiceTaskConfig`, ...), its file and stop strings; a perplexity set's source. Returns the names."""
     names: list[str] = []
@@ -423,6 +423,10 @@ def _validate_tasks(ev: DictConfig, errors: list[str]) -> list[str]:
                        f".{'jsonl' if task.name == 'json' else 'txt'}")
                 _check(errors, task.name != "hf" or bool(task.path), f"{key}.path",
                        f"hf names no dataset; set {key}.path=<hub id or directory>")
+                kind_of_set = task.name or data_name  # (null: the run's; data=stdlib would score its own eval split)
+                _check(errors, kind_of_set in ("json", "text") or not (task.eval_file or task.train_file),
+                       f"{key}.eval_file", f"a file is read by data=json or text, and this set's data is "
+                       f"{kind_of_set}; set {key}.name=json (or text)")
                 continue
             _check(errors, isinstance(task.file, str) and bool(task.file.strip()), f"{key}.file",
                    f"names no task file; set {key}.file=path/to/{name}.jsonl")
