@@ -80,3 +80,15 @@ def test_rollback_restores_a_checkpoint_and_training_recovers(tmp_path: Path, pl
     assert lrs and all(lr == pytest.approx(1.5e-3) for lr in lrs)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed"
+
+
+@pytest.mark.parametrize("policy", ["skip", "rollback"])
+def test_a_vetoed_fp16_step_leaves_the_loss_scaler_ready_for_the_next(policy: str, tmp_path: Path, plant_inf) -> None:
+    """fp16's `clip` unscales the grads before the policy judges them; a vetoed step took no scaler update, and the
+    next step's unscale_ raised "unscale_() has already been called on this optimizer" (exit 1)."""
+    plant_inf(3)
+    fp16 = [o for o in COMMON if not o.startswith("precision=")] + ["precision=fp16"]
+    result = train(compose([*fp16, f"train.on_anomaly={policy}", "train.max_steps=8", "train.save_steps=2"],
+                           tmp_path))
+    assert result.status == "completed" and result.step == 8
+    assert [a["step"] for a in read_metrics(tmp_path, "anomaly")] == [3]

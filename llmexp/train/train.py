@@ -133,6 +133,8 @@ def _loop(run: Run, eval_ds: data_lib.TokenDataset, suite: TaskSuite | None, pre
         verdict = judge_step(run, loss, grad_norm)
         if verdict == "ok" and not engine.steps_first:
             state.skipped_steps += not engine.step(optimizer)  # optimizer.step(); fp16: the scaler skips overflows
+        elif not engine.steps_first:
+            engine.veto(optimizer)
         optimizer.zero_grad(set_to_none=True)
         if verdict == "diverged":
             status = "diverged"

@@ -68,6 +68,10 @@ class Engine(ABC):
         optimizer.step()
         return True
 
+    def veto(self, optimizer: Any) -> None:
+        """A step the anomaly policy vetoed (skip, rollback, diverged) after `clip`: no optimizer step is taken."""
+        return None  # (nothing to undo; the plain engine's fp16 scaler has)
+
     def loss_scale(self) -> float | None:
         """fp16's current loss scale (train records log it), None without one."""
         return None

@@ -39,6 +39,10 @@ class PlainEngine(Engine):
         self.scaler.update()
         return self.scaler.get_scale() >= scale
 
+    def veto(self, optimizer: Any) -> None:
+        if self.scaler is not None:  # `clip` unscaled this step's grads; the next unscale_ raises until an update
+            self.scaler.update()
+
     def loss_scale(self) -> float | None:
         return self.scaler.get_scale() if self.scaler is not None else None
 
