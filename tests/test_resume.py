@@ -521,6 +521,23 @@ def test_resume_on_other_data_is_refused_unless_told(tmp_path: Path, env: dict[s
     assert f"saved with data fingerprint {before_fp}" in out and "resuming anyway" in out, out[-3000:]
 
 
+def test_resume_with_another_optimizer_or_model_is_refused_leaving_no_directory(tmp_path: Path,
+                                                                                 env: dict[str, str]) -> None:
+    """Another optimizer's state loaded without complaint and its first step raised KeyError (exit 1); a refused
+    resume into a new directory left that directory behind (llmexp.log and an empty metrics.jsonl)."""
+    overrides = ("train.max_steps=4", "precision=fp32")
+    code, out = run_once(tmp_path / "run", overrides, env)
+    assert code == 0, out[-3000:]
+    ckpt = tmp_path / "run" / "checkpoints" / "step_4"
+    for extra, message in (("optimizer=sgd", f"checkpoint {ckpt} holds adamw's optimizer state, which optimizer=sgd "
+                                             "cannot take; resume with optimizer=adamw"),
+                           ("model.hidden_size=32", "the model's is")):
+        new = tmp_path / extra.split("=")[0]
+        code, out = run_once(new, ("train.max_steps=6", "precision=fp32", f"train.resume={ckpt}", extra), env)
+        assert code == 2 and message in out and "start over with train.resume=never" in out, out[-3000:]
+        assert not new.exists() and "Traceback" not in out
+
+
 def test_resume_with_other_mup_multipliers_says_so(tmp_path: Path, env: dict[str, str]) -> None:
     """model.mup_output_mult changes what the model computes, not its shapes: a resume after changing it warns
     naming the key and both values, as one after changing the lr does. (Before: not noticed.)"""

@@ -66,9 +66,15 @@ def _leave_refused_run_dir(message: str) -> None:
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.RUN:
         return
     run_dir, subdir = Path(HydraConfig.get().runtime.output_dir), HydraConfig.get().output_subdir
+    def start_files_only(also: frozenset[str] = frozenset()) -> bool:
+        return all({p.name for p in (run_dir / sub).iterdir()} <= names | also
+                   for sub, names in run_start_files(subdir).items())
+
+    metrics = run_dir / "metrics.jsonl"
     with contextlib.suppress(OSError):  # gone already, or not ours to judge: leave it
-        if not all({p.name for p in (run_dir / sub).iterdir()} <= names
-                   for sub, names in run_start_files(subdir).items()):
+        if metrics.is_file() and metrics.stat().st_size == 0 and start_files_only(frozenset({metrics.name})):
+            metrics.unlink()  # the logger opened it before a resume or an eval task was refused
+        if not start_files_only():
             logger, own = job_log(run_dir)
             logger.error("refused: %s (no step ran; checkpoints, metrics and model/ are as they were)", message)
             if own is not None:

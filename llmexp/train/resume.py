@@ -108,6 +108,9 @@ def _read_trainer_state(file: Path) -> dict[str, Any]:
     return payload
 
 
+_OTHER_MODEL_FIX = "resume with the model.* and peft settings it was saved with, or start over with train.resume=never"
+
+
 def _check_fits(run: Run, path: Path, payload: dict[str, Any]) -> None:
     """Raise CorruptCheckpoint unless the payload's weights (names, shapes) and optimizer state (groups, moment
     shapes) fit this run's model (why: the module's docstring)."""
@@ -121,11 +124,12 @@ def _check_fits(run: Run, path: Path, payload: dict[str, Any]) -> None:
     missing, unexpected = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
     if missing or unexpected:
         raise ckpt.CorruptCheckpoint(f"{file}: does not fit the model (missing {missing[:3]}, unexpected "
-                                     f"{unexpected[:3]})")
+                                     f"{unexpected[:3]}); {_OTHER_MODEL_FIX}")
     if not run.engine.params_partitioned:  # ZeRO-3: no rank holds whole parameters to compare
         for name, tensor in saved.items():
             if (got := tuple(tensor.shape)) != (want := tuple(live[name].shape)):
-                raise ckpt.CorruptCheckpoint(f"{file}: {name} has shape {got}, the model's is {want}")
+                raise ckpt.CorruptCheckpoint(f"{file}: {name} has shape {got}, the model's is {want}; "
+                                             f"{_OTHER_MODEL_FIX}")
     if payload["optimizer"] is not None:
         _check_optimizer_fits(run.optimizer, path / "optimizer.pt", payload["optimizer"])
 
@@ -217,6 +221,10 @@ def _compare_resume_key(run: Run, path: Path) -> dict[str, Any]:
                                 "train.resume_data_mismatch=warn to resume on the new data")
             run.log.write(f"warning: {what}; resuming anyway (train.resume_data_mismatch=warn)")
             continue
+        if key == "optimizer":  # another optimizer's state loads without complaint, then its first step raises
+            raise UserError(f"checkpoint {path} holds {saved_key[key]}'s optimizer state, which optimizer={now} "
+                            f"cannot take; resume with optimizer={saved_key[key]}, or start over with "
+                            "train.resume=never")
         if key == "base_model" and run.cfg.peft.name != "none":
             raise UserError(f"checkpoint {path} holds adapters trained on another base model (fingerprint "
                             f"{saved_key[key]}, now {now}: model.name_or_path, its revision, config or weight "
