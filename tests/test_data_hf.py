@@ -70,3 +70,15 @@ def test_a_hub_id_not_in_the_local_cache_fails_fast_offline(tmp_path: Path) -> N
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "data.path=someone/not-cached-here: cannot load it" in proc.stderr and "save_to_disk" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_json_file_that_is_not_utf8_exits_2_naming_it(tmp_path: Path) -> None:
+    """`datasets` decodes a json builder's rows as they are read: a byte that is not UTF-8 raised
+    UnicodeDecodeError there, a traceback and exit 1 (data=json names the line)."""
+    lines = [f'{{"text": "line {i} =\\u00e9"}}'.encode() for i in range(40)]
+    lines[5] = lines[5].replace(b"=", b"\xff=")
+    (tmp_path / "latin.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    proc = _cli(tmp_path, ["data.path=json", f"data.data_files={tmp_path / 'latin.jsonl'}"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"(data.data_files={tmp_path / 'latin.jsonl'}): a data file is not UTF-8 text (byte b'\\xff')" \
+        in proc.stderr and not (tmp_path / "run").exists()

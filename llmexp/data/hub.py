@@ -5,11 +5,12 @@ one per loaded table), so a changed dataset is tokenised again.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import socket
 import urllib.parse
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +127,18 @@ def row_records(rows: Iterable[dict[str, Any]], columns: dict[str, str], where: 
 
 
 def _records(ds: Any, d: Any, where: str) -> list[Record]:
-    return row_records(ds, record_columns(d, list(ds.column_names)), where)
+    with utf8_rows(f"{where} ({key_of(d)}.data_files={d.data_files})" if d.data_files else where):
+        return row_records(ds, record_columns(d, list(ds.column_names)), where)
+
+
+@contextlib.contextmanager
+def utf8_rows(where: str) -> Iterator[None]:
+    """Rows that `datasets` decodes as they are read: a file that is not UTF-8 text fails there, named here."""
+    try:
+        yield
+    except UnicodeDecodeError as err:
+        raise UserError(f"{where}: a data file is not UTF-8 text (byte {err.object[err.start:err.start + 1]!r}); "
+                        "save it as UTF-8") from None
 
 
 def hf_corpus(d: Any) -> Corpus:

@@ -35,7 +35,7 @@ from llmexp.data.datasets import (
     example_mode,
     pad_id_of,
 )
-from llmexp.data.hub import load_split, record_columns, row_records, to_record
+from llmexp.data.hub import load_split, record_columns, row_records, to_record, utf8_rows
 from llmexp.errors import UserError
 
 if TYPE_CHECKING:
@@ -157,7 +157,8 @@ class StreamDataset:
 
     def _read_window(self) -> None:
         start = self._starts[-1]
-        rows = self._rows(start)
+        with utf8_rows(self.spec.where):
+            rows = self._rows(start)
         if not rows:  # the split ended: the next epoch begins, the carry-over goes on
             self._next_epoch(start)
             return
