@@ -200,6 +200,20 @@ def test_a_grid_run_again_in_its_own_directory_is_not_refused(cli_refusal, tmp_p
         cli_refusal([*GRID, f"hydra.sweep.dir={sweep}"])
 
 
+def test_a_rerun_may_reorder_its_overrides_and_change_where_its_jobs_run(tmp_path: Path) -> None:
+    """A rerun with a longer cluster.timeout_min after a time limit, or its overrides in another order, was refused
+    as "another sweep", so such a sweep could not be continued."""
+    from llmexp.sweep.jobs import launched_before
+
+    job = tmp_path / "0"
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text("- seed=1\n- cluster.timeout_min=1\n- lr=0.001\n")
+    assert launched_before(job, 0, ["lr=0.001", "cluster=slurm", "cluster.timeout_min=5", "seed=1",
+                                    "sweep.metric=eval_ppl", "hydra.launcher.max_parallel=2"])
+    with pytest.raises(UserError, match="holds a job of another sweep"):
+        launched_before(job, 0, ["lr=0.001", "seed=2"])
+
+
 # ----------------------------------------------------------------------------- the sweep directory's lock
 
 

@@ -216,11 +216,21 @@ def launched_before(job_dir: Path, num: int, overrides: Sequence[str] | None) ->
     recorded = load_overrides(job_dir)
     if not recorded:
         return False
-    if overrides is not None and recorded == scrub_overrides(overrides):
+    if overrides is not None and _what_it_trains(recorded) == _what_it_trains(scrub_overrides(overrides)):
         return True
     mine = f"this sweep's job #{num} ({' '.join(overrides)})" if overrides is not None else "a new search's trial"
     raise UserError(f"{job_dir} holds a job of another sweep ({' '.join(recorded)}), not {mine}; rerun that "
                     "sweep's command, or pick a new hydra.sweep.dir")
+
+
+NOT_THE_JOB = ("cluster", "hydra.launcher.", "sweep.metric=", "sweep.direction=")
+"""Overrides a rerun may change without making its jobs others: where they run (a longer cluster.timeout_min after
+a time limit, cluster=slurm for a local sweep) and how the report ranks them."""
+
+
+def _what_it_trains(overrides: Sequence[str]) -> list[str]:
+    """A job's overrides in any order, without `NOT_THE_JOB`'s."""
+    return sorted(o for o in overrides if not o.lstrip("+~").startswith(NOT_THE_JOB))
 
 
 def ended_before(spec: JobSpec) -> JobOutcome | None:
