@@ -110,9 +110,16 @@ def test_a_sweep_sbatch_refuses_exits_2_leaving_no_job_and_a_corrected_one_runs_
     assert proc.wait(timeout=120) == 2, log.read_text()[-3000:]
     text = log.read_text()
     assert "sbatch submitted none of the 2 jobs" in text and "Invalid partition" in text, text[-3000:]
-    assert "Traceback" not in text and not [p for p in sweep.iterdir() if p.name.isdigit()]
-    proc, sweep, log = start_sweep(tmp_path, "refused", ["lr=1e-3", "train.max_steps=1", *QUICK])
+    assert "Traceback" not in text and not sweep.exists()  # (its .submitit/, multirun.yaml: status said "missing")
+    proc, _, log = start_sweep(tmp_path, "unknown", ["+cluster.additional_parameters.foo=bar", "lr=1e-3"])
+    assert proc.wait(timeout=120) == 2 and "(sbatch: unrecognized option '--foo=bar')" in log.read_text(), \
+        log.read_text()[-3000:]  # (it quoted the `Try "sbatch --help"` line after it)
+    # corrected, and not waited for (cluster.wait=false): submitted is a success (it exited 1, "did not end by
+    # themselves", pointing at a sweep_report.md not written)
+    proc, sweep, log = start_sweep(tmp_path, "refused", ["lr=1e-3", "train.max_steps=1", *QUICK, "cluster.wait=false"])
     assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
+    assert "Submitted SLURM jobs" in log.read_text() and "did not end by themselves" not in log.read_text()
+    wait_for(lambda: (sweep / "0" / "summary.json").exists(), "the job submitted without waiting")
     assert json.loads((sweep / "0" / "summary.json").read_text())["step"] == 1
 
 

@@ -113,6 +113,8 @@ class GridSweeper(_LaunchingSweeper):
             return returns
         results = []
         ours = isinstance(self.launcher, LocalLauncher | SlurmLauncher)  # (hydra/launcher=basic runs them too)
+        if ours and any(ret.return_value is None for batch in returns for ret in batch):
+            return returns  # cluster.wait=false: submitted, not waited for; each job records its own end
         for num, ret in enumerate(r for batch in returns for r in batch):  # numbered from 0, batch after batch
             # llmexp's launchers return each job's own directory (`jobs.job_returns`): a subdir may name its values
             job_dir = Path(str(ret.working_dir)) if ours else job_dir_of(self.config, num)

@@ -30,6 +30,7 @@ from llmexp.config.tree import register_resolvers
 from llmexp.errors import UserError, first_line
 from llmexp.process import settle_for_exit, tune_collector
 from llmexp.rundir.files import write_json_atomic
+from llmexp.rundir.lock import LOCK_NAME
 from llmexp.rundir.read import read_slurm_jobs, slurm_end_status
 from llmexp.sweep.jobs import (
     JobOutcome,
@@ -217,6 +218,10 @@ def _unsubmitted(specs: Sequence[JobSpec], fresh: list[Path], why: str) -> None:
             shutil.rmtree(spec.job_dir, ignore_errors=True)
         else:
             record_outcome(spec, JobOutcome(spec.num, "failed", None, f"not submitted: {why}"))
+    sweep_dir = specs[0].job_dir.parent if specs else None
+    if sweep_dir and sweep_dir.resolve() != Path.cwd().resolve() and \
+            {p.name for p in sweep_dir.iterdir()} <= {".submitit", "multirun.yaml", LOCK_NAME}:
+        shutil.rmtree(sweep_dir, ignore_errors=True)  # this launch made all there is: status would show "missing"
 
 
 def other_app_returns(specs: Sequence[JobSpec], jobs: Sequence[submitit.Job]) -> list:
@@ -283,5 +288,6 @@ def _final_status(state: str) -> str:
 
 
 def _last_line(text: str) -> str:
-    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("-")]
+    """sbatch's reason: its last line, but not the `Try "sbatch --help"` that follows an unknown option's."""
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("-") and "--help" not in ln]
     return lines[-1][:500] if lines else text[:500]
