@@ -403,7 +403,7 @@ def test_rng_round_trip_through_a_safe_file(tmp_path: Path) -> None:
     assert serialize.rng_filename(3) == "rng_rank3.pt"
 
 
-@pytest.mark.parametrize("signum", [signal.SIGUSR2, signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT])
 def test_preemption_signal_sets_flag_and_restores_handler(signum: int) -> None:
     seen: list[int] = []
     previous = signal.signal(signum, lambda s, f: seen.append(s))

@@ -18,8 +18,8 @@ from llmexp.rundir.redact import print_user_error, scrub_text
 
 def run_guarded(cfg: DictConfig) -> int:
     """Validate, then train; return the exit code. User errors print one clear message, no traceback. The run's
-    one preemption guard is entered here, before the trainer (torch) is imported: from then on SIGTERM, SIGUSR2
-    and Ctrl-C stop the run at its first step boundary, importing included."""
+    one preemption guard is entered here, before the trainer (torch) is imported: from then on SIGTERM, SIGUSR1,
+    SIGUSR2 and Ctrl-C stop the run at its first step boundary, importing included."""
     from llmexp.train.preemption import PreemptionSignal
 
     try:

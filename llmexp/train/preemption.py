@@ -13,7 +13,7 @@ from llmexp.monitor.console import silence_dead_stdio
 
 
 class PreemptionSignal:
-    """While active, SIGTERM, SIGUSR2 and SIGINT (Ctrl-C) only set `.requested` (and `.signal_name`), which the
+    """While active, SIGTERM, SIGUSR1, SIGUSR2 and SIGINT (Ctrl-C) only set `.requested` (and `.signal_name`), which the
     trainer checks at each step boundary (docs/explanation/checkpoints-and-resume.md); a second SIGINT ends the
     process at once, by SIGINT's default action. Outside the main thread Python cannot install handlers: then it
     stays inert (`.active` is False). Entered while another one is active, it hands out that one, so an early,
@@ -47,7 +47,7 @@ class PreemptionSignal:
             return PreemptionSignal._current
         if threading.current_thread() is not threading.main_thread():
             return self
-        for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT):  # USR1: `--signal=USR1@N`
             self._previous[sig] = signal.signal(sig, self._handle)
         self.active = True
         PreemptionSignal._current = self
