@@ -159,6 +159,15 @@ def test_eval_plateau_is_info() -> None:
     assert found and found[0].severity == "info"
 
 
+def test_the_eval_a_rollback_to_step_0_reruns_counts_once() -> None:
+    """Three rollbacks to step 0 logged its eval four times: "not improved for 3 evals since step 0" at step 0."""
+    records = [{"event": "eval", "step": 0, "eval_loss": 6.25}]
+    for _ in range(3):
+        records += [{"event": "train", "step": 1, "loss": 9.0}, {"event": "rollback", "step": 1, "to_step": 0},
+                    {"event": "eval", "step": 0, "eval_loss": 6.25}]
+    assert not [f for f in diagnose(records, MonitorSettings()) if f.kind == "eval_plateau"]  # (the live check)
+
+
 @pytest.mark.parametrize(("began", "rise", "severity"), [(400, 0.004, ERROR), (600, 0.0003, "warning")])
 def test_overfitting_names_the_step_it_began(began: int, rise: float, severity: str) -> None:
     def eval_loss(step: int) -> float:

@@ -88,14 +88,17 @@ def is_spike(values: list[float], value: float, settings: MonitorSettings) -> bo
 
 def _effective(records: list[dict]) -> list[dict]:
     """The history as the model lived it: after a resume or rollback to step s, the records
-    logged earlier at steps > s were discarded work and are dropped."""
+    logged earlier at steps > s were discarded work and are dropped, and a step logged again (the eval at s, rerun
+    after a rollback to s) counts once, as last logged."""
     kept: list[dict] = []
     for rec in records:
         if rec.get("event") in ("resume", "rollback"):
             to_step = int(rec.get("to_step", rec.get("step", 0)))
             kept = [r for r in kept if int(r.get("step", 0)) <= to_step or r.get("event") not in ("train", "eval")]
         kept.append(rec)
-    return kept
+    logged = ("train", "eval")
+    last = {(r["event"], r.get("step")): i for i, r in enumerate(kept) if r.get("event") in logged}
+    return [r for i, r in enumerate(kept) if r.get("event") not in logged or last[(r["event"], r.get("step"))] == i]
 
 
 def _series(records: Iterable[dict], event: str, key: str) -> list[tuple[int, float]]:
