@@ -76,6 +76,19 @@ def test_the_eta_line_comes_only_while_steps_remain(max_steps: int, said: str | 
         assert said in err, err
 
 
+def test_the_eta_after_a_resume_counts_from_the_checkpoints_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A checkpoint at step 6 whose history logged nothing after step 3 (train.logging_steps=10): the eta counted
+    from step 3 ("the 23 remaining steps" of 30 after step 10)."""
+    monkeypatch.setenv("LLMEXP_NO_BAR", "1")
+    log = MetricsLogger(tmp_path, 30, enabled=True)
+    log.reset_history([{"event": "eval", "step": 3, "eval_loss": 6.0}], steps_done=6)
+    for _ in range(4):
+        log.advance()
+    log.close()
+    assert "for the 20 remaining steps" in capsys.readouterr().err
+
+
 def test_third_party_warnings_go_to_the_log_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = logging.getLogger()
     console, file = logging.StreamHandler(), logging.FileHandler(tmp_path / "llmexp.log")

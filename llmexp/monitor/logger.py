@@ -78,8 +78,9 @@ class MetricsLogger:
             eta = self.eta_s() if record["event"] == "train" else None
             self.write(line + (f" | eta {format_duration(eta)}" if eta is not None else ""))
 
-    def reset_history(self, records: list[dict[str, Any]]) -> None:
-        """On resume: metrics.jsonl becomes exactly the checkpoint's history (later lines were lost work)."""
+    def reset_history(self, records: list[dict[str, Any]], steps_done: int = 0) -> None:
+        """On resume: metrics.jsonl becomes exactly the checkpoint's history (later lines were lost work), and the
+        progress and eta count from the checkpoint's step (its history may log none at that step)."""
         self.history = list(records)
         if not self.enabled:
             return
@@ -91,9 +92,9 @@ class MetricsLogger:
         with atomic_file(path) as f:
             f.writelines(_json_line(r) for r in records)
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115
-        self._steps_done = max((int(r.get("step", 0)) for r in records), default=0)
+        self._steps_done = steps_done
         self._step_times = []
-        if self._bar is not None and records:
+        if self._bar is not None:
             self._bar.n = self._steps_done
             self._bar.refresh()
 

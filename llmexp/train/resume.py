@@ -314,7 +314,7 @@ def load_resume_state(run: Run) -> LoopState | None:
     _check_world_size(run, saved_world)
     state = _apply_payload(run, payload, path)
     run.resumed_from_world_size = saved_world
-    run.log.reset_history(payload["trainer"]["history"])
+    run.log.reset_history(payload["trainer"]["history"], state.step)
     run.log.log({"event": "resume", "step": state.step, "checkpoint": str(path), "world_size": run.desc.plan.world,
                  "resumed_from_world_size": saved_world})
     return state
