@@ -79,6 +79,19 @@ def label_text(tok: Any, batch: dict[str, Any], row: int) -> str:
 # ---------------------------------------------------------------- stdlib corpus and cache
 
 
+def test_the_held_out_records_stay_held_out_when_records_are_added_or_reordered() -> None:
+    """Records were keyed by position too: one record put in front of a file moved every held-out record into
+    training, so eval losses across versions of a file did not compare."""
+    from llmexp.data.corpora import split_records
+
+    records = [{"prompt": f"{a} + {b} =", "completion": f" {a + b}"} for a in range(20) for b in range(10)]
+    _, held = split_records(records, 0.05)
+    _, held_after = split_records([{"prompt": "new", "completion": " x"}, *reversed(records)], 0.05)
+    assert held and all(r in held_after for r in held)
+    _, twice = split_records([{"text": "same"}] * 40, 0.05)  # copies are told apart, each on its own side
+    assert 0 < len(twice) < 40
+
+
 def test_stdlib_files_exclude_tests_and_split_by_file() -> None:
     files = corpora.stdlib_files()
     assert "os.py" in files and os.path.join("json", "__init__.py") in files

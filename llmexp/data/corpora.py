@@ -155,8 +155,14 @@ def read_json_records(path: Path) -> list[Record]:
 
 def split_records(records: list[Any], eval_fraction: float,
                   content: Callable[[Any], str] = lambda r: json.dumps(r, sort_keys=True)) -> tuple[list, list]:
-    """Hold out records by a hash of their content (stable under reordering of the file)."""
-    by_key = {f"{i}:{content(r)}": r for i, r in enumerate(records)}
+    """Hold out records by a hash of their content: stable under reordering, and under adding records (a record's
+    side is its own; the n-th copy of a duplicate is told apart by n, not by its position)."""
+    copies: dict[str, int] = {}
+    by_key = {}
+    for r in records:
+        text = content(r)
+        copies[text] = copies.get(text, -1) + 1
+        by_key[f"{copies[text]}:{text}"] = r
     train_keys, eval_keys = split_by_hash(list(by_key), eval_fraction)
     return [by_key[k] for k in train_keys], [by_key[k] for k in eval_keys]
 

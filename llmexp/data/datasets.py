@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     import torch
 
 IGNORE_INDEX = -100
-FORMAT_VERSION = 1
-"""Bump when the cached arrays' layout or meaning changes."""
+FORMAT_VERSION = 2
+"""Bump when the cached arrays' layout or meaning changes (2: json/text records held out by content alone)."""
 
 
 # ---------------------------------------------------------------- sampler
