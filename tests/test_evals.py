@@ -89,6 +89,19 @@ def test_bad_eval_inputs_are_refused_before_any_directory(tmp_path: Path, monkey
         cli_refusal([*harness, "eval.lm_eval.tasks=[llmexp_mc]"])
 
 
+@pytest.mark.parametrize("damage", ["missing", "malformed"])
+def test_a_harness_tasks_data_that_cannot_load_is_the_users_to_fix(damage: str, tmp_path: Path) -> None:
+    """A task YAML whose data file is missing or malformed raised at the first eval: a traceback, exit 1."""
+    from llmexp.evals import harness
+
+    data = tmp_path / "items.jsonl"
+    if damage == "malformed":
+        _jsonl(data, MC_ITEMS).write_text(data.read_text() + "{oops\n")
+    tasks = _task_dir(tmp_path, data)
+    with pytest.raises(UserError, match=r"eval.lm_eval.tasks=llmexp_mc: the harness cannot load their data \("):
+        harness.check_task_data(harness.task_manager(str(tasks), False), ["llmexp_mc"])
+
+
 # ----------------------------------------------------------------------------- the scorer against the harness
 
 

@@ -13,7 +13,7 @@ import importlib.util
 import logging
 from typing import Any
 
-from llmexp.errors import UserError
+from llmexp.errors import UserError, first_line
 
 INSTALL_HINT = "pip install 'llmexp[eval]' (or pip install lm-eval)"
 
@@ -42,6 +42,20 @@ def check_tasks(manager: Any, names: list[str], include_path: str | None, includ
                               *(["the built-in tasks"] if include_defaults else [])])
         raise UserError(f"eval.lm_eval.tasks: {', '.join(missing)} not found in {where}; check the names "
                         "(lm-eval ls tasks), or set eval.lm_eval.include_path to a directory of task YAMLs")
+
+
+def check_task_data(manager: Any, names: list[str]) -> None:
+    """Each task built once as the run starts, which loads its data: a task YAML whose data file is missing or
+    malformed is the user's to fix (exit 2, before the first step), not a traceback at the first eval."""
+    from datasets.exceptions import DatasetGenerationError
+    from lm_eval.tasks import get_task_dict
+
+    try:
+        get_task_dict(names, manager)
+    except (OSError, ValueError, DatasetGenerationError) as err:
+        raise UserError(f"eval.lm_eval.tasks={','.join(names)}: the harness cannot load their data "
+                        f"({type(err).__name__}: {first_line(err, 300)}); check each task YAML's dataset_path and "
+                        "dataset_kwargs (data_files)") from None
 
 
 def check_before_start(lm: Any) -> None:

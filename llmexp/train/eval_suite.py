@@ -70,6 +70,7 @@ def build_suite(cfg: DictConfig, tokenizer: Any, files: TaskFiles, is_main: bool
         lm = ev.lm_eval
         suite.harness = harness.task_manager(lm.include_path, lm.include_defaults)
         harness.check_tasks(suite.harness, list(lm.tasks), lm.include_path, lm.include_defaults)
+        harness.check_task_data(suite.harness, list(lm.tasks))
     named = suite.choice or suite.generate or suite.perplexity or suite.harness is not None
     return suite if named else None  # (a harness-only suite is rank 0's: the others wait at the next collective)
 
