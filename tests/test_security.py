@@ -31,7 +31,8 @@ def test_credential_names_are_secret(key: str) -> None:
 
 
 @pytest.mark.parametrize("key", ["tokenizer", "pad_token", "eos_token", "num_key_value_heads", "max_length", "lr",
-                                 "tokens_per_sec", "_target_", "monkey", "name_or_path", "cache_dir", "HOME"])
+                                 "tokens_per_sec", "_target_", "monkey", "name_or_path", "cache_dir", "HOME",
+                                 "data_cache_key"])
 def test_ordinary_names_are_not_secret(key: str) -> None:
     assert not redact.is_secret_key(key)
 

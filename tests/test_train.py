@@ -39,6 +39,9 @@ def test_default_run_writes_the_whole_run_directory(default_run: Path) -> None:
     assert summary["status"] == "completed" and summary["step"] == 20
     for key in ("train_loss", "eval_loss", "eval_ppl", "tokens_per_sec", "mfu", "findings"):
         assert key in summary
+    (start,) = read_metrics(default_run, "start")  # the data's counts, as docs/reference/metrics.md says (`data_*`)
+    data = {k: v for k, v in start.items() if k.startswith("data_")}
+    assert data and all(summary[k] == v for k, v in data.items()) and len(summary["data_cache_key"]) > 3
     # data=stdlib brings the default run's pretraining lr (llmexp/conf/data/stdlib.yaml), not lr=auto's 3e-4
     assert summary["lr_source"] == "data" and summary["lr"] == pytest.approx(6e-4)
     assert not [f for f in summary["findings"] if f["severity"] == "error"]

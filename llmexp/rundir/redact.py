@@ -34,8 +34,8 @@ MIN_SECRET_LEN = 6
 _SECRET_KEY = re.compile(r"(^|[_.-])(token|key|secret|password|passwd|pwd|credentials?|auth)$"
                          r"|secret|password|api_?key|access_?key|private_?key", re.IGNORECASE)
 _NOT_SECRET = frozenset({"pad_token", "eos_token", "bos_token", "unk_token", "sep_token", "cls_token",
-                         "mask_token", "max_new_tokens", "num_key_value_heads", "pwd", "oldpwd"})
-"""Names that look like credentials and are not (PWD is the shell's working directory)."""
+                         "mask_token", "max_new_tokens", "num_key_value_heads", "pwd", "oldpwd", "data_cache_key"})
+"""Names that look like credentials and are not (PWD is the shell's working directory; data_cache_key a hash)."""
 _TOKEN_SHAPES = (r"hf_[A-Za-z0-9]{20,}", r"sk-[A-Za-z0-9_-]{20,}", r"gh[pousr]_[A-Za-z0-9]{20,}",
                  r"github_pat_[A-Za-z0-9_]{20,}", r"xox[abpr]-[A-Za-z0-9-]{10,}", r"AKIA[0-9A-Z]{16}")
 _SECRET_VALUE = re.compile(r"(?<![A-Za-z0-9])(" + "|".join(_TOKEN_SHAPES) + r")")

@@ -126,4 +126,5 @@ def build_summary(run: Run, status: str) -> dict[str, Any]:
         "compile_time_by_graph_s": run.window.compile_s, "time_s": desc.elapsed(),
         "overrides": list(HydraConfig.get().overrides.task), "findings": findings,
         "tasks": final_tasks(history),  # each task's metrics at its last eval (eval=loss: none)
+        **{k: v for r in history if r.get("event") == "start" for k, v in r.items() if k.startswith("data_")},
     }
