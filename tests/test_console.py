@@ -7,6 +7,7 @@ import logging
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from llmexp.monitor.console import format_header, format_size, held_warnings_note, quiet_console
@@ -56,6 +57,19 @@ def test_an_old_start_record_still_prints() -> None:
                                          (6_738_415_616, "6.74B")])
 def test_sizes_read_at_a_glance(n: int, text: str) -> None:
     assert format_size(n) == text
+
+
+def test_the_header_says_when_train_records_were_dropped() -> None:
+    """20 of 38 SFT records whose prompt filled data.max_length went without a word (only the start record had it)."""
+    from llmexp.data.datasets import cut_examples
+
+    ids = [np.arange(100), np.arange(10)]
+    masks = [np.r_[np.zeros(95, bool), np.ones(5, bool)], np.r_[np.zeros(5, bool), np.ones(5, bool)]]
+    _, stats = cut_examples("padded", ids, masks, max_length=64, keep_tail=False)
+    assert (stats["truncated_tokens"], stats["dropped_examples"], stats["dropped_tokens"]) == (36, 1, 64)
+    head = format_header({**START, "data_train_records": 2, "data_train_dropped_examples": 1})
+    assert "warning: 1 of 2 train records dropped, no completion token left within data.max_length" in head
+    assert "dropped" not in format_header({**START, "data_train_records": 2, "data_train_dropped_examples": 0})
 
 
 @pytest.mark.parametrize(("max_steps", "said"), [(4, None), (6, "eta 0s for the 2 remaining steps")])

@@ -202,6 +202,7 @@ def _truncate(ids: list[np.ndarray], masks: list[np.ndarray] | None, max_length:
     masks = [m[:max_length] for m in masks] if masks is not None else None
     keep = [i for i, x in enumerate(ids) if (masks[i][1:].any() if masks is not None else len(x) >= 2)]
     stats["dropped_examples"] = len(ids) - len(keep)
+    stats["dropped_tokens"] = sum(len(x) for x in ids) - sum(len(ids[i]) for i in keep)  # what truncation left them
     return [ids[i] for i in keep], [masks[i] for i in keep] if masks is not None else None
 
 

@@ -150,13 +150,17 @@ def format_header(r: dict[str, Any]) -> str:
     source = sources.get(str(r.get("lr_source")), str(r.get("lr_source")))
     resumed = f", resuming at step {r['step']}" if r.get("step") else ""
     shares = r.get("data_mix_shares")
-    data = f"{r.get('data')} mix of {len(shares)} sources ({' / '.join(f'{s:.1%}' for s in shares)} of the " \
+    data = f"{r.get('data')} mix of {len(shares)} source(s) ({' / '.join(f'{s:.1%}' for s in shares)} of the " \
         "examples)" if shares else r.get("data")
+    dropped = r.get("data_train_dropped_examples")
     lines = [
         f"run        {r.get('run_dir')}  (console log: llmexp.log)",
         *model_lines(r),
         f"data       {data}: {_count(r.get('data_train_tokens'))} train tokens in "
         f"{_count(r.get('data_train_examples'))} examples{eval_tokens} ({cache}, {r.get('data_prep_s', 0):.1f} s)",
+        *([f"           warning: {dropped:,} of {_count(r.get('data_train_records'))} train records dropped, no "
+           "completion token left within data.max_length (a prompt as long as that?); raise data.max_length or "
+           "shorten them"] if isinstance(dropped, int) and dropped > 0 else []),
         f"steps      {r.get('max_steps')}{resumed}; global batch {batch} = {micro} per device x {world} process(es) "
         f"x {accum} accumulation step(s)" + (f", {tokens:,} tokens/step" if tokens else ""),
         *([_auto_batch_line(r["batch_size_auto"])] if isinstance(r.get("batch_size_auto"), dict) else []),
