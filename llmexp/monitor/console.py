@@ -150,8 +150,8 @@ def format_header(r: dict[str, Any]) -> str:
     source = sources.get(str(r.get("lr_source")), str(r.get("lr_source")))
     resumed = f", resuming at step {r['step']}" if r.get("step") else ""
     shares = r.get("data_mix_shares")
-    data = f"{r.get('data')} mix of {len(shares)} source(s) ({' / '.join(f'{s:.1%}' for s in shares)} of the " \
-        "examples)" if shares else r.get("data")
+    data = f"{r.get('data')} mix of {len(shares)} source{'s' * (len(shares or []) > 1)} (" \
+        f"{' / '.join(f'{s:.1%}' for s in shares)} of the examples)" if shares else r.get("data")
     dropped = r.get("data_train_dropped_examples")
     lines = [
         f"run        {r.get('run_dir')}  (console log: llmexp.log)",
