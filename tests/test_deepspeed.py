@@ -97,6 +97,10 @@ def test_zero2_offload_uses_cpu_adam_learns_and_resumes(tmp_path: Path, plain_lo
     resumed = _resume_from_step_3(args, tmp_path)
     _assert_close(resumed, {s: losses[s] for s in (4, 5, 6)}, rel=1e-6)
     assert (tmp_path / "model" / "model.safetensors").is_file()
+    step_3 = tmp_path / "checkpoints" / "step_3"  # without DeepSpeed: the engine's own refusal, unwrapped
+    result = run_cli([*RUN, "batch_size=8", f"train.resume={step_3}", f"hydra.run.dir={tmp_path / 'plain'}"])
+    assert result.returncode == 2 and f"{step_3}: this checkpoint was saved with DeepSpeed ZeRO" in result.stderr
+    assert "passed its checks" not in result.stderr and "resume from an older one" not in result.stderr
 
 
 def test_zero2_offload_runs_lion_on_deepspeeds_cpu_lion(tmp_path: Path) -> None:

@@ -163,6 +163,8 @@ def _apply_payload(run: Run, payload: dict[str, Any], path: Path) -> LoopState:
         if payload["rng"] is not None:
             serialize.restore_rng(payload["rng"])
         return LoopState(**payload["trainer"]["state"])
+    except UserError as err:  # the engine's own refusal (a checkpoint of another engine), with its own fix
+        raise UserError(f"{path}: {err}") from None
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AssertionError) as err:
         raise ckpt.CorruptCheckpoint(
             f"{path}: passed its checks but could not be loaded ({type(err).__name__}: "
