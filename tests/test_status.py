@@ -94,6 +94,12 @@ def test_a_run_directory_and_one_whose_process_is_gone(sweep: dict[str, Any], tm
     (killed / "summary.json").unlink()  # what a kill -9 leaves: metrics and no summary, no process
     (row,) = rows(killed)
     assert row.status == "killed" and row.step == STEPS and row.eta_s is None
+    stopped = tmp_path / "stopped"  # a preemption saves at a step past the last logged one: summary.json says it
+    shutil.copytree(sweep["dir"] / "0", stopped)
+    summary = json.loads((stopped / "summary.json").read_text())
+    (stopped / "summary.json").write_text(json.dumps({**summary, "status": "preempted", "step": STEPS + 5}))
+    (row,) = rows(stopped)
+    assert row.status == "preempted" and row.step == STEPS + 5
 
 
 def test_watch_redraws_the_table_in_place_until_ctrl_c(sweep: dict[str, Any]) -> None:
@@ -120,6 +126,11 @@ def test_watch_redraws_the_table_in_place_until_ctrl_c(sweep: dict[str, Any]) ->
 def test_not_a_run_or_sweep_directory_exits_2(tmp_path: Path) -> None:
     proc = run_cli([str(tmp_path)], module="llmexp.status", timeout_s=60)
     assert proc.returncode == 2 and "neither a run directory" in proc.stderr
+    from llmexp.report.status import main
+
+    with pytest.raises(SystemExit) as exit_info:  # (0 was taken as "not given" and redrew as fast as it could)
+        main([str(tmp_path), "--watch", "0"])
+    assert exit_info.value.code == 2
 
 
 def test_each_job_wrote_its_hparams_for_tensorboard(sweep: dict[str, Any]) -> None:

@@ -158,7 +158,8 @@ def job_row(run_dir: Path, shown: str, slurm_id: str | None, states: dict[str, s
     status = _status(run_dir, summary, verdict, records, state, sweeper)
     trains = [r for r in records if r.get("event") == "train"]
     evals = [v for r in records if r.get("event") == "eval" and (v := _finite(r.get("eval_loss"))) is not None]
-    step = trains[-1]["step"] if trains else (summary or {}).get("step")
+    logged = [trains[-1]["step"] if trains else None, (summary or {}).get("step")]  # (a stop saves past the last log)
+    step = max((s for s in logged if isinstance(s, int)), default=None)
     max_steps = next((r for r in reversed(records) if r.get("event") == "start"), {}).get("max_steps")
     return Row(job=run_dir.name, overrides=shown, status=status, step=step, max_steps=max_steps,
                loss=_finite(trains[-1].get("loss")) if trains else None, eval_loss=evals[-1] if evals else None,
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scheduler-timeout", type=float, default=SCHEDULER_TIMEOUT_S, metavar="SECONDS",
                         help=f"how long squeue and sacct may take (default {SCHEDULER_TIMEOUT_S:g}); past it: ?")
     args = parser.parse_args(argv)
-    if not all(0 < s <= 86400 for s in (args.watch or 1, args.scheduler_timeout)):  # (not inf, not nan)
+    if not all(0 < s <= 86400 for s in (1 if args.watch is None else args.watch, args.scheduler_timeout)):  # (not nan)
         parser.error("--watch and --scheduler-timeout take a number of seconds in (0, 86400]")
     sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]  # (a directory named in bytes)
     if not (is_run_dir(args.dir) or is_sweep_dir(args.dir)):
