@@ -47,7 +47,8 @@ def load_meta(marker: Path) -> dict[str, Any] | None:
     """An entry's metadata (its `meta.json`), or None when the entry is absent or incomplete; a cache: a marker that
     cannot be read is a miss."""
     meta = load_json(marker, load_meta)
-    if not all(isinstance(f, list) and len(f) == 2 for f in meta.get(FILES_KEY, {}).values()):
+    if not all(isinstance(f, list) and len(f) == 2 and isinstance(f[0], int) and isinstance(f[1], str)
+               for f in meta.get(FILES_KEY, {}).values()):
         raise Damaged(marker, f"its {FILES_KEY} are not [size, sha256] pairs")
     return meta
 

@@ -238,6 +238,11 @@ def _pack_rows(lengths: np.ndarray, max_length: int) -> np.ndarray:
     return np.asarray([*row_starts, int(ends[-1])], dtype=np.int64)
 
 
+SPLIT_STATS = ("records", "truncated_examples", "truncated_tokens", "dropped_examples", "dropped_tokens", "examples",
+               "tokens", "target_tokens")
+"""The counts `cut_examples` gives of a split, which a cache entry's meta.json keeps (data_<split>_<count>)."""
+
+
 def cut_examples(mode: str, ids: list[np.ndarray], masks: list[np.ndarray] | None, max_length: int,
                  keep_tail: bool) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     """Arrays of one split (ids, offsets, mask?, positions?, row_targets) and its counts."""
@@ -411,6 +416,9 @@ def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[TokenDataset, Token
         built = meta["stats"]
         if not isinstance(built, dict) or "mode" not in built or built["mode"] not in MODES:
             raise ValueError(f"its meta.json's stats.mode is not one of {', '.join(MODES)}")
+        if lacking := [f"{split}_{k}" for split in ("train", "eval") for k in SPLIT_STATS
+                       if not isinstance(built.get(f"{split}_{k}"), int)]:  # (the header would show "?" tokens)
+            raise ValueError(f"its meta.json's stats lack the counts {', '.join(lacking[:3])}")
         train, held = (TokenDataset.load(entry, split, pad_id_of(tokenizer)) for split in ("train", "eval"))
         return train, held, np.load(entry / "train_sources.npy") if cfg.data.mix else None, built
 
