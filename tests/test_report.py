@@ -221,6 +221,16 @@ def test_the_doctor_says_a_run_is_running_while_its_process_holds_it(tmp_path: P
     assert f"{run}: status preempted," in capsys.readouterr().out
 
 
+def test_the_doctor_names_why_a_sweep_job_failed_before_any_summary(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """It said "no summary.json (killed, or still running) ... No findings: the run looks healthy", exit 0."""
+    run = make_run(tmp_path / "1", [], job_status={"num": 1, "status": "failed", "exit_code": 2,
+                                                    "error": "optimizer: Invalid epsilon value: -1"})
+    assert doctor.main([str(run)]) == 1
+    out = capsys.readouterr().out
+    assert f"{run}: status failed (optimizer: Invalid epsilon value: -1)" in out and "healthy" not in out
+
+
 def test_recommendation_averages_over_seeds(tmp_path: Path) -> None:
     """lr=1e-3 wins one seed by luck, lr=3e-4 wins on average: 3e-4 is recommended, named without the seed."""
     finals = {("1e-3", "0"): 2.0, ("1e-3", "1"): 3.0, ("3e-4", "0"): 2.2, ("3e-4", "1"): 2.3}

@@ -2,7 +2,7 @@
 
 Re-runs the health detectors on metrics.jsonl (the same ones the trainer runs live), prints
 each finding with the seed's advice, and rewrites report.md and curves.png.
-Exit codes: 0 healthy or warnings only, 1 error findings, 2 not a run directory.
+Exit codes: 0 healthy or warnings only, 1 error findings or a failed run, 2 not a run directory.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from llmexp.report.findings import finding_state, run_findings
 from llmexp.report.run import write_run_report
 from llmexp.rundir.files import unwritable
 from llmexp.rundir.lock import lock_holder
-from llmexp.rundir.read import is_run_dir, is_sweep_dir, load_records, load_summary
+from llmexp.rundir.read import is_run_dir, is_sweep_dir, load_job_status, load_records, load_summary
 
 _COLOURS = {"error": "\033[31m", "warning": "\033[33m", "info": "\033[36m", "ok": "\033[32m"}
 _RESET, _BOLD = "\033[0m", "\033[1m"
@@ -35,10 +35,11 @@ def _painter(stream: TextIO) -> Paint:
     return lambda text, style: f"{_COLOURS.get(style, _BOLD)}{text}{_RESET}"
 
 
-def format_findings(findings: list[dict], paint: Paint) -> str:
+def format_findings(findings: list[dict], paint: Paint, failed: bool = False) -> str:
     """Findings as readable text: one block per finding, the advice indented under it."""
     if not findings:
-        return paint("No findings: the run looks healthy.", "ok")
+        return "No findings in its metrics; its status says how it failed." if failed else \
+            paint("No findings: the run looks healthy.", "ok")
     lines = []
     for f in findings:
         label = paint(f"{f['severity'].upper():<7}", f["severity"])
@@ -58,14 +59,17 @@ def diagnose_run(run_dir: Path) -> tuple[int, str]:
         wrote = f"report.md not written: {unwritable(run_dir, err)}"
     paint = _painter(sys.stdout)
     holder = lock_holder(run_dir)  # (a resumed run's summary.json still says how its last segment ended)
-    status = f"running (pid {holder})" if holder is not None else \
-        (load_summary(run_dir) or {}).get("status", "no summary.json (killed, or running on another host)")
+    job = load_job_status(run_dir)  # a sweep job's launcher's verdict: a job that failed before any summary
+    status = f"running (pid {holder})" if holder is not None else (load_summary(run_dir) or {}).get("status") or (
+        f"{job['status']} ({job.get('error')})" if job.get("status") else "no summary.json (killed, or running on "
+        "another host)")
     steps = max((int(r["step"]) for r in records if isinstance(r.get("step"), int)), default=0)  # skipped ones too
     header = f"{paint(str(run_dir), 'bold')}: status {status}, {steps} steps, {len(records)} metric records"
     counts = {s: sum(f["severity"] == s and is_open(f) for f in findings) for s in ("error", "warning", "info")}
     verdict = ", ".join(f"{n} {s}" for s, n in counts.items())
-    text = "\n".join([header, format_findings(findings, paint), f"{verdict}; {wrote}"])
-    return (EXIT_ERROR if counts["error"] else EXIT_OK), text
+    failed = str(status).startswith(("failed", "crashed"))
+    text = "\n".join([header, format_findings(findings, paint, failed), f"{verdict}; {wrote}"])
+    return (EXIT_ERROR if counts["error"] or failed else EXIT_OK), text
 
 
 def main(argv: list[str] | None = None) -> int:
