@@ -231,6 +231,15 @@ def test_the_doctor_names_why_a_sweep_job_failed_before_any_summary(tmp_path: Pa
     assert f"{run}: status failed (optimizer: Invalid epsilon value: -1)" in out and "healthy" not in out
 
 
+def test_a_huge_train_loss_has_an_infinite_train_ppl_in_the_sweep_report(tmp_path: Path) -> None:
+    """It showed exp(50) = 5.185e+21 beside a loss of 2.2e7."""
+    from llmexp.report.sweep import collect_job
+
+    records = history(num_steps=10)
+    job = make_run(tmp_path / "0", records, {**summary_of(records), "train_loss": 2.2e7})
+    assert collect_job(job, records)["train_ppl"] == math.inf
+
+
 def test_recommendation_averages_over_seeds(tmp_path: Path) -> None:
     """lr=1e-3 wins one seed by luck, lr=3e-4 wins on average: 3e-4 is recommended, named without the seed."""
     finals = {("1e-3", "0"): 2.0, ("1e-3", "1"): 3.0, ("3e-4", "0"): 2.2, ("3e-4", "1"): 2.3}

@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import math
 import os
 import statistics
 from collections import Counter
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from llmexp.monitor.detectors import ERROR, worst_severity
+from llmexp.monitor.logger import safe_exp
 from llmexp.report.findings import run_findings
 from llmexp.report.formats import fmt, fmt_rate, is_finite, md_table
 from llmexp.report.search import PRUNED, load_study, search_markdown, search_summary
@@ -89,7 +89,7 @@ def collect_job(job_dir: Path, records: list[dict], launched: list[str] | None =
         value = (summary or {}).get(key)
         entry[key] = value if value is not None else last_value(records, event, rec_key)
     if isinstance(entry["train_loss"], int | float) and (summary or {}).get("train_loss") is not None:
-        entry["train_ppl"] = math.exp(min(entry["train_loss"], 50.0))  # consistent with the loss shown
+        entry["train_ppl"] = safe_exp(entry["train_loss"])  # consistent with the loss shown (inf past e^709)
     config = load_config(job_dir)  # a job from before sweep.metric and sweep.direction: the eval loss, minimised
     entry["metric"] = str(config_value(config, "sweep.metric") or "eval_loss")
     entry["direction"] = str(config_value(config, "sweep.direction") or "minimize")
