@@ -74,6 +74,22 @@ def test_a_mixture_of_two_shapes_trains_from_the_cli(tmp_path: Path) -> None:
     assert len(read_metrics(tmp_path / "run", "train")) == 3
 
 
+def test_a_mixture_of_one_source_has_a_cache_entry_of_its_own(tmp_path: Path,
+                                                               capfd: pytest.CaptureFixture[str]) -> None:
+    """It shared the plain run's key, found no train_sources.npy there, and warned "cannot be read" as it rebuilt."""
+    from llmexp.data.datasets import build_datasets
+    from llmexp.data.tokenizer import load_tokenizer
+    from tests.conftest import compose
+
+    base = [*TINY, "data=hf", f"data.cache_dir={tmp_path / 'cache'}", "data.max_length=64"]
+    one = _sources(tmp_path)[0].replace(", weight: 3", "")
+    plain = compose([*base, "data.path=parquet", f"data.data_files={tmp_path / 'code.parquet'}",
+                     "data.text_field=body"], tmp_path / "a")
+    for cfg in (plain, compose([*base, f"data.mix=[{one}]"], tmp_path / "b")):
+        build_datasets(cfg, load_tokenizer(cfg))
+    assert "cannot be read" not in capfd.readouterr().err
+
+
 @pytest.mark.parametrize(("args", "says"), [
     (["data.path=parquet"], "data.path: data.path and data.mix both name the data; keep one"),
     (["data=stdlib"], "data.mix: mixes datasets read by data=hf; data=stdlib reads one source"),

@@ -380,7 +380,7 @@ def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[TokenDataset, Token
     start = time.perf_counter()
     corpora = load_corpora(cfg.data)
     sources = [c.fingerprint for c in corpora]
-    key = hash_obj({**_settings(cfg), "corpus": sources[0] if len(sources) == 1 else sources,
+    key = hash_obj({**_settings(cfg), "corpus": sources if cfg.data.mix else sources[0],  # (a mix keeps its sources)
                     "tokenizer": tokenizer_fingerprint(tokenizer)})
     dtype = np.uint16 if len(tokenizer) <= 2**16 else np.int32
 
