@@ -121,11 +121,13 @@ def _with(cfg: DictConfig, key: str, value: Any) -> DictConfig:
     return cfg
 
 
-def slurm_state(job_id: str) -> str:
-    """The job's state as squeue reports it now (RUNNING, COMPLETING, CANCELLED...), '' if unknown."""
+def slurm_state(job_id: str, accounting: bool = False) -> str:
+    """The job's state as squeue reports it now (RUNNING, COMPLETING, CANCELLED...), or with `accounting` as sacct
+    records it (`CANCELLED by 1000`: squeue shows a cancelled job tidying up as COMPLETING); '' if unknown."""
+    command = ["sacct", "-n", "-P", "-X", "-o", "State", "-j", job_id] if accounting else \
+        ["squeue", "-h", "-j", job_id, "-o", "%T"]
     try:
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True,
-                             timeout=60, check=False).stdout
+        out = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False).stdout
     except (OSError, subprocess.SubprocessError):
         return ""
     return first_line(out, None)
@@ -145,6 +147,8 @@ def job_over() -> None:
 def _requeue_or_stop(outcome: JobOutcome, requeue_handler: Any) -> JobOutcome:
     """After the trainer saved and returned `preempted`: requeue if SLURM still runs the job."""
     state = slurm_state(str(outcome.job_id))
+    if state == "COMPLETING":  # ending: how (a scancel while no launcher watched was recorded `preempted`)
+        state = slurm_state(str(outcome.job_id), accounting=True) or state
     if state != "RUNNING" or not callable(requeue_handler):
         outcome.error = f"stopped by a signal; SLURM state {state or 'unknown'}, so not requeued here"
         if state.startswith("CANCELLED"):
