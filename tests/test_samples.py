@@ -44,6 +44,20 @@ def test_samples_are_logged_shown_reported_and_leave_training_bitwise_unchanged(
     assert "## Samples" not in (plain_dir / "report.md").read_text()
 
 
+def test_a_prompt_longer_than_the_context_keeps_its_end(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """As a generate task's: the model saw more positions than it has, and transformers warned of exceptions."""
+    from llmexp.train.train import train
+
+    prompt = "import os " * 60
+    cfg = compose([*TINY, "precision=fp32", "train.max_steps=1", "train.save_steps=0", "train.sample_max_new_tokens=4",
+                   f"train.sample_prompts=['{prompt}']"], tmp_path / "run")
+    capfd.readouterr()
+    assert train(cfg).status == "completed"
+    printed = capfd.readouterr()
+    assert "maximum length" not in printed.out + printed.err
+    assert [s["prompt"] for e in read_metrics(tmp_path / "run", "sample") for s in e["samples"]] == [prompt]
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"train": {"sample_max_new_tokens": 0}}, "train.sample_max_new_tokens"),
     ({"train": {"sample_temperature": -1.0}}, "train.sample_temperature"),

@@ -28,10 +28,12 @@ def record(run: Run, step: int) -> None:
     lm = run.engine.lm(run.model)
     sampled = train.sample_temperature > 0
     samples = []
+    keep = max(1, int(run.cfg.data.max_length) - train.sample_max_new_tokens)  # as the generate tasks cut a prompt
     with eval_mode(lm), rng_untouched(rt.device), rt.compute():
         torch.manual_seed(train.sample_seed)
         for prompt in train.sample_prompts:
-            ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(rt.device)
+            ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"][:, -keep:]
+            ids = ids.to(rt.device)
             out = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=train.sample_max_new_tokens,
                               do_sample=sampled, temperature=train.sample_temperature if sampled else None,
                               top_p=None, top_k=None, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
