@@ -166,8 +166,9 @@ def test_choice_log_likelihoods_equal_lm_evaluation_harness(tmp_path: Path, monk
     right, right_norm, n = score.choice_tally(items, requests, ours)
 
     states = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
-    got = harness.evaluate(lm, tok, manager, ["llmexp_mc"], batch_size=4, max_length=128, limit=None,
-                           num_fewshot=None, device=torch.device("cpu"))["llmexp_mc"]
+    got, scored = harness.evaluate(lm, tok, manager, ["llmexp_mc"], batch_size=4, max_length=128, limit=None,
+                                   num_fewshot=None, device=torch.device("cpu"))["llmexp_mc"]
+    assert scored == len(items)  # (the task records said 0 items)
     assert torch.equal(states[0], torch.get_rng_state()) and states[1] == random.getstate()
     assert np.array_equal(states[2], np.random.get_state()[1])
     assert got["acc"] == pytest.approx(right / n) and got["acc_norm"] == pytest.approx(right_norm / n)
@@ -212,6 +213,7 @@ def test_tasks_are_recorded_at_every_eval(task_run: dict[str, Any]) -> None:
     assert all(0 <= v <= 1 for name in ("mc", "demo", "qa") for r in by_task[name] for v in r["metrics"].values())
     docs = by_task["docs"]
     assert all(math.isclose(r["metrics"]["ppl"], math.exp(r["metrics"]["loss"])) for r in docs)
+    assert all(r["items"] == 2 * 4 for r in docs)  # train.eval_batches=2 batches of 4 (it said the whole set's 12)
     assert docs[-1]["metrics"]["loss"] < docs[0]["metrics"]["loss"]  # the model learns the words it trains on
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["tasks"]["mc"]["step"] == 4 and summary["tasks"]["mc"]["acc"] == by_task["mc"][-1]["metrics"]["acc"]

@@ -70,8 +70,9 @@ def check_before_start(lm: Any) -> None:
 
 
 def evaluate(lm: Any, tokenizer: Any, manager: Any, names: list[str], *, batch_size: int, max_length: int,
-             limit: int | None, num_fewshot: int | None, device: Any) -> dict[str, dict[str, float]]:
-    """{task: {metric: value}} of the harness on the in-memory model (its numbers; stderr left out)."""
+             limit: int | None, num_fewshot: int | None, device: Any) -> dict[str, tuple[dict[str, float], int]]:
+    """{task: ({metric: value}, items scored)} of the harness on the in-memory model (its numbers; stderr left
+    out)."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
@@ -82,7 +83,9 @@ def evaluate(lm: Any, tokenizer: Any, manager: Any, names: list[str], *, batch_s
         out = simple_evaluate(model=model, tasks=list(names), task_manager=manager, limit=limit,
                               num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0, random_seed=None,
                               numpy_random_seed=None, torch_random_seed=None, fewshot_random_seed=0)
-    return metrics_of(out["results"] if out else {})
+    counts = (out or {}).get("n-samples", {})
+    return {task: (metrics, int(counts.get(task, {}).get("effective", 0)))
+            for task, metrics in metrics_of(out["results"] if out else {}).items()}
 
 
 def metrics_of(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:

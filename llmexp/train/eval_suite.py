@@ -95,7 +95,8 @@ def run_tasks(suite: TaskSuite, run: Run, step: int, loss_of: Callable[[TokenDat
     for name, ds in suite.perplexity.items():
         start = time.perf_counter()
         loss = loss_of(ds)
-        records.append(_record(step, name, "perplexity", {"loss": loss, "ppl": safe_exp(loss)}, len(ds), start))
+        records.append(_record(step, name, "perplexity", {"loss": loss, "ppl": safe_exp(loss)},
+                               scored_examples(run, len(ds)), start))
     records += [_choice_task(run, step, name, items, delimiter) for name, (items, delimiter) in suite.choice.items()]
     records += [_generate_task(run, step, name, items, task) for name, (items, task) in suite.generate.items()]
     if suite.harness is not None:
@@ -103,6 +104,12 @@ def run_tasks(suite: TaskSuite, run: Run, step: int, loss_of: Callable[[TokenDat
     for record in records:
         run.log.log(record)
     return records
+
+
+def scored_examples(run: Run, num_examples: int) -> int:
+    """How many of a held-out set's examples an eval scores: `train.eval_batches` global batches (0: all)."""
+    plan, batches = run.desc.plan, run.cfg.train.eval_batches
+    return min(num_examples, batches * plan.micro * plan.world) if batches > 0 else num_examples
 
 
 def _record(step: int, name: str, kind: str, metrics: dict[str, float], n: int, start: float,
@@ -158,4 +165,4 @@ def _harness_tasks(run: Run, manager: Any, step: int) -> list[dict[str, Any]]:
         results = harness.evaluate(run.engine.lm(run.model), run.tokenizer, manager, list(lm_cfg.tasks),
                                    batch_size=int(lm_cfg.batch_size), max_length=int(run.cfg.data.max_length),
                                    limit=lm_cfg.limit, num_fewshot=lm_cfg.num_fewshot, device=rt.device)
-    return [_record(step, task, "lm_eval", metrics, 0, start) for task, metrics in results.items()]
+    return [_record(step, task, "lm_eval", metrics, n, start) for task, (metrics, n) in results.items()]

@@ -33,7 +33,7 @@ from llmexp.monitor.logger import safe_exp
 from llmexp.monitor.throughput import peak_memory_mb
 from llmexp.train import lr_find, samples
 from llmexp.train.anomaly import judge_step, report_findings
-from llmexp.train.eval_suite import TaskSuite, build_suite, run_tasks
+from llmexp.train.eval_suite import TaskSuite, build_suite, run_tasks, scored_examples
 from llmexp.train.finish import finish_run
 from llmexp.train.preemption import PreemptionSignal
 from llmexp.train.pruning import TrialPruning, sweep_value
@@ -209,8 +209,7 @@ def evaluate(run: Run, eval_ds: data_lib.TokenDataset) -> float:
     """Mean loss per target token over a fixed slice of the eval set, summed across ranks."""
     rt, plan, model = run.rt, run.desc.plan, run.model
     model.eval()
-    stride, batches = plan.micro * plan.world, run.cfg.train.eval_batches
-    total_examples = min(len(eval_ds), batches * stride) if batches > 0 else len(eval_ds)
+    stride, total_examples = plan.micro * plan.world, scored_examples(run, len(eval_ds))
     sums = torch.zeros(2, device=rt.device)
     starts = list(range(rt.rank * plan.micro, total_examples, stride))
     # FSDP: each forward all-gathers, so every rank runs as many; a rank out of examples repeats one, unsummed.
