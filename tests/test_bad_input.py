@@ -188,6 +188,8 @@ def test_a_typo_in_a_yaml_file_gets_the_command_lines_hint(tmp_path: Path) -> No
                        f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
     assert proc.returncode == 2 and "In 'experiment/mine'" in proc.stderr, proc.stderr
     assert "did you mean train.max_steps?" in proc.stderr and not (tmp_path / "run").exists()
+    proc = run_llmexp(["data.cache_dir=/tmp/a cache é", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert proc.returncode == 2 and "must be quoted, inside the shell's quotes" in proc.stderr, proc.stderr
     proc = run_llmexp(["data=hf", "data.mix=[{path: parquet, data_files: a.parquet, weight: 1, text_feild: body}]",
                        f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)  # the key Hydra names is the entry's own
     assert proc.returncode == 2 and "Key 'text_feild' not in 'MixSourceConfig'" in proc.stderr, proc.stderr

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import hydra
 from hydra import version
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import OverrideParseException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
@@ -84,6 +85,9 @@ def _preflight(args: argparse.Namespace, args_parser: argparse.ArgumentParser) -
         # type) in its cause, shown only with HYDRA_FULL_ERROR=1
         if err.__cause__ is not None and (why := first_line(err.__cause__)) and why not in str(err):
             print(f"Because: {scrub_text(why)}", file=sys.stderr)
+        if isinstance(err, OverrideParseException):  # a path with a space or an accent, unquoted
+            print("A value with spaces or characters such as é must be quoted, inside the shell's quotes: "
+                  "'data.train_file=\"my file.jsonl\"'", file=sys.stderr)
         key = str(getattr(err.__cause__ or err.__context__, "full_key", ""))  # a key a YAML file sets: its typo
         if "." in key and (hint := unknown_key(key)):  # (inside a list's entry, e.g. data.mix, the key is the entry's)
             print(scrub_text(hint), file=sys.stderr)
