@@ -118,7 +118,7 @@ def test_a_sweep_sbatch_refuses_exits_2_leaving_no_job_and_a_corrected_one_runs_
     # themselves", pointing at a sweep_report.md not written)
     proc, sweep, log = start_sweep(tmp_path, "refused", ["lr=1e-3", "train.max_steps=1", *QUICK, "cluster.wait=false"])
     assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
-    assert "Submitted SLURM jobs" in log.read_text() and "did not end by themselves" not in log.read_text()
+    assert "Submitted SLURM jobs" in log.read_text() and "have not ended" not in log.read_text()
     wait_for(lambda: (sweep / "0" / "summary.json").exists(), "the job submitted without waiting")
     assert json.loads((sweep / "0" / "summary.json").read_text())["step"] == 1
 

@@ -328,8 +328,9 @@ def exit_for_results(results: Sequence[TrialResult], what: str, sweep_dir: Path)
         log.error(f"every {what} diverged or failed a doctor's check, so the sweep found no setting that trains "
                   f"(exit 3); see {sweep_dir / 'sweep_report.md'}")
     elif code:
-        log.error(f"{sum(r.status in ('crashed', 'running') for r in results)} of {len(results)} {what}s did not "
-                  f"end by themselves (exit 1); run the same command to continue; see {sweep_dir / 'sweep_report.md'}")
+        log.error(f"{sum(r.status in ('crashed', 'running') for r in results)} of {len(results)} {what}s have not "
+                  f"ended (stopped, crashed or not started; exit 1); run the same command to continue; see "
+                  f"{sweep_dir / 'sweep_report.md'}")
     if code:
         raise SystemExit(code)
 
