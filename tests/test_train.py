@@ -126,3 +126,15 @@ def test_rerunning_a_finished_run_says_there_is_nothing_to_train(tmp_path: Path)
     assert "tokens_per_sec" not in again.stderr.split("completed: ")[-1], again.stderr[-2000:]
     assert ("nothing to train: the run was already at its last step (1); raise train.max_steps to train on"
             in again.stderr), again.stderr[-2000:]
+
+
+def test_epochs_shorter_than_one_global_batch_are_refused(tmp_path: Path) -> None:
+    """One epoch of 5,930 examples at a global batch of 8,000 trained one step, 1.35 epochs, without a word."""
+    from llmexp.errors import UserError
+    from llmexp.train.train import train
+
+    cfg = compose([*TINY, "train.max_steps=-1", "train.num_train_epochs=1", "train.gradient_accumulation_steps=4096"],
+                  tmp_path / "run")
+    with pytest.raises(UserError, match=r"train.num_train_epochs=1(\.0)? of this data is [\d,]+ examples, fewer "
+                                        r"than one global batch of 16,384: its one step would train past them"):
+        train(cfg)

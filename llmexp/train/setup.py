@@ -42,6 +42,11 @@ def describe(cfg: DictConfig, rt: Runtime, vocab_size: int, train_data: Any, dat
     if lr_found:
         built["lr_source"] = "find"
     max_steps = plan.max_steps(len(train_data))
+    if cfg.train.max_steps == -1 and plan.global_batch > cfg.train.num_train_epochs * len(train_data):
+        epochs = cfg.train.num_train_epochs
+        raise UserError(f"train.num_train_epochs={epochs} of this data is {epochs * len(train_data):,.0f} examples, "
+                        f"fewer than one global batch of {plan.global_batch:,}: its one step would train past them; "
+                        "lower batch_size or train.gradient_accumulation_steps, or set train.max_steps")
     run = f"the run's {max_steps} steps (train.num_train_epochs={cfg.train.num_train_epochs} of this data)"
     if cfg.train.max_steps == -1 and (problem := warmup_problem(cfg.train, cfg.scheduler, max_steps, run)):
         raise UserError(": ".join(problem))
