@@ -82,3 +82,11 @@ def test_a_json_file_that_is_not_utf8_exits_2_naming_it(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert f"(data.data_files={tmp_path / 'latin.jsonl'}): a data file is not UTF-8 text (byte b'\\xff')" \
         in proc.stderr and not (tmp_path / "run").exists()
+
+
+def test_a_split_a_file_builder_lacks_is_named_as_the_fault(tmp_path: Path) -> None:
+    """It said "cannot read data.data_files as parquet ... point data.data_files at parquet files"."""
+    datasets.Dataset.from_dict({"text": [f"line {i}" for i in range(40)]}).to_parquet(str(tmp_path / "a.parquet"))
+    proc = _cli(tmp_path, ["data.path=parquet", f"data.data_files={tmp_path / 'a.parquet'}", "data.eval_split=test"])
+    assert proc.returncode == 2 and "data.split / data.eval_split: parquet has no such split (Unknown split" \
+        in proc.stderr and "leave data.eval_split null" in proc.stderr, proc.stderr[-2000:]

@@ -77,6 +77,10 @@ def _load_error(path: str, err: BaseException, k: str) -> str:
         return (f"{k}.path={path} needs a dataset loading script (code), which neither datasets 4 nor llmexp runs "
                 f"({first}); convert it to files where you trust the script (datasets.load_dataset(...)"
                 f".to_parquet(FILE)), then set {k}.path=parquet {k}.data_files=FILE")
+    if "Unknown split" in first:  # the split is the fault, not the files' format
+        return (f"{k}.split / {k}.eval_split: {path} has no such split ({first}); a file builder's files are its "
+                f"train split: leave {k}.eval_split null (the eval set is then held out), or give {k}.data_files "
+                "as {train: FILES, test: FILES}")
     if path in HF_BUILDERS:  # local files: the hub is not the problem
         return (f"{k}.path={path}: cannot read {k}.data_files as {path} ({type(root).__name__}: {first}); point "
                 f"{k}.data_files at {path} files, or set {k}.path to their format ({', '.join(HF_BUILDERS)})")
