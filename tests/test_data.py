@@ -739,3 +739,10 @@ def test_a_token_meta_whose_files_record_was_emptied_is_a_miss_never_trusted(
     err = capfd.readouterr().err
     assert "the cache entry" in err and "records no files" in err and "rebuilding it" in err, err
     assert data.build_datasets(cfg, tok)[2]["data_cache_hit"]
+
+
+def test_records_too_short_to_train_on_are_not_told_to_raise_max_length(tmp_path: Path, tok: Any) -> None:
+    """Empty texts were 'left without a target token after truncation ... raise data.max_length', which cannot help."""
+    train = write_jsonl(tmp_path / "train.jsonl", [{"text": ""}] * 20)
+    with pytest.raises(UserError, match=r"20 too short to train on .*\. Add data$"):
+        data.build_datasets(json_cfg(tmp_path / "cache", train, train), tok)

@@ -325,9 +325,11 @@ def _encode_cut(mode: str, recs: list[Record], tok: Any, cfg: DictConfig, split:
                         f"{stats['dropped_tokens']} token(s), fewer than one block of data.max_length="
                         f"{cfg.data.max_length}. Lower data.max_length or add data")
     if stats["examples"] == 0:
+        why, fix = (f"left without a target token after truncation to data.max_length={cfg.data.max_length}",
+                    "Add data or raise data.max_length") if stats["truncated_examples"] else \
+            ("too short to train on (a text needs 2 tokens, a completion 1; empty ones have none)", "Add data")
         raise UserError(f"{source} has no usable records: {stats['records']} record(s), {stats['dropped_examples']} "
-                        f"left without a target token after truncation to data.max_length={cfg.data.max_length}, "
-                        f"{stats['tokens']} token(s) in all. Add data or raise data.max_length")
+                        f"{why}, {stats['tokens']} token(s) in all. {fix}")
     return arrays, stats
 
 
