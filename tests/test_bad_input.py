@@ -168,24 +168,25 @@ def test_config_errors_never_import_torch(args: list[str], tmp_path: Path) -> No
     assert "EXIT 2 HEAVY none" in proc.stdout, proc.stdout + proc.stderr
 
 
+def _own_experiment(tmp_path: Path, name: str, yaml_text: str) -> subprocess.CompletedProcess[str]:
+    """`python -m llmexp --config-dir DIR experiment=NAME`, DIR holding the user's own experiment/NAME.yaml."""
+    conf = tmp_path / "extra" / "experiment"
+    conf.mkdir(parents=True, exist_ok=True)
+    (conf / f"{name}.yaml").write_text(f"# @package _global_\n{yaml_text}")
+    return run_llmexp(["--config-dir", str(tmp_path / "extra"), f"experiment={name}",
+                       f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+
+
 def test_nul_byte_from_a_yaml_file_is_refused(tmp_path: Path) -> None:
     """NUL cannot come through argv; a user's YAML (via --config-dir) can carry one in a path value."""
-    conf = tmp_path / "extra" / "experiment"
-    conf.mkdir(parents=True)
-    (conf / "nul.yaml").write_text('# @package _global_\ndata:\n  cache_dir: "/tmp/a\\0b"\n')
-    proc = run_llmexp(["--config-dir", str(tmp_path / "extra"), "experiment=nul",
-                       f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    proc = _own_experiment(tmp_path, "nul", 'data:\n  cache_dir: "/tmp/a\\0b"\n')
     assert proc.returncode == 2, proc.stderr
     assert "data.cache_dir: contains a NUL byte" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_a_typo_in_a_yaml_file_gets_the_command_lines_hint(tmp_path: Path) -> None:
     """Hydra names the config and the key only; the CLI adds what it says of the same typo on the command line."""
-    conf = tmp_path / "extra" / "experiment"
-    conf.mkdir(parents=True)
-    (conf / "mine.yaml").write_text("# @package _global_\ntrain:\n  max_step: 6\n")
-    proc = run_llmexp(["--config-dir", str(tmp_path / "extra"), "experiment=mine",
-                       f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    proc = _own_experiment(tmp_path, "mine", "train:\n  max_step: 6\n")
     assert proc.returncode == 2 and "In 'experiment/mine'" in proc.stderr, proc.stderr
     assert "did you mean train.max_steps?" in proc.stderr and not (tmp_path / "run").exists()
     proc = run_llmexp(["data.cache_dir=/tmp/a cache é", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
