@@ -107,7 +107,7 @@ def test_search_report_has_history_pruned_trials_importances_and_figure(tmp_path
     # optuna gives a pruned trial its last intermediate value as its value: the report shows it as a latest
     # eval loss, not as the objective's value
     values = [t.value if t.state == TrialState.COMPLETE else None for t in study.trials]
-    assert search["counts"] == {"complete": 3, "pruned": 2, "fail": 1, "running": 1}
+    assert search["counts"] == {"complete": 3, "pruned": 2, "fail": 1, "running": 1, "stopped": 0}
     assert search["steps_spent"] == 3 * MAX_STEPS + 40 + 20 + 20 + 60 and search["steps_budget"] == 8 * MAX_STEPS
     assert search["best_trial"] == 1
     assert [r["best_so_far"] for r in search["trials"]] == [values[0]] + [values[1]] * 6
@@ -133,6 +133,12 @@ def test_search_report_has_history_pruned_trials_importances_and_figure(tmp_path
     assert "### Pruned trials" in text and "| 5 | `lr=2e-05 batch_size=2` | 20 |" in text
     assert "| `lr` |" in text and "| `batch_size` |" in text  # the importances table
     assert "![search history](sweep_search.png)" in text
+    # interrupted: the trial stays RUNNING in the study, its run says preempted (the report said "running")
+    (sweep / "6" / "summary.json").write_text(json.dumps({"status": "preempted", "step": 60}))
+    summary = write_sweep_report(sweep)
+    assert summary["search"]["counts"]["running"] == 0 and summary["search"]["counts"]["stopped"] == 1
+    assert "1 failed, 0 running, 1 stopped" in (sweep / "sweep_report.md").read_text()
+    assert "| stopped (preempted) |" in (sweep / "sweep_report.md").read_text()
     width, height = png_size(sweep / "sweep_search.png")
     assert width / height > 2.8  # history, trial curves and the lr landscape
     assert report_main([str(sweep)]) == 1  # a trial still runs: the sweep is not finished

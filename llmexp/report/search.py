@@ -20,6 +20,8 @@ PRUNED = "pruned"
 """A run's status (summary.json) when the sweeper pruned it: it stopped early, on purpose, with a checkpoint."""
 RUNNING = "running"
 """A job's status in the report while its trial is RUNNING in the study and it has no summary.json yet."""
+STOPPED = "stopped"
+"""A trial still RUNNING in the study whose run stopped with a summary (preempted, interrupted): a rerun resumes it."""
 
 
 def load_study(sweep_dir: Path) -> tuple[Any | None, str | None]:
@@ -78,9 +80,13 @@ def trial_rows(study: Any, jobs_by_name: dict[str, dict]) -> list[dict[str, Any]
         if value is not None and math.isfinite(value):
             best = min(best, sign * value)
         job = jobs_by_name.get(str(trial.number), {})
-        # A live (or interrupted) trial's job has no summary.json yet: it is running, not failed.
-        if job and state == RUNNING and load_summary(Path(job["dir"])) is None:
-            job["status"], job["error"] = RUNNING, None
+        # A live (or killed) trial's job has no summary.json yet: it is running, not failed. One with a summary
+        # (preempted, interrupted) is stopped: the same command resumes it.
+        if job and state == RUNNING:
+            if (summary := load_summary(Path(job["dir"]))) is None:
+                job["status"], job["error"] = RUNNING, None
+            else:
+                state = f"{STOPPED} ({summary.get('status')})"
         curve = sorted((int(step), float(v)) for step, v in trial.intermediate_values.items())
         steps = job.get("step") if isinstance(job.get("step"), int) else curve[-1][0] if curve else None
         stopped = trial.user_attrs.get("stopped_step")
@@ -118,7 +124,8 @@ def search_summary(sweep_dir: Path, study: Any, jobs: list[dict]) -> dict[str, A
     """The `search` entry of sweep_summary.json; marks the jobs whose trial still runs as running."""
     rows = trial_rows(study, {j["job"]: j for j in jobs})
     setup = search_setup(sweep_dir, jobs)
-    counts = {s: sum(r["state"] == s for r in rows) for s in ("complete", PRUNED, "fail", RUNNING)}
+    counts = {s: sum(r["state"].split(" ")[0] == s for r in rows) for s in ("complete", PRUNED, "fail", RUNNING,
+                                                                            STOPPED)}
     spent = sum(r["steps"] for r in rows)
     budget = setup["n_trials"] * setup["max_steps"] if isinstance(setup["n_trials"], int) and isinstance(
         setup["max_steps"], int) else None
@@ -151,7 +158,8 @@ def search_markdown(search: dict[str, Any]) -> list[str]:
     lines = ["", f"## Search: {search['sampler']}, pruner {search['pruner']}", "",
              f"**Trials:** {len(rows)} of sweep.n_trials={search['n_trials']} (seed {search['seed']}, "
              f"{search['parallel']} at once): {counts['complete']} complete, {counts[PRUNED]} pruned, "
-             f"{counts['fail']} failed, {counts[RUNNING]} running · **training steps spent:** {spent:,} of "
+             f"{counts['fail']} failed, {counts[RUNNING]} running, {counts[STOPPED]} stopped · **training steps "
+             f"spent:** {spent:,} of "
              + (f"{budget:,} (n_trials × train.max_steps {search['max_steps']}){share}" if budget else "–"), ""]
     lines += ["**Search space:** " + ", ".join(f"`{k}` {v}" for k, v in search["space"].items()), ""]
     if search["best_trial"] is not None:
