@@ -100,6 +100,8 @@ def test_a_run_directory_and_one_whose_process_is_gone(sweep: dict[str, Any], tm
     (stopped / "summary.json").write_text(json.dumps({**summary, "status": "preempted", "step": STEPS + 5}))
     (row,) = rows(stopped)
     assert row.status == "preempted" and row.step == STEPS + 5
+    (stopped / "summary.json").write_text('{"status": "compl')  # damaged: failed, as the sweep report says
+    assert rows(stopped)[0].status == "failed"
 
 
 def test_watch_redraws_the_table_in_place_until_ctrl_c(sweep: dict[str, Any]) -> None:

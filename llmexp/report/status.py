@@ -141,6 +141,8 @@ def _status(run_dir: Path, summary: dict | None, verdict: dict, records: list[di
         return final
     if ended in WAITING:
         return "queued" if sweeper or ended == "submitted" else "not_started"  # (SLURM queues without a sweeper)
+    if (run_dir / "summary.json").exists():  # there, but unreadable: damaged, as the sweep report says ("failed")
+        return "failed"
     if records:
         return "killed"
     # A lock left by a process that is gone before its first record: the run stopped as it started (a user's
