@@ -48,11 +48,16 @@ def _resume_from_step_3(args: list[str], run_dir: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def plain_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+def plain_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The reference: no DeepSpeed, one process, batch 8, no accumulation."""
     run_dir = tmp_path_factory.mktemp("plain")
     _run(["batch_size=8"], run_dir)
-    return _losses(run_dir)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def plain_losses(plain_run: Path) -> dict[int, float]:
+    return _losses(plain_run)
 
 
 def _assert_close(a: dict[int, float], b: dict[int, float], rel: float) -> None:
@@ -81,7 +86,8 @@ def test_zero2_compiled_with_accumulation_matches_plain_run_and_resumes(tmp_path
     _assert_close(resumed, {s: losses[s] for s in (4, 5, 6)}, rel=1e-6)
 
 
-def test_zero2_offload_uses_cpu_adam_learns_and_resumes(tmp_path: Path, plain_losses: dict[int, float]) -> None:
+def test_zero2_offload_uses_cpu_adam_learns_and_resumes(tmp_path: Path, plain_run: Path,
+                                                        plain_losses: dict[int, float]) -> None:
     from llmexp.checkpoint.serialize import load_state
 
     args = ["deepspeed=zero2_offload", "batch_size=8"]
@@ -101,6 +107,9 @@ def test_zero2_offload_uses_cpu_adam_learns_and_resumes(tmp_path: Path, plain_lo
     result = run_cli([*RUN, "batch_size=8", f"train.resume={step_3}", f"hydra.run.dir={tmp_path / 'plain'}"])
     assert result.returncode == 2 and f"{step_3}: this checkpoint was saved with DeepSpeed ZeRO" in result.stderr
     assert "passed its checks" not in result.stderr and "resume from an older one" not in result.stderr
+    plain_3 = plain_run / "checkpoints" / "step_3"  # and the other way round (it said "parameter groups of sizes
+    result = run_cli([*RUN, *args, f"train.resume={plain_3}", f"hydra.run.dir={tmp_path / 'zero'}"])  # ... do not fit")
+    assert result.returncode == 2 and f"{plain_3}: this checkpoint was saved without DeepSpeed ZeRO" in result.stderr
 
 
 def test_zero2_offload_runs_lion_on_deepspeeds_cpu_lion(tmp_path: Path) -> None:

@@ -249,16 +249,18 @@ def test_zero_refuses_another_world_size_by_name() -> None:
 
 
 def test_checkpoint_kinds_do_not_mix(tmp_path: Path) -> None:
-    """A DDP checkpoint under fsdp, or an FSDP one (dcp/) under fsdp=none, exits 2 naming the option,
-    before anything is loaded (the engines on stand-in accelerators: nothing collective runs)."""
+    """A DDP checkpoint under fsdp, or an FSDP one (dcp/) under fsdp=none, exits 2 naming the option and the
+    checkpoint, as its fit is checked, before anything is loaded (the engines on stand-in accelerators: nothing
+    collective runs)."""
     from llmexp.config.derived import BatchPlan
     from llmexp.train.engines.fsdp import FsdpEngine
     from llmexp.train.engines.plain import PlainEngine
+    from llmexp.train.resume import _check_fits
 
-    plain = PlainEngine(SimpleNamespace(), "fp32", 1.0, 1)
-    with pytest.raises(UserError, match="saved with FSDP"):
-        plain.load_state(None, None, {"dcp": tmp_path, "model": None, "optimizer": None})  # type: ignore[arg-type]
+    plain = SimpleNamespace(engine=PlainEngine(SimpleNamespace(), "fp32", 1.0, 1))
+    with pytest.raises(UserError, match=f"{tmp_path}: this checkpoint was saved with FSDP"):
+        _check_fits(plain, tmp_path, {"dcp": tmp_path, "zero": None, "model": None, "optimizer": None})
     plan = BatchPlan(micro=4, accum=1, world=1, fixed_steps=4, epochs=1.0)
-    fsdp = FsdpEngine(SimpleNamespace(), "fp32", plan, "full_shard", False)
+    fsdp = SimpleNamespace(engine=FsdpEngine(SimpleNamespace(), "fp32", plan, "full_shard", False))
     with pytest.raises(UserError, match="saved without FSDP"):
-        fsdp.load_state(None, None, {"dcp": None, "model": {}, "optimizer": {}})  # type: ignore[arg-type]
+        _check_fits(fsdp, tmp_path, {"dcp": None, "zero": None, "model": {}, "optimizer": {}})

@@ -22,6 +22,7 @@ from llmexp.checkpoint import dcp, serialize
 from llmexp.checkpoint import store as ckpt
 from llmexp.errors import UserError, first_line
 from llmexp.rundir.readers import Damaged, MiB, parse_json, read_bytes, read_text
+from llmexp.train.engines.base import refuse_other_kind
 from llmexp.train.state import LoopState, Run, RunDescription
 
 if TYPE_CHECKING:
@@ -114,10 +115,12 @@ _OTHER_MODEL_FIX = "resume with the model.* and peft settings it was saved with,
 def _check_fits(run: Run, path: Path, payload: dict[str, Any]) -> None:
     """Raise CorruptCheckpoint unless the payload's weights (names, shapes) and optimizer state (groups, moment
     shapes) fit this run's model (why: the module's docstring)."""
+    try:  # another engine's: refused in its words (exit 2), not fallen back past, not an optimizer-group mismatch
+        refuse_other_kind(payload, dcp=run.engine.sharded_checkpoints, zero=run.engine.zero_checkpoints)
+    except UserError as err:
+        raise UserError(f"{path}: {err}") from None
     saved = payload["model"]
-    # FSDP's dcp/: dcp.load checks every shard's shape. A checkpoint of the other kind passes here so that
-    # the engine's load_state names the mismatch (exit 2) instead of resume=auto falling back past it.
-    if saved is None or run.engine.sharded_checkpoints:
+    if saved is None or run.engine.sharded_checkpoints:  # FSDP's dcp/: dcp.load checks every shard's shape
         return
     live = run.engine.checkpoint_weights(run.model)
     file = path / "model.safetensors"
@@ -163,7 +166,7 @@ def _apply_payload(run: Run, payload: dict[str, Any], path: Path) -> LoopState:
         if payload["rng"] is not None:
             serialize.restore_rng(payload["rng"])
         return LoopState(**payload["trainer"]["state"])
-    except UserError as err:  # the engine's own refusal (a checkpoint of another engine), with its own fix
+    except UserError as err:  # the engine's own refusal, with its own fix
         raise UserError(f"{path}: {err}") from None
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AssertionError) as err:
         raise ckpt.CorruptCheckpoint(

@@ -37,6 +37,8 @@ class Engine(ABC):
     """Every forward is collective (FSDP all-gathers): every rank must run as many."""
     sharded_checkpoints = False
     """Checkpoints hold a DCP `dcp/` directory (FSDP) instead of model and optimizer files."""
+    zero_checkpoints = False
+    """Checkpoints hold each rank's ZeRO shard (`zero_rank<R>.pt`: DeepSpeed) besides the weights."""
     reshardable = True
     """A checkpoint resumes on another number of processes (DDP: replicated state; FSDP: DCP)."""
 

@@ -18,7 +18,7 @@ import torch
 from llmexp.checkpoint import serialize
 from llmexp.config.derived import BatchPlan
 from llmexp.errors import UserError
-from llmexp.train.engines.base import Engine, OptimizerWriter, inner_optimizer, refuse_other_kind
+from llmexp.train.engines.base import Engine, OptimizerWriter, inner_optimizer
 
 
 def zero_world_mismatch(saved: int, now: int) -> UserError:
@@ -36,6 +36,7 @@ class DeepSpeedEngine(Engine):
 
     steps_first = True
     reshardable = False  # `zero_world_mismatch`
+    zero_checkpoints = True
 
     def __init__(self, accelerator: Any, precision: str, plan: BatchPlan, stage: int, cpu_lion: bool = False) -> None:
         self.accelerator = accelerator
@@ -106,7 +107,6 @@ class DeepSpeedEngine(Engine):
         import deepspeed
         from deepspeed.checkpoint.constants import LOSS_SCALER
 
-        refuse_other_kind(payload, zero=True)
         with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0, enabled=self.stage >= 3):
             self.lm(model).load_state_dict(payload["model"])
         shard = payload["zero"]

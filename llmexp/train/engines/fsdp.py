@@ -23,7 +23,7 @@ from llmexp.checkpoint.serialize import CorruptCheckpoint
 from llmexp.config.derived import BatchPlan
 from llmexp.errors import UserError
 from llmexp.model.build import decoder_blocks
-from llmexp.train.engines.base import Engine, OptimizerWriter, refuse_other_kind
+from llmexp.train.engines.base import Engine, OptimizerWriter
 
 OFFLOAD_BACKEND = "cuda:nccl,cpu:gloo"
 """fsdp.cpu_offload keeps the gradients, and so the grad norm clip reduces, on the CPU, which NCCL cannot carry:
@@ -139,7 +139,6 @@ class FsdpEngine(Engine):
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        refuse_other_kind(payload, dcp=True)
         state = self._state(optimizer)
         try:
             dcp.load(state, payload["dcp"])

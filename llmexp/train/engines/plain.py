@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from llmexp.checkpoint import serialize
-from llmexp.train.engines.base import Engine, OptimizerWriter, inner_optimizer, refuse_other_kind
+from llmexp.train.engines.base import Engine, OptimizerWriter, inner_optimizer
 
 
 class PlainEngine(Engine):
@@ -65,7 +65,6 @@ class PlainEngine(Engine):
         return write
 
     def load_state(self, model: torch.nn.Module, optimizer: Any, payload: dict[str, Any]) -> None:
-        refuse_other_kind(payload)
         self.load_weights(model, payload["model"])
         optimizer.load_state_dict(payload["optimizer"])
         if self.scaler is not None and payload["scaler"] is not None:
