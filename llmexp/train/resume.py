@@ -22,7 +22,6 @@ from llmexp.checkpoint import dcp, serialize
 from llmexp.checkpoint import store as ckpt
 from llmexp.errors import UserError, first_line
 from llmexp.rundir.readers import Damaged, MiB, parse_json, read_bytes, read_text
-from llmexp.train.engines.base import refuse_other_kind
 from llmexp.train.state import LoopState, Run, RunDescription
 
 if TYPE_CHECKING:
@@ -116,7 +115,7 @@ def _check_fits(run: Run, path: Path, payload: dict[str, Any]) -> None:
     """Raise CorruptCheckpoint unless the payload's weights (names, shapes) and optimizer state (groups, moment
     shapes) fit this run's model (why: the module's docstring)."""
     try:  # another engine's: refused in its words (exit 2), not fallen back past, not an optimizer-group mismatch
-        refuse_other_kind(payload, dcp=run.engine.sharded_checkpoints, zero=run.engine.zero_checkpoints)
+        run.engine.refuse_other_kind(payload)
     except UserError as err:
         raise UserError(f"{path}: {err}") from None
     saved = payload["model"]
@@ -166,8 +165,6 @@ def _apply_payload(run: Run, payload: dict[str, Any], path: Path) -> LoopState:
         if payload["rng"] is not None:
             serialize.restore_rng(payload["rng"])
         return LoopState(**payload["trainer"]["state"])
-    except UserError as err:  # the engine's own refusal, with its own fix
-        raise UserError(f"{path}: {err}") from None
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AssertionError) as err:
         raise ckpt.CorruptCheckpoint(
             f"{path}: passed its checks but could not be loaded ({type(err).__name__}: "
