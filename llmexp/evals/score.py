@@ -134,6 +134,11 @@ def cut_at_stop(text: str, stop: Sequence[str]) -> str:
     return text[:min((i for s in stop if s and (i := text.find(s)) >= 0), default=len(text))]
 
 
+def prompt_budget(max_length: int, max_new_tokens: int) -> int:
+    """The tokens a prompt keeps (its last ones) so that it and its continuation fit `max_length`."""
+    return max(1, max_length - max_new_tokens)
+
+
 @torch.no_grad()
 def greedy_completions(lm: Any, tokenizer: Any, prompts: Sequence[str], *, max_new_tokens: int, stop: Sequence[str],
                        batch_size: int, max_length: int, device: torch.device,
@@ -141,7 +146,7 @@ def greedy_completions(lm: Any, tokenizer: Any, prompts: Sequence[str], *, max_n
     """Greedy continuations of the prompts (left-padded batches through `generate`), cut at the stop strings.
     A prompt keeps its last `max_length - max_new_tokens` tokens."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    keep = max(1, max_length - max_new_tokens)
+    keep = prompt_budget(max_length, max_new_tokens)
     out: list[str] = []
     with eval_mode(lm):
         for s in range(0, len(prompts), batch_size):

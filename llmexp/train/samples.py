@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
+from llmexp.evals.score import prompt_budget
 from llmexp.model.rng import eval_mode, rng_untouched
 from llmexp.train.state import Run
 
@@ -28,7 +29,7 @@ def record(run: Run, step: int) -> None:
     lm = run.engine.lm(run.model)
     sampled = train.sample_temperature > 0
     samples = []
-    keep = max(1, int(run.cfg.data.max_length) - train.sample_max_new_tokens)  # as the generate tasks cut a prompt
+    keep = prompt_budget(int(run.cfg.data.max_length), train.sample_max_new_tokens)  # as the generate tasks do
     with eval_mode(lm), rng_untouched(rt.device), rt.compute():
         torch.manual_seed(train.sample_seed)
         for prompt in train.sample_prompts:
