@@ -58,18 +58,26 @@ def diagnose_run(run_dir: Path) -> tuple[int, str]:
     except OSError as err:  # the diagnosis stands without its report
         wrote = f"report.md not written: {unwritable(run_dir, err)}"
     paint = _painter(sys.stdout)
-    holder = lock_holder(run_dir)  # (a resumed run's summary.json still says how its last segment ended)
-    job = load_job_status(run_dir)  # a sweep job's launcher's verdict: a job that failed before any summary
-    status = f"running (pid {holder})" if holder is not None else (load_summary(run_dir) or {}).get("status") or (
-        f"{job['status']} ({job.get('error')})" if job.get("status") else "no summary.json (killed, or running on "
-        "another host)")
+    status, failed = _status(run_dir)
     steps = max((int(r["step"]) for r in records if isinstance(r.get("step"), int)), default=0)  # skipped ones too
     header = f"{paint(str(run_dir), 'bold')}: status {status}, {steps} steps, {len(records)} metric records"
     counts = {s: sum(f["severity"] == s and is_open(f) for f in findings) for s in ("error", "warning", "info")}
     verdict = ", ".join(f"{n} {s}" for s, n in counts.items())
-    failed = str(status).startswith(("failed", "crashed"))
     text = "\n".join([header, format_findings(findings, paint, failed), f"{verdict}; {wrote}"])
     return (EXIT_ERROR if counts["error"] or failed else EXIT_OK), text
+
+
+def _status(run_dir: Path) -> tuple[str, bool]:
+    """(the run's status as the header says it, whether it failed): its process's lock first (a resumed run's
+    summary.json still says how its last segment ended), then summary.json, then a sweep job's launcher's verdict
+    (a job that failed before writing any summary)."""
+    if (holder := lock_holder(run_dir)) is not None:
+        return f"running (pid {holder})", False
+    if ended := (load_summary(run_dir) or {}).get("status"):
+        return str(ended), ended in ("failed", "crashed")
+    if ended := (job := load_job_status(run_dir)).get("status"):
+        return f"{ended} ({job.get('error')})", ended in ("failed", "crashed")
+    return "no summary.json (killed, or running on another host)", False
 
 
 def main(argv: list[str] | None = None) -> int:
