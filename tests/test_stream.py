@@ -194,3 +194,27 @@ def test_a_killed_streaming_run_resumes_bitwise(data_dir: Path, tmp_path: Path) 
     assert losses(tmp_path / "killed") == losses(tmp_path / "whole")
     assert len(losses(tmp_path / "whole")) == 12 + 3
     assert not list((tmp_path / "cache").rglob("tokens/*"))  # the streamed split never reaches the token cache
+
+
+def test_a_bad_row_found_mid_run_ends_it_failed_and_keeps_its_checkpoints(data_dir: Path, tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture) -> None:
+    """A row only the stream reaches, windows into the run, is a user's mistake found after steps ran: exit 2
+    naming the row, and the run says how it ended (summary.json `failed` with the error, the doctor's header)
+    and keeps the checkpoints a corrected rerun resumes from."""
+    from llmexp.report.doctor import main as doctor
+    from llmexp.train.guarded import run_guarded
+
+    rows: list[dict[str, Any]] = [{"text": t} for t in _texts(90)]
+    rows[60] = {"text": 5}  # window 3 of 16 rows, after the 10 eval rows
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = _cfg(data_dir, tmp_path, "data.path=json", f"data.data_files={tmp_path / 'd.jsonl'}", "data.streaming=true",
+               "data.shuffle_window=16", "data.stream_eval_rows=10", "train.max_steps=40", "train.save_steps=4")
+    assert run_guarded(cfg) == 2
+    assert "row " in (err := capsys.readouterr().err) and "must be a string" in err, err
+    run_dir = tmp_path / "run"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["status"], summary["exit_code"]) == ("failed", 2) and 4 <= summary["step"] < 40, summary
+    assert "must be a string" in summary["error"]
+    assert (run_dir / "checkpoints" / f"step_{summary['step'] // 4 * 4}").is_dir()  # the last save before it
+    assert doctor([str(run_dir)]) == 1
+    assert f"status failed ({summary['error']})" in capsys.readouterr().out

@@ -73,8 +73,8 @@ def _status(run_dir: Path) -> tuple[str, bool]:
     (a job that failed before writing any summary)."""
     if (holder := lock_holder(run_dir)) is not None:
         return f"running (pid {holder})", False
-    if ended := (load_summary(run_dir) or {}).get("status"):
-        return str(ended), ended in ("failed", "crashed")
+    if ended := (summary := load_summary(run_dir) or {}).get("status"):
+        return f"{ended} ({summary['error']})" if summary.get("error") else str(ended), ended in ("failed", "crashed")
     if ended := (job := load_job_status(run_dir)).get("status"):
         return f"{ended} ({job.get('error')})", ended in ("failed", "crashed")
     return "no summary.json (killed, or running on another host)", False

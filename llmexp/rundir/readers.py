@@ -62,7 +62,8 @@ class Need:
 FINDING = {"kind": Need(str), "step": Need(int), "severity": Need(str), "message": Need(str), "advice": Need(str)}
 RUN_SUMMARY = {"status": str | None, "step": int | None, "train_loss": float | None, "eval_loss": float | None,
                "eval_ppl": float | None, "tokens_per_sec": float | None, "mfu": float | None, "lr": float | None,
-               "precision": str | None, "findings": [FINDING], "tasks": dict | None, "overrides": [str]}
+               "precision": str | None, "findings": [FINDING], "tasks": dict | None, "overrides": [str],
+               "error": str | None}
 METRIC = {"step": Need(int), "event": str, "loss": float | None, "eval_loss": float | None, "eval_ppl": float | None,
           "time_s": float | None, "max_steps": int | None, "task": str, "metrics": dict}
 JOB_OUTCOME = {"num": Need(int), "status": Need(str), "exit_code": int | None, "error": str | None,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llmexp.errors import STATUS_EXIT
+from llmexp.errors import EXIT_USER, STATUS_EXIT
 from llmexp.model.save import save_model_dir
 from llmexp.monitor.detectors import reconcile
 from llmexp.monitor.throughput import peak_memory_mb
@@ -44,12 +44,15 @@ def save_merged(cfg: DictConfig, lm: Any, model_dir: Path, tokenizer: Any) -> No
     tokenizer.save_pretrained(model_dir / "merged")
 
 
-def finish_run(run: Run, status: str) -> dict[str, Any]:
-    """Final checkpoint and model, summary.json, report; returns the summary."""
+def finish_run(run: Run, status: str, user_error: str | None = None) -> dict[str, Any]:
+    """Final checkpoint and model, summary.json, report; returns the summary. `user_error`: the mistake that
+    stopped the run mid-way (`failed`, exit 2), kept in summary.json as its `error`."""
     rt, log = run.rt, run.log
     if status in ("completed", "early_stopped") and run.cfg.train.save_final:
         status = _save_final(run, status)
     summary = build_summary(run, status)
+    if user_error is not None:
+        summary.update(exit_code=EXIT_USER, error=user_error)
     if rt.is_main:
         try:
             write_json_atomic(rt.run_dir / "summary.json", scrub(summary))

@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from llmexp.config.derived import use_shared_compile_cache
 from llmexp.config.validation import validate
-from llmexp.errors import STATUS_EXIT, UserError
+from llmexp.errors import STATUS_EXIT, RunFailed, UserError
 from llmexp.machine.environment import check_environment
 from llmexp.monitor.console import job_log
 from llmexp.rundir.lock import HYDRA_FILES, LOCK_NAME, put_back_hydra_files, remove_made_parents
@@ -32,7 +32,8 @@ def run_guarded(cfg: DictConfig) -> int:
             result = train(cfg)  # its own guard is this one (PreemptionSignal hands out the active one)
     except UserError as err:
         code = user_error_exit(err)
-        _leave_refused_run_dir(str(_last_user_error))
+        if not isinstance(err, RunFailed):  # (steps ran: the run's directory and summary.json stay)
+            _leave_refused_run_dir(str(_last_user_error))
         return code
     return STATUS_EXIT[result.status]
 

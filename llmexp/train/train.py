@@ -28,6 +28,7 @@ from omegaconf import DictConfig
 from llmexp.data import datasets as data_lib
 from llmexp.data import stream as stream_lib
 from llmexp.data.tokenizer import load_tokenizer
+from llmexp.errors import RunFailed, UserError
 from llmexp.evals.items import read_task_files
 from llmexp.monitor.logger import safe_exp
 from llmexp.monitor.throughput import peak_memory_mb
@@ -74,7 +75,14 @@ def train(cfg: DictConfig) -> RunResult:
         run = Run(cfg, rt, desc, engine, model, optimizer, log, train_data=train_ds, tokenizer=tokenizer,
                   pruning=TrialPruning.for_job(cfg, rt.is_main))  # a search's trial reports its evals to the study
         status = _start(run, data_stats, preempt)
-        status = _loop(run, eval_ds, suite, preempt, status)
+        start_step = run.state.step
+        try:
+            status = _loop(run, eval_ds, suite, preempt, status)
+        except UserError as err:
+            if run.state.step == start_step:
+                raise  # refused before any step: a refusal, as at set-up
+            finish_run(run, "failed", user_error=str(err))  # found mid-run: the run says how it ended
+            raise RunFailed(str(err)) from None
         return _finish(run, eval_ds, suite, status)
 
 
