@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING
 
 from llmexp.config.rules import (
     FLAG,
@@ -613,8 +613,3 @@ def compose_config(overrides: list[str], run_dir: Path | None = None) -> Any:
     HydraConfig.instance().set_config(cfg)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     return cfg
-
-
-def to_container(cfg: DictConfig) -> dict[str, Any]:
-    """The resolved config as plain Python data."""
-    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)  # type: ignore[return-value]

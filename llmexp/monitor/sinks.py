@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from llmexp.config.schema import LoggerConfig, to_container
+from llmexp.config.schema import LoggerConfig
 from llmexp.errors import UserError, first_line
 from llmexp.monitor.records import Sink, numbers, run_name_from_overrides
 from llmexp.rundir.read import load_summary, swept_keys
@@ -33,7 +33,7 @@ def make_sinks(cfg: DictConfig, run_dir: Path) -> list[Sink]:
     run_name = hydra.job.override_dirname or "default"
     sweep_dir = Path(str(hydra.sweep.dir)) if hydra.mode == RunMode.MULTIRUN else None
     if cfg.logger.name == "wandb":
-        return [WandbSink(run_dir, to_container(cfg), run_name, cfg.logger)]
+        return [WandbSink(run_dir, OmegaConf.to_container(cfg, resolve=True), run_name, cfg.logger)]
     if cfg.logger.name == "tensorboard":
         keys = swept_keys(sweep_dir) if sweep_dir is not None else [o.partition("=")[0] for o in hydra.overrides.task]
         return [TensorBoardSink(run_dir, hparams_of(cfg, keys))]
@@ -43,7 +43,8 @@ def make_sinks(cfg: DictConfig, run_dir: Path) -> list[Sink]:
         swept = set(swept_keys(sweep_dir))
         run_name = ",".join(o for o in hydra.overrides.task if o.partition("=")[0].lstrip("+~") in swept) or run_name
     fresh = cfg.train.resume == "never"  # a new MLflow run, as metrics.jsonl starts over
-    return [MlflowSink(run_dir, to_container(cfg), cfg.logger, run_name, sweep_dir, new_run=fresh)]
+    return [MlflowSink(run_dir, OmegaConf.to_container(cfg, resolve=True), cfg.logger, run_name, sweep_dir,
+                       new_run=fresh)]
 
 
 HPARAM_FACTS = {"lr": "lr_chosen", "batch_size": "batch_size", "precision": "precision", "optimizer": "optimizer"}
