@@ -50,19 +50,13 @@ def deepspeed_errors(cfg: Any, cuda: bool) -> list[str]:
 
 
 def _batch_errors(cfg: Any) -> list[str]:
-    """`train.global_batch_size` against this launch's processes."""
-    global_batch = cfg.train.global_batch_size
-    try:
-        micro = parse_batch_size(cfg.batch_size)
-    except ValueError:
-        return []  # validation names the bad value
+    """`train.global_batch_size` against this launch's processes (`validate` has judged both values)."""
+    micro = parse_batch_size(cfg.batch_size)
     try:
         world = max(1, world_size_from_env())
     except ValueError:
         world = 1
-    if global_batch is None or global_batch <= 0:
-        return []  # validation names the bad value
-    problem = global_batch_problem(global_batch, micro or 1, world, auto=micro is None)
+    problem = global_batch_problem(cfg.train.global_batch_size, micro or 1, world, auto=micro is None)
     return [problem] if problem else []
 
 
