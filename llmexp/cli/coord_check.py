@@ -36,13 +36,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _out_dir(text: str) -> Path:
-    """--out, checked before the check's minutes are spent: a writable directory, new or existing."""
-    if problem := dir_out_problem("--out", text):
-        raise UserError(problem)
-    return Path(text)
-
-
 def _widths(text: str, model: Any) -> tuple[float, ...]:
     try:
         widths = tuple(sorted({float(w) for w in text.split(",") if w.strip()}))
@@ -84,7 +77,9 @@ def _table(result: dict[str, Any]) -> str:
 
 def run(argv: list[str]) -> int:
     args = _parser().parse_intermixed_args(argv)  # --help before torch is imported; flags among overrides
-    out = _out_dir(args.out)
+    if problem := dir_out_problem("--out", args.out):  # a writable directory, before the check's minutes are spent
+        raise UserError(problem)
+    out = Path(args.out)
     import torch
 
     from llmexp.cli.estimate import compose
