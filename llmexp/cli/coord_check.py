@@ -52,15 +52,12 @@ def _widths(text: str, model: Any) -> tuple[float, ...]:
 
 
 def _settings(cfg: Any, args: argparse.Namespace) -> Any:
-    from llmexp.config.validation import parse_lr
+    from llmexp.config.validation import is_lr_find, parse_lr
     from llmexp.train.coord_check import CheckSettings
 
     if args.steps < 1:
         raise UserError(f"--steps {args.steps}: must be >= 1, e.g. --steps 5")
-    try:
-        lr = parse_lr(cfg.lr) or CHECK_LR
-    except (TypeError, ValueError):
-        lr = CHECK_LR  # lr=find: the check has no range test of its own
+    lr = CHECK_LR if is_lr_find(cfg.lr) else parse_lr(cfg.lr) or CHECK_LR  # (the check has no range test of its own)
     batch = cfg.batch_size if isinstance(cfg.batch_size, int) else 8
     return CheckSettings(widths=_widths(args.widths, cfg.model), steps=args.steps, lr=float(lr), batch=batch,
                          seq_len=int(cfg.data.max_length), seed=int(cfg.seed))
