@@ -148,12 +148,10 @@ def _kwargs_errors(data: Any, key: str) -> dict[str, str]:
     return {}
 
 
-def validate(cfg: DictConfig | Config) -> None:
+def validate(cfg: DictConfig) -> None:
     """Check ranges and cross-field rules; raise one ConfigError that lists every problem."""
     from llmexp.config.keys import structure_errors
 
-    if not isinstance(cfg, DictConfig):
-        cfg = OmegaConf.structured(cfg)
     # ~node, ???, unknown keys, _target_s, ${...} first: the values cannot be read or trusted until these are fixed
     errors = _deleted_node_errors(cfg) or structure_errors(cfg) or _value_errors(cfg)
     if errors:
