@@ -20,7 +20,7 @@ from llmexp.config.derived import MIX_ROUND, mix_quotas, model_sizes, parse_batc
 from llmexp.config.keys import MIRRORS, entry_node, group_options, leaf_for, leaves, leaves_of, node_fields
 from llmexp.config.rules import FRACTION
 from llmexp.config.schema import Config, EvalConfig
-from llmexp.config.security import remote_code_errors
+from llmexp.config.security import find_values, remote_code_errors
 from llmexp.config.tree import conf_dir
 from llmexp.errors import UserError
 
@@ -140,12 +140,9 @@ def _hydra_setting_errors(cfg: DictConfig) -> dict[str, str]:
 
 def _kwargs_errors(data: Any, key: str) -> dict[str, str]:
     """Free-form constructor arguments are passed as they are, so a float among them must be finite too."""
-    if isinstance(data, DictConfig | ListConfig):
-        items = data.items() if isinstance(data, DictConfig) else enumerate(data)
-        return {k: v for name, value in items for k, v in _kwargs_errors(value, f"{key}.{name}").items()}
-    if isinstance(data, float) and not math.isfinite(data):
-        return {key: f"{key}: must be a finite number, got {data}"}
-    return {}
+    non_finite = find_values(OmegaConf.to_container(data, resolve=True), key,
+                             pick=lambda _, value: isinstance(value, float) and not math.isfinite(value))
+    return {k: f"{k}: must be a finite number, got {value}" for k, value in non_finite}
 
 
 def validate(cfg: DictConfig) -> None:
