@@ -165,11 +165,8 @@ def read_result(job_dir: Path, metric: str = "eval_loss") -> TrialResult:
 
 
 def sweep_exit_code(results: Sequence[TrialResult]) -> int:
-    """The exit code of a sweep, grid or search alike, from how each job ended (`read_result`; the codes are
-    docs/reference/commands.md's). A sweep asks a question of its jobs, and a diverged lr is an answer (the lr is
-    too high) that the report shows; so the code says whether the sweep got its answers, not whether each job
-    trained: a job that did not end by itself leaves the sweep incomplete (the same command continues it), unless
-    every job stopped on a user's mistake."""
+    """The exit code of a sweep, grid or search alike, from how each job ended (`read_result`): what each code means,
+    and why a diverged job is an answer rather than a failure, is docs/how-to/sweeps.md's "Exit codes of a sweep"."""
     statuses = [r.status for r in results]
     if statuses and all(r.user_error for r in results):  # a mistake every job hit: the same command repeats it
         return EXIT_USER
