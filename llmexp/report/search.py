@@ -151,7 +151,7 @@ def _params_text(params: dict[str, Any]) -> str:
 def search_markdown(search: dict[str, Any]) -> list[str]:
     """The report's search section: setup and counts, history, pruned trials, importances."""
     counts, rows = search["counts"], search["trials"]
-    metric = search.get("metric", "eval_loss")  # a summary written before sweep.metric existed
+    metric = search["metric"]
     label = "eval loss" if metric == "eval_loss" else f"`{metric}`"
     spent, budget = search["steps_spent"], search["steps_budget"]
     share = f" = {spent / budget:.0%}" if budget else ""
@@ -189,9 +189,8 @@ def search_markdown(search: dict[str, Any]) -> list[str]:
         lines += md_table(["parameter", "importance"], ([f"`{k}`", f"{v:.2f}"] for k, v in importances.items()))
     else:
         lines.append(search["importances_note"])
-    goal = search.get("direction", "minimize")
-    lines += ["", f"*{label}*: a complete trial's final {label} (the objective, {goal}d); a pruned or running trial's "
-              "latest is shown in brackets. *steps*: training steps the trial ran. A failed trial's full reason is in "
-              "sweep_summary.json.", "",
+    lines += ["", f"*{label}*: a complete trial's final {label} (the objective, {search['direction']}d); a pruned or "
+              "running trial's latest is shown in brackets. *steps*: training steps the trial ran. A failed trial's "
+              "full reason is in sweep_summary.json.", "",
               "![search history](sweep_search.png)", ""]
     return lines
