@@ -4,7 +4,6 @@ MFU of each logged step, peak memory and RSS."""
 from __future__ import annotations
 
 import contextlib
-import math
 import re
 import resource
 import time
@@ -192,8 +191,8 @@ def load_ceilings(path: Path) -> dict[str, float]:
     """The matmul ceilings cached in `path` (`peak_tflops.json` in data.cache_dir: key -> TFLOP/s). A cache: a
     file that is not an object of positive finite numbers is a miss, measured again, never a crash or a negative
     MFU."""
-    data = load_json(path, load_ceilings)
-    if bad := [k for k, v in data.items() if not (math.isfinite(v) and v > 0)]:
+    data = load_json(path, load_ceilings)  # (finite numbers: a cache's fields are checked so)
+    if bad := [k for k, v in data.items() if v <= 0]:
         raise Damaged(path, f"{bad[0]}: {data[bad[0]]!r} is not a positive number of TFLOP/s")
     return {k: float(v) for k, v in data.items()}
 
