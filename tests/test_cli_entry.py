@@ -123,6 +123,25 @@ def test_version_is_printed_once(monkeypatch: pytest.MonkeyPatch, capsys: pytest
     assert exit_info.value.code == 0 and out.count("Hydra ") == 1, out  # the typo check's parse printed it too
 
 
+@pytest.mark.parametrize(("words", "code", "shown"), [
+    (["install=bash"], 0, "hydra_bash_completion"),  # its words are Hydra's subcommand, not overrides to check
+    ([], 2, "--shell-completion needs what to do: install=bash"),  # (Hydra's own ValueError traceback)
+])
+def test_shell_completion_takes_its_subcommand(words: list[str], code: int, shown: str,
+                                               monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+                                               ) -> None:
+    from llmexp.cli.main import cli
+
+    monkeypatch.setattr(sys, "argv", ["llmexp", "--shell-completion", *words])
+    try:
+        cli()
+        exit_code = 0  # (as `main` ends the process)
+    except SystemExit as exit_:
+        exit_code = exit_.code
+    out = capsys.readouterr()
+    assert exit_code == code and shown in out.out + out.err and "Traceback" not in out.err, out
+
+
 _GC_AT_EXIT = """
 import atexit, gc, runpy, sys
 atexit.register(lambda: print("FROZEN", gc.get_freeze_count() > 0, "THRESHOLD", gc.get_threshold()[0],

@@ -32,6 +32,8 @@ def _parse_overrides(args: list[str]) -> tuple[Any, list[Any]]:
     return namespace, parsed
 
 
+COMPLETION_WORDS = ("install", "uninstall", "query")
+"""Hydra's `--shell-completion` subcommands."""
 _MAX_VALUES = 10_001
 """Sweep values looked at here: a typo'd `range(0,100000000)` is the sweep check's to refuse, not to list."""
 
@@ -76,6 +78,11 @@ def check_args(args: list[str]) -> list[str]:
     problem found. What it cannot judge (grammar errors, options added through --config-dir, `_target_`s, `hydra.*`,
     anything a YAML file sets) is judged on the composed config (`cli.compose`) or by Hydra itself."""
     namespace, overrides = _parse_overrides(args)
+    if namespace is not None and namespace.shell_completion:  # its words are Hydra's subcommand, not overrides
+        if not any(word.split("=")[0] in COMPLETION_WORDS for word in namespace.overrides):
+            raise UserError("--shell-completion needs what to do: install=bash (or zsh, fish), uninstall=bash, or "
+                            "query=bash (Hydra's, for the shell's completion script)")
+        return list(args)
     custom_tree = namespace is None or any(getattr(namespace, flag) is not None
                                            for flag in ("config_dir", "config_path", "config_name"))
     custom_tree = custom_tree or any(ov.key_or_group.startswith("hydra.searchpath") for ov in overrides)
