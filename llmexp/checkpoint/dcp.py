@@ -1,11 +1,7 @@
-"""Sharded checkpoints through torch.distributed.checkpoint (DCP), read without running pickle code.
-
-DCP's stock reader runs pickle code twice: `FileSystemReader.read_metadata` calls a plain `pickle.load` on
-`.metadata`, and `DefaultLoadPlanner.load_bytes` an unrestricted `torch.load` on every non-tensor entry (the
-optimizer's param groups). `SafeReader` reads `.metadata` with `MetadataUnpickler` (DCP's own metadata classes,
-dtypes, layouts, `torch.Size` and paths; any other global is refused), `SafePlanner` loads the non-tensor entries
-with `weights_only=True`; a refusal is a `CorruptCheckpoint` naming the file. See docs/how-to/fsdp-and-deepspeed.md.
-torch is imported inside the functions: this module sits beside the config path.
+"""Sharded checkpoints through torch.distributed.checkpoint (DCP), read without running pickle code (where DCP's
+stock reader runs it, and why it must not: docs/how-to/fsdp-and-deepspeed.md): `SafeReader` reads `.metadata` with
+`MetadataUnpickler`, `SafePlanner` loads the non-tensor entries with `weights_only=True`; a refusal is a
+`CorruptCheckpoint` naming the file. torch is imported inside the functions: this module sits beside the config path.
 """
 
 from __future__ import annotations
@@ -67,9 +63,8 @@ def read_metadata(directory: Path, rank: int | None = None) -> Any:
 
 
 def storage_problem(directory: Path, metadata: Any) -> str | None:
-    """Why the storage entries of `metadata` are not confined to `directory`, or None. DCP's reader opens
-    `directory / relative_path` for each entry, and a path that is absolute, climbs with `..`, or passes through a
-    symbolic link leads anywhere: a crafted `.metadata` could load another file's bytes into the model."""
+    """Why the storage entries of `metadata` are not confined to `directory` (DCP's reader opens `directory /
+    relative_path` for each: docs/how-to/fsdp-and-deepspeed.md, "Storage paths are confined"), or None."""
     root = os.path.realpath(directory)
     for info in (getattr(metadata, "storage_data", None) or {}).values():
         rel = getattr(info, "relative_path", None)
