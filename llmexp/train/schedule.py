@@ -68,10 +68,8 @@ def lr_at(step: int, *, name: str, peak_lr: float, max_steps: int, warmup_steps:
 
 
 ADAPTER_LR_BY_SIZE: tuple[tuple[float, float], ...] = ((20e9, 2e-4), (math.inf, 1e-4))
-"""lr=auto with LoRA/QLoRA, by the base model's parameter count: the QLoRA paper (Dettmers et al. 2023,
-arXiv:2305.14314, appendix B, hyperparameters) trained 7B and 13B adapters at 2e-4 and 33B and 65B
-ones at 1e-4; the peft/TRL/Axolotl LoRA recipes use 1e-4 to 2e-4 at any size. Adapters start at zero
-(B = 0) and are small, so they take a pretraining-size lr, not the seed's 1/10 fine-tuning rule."""
+"""lr=auto with LoRA/QLoRA, by the base model's parameter count: the QLoRA paper's (docs/how-to/pretrained-models.md).
+Adapters start at zero (B = 0) and are small: they take a pretraining-size lr, not the seed's 1/10 fine-tuning rule."""
 
 
 def auto_adapter_lr(total_params: int) -> float:
