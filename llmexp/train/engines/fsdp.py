@@ -1,11 +1,8 @@
 """The FSDP2 step engine: every decoder layer and the model root sharded with torch's `fully_shard`,
 checkpoints through torch.distributed.checkpoint (DCP), which reshards on load. The options, their mixed
-precision and the checkpoints' guarantees: docs/how-to/fsdp-and-deepspeed.md.
-
-Why torch's `fully_shard` and not Accelerate's FSDP plugin: Accelerate 1.15 turns the plugin on only
-for multi-accelerator runs (MULTI_GPU, MULTI_XPU, ...; `AcceleratorState.__init__`), so on CPU and on
-one process it silently drops it and runs DDP or nothing. One code path, sharded the same way on
-one process, on CPU with gloo (the tests) and on GPUs, is worth more than the plugin's wrapping.
+precision and the checkpoints' guarantees: docs/how-to/fsdp-and-deepspeed.md, which says why not Accelerate's
+FSDP plugin (dropped on CPU and on one process). One code path, sharded the same way on one process, on CPU with
+gloo (the tests) and on GPUs, is worth more than the plugin's wrapping.
 """
 
 from __future__ import annotations
