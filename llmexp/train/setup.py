@@ -115,11 +115,9 @@ def _build(cfg: DictConfig, rt: Runtime, engine: Engine, vocab_size: int,
 
 
 def compile_blocks(lm: torch.nn.Module) -> int:
-    """torch.compile each decoder block in place (`nn.Module.compile`: parameter names unchanged), as torchtitan
-    does. The model around the blocks stays eager, so transformers decides the attention mask and SDPA its kernel
-    there: compiling the whole model made transformers build a full boolean mask while tracing (no flash path, K/V
-    repeated) and put the loss head's chunks in the graph. The blocks are the classes transformers names as never
-    to be split (`_no_split_modules`); a model that names none is compiled whole. Returns how many were compiled."""
+    """torch.compile each decoder block in place (`nn.Module.compile`: parameter names unchanged), the model around
+    them eager (why: docs/how-to/precision.md). The blocks are the classes transformers names as never to be split
+    (`_no_split_modules`); a model that names none is compiled whole. Returns how many were compiled."""
     blocks = build.decoder_blocks(lm)
     for block in blocks or [lm]:
         block.compile()
