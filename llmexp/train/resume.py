@@ -114,10 +114,8 @@ _OTHER_MODEL_FIX = "resume with the model.* and peft settings it was saved with,
 def _check_fits(run: Run, path: Path, payload: dict[str, Any]) -> None:
     """Raise CorruptCheckpoint unless the payload's weights (names, shapes) and optimizer state (groups, moment
     shapes) fit this run's model (why: the module's docstring)."""
-    try:  # another engine's: refused in its words (exit 2), not fallen back past, not an optimizer-group mismatch
-        run.engine.refuse_other_kind(payload)
-    except UserError as err:
-        raise UserError(f"{path}: {err}") from None
+    # another engine's: refused in its words (exit 2), not fallen back past, not an optimizer-group mismatch
+    run.engine.refuse_other_kind(path, payload)
     saved = payload["model"]
     if saved is None or run.engine.sharded_checkpoints:  # FSDP's dcp/: dcp.load checks every shard's shape
         return

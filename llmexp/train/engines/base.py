@@ -100,20 +100,20 @@ class Engine(ABC):
         """What writes the optimizer state (and the plain engine's fp16 loss scaler) into the checkpoint of `step`,
         on rank 0 inside the save; called on every rank: ZeRO and FSDP write their shards now, collectively."""
 
-    def refuse_other_kind(self, payload: dict[str, Any]) -> None:
-        """A checkpoint another engine saved (FSDP's holds dcp/, ZeRO's each rank's zero_rank<R>.pt) cannot load into
-        this one, which saves such checkpoints (`sharded_checkpoints`, `zero_checkpoints`) or neither."""
+    def refuse_other_kind(self, path: Path, payload: dict[str, Any]) -> None:
+        """A checkpoint (at `path`) another engine saved (FSDP's holds dcp/, ZeRO's each rank's zero_rank<R>.pt) cannot
+        load into this one, which saves such checkpoints (`sharded_checkpoints`, `zero_checkpoints`) or neither."""
         dcp, zero = self.sharded_checkpoints, self.zero_checkpoints
         if payload["dcp"] is not None and not dcp:
-            raise UserError("this checkpoint was saved with FSDP (it holds dcp/); resume it with the fsdp option it "
-                            "was saved with (any of full_shard, shard_grad_op, hybrid_shard), or start afresh with "
-                            "train.resume=never")
+            raise UserError(f"{path}: this checkpoint was saved with FSDP (it holds dcp/); resume it with the fsdp "
+                            "option it was saved with (any of full_shard, shard_grad_op, hybrid_shard), or start "
+                            "afresh with train.resume=never")
         if payload["dcp"] is None and dcp:
-            raise UserError("this checkpoint was saved without FSDP (fsdp=none or deepspeed); resume it with the "
-                            "options it was saved with, or start afresh with train.resume=never")
+            raise UserError(f"{path}: this checkpoint was saved without FSDP (fsdp=none or deepspeed); resume it with "
+                            "the options it was saved with, or start afresh with train.resume=never")
         if not dcp and (payload["zero"] is not None) != zero:
             saved, now = ("without", "with") if zero else ("with", "without")
-            raise UserError(f"this checkpoint was saved {saved} DeepSpeed ZeRO and cannot be resumed {now} it; "
+            raise UserError(f"{path}: this checkpoint was saved {saved} DeepSpeed ZeRO and cannot be resumed {now} it; "
                             "resume with the deepspeed option it was saved with, or start afresh with "
                             "train.resume=never")
 
