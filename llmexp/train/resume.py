@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -23,10 +23,6 @@ from llmexp.checkpoint import store as ckpt
 from llmexp.errors import UserError, first_line
 from llmexp.rundir.readers import Damaged, MiB, parse_json, read_bytes, read_text
 from llmexp.train.state import LoopState, Run, RunDescription
-
-if TYPE_CHECKING:
-    from llmexp.monitor.logger import MetricsLogger
-    from llmexp.train.runtime import Runtime
 
 TRAINER_STATE = "trainer_state.json"
 
@@ -251,8 +247,9 @@ def _check_world_size(run: Run, saved: int | None) -> None:
                   "run would (up to fp32 reduction order)")
 
 
-def _set_aside(rt: Runtime, log: MetricsLogger) -> None:
+def _set_aside(run: Run) -> None:
     """`train.resume=never` in a directory with checkpoints: keep them, but out of this run's way."""
+    rt, log = run.rt, run.log
     root = rt.run_dir / "checkpoints"
     if rt.is_main and ckpt.list_checkpoints(root):
         aside = root.with_name(f"checkpoints.before-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -303,7 +300,7 @@ def load_resume_state(run: Run) -> LoopState | None:
     """Resume per `train.resume`: auto (newest good checkpoint here), never, or a path: the checkpoint's loop state
     (`run.resumed_from_world_size` says how many processes saved it); None: start afresh."""
     if run.cfg.train.resume == "never":
-        _set_aside(run.rt, run.log)
+        _set_aside(run)
         return None
     found = _found_checkpoint(run)
     if found is None:
