@@ -238,7 +238,7 @@ def _check_world_size(run: Run, saved: int | None) -> None:
     plan = run.desc.plan
     if saved is None or saved == plan.world:
         return
-    if not run.engine.reshardable:
+    if run.engine.zero_checkpoints:
         from llmexp.train.engines.deepspeed import zero_world_mismatch
 
         raise zero_world_mismatch(saved, plan.world)

@@ -38,9 +38,7 @@ class Engine(ABC):
     sharded_checkpoints = False
     """Checkpoints hold a DCP `dcp/` directory (FSDP) instead of model and optimizer files."""
     zero_checkpoints = False
-    """Checkpoints hold each rank's ZeRO shard (`zero_rank<R>.pt`: DeepSpeed) besides the weights."""
-    reshardable = True
-    """A checkpoint resumes on another number of processes (DDP: replicated state; FSDP: DCP)."""
+    """Checkpoints hold each rank's ZeRO shard (`zero_rank<R>.pt`: DeepSpeed) besides the weights (no resharding)."""
 
     def shard(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model as the optimizer must see it (FSDP shards it here); before the optimizer is built."""

@@ -35,8 +35,7 @@ class DeepSpeedEngine(Engine):
     DeepSpeed: validation)."""
 
     steps_first = True
-    reshardable = False  # `zero_world_mismatch`
-    zero_checkpoints = True
+    zero_checkpoints = True  # (`zero_world_mismatch`)
 
     def __init__(self, accelerator: Any, precision: str, plan: BatchPlan, stage: int, cpu_lion: bool = False) -> None:
         self.accelerator = accelerator
