@@ -50,12 +50,12 @@ def read_metadata(directory: Path, rank: int | None = None) -> Any:
     """The checkpoint's DCP `Metadata`, unpickled safely; CorruptCheckpoint naming the file otherwise."""
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-    file = Path(directory) / (METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
+    file = directory / (METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
     with loading(file), open_regular(file) as f:
         metadata = MetadataUnpickler(f).load()
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpoint(f"{file}: holds a {type(metadata).__name__}, not DCP metadata")
-    if problem := storage_problem(Path(directory), metadata):
+    if problem := storage_problem(directory, metadata):
         raise CorruptCheckpoint(f"{file}: {problem}")
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()

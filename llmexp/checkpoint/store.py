@@ -77,7 +77,7 @@ def _write_manifest(tmp: Path, step: int, extra: Mapping[str, Any] | None) -> No
 
 def read_manifest(path: Path) -> dict[str, Any]:
     """The parsed manifest of a checkpoint dir; CorruptCheckpoint if it is missing or malformed."""
-    file = Path(path) / MANIFEST
+    file = path / MANIFEST
     try:
         manifest = parse_json(read_text(file, 64 * MiB), file)
     except FileNotFoundError:
@@ -97,7 +97,6 @@ def verify_checkpoint(path: Path, *, full: bool = True) -> None:
     """Check every file the manifest lists: size always, sha256 too when `full`. Raises CorruptCheckpoint naming the
     first bad file (missing, wrong size, wrong hash, or present but not listed: a loader that looks for optional
     files must not pick up a stranger)."""
-    path = Path(path)
     manifest = read_manifest(path)
     if _step_of(path) not in (None, manifest["step"]):  # a `step_<N>` dir holds step N
         raise CorruptCheckpoint(f"{path / MANIFEST}: says step {manifest['step']} but the dir is {path.name}")
@@ -141,7 +140,7 @@ def _step_dirs(root: Path) -> list[Path]:
 
 def list_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints (manifest present, every size right) under `root`, oldest first."""
-    return [p for p in _step_dirs(Path(root)) if _is_complete(p)]
+    return [p for p in _step_dirs(root) if _is_complete(p)]
 
 
 def save_checkpoint(root: Path, step: int, write: Callable[[Path], None], *, keep: int,
@@ -151,7 +150,6 @@ def save_checkpoint(root: Path, step: int, write: Callable[[Path], None], *, kee
     dir is removed (after a hard kill, by a later rotate)."""
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
-    root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step}"
     with staged_dir(final, staging=_tmp_dir(root, final.name), replace=_publish) as tmp:
@@ -175,7 +173,6 @@ def rotate(root: Path, keep: int, best_step: int | None, *, protect: Path | None
     older than FOREIGN_TMP_STALE_S)."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
-    root = Path(root)
     _remove_stale_tmp(root)
     complete = list_checkpoints(root)
     spared = set(complete[-keep:]) | {p for p in complete if _step_of(p) == best_step or p == protect}
@@ -232,7 +229,6 @@ def load_with_fallback(root: Path, load: Callable[[Path], T], warn: Callable[[st
     """(path, `load(path)`) of the newest checkpoint that verifies and loads, falling back past any that raise
     CorruptCheckpoint (as load_state and load_tensors do for a bad file); None when none does. Each warning says
     what follows: the older checkpoint tried next, or (`none_left`) what the caller does without one."""
-    root = Path(root)
     for link in sorted(root.iterdir()) if root.is_dir() else []:  # a `step_<N>` link was not written here
         if link.is_symlink() and _step_of(link) is not None:
             warn(f"{link} is a symbolic link, not a checkpoint llmexp wrote: ignored "
