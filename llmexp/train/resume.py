@@ -206,7 +206,7 @@ def _compare_resume_key(run: Run, path: Path) -> dict[str, Any]:
     unless told to go on. Runs on every rank, before anything is loaded or rewritten. Returns the saved key."""
     saved_key = ckpt.read_manifest(path).get("extra", {}).get("resume_key", {})
     for key, now in resume_key(run.cfg, run.desc).items():
-        # world_size: `_check_world_size`; fsdp: the engine's load_state
+        # world_size: `_check_world_size`; fsdp: `Engine.refuse_other_kind` (any fsdp option loads a dcp/ checkpoint)
         if key not in saved_key or saved_key[key] == now or key in ("world_size", "fsdp"):
             continue
         if key == "data":  # validation: resume_data_mismatch is error or warn
