@@ -133,6 +133,16 @@ def test_a_short_run_whose_loss_rose_by_orders_of_magnitude_diverged(precision: 
     assert "clipping" in found["skipped_steps"].advice and "lower the lr" in found["skipped_steps"].advice
 
 
+def test_the_advice_quotes_the_lr_the_rollbacks_left() -> None:
+    """Two rollbacks halved the lr: "lower the lr" starts from what the run goes on at, not the configured one."""
+    rollbacks = [{"event": "rollback", "step": 2, "to_step": 0, "lr_scale": 0.5},
+                 {"event": "rollback", "step": 2, "to_step": 0, "lr_scale": 0.25}]
+    found = {f.kind: f for f in diagnose([*rollbacks, *short_diverged_run()], MonitorSettings(lr=4e-4))}
+    assert "now 1e-04; try 3.33e-05" in found["divergence"].advice, found["divergence"].advice
+    damaged = {**rollbacks[1], "lr_scale": "x"}
+    assert "now 4e-04" in diagnose([damaged, *short_diverged_run()], MonitorSettings(lr=4e-4))[0].advice
+
+
 def test_a_short_healthy_run_and_a_few_skipped_steps_are_no_error() -> None:
     records = [{"event": "train", "step": step, "loss": 9.0 - step / 2, "grad_norm": 1.0, "skipped_steps": 1}
                for step in range(1, 7)]

@@ -510,8 +510,12 @@ class MonitorSettings:
 
 
 def diagnose(records: list[dict], settings: MonitorSettings) -> list[Finding]:
-    """Every finding over a whole metric history, ordered by step, the most severe first."""
+    """Every finding over a whole metric history, ordered by step, the most severe first. The advice quotes the lr
+    the run goes on at: after rollbacks, the configured one times the last rollback's `lr_scale`."""
     history = _History(records)
+    scale = next((_num(r.get("lr_scale")) for r in reversed(records) if r.get("event") == "rollback"), 1.0)
+    if 0 < scale < 1:  # (a damaged record: the configured lr)
+        settings = replace(settings, lr=settings.lr * scale)
     found = [finding for detect in _DETECTORS for finding in detect(history, settings)]
     return sorted(found, key=lambda f: (f.step, -_SEVERITY_RANK[f.severity], f.kind))
 
