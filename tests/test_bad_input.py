@@ -25,6 +25,9 @@ CASES: list[tuple[str, list[str], dict[str, str], list[str]]] = [
     ("key_in_wrong_place", ["max_steps=10"], {}, ["max_steps", "did you mean train.max_steps"]),
     ("plus_unknown_key", ["+unknown_key=1"], {}, ["unknown_key", "no such key"]),
     ("multirun_typo", ["--multirun", "lr=1e-3,3e-3", "model=tiny,tinyy"], {}, ["model=tinyy", "model=tiny"]),
+    # what only a sweep acts on, on a single run: it would train here, silently
+    ("single_run_on_slurm", ["cluster=slurm"], {}, ["cluster=slurm: only --multirun acts on it", "add --multirun"]),
+    ("single_run_search", ["sweep=tpe"], {}, ["sweep=tpe: only --multirun acts on it"]),
     # a structured list item: Hydra keeps the reason in its error's cause
     ("mix_item_key_typo", ["data=hf", "data.mix=[{path: json, data_file: a.jsonl, weight: 1}]"], {},
      ["data.mix", "Because: Key 'data_file' not in 'MixSourceConfig'"]),

@@ -54,6 +54,10 @@ def check_run(config_name: str | None, overrides: list[str]) -> None:
         probe.hydra.runtime.output_dir = os.path.abspath(str(cfg.hydra.run.dir))
     HydraConfig.instance().set_config(probe)
     validate(cfg)
+    if chosen := [f"{g}={cfg[g].name}" for g, default in (("cluster", "local"), ("sweep", "grid"))
+                  if cfg[g].name != default]:  # without --multirun, the run would silently train here
+        raise UserError(f"{' '.join(chosen)}: only --multirun acts on it (this run would train here, on this "
+                        "machine); add --multirun, a single job's sweep too, or leave it out")
     check_environment(cfg)
     check_inputs(cfg)
     lock_run_dir(str(cfg.hydra.run.dir))
