@@ -90,3 +90,17 @@ def test_a_split_a_file_builder_lacks_is_named_as_the_fault(tmp_path: Path) -> N
     proc = _cli(tmp_path, ["data.path=parquet", f"data.data_files={tmp_path / 'a.parquet'}", "data.eval_split=test"])
     assert proc.returncode == 2 and "data.split / data.eval_split: parquet has no such split (Unknown split" \
         in proc.stderr and "leave data.eval_split null" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_files_with_no_rows_are_named_so_not_as_another_format(tmp_path: Path) -> None:
+    """A 0-row parquet file said "cannot read data.data_files as parquet ... point data.data_files at parquet
+    files", which it is."""
+    from omegaconf import OmegaConf
+
+    from llmexp.data.hub import load_split
+    from llmexp.errors import UserError
+
+    datasets.Dataset.from_dict({"text": []}).to_parquet(str(tmp_path / "empty.parquet"))
+    source = OmegaConf.create({"path": "parquet", "data_files": str(tmp_path / "empty.parquet"), "config_name": None})
+    with pytest.raises(UserError, match=r"data.path=parquet: the split has no rows \(Instruction \"train\""):
+        load_split(source, "train")

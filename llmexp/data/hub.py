@@ -81,6 +81,9 @@ def _load_error(path: str, err: BaseException, k: str) -> str:
         return (f"{k}.split / {k}.eval_split: {path} has no such split ({first}); a file builder's files are its "
                 f"train split: leave {k}.eval_split null (the eval set is then held out), or give {k}.data_files "
                 "as {train: FILES, test: FILES}")
+    if "corresponds to no data" in first:  # read fine, but no row: not a format problem
+        return f"{k}.path={path}: the split has no rows ({first}); add rows to its files, or point {k}.data_files " \
+               "at others"
     if path in HF_BUILDERS:  # local files: the hub is not the problem
         return (f"{k}.path={path}: cannot read {k}.data_files as {path} ({type(root).__name__}: {first}); point "
                 f"{k}.data_files at {path} files, or set {k}.path to their format ({', '.join(HF_BUILDERS)})")
