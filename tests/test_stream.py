@@ -199,8 +199,8 @@ def test_a_killed_streaming_run_resumes_bitwise(data_dir: Path, tmp_path: Path) 
 def test_a_bad_row_found_mid_run_ends_it_failed_and_keeps_its_checkpoints(data_dir: Path, tmp_path: Path,
                                                                          capsys: pytest.CaptureFixture) -> None:
     """A row only the stream reaches, windows into the run, is a user's mistake found after steps ran: exit 2
-    naming the row, and the run says how it ended (summary.json `failed` with the error, the doctor's header)
-    and keeps the checkpoints a corrected rerun resumes from."""
+    naming the file and the row, and the run says how it ended (summary.json `failed` with the error, the
+    doctor's header) and keeps the checkpoints a corrected rerun resumes from."""
     from llmexp.report.doctor import main as doctor
     from llmexp.train.guarded import run_guarded
 
@@ -210,7 +210,8 @@ def test_a_bad_row_found_mid_run_ends_it_failed_and_keeps_its_checkpoints(data_d
     cfg = _cfg(data_dir, tmp_path, "data.path=json", f"data.data_files={tmp_path / 'd.jsonl'}", "data.streaming=true",
                "data.shuffle_window=16", "data.stream_eval_rows=10", "train.max_steps=40", "train.save_steps=4")
     assert run_guarded(cfg) == 2
-    assert "row " in (err := capsys.readouterr().err) and "must be a string" in err, err
+    named = f"json [train] (data.data_files={tmp_path / 'd.jsonl'}): row 60 (epoch 0): `text` must be a string"
+    assert named in (err := capsys.readouterr().err), err  # the row's index in the file, not in its window
     run_dir = tmp_path / "run"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["status"], summary["exit_code"]) == ("failed", 2) and 4 <= summary["step"] < 40, summary

@@ -66,6 +66,12 @@ def key_of(d: Any) -> str:
     return str(d[SOURCE_KEY]) if SOURCE_KEY in d else "data"
 
 
+def split_where(d: Any, split: str) -> str:
+    """How messages name a split: `json [train] (data.data_files=a.jsonl)`, the files it reads where they are named."""
+    files = f" ({key_of(d)}.data_files={d.data_files})" if d.data_files else ""
+    return f"{d.path} [{split}]{files}"
+
+
 def _load_error(path: str, err: BaseException, k: str) -> str:
     """One line for a dataset `datasets` could not load: the root cause (a DatasetGenerationError wraps the
     parser's error), and the fix: a loading script's, or where to put the data."""
@@ -134,7 +140,7 @@ def row_records(rows: Iterable[dict[str, Any]], columns: dict[str, str], where: 
 
 
 def _records(ds: Any, d: Any, where: str) -> list[Record]:
-    with utf8_rows(f"{where} ({key_of(d)}.data_files={d.data_files})" if d.data_files else where):
+    with utf8_rows(where):
         return row_records(ds, record_columns(d, list(ds.column_names)), where)
 
 
@@ -157,8 +163,8 @@ def hf_corpus(d: Any) -> Corpus:
           "eval_fraction": None if eval_ds else d.eval_fraction, "max_examples": d.max_examples, **fields}
 
     def load() -> tuple[list[Record], list[Record]]:
-        train = _records(train_ds, d, f"{d.path} [{d.split}]")
-        held = _records(eval_ds, d, f"{d.path} [{d.eval_split}]") if eval_ds is not None else None
+        train = _records(train_ds, d, split_where(d, d.split))
+        held = _records(eval_ds, d, split_where(d, d.eval_split)) if eval_ds is not None else None
         return hold_out(train, held, d, lambda n: f"{key_of(d)}.path={d.path} has {n} row(s); cannot hold out an "
                         f"eval set: add rows or set {key_of(d)}.eval_split")
 

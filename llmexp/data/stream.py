@@ -35,7 +35,7 @@ from llmexp.data.datasets import (
     example_mode,
     pad_id_of,
 )
-from llmexp.data.hub import load_split, record_columns, row_records, to_record, utf8_rows
+from llmexp.data.hub import load_split, record_columns, row_records, split_where, to_record, utf8_rows
 from llmexp.errors import UserError
 
 if TYPE_CHECKING:
@@ -163,8 +163,9 @@ class StreamDataset:
             self._next_epoch(start)
             return
         order = np.random.default_rng([self._seed % 2**64, start.epoch, start.window]).permutation(len(rows))
-        where = f"{self.spec.where}: epoch {start.epoch}, window {start.window}"
-        recs = [check_record(to_record(rows[i], self.spec.columns), f"{where}, row {i}") for i in order]
+        first = self.spec.skip_rows + start.window * self.spec.window  # the window's first row in the split
+        recs = [check_record(to_record(rows[i], self.spec.columns), f"{self.spec.where}: row {first + i} (epoch "
+                             f"{start.epoch})") for i in order]
         ids, masks = encode_records(self.spec.mode, recs, self.spec.tokenizer)
         ids = [np.asarray(c, np.int64) for c in start.carry] + ids
         if masks is not None:
@@ -239,7 +240,7 @@ def _dataset(arrays: dict[str, np.ndarray], pad_id: int) -> TokenDataset:
 def _open(d: Any, split: str) -> tuple[Any, dict[str, str], str]:
     """A split as a stream, hub.py's column mapping for it, and its name in messages; a stream without
     declared features shows its columns in its first row."""
-    where, source = f"{d.path} [{split}]", load_split(d, split, streaming=True)
+    where, source = split_where(d, split), load_split(d, split, streaming=True)
     names = source.column_names
     if names is None:
         first = next(iter(source), None)
