@@ -536,6 +536,20 @@ def test_resume_with_another_optimizer_or_model_is_refused_leaving_no_directory(
         code, out = run_once(new, ("train.max_steps=6", "precision=fp32", f"train.resume={ckpt}", extra), env)
         assert code == 2 and message in out and "start over with train.resume=never" in out, out[-3000:]
         assert not new.exists() and "Traceback" not in out
+    # train.resume=auto in the run's own directory: another layout made every checkpoint "unusable" and the run
+    # started from scratch over them (metrics.jsonl, summary.json, model/ rewritten); a setting the optimizer
+    # state restores (each group's weight decay) was taken without a word and never applied.
+    run_dir, kept = tmp_path / "run", ("metrics.jsonl", "summary.json", "model/model.safetensors")
+    before = {name: (run_dir / name).read_bytes() for name in kept}
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    for extra, message in (("model.hidden_size=32", "the model's is"),
+                           ("model.parametrization=mup", "do not fit the optimizer's [14, 1, 1, 5] (model.param"),
+                           ("train.weight_decay=0.5", "saved with train.weight_decay=0.01, which its optimizer state "
+                                                      "keeps")):
+        code, out = run_once(run_dir, ("train.max_steps=6", "precision=fp32", "model.mup_base_width=32", extra), env)
+        assert code == 2 and message in out and "start over with train.resume=never" in out, out[-3000:]
+    assert {name: (run_dir / name).read_bytes() for name in kept} == before
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == checkpoints
 
 
 def test_resume_with_other_mup_multipliers_says_so(tmp_path: Path, env: dict[str, str]) -> None:

@@ -2,7 +2,9 @@
 
 A checkpoint holds everything that decides the next step (docs/explanation/checkpoints-and-resume.md), so a
 resumed run continues bitwise. One whose files verify but whose content does not fit this run is found out before
-anything is applied (`_check_fits`), so `train.resume=auto` falls back to the previous one.
+anything is applied (`_check_fits`): damaged content (a moment of the wrong shape) is fallen back past by
+`train.resume=auto`; another model or optimizer layout (the config changed, so every older checkpoint is the same)
+is refused (exit 2) with nothing rewritten, never trained over from scratch.
 """
 
 from __future__ import annotations
@@ -108,8 +110,8 @@ _OTHER_MODEL_FIX = "resume with the model.* and peft settings it was saved with,
 
 
 def _check_fits(run: Run, path: Path, payload: dict[str, Any]) -> None:
-    """Raise CorruptCheckpoint unless the payload's weights (names, shapes) and optimizer state (groups, moment
-    shapes) fit this run's model (why: the module's docstring)."""
+    """Raise unless the payload's weights (names, shapes) and optimizer state (groups, moment shapes) fit this run's
+    model: a UserError for another layout, CorruptCheckpoint for damage (why: the module's docstring)."""
     # another engine's: refused in its words (exit 2), not fallen back past, not an optimizer-group mismatch
     run.engine.refuse_other_kind(path, payload)
     saved = payload["model"]
@@ -119,13 +121,12 @@ def _check_fits(run: Run, path: Path, payload: dict[str, Any]) -> None:
     file = path / "model.safetensors"
     missing, unexpected = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
     if missing or unexpected:
-        raise ckpt.CorruptCheckpoint(f"{file}: does not fit the model (missing {missing[:3]}, unexpected "
-                                     f"{unexpected[:3]}); {_OTHER_MODEL_FIX}")
+        raise UserError(f"{file}: does not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]}); "
+                        f"{_OTHER_MODEL_FIX}")
     if not run.engine.params_partitioned:  # ZeRO-3: no rank holds whole parameters to compare
         for name, tensor in saved.items():
             if (got := tuple(tensor.shape)) != (want := tuple(live[name].shape)):
-                raise ckpt.CorruptCheckpoint(f"{file}: {name} has shape {got}, the model's is {want}; "
-                                             f"{_OTHER_MODEL_FIX}")
+                raise UserError(f"{file}: {name} has shape {got}, the model's is {want}; {_OTHER_MODEL_FIX}")
     if payload["optimizer"] is not None:
         _check_optimizer_fits(run.optimizer, path / "optimizer.pt", payload["optimizer"])
 
@@ -137,8 +138,9 @@ def _check_optimizer_fits(optimizer: Any, file: Path, saved: Any) -> None:
     sizes = [len(g.get("params", [])) for g in groups if isinstance(g, dict)]
     live_sizes = [len(g["params"]) for g in optimizer.param_groups]
     if sizes != live_sizes:
-        raise ckpt.CorruptCheckpoint(f"{file}: parameter groups of sizes {sizes} do not fit the optimizer's "
-                                     f"{live_sizes}")
+        raise UserError(f"{file}: parameter groups of sizes {sizes} do not fit the optimizer's {live_sizes} "
+                        "(model.parametrization, optimizer.decay_norms_and_biases or peft changed); "
+                        f"{_OTHER_MODEL_FIX}")
     live = [p for g in optimizer.param_groups for p in g["params"]]
     by_id = dict(zip([i for g in groups for i in g["params"]], live, strict=True))
     for pid, entry in saved["state"].items():
@@ -178,7 +180,13 @@ def resume_key(cfg: DictConfig, desc: RunDescription) -> dict[str, Any]:
             "batch_size": plan.micro, "world_size": plan.world, "seed": cfg.seed,
             "optimizer": cfg.optimizer.name, "scheduler": cfg.scheduler.name, "precision": desc.precision.name,
             "data": desc.data_fingerprint, "peft": cfg.peft.name, "base_model": base_model_fingerprint(cfg),
-            "fsdp": cfg.fsdp.name, "parametrization": m.parametrization, **{f"model.{k}": m[k] for k in used}}
+            "fsdp": cfg.fsdp.name, "parametrization": m.parametrization, "train.weight_decay": cfg.train.weight_decay,
+            **{f"model.{k}": m[k] for k in used}}
+
+
+KEPT_BY_THE_OPTIMIZER = ("train.weight_decay", "model.mup_base_width")
+"""Settings a resume cannot change: they live in the param groups (muP's base width sets each group's `lr_mult`
+and weight decay), which a checkpoint's optimizer state restores as they were saved."""
 
 
 def base_model_fingerprint(cfg: DictConfig) -> str:
@@ -217,6 +225,10 @@ def _compare_resume_key(run: Run, path: Path) -> dict[str, Any]:
                                 "train.resume_data_mismatch=warn to resume on the new data")
             run.log.write(f"warning: {what}; resuming anyway (train.resume_data_mismatch=warn)")
             continue
+        if key in KEPT_BY_THE_OPTIMIZER:  # torch restores each param group's settings: the new value never applies
+            raise UserError(f"checkpoint {path} was saved with {key}={saved_key[key]}, which its optimizer state "
+                            f"keeps (each parameter group's weight decay and lr factor), so {key}={now} would not "
+                            f"apply; resume with {key}={saved_key[key]}, or start over with train.resume=never")
         if key == "optimizer":  # another optimizer's state loads without complaint, then its first step raises
             raise UserError(f"checkpoint {path} holds {saved_key[key]}'s optimizer state, which optimizer={now} "
                             f"cannot take; resume with optimizer={saved_key[key]}, or start over with "
