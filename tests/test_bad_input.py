@@ -180,6 +180,26 @@ def _own_experiment(tmp_path: Path, name: str, yaml_text: str) -> subprocess.Com
                        f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
 
 
+_WITHOUT_PACKAGE = """
+import sys
+sys.modules[sys.argv[1]] = None  # as if not installed: importlib.util.find_spec says None
+sys.argv = ["llmexp", *sys.argv[2:]]
+from llmexp.cli.main import main
+main()
+"""
+
+
+@pytest.mark.parametrize("logger", ["wandb", "tensorboard", "mlflow"])
+def test_a_tracker_without_its_package_exits_2_before_anything_is_written(logger: str, tmp_path: Path) -> None:
+    """wandb and tensorboard were imported as the run started: a ModuleNotFoundError traceback, exit 1, and the
+    run directory left behind (mlflow's was checked)."""
+    proc = run_llmexp([logger, f"logger={logger}", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path,
+                      code=_WITHOUT_PACKAGE)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"logger={logger} needs the {logger} package: pip install 'llmexp[{logger}]'" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_nul_byte_from_a_yaml_file_is_refused(tmp_path: Path) -> None:
     """NUL cannot come through argv; a user's YAML (via --config-dir) can carry one in a path value."""
     proc = _own_experiment(tmp_path, "nul", 'data:\n  cache_dir: "/tmp/a\\0b"\n')

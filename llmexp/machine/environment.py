@@ -60,14 +60,18 @@ def _batch_errors(cfg: Any) -> list[str]:
     return [problem] if problem else []
 
 
+TRACKERS = ("mlflow", "wandb", "tensorboard")
+"""The loggers that need a package of their own: llmexp's extra of the same name installs it."""
+
+
 def _tracking_errors(cfg: Any) -> list[str]:
-    """`logger=mlflow` needs the mlflow package, and a SQLite store's directory must exist (its file is created)."""
-    if cfg.logger.name != "mlflow":
-        return []
-    errors = []
-    if importlib.util.find_spec("mlflow") is None:
-        errors.append("logger=mlflow needs the mlflow package: pip install 'llmexp[mlflow]' (or pip install mlflow), "
+    """A tracker needs its package; `logger=mlflow`'s SQLite store's directory must exist (its file is created)."""
+    name, errors = cfg.logger.name, []
+    if name in TRACKERS and importlib.util.find_spec(name) is None:
+        errors.append(f"logger={name} needs the {name} package: pip install 'llmexp[{name}]' (or pip install {name}), "
                       "or pick another logger")
+    if name != "mlflow":
+        return errors
     uri = cfg.logger.tracking_uri
     if isinstance(uri, str) and uri.startswith("sqlite:///"):
         errors.extend(_sqlite_errors(uri, Path(uri.removeprefix("sqlite:///")).absolute()))
