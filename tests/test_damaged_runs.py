@@ -130,8 +130,11 @@ def test_doctor_and_a_rerun_skip_each_damaged_file(num: int, damaged_sweep: Path
                                                   caplog: pytest.LogCaptureFixture) -> None:
     job_dir = damaged_sweep / str(num)
     readers._said.clear()
-    assert doctor.main([str(job_dir)]) == 0
-    assert "report.md" in capsys.readouterr().out
+    damaged = num <= len(DAMAGES)  # summary.json unreadable: a failed run (exit 1), as `status` calls it
+    assert doctor.main([str(job_dir)]) == (1 if damaged else 0)
+    out = capsys.readouterr().out
+    assert "report.md" in out and ("status failed (summary.json is damaged)" in out) == damaged, out
+    assert ("**Status:** failed (summary.json is damaged)" in (job_dir / "report.md").read_text()) == damaged
     rerun = ended_before(JobSpec(num, [f"lr={num + 1}e-3"], None, job_dir))  # what a rerun makes of the job
     assert rerun is None if num <= len(DAMAGES) else rerun.status == "completed"  # (its summary's status is whole)
     said = _said(caplog)

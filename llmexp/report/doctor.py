@@ -16,7 +16,7 @@ from typing import TextIO
 from llmexp.errors import EXIT_ERROR, EXIT_OK, EXIT_USER
 from llmexp.monitor.detectors import is_open
 from llmexp.report.findings import finding_state, run_findings
-from llmexp.report.run import write_run_report
+from llmexp.report.run import DAMAGED_SUMMARY, write_run_report
 from llmexp.rundir.files import unwritable
 from llmexp.rundir.lock import lock_holder
 from llmexp.rundir.read import is_run_dir, is_sweep_dir, load_job_status, load_records, load_summary
@@ -73,8 +73,12 @@ def _status(run_dir: Path) -> tuple[str, bool]:
     (a job that failed before writing any summary)."""
     if (holder := lock_holder(run_dir)) is not None:
         return f"running (pid {holder})", False
-    if ended := (summary := load_summary(run_dir) or {}).get("status"):
-        return f"{ended} ({summary['error']})" if summary.get("error") else str(ended), ended in ("failed", "crashed")
+    summary = load_summary(run_dir)
+    if summary is None and os.path.lexists(run_dir / "summary.json"):  # (the reader said why)
+        return DAMAGED_SUMMARY, True
+    if ended := (summary or {}).get("status"):
+        error = summary.get("error") if summary else None
+        return f"{ended} ({error})" if error else str(ended), ended in ("failed", "crashed")
     if ended := (job := load_job_status(run_dir)).get("status"):
         return f"{ended} ({job.get('error')})", ended in ("failed", "crashed")
     return "no summary.json (killed, or running on another host)", False

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -138,9 +139,16 @@ def _table(header: list[str], rows: Iterable[Sequence[str]]) -> str:
     return "\n".join(md_table(header, rows)) + "\n"
 
 
+DAMAGED_SUMMARY = "failed (summary.json is damaged)"
+"""A run's status when its summary.json is there but unreadable: failed, as the status table and the sweep report
+call it."""
+
+
 def run_report_markdown(run_dir: Path, records: list[dict], summary: dict | None, findings: list[dict],
                         cfg: dict, overrides: list[str]) -> str:
-    status = (summary or {}).get("status", "unknown (no summary.json: the run was killed or is still running)")
+    damaged = summary is None and os.path.lexists(run_dir / "summary.json")  # (the reader said why)
+    status = DAMAGED_SUMMARY if damaged else (summary or {}).get(
+        "status", "unknown (no summary.json: the run was killed or is still running)")
     worst = worst_severity(findings)
     health = "healthy" if worst is None or worst == "info" else ("broken" if worst == ERROR else "needs attention")
     still = [f for f in findings if is_open(f)]
