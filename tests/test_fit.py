@@ -205,6 +205,15 @@ def test_mup_with_one_best_lr_carries_it_and_says_what_would_compare(
     assert target and float(target.group(1)) == pytest.approx(3e-3, rel=0.05), out
 
 
+def test_a_sweep_given_twice_counts_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Its jobs counted twice, as replicate seeds with no spread: the intervals vanished."""
+    sweep = make_sweep(tmp_path / "s", {1_000_000: 3e-3}, lrs=[1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2])
+    assert fit([sweep], capsys)[0] == 0
+    once = json.loads((sweep / "fit.json").read_text())["sizes"]
+    assert fit([sweep, sweep], capsys)[0] == 0
+    assert json.loads((sweep / "fit.json").read_text())["sizes"] == once
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
@@ -224,12 +233,17 @@ def bad(tmp_path: Path) -> dict[str, tuple[Path, str]]:
         make_job(diverged / str(i), 1_000_000, lr, None, status="diverged")
     mixed = make_sweep(tmp_path / "mixed", {1_000_000: 1e-3})
     make_sweep(mixed, {4_000_000: 1e-3}, parametrization="mup", start=10)
+    bases = make_sweep(tmp_path / "bases", {1_000_000: 1e-3}, parametrization="mup")
+    make_sweep(bases, {4_000_000: 1e-3}, parametrization="mup", start=10)
+    for config in (bases / str(job) / ".hydra" / "config.yaml" for job in range(10, 10 + len(LRS))):
+        config.write_text(config.read_text().replace("name: tiny", "mup_base_width: 32\n  name: tiny"))
     return {"not a sweep": (plain, "is not a sweep directory"),
             "unfinished": (unfinished, "no finished job with an eval loss"),
             "two lrs": (two, "2 lr(s) with an eval loss (0.001, 0.003); a parabola needs at least 3"),
             "damaged": (damaged, f"{damaged / '2' / 'summary.json'}: damaged"),
             "all diverged": (diverged, "diverged: sweep lower lrs (the lowest here, 0.01, is still too high)"),
-            "mixed": (mixed, "mix model.parametrization=mup and standard")}
+            "mixed": (mixed, "mix model.parametrization=mup and standard"),
+            "muP bases": (bases, "the muP jobs mix base models (model.mup_base_width=32 ")}
 
 
 def test_bad_input_exits_2_naming_the_dir_and_the_fix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

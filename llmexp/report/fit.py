@@ -221,6 +221,8 @@ class Job:
     tokens: float
     """Tokens seen: steps x global batch x context (an upper bound for padded, unpacked data)."""
     parametrization: str
+    mup_base: str = ""
+    """muP's base model, in overrides (`model.mup_base_width=64 ...`): an lr transfers from one base only."""
 
 
 def _damaged(path: Path, why: str) -> UserError:
@@ -252,16 +254,24 @@ def read_job(job_dir: Path) -> Job | str:
     if loss is None and not diverged:
         return "no eval loss (train.eval_steps off?)"
     # model.parametrization is newer than some runs, which were all trained in the standard parametrization
-    parametrization = config_value(load_config(job_dir), "model.parametrization")
+    cfg = load_config(job_dir)
+    parametrization = config_value(cfg, "model.parametrization")
+    mup = parametrization == "mup"
+    base = " ".join(f"model.{k}={config_value(cfg, f'model.{k}')}" for k in MUP_BASE) if mup else ""
     return Job(job_dir, int(params), float(lr), None if diverged else float(loss), int(batch), int(context),
-               float(step or 0) * batch * context, parametrization if isinstance(parametrization, str) else "standard")
+               float(step or 0) * batch * context, parametrization if isinstance(parametrization, str) else "standard",
+               base)
+
+
+MUP_BASE = ("mup_base_width", "mup_input_mult", "mup_output_mult")
+"""The model.* keys that make muP's base model: its lr is what transfers to the widths."""
 
 
 def collect(sweep_dirs: list[Path]) -> tuple[list[Job], list[dict[str, str]]]:
     """The finished jobs of every sweep directory, and the others with why they are left out."""
     jobs: list[Job] = []
     left_out: list[dict[str, str]] = []
-    for sweep in sweep_dirs:
+    for sweep in dict.fromkeys(sweep_dirs):  # a directory given twice: its jobs count once, not as seeds
         if not is_sweep_dir(sweep):
             raise UserError(f"{sweep} is not a sweep directory (no multirun.yaml, no job subdirectories); point "
                             "llmexp.fit at the directory `python -m llmexp --multirun` wrote (hydra.sweep.dir)")
@@ -397,6 +407,9 @@ def fit_sweeps(sweep_dirs: list[Path], target_params: float | None = None,
     if len(kinds) > 1:
         raise UserError(f"the jobs mix model.parametrization={' and '.join(kinds)}; their best lrs follow different "
                         "rules: fit each parametrization's sweeps separately")
+    if len(bases := sorted({j.mup_base for j in jobs})) > 1:
+        raise UserError(f"the muP jobs mix base models ({'; '.join(bases)}); an lr transfers from the base it was "
+                        "tuned at: fit each base's sweeps separately")
     fits = [size_fit(n, [j for j in jobs if j.params == n], seed_lr) for n in sorted({j.params for j in jobs})]
     sizes, vertices = [f[0] for f in fits], [f[1] for f in fits]
     mup = mup_transfer(sizes, jobs) if kinds == ["mup"] else None
