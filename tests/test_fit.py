@@ -201,8 +201,11 @@ def test_mup_with_one_best_lr_carries_it_and_says_what_would_compare(
     rc, out, _ = fit([make_sweep(tmp_path / "s", sizes, parametrization="mup"), "--target-params", "42M"], capsys)
     assert rc == 0
     assert f"1 size(s) with a best lr: nothing to compare ({advice})" in out, out
-    target = re.search(r"at N = 42M: lr (\S+)", out)
+    target = re.search(r"at N = 42M: lr (\S+) (.*)", out)
     assert target and float(target.group(1)) == pytest.approx(3e-3, rel=0.05), out
+    result = json.loads((tmp_path / "s" / "fit.json").read_text())  # the one size's interval is the target's
+    assert result["target"]["interval"] == result["sizes"][0]["interval"]
+    assert "3 points fit exactly" not in target.group(2), out  # (said of a target that no 3 points gave)
 
 
 def test_a_sweep_given_twice_counts_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -320,6 +323,8 @@ def test_out_that_is_a_file_and_an_unreadable_count_are_named(tmp_path: Path,
         rc, _, err = fit([sweep, "--out", out], capsys)
         assert rc == 2 and f"--out={out}: " in err and "is a file" in err and "Errno" not in err
     assert afile.read_text() == "x"
+    rc, _, err = fit([sweep, "--out", "/proc/llmexp-fit"], capsys)  # a directory the kernel will not create
+    assert rc == 2 and "--out /proc/llmexp-fit: cannot write there (" in err and "pick another --out" in err, err
     with pytest.raises(SystemExit) as exit_info:
         fit([sweep, "--target-params", "abc"], capsys)
     err = capsys.readouterr().err

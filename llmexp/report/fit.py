@@ -376,8 +376,9 @@ def mup_transfer(sizes: list[dict], jobs: list[Job]) -> dict[str, Any]:
     step = grid_step([j.lr for j in jobs])
     if len(best) < 2:
         fix = "fix the edge flags above" if len(sizes) > len(best) else "sweep a second width to see whether it moves"
+        own = next((s["interval"] for s in sizes if s["best_lr"] is not None), None)  # the one size's, carried
         return {"moved_by": None, "grid_step": step, "flat": None, "best_lr": best[0] if best else None,
-                "note": f"{len(best)} size(s) with a best lr: nothing to compare ({fix})"}
+                "range": own, "note": f"{len(best)} size(s) with a best lr: nothing to compare ({fix})"}
     moved = max(best) / min(best)
     flat = moved <= step * 1.0001
     return {"moved_by": moved, "grid_step": step, "flat": flat, "best_lr": math.exp(float(np.mean(np.log(best)))),
@@ -391,8 +392,8 @@ def mup_transfer(sizes: list[dict], jobs: list[Job]) -> dict[str, Any]:
 def target(n: float, law: PowerLaw | None, mup: dict[str, Any] | None) -> dict[str, Any]:
     """The lr at `n` parameters: the law's (standard), or the sizes' shared optimum (muP: it transfers)."""
     if mup is not None:
-        return {"params": n, "lr": mup["best_lr"], "interval": mup.get("range"), "from": "muP transfer (the "
-                "geometric mean of the sizes' best lrs; interval: their range)"}
+        return {"params": n, "lr": mup["best_lr"], "interval": mup["range"], "from": "muP transfer (the "
+                "geometric mean of the sizes' best lrs; interval: their range, or the one size's own)"}
     if law is None:
         return {"params": n, "lr": None, "interval": None, "from": "no law fitted"}
     lr, interval = law.at(n)
@@ -452,7 +453,8 @@ def table(result: dict[str, Any]) -> str:
     if result["mup"]:
         rows.append(result["mup"]["note"])
     if t := result["target"]:
-        rows.append(f"at N = {fmt_params(t['params'])}: lr {fmt(t['lr'], 3)} {_interval(t['interval'])} ({t['from']})"
+        interval = _interval(t["interval"]) if t["interval"] else "[no interval]"  # (not "3 points fit exactly")
+        rows.append(f"at N = {fmt_params(t['params'])}: lr {fmt(t['lr'], 3)} {interval} ({t['from']})"
                     if t["lr"] else f"at N = {fmt_params(t['params'])}: no lr ({t['from']})")
     if result["left_out"]:
         rows.append(f"left out: {len(result['left_out'])} job(s) (fit.json's left_out says why)")
@@ -500,8 +502,12 @@ def main(argv: list[str] | None = None, seed_lr: Callable[[float], float] | None
 
         plot_fit(result, out / "fit.png", seed_lr)
         write_json_atomic(out / "fit.json", result)
-    except (UserError, OSError) as err:
+    except UserError as err:
         print(f"llmexp.fit: error: {err}", file=sys.stderr)
+        return EXIT_USER
+    except OSError as err:  # (the sweeps are read through the readers: what fails here is the writing)
+        print(f"llmexp.fit: error: --out {out}: cannot write there ({err.strerror or err}); pick another --out",
+              file=sys.stderr)
         return EXIT_USER
     print(table(result))
     print(f"wrote {result['files']['json']} and {result['files']['png']}")
