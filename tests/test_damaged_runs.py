@@ -243,3 +243,6 @@ def test_status_tells_a_dead_sweepers_never_started_jobs_from_queued_ones(tmp_pa
     with FileLock(str(sweep_dir / LOCK_NAME)):  # the sweeper, alive
         assert {r.job: r.status for r in status.rows(sweep_dir)} == {"0": "completed", "1": "queued"}
     assert {r.job: r.status for r in status.rows(sweep_dir)} == {"0": "completed", "1": "not_started"}
+    report_main([str(sweep_dir)])  # the report agrees (it said "queued (waiting for a free slot)")
+    jobs = json.loads((sweep_dir / "sweep_summary.json").read_text())["jobs"]
+    assert [j["status"] for j in jobs] == ["completed", "not_started"] and "sweeper stopped" in jobs[1]["error"]

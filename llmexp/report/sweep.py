@@ -78,6 +78,8 @@ def collect_job(job_dir: Path, records: list[dict], launched: list[str] | None =
         entry["error"] = job_status.get("error")
     elif lock_holder(job_dir) is not None:  # mid-sweep: its process holds the run directory
         entry["status"], entry["error"] = "running", None
+    elif job_status.get("status") == "queued" and lock_holder(job_dir.parent) is None:  # as `llmexp.status` says
+        entry["status"], entry["error"] = "not_started", "its sweeper stopped first; the sweep's command runs it"
     else:
         entry["status"] = job_status.get("status", "failed")
         damaged = os.path.lexists(job_dir / "summary.json")  # there, but load_summary could not read it
