@@ -230,7 +230,8 @@ def test_the_coord_check_command_writes_its_files(tmp_path: Path, capsys: pytest
     from llmexp.cli.coord_check import main
 
     out = tmp_path / "cc"
-    assert main(["model.parametrization=mup", "--widths", "1,2", "--steps", "2", "--out", str(out),
+    # the parametrization as Hydra reads it (a `++` or a quoted value ran both parametrizations)
+    assert main(['++model.parametrization="mup"', "--widths", "1,2", "--steps", "2", "--out", str(out),
                  "model.num_hidden_layers=1", "batch_size=2", "data.max_length=16"]) == 0
     printed = capsys.readouterr().out
     assert f"wrote {out / 'coord_check.json'}" in printed and f"wrote {out / 'coord_check.png'}" in printed
@@ -240,6 +241,9 @@ def test_the_coord_check_command_writes_its_files(tmp_path: Path, capsys: pytest
     assert main(["--widths", "1,1.3", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "--widths 1,1.3: 1.3 gives sizes that are not whole numbers" in err and "model.width_mult" not in err
+    assert main(["model.width_mult=4", "--out", str(out)]) == 2  # (was ignored: the check sets it per width)
+    assert "model.width_mult=4.0: the check sets the width itself; give the widths with --widths" in \
+        capsys.readouterr().err
 
 
 def test_the_coord_check_refuses_an_out_that_is_a_file_before_it_runs(tmp_path: Path,

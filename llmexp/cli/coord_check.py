@@ -78,6 +78,7 @@ def run(argv: list[str]) -> int:
         raise UserError(problem)
     out = Path(args.out)
     import torch
+    from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from llmexp.cli.estimate import compose
     from llmexp.config.validation import validate
@@ -85,9 +86,13 @@ def run(argv: list[str]) -> int:
     from llmexp.rundir.files import write_json_atomic
     from llmexp.train.coord_check import at_width, coord_check
 
-    named = [o.split("=", 1)[1] for o in args.overrides if o.startswith("model.parametrization=")]
+    named = [str(ov.value()) for ov in OverridesParser.create().parse_overrides(args.overrides)
+             if ov.key_or_group == "model.parametrization"]  # (`++model...`, a quoted value: as Hydra reads them)
     parametrizations = tuple(named[-1:]) or PARAMETRIZATIONS
     cfg = compose([*SMALL_MODEL, *args.overrides])
+    if cfg.model.width_mult != 1:  # `at_width` sets it for each width
+        raise UserError(f"model.width_mult={cfg.model.width_mult}: the check sets the width itself; give the widths "
+                        "with --widths, e.g. --widths 1,2,4,8")
     settings = _settings(cfg, args)
     for name in parametrizations:  # every config the check builds passes `validate` (whole sizes, mup's refusals)
         for width in settings.widths:
