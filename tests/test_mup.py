@@ -158,6 +158,9 @@ def test_standard_groups_have_no_factor(tmp_path: Path) -> None:
     (["model.width_mult=0"], "model.width_mult", "must be > 0"),
     (["model.mup_input_mult=16"], "model.mup_input_mult", "set model.parametrization=mup"),
     (["model.mup_output_mult=2"], "model.mup_output_mult", "the standard model has no multiplier"),
+    # widened by hidden_size alone: muP's rules would scale an MLP and heads that did not grow (was accepted)
+    (["model.parametrization=mup", "model.hidden_size=256"], "model.mup_base_width",
+     "64 implies a base model with num_attention_heads=0.5, num_key_value_heads=0.5 (each width / m"),
 ])
 def test_validation_refuses(overrides: list[str], key: str, fragment: str, tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:

@@ -39,6 +39,12 @@ class ModelSizes:
         """muP's width multiplier m: this width over the one where muP equals standard."""
         return self.hidden_size / base_width
 
+    def mup_base_sizes(self, base_width: int) -> dict[str, float]:
+        """The base model muP's rules assume: every width over m (they scale every width with it, the head size
+        fixed). A size that is not whole there means the model was not widened as a whole (`model.width_mult`)."""
+        mult = self.mup_width_mult(base_width)
+        return {k: getattr(self, k) / mult for k in WIDTH_KEYS}
+
 
 def width_problems(m: Any) -> list[str]:
     """`model.width_mult` scales a model built from the fields, to whole sizes."""

@@ -185,6 +185,13 @@ def _value_errors(cfg: DictConfig) -> list[str]:
                f"{sizes.hidden_size} is not divisible by model.num_attention_heads={sizes.num_attention_heads}")
         _check(errors, sizes.num_attention_heads % sizes.num_key_value_heads == 0, "model.num_key_value_heads",
                f"{sizes.num_key_value_heads} must divide model.num_attention_heads={sizes.num_attention_heads}")
+        mup = m.parametrization == "mup" and "model.mup_base_width" not in bad
+        base = sizes.mup_base_sizes(m.mup_base_width) if mup else {}
+        broken = ", ".join(f"{k}={v:g}" for k, v in base.items() if not v.is_integer())
+        _check(errors, not broken, "model.mup_base_width",
+               f"{m.mup_base_width} implies a base model with {broken} (each width / m, m = hidden_size / "
+               "mup_base_width), which muP's rules assume; widen with model.width_mult, which scales every width "
+               "together, or set model.mup_base_width to the hidden_size the model was tuned at")
     if m.parametrization == "mup":
         _validate_mup(cfg, errors)
     for key in ("mup_input_mult", "mup_output_mult"):  # (not `bad`: a value its rule refused is said once)
