@@ -77,6 +77,18 @@ def test_run_report_has_status_metrics_findings_settings_and_curves(tmp_path: Pa
     assert not list(run.glob(".*.tmp")) and not list(run.glob(".curves*"))  # no temp files left behind
 
 
+def test_the_settings_of_a_fine_tune_name_its_model_not_the_unused_fields() -> None:
+    """A run of model.name_or_path=DIR listed the model group's fields (model tiny, hidden size 256, layers 4),
+    which describe a model it did not build, and no peft."""
+    from llmexp.report.run import settings_rows
+
+    cfg = {"model": {"name": "tiny", "name_or_path": "/m", "hidden_size": 256, "num_hidden_layers": 4,
+                     "parametrization": "standard", "width_mult": 1.0}, "peft": {"name": "lora"}, "lr": 1e-4}
+    assert settings_rows(cfg) == [("model path", "/m"), ("lr", "1e-04"), ("peft", "lora")]
+    built = settings_rows({**cfg, "model": {**cfg["model"], "name_or_path": None}})
+    assert ("hidden size", "256") in built and ("model", "tiny") in built
+
+
 def test_run_report_of_a_killed_run(tmp_path: Path) -> None:
     run = make_run(tmp_path / "run", history(num_steps=100), torn_tail=True)
     write_run_report(run)

@@ -55,13 +55,18 @@ _SETTINGS = (
     ("scheduler", "scheduler.name"), ("warmup ratio", "train.warmup_ratio"), ("warmup steps", "train.warmup_steps"),
     ("max grad norm (clipping)", "train.max_grad_norm"), ("on anomaly", "train.on_anomaly"),
     ("early stopping patience", "train.early_stopping_patience"), ("data", "data.name"),
-    ("max length", "data.max_length"), ("deepspeed", "deepspeed.name"), ("seed", "seed"),
+    ("max length", "data.max_length"), ("deepspeed", "deepspeed.name"), ("peft", "peft.name"), ("seed", "seed"),
 )
+_BUILT_ONLY = {"model.name", "model.hidden_size", "model.width_mult", "model.parametrization",
+               "model.num_hidden_layers"}
+"""What describes a model built from the fields: a pretrained one (model.name_or_path) has its own, left out."""
 
 
 def settings_rows(cfg: dict) -> list[tuple[str, str]]:
     """The settings that decide how training behaves, as (label, value) rows; unset ones left out."""
-    return [(label, fmt(value)) for label, key in _SETTINGS if (value := config_value(cfg, key)) is not None]
+    unused = _BUILT_ONLY if config_value(cfg, "model.name_or_path") is not None else set()
+    return [(label, fmt(value)) for label, key in _SETTINGS
+            if key not in unused and (value := config_value(cfg, key)) is not None]
 
 
 def _with_auto_batch(cfg: dict, records: list[dict]) -> dict:
