@@ -527,9 +527,10 @@ def tracking_uri_problem(uri: Any) -> str | None:
     if uri == "databricks":  # the workspace of the default Databricks profile
         return None
     scheme = parts.scheme.lower()
-    if scheme == "file" or not scheme:
+    if scheme == "file" or not scheme:  # a path that names a database file already: that file, else one in it
+        db = parts.path if parts.path.endswith((".db", ".sqlite")) else f"{parts.path or '/path/to'}/mlflow.db"
         return (f"logger.tracking_uri={uri}: MLflow 3 refuses file stores (maintenance mode); use "
-                f"sqlite:///{parts.path or '/path/to'}/mlflow.db, or a server: {_URI_EXAMPLE}")
+                f"sqlite:///{db}, or a server: {_URI_EXAMPLE}")
     if scheme not in TRACKING_SCHEMES:
         return (f"logger.tracking_uri={uri}: {scheme}:// is not one of {', '.join(TRACKING_SCHEMES)}; to keep "
                 "runs in a database, run an MLflow server on it (mlflow server --backend-store-uri ...) and point "
