@@ -229,6 +229,8 @@ def bad(tmp_path: Path) -> dict[str, tuple[Path, str]]:
         if job.is_dir():
             (job / "summary.json").unlink()
     two = make_sweep(tmp_path / "two", {1_000_000: 1e-3}, lrs=[1e-3, 3e-3])
+    killed = make_sweep(tmp_path / "killed", {1_000_000: 1e-3}, lrs=[1e-3, 3e-3, 1e-2])
+    (killed / "1" / "summary.json").unlink()  # its process was killed: the sweep did not finish
     damaged = make_sweep(tmp_path / "damaged", {1_000_000: 1e-3})
     (damaged / "2" / "summary.json").write_text('{"status": "compl')
     diverged = make_sweep(tmp_path / "diverged", {1_000_000: 1e-3}, lrs=[])
@@ -243,6 +245,8 @@ def bad(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     return {"not a sweep": (plain, "is not a sweep directory"),
             "unfinished": (unfinished, "no finished job with an eval loss"),
             "two lrs": (two, "2 lr(s) with an eval loss (0.001, 0.003); a parabola needs at least 3"),
+            "one killed": (killed, f"1 job(s) were left out, e.g. {killed / '1'}: no summary.json (running, killed or "
+                                   "crashed); a sweep that has not finished continues with its own command"),
             "damaged": (damaged, f"{damaged / '2' / 'summary.json'}: damaged"),
             "all diverged": (diverged, "diverged: sweep lower lrs (the lowest here, 0.01, is still too high)"),
             "mixed": (mixed, "mix model.parametrization=mup and standard"),

@@ -411,7 +411,14 @@ def fit_sweeps(sweep_dirs: list[Path], target_params: float | None = None,
     if len(bases := sorted({j.mup_base for j in jobs})) > 1:
         raise UserError(f"the muP jobs mix base models ({'; '.join(bases)}); an lr transfers from the base it was "
                         "tuned at: fit each base's sweeps separately")
-    fits = [size_fit(n, [j for j in jobs if j.params == n], seed_lr) for n in sorted({j.params for j in jobs})]
+    try:
+        fits = [size_fit(n, [j for j in jobs if j.params == n], seed_lr) for n in sorted({j.params for j in jobs})]
+    except UserError as err:  # too few lrs: perhaps because some jobs have not finished
+        if not left_out:
+            raise
+        first = left_out[0]
+        raise UserError(f"{err}. {len(left_out)} job(s) were left out, e.g. {first['job']}: {first['why']}; a sweep "
+                        "that has not finished continues with its own command") from None
     sizes, vertices = [f[0] for f in fits], [f[1] for f in fits]
     mup = mup_transfer(sizes, jobs) if kinds == ["mup"] else None
     # an edge has no vertex: its best lr is only bounded
