@@ -257,3 +257,13 @@ def test_the_sends_after_connect_keep_the_http_defaults(tmp_path: Path, monkeypa
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "7")  # the user's own setting wins, and survives connect
     connect(None, "defaults", tmp_path, timeout_s=5)
     assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "7"
+
+
+def test_mlflows_own_log_lines_go_to_the_job_log_not_the_console(tmp_path: Path) -> None:
+    """mlflow configured a handler of its own at import: its INFO lines (a new SQLite store's "Creating initial
+    MLflow database tables") reached the console and missed llmexp.log, unlike every other library's."""
+    proc = run_cli([*TINY, "logger=mlflow", "train.max_steps=1", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mlflow.store" not in proc.stdout + proc.stderr
+    assert "[mlflow.store.db.utils][INFO] - Creating initial MLflow database tables" in \
+        (tmp_path / "run" / "llmexp.log").read_text()

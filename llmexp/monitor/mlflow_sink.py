@@ -76,6 +76,9 @@ def client_for(uri: str) -> Any:
 def _use_http_defaults() -> None:
     for name, default in HTTP_DEFAULTS.items():  # mlflow's own (7 retries, 120 s) would stall a closing run
         os.environ.setdefault(name, default)
+    # mlflow's loggers, left unconfigured by mlflow, go through the root logger as every library's do: on the
+    # console as llmexp shows third-party lines, and into llmexp.log (mlflow's own handler bypassed both)
+    os.environ.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")
 
 
 @contextlib.contextmanager
@@ -103,6 +106,7 @@ def _quiet() -> Iterator[None]:
 
 def _open(uri: str, experiment: str, timeout_s: float) -> Store:
     """The store at `uri` and the id of `experiment` in it (created when missing); raises when unreachable."""
+    _use_http_defaults()  # before mlflow is first imported: it reads MLFLOW_CONFIGURE_LOGGING then
     from mlflow.exceptions import MlflowException
 
     db_dir = local_db_dir(uri)
