@@ -252,6 +252,17 @@ def test_a_huge_train_loss_has_an_infinite_train_ppl_in_the_sweep_report(tmp_pat
     assert collect_job(job, records)["train_ppl"] == math.inf
 
 
+def test_a_recommended_runs_loss_that_ended_higher_is_not_said_to_fall() -> None:
+    """It said "its train loss fell -0.0157 nats"."""
+    from llmexp.report.sweep import recommend
+
+    job = {"job": "0", "status": "completed", "worst_severity": None, "metric": "eval_loss", "direction": "minimize",
+           "metric_value": 2.0, "eval_loss": 2.0, "params": {"lr": "1e-3"}, "overrides": ["lr=1e-3"],
+           "stability": {"drop": -0.0157, "rise_fraction": 0.6}}
+    rec = recommend([job], ["lr"])
+    assert rec is not None and "its train loss ended 0.0157 nats above its start and rose on 60%" in rec["reason"]
+
+
 def test_recommendation_averages_over_seeds(tmp_path: Path) -> None:
     """lr=1e-3 wins one seed by luck, lr=3e-4 wins on average: 3e-4 is recommended, named without the seed."""
     finals = {("1e-3", "0"): 2.0, ("1e-3", "1"): 3.0, ("3e-4", "0"): 2.2, ("3e-4", "1"): 2.3}

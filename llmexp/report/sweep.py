@@ -141,7 +141,9 @@ def recommend(jobs: list[dict], varying: list[str]) -> dict[str, Any] | None:
         reason += f"; runner-up `{ranked[1]}` at {mean[ranked[1]]:.4g}"
     stab = [j["stability"] for j in groups[best_name] if j["stability"]["rise_fraction"] is not None]
     if stab:
-        reason += (f"; its train loss fell {statistics.fmean(x['drop'] for x in stab):.3g} nats and rose on "
+        drop = statistics.fmean(x["drop"] for x in stab)
+        moved = f"fell {drop:.3g} nats" if drop >= 0 else f"ended {-drop:.3g} nats above its start"  # (not "fell -x")
+        reason += (f"; its train loss {moved} and rose on "
                    f"{statistics.fmean(x['rise_fraction'] for x in stab):.0%} of logged steps")
     losses = [j["eval_loss"] for j in groups[best_name] if isinstance(j.get("eval_loss"), int | float)]
     return {"job": best["job"], "settings": best_name, "overrides": best["overrides"], "params": best["params"],
