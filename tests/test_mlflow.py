@@ -267,3 +267,22 @@ def test_mlflows_own_log_lines_go_to_the_job_log_not_the_console(tmp_path: Path)
     assert "mlflow.store" not in proc.stdout + proc.stderr
     assert "[mlflow.store.db.utils][INFO] - Creating initial MLflow database tables" in \
         (tmp_path / "run" / "llmexp.log").read_text()
+
+
+def test_a_resume_with_another_experiment_logs_there(tmp_path: Path) -> None:
+    """It went on in the first experiment (an empty "other" was created, the change only in a tag)."""
+    history = [{"event": "train", "step": s, "loss": 10.0 - s} for s in range(1, 4)]
+    runs = []
+    for experiment in ("first", "other"):
+        lg = OmegaConf.create({"tracking_uri": None, "experiment": experiment, "init_timeout_s": 10.0,
+                               "log_model": False})
+        sink = MlflowSink(tmp_path, {"lr": 1e-3}, lg, "lr=1e-3")
+        sink.reset(history)
+        (tmp_path / "summary.json").write_text(json.dumps({"status": "completed", "findings": []}))
+        sink.close()
+        runs.append(sink)
+    assert not runs[1].continued and runs[1].run_id != runs[0].run_id
+    client = MlflowClient(read_mlflow_run(tmp_path)["tracking_uri"])
+    run = client.get_run(runs[1].run_id)
+    assert client.get_experiment(run.info.experiment_id).name == "other"
+    assert _steps(client, run.info.run_id, "train/loss") == [1, 2, 3]  # the whole history, in the new run

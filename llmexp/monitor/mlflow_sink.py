@@ -150,14 +150,15 @@ def connect(uri: str | None, experiment: str, local_dir: Path, timeout_s: float)
 def continue_or_create(store: Store, folder: Path, run_name: str, tags: dict[str, str],
                        new_run: bool = False) -> tuple[Any, bool]:
     """The MLflow run that `folder` records (`mlflow_run.json`), set RUNNING again, if this store still has it
-    (not deleted); else a new run with `tags`, recorded in `folder`. Returns the run and whether it was continued.
-    A run's sink and a sweep's parent run both use it."""
+    (not deleted) in the store's experiment; else a new run with `tags`, recorded in `folder` (another
+    `logger.experiment`: a new run there, as asked). Returns the run and whether it was continued. A run's sink and
+    a sweep's parent run both use it."""
     known = None if new_run else read_mlflow_run(folder)
     if known is not None and known["tracking_uri"] == store.uri:
         run = None
         with contextlib.suppress(Exception), _quiet():  # gone from the store (deleted, another database)
             run = store.client.get_run(known["run_id"])
-        if run is not None and run.info.lifecycle_stage != "deleted":
+        if run is not None and run.info.lifecycle_stage != "deleted" and run.info.experiment_id == store.experiment_id:
             with _quiet():
                 store.client.update_run(run.info.run_id, status="RUNNING")
             return run, True
