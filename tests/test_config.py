@@ -173,6 +173,8 @@ def test_every_number_has_a_lower_bound(default_cfg: Any, key: str) -> None:
     (["logger.tracking_uri=file:///tmp/mlruns"], "MLflow 3 refuses file stores (maintenance mode); use sqlite:///"),
     (["logger.tracking_uri=mlruns"], "MLflow 3 refuses file stores"),
     (["logger.tracking_uri=/tmp/x.db"], "use sqlite:////tmp/x.db, or a server"),  # (was /tmp/x.db/mlflow.db)
+    (["logger.tracking_uri=http://host:5000"], "logger.tracking_uri: names an MLflow store, which logger=jsonl "
+                                               "would not use: add logger=mlflow"),  # (was ignored)
     (["logger.tracking_uri=http://me:pw@host:5000"], "logger.tracking_uri: holds credentials (user:password@)"),
     (["logger.tracking_uri=http://host:99999"], "logger.tracking_uri=http://host:99999: not a URI (Port out of range"),
     (["logger.tracking_uri=sqlite:///:memory:"], "a SQLite store is sqlite:/// followed by a file path"),

@@ -212,6 +212,9 @@ def _value_errors(cfg: DictConfig) -> list[str]:
     _validate_lr_find(cfg, errors, bad)
     if (problem := tracking_uri_problem(cfg.logger.tracking_uri)) is not None:
         errors.append(problem)
+    _check(errors, cfg.logger.tracking_uri is None or cfg.logger.name == "mlflow", "logger.tracking_uri",
+           f"names an MLflow store, which logger={cfg.logger.name} would not use: add logger=mlflow, or drop "
+           "logger.tracking_uri")  # (not repeated: it may hold credentials, refused above without a word of them)
     if "batch_size" not in bad and parse_batch_size(cfg.batch_size) is None and cfg.deepspeed.stage > 0:
         errors.append(f"batch_size=auto does not work with deepspeed={cfg.deepspeed.name}: DeepSpeed fixes the "
                       "micro-batch in its config before the model exists; set batch_size to a number "
