@@ -2,9 +2,9 @@
 
 A checkpoint holds everything that decides the next step (docs/explanation/checkpoints-and-resume.md), so a
 resumed run continues bitwise. One whose files verify but whose content does not fit this run is found out before
-anything is applied (`_check_fits`): damaged content (a moment of the wrong shape) is fallen back past by
-`train.resume=auto`; another model or optimizer layout (the config changed, so every older checkpoint is the same)
-is refused (exit 2) with nothing rewritten, never trained over from scratch.
+anything is applied (`_check_fits`), so `train.resume=auto` falls back to the previous one; when none fits
+because each holds another model or optimizer layout (the config changed), the resume is refused (exit 2) with
+nothing rewritten, never trained over from scratch.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
@@ -109,9 +110,14 @@ def _read_trainer_state(file: Path) -> dict[str, Any]:
 _OTHER_MODEL_FIX = "resume with the model.* and peft settings it was saved with, or start over with train.resume=never"
 
 
+class OtherLayout(ckpt.CorruptCheckpoint):
+    """A checkpoint whose weights or parameter groups do not fit this run's: fallen back past as damage while an
+    older one fits; the config's change, refused, when none does (`_found_checkpoint`)."""
+
+
 def _check_fits(run: Run, path: Path, payload: dict[str, Any]) -> None:
-    """Raise unless the payload's weights (names, shapes) and optimizer state (groups, moment shapes) fit this run's
-    model: a UserError for another layout, CorruptCheckpoint for damage (why: the module's docstring)."""
+    """Raise CorruptCheckpoint (`OtherLayout` for other weights or groups) unless the payload's weights (names,
+    shapes) and optimizer state (groups, moment shapes) fit this run's model (why: the module's docstring)."""
     # another engine's: refused in its words (exit 2), not fallen back past, not an optimizer-group mismatch
     run.engine.refuse_other_kind(path, payload)
     saved = payload["model"]
@@ -121,12 +127,12 @@ def _check_fits(run: Run, path: Path, payload: dict[str, Any]) -> None:
     file = path / "model.safetensors"
     missing, unexpected = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
     if missing or unexpected:
-        raise UserError(f"{file}: does not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]}); "
-                        f"{_OTHER_MODEL_FIX}")
+        raise OtherLayout(f"{file}: does not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]}); "
+                          f"{_OTHER_MODEL_FIX}")
     if not run.engine.params_partitioned:  # ZeRO-3: no rank holds whole parameters to compare
         for name, tensor in saved.items():
             if (got := tuple(tensor.shape)) != (want := tuple(live[name].shape)):
-                raise UserError(f"{file}: {name} has shape {got}, the model's is {want}; {_OTHER_MODEL_FIX}")
+                raise OtherLayout(f"{file}: {name} has shape {got}, the model's is {want}; {_OTHER_MODEL_FIX}")
     if payload["optimizer"] is not None:
         _check_optimizer_fits(run.optimizer, path / "optimizer.pt", payload["optimizer"])
 
@@ -138,9 +144,9 @@ def _check_optimizer_fits(optimizer: Any, file: Path, saved: Any) -> None:
     sizes = [len(g.get("params", [])) for g in groups if isinstance(g, dict)]
     live_sizes = [len(g["params"]) for g in optimizer.param_groups]
     if sizes != live_sizes:
-        raise UserError(f"{file}: parameter groups of sizes {sizes} do not fit the optimizer's {live_sizes} "
-                        "(model.parametrization, optimizer.decay_norms_and_biases or peft changed); "
-                        f"{_OTHER_MODEL_FIX}")
+        raise OtherLayout(f"{file}: parameter groups of sizes {sizes} do not fit the optimizer's {live_sizes} "
+                          "(model.parametrization, optimizer.decay_norms_and_biases or peft changed); "
+                          f"{_OTHER_MODEL_FIX}")
     live = [p for g in optimizer.param_groups for p in g["params"]]
     by_id = dict(zip([i for g in groups for i in g["params"]], live, strict=True))
     for pid, entry in saved["state"].items():
@@ -275,12 +281,17 @@ def _found_checkpoint(run: Run) -> tuple[Path, dict[str, Any]] | None:
     """Rank 0 picks the checkpoint (verifying hashes, falling back past bad ones); every rank loads it."""
     rt, choice, load = run.rt, run.cfg.train.resume, partial(_load_checked, run)
     if choice == "auto":
-        found = ckpt.load_with_fallback(rt.run_dir / "checkpoints", load, run.log.write) if rt.is_main else None
+        notes: list[str] = []  # the fallback's warnings, said once it is known that the run goes on
+        found, refusal = _newest_that_fits(run, notes.append) if rt.is_main else (None, None)
         path = str(found[0]) if found else None
         if rt.world > 1:  # rank 0's pick on every rank
             from accelerate.utils import broadcast_object_list
 
-            path = broadcast_object_list([path])[0]
+            path, refusal = broadcast_object_list([path, refusal])
+        if refusal is not None:
+            raise UserError(refusal)
+        for note in notes:
+            run.log.write(note)
         if path is None:
             return None
         return Path(path), (found[1] if found else load(Path(path)))
@@ -291,6 +302,23 @@ def _found_checkpoint(run: Run) -> tuple[Path, dict[str, Any]] | None:
     if rt.is_main:
         ckpt.verify_checkpoint(path, full=True)
     return path, load(path)
+
+
+def _newest_that_fits(run: Run, warn: Callable[[str], None]
+                      ) -> tuple[tuple[Path, dict[str, Any]] | None, str | None]:
+    """(the newest checkpoint that verifies and fits, or None; the refusal when none does because they hold another
+    layout: every checkpoint is the config's before it changed, and starting from scratch would train over them)."""
+    layouts: list[str] = []
+
+    def load(path: Path) -> dict[str, Any]:
+        try:
+            return _load_checked(run, path)
+        except OtherLayout as err:
+            layouts.append(str(err))
+            raise
+
+    found = ckpt.load_with_fallback(run.rt.run_dir / "checkpoints", load, warn)
+    return found, (layouts[0] if found is None and layouts else None)
 
 
 def saved_auto_batch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
