@@ -19,7 +19,14 @@ from llmexp.report.findings import finding_state, run_findings
 from llmexp.report.run import DAMAGED_SUMMARY, write_run_report
 from llmexp.rundir.files import unwritable
 from llmexp.rundir.lock import lock_holder
-from llmexp.rundir.read import is_run_dir, is_sweep_dir, load_job_status, load_records, load_summary
+from llmexp.rundir.read import (
+    is_run_dir,
+    is_sweep_dir,
+    load_job_status,
+    load_records,
+    load_summary,
+    summary_damaged,
+)
 
 _COLOURS = {"error": "\033[31m", "warning": "\033[33m", "info": "\033[36m", "ok": "\033[32m"}
 _RESET, _BOLD = "\033[0m", "\033[1m"
@@ -74,7 +81,7 @@ def _status(run_dir: Path) -> tuple[str, bool]:
     if (holder := lock_holder(run_dir)) is not None:
         return f"running (pid {holder})", False
     summary = load_summary(run_dir)
-    if summary is None and os.path.lexists(run_dir / "summary.json"):  # (the reader said why)
+    if summary_damaged(run_dir, summary):
         return DAMAGED_SUMMARY, True
     if ended := (summary or {}).get("status"):
         error = summary.get("error") if summary else None

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from llmexp.rundir.read import (
     load_job_status,
     load_records,
     load_summary,
+    summary_damaged,
 )
 
 WINDOW_DECADES = 0.5
@@ -233,11 +233,10 @@ def _damaged(path: Path, why: str) -> UserError:
 def read_job(job_dir: Path) -> Job | str:
     """A finished job of a sweep, or why it is left out. A summary.json that is there but unreadable is an error
     (its reader said what is wrong with it): fitting without it would quietly move the optimum."""
-    summary_path = job_dir / "summary.json"
-    summary = load_summary(job_dir)
+    summary_path, summary = job_dir / "summary.json", load_summary(job_dir)
+    if summary_damaged(job_dir, summary):
+        raise _damaged(summary_path, "damaged (the line above says how)")
     if summary is None:
-        if os.path.lexists(summary_path):
-            raise _damaged(summary_path, "damaged (the line above says how)")
         return "no summary.json (running, killed or crashed)"
     status = load_job_status(job_dir).get("status") or summary.get("status")
     if status not in (*FINISHED, "diverged"):

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,15 @@ from llmexp.monitor.detectors import ERROR, is_open, worst_severity
 from llmexp.report.findings import finding_state, run_findings
 from llmexp.report.formats import fmt, fmt_rate, is_finite, md_cell, md_table
 from llmexp.rundir.files import write_text_atomic
-from llmexp.rundir.read import config_value, last_value, load_config, load_overrides, load_records, load_summary
+from llmexp.rundir.read import (
+    config_value,
+    last_value,
+    load_config,
+    load_overrides,
+    load_records,
+    load_summary,
+    summary_damaged,
+)
 from llmexp.rundir.task_metrics import task_history, task_records
 
 
@@ -151,8 +158,7 @@ call it."""
 
 def run_report_markdown(run_dir: Path, records: list[dict], summary: dict | None, findings: list[dict],
                         cfg: dict, overrides: list[str]) -> str:
-    damaged = summary is None and os.path.lexists(run_dir / "summary.json")  # (the reader said why)
-    status = DAMAGED_SUMMARY if damaged else (summary or {}).get(
+    status = DAMAGED_SUMMARY if summary_damaged(run_dir, summary) else (summary or {}).get(
         "status", "unknown (no summary.json: the run was killed or is still running)")
     worst = worst_severity(findings)
     health = "healthy" if worst is None or worst == "info" else ("broken" if worst == ERROR else "needs attention")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 import statistics
 from collections import Counter
 from pathlib import Path
@@ -34,6 +33,7 @@ from llmexp.rundir.read import (
     load_summary,
     missing_status,
     override_key,
+    summary_damaged,
     swept_keys,
     varying_keys,
 )
@@ -82,7 +82,7 @@ def collect_job(job_dir: Path, records: list[dict], launched: list[str] | None =
         entry["status"], entry["error"] = "not_started", "its sweeper stopped first; the sweep's command runs it"
     else:
         entry["status"] = job_status.get("status", "failed")
-        damaged = os.path.lexists(job_dir / "summary.json")  # there, but load_summary could not read it
+        damaged = summary_damaged(job_dir, summary)
         entry["error"] = job_status.get("error") or (f"{job_dir / 'summary.json'} is damaged (not a JSON object)"
                                                      if damaged else "no summary.json: the job was killed or crashed")
     for key, event, rec_key in (("step", "train", "step"), ("train_loss", "train", "loss"),

@@ -84,6 +84,11 @@ def load_summary(run_dir: Path) -> dict | None:
     return read_summary(Path(run_dir) / "summary.json")
 
 
+def summary_damaged(run_dir: Path, summary: dict | None) -> bool:
+    """`summary` (what `load_summary` gave) is None though summary.json is there: damaged, as its reader said."""
+    return summary is None and os.path.lexists(Path(run_dir) / "summary.json")
+
+
 def load_job_status(run_dir: Path) -> dict:
     return read_job_status(Path(run_dir) / "job_status.json") or {}
 
