@@ -69,11 +69,12 @@ def client_for(uri: str) -> Any:
     """An MlflowClient for `uri`, with this module's HTTP settings unless the environment has its own."""
     from mlflow import MlflowClient
 
-    _use_http_defaults()
+    _use_env_defaults()
     return MlflowClient(tracking_uri=uri)
 
 
-def _use_http_defaults() -> None:
+def _use_env_defaults() -> None:
+    """mlflow's settings for the run's process (HTTP limits, logging), unless the environment has its own."""
     for name, default in HTTP_DEFAULTS.items():  # mlflow's own (7 retries, 120 s) would stall a closing run
         os.environ.setdefault(name, default)
     # mlflow's loggers, left unconfigured by mlflow, go through the root logger as every library's do: on the
@@ -85,7 +86,7 @@ def _use_http_defaults() -> None:
 def _http_limits(timeout_s: float, retries: int) -> Iterator[None]:
     """MLflow's HTTP timeout and retries for the calls inside (read by mlflow at each request); after them, the
     process's own (`HTTP_DEFAULTS`, set first so that the sends after `connect` keep them)."""
-    _use_http_defaults()
+    _use_env_defaults()
     names = {"MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, math.ceil(timeout_s))),
              "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(retries)}
     saved = {k: os.environ[k] for k in names}  # both are HTTP_DEFAULTS' keys: set by now
@@ -106,7 +107,7 @@ def _quiet() -> Iterator[None]:
 
 def _open(uri: str, experiment: str, timeout_s: float) -> Store:
     """The store at `uri` and the id of `experiment` in it (created when missing); raises when unreachable."""
-    _use_http_defaults()  # before mlflow is first imported: it reads MLFLOW_CONFIGURE_LOGGING then
+    _use_env_defaults()  # before mlflow is first imported: it reads MLFLOW_CONFIGURE_LOGGING then
     from mlflow.exceptions import MlflowException
 
     db_dir = local_db_dir(uri)
