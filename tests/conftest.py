@@ -167,10 +167,11 @@ def as_nobody() -> Iterator[None]:
 
 def run_cli(args: list[str], cwd: Path | None = None, env: dict[str, str] | None = None,
             module: str = "llmexp", timeout_s: float = 600) -> subprocess.CompletedProcess[str]:
-    """`python -m llmexp ARGS` in a subprocess, as a user would run it."""
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=full_env, capture_output=True,
-                          text=True, timeout=timeout_s)
+    """`python -m llmexp ARGS` as a user would run it, forked from a warm interpreter where it may be
+    (tests/warm.py)."""
+    from tests import warm
+
+    return warm.run(["-m", module], args, cwd=cwd, env={**os.environ, **(env or {})}, timeout_s=timeout_s)
 
 
 def compose(overrides: list[str], run_dir: Path) -> Any:
@@ -239,7 +240,6 @@ def cli_refusal(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[s
     check); only Hydra's run and multirun are replaced, so a command that slips through raises `Launched`
     instead of training. ~0.5 s a call, against ~4 s for a subprocess: the many refusal cases run here, a
     few representative ones through `run_cli`."""
-    import sys
 
     from hydra._internal.hydra import Hydra
 

@@ -26,7 +26,6 @@ import pickle
 import random
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import warm
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow  # ~25 CLI runs, ~250 s of CPU time (AMD EPYC Zen 5)
@@ -111,12 +111,11 @@ def cli_env(cache_dir: Path) -> dict[str, str]:
     return env
 
 
-def command(run_dir: Path, overrides: Sequence[str], hook: bool = False) -> list[str]:
-    """The CLI command; an override of a key TINY sets replaces TINY's value."""
-    entry = ["-c", KILL_HOOK] if hook else ["-m", "llmexp"]
+def cli_args(run_dir: Path, overrides: Sequence[str]) -> list[str]:
+    """The CLI's arguments; an override of a key TINY sets replaces TINY's value."""
     keys = {o.split("=", 1)[0] for o in overrides}
     base = [o for o in TINY if o.split("=", 1)[0] not in keys]
-    return [sys.executable, *entry, *base, *overrides, f"hydra.run.dir={run_dir}"]
+    return [*base, *overrides, f"hydra.run.dir={run_dir}"]
 
 
 def _train_steps(run_dir: Path) -> list[int]:
@@ -144,17 +143,16 @@ def run_once(run_dir: Path, overrides: Sequence[str], env: dict[str, str], kill:
         env["LLMEXP_TEST_KILL_AT"] = kill.hook
         env["LLMEXP_TEST_KILL_SIGNALS"] = ",".join([signal.Signals(kill.signum).name] * kill.repeat)
     hook = kill is not None and kill.hook is not None
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(command(run_dir, overrides, hook), stdout=log, stderr=subprocess.STDOUT,
-                                env=env, cwd=run_dir.parent)
-        try:
-            if kill is not None and kill.at_step is not None:
-                _kill_after_step(proc, run_dir, kill, rng or random.Random(0), timeout_s)
-            proc.wait(timeout=timeout_s)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    entry = ["-c", KILL_HOOK] if hook else ["-m", "llmexp"]
+    proc = warm.popen(entry, cli_args(run_dir, overrides), cwd=run_dir.parent, env=env, stdout=log_path)
+    try:
+        if kill is not None and kill.at_step is not None:
+            _kill_after_step(proc, run_dir, kill, rng or random.Random(0), timeout_s)
+        proc.wait(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     return proc.returncode, log_path.read_text()
 
 
