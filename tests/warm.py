@@ -12,7 +12,7 @@ a server of its own, up to `MAX_SERVERS` per test worker, then a fresh process. 
 
 from __future__ import annotations
 
-import itertools
+import collections
 import json
 import os
 import shutil
@@ -37,7 +37,7 @@ class Server:
     def __init__(self, env: dict[str, str]) -> None:
         self.proc = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=env, cwd=SERVER.parent)
-        self.ids = itertools.count()
+        self.started = 0  # requests sent, each one's id its number
         self.changed = threading.Condition()
         self.pids: dict[int, int] = {}
         self.codes: dict[int, int] = {}  # by request id
@@ -58,9 +58,20 @@ class Server:
             self.alive = False
             self.changed.notify_all()
 
+    def idle(self) -> bool:
+        """Whether every child it forked has ended (so it can be stopped)."""
+        with self.changed:
+            return not self.alive or all(i in self.codes for i in range(self.started))
+
+    def stop(self) -> None:
+        """End the server (it exits when its stdin closes); its children have ended."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
     def start(self, request: dict) -> WarmProcess:
         assert self.proc.stdin is not None
-        request["id"] = next(self.ids)
+        request["id"], self.started = self.started, self.started + 1
         with self.changed:
             self.proc.stdin.write((json.dumps(request) + "\n").encode())
             self.proc.stdin.flush()
@@ -102,18 +113,25 @@ class WarmProcess:
 
 
 _servers: dict[frozenset[tuple[str, str]], Server] = {}
+"""The warm servers by environment, the most recently used last."""
+_uses: collections.Counter[frozenset[tuple[str, str]]] = collections.Counter()
 
 
 def _server(env: dict[str, str]) -> Server | None:
-    """The server for `env`'s import-time variables, started on first use; None where none may serve."""
+    """The server for `env`'s import-time variables; None where none may serve. An environment gets one on its
+    second command (a server costs what one fresh process does), in place of the least recently used idle one."""
     if "1" in (env.get("LLMEXP_TEST_FRESH"), os.environ.get("LLMEXP_TEST_FRESH")) or os.geteuid() != os.getuid():
         return None  # asked for a fresh process, or a test running as another user (tests/conftest.py's nobody)
     key = frozenset((k, v) for k, v in env.items() if not k.startswith(READ_WHEN_RUN))
+    _uses[key] += 1
     if key not in _servers:
-        if len(_servers) >= MAX_SERVERS:
+        idle = [k for k, server in _servers.items() if server.idle()]
+        if _uses[key] < 2 or (len(_servers) >= MAX_SERVERS and not idle):
             return None
+        if len(_servers) >= MAX_SERVERS:
+            _servers.pop(idle[0]).stop()
         _servers[key] = Server(env)
-    server = _servers[key]
+    server = _servers[key] = _servers.pop(key)  # now the most recently used
     return server if server.alive else None
 
 
