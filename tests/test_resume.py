@@ -36,7 +36,7 @@ import pytest
 from tests import warm
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.slow  # ~25 CLI runs, ~250 s of CPU time (AMD EPYC Zen 5)
+pytestmark = pytest.mark.slow  # ~25 CLI runs, forked warm (tests/warm.py): ~90 s on a 2-core Intel Xeon with AMX
 
 MAX_STEPS = 16
 TINY = (
