@@ -117,6 +117,9 @@ def test_status_and_report_skip_each_damaged_file_in_one_line(damaged_sweep: Pat
     assert status.main([str(damaged_sweep)]) == 0
     table = capsys.readouterr().out
     assert all(f"\n{num}  " in table for num in range(len(DAMAGES) + 2)), table  # every job has its line
+    rows = {line.split()[0]: line.split() for line in table.splitlines() if line[:1].isdigit()}
+    damaged = [name for num, name in enumerate(DAMAGES, 1) if "failed" not in rows[str(num)]]
+    assert not damaged, f"a damaged summary.json is a failed run, as the report says: {damaged}\n{table}"
     _each_said_once(_said(caplog), {w: p for w, p in damaged_files(damaged_sweep).items() if p.name != "config.yaml"})
     readers._said.clear()  # (status reads no config.yaml)
     caplog.clear()

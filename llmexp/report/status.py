@@ -37,6 +37,7 @@ from llmexp.rundir.read import (
     read_slurm_jobs,
     shown_overrides,
     slurm_end_status,
+    summary_damaged,
     swept_keys,
     varying_keys,
 )
@@ -141,8 +142,8 @@ def _status(run_dir: Path, summary: dict | None, verdict: dict, records: list[di
         return final
     if ended in WAITING:
         return "queued" if sweeper or ended == "submitted" else "not_started"  # (SLURM queues without a sweeper)
-    if (run_dir / "summary.json").exists():  # there, but unreadable: damaged, as the sweep report says ("failed")
-        return "failed"
+    if summary is not None or summary_damaged(run_dir, summary):  # there without a status, or unreadable:
+        return "failed"  # as the sweep report says
     if records:
         return "killed"
     # A lock left by a process that is gone before its first record: the run stopped as it started (a user's
