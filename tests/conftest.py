@@ -240,7 +240,6 @@ def cli_refusal(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[s
     check); only Hydra's run and multirun are replaced, so a command that slips through raises `Launched`
     instead of training. ~0.5 s a call, against ~4 s for a subprocess: the many refusal cases run here, a
     few representative ones through `run_cli`."""
-
     from hydra._internal.hydra import Hydra
 
     def launched(*args: Any, **kwargs: Any) -> None:
