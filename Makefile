@@ -17,10 +17,15 @@ install:
 cluster:
 	bash launch/slurm-local.sh up
 
-# DeepSpeed compiles its CPU ops with g++ on first use (minutes); build them once, into llmexp's cache.
-deepspeed-ops:
+# DeepSpeed compiles its CPU ops with g++ on first use (minutes); build them once, into llmexp's cache: the optimizers
+# of ZeRO's optimizer offload (Adam, and Lion for optimizer=lion) and the CPU collectives. One make target an op, so
+# that `make -j` builds them side by side.
+DEEPSPEED_OPS = CPUAdamBuilder CPULionBuilder ShareMemCommBuilder
+.PHONY: $(DEEPSPEED_OPS)
+deepspeed-ops: $(DEEPSPEED_OPS)
+$(DEEPSPEED_OPS):
 	TORCH_EXTENSIONS_DIR=$${TORCH_EXTENSIONS_DIR:-$$HOME/.cache/llmexp/torch_extensions} $(PYTHON) -c \
-	  "from deepspeed.ops.op_builder import CPUAdamBuilder, ShareMemCommBuilder; CPUAdamBuilder().load(); ShareMemCommBuilder().load()"
+	  "from deepspeed.ops.op_builder import $@; $@().load()"
 
 # Every test, on two workers (pytest-xdist): a test file is one unit of work, except that the SLURM tests are one
 # unit together, as they share the one-node cluster; units start longest first (tests/conftest.py). (A third worker,
@@ -31,7 +36,7 @@ deepspeed-ops:
 # fresh machine); the rest needs the installed packages.
 test:
 	$(MAKE) -j2 install cluster
-	$(MAKE) deepspeed-ops bytecode docs
+	$(MAKE) -j2 deepspeed-ops bytecode docs
 	$(PYTHON) -m pytest -n 2 --dist loadgroup --no-loadscope-reorder
 
 # llmexp's bytecode, compiled once: where PYTHONDONTWRITEBYTECODE is set (this machine and CI set it), every process
