@@ -6,12 +6,9 @@ optimizer step, so a bad batch never reaches the weights unless the policy lets 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from llmexp.monitor.detectors import diagnose, is_spike
-
-if TYPE_CHECKING:
-    from llmexp.train.state import Run
+from llmexp.train.state import Run
 
 BLOWUP_FACTOR = 3.0
 """A loss above this multiple of the lowest recent loss is a blow-up even before the spike

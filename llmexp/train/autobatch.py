@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -20,11 +20,10 @@ from llmexp.config.derived import auto_batch_candidates
 from llmexp.errors import UserError
 from llmexp.model import build
 from llmexp.model.estimate import largest_fitting, memory_budget, meta_facts
+from llmexp.model.loss import CausalLMLoss
 from llmexp.monitor.throughput import peak_rss_mb, reset_peak_rss, rss_mb
 from llmexp.rundir.readers import MiB
-
-if TYPE_CHECKING:
-    from llmexp.train.runtime import Runtime
+from llmexp.train.runtime import Runtime
 
 
 @dataclass(frozen=True)
@@ -102,8 +101,6 @@ def _probe(cfg: DictConfig, rt: Runtime, vocab_size: int, micro: int, budget: fl
 def _step(cfg: DictConfig, rt: Runtime, vocab_size: int, micro: int) -> None:
     """One forward + backward + optimizer step on a model and optimizer built as the run builds them; they are
     freed on return. The run's own model is built afterwards (and seeded then): the probe changes nothing."""
-    from llmexp.model.loss import CausalLMLoss
-
     model = CausalLMLoss(build.build_model(cfg, vocab_size, rt.precision.name)).to(rt.device)
     optimizer = build.build_optimizer(cfg, model, 1e-6, rt.device.type)
     ids = torch.randint(0, vocab_size, (micro, cfg.data.max_length), device=rt.device,

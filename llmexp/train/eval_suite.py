@@ -8,20 +8,21 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from llmexp.config.schema import PerplexitySetConfig
+from llmexp.data.datasets import TokenDataset, build_datasets, pad_id_of
+from llmexp.data.sources import load_corpora
+from llmexp.errors import UserError
 from llmexp.evals import score
+from llmexp.evals.demo import demo_items
 from llmexp.evals.items import ChoiceItem, GenerateItem, TaskFiles
 from llmexp.monitor.logger import safe_exp
 from llmexp.rundir.task_metrics import TASK_EVENT
-
-if TYPE_CHECKING:
-    from llmexp.data.datasets import TokenDataset
-    from llmexp.train.state import Run
+from llmexp.train.state import Run
 
 
 @dataclass
@@ -55,8 +56,6 @@ def perplexity_cfg(cfg: DictConfig, entry: DictConfig) -> DictConfig:
 def build_suite(cfg: DictConfig, tokenizer: Any, files: TaskFiles, is_main: bool) -> TaskSuite | None:
     """The demo items (from the held-out records of the run's data), the extra held-out sets (through the token
     cache, as the run's own), and the harness's index; None when the `eval` group names no task."""
-    from llmexp.data.datasets import build_datasets
-
     ev = cfg.eval
     suite = TaskSuite(choice={n: (items, ev.multiple_choice[n].delimiter) for n, items in files.choice.items()},
                       generate={n: (items, ev.generate[n]) for n, items in files.generate.items()})
@@ -76,10 +75,6 @@ def build_suite(cfg: DictConfig, tokenizer: Any, files: TaskFiles, is_main: bool
 
 
 def _demo_items(cfg: DictConfig) -> list[ChoiceItem]:
-    from llmexp.data.sources import load_corpora
-    from llmexp.errors import UserError
-    from llmexp.evals.demo import demo_items
-
     held = [r for corpus in load_corpora(cfg.data) for r in corpus.load()[1]]
     items = demo_items(held, int(cfg.eval.demo_items), seed=0)
     if not items:
@@ -131,8 +126,6 @@ def _shares(run: Run, names: tuple[str, str], tally: list[float]) -> tuple[dict[
 
 
 def _choice_task(run: Run, step: int, name: str, items: list[ChoiceItem], delimiter: str) -> dict[str, Any]:
-    from llmexp.data.datasets import pad_id_of
-
     start, rt, shard, bs = time.perf_counter(), run.rt, _shard(run), int(run.cfg.eval.batch_size)
     requests = score.choice_requests(run.tokenizer, items, shard.mine(len(items)), delimiter)
     lls = score.loglikelihoods(run.model, requests, batch_size=bs, max_length=int(run.cfg.data.max_length),

@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -20,13 +20,13 @@ from omegaconf import DictConfig, OmegaConf
 from llmexp.config.validation import is_lr_find
 from llmexp.errors import UserError
 from llmexp.model.rng import rng_untouched
+from llmexp.monitor.logger import MetricsLogger
 from llmexp.rundir.files import write_json_atomic
 from llmexp.rundir.readers import Damaged, load_json, reader
+from llmexp.train.runtime import Runtime
 from llmexp.train.schedule import set_lr
-
-if TYPE_CHECKING:
-    from llmexp.train.runtime import Runtime
-    from llmexp.train.state import Run
+from llmexp.train.setup import describe
+from llmexp.train.state import Run
 
 SMOOTHING = 0.98
 DIVERGED_FACTOR = 4.0
@@ -67,7 +67,7 @@ def suggest(lrs: list[float], smoothed: list[float], rule: str) -> dict[str, Any
             "min_smoothed_loss": smoothed[best]}
 
 
-ForwardBackward = Callable[["Run", Any], tuple[torch.Tensor, int, int]]
+ForwardBackward = Callable[[Run, Any], tuple[torch.Tensor, int, int]]
 """The loop's `train.forward_backward(run, train_ds)`: (loss sum on this rank, target tokens, tokens)."""
 
 
@@ -75,10 +75,6 @@ def range_test(cfg: DictConfig, rt: Runtime, vocab_size: int, train_ds: Any, dat
                forward_backward: ForwardBackward) -> dict[str, Any]:
     """Run the test on a throwaway run, its engine, model and optimizer set up as the run's own (`setup.describe`)
     and logging nothing; the curve and the pick (every rank gets the same)."""
-    from llmexp.monitor.logger import MetricsLogger
-    from llmexp.train.setup import describe
-    from llmexp.train.state import Run
-
     t, start_s = cfg.train, time.perf_counter()
     steps, first, last = int(t.lr_find_steps), float(t.lr_find_start), float(t.lr_find_end)
     with rng_untouched(rt.device):

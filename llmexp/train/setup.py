@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -15,14 +15,21 @@ from llmexp.config.derived import BatchPlan, make_plan, parse_batch_size, warmup
 from llmexp.errors import UserError
 from llmexp.machine.precision import BF16_EMULATION_ADVICE
 from llmexp.model import build
+from llmexp.model.cpu_matmul import MatmulPath, probe_once, route, widest_linear
+from llmexp.model.facts import model_facts
+from llmexp.model.loss import CausalLMLoss
 from llmexp.monitor.detectors import MonitorSettings
 from llmexp.monitor.throughput import flops_per_token, mfu_peak, process_age_s
+from llmexp.train.autobatch import choose_batch_size
+from llmexp.train.distributed import builds_cpu_lion
+from llmexp.train.engines.base import Engine
+from llmexp.train.engines.deepspeed import DeepSpeedEngine
+from llmexp.train.engines.fsdp import FsdpEngine
+from llmexp.train.engines.plain import PlainEngine
+from llmexp.train.resume import saved_auto_batch
+from llmexp.train.runtime import Runtime
+from llmexp.train.schedule import resolve_lr
 from llmexp.train.state import RunDescription
-
-if TYPE_CHECKING:
-    from llmexp.model.cpu_matmul import MatmulPath
-    from llmexp.train.engines.base import Engine
-    from llmexp.train.runtime import Runtime
 
 
 def describe(cfg: DictConfig, rt: Runtime, vocab_size: int, train_data: Any, data_fingerprint: str,
@@ -32,9 +39,6 @@ def describe(cfg: DictConfig, rt: Runtime, vocab_size: int, train_data: Any, dat
     the FLOPs per token), the matmul ceiling, the monitor settings. `lr_found`: `cfg.lr` is lr=find's pick."""
     auto_batch = None
     if parse_batch_size(cfg.batch_size) is None:  # batch_size=auto: the checkpoint's choice, else estimate and probe
-        from llmexp.train.autobatch import choose_batch_size
-        from llmexp.train.resume import saved_auto_batch
-
         auto_batch = choose_batch_size(cfg, rt, vocab_size, len(train_data), saved_auto_batch(cfg, rt.run_dir))
     plan = make_plan(cfg, rt.world, micro=auto_batch.chosen if auto_batch else None)
     engine = _engine(cfg, rt, plan)
@@ -61,16 +65,9 @@ def describe(cfg: DictConfig, rt: Runtime, vocab_size: int, train_data: Any, dat
 
 
 def _engine(cfg: DictConfig, rt: Runtime, plan: BatchPlan) -> Engine:
-    from llmexp.train.engines.plain import PlainEngine
-
     if cfg.deepspeed.stage > 0:
-        from llmexp.train.distributed import builds_cpu_lion
-        from llmexp.train.engines.deepspeed import DeepSpeedEngine
-
         return DeepSpeedEngine(rt.accelerator, rt.precision.name, plan, cfg.deepspeed.stage, builds_cpu_lion(cfg))
     if cfg.fsdp.name != "none":
-        from llmexp.train.engines.fsdp import FsdpEngine
-
         return FsdpEngine(rt.accelerator, rt.precision.name, plan, cfg.fsdp.name, cfg.fsdp.cpu_offload)
     return PlainEngine(rt.accelerator, rt.precision.name, cfg.precision.init_scale, cfg.precision.growth_interval,
                        trainable_only=cfg.peft.name != "none")  # adapters: checkpoints hold only the trainable
@@ -80,10 +77,6 @@ def _build(cfg: DictConfig, rt: Runtime, engine: Engine, vocab_size: int,
            micro_tokens: int) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
     """Model (wrapped with its loss) and optimizer, prepared for this device, and the `RunDescription` fields
     their size decides: the parameter counts, through them lr=auto and MFU's FLOPs and ceiling, the model facts."""
-    from llmexp.model.facts import model_facts
-    from llmexp.model.loss import CausalLMLoss
-    from llmexp.train.schedule import resolve_lr
-
     torch.manual_seed(cfg.seed)  # same init on every rank
     lm = build.build_model(cfg, vocab_size, rt.precision.name)
     _check_vocab(cfg, lm, vocab_size)
@@ -104,8 +97,6 @@ def _build(cfg: DictConfig, rt: Runtime, engine: Engine, vocab_size: int,
         compile_blocks(lm)
     loss_model = CausalLMLoss(lm)
     if matmul is not None and matmul.onednn:
-        from llmexp.model.cpu_matmul import route
-
         route(lm)
         loss_model.head_mm_t = matmul.matmul_t()
     model = engine.shard(loss_model)  # FSDP: before the optimizer sees the parameters
@@ -141,8 +132,6 @@ def _check_vocab(cfg: DictConfig, lm: torch.nn.Module, vocab_size: int) -> None:
 def cpu_matmul_path(cfg: DictConfig, rt: Runtime, lm: torch.nn.Module, micro_tokens: int) -> MatmulPath | None:
     """Where this run's fp32 matmuls go on a CPU (`llmexp.model.cpu_matmul`); None off the CPU or outside fp32
     (bf16 autocast runs on oneDNN already; emulated bf16 owns its matmuls)."""
-    from llmexp.model.cpu_matmul import MatmulPath, probe_once, widest_linear
-
     if rt.device.type != "cpu" or rt.precision.name != "fp32":
         return None
     why_not = ("train.cpu_matmul=torch" if cfg.train.cpu_matmul == "torch"
