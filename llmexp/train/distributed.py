@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DeepSpeedPlugin, DistributedType
 from omegaconf import DictConfig
 
 from llmexp.config.derived import BatchPlan
@@ -27,16 +32,12 @@ def accelerator_kwargs(cfg: DictConfig, plan: BatchPlan | None, precision: str) 
     """Arguments for `accelerate.Accelerator`. Mixed precision is left to the trainer (its own autocast and fp16
     scaler): Accelerate's wrapper would cast the whole logits tensor to fp32 after every forward. Under DeepSpeed
     the engine owns precision and the batch plan (`plan`, needed only then), so the plugin carries them."""
-    import torch
-
     check_launch_env(cfg, dict(os.environ))
     kwargs: dict[str, Any] = {"cpu": not torch.cuda.is_available(), "mixed_precision": "no"}
     if kwargs["cpu"]:  # DeepSpeed (imported by Accelerate and transformers when installed) would guess the
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # same, with a "Setting accelerator to CPU" warning
     if cfg.deepspeed.stage > 0:
         kwargs["cpu"] = False  # cpu=True makes Accelerate drop the DeepSpeed plugin silently; DeepSpeed finds the CPU
-        from accelerate.utils import DeepSpeedPlugin
-
         assert plan is not None, "DeepSpeed's config needs the batch plan"
         if errors := deepspeed_errors(cfg, torch.cuda.is_available()):  # check_environment guessed without torch
             raise UserError("cannot run this config here:\n  " + "\n  ".join(errors))
@@ -76,8 +77,6 @@ def single_process_env() -> None:
     variables, goes looking for MPI; give a plain `python -m llmexp` a one-rank world instead."""
     if "WORLD_SIZE" in os.environ:
         return
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -89,10 +88,6 @@ def check_engine(accelerator: Any) -> None:
     """Fail loudly if Accelerate did not enable the DeepSpeed plugin it was given, and repair the
     process layout Accelerate 1.15 leaves at 1 process / rank 0 for DeepSpeed on CPU (it reads
     it from the device's branch, which CPU lacks), although torch.distributed holds N ranks."""
-    import torch.distributed as dist
-    from accelerate.state import AcceleratorState, PartialState
-    from accelerate.utils import DistributedType
-
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         raise RuntimeError(f"deepspeed was configured but Accelerate runs {accelerator.distributed_type}; "
                            "check ACCELERATE_USE_CPU / `accelerate launch --cpu`, which turn DeepSpeed off")

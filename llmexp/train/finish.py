@@ -5,7 +5,11 @@ with summary.json still written if there is room for it."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
 
 from llmexp.errors import EXIT_USER, STATUS_EXIT
 from llmexp.model.save import save_model_dir
@@ -19,17 +23,12 @@ from llmexp.rundir.task_metrics import final_tasks
 from llmexp.train.resume import save_state_checkpoint
 from llmexp.train.state import Run
 
-if TYPE_CHECKING:
-    from omegaconf import DictConfig
-
 
 def save_merged(cfg: DictConfig, lm: Any, model_dir: Path, tokenizer: Any) -> None:
     """`model/merged/`: the base with the adapters added into its weights, a plain transformers model (in its own
     directory: next to adapter_config.json, transformers would load the adapter instead). A 4-bit base would be
     rounded to 4 bits again, so the base is loaded again in fp32 and the saved adapter merged into that (the usual
     QLoRA recipe); a 16/32-bit base is merged in place: the run is over, and this needs no second copy."""
-    import torch
-
     if cfg.peft.load_in_4bit:
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
@@ -109,8 +108,6 @@ def _save_final(run: Run, status: str) -> str:
 
 def build_summary(run: Run, status: str) -> dict[str, Any]:
     """summary.json: the final status and metrics, and every finding with its advice."""
-    from hydra.core.hydra_config import HydraConfig
-
     rt, desc, state, history = run.rt, run.desc, run.state, run.log.history
     findings = reconcile(history, desc.monitor) if rt.is_main else []  # also what the console printed
     tokens_per_sec = run.window.overall()

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from llmexp.errors import UserError
@@ -28,9 +30,6 @@ class TrialPruning:
     def for_job(cls, cfg: DictConfig, is_main: bool) -> TrialPruning | None:
         """This job's trial when it is one of a search's (`sweep=random|tpe`, `sweep.pruner` not none) and this
         is the first rank (the others follow its verdict); else None."""
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
         hydra = HydraConfig.get()
         if not is_main or cfg.sweep.name not in SEARCHES or cfg.sweep.pruner == "none" \
                 or hydra.mode != RunMode.MULTIRUN:

@@ -19,12 +19,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from accelerate.utils import broadcast_object_list, gather_object
 from omegaconf import DictConfig
 
 from llmexp.checkpoint import dcp, serialize
 from llmexp.checkpoint import store as ckpt
 from llmexp.errors import UserError, first_line
 from llmexp.rundir.readers import Damaged, MiB, parse_json, read_bytes, read_text
+from llmexp.train.engines.deepspeed import zero_world_mismatch
 from llmexp.train.state import LoopState, Run, RunDescription
 
 TRAINER_STATE = "trainer_state.json"
@@ -34,8 +36,6 @@ def save_state_checkpoint(run: Run) -> bool:
     """Save `checkpoints/step_<N>/` atomically (rank 0 writes; every rank's RNG is gathered). False on every rank
     when the disk was full (reported; older checkpoints kept): the run must stop as `failed`, not go on without a
     way back."""
-    from accelerate.utils import gather_object
-
     cfg, rt, model, state, log, engine = run.cfg, run.rt, run.model, run.state, run.log, run.engine
     if run.train_data is not None:  # a stream's position is not a function of the step: it is saved
         state.data_state = run.train_data.position(state.step + state.data_offset, run.desc.plan.global_batch)
@@ -257,8 +257,6 @@ def _check_world_size(run: Run, saved: int | None) -> None:
     if saved is None or saved == plan.world:
         return
     if run.engine.zero_checkpoints:
-        from llmexp.train.engines.deepspeed import zero_world_mismatch
-
         raise zero_world_mismatch(saved, plan.world)
     run.log.write(f"resuming a checkpoint saved by {saved} process(es) on {plan.world}: the global batch is "
                   f"{plan.global_batch} as before, so the run continues as an uninterrupted {plan.world}-process "
@@ -285,8 +283,6 @@ def _found_checkpoint(run: Run) -> tuple[Path, dict[str, Any]] | None:
         found, refusal = _newest_that_fits(run, notes.append) if rt.is_main else (None, None)
         path = str(found[0]) if found else None
         if rt.world > 1:  # rank 0's pick on every rank
-            from accelerate.utils import broadcast_object_list
-
             path, refusal = broadcast_object_list([path, refusal])
         if refusal is not None:
             raise UserError(refusal)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from llmexp.checkpoint import dcp
 from llmexp.checkpoint.serialize import CorruptCheckpoint
@@ -35,8 +36,6 @@ def backend(cpu_offload: bool) -> str:
 
 def ensure_process_group(cpu_offload: bool = False) -> None:
     """fully_shard needs a process group even for one process: give a plain `python -m llmexp` one."""
-    import torch.distributed as dist
-
     from llmexp.train.distributed import single_process_env
 
     if not dist.is_initialized():
