@@ -16,6 +16,7 @@ from llmexp.config.derived import world_size_from_env as world_size
 from llmexp.data.cache import save_cache
 from llmexp.machine.precision import precision_on
 from llmexp.model import build
+from llmexp.model.bf16_emulation import Bf16Emulation, settle_on_cpu
 from llmexp.monitor.console import quiet_console
 from llmexp.monitor.logger import MetricsLogger
 from llmexp.monitor.sinks import make_sinks
@@ -42,8 +43,6 @@ class Runtime:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"  # Accelerate's choice (accelerator_kwargs)
         precision = precision_on(cfg.precision.name, device_type)
         if device_type == "cpu":  # bf16 without native support: measured, and emulated where that is faster
-            from llmexp.model.bf16_emulation import settle_on_cpu
-
             precision = settle_on_cpu(precision)
         self.precision = precision
         """Resolved once, here: the loop, the engines and the DeepSpeed config all take this one."""
@@ -119,11 +118,7 @@ class Runtime:
         """bf16 emulated on fp32 kernels where this CPU's own bf16 matmuls are slower (`precision.emulate_bf16`),
         around forward *and* backward: the backward's matmuls are bf16 too, and gradient checkpointing recomputes
         the forward inside backward. A no-op elsewhere."""
-        if not self.precision.emulate_bf16:
-            return nullcontext()
-        from llmexp.model.bf16_emulation import Bf16Emulation
-
-        return Bf16Emulation()
+        return Bf16Emulation() if self.precision.emulate_bf16 else nullcontext()
 
     @contextmanager
     def compute(self) -> Iterator[None]:
