@@ -8,8 +8,9 @@ parametrization scales with width, not about the text, and a fixed batch keeps t
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -17,9 +18,6 @@ from omegaconf import DictConfig, OmegaConf
 from llmexp.config.derived import model_sizes
 from llmexp.model.build import build_model, build_optimizer
 from llmexp.train.schedule import set_lr
-
-if TYPE_CHECKING:
-    from collections.abc import Iterator
 
 GROUPS = ("embedding", "attention", "mlp", "logits")
 """The layer groups recorded: the embedding's output, each block's attention and MLP outputs (mean over the

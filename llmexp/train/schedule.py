@@ -8,14 +8,13 @@ optimizer step, so the schedule holds no state: resuming at step k gives exactly
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from omegaconf import DictConfig
 
 from llmexp.config.derived import model_sizes
 from llmexp.config.validation import configured_lr
 from llmexp.model.mup import lr_mult
-
-if TYPE_CHECKING:
-    from omegaconf import DictConfig
 
 
 def set_lr(optimizer: Any, lr: float) -> None:
