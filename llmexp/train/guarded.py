@@ -5,6 +5,12 @@ trainer (torch) is imported only when a run starts."""
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from llmexp.config.derived import use_shared_compile_cache
@@ -14,14 +20,13 @@ from llmexp.machine.environment import check_environment
 from llmexp.monitor.console import job_log
 from llmexp.rundir.lock import HYDRA_FILES, LOCK_NAME, put_back_hydra_files, remove_made_parents
 from llmexp.rundir.redact import print_user_error, scrub_text
+from llmexp.train.preemption import PreemptionSignal
 
 
 def run_guarded(cfg: DictConfig) -> int:
     """Validate, then train; return the exit code. User errors print one clear message, no traceback. The run's
     one preemption guard is entered here, before the trainer (torch) is imported: from then on SIGTERM, SIGUSR1,
     SIGUSR2 and Ctrl-C stop the run at its first step boundary, importing included."""
-    from llmexp.train.preemption import PreemptionSignal
-
     try:
         with PreemptionSignal():
             validate(cfg)  # (the CLI ran both before Hydra did anything; a sweep job runs them here, in its process)
@@ -57,13 +62,6 @@ def _leave_refused_run_dir(message: str) -> None:
     with `hydra.run.dir=.` only the start files go, never the working directory itself. A directory that stays
     (an earlier run's) keeps Hydra's config files as they were (`put_back_hydra_files`) and gets the refusal in its
     job log, where the next reader of that run looks."""
-    import contextlib
-    import shutil
-    from pathlib import Path
-
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.RUN:
         return
     run_dir, subdir = Path(HydraConfig.get().runtime.output_dir), HydraConfig.get().output_subdir
