@@ -142,7 +142,7 @@ def settle_lr(cfg: DictConfig, rt: Runtime, vocab_size: int, train_ds: Any, data
     saved = read_lr_find(path)  # an earlier launch's result in this directory, reused for the same test
     test = {"lr_find_steps": t.lr_find_steps, "lr_find_start": t.lr_find_start, "lr_find_end": t.lr_find_end,
             "rule": t.lr_find_rule}
-    if saved and "suggestion" in saved and all(saved.get(k) == v for k, v in test.items()):
+    if saved and all(saved.get(k) == v for k, v in test.items()):
         _say(rt, f"lr_find: reusing {path}: lr {saved['suggestion']:.4g}")  # type: ignore[index]
         return with_lr(cfg, saved["suggestion"]), saved  # type: ignore[index]
     result = range_test(cfg, rt, vocab_size, train_ds, data_fingerprint, forward_backward)

@@ -37,8 +37,8 @@ def save_state_checkpoint(run: Run) -> bool:
     when the disk was full (reported; older checkpoints kept): the run must stop as `failed`, not go on without a
     way back."""
     cfg, rt, model, state, log, engine = run.cfg, run.rt, run.model, run.state, run.log, run.engine
-    if run.train_data is not None:  # a stream's position is not a function of the step: it is saved
-        state.data_state = run.train_data.position(state.step + state.data_offset, run.desc.plan.global_batch)
+    # a stream's position is not a function of the step: it is saved
+    state.data_state = run.train_data.position(state.step + state.data_offset, run.desc.plan.global_batch)
     rng_states = gather_object([serialize.capture_rng()]) if rt.world > 1 else [serialize.capture_rng()]
     write_optimizer = engine.optimizer_writer(run.optimizer, rt.run_dir, state.step)  # ZeRO: collective
     weights = engine.full_weights(model)  # ZeRO-3: gathered (collective); else None

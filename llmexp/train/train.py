@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,7 @@ class RunResult:
 
     status: str
     step: int
-    summary: dict[str, Any] = field(default_factory=dict)
+    summary: dict[str, Any]
 
 
 def train(cfg: DictConfig) -> RunResult:
