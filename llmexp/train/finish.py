@@ -91,13 +91,10 @@ def _save_final(run: Run, status: str) -> str:
     if rt.is_main:
         try:
             with staged_dir(rt.run_dir / "model", staging=rt.run_dir / ".model.tmp") as tmp:  # never half-written
-                lm = run.engine.lm(run.model)
-                if cfg.peft.name != "none":  # adapter_config.json + adapter_model.safetensors
-                    save_model_dir(lm, tmp)
-                    if cfg.train.merge_adapter:
-                        save_merged(cfg, lm, tmp, run.tokenizer)
-                else:  # weights: the gathered ones, else None (the model's own)
-                    save_model_dir(lm, tmp, state_dict=weights)
+                lm = run.engine.lm(run.model)  # with adapters: adapter_config.json + adapter_model.safetensors
+                save_model_dir(lm, tmp, state_dict=weights)  # weights: the gathered ones, else None (the model's own)
+                if cfg.peft.name != "none" and cfg.train.merge_adapter:
+                    save_merged(cfg, lm, tmp, run.tokenizer)
                 run.tokenizer.save_pretrained(tmp)
         except DiskFull as err:
             full = err
