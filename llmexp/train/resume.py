@@ -325,11 +325,10 @@ def saved_auto_batch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     found = ckpt.list_checkpoints(run_dir / "checkpoints") if choice == "auto" else [Path(choice)]
     if choice == "never" or not found:
         return None
-    try:
-        saved = _read_trainer_state(found[-1] / TRAINER_STATE)["state"].get("batch_size_auto")
+    try:  # (_read_trainer_state checks the choice is a dict, as LoopState's; {} where none was saved)
+        return _read_trainer_state(found[-1] / TRAINER_STATE)["state"].get("batch_size_auto") or None
     except ckpt.CorruptCheckpoint:
         return None
-    return saved if isinstance(saved, dict) and saved else None
 
 
 def load_resume_state(run: Run) -> LoopState | None:
