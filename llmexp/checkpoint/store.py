@@ -15,6 +15,7 @@ import shutil
 import socket
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from itertools import pairwise
 from pathlib import Path
 from typing import Any, TypeVar
@@ -41,8 +42,6 @@ T = TypeVar("T")
 def _sha256_all(paths: list[Path]) -> list[str]:
     """Hash files in parallel: hashlib releases the GIL, and a 7B run's checkpoint (weights, Adam moments, per-rank
     ZeRO shards) is tens of GB in several files."""
-    from concurrent.futures import ThreadPoolExecutor
-
     with ThreadPoolExecutor(max_workers=max(1, min(4, len(paths), os.cpu_count() or 1))) as pool:
         return list(pool.map(file_sha256, paths))
 
