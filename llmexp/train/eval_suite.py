@@ -17,7 +17,7 @@ from llmexp.config.schema import PerplexitySetConfig
 from llmexp.data.datasets import TokenDataset, build_datasets, pad_id_of
 from llmexp.data.sources import load_corpora
 from llmexp.errors import UserError
-from llmexp.evals import score
+from llmexp.evals import harness, score
 from llmexp.evals.demo import demo_items
 from llmexp.evals.items import ChoiceItem, GenerateItem, TaskFiles
 from llmexp.monitor.logger import safe_exp
@@ -64,8 +64,6 @@ def build_suite(cfg: DictConfig, tokenizer: Any, files: TaskFiles, is_main: bool
     for name, entry in ev.perplexity.items():
         suite.perplexity[str(name)] = build_datasets(perplexity_cfg(cfg, entry), tokenizer)[1]
     if ev.lm_eval.tasks and is_main:
-        from llmexp.evals import harness
-
         lm = ev.lm_eval
         suite.harness = harness.task_manager(lm.include_path, lm.include_defaults)
         harness.check_tasks(suite.harness, list(lm.tasks), lm.include_path, lm.include_defaults)
@@ -151,8 +149,6 @@ def _generate_task(run: Run, step: int, name: str, items: list[GenerateItem], ta
 
 def _harness_tasks(run: Run, manager: Any, step: int) -> list[dict[str, Any]]:
     """The harness's tasks on rank 0 (the only rank with an index); one record per task it reports."""
-    from llmexp.evals import harness
-
     start, rt, lm_cfg = time.perf_counter(), run.rt, run.cfg.eval.lm_eval
     with rt.compute():
         results = harness.evaluate(run.engine.lm(run.model), run.tokenizer, manager, list(lm_cfg.tasks),

@@ -21,6 +21,7 @@ from llmexp.config.validation import is_lr_find
 from llmexp.errors import UserError
 from llmexp.model.rng import rng_untouched
 from llmexp.monitor.logger import MetricsLogger
+from llmexp.report.plots import plot_lr_find
 from llmexp.rundir.files import write_json_atomic
 from llmexp.rundir.readers import Damaged, load_json, reader
 from llmexp.train.runtime import Runtime
@@ -149,8 +150,6 @@ def settle_lr(cfg: DictConfig, rt: Runtime, vocab_size: int, train_ds: Any, data
     if rt.is_main:
         write_json_atomic(path, result)
         try:
-            from llmexp.report.plots import plot_lr_find
-
             plot_lr_find(result, rt.run_dir / "lr_find.png")
         except Exception as err:  # a plotting problem must not lose the result
             _say(rt, f"warning: could not plot lr_find.png: {err!r}")
