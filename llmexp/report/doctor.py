@@ -17,16 +17,9 @@ from llmexp.errors import EXIT_ERROR, EXIT_OK, EXIT_USER
 from llmexp.monitor.detectors import is_open
 from llmexp.report.findings import finding_state, run_findings
 from llmexp.report.run import DAMAGED_SUMMARY, write_run_report
+from llmexp.rundir import read
 from llmexp.rundir.files import unwritable
 from llmexp.rundir.lock import lock_holder
-from llmexp.rundir.read import (
-    is_run_dir,
-    is_sweep_dir,
-    load_job_status,
-    load_records,
-    load_summary,
-    summary_damaged,
-)
 
 _COLOURS = {"error": "\033[31m", "warning": "\033[33m", "info": "\033[36m", "ok": "\033[32m"}
 _RESET, _BOLD = "\033[0m", "\033[1m"
@@ -57,7 +50,7 @@ def format_findings(findings: list[dict], paint: Paint, failed: bool = False) ->
 
 def diagnose_run(run_dir: Path) -> tuple[int, str]:
     """(exit code, text to print) for one run directory; rewrites its report."""
-    records = load_records(run_dir)
+    records = read.load_records(run_dir)
     findings = run_findings(run_dir, records)
     try:
         write_run_report(run_dir, findings)
@@ -80,13 +73,13 @@ def _status(run_dir: Path) -> tuple[str, bool]:
     (a job that failed before writing any summary)."""
     if (holder := lock_holder(run_dir)) is not None:
         return f"running (pid {holder})", False
-    summary = load_summary(run_dir)
-    if summary_damaged(run_dir, summary):
+    summary = read.load_summary(run_dir)
+    if read.summary_damaged(run_dir, summary):
         return DAMAGED_SUMMARY, True
     if ended := (summary or {}).get("status"):
         error = summary.get("error") if summary else None
         return f"{ended} ({error})" if error else str(ended), ended in ("failed", "crashed")
-    if ended := (job := load_job_status(run_dir)).get("status"):
+    if ended := (job := read.load_job_status(run_dir)).get("status"):
         return f"{ended} ({job.get('error')})", ended in ("failed", "crashed")
     return "no summary.json (killed, or running on another host)", False
 
@@ -97,10 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.strip(), file=sys.stderr)
         return EXIT_USER
     run_dir = Path(args[0])
-    if not run_dir.is_dir() or not is_run_dir(run_dir):
-        hint = (" It is a sweep directory: use `python -m llmexp.report " + str(run_dir) + "`, or give one job's "
-                "directory (e.g. " + str(run_dir / "0") + ").") if run_dir.is_dir() and is_sweep_dir(run_dir) else \
-            " Give the directory of one run (outputs/<date>/<time>-<pid>), which holds metrics.jsonl."
+    if not run_dir.is_dir() or not read.is_run_dir(run_dir):
+        hint = " Give the directory of one run (outputs/<date>/<time>-<pid>), which holds metrics.jsonl."
+        if run_dir.is_dir() and read.is_sweep_dir(run_dir):
+            hint = (f" It is a sweep directory: use `python -m llmexp.report {run_dir}`, or give one job's directory "
+                    f"(e.g. {run_dir / '0'}).")
         print(f"llmexp.doctor: error: {run_dir} is not a run directory (no metrics.jsonl, summary.json "
               f"or .hydra/config.yaml).{hint}", file=sys.stderr)
         return EXIT_USER

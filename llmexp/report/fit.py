@@ -24,18 +24,8 @@ import numpy as np
 from llmexp.errors import EXIT_OK, EXIT_USER, UserError
 from llmexp.machine.paths import dir_out_problem
 from llmexp.report.formats import fmt, fmt_params
+from llmexp.rundir import read
 from llmexp.rundir.files import write_json_atomic
-from llmexp.rundir.read import (
-    FINISHED,
-    config_value,
-    is_sweep_dir,
-    job_dirs,
-    load_config,
-    load_job_status,
-    load_records,
-    load_summary,
-    summary_damaged,
-)
 
 WINDOW_DECADES = 0.5
 """The parabola is fitted through the grid's minimum and its neighbours within this many decades of it (always the
@@ -233,15 +223,15 @@ def _damaged(path: Path, why: str) -> UserError:
 def read_job(job_dir: Path) -> Job | str:
     """A finished job of a sweep, or why it is left out. A summary.json that is there but unreadable is an error
     (its reader said what is wrong with it): fitting without it would quietly move the optimum."""
-    summary_path, summary = job_dir / "summary.json", load_summary(job_dir)
-    if summary_damaged(job_dir, summary):
+    summary_path, summary = job_dir / "summary.json", read.load_summary(job_dir)
+    if read.summary_damaged(job_dir, summary):
         raise _damaged(summary_path, "damaged (the line above says how)")
     if summary is None:
         return "no summary.json (running, killed or crashed)"
-    status = load_job_status(job_dir).get("status") or summary.get("status")
-    if status not in (*FINISHED, "diverged"):
+    status = read.load_job_status(job_dir).get("status") or summary.get("status")
+    if status not in (*read.FINISHED, "diverged"):
         return f"status {status}"
-    start = next((r for r in load_records(job_dir) if r.get("event") == "start"), {})
+    start = next((r for r in read.load_records(job_dir) if r.get("event") == "start"), {})
     params = start.get("model_params", summary.get("total_params"))
     lr = summary.get("lr", start.get("lr_chosen"))
     batch, context, step = summary.get("global_batch_size"), start.get("max_length"), summary.get("step")
@@ -253,10 +243,10 @@ def read_job(job_dir: Path) -> Job | str:
     if loss is None and not diverged:
         return "no eval loss (train.eval_steps off?)"
     # model.parametrization is newer than some runs, which were all trained in the standard parametrization
-    cfg = load_config(job_dir)
-    parametrization = config_value(cfg, "model.parametrization")
+    cfg = read.load_config(job_dir)
+    parametrization = read.config_value(cfg, "model.parametrization")
     mup = parametrization == "mup"
-    base = " ".join(f"model.{k}={config_value(cfg, f'model.{k}')}" for k in MUP_BASE) if mup else ""
+    base = " ".join(f"model.{k}={read.config_value(cfg, f'model.{k}')}" for k in MUP_BASE) if mup else ""
     return Job(job_dir, int(params), float(lr), None if diverged else float(loss), int(batch), int(context),
                float(step or 0) * batch * context, parametrization if isinstance(parametrization, str) else "standard",
                base)
@@ -271,12 +261,12 @@ def collect(sweep_dirs: list[Path]) -> tuple[list[Job], list[dict[str, str]]]:
     jobs: list[Job] = []
     left_out: list[dict[str, str]] = []
     for sweep in dict.fromkeys(sweep_dirs):  # a directory given twice: its jobs count once, not as seeds
-        if not is_sweep_dir(sweep):
+        if not read.is_sweep_dir(sweep):
             raise UserError(f"{sweep} is not a sweep directory (no multirun.yaml, no job subdirectories); point "
                             "llmexp.fit at the directory `python -m llmexp --multirun` wrote (hydra.sweep.dir)")
-        read = [(job_dir, read_job(job_dir)) for job_dir in job_dirs(sweep)]
-        jobs += [job for _, job in read if isinstance(job, Job)]
-        left_out += [{"job": str(job_dir), "why": job} for job_dir, job in read if isinstance(job, str)]
+        outcomes = [(job_dir, read_job(job_dir)) for job_dir in read.job_dirs(sweep)]
+        jobs += [job for _, job in outcomes if isinstance(job, Job)]
+        left_out += [{"job": str(job_dir), "why": job} for job_dir, job in outcomes if isinstance(job, str)]
     if jobs and all(j.loss is None for j in jobs):
         raise UserError(f"every finished job in {', '.join(map(str, sweep_dirs))} diverged: sweep lower lrs (the "
                         f"lowest here, {min(j.lr for j in jobs):.3g}, is still too high)")

@@ -10,33 +10,25 @@ from typing import Any
 from llmexp.monitor.detectors import ERROR, is_open, worst_severity
 from llmexp.report.findings import finding_state, run_findings
 from llmexp.report.formats import fmt, fmt_rate, is_finite, md_cell, md_table
+from llmexp.rundir import read
 from llmexp.rundir.files import write_text_atomic
-from llmexp.rundir.read import (
-    config_value,
-    last_value,
-    load_config,
-    load_overrides,
-    load_records,
-    load_summary,
-    summary_damaged,
-)
 from llmexp.rundir.task_metrics import task_history, task_records
 
 
 def _key_metrics(records: list[dict], summary: dict) -> list[tuple[str, str]]:
     evals = [(r["step"], r["eval_loss"]) for r in records if r.get("event") == "eval" and is_finite(r.get("eval_loss"))]
     best = min(evals, key=lambda sv: sv[1]) if evals else None
-    pick = lambda key, event="train": summary.get(key, last_value(records, event, key))  # noqa: E731
+    pick = lambda key, event="train": summary.get(key, read.last_value(records, event, key))  # noqa: E731
     rows = [
         ("steps", fmt(pick("step"))),
-        ("final train loss", fmt(summary.get("train_loss", last_value(records, "train", "loss")))),
+        ("final train loss", fmt(summary.get("train_loss", read.last_value(records, "train", "loss")))),
         ("final eval loss", fmt(pick("eval_loss", "eval"))),
         ("final eval ppl", fmt(pick("eval_ppl", "eval"))),
         ("best eval loss", f"{best[1]:.4g} (step {best[0]})" if best else "–"),
         ("tokens/s", fmt_rate(pick("tokens_per_sec"))),
         ("MFU", "not reported (see the mfu_unavailable finding)" if "mfu" in summary and summary["mfu"] is None
          else fmt(pick("mfu"), 3)),
-        ("peak memory (MB)", fmt(summary.get("peak_mem_mb", last_value(records, "train", "mem_mb")))),
+        ("peak memory (MB)", fmt(summary.get("peak_mem_mb", read.last_value(records, "train", "mem_mb")))),
         ("wall time (s)", fmt(pick("time_s"))),
         ("parameters", _parameters(summary)),
         ("lr", fmt(summary.get("lr")) + (f" ({summary['lr_source']})" if summary.get("lr_source") else "")),
@@ -71,9 +63,9 @@ _BUILT_ONLY = {"model.name", "model.hidden_size", "model.width_mult", "model.par
 
 def settings_rows(cfg: dict) -> list[tuple[str, str]]:
     """The settings that decide how training behaves, as (label, value) rows; unset ones left out."""
-    unused = _BUILT_ONLY if config_value(cfg, "model.name_or_path") is not None else set()
+    unused = _BUILT_ONLY if read.config_value(cfg, "model.name_or_path") is not None else set()
     return [(label, fmt(value)) for label, key in _SETTINGS
-            if key not in unused and (value := config_value(cfg, key)) is not None]
+            if key not in unused and (value := read.config_value(cfg, key)) is not None]
 
 
 def _with_auto_batch(cfg: dict, records: list[dict]) -> dict:
@@ -158,7 +150,7 @@ call it."""
 
 def run_report_markdown(run_dir: Path, records: list[dict], summary: dict | None, findings: list[dict],
                         cfg: dict, overrides: list[str]) -> str:
-    status = DAMAGED_SUMMARY if summary_damaged(run_dir, summary) else (summary or {}).get(
+    status = DAMAGED_SUMMARY if read.summary_damaged(run_dir, summary) else (summary or {}).get(
         "status", "unknown (no summary.json: the run was killed or is still running)")
     worst = worst_severity(findings)
     health = "healthy" if worst is None or worst == "info" else ("broken" if worst == ERROR else "needs attention")
@@ -189,12 +181,11 @@ def write_run_report(run_dir: Path, findings: list[dict] | None = None) -> None:
     from llmexp.report.plots import plot_run
 
     run_dir = Path(run_dir)
-    records = load_records(run_dir)
+    records = read.load_records(run_dir)
     found = run_findings(run_dir, records) if findings is None else findings
-    cfg = load_config(run_dir)
-    text = run_report_markdown(run_dir, records, load_summary(run_dir), found, cfg,
-                               load_overrides(run_dir))
-    clip = config_value(cfg, "train.max_grad_norm")
+    cfg = read.load_config(run_dir)
+    text = run_report_markdown(run_dir, records, read.load_summary(run_dir), found, cfg, read.load_overrides(run_dir))
+    clip = read.config_value(cfg, "train.max_grad_norm")
     plot_run(records, found, run_dir / "curves.png", title=run_dir.resolve().name,
              max_grad_norm=float(clip) if isinstance(clip, int | float) else None)
     write_text_atomic(run_dir / "report.md", text)

@@ -22,25 +22,8 @@ from typing import Any
 
 from llmexp.monitor.console import format_duration
 from llmexp.report.formats import is_finite
+from llmexp.rundir import read
 from llmexp.rundir.lock import LOCK_NAME, lock_holder
-from llmexp.rundir.read import (
-    is_run_dir,
-    is_sweep_dir,
-    job_dirs,
-    job_order,
-    launched_jobs,
-    load_job_status,
-    load_overrides,
-    load_records,
-    load_summary,
-    missing_status,
-    read_slurm_jobs,
-    shown_overrides,
-    slurm_end_status,
-    summary_damaged,
-    swept_keys,
-    varying_keys,
-)
 
 SCHEDULER_TIMEOUT_S = 0.7
 """What the scheduler may take to answer (squeue and sacct run side by side); past it the column says `?`."""
@@ -138,11 +121,11 @@ def _status(run_dir: Path, summary: dict | None, verdict: dict, records: list[di
         return str(ended)
     if summary is not None and summary.get("status"):
         return str(summary["status"])
-    if state and (final := slurm_end_status(state)):
+    if state and (final := read.slurm_end_status(state)):
         return final
     if ended in WAITING:
         return "queued" if sweeper or ended == "submitted" else "not_started"  # (SLURM queues without a sweeper)
-    if summary is not None or summary_damaged(run_dir, summary):  # there without a status, or unreadable:
+    if summary is not None or read.summary_damaged(run_dir, summary):  # there without a status, or unreadable:
         return "failed"  # as the sweep report says
     if records:
         return "killed"
@@ -154,8 +137,8 @@ def _status(run_dir: Path, summary: dict | None, verdict: dict, records: list[di
 def job_row(run_dir: Path, shown: str, slurm_id: str | None, states: dict[str, str], sweeper: bool = True) -> Row:
     """A run directory's line: its files, and the scheduler's word on its SLURM job; `sweeper`: the sweep's
     sweeper is alive."""
-    records, summary = load_records(run_dir), load_summary(run_dir)
-    verdict = load_job_status(run_dir)
+    records, summary = read.load_records(run_dir), read.load_summary(run_dir)
+    verdict = read.load_job_status(run_dir)
     slurm_id = slurm_id or verdict.get("job_id")
     state = states.get(slurm_id) if slurm_id else None
     status = _status(run_dir, summary, verdict, records, state, sweeper)
@@ -175,20 +158,21 @@ def rows(path: Path, scheduler_timeout_s: float = SCHEDULER_TIMEOUT_S) -> list[R
     """The table's lines for a run directory or a sweep directory, with a line for each job the sweep launched
     whose directory is gone (`rundir.read.launched_jobs`)."""
     path = Path(path)
-    sweep = is_sweep_dir(path) and not (path / "metrics.jsonl").exists()
-    dirs = job_dirs(path) if sweep else [path]
-    slurm = {str(k): str(v) for k, v in ((read_slurm_jobs(path / "slurm_jobs.json") or {}).get("jobs") or {}).items()}
-    verdict_ids = [str(j) for d in dirs if (j := load_job_status(d).get("job_id"))]
+    sweep = read.is_sweep_dir(path) and not (path / "metrics.jsonl").exists()
+    dirs = read.job_dirs(path) if sweep else [path]
+    recorded = read.read_slurm_jobs(path / "slurm_jobs.json") or {}
+    slurm = {str(k): str(v) for k, v in (recorded.get("jobs") or {}).items()}
+    verdict_ids = [str(j) for d in dirs if (j := read.load_job_status(d).get("job_id"))]
     states = scheduler_states(sorted(set(slurm.values()) | set(verdict_ids)), scheduler_timeout_s)
-    overrides = {d.name: load_overrides(d) for d in dirs}
-    gone = {name: job for name, job in (launched_jobs(path) if sweep else {}).items() if name not in overrides}
+    overrides = {d.name: read.load_overrides(d) for d in dirs}
+    gone = {name: job for name, job in (read.launched_jobs(path) if sweep else {}).items() if name not in overrides}
     overrides |= gone
-    keys = varying_keys(list(overrides.values()), swept_keys(path) if sweep else [])
-    shown = {name: shown_overrides(job, keys) for name, job in overrides.items()}
+    keys = read.varying_keys(list(overrides.values()), read.swept_keys(path) if sweep else [])
+    shown = {name: read.shown_overrides(job, keys) for name, job in overrides.items()}
     sweeper = dirs == [path] or lock_holder(path) is not None
     table = [job_row(d, shown[d.name], slurm.get(d.name), states, sweeper) for d in dirs]
-    table += [Row(job=name, overrides=shown[name], status=missing_status(path)) for name in gone]
-    return sorted(table, key=lambda row: job_order(row.job))
+    table += [Row(job=name, overrides=shown[name], status=read.missing_status(path)) for name in gone]
+    return sorted(table, key=lambda row: read.job_order(row.job))
 
 
 def _fmt(value: float | None) -> str:
@@ -229,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     if not all(0 < s <= 86400 for s in (1 if args.watch is None else args.watch, args.scheduler_timeout)):  # (not nan)
         parser.error("--watch and --scheduler-timeout take a number of seconds in (0, 86400]")
     sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]  # (a directory named in bytes)
-    if not (is_run_dir(args.dir) or is_sweep_dir(args.dir)):
+    if not (read.is_run_dir(args.dir) or read.is_sweep_dir(args.dir)):
         print(f"llmexp.status: error: {NEITHER.format(args.dir)}", file=sys.stderr)
         return 2
     width = shutil.get_terminal_size((160, 24)).columns

@@ -17,26 +17,9 @@ from llmexp.monitor.logger import safe_exp
 from llmexp.report.findings import run_findings
 from llmexp.report.formats import fmt, fmt_rate, is_finite, md_table
 from llmexp.report.search import PRUNED, load_study, search_markdown, search_summary
+from llmexp.rundir import read
 from llmexp.rundir.files import write_text_atomic
 from llmexp.rundir.lock import lock_holder
-from llmexp.rundir.read import (
-    FINISHED,
-    config_value,
-    job_dirs,
-    job_order,
-    last_value,
-    launched_jobs,
-    load_config,
-    load_job_status,
-    load_overrides,
-    load_records,
-    load_summary,
-    missing_status,
-    override_key,
-    summary_damaged,
-    swept_keys,
-    varying_keys,
-)
 from llmexp.rundir.task_metrics import final_tasks, metric_value
 
 log = logging.getLogger(__name__)
@@ -63,13 +46,13 @@ def _param_dict(overrides: list[str]) -> dict[str, str]:
 def collect_job(job_dir: Path, records: list[dict], launched: list[str] | None = None) -> dict[str, Any]:
     """One sweep job's entry from its directory and metrics: overrides, status, final metrics, findings and loss
     stability; `launched`: the overrides the sweep's record gives a job whose directory is gone."""
-    summary = load_summary(job_dir)
-    job_status = load_job_status(job_dir)
-    overrides = load_overrides(job_dir) if launched is None else launched
+    summary = read.load_summary(job_dir)
+    job_status = read.load_job_status(job_dir)
+    overrides = read.load_overrides(job_dir) if launched is None else launched
     entry: dict[str, Any] = {"job": job_dir.name, "dir": str(job_dir), "overrides": overrides,
                              "params": _param_dict(overrides)}
     if launched is not None:  # (multirun.yaml launched it; nothing of it is left to read)
-        entry["status"] = missing_status(job_dir.parent)
+        entry["status"] = read.missing_status(job_dir.parent)
         entry["error"] = ("its directory is gone; the sweep's command runs it again" if entry["status"] == "missing"
                           else None)
     elif summary is not None:
@@ -82,19 +65,19 @@ def collect_job(job_dir: Path, records: list[dict], launched: list[str] | None =
         entry["status"], entry["error"] = "not_started", "its sweeper stopped first; the sweep's command runs it"
     else:
         entry["status"] = job_status.get("status", "failed")
-        damaged = summary_damaged(job_dir, summary)
+        damaged = read.summary_damaged(job_dir, summary)
         entry["error"] = job_status.get("error") or (f"{job_dir / 'summary.json'} is damaged (not a JSON object)"
                                                      if damaged else "no summary.json: the job was killed or crashed")
     for key, event, rec_key in (("step", "train", "step"), ("train_loss", "train", "loss"),
                                 ("train_ppl", "train", "ppl"), ("eval_loss", "eval", "eval_loss"),
                                 ("eval_ppl", "eval", "eval_ppl"), ("tokens_per_sec", "train", "tokens_per_sec")):
         value = (summary or {}).get(key)
-        entry[key] = value if value is not None else last_value(records, event, rec_key)
+        entry[key] = value if value is not None else read.last_value(records, event, rec_key)
     if isinstance(entry["train_loss"], int | float) and (summary or {}).get("train_loss") is not None:
         entry["train_ppl"] = safe_exp(entry["train_loss"])  # consistent with the loss shown (inf past e^709)
-    config = load_config(job_dir)  # a job from before sweep.metric and sweep.direction: the eval loss, minimised
-    entry["metric"] = str(config_value(config, "sweep.metric") or "eval_loss")
-    entry["direction"] = str(config_value(config, "sweep.direction") or "minimize")
+    config = read.load_config(job_dir)  # a job from before sweep.metric and sweep.direction: the eval loss, minimised
+    entry["metric"] = str(read.config_value(config, "sweep.metric") or "eval_loss")
+    entry["direction"] = str(read.config_value(config, "sweep.direction") or "minimize")
     entry["metric_value"] = metric_value(entry["metric"], summary, records)  # what the recommendation ranks by
     entry["tasks"] = (summary or {}).get("tasks") or final_tasks(records)
     entry["findings"] = run_findings(job_dir, records)
@@ -105,7 +88,7 @@ def collect_job(job_dir: Path, records: list[dict], launched: list[str] | None =
 
 def varying_params(jobs: list[dict], swept: list[str] | None = None) -> list[str]:
     """The keys that tell the jobs apart: `rundir.read.varying_keys` of their params (`swept`: the sweep's record)."""
-    return varying_keys([[f"{k}={v}" for k, v in job["params"].items()] for job in jobs], swept or [])
+    return read.varying_keys([[f"{k}={v}" for k, v in job["params"].items()] for job in jobs], swept or [])
 
 
 REPLICATE_KEYS = ("seed", "train.seed_data")
@@ -119,7 +102,8 @@ def _swept(job: dict, keys: list[str]) -> str:
 def recommend(jobs: list[dict], varying: list[str]) -> dict[str, Any] | None:
     """The recommended setting, chosen as docs/how-to/sweeps.md says (`sweep.metric` among finished jobs with no
     error findings, the mean over seeds), with the reason and how stably its loss fell."""
-    ok = [j for j in jobs if j["status"] in FINISHED and j["worst_severity"] != ERROR and is_finite(j["metric_value"])]
+    ok = [j for j in jobs if j["status"] in read.FINISHED and j["worst_severity"] != ERROR
+          and is_finite(j["metric_value"])]
     if not ok:
         return None
     metric, direction = jobs[0]["metric"], jobs[0]["direction"]  # the jobs of one sweep share them
@@ -155,7 +139,7 @@ def sweep_report_markdown(summary: dict) -> str:
     rec, varying, jobs = summary["recommendation"], summary["varying"], summary["jobs"]
     # a column for sweep.metric when it is not the eval loss (the jobs of one sweep share it)
     metric = next((j["metric"] for j in jobs if j.get("metric") not in (None, "eval_loss")), None)
-    common = [o for o in (jobs[0]["overrides"] if jobs else []) if override_key(o) not in varying
+    common = [o for o in (jobs[0]["overrides"] if jobs else []) if read.override_key(o) not in varying
               and all(o in j["overrides"] for j in jobs)]
     lines = [f"# Sweep report: {Path(summary['sweep_dir']).name}\n",
              f"**Jobs:** {summary['num_jobs']} (" + ", ".join(f"{n} {s}" for s, n in summary["status_counts"].items())
@@ -166,7 +150,7 @@ def sweep_report_markdown(summary: dict) -> str:
     table = []
     for j in jobs:
         found = ", ".join(f"{f['severity']}:{f['kind']}@{f['step']}" for f in j["findings"]) or "–"
-        status = j["status"] + (f" ({j['error']})" if j.get("error") and j["status"] not in FINISHED else "")
+        status = j["status"] + (f" ({j['error']})" if j.get("error") and j["status"] not in read.FINISHED else "")
         rise = j["stability"]["rise_fraction"]
         table.append([str(j["job"]), f"`{_swept(j, varying) if varying else ' '.join(j['overrides'])}`", status,
                       fmt(j["train_loss"]), fmt(j["train_ppl"]), fmt(j["eval_loss"]), fmt(j["eval_ppl"]),
@@ -189,19 +173,19 @@ def write_sweep_report(sweep_dir: Path) -> dict[str, Any]:
     from llmexp.report.plots import plot_search, plot_sweep
 
     sweep_dir = Path(sweep_dir)
-    curves = {d.name: load_records(d) for d in job_dirs(sweep_dir)}
+    curves = {d.name: read.load_records(d) for d in read.job_dirs(sweep_dir)}
     jobs = [collect_job(sweep_dir / name, records) for name, records in curves.items()]
-    jobs += [collect_job(sweep_dir / name, [], launched) for name, launched in launched_jobs(sweep_dir).items()
+    jobs += [collect_job(sweep_dir / name, [], launched) for name, launched in read.launched_jobs(sweep_dir).items()
              if name not in curves]  # launched, its directory gone: listed, counted, and the sweep not finished
-    jobs.sort(key=lambda j: job_order(j["job"]))
+    jobs.sort(key=lambda j: read.job_order(j["job"]))
     study, search_error = load_study(sweep_dir)
     search = search_summary(sweep_dir, study, jobs) if study is not None else None  # marks running jobs
     counts = dict(Counter(j["status"] for j in jobs))
-    varying = varying_params(jobs, swept_keys(sweep_dir))
+    varying = varying_params(jobs, read.swept_keys(sweep_dir))
     rec = recommend(jobs, varying)
     summary = {"sweep_dir": str(sweep_dir), "num_jobs": len(jobs), "status_counts": counts,
                # A pruned trial ended as the search intended: it does not make the sweep unfinished.
-               "all_finished": all(j["status"] in (*FINISHED, PRUNED) for j in jobs), "varying": varying,
+               "all_finished": all(j["status"] in (*read.FINISHED, PRUNED) for j in jobs), "varying": varying,
                "recommendation": rec, "jobs": jobs, "search": search, "search_error": search_error}
     title = sweep_dir.resolve().name + (f"  ·  recommended: {rec['settings']}" if rec else "")
     plot_sweep(jobs, curves, varying, sweep_dir / "sweep_curves.png", title=title,
