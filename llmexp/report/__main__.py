@@ -10,8 +10,8 @@ from pathlib import Path
 from llmexp.report.run import write_run_report
 from llmexp.report.status import NEITHER
 from llmexp.report.sweep import write_sweep_report
+from llmexp.rundir import read
 from llmexp.rundir.files import unwritable
-from llmexp.rundir.read import is_run_dir, is_sweep_dir, read_result, sweep_exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,13 +22,13 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args[0])
     sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]  # (a directory named in bytes)
     try:
-        if is_sweep_dir(path) and not (path / "metrics.jsonl").exists():
+        if read.is_sweep_dir(path) and not (path / "metrics.jsonl").exists():
             summary = write_sweep_report(path)
             rec = summary["recommendation"]
             print(f"wrote {path / 'sweep_report.md'}: {summary['num_jobs']} jobs {summary['status_counts']}")
             print(f"recommended: {rec['settings']} ({rec['reason']})" if rec else "no recommendation")
-            return sweep_exit_code([read_result(Path(j["dir"]), j["metric"]) for j in summary["jobs"]])
-        if is_run_dir(path):
+            return read.sweep_exit_code([read.read_result(Path(j["dir"]), j["metric"]) for j in summary["jobs"]])
+        if read.is_run_dir(path):
             write_run_report(path)
             print(f"wrote {path / 'report.md'} and {path / 'curves.png'}")
             return 0

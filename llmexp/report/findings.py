@@ -6,17 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from llmexp.monitor.detectors import DETECTOR_KINDS, reconcile, settings_from_config
-from llmexp.rundir.read import load_config, load_summary
+from llmexp.rundir import read
 
 
 def run_findings(run_dir: Path, records: list[dict]) -> list[dict]:
     """A run's findings as summary.json holds them (`monitor.reconcile`): every finding the trainer printed kept
     (open, resolved or superseded), plus any of summary.json's of a kind the detectors do not produce."""
-    summary = load_summary(run_dir) or {}
+    summary = read.load_summary(run_dir) or {}
     if not records:
         return [f for f in summary.get("findings", []) if isinstance(f, dict)]
     lr, precision = summary.get("lr"), summary.get("precision")  # what the run resolved `auto` to
-    settings = settings_from_config(load_config(run_dir), lr=float(lr) if isinstance(lr, int | float) else None,
+    settings = settings_from_config(read.load_config(run_dir), lr=float(lr) if isinstance(lr, int | float) else None,
                                     precision=precision if isinstance(precision, str) else None)
     found = reconcile(records, settings)
     known = {(f["kind"], f["step"], f["severity"]) for f in found}

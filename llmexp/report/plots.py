@@ -16,8 +16,8 @@ import numpy as np
 from llmexp.monitor.detectors import MonitorSettings
 from llmexp.report.findings import finding_state
 from llmexp.report.formats import is_finite
+from llmexp.rundir import read
 from llmexp.rundir.files import atomic_file
-from llmexp.rundir.read import FINISHED
 from llmexp.rundir.task_metrics import task_history, task_records
 
 SEVERITY_COLOURS = {"error": "#d62728", "warning": "#ff7f0e", "info": "#7f7f7f"}
@@ -244,7 +244,7 @@ def _heatmap(ax: Any, jobs: list[dict], keys: list[str]) -> None:
     for j in jobs:
         r, c = rows.index(j["params"].get(keys[0], "")), cols.index(j["params"].get(keys[1], ""))
         loss = _as_float(j.get("eval_loss"))
-        if loss is not None and math.isfinite(loss) and j["status"] in FINISHED:
+        if loss is not None and math.isfinite(loss) and j["status"] in read.FINISHED:
             grid[r, c] = np.fmin(grid[r, c], loss)
         else:
             failed.add((r, c))
@@ -276,7 +276,7 @@ def plot_sweep(jobs: list[dict], curves: dict[str, list[dict]], varying: list[st
     legend = f" (colour: {key}, marker: {second})" if second else f" (colour: {key})" if key else ""
     with figure(path, title, (1, 3 if second else 2), (6, 4.8)) as axes:
         for j in jobs:
-            finished = j["status"] in FINISHED
+            finished = j["status"] in read.FINISHED
             style = {"color": colours[j["params"].get(key, "") if key else j["job"]], "ls": "-" if finished else "--",
                      "lw": 2.6 if j["job"] == recommended else 1.2, "ms": 4,
                      "marker": markers[j["params"].get(second, "")] if second else "o"}

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from llmexp.report.formats import fmt, md_table
-from llmexp.rundir.read import config_value, load_config, load_summary
+from llmexp.rundir import read
 from llmexp.rundir.readers import read_yaml
 from llmexp.rundir.study import load_study as open_study
 from llmexp.rundir.study import study_journal
@@ -40,10 +40,10 @@ def search_setup(sweep_dir: Path, jobs: list[dict]) -> dict[str, Any]:
     """The search's settings as the sweep was started with (`multirun.yaml`, else the first job's config)."""
     config = read_yaml(Path(sweep_dir) / "multirun.yaml")
     if not isinstance(config, dict) or not isinstance(config.get("sweep"), dict):
-        config = load_config(Path(jobs[0]["dir"])) if jobs else {}
+        config = read.load_config(Path(jobs[0]["dir"])) if jobs else {}
     keys = {"sampler": "sweep.name", "pruner": "sweep.pruner", "n_trials": "sweep.n_trials", "seed": "sweep.seed",
             "parallel": "sweep.parallel", "max_steps": "train.max_steps"}
-    return {name: config_value(config, key) for name, key in keys.items()}
+    return {name: read.config_value(config, key) for name, key in keys.items()}
 
 
 def _space(trials: list[Any]) -> dict[str, str]:
@@ -83,7 +83,7 @@ def trial_rows(study: Any, jobs_by_name: dict[str, dict]) -> list[dict[str, Any]
         # A live (or killed) trial's job has no summary.json yet: it is running, not failed. One with a summary
         # (preempted, interrupted) is stopped: the same command resumes it.
         if job and state == RUNNING:
-            if (summary := load_summary(Path(job["dir"]))) is None:
+            if (summary := read.load_summary(Path(job["dir"]))) is None:
                 job["status"], job["error"] = RUNNING, None
             else:
                 state = f"{STOPPED} ({summary.get('status')})"
