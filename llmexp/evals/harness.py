@@ -71,8 +71,7 @@ def check_before_start(lm: Any) -> None:
 
 def evaluate(lm: Any, tokenizer: Any, manager: Any, names: list[str], *, batch_size: int, max_length: int,
              limit: int | None, num_fewshot: int | None, device: Any) -> dict[str, tuple[dict[str, float], int]]:
-    """{task: ({metric: value}, items scored)} of the harness on the in-memory model (its numbers; stderr left
-    out)."""
+    """{task: ({metric: value}, items scored)} of the harness on the in-memory model (its numbers; stderr left out)."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
