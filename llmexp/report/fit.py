@@ -438,8 +438,7 @@ def table(result: dict[str, Any]) -> str:
     for i, s in enumerate(result["sizes"], 1):
         best = f"{fmt(s['best_lr'], 3)} {_interval(s['interval'])}" if s["best_lr"] else \
             f"– (grid's best {fmt(s['grid_best_lr'], 3)})"
-        rows.append(f"{i:<5} {fmt_params(s['params']):>8}  {best:<44} {len(s['points']):>6}  "
-                    f"{s['advice'] or '–'}")
+        rows.append(f"{i:<5} {fmt_params(s['params']):>8}  {best:<44} {len(s['points']):>6}  {s['advice'] or '–'}")
         if b := s["batch"]:
             rows.append(f"{'':<5} {'':>8}  best batch {fmt(b['best_batch'], 3)} (grid's {b['grid_best_batch']}; lrs "
                         f"fitted at it)  {b['advice'] or ''}")
