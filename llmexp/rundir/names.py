@@ -15,13 +15,6 @@ def safe_name(text: str, max_len: int = 120) -> str:
     return (_UNSAFE.sub("_", text.replace("\x00", "")).strip("._") or "run")[:max_len]
 
 
-def _start_time(pid: int) -> dt.datetime:
-    """A process's start time; the launcher parent's is the same for every local rank."""
-    import psutil
-
-    return dt.datetime.fromtimestamp(psutil.Process(pid).create_time())
-
-
 def run_id() -> str:
     """A run directory name that every rank of one launch agrees on: `${now:}` would be resolved on each rank (and
     may straddle a second), so ranks derive it from their common parent (torchrun / accelerate launch), the SLURM job,
@@ -35,8 +28,13 @@ def run_id() -> str:
     rdzv_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     if world > int(os.environ.get("LOCAL_WORLD_SIZE", "1")) and rdzv_id not in ("", "none"):
         return f"torchrun-{safe_name(rdzv_id)}"  # several nodes: torchrun --rdzv_id, the one name they all share
-    pid = os.getppid() if world > 1 else os.getpid()
-    stamp = _start_time(pid) if pid != os.getpid() else _first_asked()
+    if world > 1:  # the launcher parent's start time: the same for every local rank
+        import psutil
+
+        pid = os.getppid()
+        stamp = dt.datetime.fromtimestamp(psutil.Process(pid).create_time())
+    else:
+        pid, stamp = os.getpid(), _first_asked()
     return f"{stamp:%Y-%m-%d}/{stamp:%H-%M-%S}-{pid}"
 
 
