@@ -7,7 +7,6 @@ See docs/how-to/trackers.md.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from llmexp.rundir.files import write_json_atomic
 from llmexp.rundir.readers import load_json, reader
@@ -42,6 +41,6 @@ def read_run_file(path: Path) -> dict | None:
     return load_json(path, read_run_file)
 
 
-def write_mlflow_run(directory: Path, tracking_uri: str, experiment_id: str, run_id: str, **extra: Any) -> None:
-    write_json_atomic(Path(directory) / MLFLOW_RUN_FILE, {"tracking_uri": tracking_uri, "experiment_id": experiment_id,
-                                                         "run_id": run_id, **extra})
+def write_mlflow_run(directory: Path, tracking_uri: str, experiment_id: str, run_id: str) -> None:
+    write_json_atomic(Path(directory) / MLFLOW_RUN_FILE,
+                      {"tracking_uri": tracking_uri, "experiment_id": experiment_id, "run_id": run_id})
