@@ -9,9 +9,6 @@ import select
 from pathlib import Path
 from typing import Any
 
-ETA_AFTER_STEPS = 3
-"""Steps timed (after the first, which warms up) before the console prints an ETA."""
-
 
 class _OwnOrError(logging.Filter):
     """Console handlers pass llmexp's own records and third-party errors; third-party warnings and INFO lines are

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from llmexp.monitor.console import (
-    ETA_AFTER_STEPS,
     format_duration,
     format_line,
     held_warnings_note,
@@ -23,6 +22,9 @@ from llmexp.monitor.console import (
 from llmexp.monitor.records import Sink
 from llmexp.rundir.files import atomic_file
 from llmexp.rundir.redact import scrub, secret_env_values
+
+ETA_AFTER_STEPS = 3
+"""Steps timed (after the first, which warms up) before the console prints an ETA."""
 
 
 def safe_exp(x: float) -> float:
