@@ -38,8 +38,7 @@ def hash_obj(obj: Any) -> str:
 
 def save_array(directory: Path, name: str, array: np.ndarray) -> None:
     """Write `<name>.npy` (the entry's publish fsyncs it: `rundir.files.staged_dir`)."""
-    with open(directory / f"{name}.npy", "wb") as f:
-        np.save(f, array, allow_pickle=False)
+    np.save(directory / f"{name}.npy", array, allow_pickle=False)
 
 
 @reader
