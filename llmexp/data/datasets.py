@@ -246,8 +246,7 @@ SPLIT_STATS = ("records", "truncated_examples", "truncated_tokens", "dropped_exa
 def cut_examples(mode: str, ids: list[np.ndarray], masks: list[np.ndarray] | None, max_length: int,
                  keep_tail: bool) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     """Arrays of one split (ids, offsets, mask?, positions?, row_targets) and its counts."""
-    stats: dict[str, int] = {"records": len(ids), "truncated_examples": 0, "truncated_tokens": 0,
-                             "dropped_examples": 0, "dropped_tokens": 0}
+    stats = {**dict.fromkeys(SPLIT_STATS, 0), "records": len(ids)}
     arrays: dict[str, np.ndarray] = {}
     if mode == "lm_packed":
         flat, offsets = _cut_blocks(ids, max_length, keep_tail, stats)
