@@ -291,10 +291,9 @@ def probe_bf16_slowdown(size: int = 256, budget_s: float = 0.25) -> Bf16Probe:
     read torch's bf16 as 1.3x fp32's where it is ~50x; wall time on one thread read 88-131x at load 10, as the slow
     calls were preempted). 256 is large enough for MKL's sgemm to be efficient and small enough that the slow bf16
     gemm (~2 GFLOP/s) takes ~20 ms a call. The emulated arm is what `Bf16Emulation` runs for a gemm, without
-    entering the mode, whose first entry imports torch._dynamo (~1 s).
-
-    torch's fallback bf16 gemm runs on one thread whatever `torch.get_num_threads()` says (measured: the same
-    wall time with 1 and 2), so with T threads a run's bf16 matmuls are up to T times slower still than this."""
+    entering the mode, whose first entry imports torch._dynamo (~1 s). torch's fallback gemm runs on one thread
+    whatever `torch.get_num_threads()` says, so on T threads a run's bf16 is up to T times further behind (measured:
+    docs/explanation/performance.md, "bf16 on a CPU without native bf16")."""
     start = time.perf_counter()
     g = torch.Generator().manual_seed(0)
     a32, b32 = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
