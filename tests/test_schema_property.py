@@ -2,7 +2,7 @@
 
 The leaves are found by walking the schema's dataclasses (`llmexp.config.schema.Config`, and the launchers' and
 sweepers' `hydra.launcher.*` / `hydra.sweeper.*` configs in `hydra_plugins`), never listed here, so a new key
-without a rule on its field (`llmexp.config.rules.key`, read by `keys.rule_for`) fails `test_every_leaf_has_a_rule`.
+without a rule on its field (`llmexp.config.rules.key`, read by `rule_for`) fails `test_every_leaf_has_a_rule`.
 For each leaf, hypothesis draws from what its rule refuses: values of the wrong type, out of range, empty, huge and
 not finite; for each key that names a file or directory, a missing path, an empty file, a directory where a file belongs
 and the reverse, and a symbolic link loop. Each must be refused by the CLI's own checks, in its order (the
@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from llmexp.config.keys import hydra_leaves, leaves, rule_for
+from llmexp.config.keys import hydra_leaves, leaf_for, leaves
 from llmexp.config.rules import (
     INT64_MAX,
     PATH_KINDS,
@@ -80,6 +80,11 @@ def _plugin_leaves() -> dict[str, tuple[Any, Any]]:
                 default = None if f.default is dataclasses.MISSING else f.default
                 leaves[prefix + f.name] = (_unwrap(hints[f.name]), default)
     return leaves
+
+
+def rule_for(key: str) -> Any:
+    """The rule of a leaf (`rules.Range`, ...), or None: a bug `test_every_leaf_has_a_rule` reports."""
+    return getattr(leaf_for(key), "rule", None)
 
 
 LEAVES: dict[str, tuple[Any, Any]] = {**{k: (leaf.type, leaf.default) for k, leaf in leaves().items()},

@@ -116,11 +116,6 @@ def leaf_for(key: str) -> Leaf | None:
     return leaves().get(key)
 
 
-def rule_for(key: str) -> Any:
-    """The rule of a leaf (`rules.Range`, ...), or None: a bug `tests/test_schema_property.py` reports."""
-    return getattr(leaf_for(key), "rule", None)
-
-
 def reference() -> list[KeyDoc]:
     """Every leaf of the schema (with the entries of a dict of nodes), then `hydra_leaves`, each in words: the
     docs' config reference."""
