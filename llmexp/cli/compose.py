@@ -124,15 +124,14 @@ def _check_grid(asked: list[Any], probe: Any, first: list[str], compose_job: Cal
     jobs = grid_jobs(asked, list(sweeper.get("zip") or []))
     jobs = scale_lr(jobs, str(sweeper.get("lr_scaling") or "none"), sweeper.get("base_batch_size"),
                     lr_to_scale(probe))
-    composed = [(num, job, probe if num == 0 and job == first else compose_job(job, num))
-                for num, job in enumerate(jobs)]  # (job 0 is usually the probe itself)
-    labels = [f"job #{num} ({swept(job, jobs)})" for num, job, _ in composed]
-    check_configs([(label, cfg) for label, (_, _, cfg) in zip(labels, composed, strict=True)],
-                  on_this_machine=_runs_here(probe))
-    dirs = [(label, job_dir_of(cfg, num)) for label, (num, _, cfg) in zip(labels, composed, strict=True)]
-    if problem := job_dir_problem(Path(str(probe.hydra.sweep.dir)), dirs):
+    configs = [probe if num == 0 and job == first else compose_job(job, num)
+               for num, job in enumerate(jobs)]  # (job 0 is usually the probe itself)
+    labels = [f"job #{num} ({swept(job, jobs)})" for num, job in enumerate(jobs)]
+    check_configs(list(zip(labels, configs, strict=True)), on_this_machine=_runs_here(probe))
+    dirs = [job_dir_of(cfg, num) for num, cfg in enumerate(configs)]
+    if problem := job_dir_problem(Path(str(probe.hydra.sweep.dir)), list(zip(labels, dirs, strict=True))):
         raise UserError(f"invalid sweep (nothing was launched):\n  {problem}")
-    for (num, job, _), (_, job_dir) in zip(composed, dirs, strict=True):  # before Hydra writes multirun.yaml
+    for num, (job, job_dir) in enumerate(zip(jobs, dirs, strict=True)):  # before Hydra writes multirun.yaml
         launched_before(job_dir, num, job)
 
 
