@@ -1,8 +1,6 @@
-"""What depends on this machine and launch, checked after `validate` and before anything loads: the world
-size against the global batch, files and directories that must exist.
-
-It runs in the CLI before Hydra runs, and again in `train.guarded.run_guarded` for sweep jobs. `validate`
-stays a pure function of the config, so a config validates on any machine.
+"""What depends on this machine and launch, checked after `validate` (a pure function of the config) and before
+anything loads: the world size against the global batch, files and directories that must exist, the trackers'
+packages. It runs in the CLI before Hydra runs, and again in `train.guarded.run_guarded` for sweep jobs.
 """
 
 from __future__ import annotations
@@ -70,10 +68,8 @@ def _tracking_errors(cfg: Any) -> list[str]:
     if name in TRACKERS and importlib.util.find_spec(name) is None:
         errors.append(f"logger={name} needs the {name} package: pip install 'llmexp[{name}]' (or pip install {name}), "
                       "or pick another logger")
-    if name != "mlflow":
-        return errors
     uri = cfg.logger.tracking_uri
-    if isinstance(uri, str) and uri.startswith("sqlite:///"):
+    if name == "mlflow" and isinstance(uri, str) and uri.startswith("sqlite:///"):
         errors.extend(_sqlite_errors(uri, Path(uri.removeprefix("sqlite:///")).absolute()))
     return errors
 
