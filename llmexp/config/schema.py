@@ -92,8 +92,7 @@ class HfSourceConfig:
                                  "prompt/completion, messages, Alpaca's).")
     prompt_field: str | None = key(None, OPTIONAL, "hf: the prompt column of prompt/completion data.")
     completion_field: str | None = key(None, OPTIONAL, "hf: the completion column of prompt/completion data.")
-    messages_field: str | None = key(None, OPTIONAL, "hf: the column of chat messages (a list of {role, "
-                                     "content}).")
+    messages_field: str | None = key(None, OPTIONAL, "hf: the column of chat messages (a list of {role, content}).")
 
 
 @dataclass
@@ -102,8 +101,7 @@ class MixSourceConfig(HfSourceConfig):
 
     path: str = key(MISSING, PathRule("hf_source"), "A hub id, a `save_to_disk` directory, or a file builder "
                     "(parquet, arrow, json, csv, text).")
-    weight: float = key(1.0, POSITIVE, "This source's share of the training examples, relative to the others' "
-                        "weights.")
+    weight: float = key(1.0, POSITIVE, "This source's share of the training examples, relative to the others' weights.")
 
 
 @dataclass
@@ -192,8 +190,7 @@ class SchedulerConfig:
     """The learning-rate schedule, a pure function of the step (see `llmexp.train.schedule`)."""
 
     name: str = key("cosine", Choice(group="scheduler"), "cosine, linear, constant or wsd (warmup-stable-decay).")
-    min_lr_ratio: float = key(0.1, Range(low=0, high=1), "The lr at the end of decay, as a fraction of the peak "
-                              "lr.")
+    min_lr_ratio: float = key(0.1, Range(low=0, high=1), "The lr at the end of decay, as a fraction of the peak lr.")
     decay_ratio: float = key(0.2, Range(low=0, high=1, low_open=True), "wsd: the fraction of steps spent in the "
                              "final decay.")
 
@@ -236,8 +233,7 @@ class ClusterConfig(SlurmJobConfig):
     max_parallel: int = key(1, Range(low=1), "local, CPU: jobs run at once (on GPUs: one per GPU times "
                             "`jobs_per_gpu`).")
     jobs_per_gpu: int = key(1, Range(low=1), "local, GPU: jobs that share one GPU.")
-    wait: bool = key(True, FLAG, "Wait for the jobs and write the sweep report; false returns right after "
-                     "submission.")
+    wait: bool = key(True, FLAG, "Wait for the jobs and write the sweep report; false returns right after submission.")
 
 
 @dataclass
@@ -302,8 +298,7 @@ class SweepConfig(SearchSweepConfig, GridSweepConfig):
         "job's before it launches)", ("accuracy", "tasks/demo/acc", "", "tasks//acc", "tasks/demo", "eval_loss/x")),
         "What the search, its pruner, the grid's recommendation and the sweep report rank by: eval_loss, eval_ppl "
         "or a task metric `tasks/<name>/<metric>` (e.g. tasks/demo/acc) that the jobs' `eval` records.")
-    direction: str = key("minimize", Choice(("minimize", "maximize")), "minimize (losses) or maximize "
-                         "(accuracies).")
+    direction: str = key("minimize", Choice(("minimize", "maximize")), "minimize (losses) or maximize (accuracies).")
 
 
 @dataclass
@@ -380,8 +375,7 @@ class PeftConfig:
                               "architecture, never the output head), or a list of module names such as [q_proj, "
                               "v_proj].")
     load_in_4bit: bool = key(False, FLAG, "Load the base weights in 4 bits (qlora sets it).")
-    bnb_4bit_quant_type: str = key("nf4", Choice(("nf4", "fp4")), "4-bit data type: nf4 (QLoRA's NormalFloat) or "
-                                   "fp4.")
+    bnb_4bit_quant_type: str = key("nf4", Choice(("nf4", "fp4")), "4-bit data type: nf4 (QLoRA's NormalFloat) or fp4.")
     bnb_4bit_use_double_quant: bool = key(True, FLAG, "Quantise the quantisation constants too (about 0.37 bits "
                                           "per weight saved).")
 

@@ -288,8 +288,7 @@ def hf_source_problem(cfg: Any, key: str, value: Any) -> str | None:
     if why or path is None:
         return why
     if (path / f"{path.name}.py").is_file():
-        return (f"{key}={value}: needs its loading script {path.name}.py (code), which llmexp does not run: "
-                f"{convert}")
+        return f"{key}={value}: needs its loading script {path.name}.py (code), which llmexp does not run: {convert}"
     if not any(p.is_file() for p in path.rglob("*")):
         return f"{key}={value}: is a directory with no file in it; point it at a save_to_disk directory"
     return None
