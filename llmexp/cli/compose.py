@@ -122,8 +122,7 @@ def _check_grid(asked: list[Any], probe: Any, first: list[str], compose_job: Cal
 
     sweeper = probe.hydra.sweeper
     jobs = grid_jobs(asked, list(sweeper.get("zip") or []))
-    jobs = scale_lr(jobs, str(sweeper.get("lr_scaling") or "none"), sweeper.get("base_batch_size"),
-                    lr_to_scale(probe))
+    jobs = scale_lr(jobs, str(sweeper.get("lr_scaling") or "none"), sweeper.get("base_batch_size"), lr_to_scale(probe))
     configs = [probe if num == 0 and job == first else compose_job(job, num)
                for num, job in enumerate(jobs)]  # (job 0 is usually the probe itself)
     labels = [f"job #{num} ({swept(job, jobs)})" for num, job in enumerate(jobs)]

@@ -121,8 +121,7 @@ def cli() -> None:
         sys.exit(1)
     except SystemExit as exit_:
         if exit_.code == 1 and not _task_started and not jobs_launched():  # a sweep's failed job is not exit 2
-            print("Fix the override or config key named above (python -m llmexp --help lists them).",
-                  file=sys.stderr)
+            print("Fix the override or config key named above (python -m llmexp --help lists them).", file=sys.stderr)
             sys.exit(EXIT_USER)
         raise
 

@@ -26,8 +26,7 @@ def relaunch_argv(parent_cmdline: list[str], env: dict[str, str], argv: list[str
     num_processes = None if at is None else _flag_value(parent_cmdline[at + 1:], "--num_processes")
     if num_processes is None or num_processes <= 1:
         return None
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}",
-            *argv]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}", *argv]
 
 
 def _flag_value(args: list[str], flag: str) -> int | None:

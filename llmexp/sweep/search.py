@@ -36,8 +36,7 @@ def make_sampler(name: str, seed: int, n_trials: int) -> optuna.samplers.BaseSam
     leave a 12-trial search almost random; `constant_liar` keeps parallel trials apart."""
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
-    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=max(2, min(10, n_trials // 4)),
-                                      constant_liar=True)
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=max(2, min(10, n_trials // 4)), constant_liar=True)
 
 
 def open_study(sweep_dir: Path, space: dict[str, Any], fixed: Sequence[str], sampler: Any, pruner: Any,
