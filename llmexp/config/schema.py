@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import MISSING
+from omegaconf import MISSING, open_dict
 
 from llmexp.config.rules import (
     FLAG,
@@ -30,6 +30,7 @@ from llmexp.config.rules import (
     TextList,
     key,
 )
+from llmexp.config.tree import conf_dir, register_resolvers
 
 _SHORT_LABEL = Text(nullable=False, max_len=200)
 
@@ -592,9 +593,6 @@ def compose_config(overrides: list[str], run_dir: Path | None = None) -> Any:
     benchmarks, a notebook)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
-    from omegaconf import open_dict
-
-    from llmexp.config.tree import conf_dir, register_resolvers
 
     register_configs()
     register_resolvers()
