@@ -92,6 +92,22 @@ def test_a_split_a_file_builder_lacks_is_named_as_the_fault(tmp_path: Path) -> N
         in proc.stderr and "leave data.eval_split null" in proc.stderr, proc.stderr[-2000:]
 
 
+def test_data_files_as_the_message_says_a_split_mapping_and_a_list(tmp_path: Path) -> None:
+    """The fix the message above gives, `data.data_files={train: FILES, test: FILES}`, reads each split's files (the
+    composed DictConfig went to datasets as the list of its keys: "Unable to find '.../train'"); a list, every file."""
+    from omegaconf import OmegaConf
+
+    from llmexp.data.hub import load_split
+
+    for name, rows in (("a", 40), ("b", 10)):
+        datasets.Dataset.from_dict({"text": [f"{name} {i}" for i in range(rows)]}).to_parquet(str(tmp_path / name))
+    files = {"train": str(tmp_path / "a"), "test": str(tmp_path / "b")}
+    source = OmegaConf.create({"path": "parquet", "data_files": files, "config_name": None})
+    assert (len(load_split(source, "train")), load_split(source, "test")["text"][0]) == (40, "b 0")
+    source.data_files = list(files.values())
+    assert len(load_split(source, "train")) == 50
+
+
 def test_files_with_no_rows_are_named_so_not_as_another_format(tmp_path: Path) -> None:
     """A 0-row parquet file said "cannot read data.data_files as parquet ... point data.data_files at parquet
     files", which it is."""

@@ -14,6 +14,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from llmexp.data.corpora import Corpus, Record, check_record, hold_out, records_corpus
 from llmexp.errors import UserError
 from llmexp.machine.paths import HF_BUILDERS
@@ -53,7 +55,8 @@ def load_split(d: Any, split: str, streaming: bool = False) -> Any:
             return table.to_iterable_dataset() if streaming else table
         if not (path in HF_BUILDERS or local.exists()) and not hub_reachable():
             datasets.config.HF_HUB_OFFLINE = True  # read the local cache only, and fail at once when it is not there
-        files = list(d.data_files) if d.data_files is not None and not isinstance(d.data_files, str) else d.data_files
+        # a list or a {split: files} mapping as datasets takes them (a ListConfig/DictConfig is neither)
+        files = OmegaConf.to_container(d.data_files) if OmegaConf.is_config(d.data_files) else d.data_files
         return datasets.load_dataset(path, name=d.config_name, data_files=files, split=split, streaming=streaming)
     except UserError:
         raise
