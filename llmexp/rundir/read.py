@@ -138,7 +138,8 @@ class TrialResult:
     """What a trial's run directory says about how it ended."""
 
     status: str
-    """completed, pruned, failed, or running (no end yet: interrupted, or still going)."""
+    """completed, pruned, failed (diverged, or an error finding), crashed (ended without its metric, or raised), or
+    running (no end yet: interrupted, or still going)."""
     value: float | None = None
     step: int | None = None
     reason: str | None = None
