@@ -3,7 +3,7 @@ See docs/how-to/precision.md and docs/explanation/performance.md.
 
 Why: torch's x86 wheel sends fp32 `mm` / `linear` to MKL's sgemm, which takes a narrower kernel on AMD CPUs even
 with AVX-512 (Zen 4/5). Measured on a Zen 5 EPYC core on every shape of a 135M Llama's step: MKL 85-108 GFLOP/s,
-oneDNN 170-240, results equal to ~1e-6 relative (summation order). On Intel the two are about equal.
+oneDNN 170-240, results equal to ~1e-6 relative (summation order). On Intel (AVX-512) oneDNN ran 0.92-0.96x.
 
 Why a private op: torch's public API cannot run a *trainable fp32* linear through oneDNN (`torch.backends.mkldnn`
 does it only at reduced precision, bf32/tf32; `MKL_ENABLE_INSTRUCTIONS` can only lower MKL's choice;
