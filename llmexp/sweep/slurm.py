@@ -279,11 +279,16 @@ def collect(spec: JobSpec, job: submitit.Job) -> JobOutcome:
             outcome = JobOutcome(**{**result, "job_id": job.job_id})
             if outcome.status == "preempted" and state.startswith(("CANCELLED", "TIMEOUT")):
                 # The trainer checkpointed on SIGTERM and returned; SLURM had ended the job.
-                outcome.status = slurm_end_status(state) or "failed"
+                outcome.status = _final_status(state)
                 outcome.error = f"SLURM state {state}; the trainer saved a checkpoint at the signal"
             return outcome
-    status = slurm_end_status(state) or "failed"  # (COMPLETED without a result: failed)
-    return JobOutcome(spec.num, status, None, f"SLURM state {state}; logs: {task0.paths.stderr}", job.job_id)
+    return JobOutcome(spec.num, _final_status(state), None, f"SLURM state {state}; logs: {task0.paths.stderr}",
+                      job.job_id)
+
+
+def _final_status(state: str) -> str:
+    """A job that left no result: SLURM's end state as a run status (COMPLETED without a result: failed)."""
+    return slurm_end_status(state) or "failed"
 
 
 def _last_line(text: str) -> str:
