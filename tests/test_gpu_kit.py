@@ -148,8 +148,8 @@ def test_tiny_cpu_run_records_every_step_ok(tmp_path: Path) -> None:
     assert f["8"]["verdict"].startswith("bitwise")  # fp32 on a CPU: the resumed run is the uninterrupted one
     # where each sub-run's seconds went, for the next resizing of the budgets (and its line in gpu.md)
     t = steps["5"]["sub_runs"]["plain"]
-    # (wall_s is rounded to 0.1 s: 5.9 stood for a wall above 5.90 of imports and run, 2-core Intel Xeon AVX-512)
-    assert t["imports_s"] > 0 and t["setup_s"] > 0 and t["wall_s"] + 0.05 >= t["imports_s"] + t["run_s"], t
+    # (wall_s is rounded to 0.1 s, the process's age counted in 10 ms ticks)
+    assert t["imports_s"] > 0 and t["setup_s"] > 0 and t["wall_s"] + 0.1 >= t["imports_s"] + t["run_s"], t
     assert set(steps["4"]["sub_runs"]) == {"adapters"} and "Seconds per sub-run" in md
 
 

@@ -42,3 +42,17 @@ def test_lora_counts_4n_for_frozen_weights_and_6n_for_trainable() -> None:
     assert flops_per_token(n, 2, 32, 64, trainable=trainable) == 4.0 * frozen + 6.0 * trainable + attention
     ratio = flops_per_token(n, 2, 32, 64) / flops_per_token(n, 2, 32, 64, trainable=0)
     assert ratio == pytest.approx(1.5, rel=1e-2)  # the issue's 1.5x, attention aside
+
+
+def test_process_age_is_within_the_wall_its_parent_measured() -> None:
+    """A process's age (the start record's `process_s`, from which a run's import time is told) lies within the
+    wall time around it: from psutil's create_time it read up to 1 s long (the boot time in whole seconds)."""
+    import subprocess
+    import sys
+    import time
+
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", "from llmexp.monitor.throughput import process_age_s; "
+                          "print(process_age_s())"], capture_output=True, text=True, check=True).stdout
+    wall_s = time.monotonic() - started
+    assert 0 < float(out.split()[-1]) <= wall_s, (out, wall_s)

@@ -133,6 +133,7 @@ OTHER_OPENS: dict[str, str] = {
     "llmexp.rundir.lock:lock_holder": "/proc/locks, the kernel's table of locks",
     "llmexp.machine.precision:_cpu_flags_have_bf16": "/proc/cpuinfo, the kernel's word on the CPU",
     "llmexp.monitor.throughput:peak_rss_mb": "/proc/self/status, the kernel's word on this process",
+    "llmexp.monitor.throughput:process_age_s": "/proc/self/stat, the kernel's word on this process",
     "llmexp.config.validation:_default_option": "llmexp's own conf/config.yaml, installed with the package",
     "llmexp.config.tree:option_names": "llmexp's own conf/<group>/*.yaml, installed with the package",
     "llmexp.train.resume:base_model_fingerprint": "hashes a local base's config.json (an input that "
