@@ -91,8 +91,10 @@ def _save_final(run: Run, status: str) -> str:
     if rt.is_main:
         try:
             with staged_dir(rt.run_dir / "model", staging=rt.run_dir / ".model.tmp") as tmp:  # never half-written
-                lm = run.engine.lm(run.model)  # with adapters: adapter_config.json + adapter_model.safetensors
-                save_model_dir(lm, tmp, state_dict=weights)  # weights: the gathered ones, else None (the model's own)
+                # weights: the gathered ones, else None (the model's own). With adapters always None, as they run on
+                # the plain engine only (validation): peft writes adapter_config.json + adapter_model.safetensors
+                lm = run.engine.lm(run.model)
+                save_model_dir(lm, tmp, state_dict=weights)
                 if cfg.peft.name != "none" and cfg.train.merge_adapter:
                     save_merged(cfg, lm, tmp, run.tokenizer)
                 run.tokenizer.save_pretrained(tmp)
